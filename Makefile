@@ -1,0 +1,33 @@
+# One task runner. `make run` and `make test` are the README's two commands.
+PYTHON ?= python3
+
+.PHONY: setup setup-dev run test test-unit test-dist lint format bench
+
+setup:
+	bash scripts/setup.sh
+
+setup-dev:
+	bash scripts/setup.sh --dev
+
+run: setup
+	$(PYTHON) launch/demo.py
+
+test: setup-dev lint
+	$(PYTHON) -m pytest
+
+test-unit:
+	$(PYTHON) -m pytest tests/unit
+
+test-dist:
+	$(PYTHON) -m pytest tests/distributed
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+format:
+	$(PYTHON) -m ruff check --fix .
+	$(PYTHON) -m ruff format .
+
+bench:
+	$(PYTHON) benchmarks/bench_memory.py

@@ -1,0 +1,39 @@
+"""ntl_scale: Number Token Loss for large-scale training (Megatron, DeepSpeed, Slurm).
+
+``import ntl_scale`` needs only torch; framework integrations live in ``ntl_scale.integrations``
+and import their framework lazily.
+"""
+
+from .losses import (
+    LOSS_KINDS,
+    REDUCTIONS,
+    CENTLOutput,
+    CEWithNTL,
+    NTLOptions,
+    NumberTokenLoss,
+    ce_with_ntl,
+    number_token_loss,
+    reduce_loss,
+    vocab_parallel_ce_ntl,
+)
+from .number_vocab import NumberVocab, VocabShard, add_digit_tokens, pad_vocab_size, parse_number_token
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LOSS_KINDS",
+    "REDUCTIONS",
+    "CENTLOutput",
+    "CEWithNTL",
+    "NTLOptions",
+    "NumberTokenLoss",
+    "NumberVocab",
+    "VocabShard",
+    "add_digit_tokens",
+    "ce_with_ntl",
+    "number_token_loss",
+    "pad_vocab_size",
+    "parse_number_token",
+    "reduce_loss",
+    "vocab_parallel_ce_ntl",
+]

@@ -1,0 +1,557 @@
+"""Cross entropy and Number Token Loss on full or vocab-sharded logits.
+
+Layers, bottom up (one definition of the math):
+
+1. :func:`ntl_scale.parallel.fused_shard_stats`: per-token ``ce``, ``expect``, ``mass`` of a logits
+   shard, with the two TP all-reduces (none when ``tp_group`` is None).
+2. :func:`vocab_parallel_ce_ntl`: per-token CE, per-token NTL of the chosen kind and the mask of
+   positions that carry NTL. Point losses, reweighing and number-level assembly act on ``[T]``
+   vectors here, so they cost nothing next to the vocabulary-wide softmax.
+3. :func:`number_token_loss` and :func:`ce_with_ntl`: reductions with loss weights.
+4. :class:`NumberTokenLoss` and :class:`CEWithNTL`: thin ``nn.Module`` wrappers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .number_level import assemble_numbers, symmetric_mape
+from .number_vocab import NumberVocab
+from .parallel import ShardInputs, compute_dtype, fused_shard_stats, group_rank, group_size
+
+__all__ = [
+    "LOSS_KINDS",
+    "REDUCTIONS",
+    "CENTLOutput",
+    "CEWithNTL",
+    "NTLOptions",
+    "NumberTokenLoss",
+    "ce_with_ntl",
+    "number_token_loss",
+    "reduce_loss",
+    "vocab_parallel_ce_ntl",
+]
+
+LOSS_KINDS = ("was", "mse", "mae", "huber", "number")
+REDUCTIONS = ("mean", "sum", "none")
+# Reweighing replaces the loss on mass outside the number tokens by this factor of the largest
+# possible loss, so such predictions always cost more than the worst number (as the reference).
+_REWEIGH_MARGIN = 1.01
+
+
+@dataclass(frozen=True)
+class NTLOptions:
+    """Which NTL variant to compute.
+
+    Attributes:
+        loss: ``"was"`` (Wasserstein-1, the paper's default), ``"mse"``, ``"mae"``, ``"huber"``
+            (point loss of the expected value), or ``"number"`` (number-level symmetric MAPE).
+        squash_factor: for ``"was"``: map nonzero distances onto ``[1, squash_factor]`` (> 1).
+        reweigh: scale by the probability mass on number tokens and charge the remaining mass
+            ``1.01 * max loss`` (the reference's default; not used in the paper).
+        huber_delta: the Huber threshold.
+        float_level: for ``"number"``: a decimal point between digits joins them into one number.
+        ignore_index: label value that carries no loss.
+    """
+
+    loss: str = "was"
+    squash_factor: float | None = None
+    reweigh: bool = False
+    huber_delta: float = 1.0
+    float_level: bool = False
+    ignore_index: int = -100
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSS_KINDS:
+            raise ValueError(f"unknown NTL loss {self.loss!r}; expected one of {LOSS_KINDS}")
+        if self.squash_factor is not None:
+            if self.loss != "was":
+                raise ValueError(f"squash_factor applies to loss='was' only, got loss={self.loss!r}")
+            if isinstance(self.squash_factor, bool) or not isinstance(self.squash_factor, (int, float)):
+                raise TypeError(f"squash_factor must be a number > 1 or None, got {self.squash_factor!r}")
+            if not self.squash_factor > 1:
+                raise ValueError(
+                    f"squash_factor must be > 1 (1 would turn NTL-WAS into cross entropy), got {self.squash_factor}"
+                )
+        if not isinstance(self.huber_delta, (int, float)) or not self.huber_delta > 0:
+            raise ValueError(f"huber_delta must be a number > 0, got {self.huber_delta!r}")
+        if self.float_level and self.loss != "number":
+            raise ValueError(f"float_level applies to loss='number' only, got loss={self.loss!r}")
+        if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+
+    def point_loss(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Element-wise loss between an expected value and its target (mse/mae/huber)."""
+        if self.loss == "mse":
+            return (pred - target).square()
+        if self.loss == "mae":
+            return (pred - target).abs()
+        return F.huber_loss(pred, target, reduction="none", delta=float(self.huber_delta))
+
+    def max_loss(self, vocab: NumberVocab) -> float:
+        """The largest value the per-token loss can take (the reweighing constant's base)."""
+        if self.loss == "number":
+            return 1.0
+        if self.loss == "was":
+            return float(vocab.distance_table(self.squash_factor).max())
+        low, high = vocab.values.min(), vocab.values.max()
+        return float(torch.maximum(self.point_loss(low, high).abs(), self.point_loss(high, low).abs()))
+
+
+class CENTLOutput(NamedTuple):
+    """Result of :func:`ce_with_ntl`.
+
+    Attributes:
+        loss: ``ce + ntl_weight * ntl`` (what to call ``backward`` on).
+        ce: the cross-entropy term.
+        ntl: the NTL term (unweighted).
+        num_tokens: weight (count) of the tokens CE was averaged over.
+        num_number_tokens: weight (count) of the positions NTL was averaged over.
+    """
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    ntl: torch.Tensor
+    num_tokens: torch.Tensor
+    num_number_tokens: torch.Tensor
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+def _check_inputs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions,
+    tp_size: int,
+) -> int:
+    """Validates user input; returns the global vocabulary size seen by the logits."""
+    if not isinstance(vocab, NumberVocab):
+        raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
+    if not isinstance(logits, torch.Tensor) or not torch.is_floating_point(logits):
+        kind = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise TypeError(f"logits must be a floating-point tensor (fp32/bf16/fp16/fp64), got {kind}")
+    if not isinstance(labels, torch.Tensor) or labels.dtype in (torch.bool,) or labels.is_floating_point():
+        kind = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise TypeError(f"labels must be an integer tensor of token ids (torch.long), got {kind}")
+    if labels.is_complex():
+        raise TypeError(f"labels must be an integer tensor of token ids (torch.long), got {labels.dtype}")
+    if logits.dim() < 2:
+        raise ValueError(f"logits must have shape [..., vocab] with at least 2 dims, got {tuple(logits.shape)}")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab dim "
+            f"{tuple(logits.shape[:-1])}; shift labels and logits to the same length first"
+        )
+    global_vocab = logits.shape[-1] * tp_size
+    largest = int(vocab.ids[-1])
+    if global_vocab <= largest:
+        where = f"{logits.shape[-1]} columns x tp={tp_size}" if tp_size > 1 else f"{logits.shape[-1]} columns"
+        raise ValueError(
+            f"logits cover a vocabulary of {global_vocab} ({where}), smaller than the number-token "
+            f"id {largest}; expected the model's full (padded) vocabulary of {vocab.vocab_size}. "
+            "Pass the logits over the whole vocabulary (or its TP shard with tp_group)."
+        )
+    if labels.numel():
+        bad = (labels != options.ignore_index) & ((labels < 0) | (labels >= global_vocab))
+        if bool(bad.any()):
+            value = int(labels[bad].flatten()[0])
+            raise ValueError(
+                f"label id {value} is outside [0, {global_vocab}) and is not ignore_index="
+                f"{options.ignore_index}; mask padding with ignore_index or pass the right ignore_index"
+            )
+    return global_vocab
+
+
+def _check_weights(loss_weights: torch.Tensor | None, labels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    if loss_weights is None:
+        return None
+    if not isinstance(loss_weights, torch.Tensor):
+        raise TypeError(f"loss_weights must be a tensor shaped like labels, got {type(loss_weights).__name__}")
+    if tuple(loss_weights.shape) != tuple(labels.shape):
+        raise ValueError(
+            f"loss_weights shape {tuple(loss_weights.shape)} must equal the labels shape {tuple(labels.shape)}"
+        )
+    weights = loss_weights.to(device=labels.device, dtype=dtype)
+    if weights.numel() and bool((~torch.isfinite(weights) | (weights < 0)).any()):
+        bad = weights[~torch.isfinite(weights) | (weights < 0)].flatten()[0].item()
+        raise ValueError(f"loss_weights must be finite and >= 0, found {bad}; use 0 to mask a position")
+    return weights
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")
+
+
+# ---------------------------------------------------------------------------------- per token
+
+
+def _shard_inputs(
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions,
+    start: int,
+    width: int,
+    dtype: torch.dtype,
+) -> tuple[ShardInputs, torch.Tensor]:
+    """Resolves labels and the table to this shard; returns the inputs and the label table index."""
+    device = labels.device
+    valid = labels != options.ignore_index
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+    row = torch.where(valid, vocab.index_of_id(device)[safe_labels], -1)
+    shard = vocab.shard_range(start, start + width)
+    table_index, local_ids = shard.table_index.to(device), shard.local_ids.to(device)
+    values = shard.values
+    if options.loss == "was":
+        distances = vocab.distance_table(options.squash_factor).to(device=device, dtype=dtype)[:, table_index]
+        a_table = torch.where((row >= 0).unsqueeze(1), distances[row.clamp_min(0)], 0)
+    else:
+        a_table = values.to(device=device, dtype=dtype).unsqueeze(0).expand(labels.numel(), -1)
+    return ShardInputs(safe_labels, valid, local_ids, a_table, start), row
+
+
+def vocab_parallel_ce_ntl(
+    logits_shard: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    loss: str = "was",
+    squash_factor: float | None = None,
+    reweigh: bool = False,
+    huber_delta: float = 1.0,
+    float_level: bool = False,
+    ignore_index: int = -100,
+    tp_group: dist.ProcessGroup | None = None,
+    inplace: bool = False,
+    check_finite: bool = True,
+    chunk_tokens: int | None = None,
+    _need_ce: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token cross entropy and NTL from a vocab-parallel logits shard, fused.
+
+    Rank ``r`` of ``tp_group`` holds the columns ``[r*V/tp, (r+1)*V/tp)`` of the (padded)
+    vocabulary. The forward issues one MAX and one SUM all-reduce on ``tp_group`` (CE and NTL
+    share them); the backward issues none. With ``tp_group=None`` (or size 1) this is the
+    single-device computation on full logits, through the same code.
+
+    Args:
+        logits_shard: local logits ``[..., V/tp]`` (fp32, bf16, fp16 or fp64; math in fp32, or
+            fp64 for fp64 input).
+        labels: global token ids ``[...]``, identical on all TP ranks; ``ignore_index`` marks
+            positions without loss. For ``loss="number"`` the last dim is the sequence.
+        vocab: the number-token table of the global vocabulary.
+        loss: ``"was"``, ``"mse"``, ``"mae"``, ``"huber"`` or ``"number"``.
+        squash_factor: NTL-WAS distance squashing (> 1), or None.
+        reweigh: reweigh by the number-token probability mass (reference default; off in the paper).
+        huber_delta: threshold of the Huber loss.
+        float_level: number-level only: a decimal point between digits joins one number.
+        ignore_index: label value to ignore.
+        tp_group: the tensor-parallel group the vocabulary is split over, or None.
+        inplace: reuse the logits buffer for the softmax and the gradient (fp32/fp64 logits only),
+            like Megatron; the logits hold garbage afterwards.
+        check_finite: raise a ValueError when the logits hold NaN/Inf (costs one host sync).
+        chunk_tokens: tokens per chunk of temporaries (default: a 64 MiB fp32 budget).
+
+    Shape:
+        ``logits_shard``: ``[..., V/tp]``; ``labels`` and every output: ``[...]``.
+
+    Returns:
+        ``(ce, ntl, number_mask)``: per-token CE (0 where ignored), per-token NTL (0 where the mask
+        is False) and the bool mask of positions that carry NTL (number labels; for number-level the
+        first digit of each number). Identical on every TP rank.
+    """
+    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index)
+    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+    _check_inputs(logits_shard, labels, vocab, options, tp_size)
+    if inplace and logits_shard.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"inplace=True reuses the logits buffer for fp32 math and needs float32/float64 logits, "
+            f"got {logits_shard.dtype}; use inplace=False for half-precision logits"
+        )
+    if loss == "number" and float_level and vocab.decimal_point_id is None:
+        raise ValueError("float_level=True needs the '.' token id; the number table has no decimal_point_id")
+    shape = labels.shape
+    width = logits_shard.shape[-1]
+    dtype = compute_dtype(logits_shard.dtype)
+    flat_labels = labels.reshape(-1)
+    inputs, row = _shard_inputs(flat_labels, vocab, options, tp_rank * width, width, dtype)
+    need_full = _need_ce or reweigh
+    ce, expect, mass = fused_shard_stats(
+        logits_shard.reshape(-1, width),
+        inputs,
+        need_full=need_full,
+        inplace=inplace,
+        check_finite=check_finite,
+        tp_group=tp_group,
+        chunk_tokens=chunk_tokens,
+    )
+    is_number = row >= 0
+    zero = torch.zeros((), dtype=dtype, device=ce.device)
+    if loss == "number":
+        sequences = shape[-1] if len(shape) else 1
+        digits = is_number.view(-1, sequences)
+        dots = None
+        if float_level:
+            dots = (inputs.valid & (inputs.labels == vocab.decimal_point_id)).view(-1, sequences)
+        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
+        pred, target, starts = assemble_numbers(expect.view(-1, sequences), targets.view(-1, sequences), digits, dots)
+        mask = starts.reshape(-1)
+        ntl = symmetric_mape(pred.reshape(-1), target.reshape(-1))
+    elif loss == "was":
+        mask, ntl = is_number, expect
+    else:
+        mask = is_number
+        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
+        ntl = options.point_loss(expect, targets)
+    if reweigh:
+        penalty = _REWEIGH_MARGIN * options.max_loss(vocab)
+        ntl = ntl * mass + penalty * (1 - mass)
+    ntl = torch.where(mask, ntl, zero)
+    return ce.view(shape), ntl.view(shape), mask.view(shape)
+
+
+# ---------------------------------------------------------------------------------- reductions
+
+
+def reduce_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None,
+    reduction: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduces a per-token loss over the masked positions; returns ``(loss, total weight)``.
+
+    ``mean`` is ``sum(l * w) / max(sum(w), eps)`` over the mask (exactly 0, with zero gradient,
+    when nothing is selected); ``sum`` is ``sum(l * w)``; ``none`` is ``l * w`` per position.
+    """
+    _check_reduction(reduction)
+    w = mask.to(per_token.dtype) if weights is None else torch.where(mask, weights, 0)
+    total = w.sum()
+    if reduction == "none":
+        return per_token * w, total
+    summed = (per_token * w).sum()
+    if reduction == "sum":
+        return summed, total
+    return summed / total.clamp_min(torch.finfo(per_token.dtype).eps), total
+
+
+def number_token_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    loss: str = "was",
+    squash_factor: float | None = None,
+    reweigh: bool = False,
+    huber_delta: float = 1.0,
+    float_level: bool = False,
+    loss_weights: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    check_finite: bool = True,
+) -> torch.Tensor:
+    """Number Token Loss on full logits.
+
+    Without ``reweigh`` only the number-token columns of the logits are read.
+
+    Args:
+        logits: ``[..., V]`` (fp32/bf16/fp16/fp64; math in fp32, fp64 for fp64 input).
+        labels: token ids ``[...]``; for ``loss="number"`` the last dim is the sequence.
+        vocab: the number-token table.
+        loss: ``"was"`` (default), ``"mse"``, ``"mae"``, ``"huber"`` or ``"number"``.
+        squash_factor: NTL-WAS distance squashing (> 1), or None.
+        reweigh: reweigh by the probability mass on number tokens.
+        huber_delta: threshold of the Huber loss.
+        float_level: number-level only: a decimal point between digits joins one number.
+        loss_weights: optional non-negative weights ``[...]`` (a loss mask).
+        ignore_index: label value to ignore.
+        reduction: ``"mean"`` over number positions (weighted), ``"sum"`` or ``"none"``.
+        check_finite: raise on NaN/Inf logits.
+
+    Shape:
+        ``logits``: ``[..., V]``; ``labels``, ``loss_weights``: ``[...]``.
+
+    Returns:
+        A 0-d tensor for ``mean``/``sum``, ``[...]`` for ``none`` (0 at non-number positions).
+        Exactly 0 with zero gradient when the batch holds no number label.
+    """
+    _check_reduction(reduction)
+    _, ntl, mask = vocab_parallel_ce_ntl(
+        logits,
+        labels,
+        vocab,
+        loss=loss,
+        squash_factor=squash_factor,
+        reweigh=reweigh,
+        huber_delta=huber_delta,
+        float_level=float_level,
+        ignore_index=ignore_index,
+        check_finite=check_finite,
+        _need_ce=False,
+    )
+    weights = _check_weights(loss_weights, labels, ntl.dtype)
+    return reduce_loss(ntl, mask, weights, reduction)[0]
+
+
+def ce_with_ntl(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    ntl_weight: float = 0.3,
+    loss: str = "was",
+    squash_factor: float | None = None,
+    reweigh: bool = False,
+    huber_delta: float = 1.0,
+    float_level: bool = False,
+    loss_weights: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    tp_group: dist.ProcessGroup | None = None,
+    inplace: bool = False,
+    check_finite: bool = True,
+) -> CENTLOutput:
+    """``CE + ntl_weight * NTL`` in one fused pass, returning both terms for logging.
+
+    CE is averaged over non-ignored tokens and NTL over number positions, each weighted by
+    ``loss_weights``. With ``tp_group`` the logits are the local vocab shard (see
+    :func:`vocab_parallel_ce_ntl`).
+
+    Args:
+        logits: ``[..., V]`` or the TP shard ``[..., V/tp]``.
+        labels: token ids ``[...]``.
+        vocab: the number-token table.
+        ntl_weight: weight of the NTL term (0.3 in the paper).
+        loss, squash_factor, reweigh, huber_delta, float_level: the NTL variant (see
+            :func:`number_token_loss`).
+        loss_weights: optional non-negative weights ``[...]`` applied to both terms.
+        ignore_index: label value to ignore.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-token terms).
+        tp_group: tensor-parallel group of the vocab split, or None.
+        inplace: reuse the fp32 logits buffer (Megatron-style); logits are garbage afterwards.
+        check_finite: raise on NaN/Inf logits.
+
+    Returns:
+        A :class:`CENTLOutput` ``(loss, ce, ntl, num_tokens, num_number_tokens)``.
+    """
+    _check_reduction(reduction)
+    if isinstance(ntl_weight, bool) or not isinstance(ntl_weight, (int, float)) or ntl_weight < 0:
+        raise ValueError(f"ntl_weight must be a number >= 0, got {ntl_weight!r}")
+    ce, ntl, mask = vocab_parallel_ce_ntl(
+        logits,
+        labels,
+        vocab,
+        loss=loss,
+        squash_factor=squash_factor,
+        reweigh=reweigh,
+        huber_delta=huber_delta,
+        float_level=float_level,
+        ignore_index=ignore_index,
+        tp_group=tp_group,
+        inplace=inplace,
+        check_finite=check_finite,
+    )
+    weights = _check_weights(loss_weights, labels, ce.dtype)
+    ce_red, num_tokens = reduce_loss(ce, labels != ignore_index, weights, reduction)
+    ntl_red, num_numbers = reduce_loss(ntl, mask, weights, reduction)
+    return CENTLOutput(ce_red + ntl_weight * ntl_red, ce_red, ntl_red, num_tokens, num_numbers)
+
+
+# ---------------------------------------------------------------------------------- modules
+
+
+class NumberTokenLoss(torch.nn.Module):
+    """``nn.Module`` form of :func:`number_token_loss`.
+
+    Args:
+        vocab: the number-token table.
+        **options: ``loss``, ``squash_factor``, ``reweigh``, ``huber_delta``, ``float_level``,
+            ``ignore_index``, ``reduction``, ``check_finite`` (see :func:`number_token_loss`).
+    """
+
+    def __init__(self, vocab: NumberVocab, **options: object) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.reduction = str(options.pop("reduction", "mean"))
+        self.check_finite = bool(options.pop("check_finite", True))
+        _check_reduction(self.reduction)
+        self.options = NTLOptions(**options)  # type: ignore[arg-type]
+
+    def forward(
+        self, logits: torch.Tensor, labels: torch.Tensor, loss_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """See :func:`number_token_loss`."""
+        o = self.options
+        return number_token_loss(
+            logits,
+            labels,
+            self.vocab,
+            loss=o.loss,
+            squash_factor=o.squash_factor,
+            reweigh=o.reweigh,
+            huber_delta=o.huber_delta,
+            float_level=o.float_level,
+            loss_weights=loss_weights,
+            ignore_index=o.ignore_index,
+            reduction=self.reduction,
+            check_finite=self.check_finite,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.options}, reduction={self.reduction!r}, numbers={len(self.vocab)}"
+
+
+class CEWithNTL(torch.nn.Module):
+    """``nn.Module`` form of :func:`ce_with_ntl`.
+
+    Args:
+        vocab: the number-token table.
+        ntl_weight: weight of the NTL term.
+        tp_group: tensor-parallel group of the vocab split, or None.
+        **options: the NTL variant and ``reduction``, ``inplace``, ``check_finite``.
+    """
+
+    def __init__(
+        self,
+        vocab: NumberVocab,
+        ntl_weight: float = 0.3,
+        tp_group: dist.ProcessGroup | None = None,
+        **options: object,
+    ) -> None:
+        super().__init__()
+        self.vocab, self.ntl_weight, self.tp_group = vocab, ntl_weight, tp_group
+        self.reduction = str(options.pop("reduction", "mean"))
+        self.inplace = bool(options.pop("inplace", False))
+        self.check_finite = bool(options.pop("check_finite", True))
+        _check_reduction(self.reduction)
+        self.options = NTLOptions(**options)  # type: ignore[arg-type]
+
+    def forward(
+        self, logits: torch.Tensor, labels: torch.Tensor, loss_weights: torch.Tensor | None = None
+    ) -> CENTLOutput:
+        """See :func:`ce_with_ntl`."""
+        o = self.options
+        return ce_with_ntl(
+            logits,
+            labels,
+            self.vocab,
+            ntl_weight=self.ntl_weight,
+            loss=o.loss,
+            squash_factor=o.squash_factor,
+            reweigh=o.reweigh,
+            huber_delta=o.huber_delta,
+            float_level=o.float_level,
+            loss_weights=loss_weights,
+            ignore_index=o.ignore_index,
+            reduction=self.reduction,
+            tp_group=self.tp_group,
+            inplace=self.inplace,
+            check_finite=self.check_finite,
+        )

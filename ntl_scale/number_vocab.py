@@ -1,0 +1,558 @@
+"""Number-token tables: which vocabulary ids are numbers, and what their values are.
+
+A :class:`NumberVocab` is built once from a tokenizer (Hugging Face fast or slow, a raw
+SentencePiece model, or any id -> string mapping such as Megatron's ``inv_vocab``), saved to a
+small JSON file, and loaded on every training rank without the tokenizer.
+
+Token rules (see ``docs/number_vocab.md``):
+
+* **digit level** (default, the paper's setting): exactly the ten ASCII digit tokens ``"0"`` ...
+  ``"9"``.
+* **multi-digit**: tokens whose body is an ASCII decimal literal ``[+-]?[0-9]+(\\.[0-9]+)?``;
+  ``"123"`` keeps the value 123, ``"-5"`` the value -5, ``"2.5"`` the value 2.5.
+* **word-prefixed digits** (``"▁3"`` SentencePiece, ``"Ġ3"`` byte-level BPE, ``" 3"``, and WordPiece
+  continuations ``"##3"``) are excluded by default, like the reference; ``prefixed=True``
+  includes them with the value of their body.
+* **unicode digits** (``"٣"``, ``"３"``, ``"²"``) are never number tokens; neither are exponents,
+  underscores, ``inf`` or ``nan``.
+
+The tokenizer is never modified; :func:`add_digit_tokens` is the explicit opt-in for that.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "NumberVocab",
+    "VocabShard",
+    "add_digit_tokens",
+    "pad_vocab_size",
+    "parse_number_token",
+]
+
+_FORMAT = "ntl_scale.NumberVocab"
+_FORMAT_VERSION = 1
+# Prefixes that mark "this token starts a new word" (SentencePiece, byte-level BPE, plain space)
+# or "continues a word" (WordPiece). The body after the prefix is what is parsed.
+_PREFIXES = ("\u2581", "\u0120", " ", "##")
+_DIGITS = "0123456789"
+_MULTI_DIGIT = re.compile(r"[+-]?[0-9]+(?:\.[0-9]+)?", flags=re.ASCII)
+
+
+def parse_number_token(token: str, *, digit_level: bool = True, prefixed: bool = False) -> float | None:
+    """Returns the numeric value of a token string under the documented rules, or None.
+
+    Args:
+        token: the token string as the tokenizer's vocabulary spells it (``"3"``, ``"▁3"``,
+            ``"Ġ12"``, ``"##4"``).
+        digit_level: if True only single ASCII digits count; otherwise ASCII decimal literals
+            with an optional sign and fraction count too.
+        prefixed: if True, a token with a word prefix (``▁``, ``Ġ``, space, ``##``) counts with
+            the value of its body; if False such tokens are not number tokens.
+
+    Returns:
+        The value as a float, or None when the token is not a number token.
+    """
+    body = token
+    for prefix in _PREFIXES:
+        if token.startswith(prefix) and len(token) > len(prefix):
+            if not prefixed:
+                return None
+            body = token[len(prefix) :]
+            break
+    if digit_level:
+        return float(body) if len(body) == 1 and body in _DIGITS else None
+    if _MULTI_DIGIT.fullmatch(body) is None:
+        return None
+    value = float(body)
+    return value if math.isfinite(value) else None
+
+
+def pad_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp_size: int = 1) -> int:
+    """Pads a vocabulary size the way Megatron does: up to a multiple of ``divisible_by * tp_size``.
+
+    Args:
+        vocab_size: the tokenizer's vocabulary size.
+        divisible_by: Megatron's ``--make-vocab-size-divisible-by`` (default 128).
+        tp_size: the tensor-parallel size.
+
+    Returns:
+        The padded size (the model's output dimension).
+    """
+    for name, value in (("vocab_size", vocab_size), ("divisible_by", divisible_by), ("tp_size", tp_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"pad_vocab_size: {name} must be a positive int, got {value!r}")
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The number tokens that fall into one tensor-parallel vocab shard ``[start, end)``.
+
+    Attributes:
+        start: first global id of the shard.
+        end: one past the last global id of the shard.
+        local_ids: ids of the number tokens inside the shard, relative to ``start`` (sorted).
+        table_index: position of each of those tokens in the full table (``NumberVocab.ids``).
+        values: their values (float32).
+    """
+
+    start: int
+    end: int
+    local_ids: torch.Tensor
+    table_index: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        """Number of vocabulary columns in the shard."""
+        return self.end - self.start
+
+
+class NumberVocab:
+    """The table of number tokens of one vocabulary: sorted ids and their float values.
+
+    Build it with :meth:`from_tokenizer`, :meth:`from_sentencepiece` or :meth:`from_id_to_token`;
+    the constructor only validates. Instances are immutable.
+
+    Args:
+        ids: number-token ids (any order; stored sorted).
+        values: their numeric values, aligned with ``ids``.
+        vocab_size: the model's (padded) vocabulary size, i.e. the logits' last dimension.
+        tokens: optional token strings, aligned with ``ids`` (for display and saving).
+        decimal_point_id: id of the ``"."`` token, used by number-level NTL with ``float_level``.
+        digit_level: whether the table was built with the digit-level rule (informational).
+    """
+
+    def __init__(
+        self,
+        ids: Sequence[int] | torch.Tensor,
+        values: Sequence[float] | torch.Tensor,
+        vocab_size: int,
+        *,
+        tokens: Sequence[str] | None = None,
+        decimal_point_id: int | None = None,
+        digit_level: bool = True,
+    ) -> None:
+        ids_t = torch.as_tensor(ids, dtype=torch.long).flatten()
+        values_t = torch.as_tensor(values, dtype=torch.float32).flatten()
+        if ids_t.numel() == 0:
+            raise ValueError(
+                "NumberVocab: the table has no number tokens; expected at least one. For a tokenizer "
+                "without digit tokens, call ntl_scale.add_digit_tokens(tokenizer) first (and resize "
+                "the model's embeddings), or use digit_level=False / prefixed=True."
+            )
+        if ids_t.shape != values_t.shape:
+            raise ValueError(f"NumberVocab: {ids_t.numel()} ids but {values_t.numel()} values; they must align")
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+            raise ValueError(f"NumberVocab: vocab_size must be a positive int, got {vocab_size!r}")
+        if not torch.isfinite(values_t).all():
+            raise ValueError(f"NumberVocab: values must be finite, got {values_t.tolist()}")
+        if int(ids_t.min()) < 0:
+            raise ValueError(f"NumberVocab: ids must be >= 0, got {int(ids_t.min())}")
+        if int(ids_t.max()) >= vocab_size:
+            raise ValueError(
+                f"NumberVocab: number-token id {int(ids_t.max())} does not fit vocab_size={vocab_size}; "
+                f"expected vocab_size >= {int(ids_t.max()) + 1} (the model's padded output dimension)"
+            )
+        if ids_t.unique().numel() != ids_t.numel():
+            raise ValueError("NumberVocab: ids contain duplicates")
+        if ids_t.numel() == vocab_size:
+            raise ValueError("NumberVocab: every vocabulary id is a number token; at least one must not be")
+        order = torch.argsort(ids_t)
+        self._ids = ids_t[order]
+        self._values = values_t[order]
+        self._vocab_size = vocab_size
+        if tokens is not None:
+            if len(tokens) != ids_t.numel():
+                raise ValueError(f"NumberVocab: {len(tokens)} tokens but {ids_t.numel()} ids; they must align")
+            self._tokens: tuple[str, ...] | None = tuple(tokens[i] for i in order.tolist())
+        else:
+            self._tokens = None
+        if decimal_point_id is not None and not 0 <= decimal_point_id < vocab_size:
+            raise ValueError(f"NumberVocab: decimal_point_id={decimal_point_id} is outside [0, {vocab_size})")
+        self._decimal_point_id = decimal_point_id
+        self._digit_level = bool(digit_level)
+        self._device_cache: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ builders
+
+    @classmethod
+    def from_id_to_token(
+        cls,
+        id_to_token: Mapping[int, str] | Sequence[str],
+        *,
+        vocab_size: int | None = None,
+        digit_level: bool = True,
+        prefixed: bool = False,
+    ) -> NumberVocab:
+        """Builds the table from an id -> token-string mapping (e.g. Megatron's ``tokenizer.inv_vocab``).
+
+        Args:
+            id_to_token: a mapping from id to token string, or a sequence indexed by id.
+            vocab_size: the model's padded vocabulary size; defaults to the mapping's size
+                (largest id + 1). May be larger than the tokenizer (padded embeddings).
+            digit_level: exactly the ten ASCII digits (True) or multi-digit literals (False).
+            prefixed: include word-prefixed number tokens (``▁3``, ``Ġ3``, ``##3``).
+
+        Returns:
+            The table.
+        """
+        items = id_to_token.items() if isinstance(id_to_token, Mapping) else enumerate(id_to_token)
+        pairs = [(int(i), str(t)) for i, t in items]
+        if not pairs:
+            raise ValueError("NumberVocab.from_id_to_token: the mapping is empty")
+        tokenizer_size = max(i for i, _ in pairs) + 1
+        ids, values, tokens = [], [], []
+        decimal_point_id = None
+        for i, token in sorted(pairs):
+            if token == "." and decimal_point_id is None:
+                decimal_point_id = i
+            value = parse_number_token(token, digit_level=digit_level, prefixed=prefixed)
+            if value is not None:
+                ids.append(i)
+                values.append(value)
+                tokens.append(token)
+        size = tokenizer_size if vocab_size is None else vocab_size
+        if not ids:
+            raise ValueError(
+                f"NumberVocab: found no number tokens among {tokenizer_size} tokens "
+                f"(digit_level={digit_level}, prefixed={prefixed}); expected e.g. the tokens '0'..'9'. "
+                "Fix: call ntl_scale.add_digit_tokens(tokenizer) and resize the model's embeddings, "
+                "or try prefixed=True for tokenizers that only have '▁3'/'Ġ3' style digits."
+            )
+        if digit_level:
+            missing = sorted(set(range(10)) - {int(v) for v in values})
+            if missing:
+                warnings.warn(
+                    f"NumberVocab: digit-level table lacks the digits {missing}; NTL will only spread mass "
+                    "over the digits present. Fix: ntl_scale.add_digit_tokens(tokenizer).",
+                    stacklevel=3,
+                )
+        return cls(ids, values, size, tokens=tokens, decimal_point_id=decimal_point_id, digit_level=digit_level)
+
+    @classmethod
+    def from_tokenizer(
+        cls,
+        tokenizer: Any,
+        *,
+        vocab_size: int | None = None,
+        digit_level: bool = True,
+        prefixed: bool = False,
+    ) -> NumberVocab:
+        """Builds the table from a tokenizer, without modifying it.
+
+        Accepted: Hugging Face tokenizers (fast and slow; anything with ``get_vocab()``), Megatron
+        tokenizers (``inv_vocab``), and ``sentencepiece.SentencePieceProcessor`` objects.
+
+        Args:
+            tokenizer: the tokenizer.
+            vocab_size: the model's padded vocabulary size (e.g. 151936 for a Qwen tokenizer of
+                151665 tokens, or Megatron's padded size). Defaults to the tokenizer's size.
+            digit_level: exactly the ten ASCII digits (True) or multi-digit literals (False).
+            prefixed: include word-prefixed number tokens (``▁3``, ``Ġ3``, ``##3``).
+
+        Returns:
+            The table.
+        """
+        if hasattr(tokenizer, "get_vocab"):
+            vocab = tokenizer.get_vocab()
+            mapping: Mapping[int, str] = {int(i): t for t, i in vocab.items()}
+        elif hasattr(tokenizer, "inv_vocab"):
+            mapping = dict(tokenizer.inv_vocab)
+        elif hasattr(tokenizer, "id_to_piece") and hasattr(tokenizer, "get_piece_size"):
+            mapping = {i: tokenizer.id_to_piece(i) for i in range(tokenizer.get_piece_size())}
+        else:
+            raise TypeError(
+                f"NumberVocab.from_tokenizer: unsupported tokenizer type {type(tokenizer).__name__}; "
+                "expected a Hugging Face tokenizer (get_vocab), a Megatron tokenizer (inv_vocab) or a "
+                "SentencePieceProcessor. For anything else use NumberVocab.from_id_to_token(mapping)."
+            )
+        return cls.from_id_to_token(mapping, vocab_size=vocab_size, digit_level=digit_level, prefixed=prefixed)
+
+    @classmethod
+    def from_sentencepiece(
+        cls,
+        model_file: str | os.PathLike[str],
+        *,
+        vocab_size: int | None = None,
+        digit_level: bool = True,
+        prefixed: bool = False,
+    ) -> NumberVocab:
+        """Builds the table from a raw SentencePiece model file (needs the ``sentencepiece`` package).
+
+        Args:
+            model_file: path of the ``.model`` file.
+            vocab_size: the model's padded vocabulary size; defaults to the piece count.
+            digit_level: exactly the ten ASCII digits (True) or multi-digit literals (False).
+            prefixed: include ``▁3`` style pieces.
+
+        Returns:
+            The table.
+        """
+        try:
+            import sentencepiece
+        except ImportError as e:
+            raise ImportError(
+                "NumberVocab.from_sentencepiece needs the 'sentencepiece' package: pip install 'ntl_scale[hf]'"
+            ) from e
+        if not os.path.isfile(model_file):
+            raise ValueError(f"NumberVocab.from_sentencepiece: no such file {os.fspath(model_file)!r}")
+        processor = sentencepiece.SentencePieceProcessor(model_file=os.fspath(model_file))
+        return cls.from_tokenizer(processor, vocab_size=vocab_size, digit_level=digit_level, prefixed=prefixed)
+
+    def with_vocab_size(self, vocab_size: int) -> NumberVocab:
+        """Returns a copy for a different (padded) model vocabulary size."""
+        return NumberVocab(
+            self._ids,
+            self._values,
+            vocab_size,
+            tokens=self._tokens,
+            decimal_point_id=self._decimal_point_id,
+            digit_level=self._digit_level,
+        )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """Sorted number-token ids, LongTensor ``[N]``."""
+        return self._ids
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Values of the number tokens, float32 ``[N]``, aligned with :attr:`ids`."""
+        return self._values
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's (padded) vocabulary size: the logits' last dimension."""
+        return self._vocab_size
+
+    @property
+    def tokens(self) -> tuple[str, ...] | None:
+        """Token strings aligned with :attr:`ids`, when known."""
+        return self._tokens
+
+    @property
+    def decimal_point_id(self) -> int | None:
+        """Id of the ``"."`` token, when the vocabulary has one."""
+        return self._decimal_point_id
+
+    @property
+    def digit_level(self) -> bool:
+        """Whether the digit-level rule built this table."""
+        return self._digit_level
+
+    def __len__(self) -> int:
+        return int(self._ids.numel())
+
+    def __repr__(self) -> str:
+        shown = self._tokens if self._tokens is not None else self._values.tolist()
+        head = ", ".join(repr(t) for t in list(shown)[:12]) + (", ..." if len(self) > 12 else "")
+        return f"NumberVocab({len(self)} number tokens of vocab_size={self._vocab_size}: {head})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, NumberVocab):
+            return NotImplemented
+        return (
+            self._vocab_size == other._vocab_size
+            and torch.equal(self._ids, other._ids)
+            and torch.equal(self._values, other._values)
+            and self._decimal_point_id == other._decimal_point_id
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ derived tables
+
+    def index_of_id(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Dense map from vocabulary id to table position (``-1`` for non-number ids), LongTensor ``[V]``."""
+        return self._cached("index_of_id", device, self._build_index_of_id)
+
+    def _build_index_of_id(self) -> torch.Tensor:
+        index = torch.full((self._vocab_size,), -1, dtype=torch.long)
+        index[self._ids] = torch.arange(len(self), dtype=torch.long)
+        return index
+
+    def distance_table(self, squash_factor: float | None = None) -> torch.Tensor:
+        """Distances ``d(v_i, v_j)`` between number-token values, float32 ``[N, N]``.
+
+        Without ``squash_factor`` this is ``|v_i - v_j|``. With it, nonzero distances are mapped
+        affinely onto ``[1, squash_factor]`` (the smallest nonzero distance becomes 1, the largest
+        ``squash_factor``), which tames irregular multi-digit vocabularies. Built in float32 exactly as
+        the reference ``ntloss`` builds it, so both produce the same numbers.
+
+        Args:
+            squash_factor: None, or a number > 1.
+
+        Returns:
+            The table, float32 ``[N, N]``.
+        """
+        diff = (self._values.unsqueeze(0) - self._values.unsqueeze(1)).abs()
+        if squash_factor is None:
+            return diff
+        if isinstance(squash_factor, bool) or not isinstance(squash_factor, (int, float)) or not squash_factor > 1:
+            raise ValueError(
+                f"squash_factor must be a number > 1 (how much worse the farthest number is than the "
+                f"closest wrong one), got {squash_factor!r}; use None for plain |v_i - v_j|"
+            )
+        nonzero = diff.masked_fill(diff == 0, torch.finfo(diff.dtype).max)
+        smallest, largest = nonzero.min(), diff.max()
+        if not largest > 0 or smallest == largest:
+            return diff
+        scale = (squash_factor - 1) / (largest - smallest)
+        table = 1 + (diff - smallest) * scale
+        table[diff == 0] = 0.0
+        return table
+
+    def _cached(self, name: str, device: torch.device | str | None, build: Any) -> torch.Tensor:
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        key = (name, dev)
+        tensor = self._device_cache.get(key)
+        if tensor is None:
+            tensor = build().to(dev)
+            self._device_cache[key] = tensor
+        return tensor
+
+    # ------------------------------------------------------------------ sharding
+
+    def shard(self, rank: int, world_size: int) -> VocabShard:
+        """The number tokens in vocab shard ``[rank*V/tp, (rank+1)*V/tp)`` of a tensor-parallel split.
+
+        Args:
+            rank: this rank in the tensor-parallel group.
+            world_size: the tensor-parallel size; must divide :attr:`vocab_size`.
+
+        Returns:
+            A :class:`VocabShard` (possibly holding no number tokens).
+        """
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"shard: world_size must be a positive int, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"shard: rank must be an int in [0, {world_size}), got {rank!r}")
+        if self._vocab_size % world_size:
+            raise ValueError(
+                f"shard: vocab_size={self._vocab_size} is not divisible by the tensor-parallel size "
+                f"{world_size}; pad the model vocabulary, e.g. "
+                f"vocab.with_vocab_size(ntl_scale.pad_vocab_size({self._vocab_size}, tp_size={world_size}))"
+            )
+        per_rank = self._vocab_size // world_size
+        return self.shard_range(rank * per_rank, (rank + 1) * per_rank)
+
+    def shard_range(self, start: int, end: int) -> VocabShard:
+        """The number tokens in an arbitrary vocab slice ``[start, end)``.
+
+        ``end`` may exceed :attr:`vocab_size` (logits padded further than the table knows): ids past
+        the table's vocabulary are padding and never number tokens.
+        """
+        if not 0 <= start < end:
+            raise ValueError(f"shard_range: need 0 <= start < end, got [{start}, {end})")
+        inside = (self._ids >= start) & (self._ids < end)
+        table_index = torch.nonzero(inside).flatten()
+        return VocabShard(
+            start=start,
+            end=end,
+            local_ids=self._ids[table_index] - start,
+            table_index=table_index,
+            values=self._values[table_index],
+        )
+
+    # ------------------------------------------------------------------ serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable description of the table."""
+        return {
+            "format": _FORMAT,
+            "version": _FORMAT_VERSION,
+            "vocab_size": self._vocab_size,
+            "digit_level": self._digit_level,
+            "decimal_point_id": self._decimal_point_id,
+            "ids": self._ids.tolist(),
+            "values": self._values.tolist(),
+            "tokens": list(self._tokens) if self._tokens is not None else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NumberVocab:
+        """Inverse of :meth:`to_dict`."""
+        if data.get("format") != _FORMAT:
+            raise ValueError(f"not a NumberVocab description: format={data.get('format')!r}, expected {_FORMAT!r}")
+        if data.get("version") != _FORMAT_VERSION:
+            raise ValueError(
+                f"NumberVocab file version {data.get('version')!r} is not supported (expected {_FORMAT_VERSION}); "
+                "rebuild it with NumberVocab.from_tokenizer(...).save(path)"
+            )
+        return cls(
+            data["ids"],
+            data["values"],
+            int(data["vocab_size"]),
+            tokens=data.get("tokens"),
+            decimal_point_id=data.get("decimal_point_id"),
+            digit_level=bool(data.get("digit_level", True)),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes the table to a small JSON file (atomically: a crash never leaves half a file)."""
+        path = os.fspath(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, ensure_ascii=False, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, vocab_size: int | None = None) -> NumberVocab:
+        """Reads a table written by :meth:`save`.
+
+        Args:
+            path: the JSON file.
+            vocab_size: optionally override the stored (padded) vocabulary size.
+
+        Returns:
+            The table.
+        """
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"NumberVocab.load: no such file {path!r}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"NumberVocab.load: {path!r} is not valid JSON ({e})") from None
+        vocab = cls.from_dict(data)
+        return vocab if vocab_size is None else vocab.with_vocab_size(vocab_size)
+
+
+def add_digit_tokens(tokenizer: Any) -> list[str]:
+    """Adds the ASCII digits ``"0"``..``"9"`` that a Hugging Face tokenizer lacks (explicit opt-in).
+
+    This is the only function in ntl_scale that modifies a tokenizer. Resize the model's embeddings
+    afterwards (``model.resize_token_embeddings(len(tokenizer))``).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+
+    Returns:
+        The digit strings that were added (empty if none were missing).
+    """
+    if not hasattr(tokenizer, "add_tokens") or not hasattr(tokenizer, "get_vocab"):
+        raise TypeError(
+            f"add_digit_tokens needs a Hugging Face tokenizer (add_tokens, get_vocab), got {type(tokenizer).__name__}"
+        )
+    present = set(tokenizer.get_vocab())
+    missing = [d for d in _DIGITS if d not in present]
+    if missing:
+        tokenizer.add_tokens(missing)
+    return missing

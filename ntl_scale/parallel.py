@@ -1,0 +1,297 @@
+"""Fused cross entropy + number-token statistics on a vocab shard, with an explicit TP group.
+
+This is the one place where the softmax over the vocabulary is computed. Everything NTL needs
+reduces to three per-token quantities of the logits (see ``docs/math.md``):
+
+* ``ce``     = ``log sum_j exp(z_j) - z_y``                       (cross entropy)
+* ``expect`` = ``sum_{k in N} p_k a_k``, ``p = softmax(z_N)``      (``a_k = d(v_k, t)`` for NTL-WAS,
+  ``a_k = v_k`` for the expected value ``yhat`` of the dot-product losses)
+* ``mass``   = ``sum_{k in N} softmax(z)_k``                       (number-token probability mass)
+
+Under tensor parallelism each rank holds the columns ``[r*V/tp, (r+1)*V/tp)``. The forward needs
+one MAX all-reduce of ``[max z, max z_N]`` and one SUM all-reduce of ``[S, z_y, S_N, A]`` per token,
+the same two collectives Megatron's fused cross entropy uses for CE alone. The backward needs no
+collective: every gradient is a local expression of the local logits and those reduced scalars
+(the input-gradient reduction happens in the output layer's own backward).
+
+The per-shard steps are plain functions in :class:`ShardMath`; :class:`_FusedCENTL` only adds the
+two all-reduces; ``tp_group=None`` (or a group of size 1) is the same code without collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ShardMath", "fused_shard_stats"]
+
+# Temporaries of one chunk hold at most this many elements (64 MiB in fp32): the forward and the
+# backward walk over the logits in token chunks so that no full-size fp32 copy is made.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the loss math: float64 for float64 logits, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Size of an explicit process group; None means a single device (never the default group)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """Rank in an explicit process group; None means a single device."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass
+class ShardInputs:
+    """What the fused op needs besides the logits, already resolved to the local shard.
+
+    Attributes:
+        labels: global label ids, LongTensor ``[T]`` (``ignore_index`` already replaced by 0).
+        valid: bool ``[T]``: label is not ignored.
+        number_cols: local column indices of the number tokens in this shard, LongTensor ``[n]``.
+        a_table: per-token weights ``a_k`` of the local number columns, ``[T, n]`` (may be an
+            expanded view).
+        start: first global id of this shard.
+    """
+
+    labels: torch.Tensor
+    valid: torch.Tensor
+    number_cols: torch.Tensor
+    a_table: torch.Tensor
+    start: int
+
+
+class ShardMath:
+    """Per-shard steps of the fused op: pure functions, no communication."""
+
+    @staticmethod
+    def chunk_rows(num_tokens: int, num_cols: int, chunk_tokens: int | None) -> list[slice]:
+        """Token slices whose ``[chunk, V_local]`` temporaries stay below a fixed element budget."""
+        step = chunk_tokens or max(1, _CHUNK_ELEMENTS // max(num_cols, 1))
+        return [slice(i, min(i + step, num_tokens)) for i in range(0, num_tokens, step)]
+
+    @staticmethod
+    def local_max(
+        logits: torch.Tensor, number_logits: torch.Tensor, rows: list[slice], need_full: bool
+    ) -> torch.Tensor:
+        """``[T, 2]``: the max over the shard (0 when not needed) and over its number columns."""
+        cdt = number_logits.dtype
+        maxes = torch.zeros(logits.shape[0], 2, dtype=cdt, device=logits.device)
+        if need_full:
+            for sl in rows:
+                maxes[sl, 0] = logits[sl].max(dim=-1).values.to(cdt)
+        if number_logits.shape[1] > 0:
+            maxes[:, 1] = number_logits.max(dim=-1).values
+        else:
+            maxes[:, 1] = float("-inf")
+        return maxes
+
+    @staticmethod
+    def safe_number_max(number_max: torch.Tensor) -> torch.Tensor:
+        """The number-column max with -inf (no number logit anywhere finite) replaced by 0."""
+        return torch.where(torch.isfinite(number_max), number_max, torch.zeros_like(number_max))
+
+    @staticmethod
+    def local_sums(
+        logits: torch.Tensor,
+        number_logits: torch.Tensor,
+        inputs: ShardInputs,
+        max_all: torch.Tensor,
+        number_max: torch.Tensor,
+        rows: list[slice],
+        need_full: bool,
+        inplace: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 4]`` partial sums ``[S, z_y, S_N, A]`` of this shard, and the exponentiated numbers.
+
+        With ``inplace`` the logits buffer is overwritten with ``exp(z - max)`` for the backward.
+        """
+        cdt = number_logits.dtype
+        num_tokens, width = logits.shape
+        sums = torch.zeros(num_tokens, 4, dtype=cdt, device=logits.device)
+        local_label = inputs.labels - inputs.start
+        owned = inputs.valid & (local_label >= 0) & (local_label < width)
+        target = logits.gather(1, local_label.clamp(0, width - 1).unsqueeze(1)).squeeze(1).to(cdt)
+        sums[:, 1] = torch.where(owned, target, torch.zeros_like(target))
+        if need_full:
+            for sl in rows:
+                shifted = logits[sl].to(cdt) - max_all[sl].unsqueeze(1)
+                if inplace:
+                    torch.exp(shifted, out=logits[sl])
+                    sums[sl, 0] = logits[sl].sum(dim=-1)
+                else:
+                    sums[sl, 0] = shifted.exp_().sum(dim=-1)
+        number_exp = torch.exp(number_logits - number_max.unsqueeze(1))
+        sums[:, 2] = number_exp.sum(dim=-1)
+        sums[:, 3] = (number_exp * inputs.a_table).sum(dim=-1)
+        return sums, number_exp
+
+    @staticmethod
+    def finalize(
+        max_all: torch.Tensor, sums: torch.Tensor, number_max: torch.Tensor, valid: torch.Tensor, need_full: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token ``ce``, ``expect`` and ``mass`` from the reduced maxima and sums."""
+        total, target, number_total, weighted = sums.unbind(dim=1)
+        zero = torch.zeros_like(total)
+        if need_full:
+            ce = torch.where(valid, torch.log(total) + max_all - target, zero)
+            mass = number_total * torch.exp(number_max - max_all) / total
+        else:
+            ce, mass = zero, zero
+        has_numbers = number_total > 0
+        expect = torch.where(has_numbers, weighted / torch.where(has_numbers, number_total, 1), zero)
+        return ce, expect, mass
+
+    @staticmethod
+    def grad_chunk(
+        logits_chunk: torch.Tensor,
+        sl: slice,
+        saved: dict[str, torch.Tensor],
+        inputs: ShardInputs,
+        grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        inplace: bool,
+        need_full: bool,
+    ) -> torch.Tensor:
+        """Gradient of ``sum(g_ce*ce + g_expect*expect + g_mass*mass)`` w.r.t. one chunk of logits.
+
+        ``d ce/dz_j = pi_j - [j = y]``; ``d expect/dz_k = p_k (a_k - expect)`` on number columns;
+        ``d mass/dz_j = pi_j [j in N] - mass * pi_j``. ``pi`` is the full softmax, ``p`` the softmax
+        over the number columns.
+        """
+        g_ce, g_expect, g_mass = (g[sl] for g in grads)
+        cdt = saved["expect"].dtype
+        cols = inputs.number_cols
+        if need_full:
+            if inplace:
+                probs = logits_chunk.div_(saved["total"][sl].unsqueeze(1))
+            else:
+                probs = (logits_chunk.to(cdt) - saved["max_all"][sl].unsqueeze(1)).exp_()
+                probs.div_(saved["total"][sl].unsqueeze(1))
+            number_probs_full = probs[:, cols]
+            grad = probs.mul_((g_ce - g_mass * saved["mass"][sl]).unsqueeze(1))
+            number_grad = g_mass.unsqueeze(1) * number_probs_full
+            local_label = inputs.labels[sl] - inputs.start
+            owned = inputs.valid[sl] & (local_label >= 0) & (local_label < grad.shape[1])
+            rows = torch.nonzero(owned).flatten()
+            grad.index_put_((rows, local_label[rows]), -g_ce[rows], accumulate=True)
+        else:
+            grad = torch.zeros(logits_chunk.shape, dtype=cdt, device=logits_chunk.device)
+            number_grad = torch.zeros(grad.shape[0], cols.numel(), dtype=cdt, device=grad.device)
+        number_total = saved["number_total"][sl].unsqueeze(1)
+        number_probs = saved["number_exp"][sl] / torch.where(number_total > 0, number_total, 1)
+        number_grad += g_expect.unsqueeze(1) * number_probs * (inputs.a_table[sl] - saved["expect"][sl].unsqueeze(1))
+        grad.index_add_(1, cols, number_grad)
+        return grad
+
+
+class _FusedCENTL(torch.autograd.Function):
+    """Autograd wrapper: two all-reduces in the forward, none in the backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        logits: torch.Tensor,
+        inputs: ShardInputs,
+        need_full: bool,
+        inplace: bool,
+        check_finite: bool,
+        tp_group: dist.ProcessGroup | None,
+        chunk_tokens: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cdt = compute_dtype(logits.dtype)
+        rows = ShardMath.chunk_rows(logits.shape[0], logits.shape[1], chunk_tokens)
+        number_logits = logits.index_select(1, inputs.number_cols).to(cdt)
+        distributed = group_size(tp_group) > 1
+
+        maxes = ShardMath.local_max(logits, number_logits, rows, need_full)
+        if distributed:
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
+        max_all = maxes[:, 0]
+        number_max = ShardMath.safe_number_max(maxes[:, 1])
+
+        sums, number_exp = ShardMath.local_sums(
+            logits, number_logits, inputs, max_all, number_max, rows, need_full, inplace
+        )
+        if distributed:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+        if check_finite:
+            _raise_if_not_finite(maxes, sums, need_full)
+        ce, expect, mass = ShardMath.finalize(max_all, sums, number_max, inputs.valid, need_full)
+
+        ctx.inputs, ctx.need_full, ctx.inplace, ctx.rows = inputs, need_full, inplace, rows
+        ctx.save_for_backward(logits, max_all, sums[:, 0], number_exp, sums[:, 2], expect, mass)
+        return ce, expect, mass
+
+    @staticmethod
+    def backward(ctx, g_ce, g_expect, g_mass):  # type: ignore[override]
+        logits, max_all, total, number_exp, number_total, expect, mass = ctx.saved_tensors
+        saved = {
+            "max_all": max_all,
+            "total": total,
+            "number_exp": number_exp,
+            "number_total": number_total,
+            "expect": expect,
+            "mass": mass,
+        }
+        zeros = torch.zeros_like(expect)
+        grads = tuple(zeros if g is None else g.to(expect.dtype) for g in (g_ce, g_expect, g_mass))
+        grads = (torch.where(ctx.inputs.valid, grads[0], zeros), grads[1], grads[2])
+        out = logits if ctx.inplace else torch.empty_like(logits)
+        for sl in ctx.rows:
+            chunk = ShardMath.grad_chunk(logits[sl], sl, saved, ctx.inputs, grads, ctx.inplace, ctx.need_full)
+            if chunk.data_ptr() != out[sl].data_ptr():
+                out[sl].copy_(chunk)
+        return out, None, None, None, None, None, None
+
+
+def _raise_if_not_finite(maxes: torch.Tensor, sums: torch.Tensor, need_full: bool) -> None:
+    # After the SUM all-reduce a NaN/Inf on any rank shows up in the reduced sums on every rank,
+    # so every rank takes the same branch here and none is left waiting in a collective.
+    checked = sums[:, [0, 2]] if need_full else sums[:, 2:3]
+    bad = ~torch.isfinite(checked).all(dim=1)
+    if need_full:
+        bad |= ~torch.isfinite(maxes[:, 0])
+    if bool(bad.any()):
+        positions = torch.nonzero(bad).flatten()
+        raise ValueError(
+            f"logits contain NaN or Inf at {positions.numel()} of {bad.numel()} token positions "
+            f"(first at flattened position {int(positions[0])}); expected finite logits. The model has "
+            "probably diverged (lower the learning rate, check the data and the fp16 loss scale); pass "
+            "check_finite=False to skip this check and let NaN propagate into the loss."
+        )
+
+
+def fused_shard_stats(
+    logits: torch.Tensor,
+    inputs: ShardInputs,
+    *,
+    need_full: bool,
+    inplace: bool = False,
+    check_finite: bool = True,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token ``(ce, expect, mass)`` of a ``[T, V_local]`` logits shard; differentiable.
+
+    Args:
+        logits: the local logits shard, ``[T, V_local]``, fp32/bf16/fp16/fp64.
+        inputs: the resolved per-shard inputs.
+        need_full: compute the full softmax (for CE and the number-mass reweighing); if False only
+            the number columns are read.
+        inplace: overwrite the logits buffer with ``exp(z - max)`` and reuse it for the gradient
+            (fp32/fp64 only), like Megatron's vocab-parallel cross entropy; the logits are garbage
+            afterwards.
+        check_finite: raise when logits hold NaN/Inf (one host sync); otherwise NaN propagates.
+        tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
+        chunk_tokens: tokens per chunk of the temporaries (default: a 64 MiB budget).
+
+    Returns:
+        ``ce``, ``expect``, ``mass``, each ``[T]`` in the compute dtype, identical on every TP rank.
+    """
+    return _FusedCENTL.apply(logits, inputs, need_full, inplace, check_finite, tp_group, chunk_tokens)

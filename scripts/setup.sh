@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Sets up ntl_scale on a fresh machine with nothing but Python.
+#   bash scripts/setup.sh          # the package and what the main job needs
+#   bash scripts/setup.sh --dev    # plus everything the test suite needs
+# torch: installs the pin torch==2.13.0 (a local CPU wheel on the project's machines) when no torch is
+# present, and pins whatever torch is installed as a constraint so no later install can upgrade it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+extras="hf"
+[[ "${1:-}" == "--dev" ]] && extras="hf,dev"
+
+if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+  echo "[setup] no torch found: installing torch==2.13.0"
+  "$PYTHON" -m pip install --quiet "torch==2.13.0"
+fi
+torch_version=$("$PYTHON" -c "import torch; print(torch.__version__)")
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+echo "torch==${torch_version}" >"$constraints"
+
+echo "[setup] installing ntl_scale[${extras}] (torch ${torch_version} kept as is)"
+"$PYTHON" -m pip install --quiet --constraint "$constraints" -e ".[${extras}]"
