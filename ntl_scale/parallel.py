@@ -149,6 +149,16 @@ class ShardMath:
         return ce, expect, mass
 
     @staticmethod
+    def number_grad(
+        sl: slice, saved: dict[str, torch.Tensor], inputs: ShardInputs, g_expect: torch.Tensor
+    ) -> torch.Tensor:
+        """``g_expect * d expect/dz_k = g_expect * p_k (a_k - expect)`` on the local number columns."""
+        number_total = saved["number_total"][sl].unsqueeze(1)
+        number_probs = saved["number_exp"][sl] / torch.where(number_total > 0, number_total, 1)
+        spread = inputs.a_table[sl] - saved["expect"][sl].unsqueeze(1)
+        return g_expect[sl].unsqueeze(1) * number_probs * spread
+
+    @staticmethod
     def grad_chunk(
         logits_chunk: torch.Tensor,
         sl: slice,
@@ -156,36 +166,28 @@ class ShardMath:
         inputs: ShardInputs,
         grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         inplace: bool,
-        need_full: bool,
     ) -> torch.Tensor:
         """Gradient of ``sum(g_ce*ce + g_expect*expect + g_mass*mass)`` w.r.t. one chunk of logits.
 
         ``d ce/dz_j = pi_j - [j = y]``; ``d expect/dz_k = p_k (a_k - expect)`` on number columns;
         ``d mass/dz_j = pi_j [j in N] - mass * pi_j``. ``pi`` is the full softmax, ``p`` the softmax
-        over the number columns.
+        over the number columns. With ``inplace`` the chunk (holding ``exp(z - max)``) becomes the
+        gradient.
         """
-        g_ce, g_expect, g_mass = (g[sl] for g in grads)
-        cdt = saved["expect"].dtype
+        g_ce, g_mass = grads[0][sl], grads[2][sl]
         cols = inputs.number_cols
-        if need_full:
-            if inplace:
-                probs = logits_chunk.div_(saved["total"][sl].unsqueeze(1))
-            else:
-                probs = (logits_chunk.to(cdt) - saved["max_all"][sl].unsqueeze(1)).exp_()
-                probs.div_(saved["total"][sl].unsqueeze(1))
-            number_probs_full = probs[:, cols]
-            grad = probs.mul_((g_ce - g_mass * saved["mass"][sl]).unsqueeze(1))
-            number_grad = g_mass.unsqueeze(1) * number_probs_full
-            local_label = inputs.labels[sl] - inputs.start
-            owned = inputs.valid[sl] & (local_label >= 0) & (local_label < grad.shape[1])
-            rows = torch.nonzero(owned).flatten()
-            grad.index_put_((rows, local_label[rows]), -g_ce[rows], accumulate=True)
+        if inplace:
+            probs = logits_chunk.div_(saved["total"][sl].unsqueeze(1))
         else:
-            grad = torch.zeros(logits_chunk.shape, dtype=cdt, device=logits_chunk.device)
-            number_grad = torch.zeros(grad.shape[0], cols.numel(), dtype=cdt, device=grad.device)
-        number_total = saved["number_total"][sl].unsqueeze(1)
-        number_probs = saved["number_exp"][sl] / torch.where(number_total > 0, number_total, 1)
-        number_grad += g_expect.unsqueeze(1) * number_probs * (inputs.a_table[sl] - saved["expect"][sl].unsqueeze(1))
+            probs = (logits_chunk.to(g_ce.dtype) - saved["max_all"][sl].unsqueeze(1)).exp_()
+            probs.div_(saved["total"][sl].unsqueeze(1))
+        number_grad = g_mass.unsqueeze(1) * probs[:, cols]
+        number_grad += ShardMath.number_grad(sl, saved, inputs, grads[1])
+        grad = probs.mul_((g_ce - g_mass * saved["mass"][sl]).unsqueeze(1))
+        local_label = inputs.labels[sl] - inputs.start
+        owned = inputs.valid[sl] & (local_label >= 0) & (local_label < grad.shape[1])
+        rows = torch.nonzero(owned).flatten()
+        grad.index_put_((rows, local_label[rows]), -g_ce[rows], accumulate=True)
         grad.index_add_(1, cols, number_grad)
         return grad
 
@@ -242,9 +244,15 @@ class _FusedCENTL(torch.autograd.Function):
         zeros = torch.zeros_like(expect)
         grads = tuple(zeros if g is None else g.to(expect.dtype) for g in (g_ce, g_expect, g_mass))
         grads = (torch.where(ctx.inputs.valid, grads[0], zeros), grads[1], grads[2])
+        if not ctx.need_full:
+            # Only the number columns carry gradient: no pass over the vocabulary.
+            out = torch.zeros_like(logits)
+            number_grad = ShardMath.number_grad(slice(None), saved, ctx.inputs, grads[1])
+            out.index_add_(1, ctx.inputs.number_cols, number_grad.to(out.dtype))
+            return out, None, None, None, None, None, None
         out = logits if ctx.inplace else torch.empty_like(logits)
         for sl in ctx.rows:
-            chunk = ShardMath.grad_chunk(logits[sl], sl, saved, ctx.inputs, grads, ctx.inplace, ctx.need_full)
+            chunk = ShardMath.grad_chunk(logits[sl], sl, saved, ctx.inputs, grads, ctx.inplace)
             if chunk.data_ptr() != out[sl].data_ptr():
                 out[sl].copy_(chunk)
         return out, None, None, None, None, None, None

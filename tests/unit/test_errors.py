@@ -53,7 +53,9 @@ def test_bad_input_is_reported(overrides, error, match):
 def test_float_level_needs_a_decimal_point():
     vocab = ntl_scale.NumberVocab.from_id_to_token(["a"] + [str(d) for d in range(10)])
     with pytest.raises(ValueError, match="decimal_point_id"):
-        ntl_scale.number_token_loss(torch.zeros(1, 2, 11), torch.tensor([[1, 2]]), vocab, loss="number", float_level=True)
+        ntl_scale.number_token_loss(
+            torch.zeros(1, 2, 11), torch.tensor([[1, 2]]), vocab, loss="number", float_level=True
+        )
 
 
 def test_module_validates_at_construction():

@@ -196,7 +196,7 @@ def test_distance_table_and_squash():
 
 
 def test_no_number_tokens_and_missing_digits():
-    with pytest.raises(ValueError, match="found no number tokens.*add_digit_tokens"):
+    with pytest.raises(ValueError, match=r"found no number tokens.*add_digit_tokens"):
         NumberVocab.from_id_to_token(["a", "b", "▁3"])
     with pytest.warns(UserWarning, match=r"lacks the digits \[5, 6, 7, 8, 9\]"):
         NumberVocab.from_id_to_token(["a", "0", "1", "2", "3", "4"])
