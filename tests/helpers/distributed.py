@@ -1,0 +1,83 @@
+"""Spawns CPU worker processes over gloo and hands each its tensor/data-parallel groups.
+
+``run_workers(world_size, tp_size, fn, *args)`` starts ``world_size`` processes on loopback, builds
+the data x tensor layout (TP groups of consecutive ranks, Megatron's convention), calls
+``fn(ctx, *args)`` in each and raises in the parent if any worker failed, with the worker's traceback.
+``fn`` must be a module-level function (spawned children import it).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass
+class WorkerContext:
+    rank: int
+    world_size: int
+    tp_size: int
+    tp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, tp_size: int, port: int, error_dir: str, fn, args) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        tp_groups = [dist.new_group(list(range(s, s + tp_size))) for s in range(0, world_size, tp_size)]
+        dp_groups = [dist.new_group(list(range(r, world_size, tp_size))) for r in range(tp_size)]
+        ctx = WorkerContext(
+            rank=rank,
+            world_size=world_size,
+            tp_size=tp_size,
+            tp_rank=rank % tp_size,
+            dp_rank=rank // tp_size,
+            tp_group=tp_groups[rank // tp_size],
+            dp_group=dp_groups[rank % tp_size],
+        )
+        fn(ctx, *args)
+        dist.barrier()
+    except BaseException:
+        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(world_size: int, tp_size: int, fn, *args, timeout: float = 300.0) -> None:
+    """Runs ``fn(ctx, *args)`` on ``world_size`` gloo processes (``world_size // tp_size`` DP replicas)."""
+    if world_size % tp_size:
+        raise ValueError(f"world_size {world_size} is not a multiple of tp_size {tp_size}")
+    with tempfile.TemporaryDirectory() as error_dir:
+        context = mp.start_processes(
+            _worker,
+            args=(world_size, tp_size, _free_port(), error_dir, fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            while not context.join(timeout=timeout):
+                pass
+        except Exception as e:
+            reports = sorted(os.listdir(error_dir))
+            details = "\n".join(open(os.path.join(error_dir, r)).read() for r in reports)
+            raise AssertionError(f"distributed worker failed:\n{details or e}") from None

@@ -1,0 +1,90 @@
+"""Plumbing of the vocab-parallel op, in the style of Megatron's own tests.
+
+A fake TP group and a recording ``torch.distributed.all_reduce`` prove that the passed group is the
+one used, that the forward issues exactly two all-reduces (one MAX of 2 floats per token, one SUM of
+4 floats per token) and the backward none, and that no global process-group state is read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ntl_scale
+
+
+class FakeGroup:
+    """Stands for a TP group of size 2; never a real ProcessGroup."""
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    calls = []
+    group = FakeGroup()
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls.append({"op": op, "group": group, "shape": tuple(tensor.shape), "dtype": tensor.dtype})
+
+    def no_global_state(*args, **kwargs):
+        raise AssertionError("the library read global process-group state")
+
+    def world_size(group_arg=None):
+        if group_arg is not group:
+            raise AssertionError(f"get_world_size called with {group_arg!r}, not the passed group")
+        return 2
+
+    def rank(group_arg=None):
+        if group_arg is not group:
+            raise AssertionError(f"get_rank called with {group_arg!r}, not the passed group")
+        return 1
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "get_world_size", world_size)
+    monkeypatch.setattr(dist, "get_rank", rank)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", no_global_state)
+    monkeypatch.setattr(dist, "is_initialized", no_global_state)
+    return calls, group
+
+
+def _inputs():
+    tokens = ["a", "b", "."] + [str(d) for d in range(10)] + [f"w{i}" for i in range(19)]
+    vocab = ntl_scale.NumberVocab.from_id_to_token(tokens)  # 32 columns, TP=2 -> 16 per rank
+    labels = torch.tensor([[3, 4, 20, -100, 12], [5, 6, 7, 0, 1]])
+    shard = torch.randn(2, 5, 16, requires_grad=True)
+    return vocab, labels, shard
+
+
+@pytest.mark.parametrize("loss", ntl_scale.LOSS_KINDS)
+@pytest.mark.parametrize("reweigh", [False, True])
+def test_forward_two_all_reduces_backward_none(recorder, loss, reweigh):
+    calls, group = recorder
+    vocab, labels, shard = _inputs()
+    ce, ntl, _ = ntl_scale.vocab_parallel_ce_ntl(
+        shard, labels, vocab, loss=loss, reweigh=reweigh, tp_group=group, check_finite=False
+    )
+    assert [c["op"] for c in calls] == [dist.ReduceOp.MAX, dist.ReduceOp.SUM]
+    assert all(c["group"] is group for c in calls)
+    assert [c["shape"] for c in calls] == [(10, 2), (10, 4)]  # 2 + 4 floats per token
+    assert all(c["dtype"] == torch.float32 for c in calls)
+    forward_calls = len(calls)
+    (ce.sum() + ntl.sum()).backward()
+    assert len(calls) == forward_calls  # the backward communicates nothing
+    assert shard.grad is not None and shard.grad.shape == shard.shape
+
+
+def test_ce_with_ntl_uses_the_group(recorder):
+    calls, group = recorder
+    vocab, labels, shard = _inputs()
+    out = ntl_scale.ce_with_ntl(shard, labels, vocab, tp_group=group, check_finite=False)
+    out.loss.backward()
+    assert len(calls) == 2 and all(c["group"] is group for c in calls)
+
+
+def test_no_group_means_no_collective(recorder):
+    calls, _ = recorder
+    vocab, labels, _ = _inputs()
+    full = torch.randn(2, 5, 32, requires_grad=True)
+    out = ntl_scale.ce_with_ntl(full, labels, vocab)
+    out.loss.backward()
+    assert calls == []
