@@ -21,6 +21,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import rss_mib, word_level_tokenizer
+
 VARIANTS = {
     "ce": "F.cross_entropy alone (baseline)",
     "ntloss": "ntloss NTLoss (WAS)",
@@ -33,22 +36,6 @@ VARIANTS = {
 }
 
 
-def _tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = {str(d): d for d in range(10)}
-    words.update({f"w{i}": i for i in range(10, vocab_size)})
-    raw = Tokenizer(models.WordLevel(words, unk_token="w10"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w10")
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def run_variant(name: str, tokens: int, vocab_size: int) -> dict:
     import warnings
 
@@ -58,7 +45,7 @@ def run_variant(name: str, tokens: int, vocab_size: int) -> dict:
     import ntl_scale
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    tokenizer = _tokenizer(vocab_size)
+    tokenizer = word_level_tokenizer(vocab_size)
     vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer)
     ref = ref_rw = None
     if "ntloss" in name:
@@ -102,7 +89,7 @@ def run_variant(name: str, tokens: int, vocab_size: int) -> dict:
         return float(loss)
 
     x = activation()
-    before = _rss_mib()
+    before = rss_mib()
     start = time.perf_counter()
     value = step(x)
     first = time.perf_counter() - start

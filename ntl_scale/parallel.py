@@ -77,6 +77,12 @@ class ShardMath:
         return [slice(i, min(i + step, num_tokens)) for i in range(0, num_tokens, step)]
 
     @staticmethod
+    def chunk_buffer(logits: torch.Tensor, rows: list[slice], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised ``[largest chunk, V_local]`` work buffer."""
+        longest = max((sl.stop - sl.start for sl in rows), default=0)
+        return torch.empty(longest, logits.shape[1], dtype=dtype, device=logits.device)
+
+    @staticmethod
     def local_max(
         logits: torch.Tensor, number_logits: torch.Tensor, rows: list[slice], need_full: bool
     ) -> torch.Tensor:
@@ -120,13 +126,14 @@ class ShardMath:
         target = logits.gather(1, local_label.clamp(0, width - 1).unsqueeze(1)).squeeze(1).to(cdt)
         sums[:, 1] = torch.where(owned, target, torch.zeros_like(target))
         if need_full:
+            # One reused chunk buffer (or the logits themselves): fresh allocations per chunk would
+            # cost a page fault per page on every call.
+            buffer = None if inplace else ShardMath.chunk_buffer(logits, rows, cdt)
             for sl in rows:
-                shifted = logits[sl].to(cdt) - max_all[sl].unsqueeze(1)
-                if inplace:
-                    torch.exp(shifted, out=logits[sl])
-                    sums[sl, 0] = logits[sl].sum(dim=-1)
-                else:
-                    sums[sl, 0] = shifted.exp_().sum(dim=-1)
+                chunk = logits[sl]
+                work = chunk if inplace else buffer[: chunk.shape[0]]
+                torch.sub(chunk, max_all[sl].unsqueeze(1), out=work)
+                sums[sl, 0] = work.exp_().sum(dim=-1)
         number_exp = torch.exp(number_logits - number_max.unsqueeze(1))
         sums[:, 2] = number_exp.sum(dim=-1)
         sums[:, 3] = (number_exp * inputs.a_table).sum(dim=-1)
@@ -160,36 +167,30 @@ class ShardMath:
 
     @staticmethod
     def grad_chunk(
-        logits_chunk: torch.Tensor,
+        work: torch.Tensor,
         sl: slice,
         saved: dict[str, torch.Tensor],
         inputs: ShardInputs,
         grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        inplace: bool,
-    ) -> torch.Tensor:
-        """Gradient of ``sum(g_ce*ce + g_expect*expect + g_mass*mass)`` w.r.t. one chunk of logits.
+    ) -> None:
+        """Turns ``work = exp(z - max)`` of one chunk into the gradient of
+        ``sum(g_ce*ce + g_expect*expect + g_mass*mass)`` w.r.t. those logits, in place.
 
         ``d ce/dz_j = pi_j - [j = y]``; ``d expect/dz_k = p_k (a_k - expect)`` on number columns;
         ``d mass/dz_j = pi_j [j in N] - mass * pi_j``. ``pi`` is the full softmax, ``p`` the softmax
-        over the number columns. With ``inplace`` the chunk (holding ``exp(z - max)``) becomes the
-        gradient.
+        over the number columns.
         """
         g_ce, g_mass = grads[0][sl], grads[2][sl]
         cols = inputs.number_cols
-        if inplace:
-            probs = logits_chunk.div_(saved["total"][sl].unsqueeze(1))
-        else:
-            probs = (logits_chunk.to(g_ce.dtype) - saved["max_all"][sl].unsqueeze(1)).exp_()
-            probs.div_(saved["total"][sl].unsqueeze(1))
-        number_grad = g_mass.unsqueeze(1) * probs[:, cols]
+        inv_total = saved["total"][sl].reciprocal().unsqueeze(1)
+        number_grad = g_mass.unsqueeze(1) * work[:, cols] * inv_total
         number_grad += ShardMath.number_grad(sl, saved, inputs, grads[1])
-        grad = probs.mul_((g_ce - g_mass * saved["mass"][sl]).unsqueeze(1))
+        work.mul_(inv_total * (g_ce - g_mass * saved["mass"][sl]).unsqueeze(1))  # one pass: pi * coef
         local_label = inputs.labels[sl] - inputs.start
-        owned = inputs.valid[sl] & (local_label >= 0) & (local_label < grad.shape[1])
+        owned = inputs.valid[sl] & (local_label >= 0) & (local_label < work.shape[1])
         rows = torch.nonzero(owned).flatten()
-        grad.index_put_((rows, local_label[rows]), -g_ce[rows], accumulate=True)
-        grad.index_add_(1, cols, number_grad)
-        return grad
+        work.index_put_((rows, local_label[rows]), -g_ce[rows], accumulate=True)
+        work.index_add_(1, cols, number_grad)
 
 
 class _FusedCENTL(torch.autograd.Function):
@@ -250,11 +251,20 @@ class _FusedCENTL(torch.autograd.Function):
             number_grad = ShardMath.number_grad(slice(None), saved, ctx.inputs, grads[1])
             out.index_add_(1, ctx.inputs.number_cols, number_grad.to(out.dtype))
             return out, None, None, None, None, None, None
+        cdt = expect.dtype
+        # In place: the saved buffer holds exp(z - max) and becomes the gradient. Otherwise a new
+        # gradient buffer; half-precision logits go through one reused fp32 chunk buffer.
         out = logits if ctx.inplace else torch.empty_like(logits)
+        buffer = None if ctx.inplace or out.dtype == cdt else ShardMath.chunk_buffer(logits, ctx.rows, cdt)
         for sl in ctx.rows:
-            chunk = ShardMath.grad_chunk(logits[sl], sl, saved, ctx.inputs, grads, ctx.inplace)
-            if chunk.data_ptr() != out[sl].data_ptr():
-                out[sl].copy_(chunk)
+            if ctx.inplace:
+                work = out[sl]
+            else:
+                work = out[sl] if buffer is None else buffer[: sl.stop - sl.start]
+                torch.sub(logits[sl], max_all[sl].unsqueeze(1), out=work).exp_()
+            ShardMath.grad_chunk(work, sl, saved, ctx.inputs, grads)
+            if buffer is not None:
+                out[sl].copy_(work)
         return out, None, None, None, None, None, None
 
 

@@ -1,0 +1,55 @@
+"""Shared benchmark helpers: a synthetic tokenizer of any size and a peak-RSS sampler."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+
+def word_level_tokenizer(vocab_size: int):
+    """A Hugging Face fast tokenizer with the ten digits at ids 0-9 and ``vocab_size - 10`` words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {str(d): d for d in range(10)}
+    words.update({f"w{i}": i for i in range(10, vocab_size)})
+    raw = Tokenizer(models.WordLevel(words, unk_token="w10"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w10")
+
+
+def rss_mib() -> float:
+    """Resident set size of this process, MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class PeakRSS:
+    """Samples this process's RSS every millisecond; ``.peak`` is the rise over the RSS at entry (MiB).
+
+    Large tensors are mmapped by glibc and returned on free, so RSS follows live tensor memory.
+    """
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval = interval
+        self.peak = 0.0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> PeakRSS:
+        self.base = rss_mib()
+        self._max = self.base
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._max = max(self._max, rss_mib())
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._max = max(self._max, rss_mib())
+        self.peak = self._max - self.base
