@@ -10,7 +10,8 @@ after another, forward + backward of:
 * ``naive``: all-gather the full logits, then ``F.cross_entropy`` + 0.3 * ``ntloss.NTLoss`` on them
   (rank 0 computes; the others only gather, so the machine is not oversubscribed by duplicates).
 
-Time is the median of the repeats on rank 0 (all ranks step together through the collectives);
+Time is the median of the repeats on rank 0 (all ranks step together through the collectives;
+the variants take turns within each repeat);
 memory is the peak RSS rise on rank 0 during one step beyond the logits shard already held.
 
     python benchmarks/bench_vocab_parallel.py                   # both sizes, TP = 1, 2, 4
@@ -87,19 +88,23 @@ def _worker(rank: int, tp: int, port: int, tokens: int, vocab_size: int, repeats
         loss.backward()
         return float(loss)
 
-    results = {}
-    for variant in VARIANTS:
-        times, peaks = [], []
-        for _ in range(repeats):
+    # Variants take turns within each repeat so that drifts of a shared 2-core machine hit all alike.
+    times = {v: [] for v in VARIANTS}
+    peaks = {v: [] for v in VARIANTS}
+    values = {}
+    for _ in range(repeats):
+        for variant in VARIANTS:
             x = shard_source.clone().requires_grad_()  # a fresh logits buffer, outside the measurement
             dist.barrier(group=group)
             with PeakRSS() as memory:
                 start = time.perf_counter()
-                value = step(variant, x)
-                times.append(time.perf_counter() - start)
-            peaks.append(memory.peak)
+                values[variant] = step(variant, x)
+                times[variant].append(time.perf_counter() - start)
+            peaks[variant].append(memory.peak)
             del x
-        results[variant] = {"time_s": statistics.median(times), "peak_mib": max(peaks), "loss": value}
+    results = {
+        v: {"time_s": statistics.median(times[v]), "peak_mib": max(peaks[v]), "loss": values[v]} for v in VARIANTS
+    }
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -130,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="8192x32768,4096x131072", help="tokens x vocab, comma separated")
     parser.add_argument("--tp", default="1,2,4")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     print(
         f"CPU: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, fp32 logits; "

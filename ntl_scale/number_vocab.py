@@ -301,12 +301,9 @@ class NumberVocab:
         Returns:
             The table.
         """
-        try:
-            import sentencepiece
-        except ImportError as e:
-            raise ImportError(
-                "NumberVocab.from_sentencepiece needs the 'sentencepiece' package: pip install 'ntl_scale[hf]'"
-            ) from e
+        from ._optional import require
+
+        sentencepiece = require("sentencepiece", "hf", "NumberVocab.from_sentencepiece")
         if not os.path.isfile(model_file):
             raise ValueError(f"NumberVocab.from_sentencepiece: no such file {os.fspath(model_file)!r}")
         processor = sentencepiece.SentencePieceProcessor(model_file=os.fspath(model_file))
