@@ -31,3 +31,4 @@ format:
 
 bench:
 	$(PYTHON) benchmarks/bench_memory.py
+	$(PYTHON) benchmarks/bench_vocab_parallel.py

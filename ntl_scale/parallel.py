@@ -66,6 +66,12 @@ class ShardInputs:
     a_table: torch.Tensor
     start: int
 
+    def owned_targets(self, rows: slice, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the tokens in ``rows``: whether this shard holds the label's column, and that column."""
+        local_label = self.labels[rows] - self.start
+        owned = self.valid[rows] & (local_label >= 0) & (local_label < width)
+        return owned, local_label.clamp(0, width - 1)
+
 
 class ShardMath:
     """Per-shard steps of the fused op: pure functions, no communication."""
@@ -121,9 +127,8 @@ class ShardMath:
         cdt = number_logits.dtype
         num_tokens, width = logits.shape
         sums = torch.zeros(num_tokens, 4, dtype=cdt, device=logits.device)
-        local_label = inputs.labels - inputs.start
-        owned = inputs.valid & (local_label >= 0) & (local_label < width)
-        target = logits.gather(1, local_label.clamp(0, width - 1).unsqueeze(1)).squeeze(1).to(cdt)
+        owned, local_label = inputs.owned_targets(slice(None), width)
+        target = logits.gather(1, local_label.unsqueeze(1)).squeeze(1).to(cdt)
         sums[:, 1] = torch.where(owned, target, torch.zeros_like(target))
         if need_full:
             # One reused chunk buffer (or the logits themselves): fresh allocations per chunk would
@@ -186,8 +191,7 @@ class ShardMath:
         number_grad = g_mass.unsqueeze(1) * work[:, cols] * inv_total
         number_grad += ShardMath.number_grad(sl, saved, inputs, grads[1])
         work.mul_(inv_total * (g_ce - g_mass * saved["mass"][sl]).unsqueeze(1))  # one pass: pi * coef
-        local_label = inputs.labels[sl] - inputs.start
-        owned = inputs.valid[sl] & (local_label >= 0) & (local_label < work.shape[1])
+        owned, local_label = inputs.owned_targets(sl, work.shape[1])
         rows = torch.nonzero(owned).flatten()
         work.index_put_((rows, local_label[rows]), -g_ce[rows], accumulate=True)
         work.index_add_(1, cols, number_grad)
