@@ -31,8 +31,10 @@ __all__ = [
     "CEWithNTL",
     "NTLOptions",
     "NumberTokenLoss",
+    "PerTokenTerms",
     "ce_with_ntl",
     "number_token_loss",
+    "per_token_ce_ntl",
     "reduce_loss",
     "vocab_parallel_ce_ntl",
 ]
@@ -112,6 +114,8 @@ class CENTLOutput(NamedTuple):
         ntl: the NTL term (unweighted).
         num_tokens: weight (count) of the tokens CE was averaged over.
         num_number_tokens: weight (count) of the positions NTL was averaged over.
+        number_accuracy: share of number-token labels that are the arg-max over the whole
+            vocabulary (greedy next-token accuracy on number tokens; a metric, not differentiable).
     """
 
     loss: torch.Tensor
@@ -119,6 +123,7 @@ class CENTLOutput(NamedTuple):
     ntl: torch.Tensor
     num_tokens: torch.Tensor
     num_number_tokens: torch.Tensor
+    number_accuracy: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -217,6 +222,92 @@ def _shard_inputs(
     return ShardInputs(safe_labels, valid, local_ids, a_table, start), row
 
 
+class PerTokenTerms(NamedTuple):
+    """Per-token outputs of :func:`per_token_ce_ntl`, each shaped like the labels.
+
+    Attributes:
+        ce: cross entropy (0 where ignored).
+        ntl: NTL (0 where ``number_mask`` is False).
+        number_mask: positions that carry NTL.
+        hit: the label is the arg-max over the whole vocabulary (for token accuracy; False when
+            CE was not computed).
+    """
+
+    ce: torch.Tensor
+    ntl: torch.Tensor
+    number_mask: torch.Tensor
+    hit: torch.Tensor
+
+
+def per_token_ce_ntl(
+    logits_shard: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    loss: str = "was",
+    squash_factor: float | None = None,
+    reweigh: bool = False,
+    huber_delta: float = 1.0,
+    float_level: bool = False,
+    ignore_index: int = -100,
+    tp_group: dist.ProcessGroup | None = None,
+    inplace: bool = False,
+    check_finite: bool = True,
+    chunk_tokens: int | None = None,
+    need_ce: bool = True,
+) -> PerTokenTerms:
+    """:func:`vocab_parallel_ce_ntl` plus the per-token arg-max hit; ``need_ce=False`` skips the
+    full-vocabulary softmax when neither CE nor reweighing needs it (CE and ``hit`` are then 0)."""
+    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index)
+    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+    _check_inputs(logits_shard, labels, vocab, options, tp_size)
+    if inplace and logits_shard.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"inplace=True reuses the logits buffer for fp32 math and needs float32/float64 logits, "
+            f"got {logits_shard.dtype}; use inplace=False for half-precision logits"
+        )
+    if loss == "number" and float_level and vocab.decimal_point_id is None:
+        raise ValueError("float_level=True needs the '.' token id; the number table has no decimal_point_id")
+    shape = labels.shape
+    width = logits_shard.shape[-1]
+    dtype = compute_dtype(logits_shard.dtype)
+    flat_labels = labels.reshape(-1)
+    inputs, row = _shard_inputs(flat_labels, vocab, options, tp_rank * width, width, dtype)
+    need_full = need_ce or reweigh
+    ce, expect, mass, hit = fused_shard_stats(
+        logits_shard.reshape(-1, width),
+        inputs,
+        need_full=need_full,
+        inplace=inplace,
+        check_finite=check_finite,
+        tp_group=tp_group,
+        chunk_tokens=chunk_tokens,
+    )
+    is_number = row >= 0
+    zero = torch.zeros((), dtype=dtype, device=ce.device)
+    if loss == "number":
+        sequences = shape[-1] if len(shape) else 1
+        digits = is_number.view(-1, sequences)
+        dots = None
+        if float_level:
+            dots = (inputs.valid & (inputs.labels == vocab.decimal_point_id)).view(-1, sequences)
+        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
+        pred, target, starts = assemble_numbers(expect.view(-1, sequences), targets.view(-1, sequences), digits, dots)
+        mask = starts.reshape(-1)
+        ntl = symmetric_mape(pred.reshape(-1), target.reshape(-1))
+    elif loss == "was":
+        mask, ntl = is_number, expect
+    else:
+        mask = is_number
+        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
+        ntl = options.point_loss(expect, targets)
+    if reweigh:
+        penalty = _REWEIGH_MARGIN * options.max_loss(vocab)
+        ntl = ntl * mass + penalty * (1 - mass)
+    ntl = torch.where(mask, ntl, zero)
+    return PerTokenTerms(ce.view(shape), ntl.view(shape), mask.view(shape), hit.view(shape))
+
+
 def vocab_parallel_ce_ntl(
     logits_shard: torch.Tensor,
     labels: torch.Tensor,
@@ -232,9 +323,9 @@ def vocab_parallel_ce_ntl(
     inplace: bool = False,
     check_finite: bool = True,
     chunk_tokens: int | None = None,
-    _need_ce: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token cross entropy and NTL from a vocab-parallel logits shard, fused.
+
 
     Rank ``r`` of ``tp_group`` holds the columns ``[r*V/tp, (r+1)*V/tp)`` of the (padded)
     vocabulary. The forward issues one MAX and one SUM all-reduce on ``tp_group`` (CE and NTL
@@ -267,54 +358,22 @@ def vocab_parallel_ce_ntl(
         is False) and the bool mask of positions that carry NTL (number labels; for number-level the
         first digit of each number). Identical on every TP rank.
     """
-    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index)
-    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
-    _check_inputs(logits_shard, labels, vocab, options, tp_size)
-    if inplace and logits_shard.dtype not in (torch.float32, torch.float64):
-        raise ValueError(
-            f"inplace=True reuses the logits buffer for fp32 math and needs float32/float64 logits, "
-            f"got {logits_shard.dtype}; use inplace=False for half-precision logits"
-        )
-    if loss == "number" and float_level and vocab.decimal_point_id is None:
-        raise ValueError("float_level=True needs the '.' token id; the number table has no decimal_point_id")
-    shape = labels.shape
-    width = logits_shard.shape[-1]
-    dtype = compute_dtype(logits_shard.dtype)
-    flat_labels = labels.reshape(-1)
-    inputs, row = _shard_inputs(flat_labels, vocab, options, tp_rank * width, width, dtype)
-    need_full = _need_ce or reweigh
-    ce, expect, mass = fused_shard_stats(
-        logits_shard.reshape(-1, width),
-        inputs,
-        need_full=need_full,
+    terms = per_token_ce_ntl(
+        logits_shard,
+        labels,
+        vocab,
+        loss=loss,
+        squash_factor=squash_factor,
+        reweigh=reweigh,
+        huber_delta=huber_delta,
+        float_level=float_level,
+        ignore_index=ignore_index,
+        tp_group=tp_group,
         inplace=inplace,
         check_finite=check_finite,
-        tp_group=tp_group,
         chunk_tokens=chunk_tokens,
     )
-    is_number = row >= 0
-    zero = torch.zeros((), dtype=dtype, device=ce.device)
-    if loss == "number":
-        sequences = shape[-1] if len(shape) else 1
-        digits = is_number.view(-1, sequences)
-        dots = None
-        if float_level:
-            dots = (inputs.valid & (inputs.labels == vocab.decimal_point_id)).view(-1, sequences)
-        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
-        pred, target, starts = assemble_numbers(expect.view(-1, sequences), targets.view(-1, sequences), digits, dots)
-        mask = starts.reshape(-1)
-        ntl = symmetric_mape(pred.reshape(-1), target.reshape(-1))
-    elif loss == "was":
-        mask, ntl = is_number, expect
-    else:
-        mask = is_number
-        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
-        ntl = options.point_loss(expect, targets)
-    if reweigh:
-        penalty = _REWEIGH_MARGIN * options.max_loss(vocab)
-        ntl = ntl * mass + penalty * (1 - mass)
-    ntl = torch.where(mask, ntl, zero)
-    return ce.view(shape), ntl.view(shape), mask.view(shape)
+    return terms.ce, terms.ntl, terms.number_mask
 
 
 # ---------------------------------------------------------------------------------- reductions
@@ -383,7 +442,7 @@ def number_token_loss(
         Exactly 0 with zero gradient when the batch holds no number label.
     """
     _check_reduction(reduction)
-    _, ntl, mask = vocab_parallel_ce_ntl(
+    _, ntl, mask, _ = per_token_ce_ntl(
         logits,
         labels,
         vocab,
@@ -394,7 +453,7 @@ def number_token_loss(
         float_level=float_level,
         ignore_index=ignore_index,
         check_finite=check_finite,
-        _need_ce=False,
+        need_ce=False,
     )
     weights = _check_weights(loss_weights, labels, ntl.dtype)
     return reduce_loss(ntl, mask, weights, reduction)[0]
@@ -439,12 +498,12 @@ def ce_with_ntl(
         check_finite: raise on NaN/Inf logits.
 
     Returns:
-        A :class:`CENTLOutput` ``(loss, ce, ntl, num_tokens, num_number_tokens)``.
+        A :class:`CENTLOutput` ``(loss, ce, ntl, num_tokens, num_number_tokens, number_accuracy)``.
     """
     _check_reduction(reduction)
     if isinstance(ntl_weight, bool) or not isinstance(ntl_weight, (int, float)) or ntl_weight < 0:
         raise ValueError(f"ntl_weight must be a number >= 0, got {ntl_weight!r}")
-    ce, ntl, mask = vocab_parallel_ce_ntl(
+    ce, ntl, mask, hit = per_token_ce_ntl(
         logits,
         labels,
         vocab,
@@ -461,7 +520,14 @@ def ce_with_ntl(
     weights = _check_weights(loss_weights, labels, ce.dtype)
     ce_red, num_tokens = reduce_loss(ce, labels != ignore_index, weights, reduction)
     ntl_red, num_numbers = reduce_loss(ntl, mask, weights, reduction)
-    return CENTLOutput(ce_red + ntl_weight * ntl_red, ce_red, ntl_red, num_tokens, num_numbers)
+    if loss == "number":
+        number_positions = vocab.index_of_id(labels.device)[torch.where(labels == ignore_index, 0, labels)] >= 0
+        number_positions &= labels != ignore_index
+    else:
+        number_positions = mask
+    hits = number_positions & hit
+    accuracy = hits.sum().to(ce.dtype) / number_positions.sum().clamp_min(1)
+    return CENTLOutput(ce_red + ntl_weight * ntl_red, ce_red, ntl_red, num_tokens, num_numbers, accuracy.detach())
 
 
 # ---------------------------------------------------------------------------------- modules

@@ -147,18 +147,23 @@ class ShardMath:
     @staticmethod
     def finalize(
         max_all: torch.Tensor, sums: torch.Tensor, number_max: torch.Tensor, valid: torch.Tensor, need_full: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-token ``ce``, ``expect`` and ``mass`` from the reduced maxima and sums."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token ``ce``, ``expect``, ``mass`` and ``hit`` from the reduced maxima and sums.
+
+        ``hit``: the label's logit is the largest of the whole vocabulary (greedy prediction is
+        right; ties count as right), known from ``z_y`` and the global max without a collective.
+        """
         total, target, number_total, weighted = sums.unbind(dim=1)
         zero = torch.zeros_like(total)
         if need_full:
             ce = torch.where(valid, torch.log(total) + max_all - target, zero)
             mass = number_total * torch.exp(number_max - max_all) / total
+            hit = valid & (target >= max_all)
         else:
-            ce, mass = zero, zero
+            ce, mass, hit = zero, zero, torch.zeros_like(valid)
         has_numbers = number_total > 0
         expect = torch.where(has_numbers, weighted / torch.where(has_numbers, number_total, 1), zero)
-        return ce, expect, mass
+        return ce, expect, mass, hit
 
     @staticmethod
     def number_grad(
@@ -210,7 +215,7 @@ class _FusedCENTL(torch.autograd.Function):
         check_finite: bool,
         tp_group: dist.ProcessGroup | None,
         chunk_tokens: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         cdt = compute_dtype(logits.dtype)
         rows = ShardMath.chunk_rows(logits.shape[0], logits.shape[1], chunk_tokens)
         number_logits = logits.index_select(1, inputs.number_cols).to(cdt)
@@ -229,14 +234,15 @@ class _FusedCENTL(torch.autograd.Function):
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
         if check_finite:
             _raise_if_not_finite(maxes, sums, need_full)
-        ce, expect, mass = ShardMath.finalize(max_all, sums, number_max, inputs.valid, need_full)
+        ce, expect, mass, hit = ShardMath.finalize(max_all, sums, number_max, inputs.valid, need_full)
+        ctx.mark_non_differentiable(hit)
 
         ctx.inputs, ctx.need_full, ctx.inplace, ctx.rows = inputs, need_full, inplace, rows
         ctx.save_for_backward(logits, max_all, sums[:, 0], number_exp, sums[:, 2], expect, mass)
-        return ce, expect, mass
+        return ce, expect, mass, hit
 
     @staticmethod
-    def backward(ctx, g_ce, g_expect, g_mass):  # type: ignore[override]
+    def backward(ctx, g_ce, g_expect, g_mass, _g_hit):  # type: ignore[override]
         logits, max_all, total, number_exp, number_total, expect, mass = ctx.saved_tensors
         saved = {
             "max_all": max_all,
@@ -298,7 +304,7 @@ def fused_shard_stats(
     check_finite: bool = True,
     tp_group: dist.ProcessGroup | None = None,
     chunk_tokens: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token ``(ce, expect, mass)`` of a ``[T, V_local]`` logits shard; differentiable.
 
     Args:
@@ -314,6 +320,8 @@ def fused_shard_stats(
         chunk_tokens: tokens per chunk of the temporaries (default: a 64 MiB budget).
 
     Returns:
-        ``ce``, ``expect``, ``mass``, each ``[T]`` in the compute dtype, identical on every TP rank.
+        ``ce``, ``expect``, ``mass``, each ``[T]`` in the compute dtype, and the bool ``hit`` (the
+        label is the arg-max of the full vocabulary; only with ``need_full``), identical on every
+        TP rank.
     """
     return _FusedCENTL.apply(logits, inputs, need_full, inplace, check_finite, tp_group, chunk_tokens)

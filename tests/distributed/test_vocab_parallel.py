@@ -120,6 +120,13 @@ def _check_parity(ctx: WorkerContext, layouts: list[str], dtypes: list[torch.dty
                     _close(ntl.double(), ntl2, naive_atol, naive_rtol, what)
                     if full_precision:
                         _close(leaf.grad.double(), naive_in.grad[..., columns], naive_atol, naive_rtol, what)
+        # The arg-max hit (token accuracy) needs no extra collective: z_y >= global max.
+        boosted = full64.clone()
+        rows = (labels != -100).nonzero()[::3]
+        boosted[rows[:, 0], rows[:, 1], labels[rows[:, 0], rows[:, 1]]] += 12.0
+        terms = ntl_scale.per_token_ce_ntl(boosted[..., columns], labels, vocab, tp_group=ctx.tp_group)
+        want = (boosted.argmax(-1) == labels) & (labels != -100)
+        assert torch.equal(terms.hit, want) and want.any() and not want.all(), layout
         if ctx.tp_size > 1 and layout != "split":
             # the layout really exercised ranks without number tokens
             assert any(len(vocab.shard(r, ctx.tp_size).table_index) == 0 for r in range(ctx.tp_size))

@@ -254,3 +254,17 @@ def test_non_finite_logits_are_reported(bad, where):
     unchecked = ntl_scale.ce_with_ntl(logits, labels, vocab, check_finite=False)
     if where == "number_position":
         assert not torch.isfinite(unchecked.loss)
+
+
+def test_number_accuracy_is_the_argmax_hit_rate_on_number_labels():
+    vocab = _vocab()
+    labels = _labels_with_runs(vocab, seed=7)
+    logits = random_logits((*labels.shape, 64), seed=7)
+    is_number = torch.isin(labels, vocab.ids)
+    rows = is_number.nonzero()[::2]
+    logits[rows[:, 0], rows[:, 1], labels[rows[:, 0], rows[:, 1]]] = 20.0  # every second number label wins
+    want = (logits.argmax(-1) == labels)[is_number].double().mean()
+    for loss in ("was", "number"):
+        out = ntl_scale.ce_with_ntl(logits, labels, vocab, loss=loss)
+        torch.testing.assert_close(out.number_accuracy, want)
+    assert 0 < float(want) < 1
