@@ -91,7 +91,7 @@ def test_number_vocab_from_megatron_tokenizer_and_file(tmp_path):
     multi.save(path)
     loaded = ntl_megatron.build_number_vocab(ntl_megatron.NTLSettings(number_vocab=str(path)), None, 128)
     assert loaded == multi.with_vocab_size(128)
-    with pytest.raises(ValueError, match="neither one of .* nor an existing file"):
+    with pytest.raises(ValueError, match=r"neither one of .* nor an existing file"):
         ntl_megatron.build_number_vocab(ntl_megatron.NTLSettings(number_vocab="digitz"), tokenizer, padded)
 
 
@@ -183,6 +183,6 @@ def test_global_mode_needs_counts():
         ntl_megatron.make_loss_func(settings, _vocab(), tp_group=None)
     counts = ntl_megatron.GlobalCounts(_vocab())
     loss_func = ntl_megatron.make_loss_func(settings, _vocab(), tp_group=None, global_counts=counts)
-    vocab, labels, loss_mask, logits = _global_batch()
-    with pytest.raises(RuntimeError, match="call GlobalCounts.set_step"):
+    _, labels, loss_mask, logits = _global_batch()
+    with pytest.raises(RuntimeError, match=r"call GlobalCounts\.set_step"):
         loss_func(labels, loss_mask, logits)

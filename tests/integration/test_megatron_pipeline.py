@@ -1,0 +1,178 @@
+"""NTL through Megatron's real pipeline schedules on CPU (gloo), with a tiny GPTModel.
+
+Sections:
+1. Reference run, TP = 1, PP = 1 (one process): ``--ntl-weight 0`` through ``make_forward_step``
+   equals the plain Megatron loss path exactly; the global normalisation gives the same gradients
+   for micro-batch splits 1 x 8, 2 x 4 and 4 x 2 sequences.
+2. TP = 2, PP = 2 and TP = 2 x PP = 2 runs load the reference weights (sliced by each parameter's
+   partition dimension) and must reproduce the reference losses and gradients within 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.helpers.distributed import WorkerContext, run_workers
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.distributed
+
+VOCAB, SEQ, SEQUENCES = 64, 8, 8
+TOKENS = ["<eod>", "a", "b", "."] + [str(d) for d in range(10)] + [f"w{i}" for i in range(36)]  # 50 tokens
+VARIANTS = {
+    "off": dict(weight=0.0),
+    "micro-batch": dict(weight=0.3, loss="was", normalization="micro-batch"),
+    "global": dict(weight=0.3, loss="mse", reweigh=True, normalization="global"),
+}
+
+
+def _data():
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, len(TOKENS), (SEQUENCES, SEQ + 1), generator=g)
+    digits = torch.randint(4, 14, (SEQUENCES, SEQ + 1), generator=g)
+    tokens = torch.where(torch.rand(tokens.shape, generator=g) < 0.5, digits, tokens)
+    loss_mask = (tokens[:, 1:] != 0).float()
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), loss_mask
+
+
+def _get_batch_factory(micro_batches: int):
+    tokens, labels, loss_mask = _data()
+    size = SEQUENCES // micro_batches
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(size, SEQ)
+    attention_mask = torch.ones(1, 1, SEQ, SEQ).tril() < 0.5
+
+    def get_batch(iterator):
+        i = next(iterator)
+        rows = slice(i * size, (i + 1) * size)
+        return tokens[rows], labels[rows], loss_mask[rows], attention_mask, position_ids
+
+    return get_batch, size
+
+
+def _run(model, variant: str, micro_batches: int, tp_group, count_group, vocab):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from ntl_scale.integrations import megatron as ntl_megatron
+
+    settings = ntl_megatron.NTLSettings(**VARIANTS[variant])
+    get_batch, size = _get_batch_factory(micro_batches)
+    forward_step = ntl_megatron.make_forward_step(
+        settings, vocab, get_batch, tp_group=tp_group, count_group=count_group, num_microbatches=micro_batches
+    )
+    model.zero_grad(set_to_none=True)
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(range(micro_batches)),
+        model=[model],
+        num_microbatches=micro_batches,
+        seq_length=SEQ,
+        micro_batch_size=size,
+        forward_only=False,
+    )
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return reports, grads
+
+
+def _global_name(model, name: str) -> str:
+    """Local parameter name -> the TP1/PP1 model's name (layer indices are global there)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        layer = model.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+    return ".".join(parts)
+
+
+def _local_slice(param, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    if getattr(param, "tensor_model_parallel", False):
+        return torch.chunk(full, tp_size, dim=param.partition_dim)[tp_rank]
+    return full
+
+
+def _setup(tp: int, pp: int, rank_in_pp: int):
+    from megatron.core import parallel_state
+
+    from tests.helpers.megatron_cpu import patch_for_cpu, tiny_gpt
+
+    patch_for_cpu()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = tiny_gpt(VOCAB, SEQ, tp=tp, pp=pp, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    return parallel_state, model
+
+
+def _reference_worker(ctx: WorkerContext, out_path: str) -> None:
+    import ntl_scale
+    from ntl_scale.integrations import megatron as ntl_megatron
+
+    parallel_state, model = _setup(1, 1, 0)
+    vocab = ntl_scale.NumberVocab.from_id_to_token(TOKENS, vocab_size=VOCAB)
+    results = {"state": {k: v.detach().clone() for k, v in model.state_dict().items() if v is not None}}
+    for variant in VARIANTS:
+        results[variant] = _run(model, variant, 4, None, None, vocab)
+
+    # --ntl-weight 0 is the plain Megatron path: the model's own loss, Megatron-LM's loss_func.
+    tokens, labels, loss_mask = _data()
+    plain = []
+    for i in range(4):
+        rows = slice(2 * i, 2 * i + 2)
+        per_token = model(
+            tokens[rows],
+            torch.arange(SEQ).unsqueeze(0).expand(2, SEQ),
+            torch.ones(1, 1, SEQ, SEQ).tril() < 0.5,
+            labels=labels[rows],
+        )
+        plain.append(ntl_megatron.plain_loss_func(loss_mask[rows], per_token)[2]["lm loss"])
+    assert all(torch.equal(a["lm loss"], b) for a, b in zip(results["off"][0], plain))
+
+    # Global normalisation: the micro-batch split does not change the gradient.
+    for micro_batches in (1, 2):
+        _, grads = _run(model, "global", micro_batches, None, None, vocab)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, results["global"][1][name], atol=1e-6, rtol=1e-5, msg=name)
+    assert float(results["micro-batch"][0][0]["ntl loss"][1]) > 0  # number tokens were present
+    torch.save(results, out_path)
+    parallel_state.destroy_model_parallel()
+
+
+def _parallel_worker(ctx: WorkerContext, tp: int, pp: int, ref_path: str) -> None:
+    import ntl_scale
+
+    reference = torch.load(ref_path, weights_only=False)
+    parallel_state, model = _setup(tp, pp, 0)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = reference["state"][_global_name(model, name)]
+            param.copy_(_local_slice(param, full, tp_rank, tp))
+    vocab = ntl_scale.NumberVocab.from_id_to_token(TOKENS, vocab_size=VOCAB)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    last_stage = parallel_state.is_pipeline_last_stage()
+    for variant in VARIANTS:
+        reports, grads = _run(model, variant, 4, tp_group, dp_group, vocab)
+        ref_reports, ref_grads = reference[variant]
+        if last_stage:
+            for got, want in zip(reports, ref_reports):
+                for key in want:
+                    torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-5, msg=f"{variant} {key}")
+        else:
+            assert reports == []
+        for name, param in model.named_parameters():
+            want = _local_slice(param, ref_grads[_global_name(model, name)], tp_rank, tp)
+            torch.testing.assert_close(grads[name], want, atol=1e-5, rtol=1e-4, msg=f"{variant} {name}")
+    parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def reference_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("megatron") / "reference.pt")
+    run_workers(1, 1, _reference_worker, path)
+    assert os.path.isfile(path)
+    return path
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
+def test_parallel_layouts_match_the_reference(reference_path, tp, pp):
+    run_workers(tp * pp, tp * pp, _parallel_worker, tp, pp, reference_path)
