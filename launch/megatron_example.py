@@ -1,0 +1,213 @@
+"""End-to-end NTL on ``megatron.core`` alone (no Megatron-LM checkout): a tiny GPT on arithmetic text.
+
+Builds a character tokenizer (every digit is one token, so the digit-level number table comes
+from its ``inv_vocab``), writes the text as Megatron indexed files, reads them back through
+``megatron.core.datasets.GPTDataset``, and trains a tiny ``GPTModel`` with CE + NTL through
+Megatron's pipeline schedule, tensor and pipeline parallel as launched:
+
+    torchrun --nproc_per_node 4 launch/megatron_example.py --tp 2 --pp 2 --steps 30 --ntl-weight 0.3
+
+On GPUs it runs as is. On CPU (gloo) Megatron needs a few CUDA calls patched; that is done only
+by the test suite (``tests/integration/test_megatron_example.py``), never here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+
+import numpy
+import torch
+import torch.distributed as dist
+
+from ntl_scale.integrations import megatron as ntl_megatron
+
+
+def arithmetic_text(lines: int, seed: int) -> list[str]:
+    """Seeded ``a+b=c`` / ``a*b=c`` problems, one per line."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 99)
+        out.append(f"{a}+{b}={a + b}" if rng.random() < 0.5 else f"{a}*{b}={a * b}")
+    return out
+
+
+class CharTokenizer:
+    """A character tokenizer with Megatron's tokenizer interface (``inv_vocab``, ``eod``, ...)."""
+
+    def __init__(self, alphabet: str = "0123456789+*=\n") -> None:
+        self.inv_vocab = {0: "<eod>", 1: "<pad>", **{i + 2: c for i, c in enumerate(alphabet)}}
+        self.vocab = {t: i for i, t in self.inv_vocab.items()}
+        self.eod, self.pad = 0, 1
+        # Megatron's dataset cache keys on this description of the tokenizer.
+        self.unique_identifiers = {"class": type(self).__name__, "alphabet": alphabet}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.inv_vocab)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.vocab[c] for c in text]
+
+    def detokenize(self, ids) -> str:
+        return "".join(self.inv_vocab[int(i)] for i in ids)
+
+
+def build_dataset(tokenizer: CharTokenizer, prefix: str, seq_length: int, samples: int, seed: int):
+    """Writes the text as indexed files (rank 0) and returns a ``GPTDataset`` over them."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    if dist.get_rank() == 0:
+        builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.int32)
+        for line in arithmetic_text(4000, seed):
+            builder.add_document(tokenizer.tokenize(line + "\n") + [tokenizer.eod], [len(line) + 2])
+        builder.finalize(f"{prefix}.idx")
+    dist.barrier()
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=([prefix], None),
+        split="100,0,0",
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=os.path.dirname(prefix),
+    )
+    datasets = BlendedMegatronDatasetBuilder(GPTDataset, [samples, None, None], lambda: True, config).build()
+    return datasets[0]
+
+
+def build_model(vocab_size: int, seq_length: int, tp: int, pp: int):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        pre_process=stage == 0,
+        post_process=stage == pp - 1,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute",
+    )
+
+
+def train(args: argparse.Namespace) -> list[dict]:
+    """Trains for ``args.steps`` steps; returns the reports of the last pipeline stage, per step."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    import ntl_scale
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    torch.manual_seed(args.seed)
+    tokenizer = CharTokenizer()
+    padded = ntl_scale.pad_vocab_size(tokenizer.vocab_size, divisible_by=8, tp_size=args.tp)
+    settings = ntl_megatron.NTLSettings.from_args(args)
+    vocab = ntl_megatron.build_number_vocab(settings, tokenizer, padded)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="ntl_megatron_")
+    dp = parallel_state.get_data_parallel_world_size()
+    samples = args.steps * args.micro_batches * args.micro_batch_size * dp
+    dataset = build_dataset(tokenizer, os.path.join(workdir, "arithmetic"), args.seq_length, samples, args.seed)
+    model = build_model(padded, args.seq_length, args.tp, args.pp)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    order = iter(range(dp_rank, len(dataset), dp))
+
+    def get_batch(iterator):
+        items = [dataset[next(iterator)] for _ in range(args.micro_batch_size)]
+        batch = {k: torch.stack([torch.as_tensor(item[k]) for item in items]) for k in items[0]}
+        return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
+
+    forward_step = ntl_megatron.make_forward_step(
+        settings,
+        vocab,
+        get_batch,
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        count_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        num_microbatches=args.micro_batches,
+        data_parallel_size=dp,
+    )
+    history = []
+    for step in range(args.steps):
+        optimizer.zero_grad(set_to_none=True)
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=order,
+            model=[model],
+            num_microbatches=args.micro_batches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        for p in model.parameters():  # DDP's job in real runs: average gradients over DP replicas
+            if p.grad is not None and dp > 1:
+                dist.all_reduce(p.grad, group=parallel_state.get_data_parallel_group())
+                p.grad /= dp
+        optimizer.step()
+        if reports:
+            summary = {key: sum(r[key] for r in reports) for key in reports[0]}
+            row = {key: float(v[0] / v[1].clamp_min(1)) for key, v in summary.items()}
+            history.append(row)
+            if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
+                shown = "  ".join(f"{k} {v:.4f}" for k, v in row.items())
+                print(f"step {step + 1:3d}/{args.steps}  {shown}", flush=True)
+    parallel_state.destroy_model_parallel()
+    return history
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--workdir", default=None)
+    ntl_megatron.add_ntl_args(parser)
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    train(args)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
