@@ -65,7 +65,7 @@ def build_dataset(tokenizer: CharTokenizer, prefix: str, seq_length: int, sample
     if dist.get_rank() == 0:
         builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.int32)
         for line in arithmetic_text(4000, seed):
-            builder.add_document(tokenizer.tokenize(line + "\n") + [tokenizer.eod], [len(line) + 2])
+            builder.add_document([*tokenizer.tokenize(line + "\n"), tokenizer.eod], [len(line) + 2])
         builder.finalize(f"{prefix}.idx")
     dist.barrier()
     config = GPTDatasetConfig(
