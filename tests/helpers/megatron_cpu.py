@@ -69,7 +69,7 @@ def patch_for_cpu() -> None:
     torch._ntl_scale_cpu_patched = True
 
 
-def tiny_gpt(vocab_size: int, seq_length: int, *, tp: int, pp: int, pp_rank: int, seed: int = 1234):
+def tiny_gpt(vocab_size: int, seq_length: int, *, tp: int, pp: int, pp_rank: int, seed: int = 1234, model_class=None):
     """A 2-layer GPTModel on CPU (local layer spec, fp32, no fusions, dropout 0)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -95,7 +95,7 @@ def tiny_gpt(vocab_size: int, seq_length: int, *, tp: int, pp: int, pp_rank: int
         persist_layer_norm=False,
     )
     torch.manual_seed(seed)
-    return GPTModel(
+    return (model_class or GPTModel)(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=vocab_size,

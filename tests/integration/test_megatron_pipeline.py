@@ -126,6 +126,24 @@ def _reference_worker(ctx: WorkerContext, out_path: str) -> None:
         plain.append(ntl_megatron.plain_loss_func(loss_mask[rows], per_token)[2]["lm loss"])
     assert all(torch.equal(a["lm loss"], b) for a, b in zip(results["off"][0], plain))
 
+    # The model-side route (for multi-token-prediction heads): the mixin's per-token loss averages to
+    # mean CE + 0.3 * mean NTL over number tokens, as ce_with_ntl computes from the model's logits.
+    from megatron.core.models.gpt import GPTModel
+
+    from tests.helpers.megatron_cpu import tiny_gpt
+
+    class NTLGPTModel(ntl_megatron.NTLLanguageModelMixin, GPTModel):
+        pass
+
+    hooked = tiny_gpt(VOCAB, SEQ, tp=1, pp=1, pp_rank=0, model_class=NTLGPTModel)
+    hooked.load_state_dict(model.state_dict())
+    hooked.configure_ntl(ntl_megatron.NTLSettings(weight=0.3), vocab, None)
+    inputs = (tokens[:2], torch.arange(SEQ).unsqueeze(0).expand(2, SEQ), torch.ones(1, 1, SEQ, SEQ).tril() < 0.5)
+    per_token = hooked(*inputs, labels=labels[:2])
+    want = ntl_scale.ce_with_ntl(model(*inputs), labels[:2], vocab, ntl_weight=0.3)
+    assert float(want.num_number_tokens) > 0
+    torch.testing.assert_close(per_token.mean(), want.loss, atol=1e-6, rtol=1e-6)
+
     # Global normalisation: the micro-batch split does not change the gradient.
     for micro_batches in (1, 2):
         _, grads = _run(model, "global", micro_batches, None, None, vocab)

@@ -186,3 +186,32 @@ def test_global_mode_needs_counts():
     _, labels, loss_mask, logits = _global_batch()
     with pytest.raises(RuntimeError, match=r"call GlobalCounts\.set_step"):
         loss_func(labels, loss_mask, logits)
+
+
+def test_pretrain_entry_without_megatron_lm_says_how_to_fix(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "launch" / "pretrain_gpt_ntl.py"
+    env = {**__import__("os").environ, "MEGATRON_LM_PATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, str(script), "--ntl-weight", "0.3"], capture_output=True, text=True, env=env)
+    assert out.returncode != 0
+    assert "needs a Megatron-LM checkout" in out.stderr and "MEGATRON_LM_PATH" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["granite-3.2-2b_ntl.yaml", "llama-3.2-3b_ntl.yaml", "tiny_cpu.yaml"])
+def test_megatron_configs_give_valid_ntl_settings(name):
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("megatron_args", root / "launch" / "megatron_args.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = root / "configs" / "megatron" / name
+    argv = module.to_argv(str(path))
+    args, rest = _parser().parse_known_args(argv)
+    settings = ntl_megatron.NTLSettings.from_args(args)
+    assert settings.enabled and "--num-layers" in rest
+    assert "launch/" in path.read_text().split("megatron_args:")[0]  # the header shows the launch command
