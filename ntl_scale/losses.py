@@ -243,22 +243,21 @@ def per_token_ce_ntl(
     logits_shard: torch.Tensor,
     labels: torch.Tensor,
     vocab: NumberVocab,
+    options: NTLOptions | None = None,
     *,
-    loss: str = "was",
-    squash_factor: float | None = None,
-    reweigh: bool = False,
-    huber_delta: float = 1.0,
-    float_level: bool = False,
-    ignore_index: int = -100,
     tp_group: dist.ProcessGroup | None = None,
     inplace: bool = False,
     check_finite: bool = True,
     chunk_tokens: int | None = None,
     need_ce: bool = True,
 ) -> PerTokenTerms:
-    """:func:`vocab_parallel_ce_ntl` plus the per-token arg-max hit; ``need_ce=False`` skips the
-    full-vocabulary softmax when neither CE nor reweighing needs it (CE and ``hit`` are then 0)."""
-    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index)
+    """:func:`vocab_parallel_ce_ntl` with the variant as one :class:`NTLOptions`, plus the arg-max hit.
+
+    The form for integrations. ``need_ce=False`` skips the full-vocabulary softmax when neither CE
+    nor reweighing needs it (``ce`` and ``hit`` are then 0).
+    """
+    options = NTLOptions() if options is None else options
+    loss, reweigh = options.loss, options.reweigh
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     _check_inputs(logits_shard, labels, vocab, options, tp_size)
     if inplace and logits_shard.dtype not in (torch.float32, torch.float64):
@@ -266,7 +265,7 @@ def per_token_ce_ntl(
             f"inplace=True reuses the logits buffer for fp32 math and needs float32/float64 logits, "
             f"got {logits_shard.dtype}; use inplace=False for half-precision logits"
         )
-    if loss == "number" and float_level and vocab.decimal_point_id is None:
+    if loss == "number" and options.float_level and vocab.decimal_point_id is None:
         raise ValueError("float_level=True needs the '.' token id; the number table has no decimal_point_id")
     shape = labels.shape
     width = logits_shard.shape[-1]
@@ -289,7 +288,7 @@ def per_token_ce_ntl(
         sequences = shape[-1] if len(shape) else 1
         digits = is_number.view(-1, sequences)
         dots = None
-        if float_level:
+        if options.float_level:
             dots = (inputs.valid & (inputs.labels == vocab.decimal_point_id)).view(-1, sequences)
         targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
         pred, target, starts = assemble_numbers(expect.view(-1, sequences), targets.view(-1, sequences), digits, dots)
@@ -358,16 +357,12 @@ def vocab_parallel_ce_ntl(
         is False) and the bool mask of positions that carry NTL (number labels; for number-level the
         first digit of each number). Identical on every TP rank.
     """
+    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index)
     terms = per_token_ce_ntl(
         logits_shard,
         labels,
         vocab,
-        loss=loss,
-        squash_factor=squash_factor,
-        reweigh=reweigh,
-        huber_delta=huber_delta,
-        float_level=float_level,
-        ignore_index=ignore_index,
+        options,
         tp_group=tp_group,
         inplace=inplace,
         check_finite=check_finite,
@@ -442,21 +437,10 @@ def number_token_loss(
         Exactly 0 with zero gradient when the batch holds no number label.
     """
     _check_reduction(reduction)
-    _, ntl, mask, _ = per_token_ce_ntl(
-        logits,
-        labels,
-        vocab,
-        loss=loss,
-        squash_factor=squash_factor,
-        reweigh=reweigh,
-        huber_delta=huber_delta,
-        float_level=float_level,
-        ignore_index=ignore_index,
-        check_finite=check_finite,
-        need_ce=False,
-    )
-    weights = _check_weights(loss_weights, labels, ntl.dtype)
-    return reduce_loss(ntl, mask, weights, reduction)[0]
+    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index)
+    terms = per_token_ce_ntl(logits, labels, vocab, options, check_finite=check_finite, need_ce=False)
+    weights = _check_weights(loss_weights, labels, terms.ntl.dtype)
+    return reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
 
 
 def ce_with_ntl(
@@ -501,33 +485,40 @@ def ce_with_ntl(
         A :class:`CENTLOutput` ``(loss, ce, ntl, num_tokens, num_number_tokens, number_accuracy)``.
     """
     _check_reduction(reduction)
+    _check_ntl_weight(ntl_weight)
+    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index)
+    terms = per_token_ce_ntl(
+        logits, labels, vocab, options, tp_group=tp_group, inplace=inplace, check_finite=check_finite
+    )
+    return _combine(terms, labels, vocab, options, ntl_weight, loss_weights, reduction)
+
+
+def _check_ntl_weight(ntl_weight: float) -> None:
     if isinstance(ntl_weight, bool) or not isinstance(ntl_weight, (int, float)) or ntl_weight < 0:
         raise ValueError(f"ntl_weight must be a number >= 0, got {ntl_weight!r}")
-    ce, ntl, mask, hit = per_token_ce_ntl(
-        logits,
-        labels,
-        vocab,
-        loss=loss,
-        squash_factor=squash_factor,
-        reweigh=reweigh,
-        huber_delta=huber_delta,
-        float_level=float_level,
-        ignore_index=ignore_index,
-        tp_group=tp_group,
-        inplace=inplace,
-        check_finite=check_finite,
-    )
-    weights = _check_weights(loss_weights, labels, ce.dtype)
-    ce_red, num_tokens = reduce_loss(ce, labels != ignore_index, weights, reduction)
-    ntl_red, num_numbers = reduce_loss(ntl, mask, weights, reduction)
-    if loss == "number":
-        number_positions = vocab.index_of_id(labels.device)[torch.where(labels == ignore_index, 0, labels)] >= 0
-        number_positions &= labels != ignore_index
+
+
+def _combine(
+    terms: PerTokenTerms,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions,
+    ntl_weight: float,
+    loss_weights: torch.Tensor | None,
+    reduction: str,
+) -> CENTLOutput:
+    """Reduces per-token terms to :class:`CENTLOutput` (CE over valid tokens, NTL over its mask)."""
+    weights = _check_weights(loss_weights, labels, terms.ce.dtype)
+    valid = labels != options.ignore_index
+    ce_red, num_tokens = reduce_loss(terms.ce, valid, weights, reduction)
+    ntl_red, num_numbers = reduce_loss(terms.ntl, terms.number_mask, weights, reduction)
+    if options.loss == "number":  # the NTL mask holds first digits only; accuracy counts every digit
+        number_positions = valid & (vocab.index_of_id(labels.device)[torch.where(valid, labels, 0)] >= 0)
     else:
-        number_positions = mask
-    hits = number_positions & hit
-    accuracy = hits.sum().to(ce.dtype) / number_positions.sum().clamp_min(1)
-    return CENTLOutput(ce_red + ntl_weight * ntl_red, ce_red, ntl_red, num_tokens, num_numbers, accuracy.detach())
+        number_positions = terms.number_mask
+    hits = (number_positions & terms.hit).sum().to(terms.ce.dtype)
+    accuracy = (hits / number_positions.sum().clamp_min(1)).detach()
+    return CENTLOutput(ce_red + ntl_weight * ntl_red, ce_red, ntl_red, num_tokens, num_numbers, accuracy)
 
 
 # ---------------------------------------------------------------------------------- modules
@@ -554,21 +545,11 @@ class NumberTokenLoss(torch.nn.Module):
         self, logits: torch.Tensor, labels: torch.Tensor, loss_weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         """See :func:`number_token_loss`."""
-        o = self.options
-        return number_token_loss(
-            logits,
-            labels,
-            self.vocab,
-            loss=o.loss,
-            squash_factor=o.squash_factor,
-            reweigh=o.reweigh,
-            huber_delta=o.huber_delta,
-            float_level=o.float_level,
-            loss_weights=loss_weights,
-            ignore_index=o.ignore_index,
-            reduction=self.reduction,
-            check_finite=self.check_finite,
+        terms = per_token_ce_ntl(
+            logits, labels, self.vocab, self.options, check_finite=self.check_finite, need_ce=False
         )
+        weights = _check_weights(loss_weights, labels, terms.ntl.dtype)
+        return reduce_loss(terms.ntl, terms.number_mask, weights, self.reduction)[0]
 
     def extra_repr(self) -> str:
         return f"{self.options}, reduction={self.reduction!r}, numbers={len(self.vocab)}"
@@ -592,6 +573,7 @@ class CEWithNTL(torch.nn.Module):
         **options: object,
     ) -> None:
         super().__init__()
+        _check_ntl_weight(ntl_weight)
         self.vocab, self.ntl_weight, self.tp_group = vocab, ntl_weight, tp_group
         self.reduction = str(options.pop("reduction", "mean"))
         self.inplace = bool(options.pop("inplace", False))
@@ -603,21 +585,13 @@ class CEWithNTL(torch.nn.Module):
         self, logits: torch.Tensor, labels: torch.Tensor, loss_weights: torch.Tensor | None = None
     ) -> CENTLOutput:
         """See :func:`ce_with_ntl`."""
-        o = self.options
-        return ce_with_ntl(
+        terms = per_token_ce_ntl(
             logits,
             labels,
             self.vocab,
-            ntl_weight=self.ntl_weight,
-            loss=o.loss,
-            squash_factor=o.squash_factor,
-            reweigh=o.reweigh,
-            huber_delta=o.huber_delta,
-            float_level=o.float_level,
-            loss_weights=loss_weights,
-            ignore_index=o.ignore_index,
-            reduction=self.reduction,
+            self.options,
             tp_group=self.tp_group,
             inplace=self.inplace,
             check_finite=self.check_finite,
         )
+        return _combine(terms, labels, self.vocab, self.options, self.ntl_weight, loss_weights, self.reduction)

@@ -266,17 +266,7 @@ def make_loss_func(
     options = settings.options()
 
     def loss_func(labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor):
-        terms = per_token_ce_ntl(
-            logits,
-            labels,
-            vocab,
-            loss=options.loss,
-            squash_factor=options.squash_factor,
-            reweigh=options.reweigh,
-            huber_delta=options.huber_delta,
-            tp_group=tp_group,
-            inplace=inplace,
-        )
+        terms = per_token_ce_ntl(logits, labels, vocab, options, tp_group=tp_group, inplace=inplace)
         mask = loss_mask.to(terms.ce.dtype)
         numbers = terms.number_mask.to(mask.dtype) * mask
         ce_sum = (terms.ce * mask).sum()
@@ -422,16 +412,7 @@ class NTLLanguageModelMixin:
         settings, vocab, tp_group = getattr(self, "_ntl", (None, None, None))
         if settings is None or not settings.enabled:
             return super().compute_language_model_loss(labels, logits)  # type: ignore[misc]
-        options = settings.options()
-        terms = per_token_ce_ntl(
-            logits.transpose(0, 1),  # [s, b, V/tp] -> [b, s, V/tp]
-            labels,
-            vocab,
-            loss=options.loss,
-            squash_factor=options.squash_factor,
-            reweigh=options.reweigh,
-            huber_delta=options.huber_delta,
-            tp_group=tp_group,
-        )
+        # [s, b, V/tp] -> [b, s, V/tp]
+        terms = per_token_ce_ntl(logits.transpose(0, 1), labels, vocab, settings.options(), tp_group=tp_group)
         scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
         return terms.ce + settings.weight * terms.ntl * scale
