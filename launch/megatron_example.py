@@ -83,7 +83,18 @@ def build_dataset(tokenizer: CharTokenizer, prefix: str, seq_length: int, sample
     return datasets[0]
 
 
-def build_model(vocab_size: int, seq_length: int, tp: int, pp: int):
+def build_model(
+    vocab_size: int,
+    seq_length: int,
+    tp: int,
+    pp: int,
+    *,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    ffn_hidden_size: int | None = None,
+    model_class: type | None = None,
+):
+    """A 2-layer ``GPTModel`` (local layer spec, fp32, no fusions, dropout 0) for this pipeline stage."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -91,8 +102,9 @@ def build_model(vocab_size: int, seq_length: int, tp: int, pp: int):
 
     config = TransformerConfig(
         num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        ffn_hidden_size=ffn_hidden_size,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         use_cpu_initialization=True,
@@ -108,7 +120,7 @@ def build_model(vocab_size: int, seq_length: int, tp: int, pp: int):
         persist_layer_norm=False,
     )
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    return GPTModel(
+    return (model_class or GPTModel)(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=vocab_size,

@@ -1,4 +1,4 @@
-"""Test-only patches that let ``megatron.core`` models and pipeline schedules run on CPU over gloo.
+"""Test-only patches (and a tiny model) that let ``megatron.core`` models and pipeline schedules run on CPU over gloo.
 
 Never imported by the library. Apply :func:`patch_for_cpu` in each spawned worker before building
 anything. What it changes, and why (found by running Megatron 0.16 here):
@@ -69,39 +69,23 @@ def patch_for_cpu() -> None:
     torch._ntl_scale_cpu_patched = True
 
 
-def tiny_gpt(vocab_size: int, seq_length: int, *, tp: int, pp: int, pp_rank: int, seed: int = 1234, model_class=None):
-    """A 2-layer GPTModel on CPU (local layer spec, fp32, no fusions, dropout 0)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def tiny_gpt(vocab_size: int, seq_length: int, *, tp: int, pp: int, seed: int = 1234, model_class=None):
+    """The example's GPTModel builder (launch/megatron_example.py), smaller: hidden 16, 2 heads."""
+    import importlib.util
+    from pathlib import Path
 
-    config = TransformerConfig(
-        num_layers=2,
+    path = Path(__file__).resolve().parents[2] / "launch" / "megatron_example.py"
+    spec = importlib.util.spec_from_file_location("megatron_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(seed)
+    return example.build_model(
+        vocab_size,
+        seq_length,
+        tp,
+        pp,
         hidden_size=16,
         num_attention_heads=2,
         ffn_hidden_size=32,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-    )
-    torch.manual_seed(seed)
-    return (model_class or GPTModel)(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=vocab_size,
-        max_sequence_length=seq_length,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == pp - 1,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="learned_absolute",
+        model_class=model_class,
     )

@@ -98,7 +98,7 @@ def _setup(tp: int, pp: int, rank_in_pp: int):
 
     patch_for_cpu()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    model = tiny_gpt(VOCAB, SEQ, tp=tp, pp=pp, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    model = tiny_gpt(VOCAB, SEQ, tp=tp, pp=pp)
     return parallel_state, model
 
 
@@ -135,7 +135,7 @@ def _reference_worker(ctx: WorkerContext, out_path: str) -> None:
     class NTLGPTModel(ntl_megatron.NTLLanguageModelMixin, GPTModel):
         pass
 
-    hooked = tiny_gpt(VOCAB, SEQ, tp=1, pp=1, pp_rank=0, model_class=NTLGPTModel)
+    hooked = tiny_gpt(VOCAB, SEQ, tp=1, pp=1, model_class=NTLGPTModel)
     hooked.load_state_dict(model.state_dict())
     hooked.configure_ntl(ntl_megatron.NTLSettings(weight=0.3), vocab, None)
     inputs = (tokens[:2], torch.arange(SEQ).unsqueeze(0).expand(2, SEQ), torch.ones(1, 1, SEQ, SEQ).tril() < 0.5)
