@@ -91,7 +91,7 @@ def _local_slice(param, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch
     return full
 
 
-def _setup(tp: int, pp: int, rank_in_pp: int):
+def _setup(tp: int, pp: int):
     from megatron.core import parallel_state
 
     from tests.helpers.megatron_cpu import patch_for_cpu, tiny_gpt
@@ -106,7 +106,7 @@ def _reference_worker(ctx: WorkerContext, out_path: str) -> None:
     import ntl_scale
     from ntl_scale.integrations import megatron as ntl_megatron
 
-    parallel_state, model = _setup(1, 1, 0)
+    parallel_state, model = _setup(1, 1)
     vocab = ntl_scale.NumberVocab.from_id_to_token(TOKENS, vocab_size=VOCAB)
     results = {"state": {k: v.detach().clone() for k, v in model.state_dict().items() if v is not None}}
     for variant in VARIANTS:
@@ -158,7 +158,7 @@ def _parallel_worker(ctx: WorkerContext, tp: int, pp: int, ref_path: str) -> Non
     import ntl_scale
 
     reference = torch.load(ref_path, weights_only=False)
-    parallel_state, model = _setup(tp, pp, 0)
+    parallel_state, model = _setup(tp, pp)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for name, param in model.named_parameters():
