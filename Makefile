@@ -24,6 +24,7 @@ test-dist:
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
 
 format:
 	$(PYTHON) -m ruff check --fix .

@@ -136,7 +136,7 @@ class ShardMath:
             buffer = None if inplace else ShardMath.chunk_buffer(logits, rows, cdt)
             for sl in rows:
                 chunk = logits[sl]
-                work = chunk if inplace else buffer[: chunk.shape[0]]
+                work = chunk if buffer is None else buffer[: chunk.shape[0]]
                 torch.sub(chunk, max_all[sl].unsqueeze(1), out=work)
                 sums[sl, 0] = work.exp_().sum(dim=-1)
         number_exp = torch.exp(number_logits - number_max.unsqueeze(1))

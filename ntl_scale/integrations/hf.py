@@ -7,6 +7,7 @@ names the extra to install (``pip install 'ntl_scale[hf]'``).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
 
 
 def causal_lm_ce_with_ntl(
-    logits: torch.Tensor, labels: torch.Tensor, vocab: NumberVocab, **options: object
+    logits: torch.Tensor, labels: torch.Tensor, vocab: NumberVocab, *, ignore_index: int = -100, **options: Any
 ) -> CENTLOutput:
     """:func:`ntl_scale.ce_with_ntl` with Hugging Face causal-LM label semantics (unshifted labels).
 
@@ -73,10 +74,10 @@ def causal_lm_ce_with_ntl(
         logits: ``[batch, seq, V]`` model output.
         labels: ``[batch, seq]`` the ``labels`` a Hugging Face causal LM takes (not shifted).
         vocab: the number-token table.
+        ignore_index: label value to ignore (also fills the shifted-out last position).
         **options: forwarded to :func:`ntl_scale.ce_with_ntl`.
 
     Returns:
         The :class:`ntl_scale.CENTLOutput`.
     """
-    ignore_index = int(options.get("ignore_index", -100))  # type: ignore[arg-type]
-    return ce_with_ntl(logits, shift_labels(labels, ignore_index), vocab, **options)  # type: ignore[arg-type]
+    return ce_with_ntl(logits, shift_labels(labels, ignore_index), vocab, ignore_index=ignore_index, **options)

@@ -350,11 +350,13 @@ def make_forward_step(
     Returns:
         ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``.
     """
-    counts = GlobalCounts(vocab, count_group) if settings.enabled and settings.normalization == "global" else None
+    counts = None
     loss_func = None
     if settings.enabled:
         if vocab is None:
             raise ValueError("NTL is on (--ntl-weight > 0) but no number table was given")
+        if settings.normalization == "global":
+            counts = GlobalCounts(vocab, count_group)
         loss_func = make_loss_func(
             settings,
             vocab,
@@ -410,7 +412,7 @@ class NTLLanguageModelMixin:
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         settings, vocab, tp_group = getattr(self, "_ntl", (None, None, None))
-        if settings is None or not settings.enabled:
+        if settings is None or vocab is None or not settings.enabled:
             return super().compute_language_model_loss(labels, logits)  # type: ignore[misc]
         # [s, b, V/tp] -> [b, s, V/tp]
         terms = per_token_ce_ntl(logits.transpose(0, 1), labels, vocab, settings.options(), tp_group=tp_group)
