@@ -1,0 +1,170 @@
+"""Seeded arithmetic problems in the style of the DeepMind mathematics dataset, and file readers.
+
+The generator makes three kinds of question, each answered by one integer:
+
+* ``add_sub``: ``What is 123 - 45?``
+* ``add_sub_multiple``: ``Calculate 12 + -7 - 30 + 4.`` (3 to 5 terms)
+* ``mul``: ``What is 37 times 12?``
+
+Splits follow the DeepMind convention: ``interpolate`` draws operands from the training range
+(but never an exact training question: questions are deduplicated against the training split),
+``extrapolate`` uses operands with more digits than training ever saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["KINDS", "SPLITS", "ArithmeticConfig", "Example", "generate", "read_deepmind_text", "read_jsonl"]
+
+KINDS = ("add_sub", "add_sub_multiple", "mul")
+SPLITS = ("train", "interpolate", "extrapolate")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One question and its answer text."""
+
+    question: str
+    answer: str
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class ArithmeticConfig:
+    """The generator's settings.
+
+    Attributes:
+        kinds: which problem kinds to mix (equal shares).
+        train_digits: operands have 1 to this many digits in ``train`` and ``interpolate``.
+        extrapolate_digits: operands have ``train_digits + 1`` to this many digits in ``extrapolate``.
+        mul_digits: the same bound for the second factor of a multiplication (keeps products short).
+        negative_share: share of operands made negative.
+    """
+
+    kinds: tuple[str, ...] = KINDS
+    train_digits: int = 3
+    extrapolate_digits: int = 5
+    mul_digits: int = 2
+    negative_share: float = 0.2
+
+    def __post_init__(self) -> None:
+        unknown = [k for k in self.kinds if k not in KINDS]
+        if not self.kinds or unknown:
+            raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {self.kinds!r}")
+        if not 1 <= self.train_digits < self.extrapolate_digits:
+            raise ValueError(
+                f"need 1 <= train_digits < extrapolate_digits, got {self.train_digits} and {self.extrapolate_digits}"
+            )
+        if not 0 <= self.negative_share <= 1:
+            raise ValueError(f"negative_share must be in [0, 1], got {self.negative_share}")
+
+
+def _operand(rng: random.Random, low_digits: int, high_digits: int, negative_share: float) -> int:
+    digits = rng.randint(low_digits, high_digits)
+    value = rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+    return -value if rng.random() < negative_share else value
+
+
+def _term(value: int) -> str:
+    return f"({value})" if value < 0 else str(value)
+
+
+def _make(rng: random.Random, kind: str, low: int, high: int, mul_high: int, neg: float) -> Example:
+    if kind == "add_sub":
+        a, b = _operand(rng, low, high, neg), _operand(rng, low, high, 0.0)
+        op = rng.choice("+-")
+        value = a + b if op == "+" else a - b
+        return Example(f"What is {_term(a)} {op} {b}?", str(value), kind)
+    if kind == "add_sub_multiple":
+        terms = [_operand(rng, low, high, neg) for _ in range(rng.randint(3, 5))]
+        text, value = _term(terms[0]), terms[0]
+        for t in terms[1:]:
+            op = rng.choice("+-")
+            text += f" {op} {_term(t)}"
+            value = value + t if op == "+" else value - t
+        return Example(f"Calculate {text}.", str(value), kind)
+    a, b = _operand(rng, low, high, neg), _operand(rng, min(low, mul_high), mul_high, 0.0)
+    return Example(f"What is {_term(a)} times {b}?", str(a * b), kind)
+
+
+def generate(
+    count: int, split: str = "train", *, seed: int = 0, config: ArithmeticConfig | None = None
+) -> list[Example]:
+    """``count`` seeded problems of one split (the same seed and config give the same list).
+
+    Args:
+        count: number of examples.
+        split: ``train``, ``interpolate`` or ``extrapolate``.
+        seed: the seed; each split derives its own stream from it.
+        config: generator settings.
+
+    Returns:
+        The examples, kinds in equal shares and shuffled.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    config = config or ArithmeticConfig()
+    rng = random.Random(f"{seed}/{split}")
+    if split == "extrapolate":
+        low, high = config.train_digits + 1, config.extrapolate_digits
+        mul_high = config.mul_digits + 1
+    else:
+        low, high, mul_high = 1, config.train_digits, config.mul_digits
+    seen: set[str] = set()
+    if split == "interpolate":  # never repeat a training question
+        seen = {e.question for e in generate(count, "train", seed=seed, config=config)}
+    out: list[Example] = []
+    attempts = 0
+    while len(out) < count:
+        attempts += 1
+        if attempts > 50 * count + 1000:
+            raise ValueError(f"could not draw {count} distinct {split} questions; widen the digit ranges")
+        example = _make(rng, config.kinds[len(out) % len(config.kinds)], low, high, mul_high, config.negative_share)
+        if example.question in seen:
+            continue
+        seen.add(example.question)
+        out.append(example)
+    rng.shuffle(out)
+    return out
+
+
+def read_deepmind_text(path: str | os.PathLike[str]) -> Iterator[Example]:
+    """Reads a DeepMind ``mathematics_dataset`` text file: question and answer lines alternate."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"no such data file {path!r}")
+    with open(path, encoding="utf-8") as f:
+        lines = [line.rstrip("\n") for line in f]
+    if lines and lines[-1] == "":
+        lines.pop()
+    if len(lines) % 2:
+        raise ValueError(f"{path}: {len(lines)} lines; expected question/answer pairs (an even count)")
+    for i in range(0, len(lines), 2):
+        yield Example(lines[i].strip(), lines[i + 1].strip(), os.path.basename(path))
+
+
+def read_jsonl(
+    path: str | os.PathLike[str], *, question_key: str = "question", answer_key: str = "answer"
+) -> Iterator[Example]:
+    """Reads ``{question, answer}`` JSON lines (GSM8K's layout); errors name the file and line."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"no such data file {path!r}")
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: malformed JSON ({e.msg})") from None
+            if not isinstance(record, dict) or question_key not in record or answer_key not in record:
+                raise ValueError(f"{path}:{number}: expected an object with keys {question_key!r} and {answer_key!r}")
+            yield Example(str(record[question_key]), str(record[answer_key]), os.path.basename(path))

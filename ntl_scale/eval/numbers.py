@@ -1,0 +1,71 @@
+"""Numbers from generated text, and metrics over predicted vs true numbers.
+
+Extraction rules: the text after a GSM8K ``####`` marker if there is one, else the whole text; in it
+the *last* number, where a number is an optional minus sign, digits with optional thousands
+separators (``1,234,567``) and an optional decimal part (``-12.5``). Text without a number gives None.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+__all__ = ["extract_number", "number_metrics"]
+
+_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", flags=re.ASCII)
+
+
+def extract_number(text: str) -> float | None:
+    """The answer number of a generated text (see the module rules), or None."""
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    matches = _NUMBER.findall(text)
+    if not matches:
+        return None
+    return float(matches[-1].replace(",", ""))
+
+
+def number_metrics(predictions: Sequence[float | None], targets: Sequence[float]) -> dict[str, float]:
+    """Exact accuracy, MAE, log-MAE, R^2 and the share of unparseable predictions.
+
+    Unparseable predictions (None) count as wrong for accuracy and are left out of MAE, log-MAE and
+    R^2 (which are over parsed predictions; NaN when none parsed).
+
+    Args:
+        predictions: extracted numbers, None where nothing could be parsed.
+        targets: true numbers, aligned.
+
+    Returns:
+        ``accuracy``, ``mae``, ``log_mae`` (mean of ``|log10(1+|p|) - log10(1+|t|)|`` with signs kept),
+        ``r2``, ``unparseable``, ``count``.
+    """
+    if len(predictions) != len(targets):
+        raise ValueError(f"{len(predictions)} predictions but {len(targets)} targets; they must align")
+    n = len(targets)
+    if n == 0:
+        raise ValueError("number_metrics needs at least one example")
+    pairs = [(float(p), float(t)) for p, t in zip(predictions, targets) if p is not None]
+    correct = sum(1 for p, t in pairs if p == t)
+
+    def signed_log(x: float) -> float:
+        return math.copysign(math.log10(1 + abs(x)), x)
+
+    nan = float("nan")
+    if pairs:
+        mae = sum(abs(p - t) for p, t in pairs) / len(pairs)
+        log_mae = sum(abs(signed_log(p) - signed_log(t)) for p, t in pairs) / len(pairs)
+        mean_t = sum(t for _, t in pairs) / len(pairs)
+        total = sum((t - mean_t) ** 2 for _, t in pairs)
+        residual = sum((t - p) ** 2 for p, t in pairs)
+        r2 = 1 - residual / total if total > 0 else nan
+    else:
+        mae = log_mae = r2 = nan
+    return {
+        "accuracy": correct / n,
+        "mae": mae,
+        "log_mae": log_mae,
+        "r2": r2,
+        "unparseable": (n - len(pairs)) / n,
+        "count": float(n),
+    }

@@ -1,0 +1,111 @@
+"""Arithmetic data and answer evaluation.
+
+Sections:
+1. The generator: answers checked by evaluating the question text independently; seeding; split
+   properties (interpolate never repeats a training question, extrapolate has longer operands).
+2. Readers: DeepMind text pairs, JSONL with errors naming file and line.
+3. Number extraction and metrics against hand-computed values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from ntl_scale.data import ArithmeticConfig, generate, read_deepmind_text, read_jsonl
+from ntl_scale.eval import extract_number, number_metrics
+
+
+def _evaluate(question: str) -> int:
+    expression = re.sub(r"^(What is|Calculate) ", "", question).rstrip("?.").replace(" times ", " * ")
+    if not re.fullmatch(r"[0-9()+\-* ]+", expression):
+        raise AssertionError(f"unexpected question {question!r}")
+    return eval(expression)  # the test's independent arithmetic: digits and + - * ( ) only
+
+
+@pytest.mark.parametrize("split", ["train", "interpolate", "extrapolate"])
+def test_answers_are_right(split):
+    examples = generate(300, split, seed=3)
+    assert len(examples) == 300
+    assert {e.kind for e in examples} == {"add_sub", "add_sub_multiple", "mul"}
+    for e in examples:
+        assert int(e.answer) == _evaluate(e.question), e
+
+
+def test_seeded_and_split_properties():
+    assert generate(50, seed=1) == generate(50, seed=1)
+    assert generate(50, seed=1) != generate(50, seed=2)
+    train = {e.question for e in generate(500, "train", seed=0)}
+    interpolate = generate(500, "interpolate", seed=0)
+    assert not train & {e.question for e in interpolate}
+    config = ArithmeticConfig()
+
+    def longest(question):
+        return max(len(n) for n in re.findall(r"\d+", question))
+
+    assert max(longest(e.question) for e in generate(300, "train", seed=0)) <= config.train_digits
+    extrapolate = [e for e in generate(300, "extrapolate", seed=0) if e.kind != "mul"]
+    assert min(longest(e.question) for e in extrapolate) > config.train_digits
+
+
+def test_generator_errors():
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        generate(3, "dev")
+    with pytest.raises(ValueError, match="kinds must be a non-empty subset"):
+        ArithmeticConfig(kinds=("div",))
+    with pytest.raises(ValueError, match="train_digits < extrapolate_digits"):
+        ArithmeticConfig(train_digits=4, extrapolate_digits=4)
+
+
+def test_readers(tmp_path):
+    text = tmp_path / "add.txt"
+    text.write_text("What is 1 + 2?\n3\nWhat is 5 - 7?\n-2\n")
+    assert [(e.question, e.answer) for e in read_deepmind_text(text)] == [
+        ("What is 1 + 2?", "3"),
+        ("What is 5 - 7?", "-2"),
+    ]
+    odd = tmp_path / "odd.txt"
+    odd.write_text("q\na\nq2\n")
+    with pytest.raises(ValueError, match="3 lines; expected question/answer pairs"):
+        list(read_deepmind_text(odd))
+    jsonl = tmp_path / "gsm.jsonl"
+    jsonl.write_text(json.dumps({"question": "q1", "answer": "x #### 4"}) + "\n\n" + '{"question": "q2", "answer"\n')
+    with pytest.raises(ValueError, match=r"gsm\.jsonl:3: malformed JSON"):
+        list(read_jsonl(jsonl))
+    assert next(read_jsonl(jsonl)).answer == "x #### 4"
+    with pytest.raises(ValueError, match="no such data file"):
+        list(read_jsonl(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("The answer is 42.", 42.0),
+        ("-17", -17.0),
+        ("x = 3, so 2x = 6", 6.0),
+        ("It costs 1,234,567 dollars", 1234567.0),
+        ("about 3.25 apples", 3.25),
+        ("Natalia sold 48 clips... #### 72", 72.0),
+        ("#### -1,000.5", -1000.5),
+        ("no number here", None),
+        ("v2 of the model", None),
+    ],
+)
+def test_extract_number(text, value):
+    assert extract_number(text) == value
+
+
+def test_number_metrics():
+    metrics = number_metrics([3.0, 10.0, None, -2.0], [3.0, 8.0, 5.0, -2.0])
+    assert metrics["accuracy"] == 0.5 and metrics["unparseable"] == 0.25 and metrics["count"] == 4
+    assert metrics["mae"] == pytest.approx(2 / 3)
+    log_mae = abs(math.log10(11) - math.log10(9)) / 3
+    assert metrics["log_mae"] == pytest.approx(log_mae)
+    targets = [3.0, 8.0, -2.0]
+    mean = sum(targets) / 3
+    assert metrics["r2"] == pytest.approx(1 - 4 / sum((t - mean) ** 2 for t in targets))
+    with pytest.raises(ValueError, match="2 predictions but 1 targets"):
+        number_metrics([1.0, 2.0], [1.0])
