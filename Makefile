@@ -10,7 +10,7 @@ setup-dev:
 	bash scripts/setup.sh --dev
 
 run: setup
-	$(PYTHON) launch/demo.py
+	bash scripts/run.sh
 
 test: setup-dev lint
 	$(PYTHON) -m pytest

@@ -1,0 +1,208 @@
+"""Train a Hugging Face model with CE + NTL under DeepSpeed ZeRO-3.
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 launch/train.py --config configs/train/tiny_cpu.yaml [key=value ...]
+    python launch/train.py                      # one process, the tiny default
+    torchrun --nproc_per_node 2 launch/train.py --config ... train.steps=20
+
+Reads the config, initialises distributed once, builds tokenizer, number table, data, model and the
+DeepSpeed engine, trains with exactly normalised CE + NTL, evaluates by generation, checkpoints
+(resuming automatically from the run directory's latest checkpoint; SIGTERM/SIGUSR1 checkpoint and
+stop) and exports a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ntl_scale
+from ntl_scale.data import ShardedOrder, collate, encode, generate
+from ntl_scale.training.config import RunConfig, load_config
+from ntl_scale.training.evaluate import evaluate_generation
+from ntl_scale.training.steps import global_counts, micro_batch_loss, resolve_deepspeed_config, shift_for_causal
+
+
+def init_distributed() -> tuple[int, int]:
+    """Single-process runs get a one-rank world (DeepSpeed would otherwise ask for mpi4py)."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def build_tokenizer(cfg: RunConfig):
+    if cfg.model.tokenizer == "builtin:char":
+        from ntl_scale.training.tokenizer import build_char_tokenizer
+
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+
+
+def build_model(cfg: RunConfig, vocab_size: int, ds_config: dict, tokenizer):
+    import transformers
+    from transformers.integrations import HfDeepSpeedConfig
+
+    keep_alive = HfDeepSpeedConfig(ds_config)  # ZeRO-3 partitions the weights as they are created
+    auto = transformers.AutoModelForCausalLM if cfg.model.kind == "causal" else transformers.AutoModelForSeq2SeqLM
+    if cfg.model.path:
+        model = auto.from_pretrained(cfg.model.path)
+    else:
+        arch = dict(cfg.model.architecture)
+        ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("bos", "eos", "pad")}
+        ids["bos_token_id"] = ids["bos_token_id"] if ids["bos_token_id"] is not None else ids["eos_token_id"]
+        config = transformers.AutoConfig.for_model(arch.pop("model_type"), vocab_size=vocab_size, **ids, **arch)
+        model = auto.from_config(config)
+    return model, keep_alive
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="run config YAML (default: the tiny CPU run)")
+    parser.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    rank, world = init_distributed()
+    import deepspeed
+
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    if rank == 0:
+        cfg.save(os.path.join(cfg.run_dir, "config.json"))
+    with open(cfg.train.deepspeed_config) as f:
+        ds_config = resolve_deepspeed_config(json.load(f), cfg.train, world)
+
+    tokenizer = build_tokenizer(cfg)
+    vocab_size = cfg.model.architecture.get("vocab_size") or ntl_scale.pad_vocab_size(len(tokenizer), divisible_by=8)
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"model vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+    vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer, vocab_size=vocab_size, digit_level=cfg.ntl.digit_level)
+    train_set = [
+        e
+        for e in (
+            encode(tokenizer, x, kind=cfg.model.kind, max_length=cfg.data.max_length)
+            for x in generate(cfg.data.train_examples, "train", seed=cfg.data.seed)
+        )
+        if e
+    ]
+    eval_sets = {s: generate(cfg.data.eval_examples, s, seed=cfg.data.seed) for s in ("interpolate", "extrapolate")}
+
+    torch.manual_seed(cfg.train.seed)
+    model, _keep = build_model(cfg, vocab_size, ds_config, tokenizer)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    order = ShardedOrder(len(train_set), cfg.train.micro_batch_size, rank, world, cfg.data.seed)
+    held = sum(p.ds_tensor.numel() for p in model.parameters())  # ZeRO-3: this rank's partition
+    total = sum(p.ds_numel for p in model.parameters())
+    with open(os.path.join(cfg.run_dir, f"zero_rank{rank}.json"), "w") as f:
+        json.dump({"held": held, "total": total}, f)
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    start_step = 0
+    if os.path.isfile(os.path.join(ckpt_dir, "latest")):
+        _, client = engine.load_checkpoint(ckpt_dir)
+        start_step, order.position = client["step"], client["order_position"]
+        torch.set_rng_state(client["rng"])
+        if rank == 0:
+            print(f"resumed from step {start_step}", flush=True)
+
+    stop = {"signal": 0}
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda num, _frame: stop.update(signal=num))
+
+    def save(step: int) -> None:
+        client = {"step": step, "order_position": order.position, "rng": torch.get_rng_state()}
+        engine.save_checkpoint(ckpt_dir, tag=f"step{step}", client_state=client)
+
+    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    if rank == 0:  # keep the logged curve free of steps that are about to be redone
+        kept = []
+        if os.path.isfile(metrics_path):
+            kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start_step]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
+    ga, clock, history = cfg.train.gradient_accumulation_steps, time.time(), []
+    for step in range(start_step + 1, cfg.train.steps + 1):
+        for group in engine.optimizer.param_groups:
+            group["lr"] = cfg.train.lr * min(1.0, step / max(cfg.train.warmup_steps, 1))
+        batches = [collate([train_set[i] for i in order.next_indices()], tokenizer.pad_token_id) for _ in range(ga)]
+        targets = [shift_for_causal(b["labels"]) for b in batches]
+        counts = global_counts(targets, vocab, None if world == 1 else torch.distributed.group.WORLD)
+        totals = torch.zeros(5, dtype=torch.float64)
+        for batch, target in zip(batches, targets):
+            logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss, stats = micro_batch_loss(logits, target, vocab, cfg.ntl, counts=counts, scale=ga * world)
+            engine.backward(loss)
+            engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+            totals += torch.tensor([stats[k] for k in ("ce_sum", "ntl_sum", "tokens", "numbers", "hits")])
+        torch.distributed.all_reduce(totals)
+        ce, ntl = float(totals[0] / totals[2]), float(totals[1] / max(totals[3], 1))
+        row = {
+            "step": step,
+            "ce": ce,
+            "ntl": ntl,
+            "number_acc": float(totals[4] / max(totals[3], 1)),
+            "lr": engine.optimizer.param_groups[0]["lr"],
+            "grad_norm": float(engine.get_global_grad_norm() or 0),
+        }
+        history.append(row)
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                rate = (step - start_step) / (time.time() - clock)
+                print(
+                    f"step {step}/{cfg.train.steps}  ce {ce:.4f}  ntl {ntl:.4f}  number acc {row['number_acc']:.3f}  "
+                    f"{rate * totals[2].item():.0f} tok/s  eta {(cfg.train.steps - step) / rate:.0f}s",
+                    flush=True,
+                )
+        flag = torch.tensor([stop["signal"]])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if (cfg.train.save_every and step % cfg.train.save_every == 0) or flag.item():
+            save(step)
+        if flag.item():
+            if rank == 0:
+                print(f"signal {flag.item()}: checkpointed at step {step}, stopping", flush=True)
+            torch.distributed.destroy_process_group()
+            return {"stopped_at": step, "history": history}
+    save(cfg.train.steps)
+    results = {}
+    for split, examples in (eval_sets if cfg.eval.at_end else {}).items():
+        path = os.path.join(cfg.run_dir, f"predictions_{split}.jsonl") if rank == 0 else None
+        results[split] = evaluate_generation(
+            engine.module,
+            tokenizer,
+            examples,
+            kind=cfg.model.kind,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            num_beams=cfg.eval.num_beams,
+            synced_gpus=world > 1,
+            predictions_path=path,
+        )
+    if rank == 0 and results:
+        with open(os.path.join(cfg.run_dir, "eval.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        print("split        accuracy   MAE       log-MAE  unparseable")
+        for split, m in results.items():
+            print(f"{split:12s} {m['accuracy']:.3f}      {m['mae']:<9.3g} {m['log_mae']:.3f}    {m['unparseable']:.3f}")
+    torch.distributed.destroy_process_group()
+    return {"history": history, "eval": results}
+
+
+if __name__ == "__main__":
+    main()

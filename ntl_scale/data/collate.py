@@ -1,0 +1,93 @@
+"""Tokenisation with prompt masking, padding-aware collation, and a resumable DP-sharded order."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .arithmetic import Example
+
+__all__ = ["EncodedExample", "ShardedOrder", "collate", "encode"]
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class EncodedExample:
+    """Token ids of one example; ``labels`` is ``IGNORE_INDEX`` on the prompt (causal LMs)."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+def encode(tokenizer: Any, example: Example, *, kind: str = "causal", max_length: int = 512) -> EncodedExample | None:
+    """Tokenises one example; None if it is longer than ``max_length``.
+
+    ``causal``: ``question + " "`` is the prompt (masked from the loss), the answer and EOS are the
+    targets, in one sequence. ``seq2seq``: the question is the encoder input, answer + EOS the labels.
+    """
+    prompt = tokenizer(example.question + " ", add_special_tokens=False)["input_ids"]
+    answer = tokenizer(example.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if kind == "seq2seq":
+        if max(len(prompt), len(answer)) > max_length:
+            return None
+        return EncodedExample(prompt, answer)
+    if len(prompt) + len(answer) > max_length:
+        return None
+    return EncodedExample(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer)
+
+
+def collate(batch: Sequence[EncodedExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pads a micro-batch: ``input_ids``, ``attention_mask``, ``labels`` (padding ignored)."""
+    width = max(len(e.input_ids) for e in batch)
+    label_width = max(len(e.labels) for e in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    labels = torch.full((len(batch), label_width), IGNORE_INDEX, dtype=torch.long)
+    for row, e in enumerate(batch):
+        input_ids[row, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        attention[row, : len(e.input_ids)] = 1
+        labels[row, : len(e.labels)] = torch.tensor(e.labels)
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+class ShardedOrder:
+    """A deterministic, resumable order of example indices for one data-parallel rank.
+
+    Each epoch is a seeded permutation of all examples; the global batch of micro-batch ``i`` (over
+    all ranks) is a contiguous slice of that sequence, and rank ``r`` takes its part. The state is a
+    single integer (micro-batches consumed), saved with checkpoints.
+
+    Args:
+        num_examples: dataset size.
+        micro_batch_size: sequences per micro-batch per rank.
+        rank, world_size: this data-parallel rank and the data-parallel size.
+        seed: the shuffling seed.
+    """
+
+    def __init__(self, num_examples: int, micro_batch_size: int, rank: int, world_size: int, seed: int) -> None:
+        if num_examples < micro_batch_size * world_size:
+            raise ValueError(
+                f"{num_examples} examples cannot fill one micro-batch of {micro_batch_size} on {world_size} ranks"
+            )
+        self.num_examples, self.micro_batch_size = num_examples, micro_batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.position = 0
+
+    def _epoch(self, epoch: int) -> list[int]:
+        order = list(range(self.num_examples))
+        random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        return order
+
+    def next_indices(self) -> list[int]:
+        """This rank's example indices of the next micro-batch."""
+        per_global = self.micro_batch_size * self.world_size
+        per_epoch = self.num_examples // per_global
+        epoch, index = divmod(self.position, per_epoch)
+        start = index * per_global + self.rank * self.micro_batch_size
+        self.position += 1
+        return self._epoch(epoch)[start : start + self.micro_batch_size]

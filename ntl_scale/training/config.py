@@ -1,0 +1,263 @@
+"""Typed, strictly validated run configuration for ``launch/train.py``.
+
+A YAML file maps onto nested dataclasses; an unknown or misspelt key is an error that names the key
+and the closest valid one. ``key=value`` overrides use dotted paths (``train.steps=10``). Each
+section owns its fields; components receive their own section, never the whole run config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "DataConfig",
+    "EvalConfig",
+    "ModelConfig",
+    "NTLConfig",
+    "RunConfig",
+    "TrainConfig",
+    "load_config",
+]
+
+
+@dataclass
+class ModelConfig:
+    """The model to train."""
+
+    kind: str = "causal"
+    """``causal`` (AutoModelForCausalLM) or ``seq2seq`` (AutoModelForSeq2SeqLM, T5)."""
+    path: str | None = None
+    """A local pretrained model directory; None = random init from ``architecture``."""
+    architecture: dict[str, Any] = field(
+        default_factory=lambda: {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
+    )
+    """Hugging Face config fields for a random init (``model_type`` picks the class)."""
+    tokenizer: str = "builtin:char"
+    """A local tokenizer directory, or ``builtin:char`` (a character tokenizer built offline)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("causal", "seq2seq"):
+            raise ValueError(f"model.kind must be 'causal' or 'seq2seq', got {self.kind!r}")
+
+
+@dataclass
+class NTLConfig:
+    """Number Token Loss settings."""
+
+    weight: float = 0.3
+    """Weight of NTL in ``CE + weight * NTL``; 0 trains with CE alone."""
+    loss: str = "was"
+    """``was``, ``mse``, ``mae``, ``huber`` or ``number``."""
+    reweigh: bool = False
+    """Reweigh by the probability mass on number tokens."""
+    squash_factor: float | None = None
+    """NTL-WAS distance squashing (> 1)."""
+    digit_level: bool = True
+    """Number table of the ten digits (True) or of multi-digit tokens (False)."""
+    normalization: str = "global"
+    """``global`` (sum / count of the whole global batch) or ``micro-batch`` (mean per micro-batch)."""
+
+    def __post_init__(self) -> None:
+        if self.weight < 0:
+            raise ValueError(f"ntl.weight must be >= 0, got {self.weight}")
+        if self.normalization not in ("global", "micro-batch"):
+            raise ValueError(f"ntl.normalization must be 'global' or 'micro-batch', got {self.normalization!r}")
+
+
+@dataclass
+class DataConfig:
+    """Training and evaluation data."""
+
+    source: str = "arithmetic"
+    """``arithmetic`` (the seeded generator), ``deepmind`` (text files) or ``jsonl``."""
+    train_path: str | None = None
+    """File for ``deepmind``/``jsonl`` sources."""
+    eval_path: str | None = None
+    """Evaluation file for ``deepmind``/``jsonl`` sources."""
+    train_examples: int = 4000
+    """Generated training examples (``arithmetic``)."""
+    eval_examples: int = 64
+    """Evaluation examples per split."""
+    max_length: int = 48
+    """Longest tokenized question + answer; longer examples are dropped."""
+    seed: int = 0
+    """Seed of the generator and of the shuffling."""
+
+    def __post_init__(self) -> None:
+        if self.source not in ("arithmetic", "deepmind", "jsonl"):
+            raise ValueError(f"data.source must be 'arithmetic', 'deepmind' or 'jsonl', got {self.source!r}")
+        if self.source != "arithmetic" and not self.train_path:
+            raise ValueError(f"data.source={self.source!r} needs data.train_path")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    steps: int = 150
+    """Optimizer steps."""
+    micro_batch_size: int = 16
+    """Sequences per micro-batch per rank."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    seed: int = 1234
+    """Model init and dropout seed."""
+    log_every: int = 10
+    """Steps between progress lines."""
+    eval_every: int = 0
+    """Steps between evaluations (0: only at the end)."""
+    save_every: int = 0
+    """Steps between checkpoints (0: only at the end)."""
+    deepspeed_config: str = "configs/deepspeed/zero3.json"
+    """DeepSpeed JSON; ``auto`` values are filled from this config."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class EvalConfig:
+    """Generation-based evaluation."""
+
+    max_new_tokens: int = 12
+    """Tokens generated per answer."""
+    num_beams: int = 1
+    """1 = greedy; more = beam search."""
+    at_end: bool = True
+    """Evaluate after the last step."""
+
+
+@dataclass
+class RunConfig:
+    """The whole run."""
+
+    run_dir: str = "runs/tiny"
+    """Where config, logs, metrics, predictions and checkpoints go."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ntl: NTLConfig = field(default_factory=NTLConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str) -> None:
+        """Writes the resolved config as JSON (valid YAML), atomically."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        hint = next(o for o in options if o is not type(None))
+        origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if hint is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    if hint in (int, float):
+        if isinstance(value, bool):
+            raise ValueError(f"{where}: expected a number, got {value!r}")
+        try:
+            number = hint(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}") from None
+        if hint is int and isinstance(value, float) and value != number:
+            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        return number
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def _build(cls: Any, data: Any, where: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {(where + '.' if where else '') + close[0]!r}?" if close else ""
+            raise ValueError(f"unknown config key {path!r}{hint} (valid here: {', '.join(names)})")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def _set(data: dict, dotted: str, raw: str) -> None:
+    import yaml
+
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {dotted!r}: {key!r} is not a section")
+    node[keys[-1]] = yaml.safe_load(raw)
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Reads a YAML config (or the defaults) and applies ``key=value`` overrides.
+
+    Args:
+        path: a YAML file, or None for the built-in tiny default.
+        overrides: ``section.key=value`` strings (values parsed as YAML scalars).
+
+    Returns:
+        The validated :class:`RunConfig`.
+    """
+    import yaml
+
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ValueError(f"no such config file {path!r}")
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        _set(data, key.strip(), raw)
+    return _build(RunConfig, data, "")

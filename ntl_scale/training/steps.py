@@ -1,0 +1,109 @@
+"""The pieces of a CE + NTL training step that do not depend on DeepSpeed: config resolution,
+global token counts, and the per-micro-batch loss with exact global normalisation."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..losses import NTLOptions, per_token_ce_ntl
+from ..number_vocab import NumberVocab
+from .config import NTLConfig, TrainConfig
+
+__all__ = ["global_counts", "micro_batch_loss", "resolve_deepspeed_config", "shift_for_causal"]
+
+
+def resolve_deepspeed_config(ds: dict[str, Any], train: TrainConfig, world_size: int) -> dict[str, Any]:
+    """Fills DeepSpeed's ``"auto"`` values from the training config; a contradiction is an error.
+
+    Args:
+        ds: the DeepSpeed JSON as a dict.
+        train: the training section of the run config.
+        world_size: the data-parallel size.
+
+    Returns:
+        A resolved copy.
+    """
+    ds = copy.deepcopy(ds)
+    wanted = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * world_size,
+    }
+    for key, value in wanted.items():
+        given = ds.get(key, "auto")
+        if given == "auto":
+            ds[key] = value
+        elif given != value:
+            raise ValueError(
+                f"DeepSpeed config sets {key}={given!r} but the run config implies {value} "
+                f"(train.micro_batch_size={train.micro_batch_size}, train.gradient_accumulation_steps="
+                f'{train.gradient_accumulation_steps}, {world_size} ranks); set it to "auto" or make them agree'
+            )
+    params = ds.get("optimizer", {}).get("params", {})
+    if params.get("lr", "auto") == "auto":
+        params["lr"] = train.lr
+    elif float(params["lr"]) != train.lr:
+        raise ValueError(f'DeepSpeed optimizer lr={params["lr"]} contradicts train.lr={train.lr}; use "auto"')
+    return ds
+
+
+def shift_for_causal(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets: position ``t`` predicts ``labels[t + 1]``; the last position is ignored."""
+    pad = torch.full_like(labels[:, :1], -100)
+    return torch.cat([labels[:, 1:], pad], dim=1)
+
+
+def global_counts(
+    targets: list[torch.Tensor], vocab: NumberVocab, group: dist.ProcessGroup | None
+) -> tuple[float, float]:
+    """Target tokens and number-token targets of a whole step: all micro-batches, all DP ranks.
+
+    One SUM all-reduce of two numbers over ``group``; computed from the labels before the forward.
+    """
+    counts = torch.zeros(2, dtype=torch.float64)
+    index = vocab.index_of_id()
+    for t in targets:
+        valid = t != -100
+        counts[0] += valid.sum()
+        counts[1] += (valid & (index[torch.where(valid, t, 0).clamp_max(vocab.vocab_size - 1)] >= 0)).sum()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    return float(counts[0]), float(counts[1])
+
+
+def micro_batch_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab: NumberVocab,
+    ntl: NTLConfig,
+    *,
+    counts: tuple[float, float] | None,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss to back-propagate for one micro-batch, and its logging sums.
+
+    ``global`` normalisation: ``(sum CE / N + w * sum NTL / K) * scale`` with ``N``, ``K`` the step's
+    global counts; ``scale`` undoes the engine's own averaging (gradient-accumulation steps x DP
+    size), so the optimizer sees exactly ``sum over the global batch / global count``.
+    ``micro-batch``: ``mean CE + w * mean NTL`` of this micro-batch (the engine averages those).
+    """
+    options = NTLOptions(loss=ntl.loss, squash_factor=ntl.squash_factor, reweigh=ntl.reweigh)
+    terms = per_token_ce_ntl(logits, targets, vocab, options)
+    valid = targets != -100
+    ce_sum = (terms.ce * valid).sum()
+    ntl_sum = terms.ntl.sum()
+    tokens, numbers = float(valid.sum()), float(terms.number_mask.sum())
+    if ntl.normalization == "global":
+        if counts is None:
+            raise ValueError("ntl.normalization=global needs the step's global counts")
+        loss = (ce_sum / max(counts[0], 1.0) + ntl.weight * ntl_sum / max(counts[1], 1.0)) * scale
+    else:
+        loss = ce_sum / max(tokens, 1.0) + ntl.weight * ntl_sum / max(numbers, 1.0)
+    hits = float((terms.hit & terms.number_mask).sum())
+    stats = {"ce_sum": float(ce_sum.detach()), "ntl_sum": float(ntl_sum.detach())}
+    stats.update(tokens=tokens, numbers=numbers, hits=hits)
+    return loss, stats

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The main job with its small default: the self-check, then `deepspeed launch/train.py` (tiny config,
+# ZeRO-3, 2 processes; on a machine without GPUs they run on the CPU over gloo). Extra arguments go
+# to train.py (e.g. --config configs/train/tiny_cpu.yaml train.steps=50).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+"$PYTHON" launch/demo.py
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L | wc -l)
+else
+  export DS_ACCELERATOR=cpu
+  gpus=2
+fi
+exec "$PYTHON" -m deepspeed.launcher.runner --num_gpus "$gpus" launch/train.py --config configs/train/tiny_cpu.yaml "$@"

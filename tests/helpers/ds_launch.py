@@ -1,0 +1,21 @@
+"""Runs a script under DeepSpeed without compiling its CPU shared-memory op (test-only shim).
+
+DeepSpeed's CPU accelerator compiles a shared-memory collective at start-up (60-110 s the first
+time). Tests replace the builder with a no-op; gloo collectives are used instead.
+
+    deepspeed --num_gpus 2 tests/helpers/ds_launch.py launch/train.py key=value ...
+"""
+
+import importlib
+import os
+import runpy
+import sys
+
+# This file's folder holds tests/helpers/tokenizers.py, which must not shadow the real package.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda *args, **kwargs: None
+arguments = sys.argv[1:]
+script = next(a for a in arguments if a.endswith(".py"))
+arguments.remove(script)
+sys.argv = [script, *arguments]
+runpy.run_path(script, run_name="__main__")
