@@ -1,0 +1,80 @@
+"""Run configuration and DeepSpeed-independent step pieces of launch/train.py.
+
+Sections: strict YAML and overrides; DeepSpeed "auto" resolution and contradictions; the sharded,
+resumable data order; causal shifting and global counts against direct counting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ntl_scale
+from ntl_scale.data import ShardedOrder
+from ntl_scale.training.config import TrainConfig, load_config
+from ntl_scale.training.steps import global_counts, resolve_deepspeed_config, shift_for_causal
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run_dir: r\ntrain:\n  steps: 7\nntl:\n  loss: mse\n")
+    cfg = load_config(str(path), ["train.lr=0.01", "ntl.reweigh=true", "model.architecture={model_type: t5}"])
+    assert (cfg.run_dir, cfg.train.steps, cfg.train.lr, cfg.ntl.loss, cfg.ntl.reweigh) == ("r", 7, 0.01, "mse", True)
+    assert cfg.model.architecture == {"model_type": "t5"}
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["trian.steps=3"], r"unknown config key 'trian'; did you mean 'train'"),
+        (["train.stpes=3"], r"unknown config key 'train.stpes'; did you mean 'train.steps'"),
+        (["train.steps=many"], r"train.steps: expected int, got 'many'"),
+        (["train.steps=2.5"], r"train.steps: expected an integer, got 2.5"),
+        (["ntl.reweigh=maybe"], r"ntl.reweigh: expected true or false, got 'maybe'"),
+        (["ntl.normalization=batch"], r"ntl.normalization must be 'global' or 'micro-batch'"),
+        (["train.steps=0"], r"train.steps must be >= 1, got 0"),
+        (["data.source=jsonl"], r"data.source='jsonl' needs data.train_path"),
+        (["steps"], r"override 'steps' must look like section.key=value"),
+    ],
+)
+def test_bad_config_is_named(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, overrides)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ValueError, match="no such config file"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_deepspeed_auto_and_contradictions():
+    train = TrainConfig(micro_batch_size=4, gradient_accumulation_steps=2, lr=0.01)
+    ds = {"train_batch_size": "auto", "optimizer": {"params": {"lr": "auto"}}}
+    resolved = resolve_deepspeed_config(ds, train, world_size=2)
+    assert resolved["train_batch_size"] == 16 and resolved["train_micro_batch_size_per_gpu"] == 4
+    assert resolved["optimizer"]["params"]["lr"] == 0.01 and ds["optimizer"]["params"]["lr"] == "auto"
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=3 but the run config implies 2"):
+        resolve_deepspeed_config({"gradient_accumulation_steps": 3}, train, 2)
+    with pytest.raises(ValueError, match=r"lr=0\.5 contradicts train\.lr=0\.01"):
+        resolve_deepspeed_config({"optimizer": {"params": {"lr": 0.5}}}, train, 2)
+
+
+def test_sharded_order_partitions_and_resumes():
+    ranks = [ShardedOrder(20, 2, r, 2, seed=3) for r in range(2)]
+    epoch = [i for _ in range(5) for o in ranks for i in o.next_indices()]
+    assert sorted(epoch) == list(range(20))  # one epoch: every example once, ranks disjoint
+    resumed = ShardedOrder(20, 2, 1, 2, seed=3)
+    resumed.position = 2
+    fresh = ShardedOrder(20, 2, 1, 2, seed=3)
+    fresh.next_indices(), fresh.next_indices()
+    assert resumed.next_indices() == fresh.next_indices()
+    with pytest.raises(ValueError, match="cannot fill one micro-batch"):
+        ShardedOrder(3, 2, 0, 2, seed=0)
+
+
+def test_shift_and_global_counts():
+    vocab = ntl_scale.NumberVocab.from_id_to_token(["a", "b"] + [str(d) for d in range(10)])
+    labels = torch.tensor([[-100, 2, 3, 0], [-100, -100, 5, 1]])
+    targets = shift_for_causal(labels)
+    assert targets.tolist() == [[2, 3, 0, -100], [-100, 5, 1, -100]]
+    assert global_counts([targets, targets[:1]], vocab, None) == (5.0 + 3.0, 3.0 + 2.0)
