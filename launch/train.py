@@ -68,6 +68,8 @@ def build_model(cfg: RunConfig, vocab_size: int, ds_config: dict, tokenizer):
         arch = dict(cfg.model.architecture)
         ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("bos", "eos", "pad")}
         ids["bos_token_id"] = ids["bos_token_id"] if ids["bos_token_id"] is not None else ids["eos_token_id"]
+        if cfg.model.kind == "seq2seq":
+            ids["decoder_start_token_id"] = ids["pad_token_id"]  # T5's convention
         config = transformers.AutoConfig.for_model(arch.pop("model_type"), vocab_size=vocab_size, **ids, **arch)
         model = auto.from_config(config)
     return model, keep_alive
@@ -141,11 +143,15 @@ def main(argv: list[str] | None = None) -> dict:
         for group in engine.optimizer.param_groups:
             group["lr"] = cfg.train.lr * min(1.0, step / max(cfg.train.warmup_steps, 1))
         batches = [collate([train_set[i] for i in order.next_indices()], tokenizer.pad_token_id) for _ in range(ga)]
-        targets = [shift_for_causal(b["labels"]) for b in batches]
+        causal = cfg.model.kind == "causal"  # seq2seq labels already align with the decoder's logits
+        targets = [shift_for_causal(b["labels"]) if causal else b["labels"] for b in batches]
         counts = global_counts(targets, vocab, None if world == 1 else torch.distributed.group.WORLD)
         totals = torch.zeros(5, dtype=torch.float64)
         for batch, target in zip(batches, targets):
-            logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            if not causal:
+                inputs["decoder_input_ids"] = engine.module.prepare_decoder_input_ids_from_labels(labels=target)
+            logits = engine(**inputs).logits
             loss, stats = micro_batch_loss(logits, target, vocab, cfg.ntl, counts=counts, scale=ga * world)
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
@@ -181,6 +187,11 @@ def main(argv: list[str] | None = None) -> dict:
             torch.distributed.destroy_process_group()
             return {"stopped_at": step, "history": history}
     save(cfg.train.steps)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        if rank == 0:  # a plain Hugging Face folder: from_pretrained(run_dir/hf_model) loads it
+            engine.module.save_pretrained(os.path.join(cfg.run_dir, "hf_model"))
+            tokenizer.save_pretrained(os.path.join(cfg.run_dir, "hf_model"))
+            vocab.save(os.path.join(cfg.run_dir, "hf_model", "number_vocab.json"))
     results = {}
     for split, examples in (eval_sets if cfg.eval.at_end else {}).items():
         path = os.path.join(cfg.run_dir, f"predictions_{split}.jsonl") if rank == 0 else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +28,11 @@ SHIM = ROOT / "tests" / "helpers" / "ds_launch.py"
 
 
 def _train(run_dir: Path, *overrides: str, nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
-    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    cmd = [deepspeed, "--num_gpus", str(nproc), str(SHIM), "launch/train.py", f"run_dir={run_dir}", *overrides]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(port)]
+    cmd = [*launcher, str(SHIM), "launch/train.py", f"run_dir={run_dir}", *overrides]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if check and out.returncode != 0:
@@ -61,6 +64,14 @@ def test_short_zero3_run(tmp_path):
     assert (run / "checkpoints" / "latest").read_text().strip() == "step30"
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 30
     assert "step 30/30" in out.stdout
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ntl_scale
+
+    model = AutoModelForCausalLM.from_pretrained(run / "hf_model")
+    tokenizer = AutoTokenizer.from_pretrained(run / "hf_model")
+    assert sum(p.numel() for p in model.parameters()) == part["total"]  # every weight was gathered
+    assert len(ntl_scale.NumberVocab.load(run / "hf_model" / "number_vocab.json")) == 10 and len(tokenizer) > 10
 
 
 def test_resume_continues_the_same_curve(tmp_path):
@@ -77,7 +88,16 @@ def test_resume_continues_the_same_curve(tmp_path):
         assert abs(x["ce"] - y["ce"]) <= 1e-6 * abs(x["ce"]) and abs(x["ntl"] - y["ntl"]) <= 1e-6 * abs(x["ntl"])
 
 
-def test_gradient_accumulation_split_does_not_change_the_gradient(tmp_path):
+# no dropout: its masks depend on how the batch is split
+ARCHITECTURES = {
+    "causal": "{model_type: gpt2, n_embd: 64, n_layer: 2, n_head: 4, n_positions: 128, "
+    "resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0}",
+    "seq2seq": "{model_type: t5, d_model: 64, d_ff: 128, num_layers: 2, num_heads: 4, d_kv: 16, dropout_rate: 0}",
+}
+
+
+@pytest.mark.parametrize("kind", ["causal", "seq2seq"])
+def test_gradient_accumulation_split_does_not_change_the_gradient(tmp_path, kind):
     norms = []
     for micro, accumulation in [(4, 1), (2, 2), (1, 4)]:
         run = tmp_path / f"ga{micro}x{accumulation}"
@@ -87,9 +107,8 @@ def test_gradient_accumulation_split_does_not_change_the_gradient(tmp_path):
             f"train.micro_batch_size={micro}",
             f"train.gradient_accumulation_steps={accumulation}",
             "eval.at_end=false",
-            # no dropout: its masks depend on how the batch is split
-            "model.architecture={model_type: gpt2, n_embd: 64, n_layer: 2, n_head: 4, n_positions: 128, "
-            "resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0}",
+            f"model.kind={kind}",
+            f"model.architecture={ARCHITECTURES[kind]}",
         )
         norms.append(_metrics(run)[0]["grad_norm"])
     assert norms[0] > 0
