@@ -25,8 +25,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ntl_scale
-from ntl_scale.data import ShardedOrder, collate, encode, generate
+from ntl_scale.data import ShardedOrder, collate, encode
 from ntl_scale.training.config import RunConfig, load_config
+from ntl_scale.training.data import load_examples
 from ntl_scale.training.evaluate import evaluate_generation
 from ntl_scale.training.steps import global_counts, micro_batch_loss, resolve_deepspeed_config, shift_for_causal
 
@@ -92,19 +93,20 @@ def main(argv: list[str] | None = None) -> dict:
         ds_config = resolve_deepspeed_config(json.load(f), cfg.train, world)
 
     tokenizer = build_tokenizer(cfg)
-    vocab_size = cfg.model.architecture.get("vocab_size") or ntl_scale.pad_vocab_size(len(tokenizer), divisible_by=8)
+    if cfg.model.path:
+        from transformers import AutoConfig
+
+        vocab_size = AutoConfig.from_pretrained(cfg.model.path).vocab_size
+    else:
+        vocab_size = cfg.model.architecture.get("vocab_size") or ntl_scale.pad_vocab_size(
+            len(tokenizer), divisible_by=8
+        )
     if vocab_size < len(tokenizer):
         raise ValueError(f"model vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
     vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer, vocab_size=vocab_size, digit_level=cfg.ntl.digit_level)
-    train_set = [
-        e
-        for e in (
-            encode(tokenizer, x, kind=cfg.model.kind, max_length=cfg.data.max_length)
-            for x in generate(cfg.data.train_examples, "train", seed=cfg.data.seed)
-        )
-        if e
-    ]
-    eval_sets = {s: generate(cfg.data.eval_examples, s, seed=cfg.data.seed) for s in ("interpolate", "extrapolate")}
+    train_examples, eval_sets = load_examples(cfg.data)
+    encoded = (encode(tokenizer, x, kind=cfg.model.kind, max_length=cfg.data.max_length) for x in train_examples)
+    train_set = [e for e in encoded if e is not None]
 
     torch.manual_seed(cfg.train.seed)
     model, _keep = build_model(cfg, vocab_size, ds_config, tokenizer)

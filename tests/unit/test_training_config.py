@@ -78,3 +78,19 @@ def test_shift_and_global_counts():
     targets = shift_for_causal(labels)
     assert targets.tolist() == [[2, 3, 0, -100], [-100, 5, 1, -100]]
     assert global_counts([targets, targets[:1]], vocab, None) == (5.0 + 3.0, 3.0 + 2.0)
+
+
+def test_examples_from_files(tmp_path):
+    from ntl_scale.training.config import DataConfig
+    from ntl_scale.training.data import load_examples
+
+    train = tmp_path / "train.txt"
+    train.write_text("What is 1 + 1?\n2\nWhat is 2 + 3?\n5\n")
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text('{"question": "What is 4 + 4?", "answer": "8"}\n')
+    examples, sets = load_examples(DataConfig(source="deepmind", train_path=str(train)))
+    assert [e.answer for e in examples] == ["2", "5"] and sets == {}
+    examples, sets = load_examples(DataConfig(source="jsonl", train_path=str(evals), eval_path=str(evals)))
+    assert examples[0].answer == "8" and [e.question for e in sets["eval"]] == ["What is 4 + 4?"]
+    examples, sets = load_examples(DataConfig(train_examples=10, eval_examples=3))
+    assert len(examples) == 10 and {k: len(v) for k, v in sets.items()} == {"interpolate": 3, "extrapolate": 3}
