@@ -395,8 +395,11 @@ class NumberVocab:
             squash_factor: None, or a number > 1.
 
         Returns:
-            The table, float32 ``[N, N]``.
+            The table, float32 ``[N, N]`` (cached: built once per squash factor).
         """
+        return self._cached(f"distance/{squash_factor}", None, lambda: self._build_distance_table(squash_factor))
+
+    def _build_distance_table(self, squash_factor: float | None) -> torch.Tensor:
         diff = (self._values.unsqueeze(0) - self._values.unsqueeze(1)).abs()
         if squash_factor is None:
             return diff

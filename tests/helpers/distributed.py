@@ -30,7 +30,8 @@ class WorkerContext:
     dp_group: dist.ProcessGroup
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on loopback."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -69,7 +70,7 @@ def run_workers(world_size: int, tp_size: int, fn, *args, timeout: float = 300.0
     with tempfile.TemporaryDirectory() as error_dir:
         context = mp.start_processes(
             _worker,
-            args=(world_size, tp_size, _free_port(), error_dir, fn, args),
+            args=(world_size, tp_size, free_port(), error_dir, fn, args),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.distributed import free_port
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.distributed
@@ -28,10 +29,8 @@ SHIM = ROOT / "tests" / "helpers" / "ds_launch.py"
 
 
 def _train(run_dir: Path, *overrides: str, nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(port)]
+    port = str(free_port())
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", port]
     cmd = [*launcher, str(SHIM), "launch/train.py", f"run_dir={run_dir}", *overrides]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
