@@ -119,6 +119,8 @@ class TrainConfig:
     """Steps between evaluations (0: only at the end)."""
     save_every: int = 0
     """Steps between checkpoints (0: only at the end)."""
+    bf16: bool = False
+    """bf16 mixed precision (fills the DeepSpeed JSON's ``"bf16": {"enabled": "auto"}``)."""
     deepspeed_config: str = "configs/deepspeed/zero3.json"
     """DeepSpeed JSON; ``auto`` values are filled from this config."""
 

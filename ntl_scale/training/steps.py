@@ -43,6 +43,13 @@ def resolve_deepspeed_config(ds: dict[str, Any], train: TrainConfig, world_size:
                 f"(train.micro_batch_size={train.micro_batch_size}, train.gradient_accumulation_steps="
                 f'{train.gradient_accumulation_steps}, {world_size} ranks); set it to "auto" or make them agree'
             )
+    bf16 = ds.get("bf16", {})
+    if bf16.get("enabled") == "auto":
+        bf16["enabled"] = train.bf16
+    elif bool(bf16.get("enabled", False)) != train.bf16:
+        raise ValueError(
+            f'DeepSpeed bf16.enabled={bf16.get("enabled")} contradicts train.bf16={train.bf16}; use "auto"'
+        )
     params = ds.get("optimizer", {}).get("params", {})
     if params.get("lr", "auto") == "auto":
         params["lr"] = train.lr

@@ -94,3 +94,17 @@ def test_examples_from_files(tmp_path):
     assert examples[0].answer == "8" and [e.question for e in sets["eval"]] == ["What is 4 + 4?"]
     examples, sets = load_examples(DataConfig(train_examples=10, eval_examples=3))
     assert len(examples) == 10 and {k: len(v) for k, v in sets.items()} == {"interpolate": 3, "extrapolate": 3}
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu.yaml", "granite-3.2-2b_zero3.yaml", "t5-3b_zero3.yaml"])
+def test_shipped_configs_load_and_resolve(name):
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    path = root / "configs" / "train" / name
+    cfg = load_config(str(path))
+    with open(root / cfg.train.deepspeed_config) as f:
+        ds = resolve_deepspeed_config(json.load(f), cfg.train, world_size=8)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] == cfg.train.bf16
+    assert "launch/train.py" in path.read_text().split("run_dir:")[0]  # the header gives the launch command
