@@ -15,7 +15,7 @@ from .._optional import require
 from ..losses import CENTLOutput, ce_with_ntl
 from ..number_vocab import NumberVocab
 
-__all__ = ["causal_lm_ce_with_ntl", "number_vocab_from_pretrained", "shift_labels"]
+__all__ = ["causal_lm_ce_with_ntl", "ntl_trainer_class", "number_vocab_from_pretrained", "shift_labels"]
 
 
 def number_vocab_from_pretrained(
@@ -81,3 +81,83 @@ def causal_lm_ce_with_ntl(
         The :class:`ntl_scale.CENTLOutput`.
     """
     return ce_with_ntl(logits, shift_labels(labels, ignore_index), vocab, ignore_index=ignore_index, **options)
+
+
+def ntl_trainer_class(base: Any = None) -> Any:
+    """A ``transformers.Trainer`` subclass that trains with ``CE + weight * NTL``, globally normalised.
+
+    ``Trainer`` already counts the label tokens of a whole optimizer step (all accumulation
+    micro-batches, and all devices with ``average_tokens_across_devices``); the subclass counts the
+    number-token labels alongside, so CE is ``sum / label tokens of the step`` and NTL ``sum /
+    number tokens of the step``: the micro-batch x accumulation split does not change the gradient.
+
+    Usage::
+
+        NTLTrainer = ntl_trainer_class()
+        trainer = NTLTrainer(model=model, args=args, train_dataset=ds, number_vocab=vocab, ntl_weight=0.3)
+
+    Args:
+        base: the Trainer class to extend (default ``transformers.Trainer``).
+
+    Returns:
+        The subclass; its constructor takes ``number_vocab``, ``ntl_weight`` (0.3), ``ntl_options``
+        (an :class:`ntl_scale.NTLOptions`) and ``causal`` (True: labels are shifted inside, as
+        Hugging Face causal LMs do) besides the usual Trainer arguments.
+    """
+    transformers = require("transformers", "hf", "ntl_scale.integrations.hf.ntl_trainer_class")
+    from ..losses import NTLOptions, per_token_ce_ntl
+
+    parent = base or transformers.Trainer
+
+    class NTLTrainer(parent):  # type: ignore[misc, valid-type]
+        def __init__(
+            self,
+            *args: Any,
+            number_vocab: NumberVocab,
+            ntl_weight: float = 0.3,
+            ntl_options: NTLOptions | None = None,
+            causal: bool = True,
+            **kwargs: Any,
+        ) -> None:
+            super().__init__(*args, **kwargs)
+            self.number_vocab, self.ntl_weight = number_vocab, float(ntl_weight)
+            self.ntl_options, self.causal = ntl_options or NTLOptions(), causal
+            self.model_accepts_loss_kwargs = True  # the step's counts are ours; Trainer must not rescale
+            self._ntl_counts: torch.Tensor | None = None
+
+        def _targets(self, labels: torch.Tensor) -> torch.Tensor:
+            return shift_labels(labels, self.ntl_options.ignore_index) if self.causal else labels
+
+        def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+            index = self.number_vocab.index_of_id()
+            counts = torch.zeros(2, dtype=torch.float64)
+            for batch in samples:
+                targets = self._targets(batch["labels"]).cpu()
+                valid = targets != self.ntl_options.ignore_index
+                counts[0] += valid.sum()
+                counts[1] += (valid & (index[torch.where(valid, targets, 0)] >= 0)).sum()
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                counts = self.accelerator.gather(counts.to(device)).view(-1, 2).sum(0).cpu()
+            self._ntl_counts = counts
+            return samples, num_items
+
+        def compute_loss(
+            self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
+        ) -> Any:
+            labels = inputs.pop("labels")
+            outputs = model(**inputs)
+            targets = self._targets(labels)
+            terms = per_token_ce_ntl(outputs.logits, targets, self.number_vocab, self.ntl_options)
+            valid = targets != self.ntl_options.ignore_index
+            if model.training and self._ntl_counts is not None:
+                tokens, numbers = (float(c) for c in self._ntl_counts)
+            else:  # evaluation: this batch's own means
+                tokens, numbers = float(valid.sum()), float(terms.number_mask.sum())
+            loss = (terms.ce * valid).sum() / max(tokens, 1.0)
+            loss = loss + self.ntl_weight * terms.ntl.sum() / max(numbers, 1.0)
+            if model.training and self.args.average_tokens_across_devices and self.args.world_size > 1:
+                loss = loss * self.args.world_size  # DDP averages gradients over devices
+            return (loss, outputs) if return_outputs else loss
+
+    return NTLTrainer

@@ -64,3 +64,52 @@ def test_missing_extra_names_the_install_command(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert out.returncode != 0
     assert "pip install 'ntl_scale[hf]'" in out.stderr
+
+
+def _trained_weights(tmp_path, micro: int, accumulation: int):
+    from ntl_scale.data import collate, encode, generate
+    from ntl_scale.training.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer, vocab_size=96)
+    examples = [encode(tokenizer, e, max_length=48) for e in generate(8, seed=0)]
+    dataset = [{"input_ids": e.input_ids, "labels": e.labels} for e in examples if e is not None][:4]
+
+    def collator(rows):
+        from ntl_scale.data import EncodedExample
+
+        return collate([EncodedExample(r["input_ids"], r["labels"]) for r in rows], tokenizer.pad_token_id)
+
+    config = transformers.GPT2Config(
+        vocab_size=96, n_embd=16, n_layer=1, n_head=2, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / f"out{micro}x{accumulation}"),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        max_steps=1,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        remove_unused_columns=False,
+        seed=0,
+        max_grad_norm=0.0,
+    )
+    trainer = hf.ntl_trainer_class()(
+        model=model, args=args, train_dataset=dataset, data_collator=collator, number_vocab=vocab, ntl_weight=0.3
+    )
+    trainer.train()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_trainer_step_is_independent_of_the_accumulation_split(tmp_path):
+    pytest.importorskip("accelerate")
+    reference = _trained_weights(tmp_path, 4, 1)
+    for micro, accumulation in [(2, 2), (1, 4)]:
+        torch.testing.assert_close(_trained_weights(tmp_path, micro, accumulation), reference, atol=1e-6, rtol=1e-5)
