@@ -30,6 +30,7 @@ from ntl_scale.training.config import RunConfig, load_config
 from ntl_scale.training.data import load_examples
 from ntl_scale.training.evaluate import evaluate_generation
 from ntl_scale.training.steps import global_counts, micro_batch_loss, resolve_deepspeed_config, shift_for_causal
+from ntl_scale.training.tracking import Tracker, plot_curves
 
 
 def init_distributed() -> tuple[int, int]:
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         client = {"step": step, "order_position": order.position, "rng": torch.get_rng_state()}
         engine.save_checkpoint(ckpt_dir, tag=f"step{step}", client_state=client)
 
+    tracker = Tracker(cfg.tracking.wandb, cfg.run_dir, cfg.to_dict(), cfg.tracking.project, active=rank == 0)
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     if rank == 0:  # keep the logged curve free of steps that are about to be redone
         kept = []
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
         history.append(row)
         if rank == 0:
+            tracker.log(row, step)
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
@@ -186,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         if flag.item():
             if rank == 0:
                 print(f"signal {flag.item()}: checkpointed at step {step}, stopping", flush=True)
+            tracker.finish()
             torch.distributed.destroy_process_group()
             return {"stopped_at": step, "history": history}
     save(cfg.train.steps)
@@ -207,6 +211,11 @@ def main(argv: list[str] | None = None) -> dict:
             synced_gpus=world > 1,
             predictions_path=path,
         )
+    if rank == 0:
+        tracker.log({f"eval/{split}/{k}": v for split, m in results.items() for k, v in m.items()}, cfg.train.steps)
+        tracker.finish()
+        if cfg.tracking.plot:
+            plot_curves(metrics_path, os.path.join(cfg.run_dir, "loss_curves.png"))
     if rank == 0 and results:
         with open(os.path.join(cfg.run_dir, "eval.json"), "w") as f:
             json.dump(results, f, indent=2)

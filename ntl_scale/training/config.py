@@ -22,6 +22,7 @@ __all__ = [
     "ModelConfig",
     "NTLConfig",
     "RunConfig",
+    "TrackingConfig",
     "TrainConfig",
     "load_config",
 ]
@@ -143,6 +144,18 @@ class EvalConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Experiment tracking."""
+
+    wandb: str = "offline"
+    """``offline`` (files in the run directory), ``online`` or ``disabled``."""
+    project: str = "ntl_scale"
+    """The wandb project."""
+    plot: bool = True
+    """Write ``loss_curves.png`` into the run directory at the end."""
+
+
+@dataclass
 class RunConfig:
     """The whole run."""
 
@@ -153,6 +166,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -63,6 +63,8 @@ def test_short_zero3_run(tmp_path):
     assert (run / "checkpoints" / "latest").read_text().strip() == "step30"
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 30
     assert "step 30/30" in out.stdout
+    assert (run / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert list((run / "wandb").glob("offline-run-*")), "wandb logs offline by default"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import ntl_scale

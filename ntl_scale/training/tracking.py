@@ -1,0 +1,67 @@
+"""Run tracking: wandb (offline by default) and a PNG of the loss curves. Both import lazily."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .._optional import require
+
+__all__ = ["Tracker", "plot_curves"]
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class Tracker:
+    """Logs metrics to wandb on the rank that owns it; does nothing when disabled or not rank 0.
+
+    Args:
+        mode: ``offline`` (files under ``run_dir/wandb``, sync later with ``wandb sync``), ``online``
+            or ``disabled``.
+        run_dir: where wandb writes.
+        config: the resolved run config, stored with the run.
+        project: the wandb project.
+        active: False on ranks other than 0.
+    """
+
+    def __init__(self, mode: str, run_dir: str, config: dict[str, Any], project: str, active: bool) -> None:
+        if mode not in WANDB_MODES:
+            raise ValueError(f"tracking.wandb must be one of {WANDB_MODES}, got {mode!r}")
+        self.run = None
+        if active and mode != "disabled":
+            wandb = require("wandb", "wandb", f"tracking.wandb={mode}")
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.run = wandb.init(
+                mode=mode, dir=run_dir, project=project, config=config, name=os.path.basename(run_dir.rstrip("/"))
+            )
+
+    def log(self, row: dict[str, float], step: int) -> None:
+        if self.run is not None:
+            self.run.log(row, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def plot_curves(metrics_path: str, png_path: str) -> None:
+    """Plots CE and NTL per step from ``metrics.jsonl`` into a PNG (needs matplotlib)."""
+    matplotlib = require("matplotlib", "wandb", "the loss-curve plot")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["ce"] for r in rows], label="CE")
+    ax.plot(steps, [r["ntl"] for r in rows], label="NTL")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
