@@ -132,7 +132,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     def save(step: int) -> None:
         client = {"step": step, "order_position": order.position, "rng": torch.get_rng_state()}
-        engine.save_checkpoint(ckpt_dir, tag=f"step{step}", client_state=client)
+        engine.save_checkpoint(ckpt_dir, tag=f"step{step}", client_state=client, save_latest=False)
+        torch.distributed.barrier()  # every rank's shard is on disk before "latest" points at it
+        if rank == 0:  # a crash before this line leaves "latest" at the previous, complete checkpoint
+            with open(os.path.join(ckpt_dir, "latest.tmp"), "w") as f:
+                f.write(f"step{step}")
+            os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
+        torch.distributed.barrier()
 
     tracker = Tracker(cfg.tracking.wandb, cfg.run_dir, cfg.to_dict(), cfg.tracking.project, active=rank == 0)
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")

@@ -125,3 +125,7 @@ def test_bad_input_stops_before_training(tmp_path):
     out = _train(tmp_path / "bad2", f"train.deepspeed_config={ds}", nproc=1, check=False)
     assert out.returncode != 0 and "train_micro_batch_size_per_gpu=3" in out.stdout + out.stderr
     assert not (tmp_path / "bad2" / "metrics.jsonl").exists()
+    out = _train(
+        tmp_path / "bad3", "data.source=jsonl", f"data.train_path={tmp_path / 'missing.jsonl'}", nproc=1, check=False
+    )
+    assert out.returncode != 0 and "no such data file" in out.stdout + out.stderr
