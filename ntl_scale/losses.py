@@ -513,7 +513,7 @@ def _combine(
     ce_red, num_tokens = reduce_loss(terms.ce, valid, weights, reduction)
     ntl_red, num_numbers = reduce_loss(terms.ntl, terms.number_mask, weights, reduction)
     if options.loss == "number":  # the NTL mask holds first digits only; accuracy counts every digit
-        number_positions = valid & (vocab.index_of_id(labels.device)[torch.where(valid, labels, 0)] >= 0)
+        number_positions = valid & vocab.number_mask(labels)
     else:
         number_positions = terms.number_mask
     hits = (number_positions & terms.hit).sum().to(terms.ce.dtype)

@@ -378,6 +378,17 @@ class NumberVocab:
         """Dense map from vocabulary id to table position (``-1`` for non-number ids), LongTensor ``[V]``."""
         return self._cached("index_of_id", device, self._build_index_of_id)
 
+    def number_mask(self, labels: torch.Tensor) -> torch.Tensor:
+        """Bool mask of the label positions that hold a number token (ids outside the vocabulary, such
+        as ``ignore_index``, are not numbers).
+
+        Shape:
+            ``labels``: any; the result has the same shape.
+        """
+        inside = (labels >= 0) & (labels < self._vocab_size)
+        index = self.index_of_id(labels.device)
+        return inside & (index[torch.where(inside, labels, 0)] >= 0)
+
     def _build_index_of_id(self) -> torch.Tensor:
         index = torch.full((self._vocab_size,), -1, dtype=torch.long)
         index[self._ids] = torch.arange(len(self), dtype=torch.long)

@@ -130,13 +130,11 @@ def ntl_trainer_class(base: Any = None) -> Any:
 
         def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-            index = self.number_vocab.index_of_id()
             counts = torch.zeros(2, dtype=torch.float64)
             for batch in samples:
                 targets = self._targets(batch["labels"]).cpu()
-                valid = targets != self.ntl_options.ignore_index
-                counts[0] += valid.sum()
-                counts[1] += (valid & (index[torch.where(valid, targets, 0)] >= 0)).sum()
+                counts[0] += (targets != self.ntl_options.ignore_index).sum()
+                counts[1] += self.number_vocab.number_mask(targets).sum()
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
                 counts = self.accelerator.gather(counts.to(device)).view(-1, 2).sum(0).cpu()
             self._ntl_counts = counts

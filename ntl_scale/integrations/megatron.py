@@ -190,7 +190,7 @@ def build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size:
 def count_targets(labels: torch.Tensor, loss_mask: torch.Tensor, vocab: NumberVocab) -> torch.Tensor:
     """``[tokens, number tokens]`` of one micro-batch: the loss-mask weight of all and of number labels."""
     mask = loss_mask.to(torch.float64)
-    is_number = vocab.index_of_id(labels.device)[labels.clamp(0, vocab.vocab_size - 1)] >= 0
+    is_number = vocab.number_mask(labels)
     return torch.stack([mask.sum(), (mask * is_number).sum()])
 
 

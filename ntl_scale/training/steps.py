@@ -72,11 +72,9 @@ def global_counts(
     One SUM all-reduce of two numbers over ``group``; computed from the labels before the forward.
     """
     counts = torch.zeros(2, dtype=torch.float64)
-    index = vocab.index_of_id()
     for t in targets:
-        valid = t != -100
-        counts[0] += valid.sum()
-        counts[1] += (valid & (index[torch.where(valid, t, 0).clamp_max(vocab.vocab_size - 1)] >= 0)).sum()
+        counts[0] += (t != -100).sum()
+        counts[1] += vocab.number_mask(t).sum()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)
     return float(counts[0]), float(counts[1])

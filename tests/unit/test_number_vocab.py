@@ -234,3 +234,11 @@ def test_bad_constructor_input():
         NumberVocab([0], [float("nan")], 5)
     with pytest.raises(ValueError, match="pad_vocab_size: tp_size must be a positive int"):
         ntl_scale.pad_vocab_size(100, tp_size=0)
+
+
+def test_number_mask():
+    tokens = ["a", "7", "b", "3"] + [str(d) for d in (0, 1, 2, 4, 5, 6, 8, 9)]
+    vocab = NumberVocab.from_id_to_token(tokens, vocab_size=16)
+    labels = torch.tensor([[0, 1, 2, 3, -100], [15, 16, 11, 4, 99]])
+    want = [[tokens[i].isdigit() if 0 <= i < len(tokens) else False for i in row] for row in labels.tolist()]
+    assert vocab.number_mask(labels).tolist() == want
