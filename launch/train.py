@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
             if rank == 0:
                 print(f"signal {flag.item()}: checkpointed at step {step}, stopping", flush=True)
             tracker.finish()
-            torch.distributed.destroy_process_group()
+            _shutdown()
             return {"stopped_at": step, "history": history}
     save(cfg.train.steps)
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
@@ -228,8 +228,15 @@ def main(argv: list[str] | None = None) -> dict:
         print("split        accuracy   MAE       log-MAE  unparseable")
         for split, m in results.items():
             print(f"{split:12s} {m['accuracy']:.3f}      {m['mae']:<9.3g} {m['log_mae']:.3f}    {m['unparseable']:.3f}")
-    torch.distributed.destroy_process_group()
+    _shutdown()
     return {"history": history, "eval": results}
+
+
+def _shutdown() -> None:
+    """Every rank reaches this point before any tears down gloo/NCCL: a rank that destroys its process
+    group while a peer still works (rank 0 writing the model, the plot, wandb) can abort the peer."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

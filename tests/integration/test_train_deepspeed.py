@@ -76,7 +76,7 @@ def test_short_zero3_run(tmp_path):
 
 
 def test_resume_continues_the_same_curve(tmp_path):
-    common = ("train.log_every=5", "eval.at_end=false")
+    common = ("train.log_every=5", "eval.at_end=false", "tracking.wandb=disabled")
     whole = tmp_path / "whole"
     _train(whole, "train.steps=8", *common)
     parted = tmp_path / "parted"
@@ -108,6 +108,7 @@ def test_gradient_accumulation_split_does_not_change_the_gradient(tmp_path, kind
             f"train.micro_batch_size={micro}",
             f"train.gradient_accumulation_steps={accumulation}",
             "eval.at_end=false",
+            "tracking.wandb=disabled",
             f"model.kind={kind}",
             f"model.architecture={ARCHITECTURES[kind]}",
         )
