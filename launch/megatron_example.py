@@ -7,6 +7,11 @@ Megatron's pipeline schedule, tensor and pipeline parallel as launched:
 
     torchrun --nproc_per_node 4 launch/megatron_example.py --tp 2 --pp 2 --steps 30 --ntl-weight 0.3
 
+Checkpoints follow Megatron-LM's names and layout: ``--save DIR`` writes
+``DIR/iter_0000030/mp_rank_TT[_PPP]/model_optim_rng.pt`` and ``DIR/latest_checkpointed_iteration.txt``
+every ``--save-interval`` steps and at the end; ``--load DIR`` resumes from the latest one;
+``--exit-signal-handler`` makes SIGTERM or SIGUSR1 checkpoint and exit after the current step.
+
 On GPUs it runs as is. On CPU (gloo) Megatron needs a few CUDA calls patched; that is done only
 by the test suite (``tests/integration/test_megatron_example.py``), never here.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import tempfile
 
 import numpy
@@ -145,7 +151,14 @@ def train(args: argparse.Namespace) -> list[dict]:
     padded = ntl_scale.pad_vocab_size(tokenizer.vocab_size, divisible_by=8, tp_size=args.tp)
     settings = ntl_megatron.NTLSettings.from_args(args)
     vocab = ntl_megatron.build_number_vocab(settings, tokenizer, padded)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="ntl_megatron_")
+    workdir = args.workdir
+    if workdir is None and args.save:  # next to the checkpoints: the run directory every node sees
+        workdir = os.path.join(os.path.dirname(os.path.abspath(args.save)), "data")
+    if workdir is None:  # one node: rank 0's temporary folder, for every rank
+        shared = [tempfile.mkdtemp(prefix="ntl_megatron_") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        workdir = shared[0]
+    os.makedirs(workdir, exist_ok=True)
     dp = parallel_state.get_data_parallel_world_size()
     samples = args.steps * args.micro_batches * args.micro_batch_size * dp
     dataset = build_dataset(tokenizer, os.path.join(workdir, "arithmetic"), args.seq_length, samples, args.seed)
@@ -168,8 +181,15 @@ def train(args: argparse.Namespace) -> list[dict]:
         num_microbatches=args.micro_batches,
         data_parallel_size=dp,
     )
+    start = load_checkpoint(args.load, model, optimizer) if args.load else 0
+    for _ in range(start * args.micro_batches * args.micro_batch_size):  # the samples already trained on
+        next(order)
+    stop = torch.zeros(1)
+    if args.exit_signal_handler:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda num, _frame: stop.fill_(num))
     history = []
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         optimizer.zero_grad(set_to_none=True)
         reports = get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -192,21 +212,81 @@ def train(args: argparse.Namespace) -> list[dict]:
             if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
                 shown = "  ".join(f"{k} {v:.4f}" for k, v in row.items())
                 print(f"step {step + 1:3d}/{args.steps}  {shown}", flush=True)
+        flag = stop.clone()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops after the same step
+        last = step + 1 == args.steps or bool(flag.item())
+        if args.save and (last or (args.save_interval and (step + 1) % args.save_interval == 0)):
+            save_checkpoint(args.save, step + 1, model, optimizer)
+        if flag.item():
+            if dist.get_rank() == 0:
+                print(f"signal {int(flag.item())}: checkpointed at iteration {step + 1}, exiting", flush=True)
+            break
     parallel_state.destroy_model_parallel()
     return history
+
+
+def _rank_dir(root: str, iteration: int) -> str:
+    """Megatron-LM's legacy layout: ``iter_NNNNNNN/mp_rank_TT`` (``_PPP`` with pipeline parallel)."""
+    from megatron.core import parallel_state
+
+    tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    name = f"mp_rank_{tp:02d}"
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{pp:03d}"
+    return os.path.join(root, f"iter_{iteration:07d}", name)
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer) -> None:
+    """Data-parallel rank 0 of each model shard writes it; the tracker file moves once all are on disk."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_rank() == 0:
+        path = _rank_dir(root, iteration)
+        os.makedirs(path, exist_ok=True)
+        state = {"iteration": iteration, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        state["rng_state"] = torch.get_rng_state()
+        torch.save(state, os.path.join(path, "model_optim_rng.pt.tmp"))
+        os.replace(os.path.join(path, "model_optim_rng.pt.tmp"), os.path.join(path, "model_optim_rng.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:  # a crash before this line leaves the tracker at the previous, complete one
+        tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+        with open(tracker + ".tmp", "w") as f:
+            f.write(str(iteration))
+        os.replace(tracker + ".tmp", tracker)
+    dist.barrier()
+
+
+def load_checkpoint(root: str, model, optimizer) -> int:
+    """Restores the latest checkpoint under ``root``; returns its iteration (0 when there is none)."""
+    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        return 0
+    with open(tracker) as f:
+        iteration = int(f.read().strip())
+    state = torch.load(os.path.join(_rank_dir(root, iteration), "model_optim_rng.pt"), weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng_state"])
+    if dist.get_rank() == 0:
+        print(f"resumed from iteration {iteration}", flush=True)
+    return iteration
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", "--train-iters", dest="steps", type=int, default=30)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--save", default=None, help="checkpoint directory (Megatron-LM layout)")
+    parser.add_argument("--load", default=None, help="resume from the latest checkpoint here, if any")
+    parser.add_argument("--save-interval", type=int, default=0, help="also save every N steps (0: only at the end)")
+    parser.add_argument("--exit-signal-handler", action="store_true", help="SIGTERM/SIGUSR1: checkpoint and exit")
     ntl_megatron.add_ntl_args(parser)
     return parser.parse_args(argv)
 

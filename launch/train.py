@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
             if rank == 0:
                 print(f"signal {flag.item()}: checkpointed at step {step}, stopping", flush=True)
             tracker.finish()
+            _write_status(cfg.run_dir, rank, "stopped", step)
             _shutdown()
             return {"stopped_at": step, "history": history}
     save(cfg.train.steps)
@@ -228,8 +229,17 @@ def main(argv: list[str] | None = None) -> dict:
         print("split        accuracy   MAE       log-MAE  unparseable")
         for split, m in results.items():
             print(f"{split:12s} {m['accuracy']:.3f}      {m['mae']:<9.3g} {m['log_mae']:.3f}    {m['unparseable']:.3f}")
+    _write_status(cfg.run_dir, rank, "finished", cfg.train.steps)
     _shutdown()
     return {"history": history, "eval": results}
+
+
+def _write_status(run_dir: str, rank: int, state: str, step: int) -> None:
+    """``status.json``: ``finished`` or ``stopped`` (checkpointed early on a signal); batch scripts read it."""
+    if rank == 0:
+        with open(os.path.join(run_dir, "status.json.tmp"), "w") as f:
+            json.dump({"state": state, "step": step}, f)
+        os.replace(os.path.join(run_dir, "status.json.tmp"), os.path.join(run_dir, "status.json"))
 
 
 def _shutdown() -> None:

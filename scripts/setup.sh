@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up ntl_scale on a fresh machine with nothing but Python.
 #   bash scripts/setup.sh          # the package and what the main job needs
-#   bash scripts/setup.sh --dev    # plus everything the test suite needs
+#   bash scripts/setup.sh --dev    # plus everything the test suite needs (Slurm too, as root with apt)
 # torch: installs the pin torch==2.13.0 (a local CPU wheel on the project's machines) when no torch is
 # present, and pins whatever torch is installed as a constraint so no later install can upgrade it.
 set -euo pipefail
@@ -22,3 +22,7 @@ echo "torch==${torch_version}" >"$constraints"
 
 echo "[setup] installing ntl_scale[${extras}] (torch ${torch_version} kept as is)"
 "$PYTHON" -m pip install --quiet --constraint "$constraints" -e ".[${extras}]"
+
+if [[ "${1:-}" == "--dev" ]]; then
+  bash scripts/setup_slurm.sh
+fi

@@ -1,0 +1,248 @@
+"""The Slurm batch scripts on a real one-node Slurm cluster (slurmctld + slurmd + munge on loopback).
+
+Sections:
+1. Static: shellcheck, --help, dry runs for 1 and 4 nodes (no cluster needed).
+2. ``sbatch --wait launch/slurm/deepspeed.sbatch``: tiny ZeRO-3 run, 2 processes; checkpoints, logs,
+   resolved config, command and environment end up in the run directory.
+3. ``sbatch --wait launch/slurm/megatron.sbatch``: the megatron.core example at TP=2 with NTL.
+4. Preemption: the time-limit warning (USR1 to the batch shell, as ``--signal=B:USR1@300`` sends it)
+   mid-run: the job checkpoints, requeues itself, resumes, and ends with the uninterrupted run's loss,
+   each step logged once.
+5. Bad input fails fast with a clear message in the job log: missing config, missing venv, zero
+   nodes, port in use.
+
+The cluster comes from launch/slurm/local_cluster.sh (root, Debian's slurm-wlm and munge; the dev
+set-up installs them). Without them these tests skip, except under CI, where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slurm]
+
+ROOT = Path(__file__).resolve().parents[2]
+SLURM = ROOT / "launch" / "slurm"
+CLUSTER = SLURM / "local_cluster.sh"
+DS_ENTRY = "tests/helpers/ds_launch.py launch/train.py"  # skips DeepSpeed's CPU shm-op compile
+MEGATRON_ENTRY = "tests/helpers/megatron_cpu_launch.py launch/megatron_example.py"  # CPU patches
+CPU_JOB = ["--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1"]
+TINY = ["eval.at_end=false", "tracking.wandb=disabled", "train.save_every=0"]
+
+
+def _missing(what: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"{what}: CI must run the Slurm tests (scripts/setup.sh --dev installs Slurm as root)")
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    """Starts the local cluster (idempotent) and yields the environment for sbatch/scontrol."""
+    for tool in ("sbatch", "slurmctld", "slurmd", "munged"):
+        if shutil.which(tool) is None:
+            _missing(f"{tool} not installed")
+    if os.geteuid() != 0:
+        _missing("the local Slurm cluster needs root")
+    state = os.environ.get("NTL_SLURM_STATE", "/var/tmp/ntl-slurm")
+    was_up = (Path(state) / "run" / "slurmctld.pid").exists()
+    subprocess.run([str(CLUSTER), "start"], check=True, timeout=120)
+    env = {**os.environ, "SLURM_CONF": f"{state}/slurm.conf", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    yield env
+    if not was_up:
+        subprocess.run([str(CLUSTER), "stop"], check=False, timeout=120)
+
+
+def _sbatch(env: dict, tmp: Path, script: str, *args: str, sbatch_opts=(), wait=True, extra_env=None):
+    """Submits from the checkout; the job log goes to tmp. Returns (exit code, job id, log path)."""
+    runs = tmp / "runs"
+    runs.mkdir(exist_ok=True)
+    cmd = ["sbatch", "--parsable", f"--output={tmp}/%x-%j.out", *CPU_JOB, *sbatch_opts]
+    cmd += ["--wait"] if wait else []
+    cmd += [str(SLURM / script), *args]
+    job_env = {**env, "NTL_RUNS": str(runs), **(extra_env or {})}
+    out = subprocess.run(cmd, cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=600)
+    job = out.stdout.strip().split(";")[0]
+    name = "ntl-deepspeed" if script.startswith("deepspeed") else "ntl-megatron"
+    return out.returncode, job, tmp / f"{name}-{job}.out", out
+
+
+def _job_state(env: dict, job: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True)
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# 1. Static ------------------------------------------------------------------------------------------
+
+
+def test_shellcheck_clean():
+    if shutil.which("shellcheck") is None:
+        _missing("shellcheck not installed")
+    scripts = sorted(str(p) for p in SLURM.iterdir() if p.suffix in (".sh", ".sbatch"))
+    out = subprocess.run(["shellcheck", "-x", *scripts], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+def _dry_run(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return subprocess.run(
+        ["bash", str(SLURM / script), "--dry-run", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_dry_run_plans_n_nodes(nodes):
+    out = _dry_run("deepspeed.sbatch", "--nodes", str(nodes), "--", "train.steps=5")
+    assert out.returncode == 0, out.stderr
+    srun = next(line for line in out.stdout.splitlines() if line.startswith("srun "))
+    assert f"--nodes={nodes}" in srun and "--ntasks-per-node=8" in srun  # 8 from the #SBATCH header
+    assert srun.rstrip().endswith("train.steps=5") and "launch/train.py --config" in srun
+    assert f"{nodes * 8} ranks" in out.stdout
+
+
+def test_megatron_dry_run_turns_the_config_into_flags_and_points_checkpoints_at_the_run_dir():
+    import yaml
+
+    config = ROOT / "configs" / "megatron" / "llama-3.2-3b_ntl.yaml"
+    out = _dry_run(
+        "megatron.sbatch", "--config", str(config), "--procs-per-node", "4", "--run-dir", "/r", "--", "--x", "1"
+    )
+    assert out.returncode == 0, out.stderr
+    srun = next(line for line in out.stdout.splitlines() if line.startswith("srun "))
+    flags = yaml.safe_load(config.read_text())["megatron_args"]
+    assert f"--train-iters {flags['train-iters']}" in srun and "--ntl-weight" in srun
+    assert "--save /r/checkpoints --load /r/checkpoints --exit-signal-handler --x 1" in srun
+    assert "--ntasks-per-node=4" in srun
+
+
+def test_help_names_the_options():
+    for script in ("deepspeed.sbatch", "megatron.sbatch"):
+        out = subprocess.run(["bash", str(SLURM / script), "--help"], capture_output=True, text=True)
+        assert out.returncode == 0
+        for word in ("--dry-run", "--config", "--entry", "NTL_VENV", "requeue"):
+            assert word in out.stdout
+
+
+def test_dry_run_with_zero_nodes_fails_with_a_clear_message():
+    out = _dry_run("deepspeed.sbatch", "--nodes", "0")
+    assert out.returncode != 0 and "nodes = '0'" in out.stderr and ">= 1" in out.stderr
+
+
+# 2-4. Jobs on the cluster ---------------------------------------------------------------------------
+
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm_env, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ds")
+    rc, job, log, out = _sbatch(
+        slurm_env, tmp, "deepspeed.sbatch", "--entry", DS_ENTRY, "--", f"train.steps={STEPS}", *TINY
+    )
+    return rc, tmp / "runs" / f"ntl-deepspeed-{job}", log, out
+
+
+def test_deepspeed_job_runs_and_leaves_checkpoints_and_logs(uninterrupted):
+    rc, run, log, out = uninterrupted
+    assert rc == 0, (out.stderr, log.read_text() if log.exists() else "no log")
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step{STEPS}"
+    assert json.loads((run / "status.json").read_text()) == {"state": "finished", "step": STEPS}
+    assert [r["step"] for r in _metrics(run)] == list(range(1, STEPS + 1))
+    for rank in (0, 1):  # ZeRO-3 over the two Slurm tasks: each holds about half
+        part = json.loads((run / f"zero_rank{rank}.json").read_text())
+        assert 0.4 < part["held"] / part["total"] < 0.6
+    assert "srun" in (run / "command.sh").read_text() and (run / "tiny_cpu.yaml").exists()
+    assert list((run / "logs").glob("env-*-0.txt")) and (run / "logs" / log.name).resolve() == log.resolve()
+    assert f"step {STEPS}/{STEPS}" in log.read_text()
+
+
+def test_megatron_job_runs_and_leaves_checkpoints_and_logs(slurm_env, tmp_path):
+    rc, job, log, out = _sbatch(
+        slurm_env, tmp_path, "megatron.sbatch", "--config", "", "--entry", MEGATRON_ENTRY,
+        "--", "--tp", "2", "--train-iters", "4", "--save-interval", "2", "--ntl-weight", "0.3",
+    )  # fmt: skip
+    text = log.read_text() if log.exists() else out.stderr
+    assert rc == 0, text
+    ckpt = tmp_path / "runs" / f"ntl-megatron-{job}" / "checkpoints"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
+    for it in (2, 4):
+        for tp in (0, 1):
+            assert (ckpt / f"iter_{it:07d}" / f"mp_rank_{tp:02d}" / "model_optim_rng.pt").exists()
+    assert "step   4/4" in text and "ntl loss" in text
+
+
+def test_time_limit_warning_checkpoints_requeues_and_resumes_to_the_same_loss(slurm_env, tmp_path, uninterrupted):
+    rc, job, log, out = _sbatch(
+        slurm_env, tmp_path, "deepspeed.sbatch", "--entry", DS_ENTRY, "--", f"train.steps={STEPS}", *TINY, wait=False
+    )
+    assert rc == 0, out.stderr
+    run = tmp_path / "runs" / f"ntl-deepspeed-{job}"
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(_metrics(run)) >= 3):
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_env, check=True)
+    state = {}
+    while time.time() < deadline:
+        state = _job_state(slurm_env, job)
+        if state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
+            # Slurm holds a requeued job for a while; a test need not wait for that
+            subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], env=slurm_env, check=True)
+        if state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            break
+        time.sleep(1)
+    text = log.read_text()
+    assert state.get("JobState") == "COMPLETED" and state.get("Restarts") == "1", (state, text)
+    assert "requeueing" in text and "checkpointed at step" in text and "resumed from step" in text
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # nothing lost, nothing twice
+    reference = _metrics(uninterrupted[1])
+    for key in ("ce", "ntl"):
+        assert abs(rows[-1][key] - reference[-1][key]) <= 1e-6 * abs(reference[-1][key])
+
+
+# 5. Bad input ---------------------------------------------------------------------------------------
+
+
+def _fails_fast(env, tmp, *args, extra_env=None, sbatch_opts=()):
+    start = time.time()
+    rc, _, log, out = _sbatch(env, tmp, "deepspeed.sbatch", *args, extra_env=extra_env, sbatch_opts=sbatch_opts)
+    assert rc != 0
+    assert time.time() - start < 60
+    return (log.read_text() if log.exists() else "") + out.stderr
+
+
+def test_missing_config_fails_fast(slurm_env, tmp_path):
+    text = _fails_fast(slurm_env, tmp_path, "--config", "configs/train/nope.yaml")
+    assert "config" in text and "nope.yaml' does not exist" in text
+
+
+def test_missing_venv_fails_fast(slurm_env, tmp_path):
+    text = _fails_fast(slurm_env, tmp_path, extra_env={"NTL_VENV": "/nonexistent/venv"})
+    assert "NTL_VENV=/nonexistent/venv has no bin/activate" in text
+
+
+def test_zero_nodes_is_refused_at_submission(slurm_env, tmp_path):
+    text = _fails_fast(slurm_env, tmp_path, sbatch_opts=["--nodes=0"])
+    assert "Node count specification invalid" in text
+
+
+def test_port_in_use_fails_fast(slurm_env, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        text = _fails_fast(slurm_env, tmp_path, extra_env={"NTL_MASTER_PORT": str(port)})
+    assert f"port {port} is in use" in text and "NTL_MASTER_PORT" in text
