@@ -4,6 +4,7 @@
 and import their framework lazily.
 """
 
+from .linear import linear_ce_ntl, linear_ce_with_ntl
 from .losses import (
     LOSS_KINDS,
     REDUCTIONS,
@@ -34,6 +35,8 @@ __all__ = [
     "VocabShard",
     "add_digit_tokens",
     "ce_with_ntl",
+    "linear_ce_ntl",
+    "linear_ce_with_ntl",
     "number_token_loss",
     "pad_vocab_size",
     "parse_number_token",

@@ -239,6 +239,44 @@ class PerTokenTerms(NamedTuple):
     hit: torch.Tensor
 
 
+def terms_from_stats(
+    ce: torch.Tensor,
+    expect: torch.Tensor,
+    mass: torch.Tensor,
+    hit: torch.Tensor,
+    inputs: ShardInputs,
+    row: torch.Tensor,
+    shape: torch.Size,
+    vocab: NumberVocab,
+    options: NTLOptions,
+) -> PerTokenTerms:
+    """Per-token CE and the NTL variant from the fused per-token statistics (logits or hidden states)."""
+    loss, reweigh, dtype = options.loss, options.reweigh, ce.dtype
+    is_number = row >= 0
+    zero = torch.zeros((), dtype=dtype, device=ce.device)
+    if loss == "number":
+        sequences = shape[-1] if len(shape) else 1
+        digits = is_number.view(-1, sequences)
+        dots = None
+        if options.float_level:
+            dots = (inputs.valid & (inputs.labels == vocab.decimal_point_id)).view(-1, sequences)
+        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
+        pred, target, starts = assemble_numbers(expect.view(-1, sequences), targets.view(-1, sequences), digits, dots)
+        mask = starts.reshape(-1)
+        ntl = symmetric_mape(pred.reshape(-1), target.reshape(-1))
+    elif loss == "was":
+        mask, ntl = is_number, expect
+    else:
+        mask = is_number
+        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
+        ntl = options.point_loss(expect, targets)
+    if reweigh:
+        penalty = _REWEIGH_MARGIN * options.max_loss(vocab)
+        ntl = ntl * mass + penalty * (1 - mass)
+    ntl = torch.where(mask, ntl, zero)
+    return PerTokenTerms(ce.view(shape), ntl.view(shape), mask.view(shape), hit.view(shape))
+
+
 def per_token_ce_ntl(
     logits_shard: torch.Tensor,
     labels: torch.Tensor,
@@ -282,29 +320,7 @@ def per_token_ce_ntl(
         tp_group=tp_group,
         chunk_tokens=chunk_tokens,
     )
-    is_number = row >= 0
-    zero = torch.zeros((), dtype=dtype, device=ce.device)
-    if loss == "number":
-        sequences = shape[-1] if len(shape) else 1
-        digits = is_number.view(-1, sequences)
-        dots = None
-        if options.float_level:
-            dots = (inputs.valid & (inputs.labels == vocab.decimal_point_id)).view(-1, sequences)
-        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
-        pred, target, starts = assemble_numbers(expect.view(-1, sequences), targets.view(-1, sequences), digits, dots)
-        mask = starts.reshape(-1)
-        ntl = symmetric_mape(pred.reshape(-1), target.reshape(-1))
-    elif loss == "was":
-        mask, ntl = is_number, expect
-    else:
-        mask = is_number
-        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
-        ntl = options.point_loss(expect, targets)
-    if reweigh:
-        penalty = _REWEIGH_MARGIN * options.max_loss(vocab)
-        ntl = ntl * mass + penalty * (1 - mass)
-    ntl = torch.where(mask, ntl, zero)
-    return PerTokenTerms(ce.view(shape), ntl.view(shape), mask.view(shape), hit.view(shape))
+    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options)
 
 
 def vocab_parallel_ce_ntl(

@@ -66,6 +66,10 @@ class ShardInputs:
     a_table: torch.Tensor
     start: int
 
+    def rows(self, sl: slice) -> ShardInputs:
+        """The inputs of the tokens in ``sl``."""
+        return ShardInputs(self.labels[sl], self.valid[sl], self.number_cols, self.a_table[sl], self.start)
+
     def owned_targets(self, rows: slice, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For the tokens in ``rows``: whether this shard holds the label's column, and that column."""
         local_label = self.labels[rows] - self.start

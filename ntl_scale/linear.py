@@ -1,0 +1,323 @@
+"""CE + NTL straight from hidden states: the output layer, the softmax and the loss in token chunks.
+
+The logits ``z = h W^T`` (``[T, V]``, the largest activation of a large-vocabulary model) never exist
+whole: the op walks over the tokens in chunks of ``C`` and keeps only per-token statistics
+(``ce``, ``expect``, ``mass``; see :mod:`ntl_scale.parallel`) and what the gradients need.
+
+The gradient w.r.t. the logits of ``sum_t g_ce_t ce_t + g_e_t expect_t + g_m_t mass_t`` is
+
+    dz_t = u_t pi_t  -  g_ce_t e_{y_t}  +  [number columns: g_m_t pi_tN + g_e_t p_t (a_t - expect_t)]
+
+with ``pi`` the full softmax, ``p`` the softmax over the number columns and
+``u_t = g_ce_t - g_m_t mass_t``. Only the first term is dense over the vocabulary; the label term
+touches one column per token and the NTL terms the ``K`` number columns (10 for digits). So:
+
+* forward, per chunk: ``z = h W^T``, the softmax statistics (two all-reduces per chunk under tensor
+  parallelism, as for the logits op), then ``pi``, ``P_h += pi W`` (per token) and
+  ``G_W += (w pi)^T h`` with ``w`` the per-token weights the caller's reduction will apply
+  (``token_weights``; default: 1 on every non-ignored label);
+* backward: the dense part of the hidden gradient is ``u_t P_h[t]``, exact for any upstream
+  gradient. When ``u = s w`` for one scalar ``s`` (a mean or sum of CE with those weights: the usual
+  case) the weight gradient's dense part is ``s G_W``; only the sparse terms are added
+  (``O(T K H)``). Otherwise (e.g. ``reweigh=True``, whose ``g_m`` varies per token) the backward
+  recomputes ``z`` chunk by chunk for ``(u pi)^T h``: exact for any upstream gradient, two more
+  matmuls.
+
+Peak extra memory: ``C x V_local`` (one chunk of logits, plus a cast copy for half precision),
+``T x H`` (``P_h``) and ``V_local x H`` (``G_W``; what the weight gradient costs anyway), instead of
+``T x V`` logits and their gradient. See ``docs/memory_efficient.md``.
+
+Under tensor parallelism ``weight`` is the local vocab shard ``[V/tp, H]`` and ``hidden`` the full
+(sequence-gathered) hidden states; the returned gradient of ``hidden`` is this shard's part, to be
+summed over the TP group by the caller's layer, as Megatron's ``ColumnParallelLinear`` does with
+``copy_to_tensor_model_parallel_region`` (or the sequence-parallel gather) on its input.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .losses import (
+    CENTLOutput,
+    NTLOptions,
+    PerTokenTerms,
+    _check_inputs,
+    _check_ntl_weight,
+    _check_reduction,
+    _check_weights,
+    _combine,
+    _shard_inputs,
+    terms_from_stats,
+)
+from .number_vocab import NumberVocab
+from .parallel import ShardInputs, ShardMath, _raise_if_not_finite, compute_dtype, group_rank, group_size
+
+__all__ = ["linear_ce_ntl", "linear_ce_with_ntl"]
+
+# Elements of one chunk of logits: 2**24 (64 MiB in fp32) unless chunk_tokens says otherwise.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _matmul_dtype(coef: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The gradient coefficients in the parameters' dtype, as autograd would feed the matmul."""
+    return coef if coef.dtype == like.dtype else coef.to(like.dtype)
+
+
+class _FusedLinearCENTL(torch.autograd.Function):
+    """``hidden [T, H]``, ``weight [V_local, H]`` -> per-token ``ce, expect, mass, hit``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        inputs: ShardInputs,
+        need_full: bool,
+        check_finite: bool,
+        tp_group: dist.ProcessGroup | None,
+        chunk_tokens: int | None,
+        token_weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        cdt = compute_dtype(hidden.dtype)
+        num_tokens, width = hidden.shape[0], weight.shape[0]
+        distributed = group_size(tp_group) > 1
+        cols = inputs.number_cols
+        number_logits = (hidden @ weight.index_select(0, cols).t()).to(cdt)  # [T, K]: small
+        rows = ShardMath.chunk_rows(num_tokens, width, chunk_tokens or max(1, _CHUNK_ELEMENTS // max(width, 1)))
+        maxes = torch.zeros(num_tokens, 2, dtype=cdt, device=hidden.device)
+        sums = torch.zeros(num_tokens, 4, dtype=cdt, device=hidden.device)
+        number_exp = torch.zeros(num_tokens, cols.numel(), dtype=cdt, device=hidden.device)
+        dense_h = dense_w = None
+        if not need_full:  # NTL alone reads only the number columns: no pass over the vocabulary
+            maxes[:, 1] = number_logits.max(dim=-1).values if cols.numel() else float("-inf")
+            if distributed:
+                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
+            number_exp = torch.exp(number_logits - ShardMath.safe_number_max(maxes[:, 1]).unsqueeze(1))
+            sums[:, 2] = number_exp.sum(dim=-1)
+            sums[:, 3] = (number_exp * inputs.a_table).sum(dim=-1)
+            if distributed:
+                dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+        else:
+            dense_h = torch.empty(num_tokens, hidden.shape[1], dtype=cdt, device=hidden.device)
+            # the weight gradient accumulates in the weight's dtype, one rounding per chunk
+            dense_w = torch.zeros(width, hidden.shape[1], dtype=weight.dtype, device=weight.device)
+        for sl in rows if need_full else []:
+            assert dense_h is not None and dense_w is not None
+            logits = hidden[sl] @ weight.t()
+            work = logits if logits.dtype == cdt else logits.to(cdt)
+            maxes[sl] = ShardMath.local_max(work, number_logits[sl], [slice(None)], True)
+            if distributed:
+                dist.all_reduce(maxes[sl], op=dist.ReduceOp.MAX, group=tp_group)
+            number_max = ShardMath.safe_number_max(maxes[sl, 1])
+            # in place: work becomes exp(z - max), then the softmax pi
+            sums[sl], number_exp[sl] = ShardMath.local_sums(
+                work, number_logits[sl], inputs.rows(sl), maxes[sl, 0], number_max, [slice(None)], True, True
+            )
+            if distributed:
+                dist.all_reduce(sums[sl], op=dist.ReduceOp.SUM, group=tp_group)
+            work.mul_(sums[sl, 0].reciprocal().unsqueeze(1))
+            dense_h[sl] = _matmul_dtype(work, weight) @ weight
+            work.mul_(token_weights[sl].unsqueeze(1))
+            dense_w.addmm_(_matmul_dtype(work, weight).t(), hidden[sl])
+            del logits, work
+        if check_finite:
+            _raise_if_not_finite(maxes, sums, need_full)
+        number_max = ShardMath.safe_number_max(maxes[:, 1])
+        ce, expect, mass, hit = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, need_full)
+        ctx.mark_non_differentiable(hit)
+        ctx.inputs, ctx.need_full, ctx.rows = inputs, need_full, rows
+        ctx.save_for_backward(
+            hidden, weight, token_weights, maxes[:, 0], number_max, sums[:, 0], number_exp, sums[:, 2], expect, mass
+        )
+        ctx.dense = (dense_h, dense_w)
+        return ce, expect, mass, hit
+
+    @staticmethod
+    def backward(ctx, g_ce, g_expect, g_mass, _g_hit):  # type: ignore[override]
+        hidden, weight, token_weights, max_all, number_max, total, number_exp, number_total, expect, mass = (
+            ctx.saved_tensors
+        )
+        dense_h, dense_w = ctx.dense
+        ctx.dense = None
+        inputs: ShardInputs = ctx.inputs
+        cdt = expect.dtype
+        zeros = torch.zeros_like(expect)
+        g_ce, g_expect, g_mass = (zeros if g is None else g.to(cdt) for g in (g_ce, g_expect, g_mass))
+        g_ce = torch.where(inputs.valid, g_ce, zeros)
+        saved = {"number_exp": number_exp, "number_total": number_total, "expect": expect}
+        cols = inputs.number_cols
+        number_coef = ShardMath.number_grad(slice(None), saved, inputs, g_expect)  # [T, K]
+        if not ctx.need_full:
+            grad_h = number_coef @ weight.index_select(0, cols).to(cdt)
+            grad_w = torch.zeros_like(weight)
+            grad_w.index_add_(0, cols, (number_coef.t() @ hidden.to(cdt)).to(weight.dtype))
+            return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None, None
+
+        # number columns of the full softmax: pi_N = exp(z_N - max) / S
+        pi_numbers = number_exp * (torch.exp(number_max - max_all) / total).unsqueeze(1)
+        number_coef = number_coef + g_mass.unsqueeze(1) * pi_numbers
+        u = g_ce - g_mass * mass
+        grad_h = dense_h.mul_(u.unsqueeze(1))  # pi_t W, per token: exact for any upstream gradient
+        scale = _common_scale(u, token_weights)
+        if scale is not None:  # the weight gradient was built in the forward for these token weights
+            grad_w = dense_w.mul_(scale)
+        else:  # any other upstream gradient: recompute the logits chunk by chunk with the true u
+            grad_w = torch.zeros_like(weight)
+            for sl in ctx.rows:
+                logits = hidden[sl] @ weight.t()
+                work = logits if logits.dtype == cdt else logits.to(cdt)
+                work.sub_(max_all[sl].unsqueeze(1)).exp_().mul_((u[sl] / total[sl]).unsqueeze(1))
+                grad_w.addmm_(_matmul_dtype(work, weight).t(), hidden[sl])
+                del logits, work
+        del dense_h, dense_w
+        # the label column: -g_ce e_y, for labels in this shard
+        owned, local_label = inputs.owned_targets(slice(None), weight.shape[0])
+        at = torch.nonzero(owned).flatten()
+        label_coef = -g_ce[at].unsqueeze(1)
+        grad_h.index_add_(0, at, label_coef * weight.index_select(0, local_label[at]).to(cdt))
+        grad_w.index_add_(0, local_label[at], (label_coef * hidden.index_select(0, at).to(cdt)).to(weight.dtype))
+        # the number columns
+        grad_h.add_(number_coef @ weight.index_select(0, cols).to(cdt))
+        grad_w.index_add_(0, cols, (number_coef.t() @ hidden.to(cdt)).to(weight.dtype))
+        return grad_h.to(hidden.dtype), grad_w, None, None, None, None, None, None
+
+
+def _common_scale(u: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+    """``s`` with ``u == s * weights`` (within rounding), or None. One host sync."""
+    if u.numel() == 0:
+        return torch.zeros((), dtype=u.dtype, device=u.device)
+    pivot = int(torch.argmax(weights))
+    if float(weights[pivot]) == 0:
+        return torch.zeros((), dtype=u.dtype, device=u.device) if not bool(u.any()) else None
+    scale = u[pivot] / weights[pivot]
+    tolerance = 8 * torch.finfo(u.dtype).eps * float(u.abs().max())
+    return scale if float((u - scale * weights).abs().max()) <= tolerance else None
+
+
+def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
+    for name, value in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(value, torch.Tensor) or not torch.is_floating_point(value):
+            kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(f"{name} must be a floating-point tensor (fp32/bf16/fp16/fp64), got {kind}")
+    if weight.dim() != 2:
+        raise ValueError(
+            "weight must be the output layer's [vocab, hidden] matrix (or its TP shard), "
+            f"got shape {tuple(weight.shape)}"
+        )
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden's last dim {tuple(hidden.shape)[-1:]} must equal the weight's hidden size {weight.shape[1]} "
+            f"(weight shape {tuple(weight.shape)}: [vocab, hidden], as nn.Linear stores it)"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    if hidden.device != weight.device:
+        raise ValueError(f"hidden is on {hidden.device} and weight on {weight.device}; put both on one device")
+
+
+def linear_ce_ntl(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions | None = None,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    check_finite: bool = True,
+    chunk_tokens: int | None = None,
+    need_ce: bool = True,
+    token_weights: torch.Tensor | None = None,
+) -> PerTokenTerms:
+    """Per-token CE and NTL of ``hidden @ weight.T`` without materialising those logits.
+
+    The same terms as :func:`ntl_scale.per_token_ce_ntl` on the logits ``hidden @ weight.T`` (every
+    variant of :class:`NTLOptions`), differentiable w.r.t. ``hidden`` and ``weight``.
+
+    Args:
+        hidden: final hidden states ``[..., H]`` (after the final norm), fp32/bf16/fp16/fp64.
+        weight: the output layer's weight ``[V, H]`` (``lm_head.weight``), or its vocab shard
+            ``[V/tp, H]`` with ``tp_group``. A bias-free output layer, as in GPT/Llama/Granite.
+        labels: token ids ``[...]`` (``options.ignore_index`` to skip).
+        vocab: the number-token table.
+        options: the NTL variant (default: NTL-WAS).
+        tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
+            The gradient of ``hidden`` is then this shard's part (see the module docs).
+        check_finite: raise when the logits hold NaN/Inf.
+        chunk_tokens: tokens per chunk (default: chunks of about 2**24 logits, 64 MiB in fp32).
+        need_ce: False skips the vocabulary pass when neither CE nor reweighing needs it.
+        token_weights: the non-negative weights ``[...]`` the caller's reduction applies to CE (e.g.
+            the loss mask); with them the weight gradient is built in the forward. Default: 1 on
+            every non-ignored label. Other reductions are exact too, at one more pass of matmuls.
+
+    Returns:
+        :class:`ntl_scale.PerTokenTerms` shaped like ``labels``.
+    """
+    options = NTLOptions() if options is None else options
+    _check_linear(hidden, weight, labels)
+    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+    # the checks of the logits path, on a shape-only (meta) stand-in for the logits
+    stand_in = torch.empty(*hidden.shape[:-1], weight.shape[0], dtype=hidden.dtype, device="meta")
+    _check_inputs(stand_in, labels, vocab, options, tp_size)
+    if options.loss == "number" and options.float_level and vocab.decimal_point_id is None:
+        raise ValueError("float_level=True needs the '.' token id; the number table has no decimal_point_id")
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or int(chunk_tokens) < 1):
+        raise ValueError(f"chunk_tokens must be a whole number >= 1 or None, got {chunk_tokens!r}")
+    shape, width = labels.shape, weight.shape[0]
+    dtype = compute_dtype(hidden.dtype)
+    flat_labels = labels.reshape(-1)
+    inputs, row = _shard_inputs(flat_labels, vocab, options, tp_rank * width, width, dtype)
+    weights = _check_weights(token_weights, labels, dtype)
+    weights = inputs.valid.to(dtype) if weights is None else weights.reshape(-1) * inputs.valid
+    ce, expect, mass, hit = _FusedLinearCENTL.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        inputs,
+        need_ce or options.reweigh,
+        check_finite,
+        tp_group,
+        chunk_tokens,
+        weights,
+    )
+    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options)
+
+
+def linear_ce_with_ntl(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    ntl_weight: float = 0.3,
+    loss: str = "was",
+    squash_factor: float | None = None,
+    reweigh: bool = False,
+    huber_delta: float = 1.0,
+    float_level: bool = False,
+    loss_weights: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    tp_group: dist.ProcessGroup | None = None,
+    check_finite: bool = True,
+    chunk_tokens: int | None = None,
+) -> CENTLOutput:
+    """:func:`ntl_scale.ce_with_ntl` from hidden states and the output weight, without the logits.
+
+    ``hidden [..., H]`` and ``weight [V, H]`` (or its TP shard) replace ``logits``; every other
+    argument means what it means there. Returns a :class:`ntl_scale.CENTLOutput`.
+    """
+    _check_reduction(reduction)
+    _check_ntl_weight(ntl_weight)
+    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index)
+    terms = linear_ce_ntl(
+        hidden,
+        weight,
+        labels,
+        vocab,
+        options,
+        tp_group=tp_group,
+        check_finite=check_finite,
+        chunk_tokens=chunk_tokens,
+        token_weights=loss_weights,
+    )
+    return _combine(terms, labels, vocab, options, ntl_weight, loss_weights, reduction)

@@ -1,0 +1,87 @@
+"""CE + NTL from hidden states on vocab shards (TP=2 over gloo) against the naive float64 reference.
+
+Each rank holds the rows ``[r*V/tp, (r+1)*V/tp)`` of the output weight and the same hidden states.
+Per-token terms equal the reference on every rank; the weight gradient of each shard equals the
+reference's rows; the hidden-state gradients summed over the TP group (what Megatron's
+``copy_to_tensor_model_parallel_region`` does in its backward) equal the reference. Every NTL
+variant; number tokens split across ranks and all on one rank; mean reduction (gradient built in the
+forward) and arbitrary upstream gradients (recomputing backward); ignored labels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ntl_scale
+from ntl_scale.linear import linear_ce_ntl, linear_ce_with_ntl
+from tests.distributed.test_vocab_parallel import VARIANTS, _labels, _vocab
+from tests.helpers.distributed import WorkerContext, run_workers
+from tests.helpers.reference import naive_per_token, naive_reduce
+
+pytestmark = pytest.mark.distributed
+HIDDEN = 16
+
+
+def _close(actual, expected, tol, what):
+    scale = max(1.0, float(expected.detach().abs().max()))
+    torch.testing.assert_close(
+        actual.detach().double(), expected.detach().double(), atol=tol * scale, rtol=tol, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def _check(ctx: WorkerContext, dtype: torch.dtype, tol: float) -> None:
+    for layout in ("split", "first_shard"):
+        vocab = _vocab(layout)
+        labels = _labels(vocab, seed=len(layout))
+        g = torch.Generator().manual_seed(7)
+        hidden64 = torch.randn(*labels.shape, HIDDEN, generator=g, dtype=torch.float64)
+        weight64 = torch.randn(vocab.vocab_size, HIDDEN, generator=g, dtype=torch.float64) * 0.6
+        upstream = torch.rand(2, *labels.shape, generator=g, dtype=torch.float64)
+        width = vocab.vocab_size // ctx.tp_size
+        rows = slice(ctx.tp_rank * width, (ctx.tp_rank + 1) * width)
+        for variant in VARIANTS:
+            what = f"{layout} {variant} {dtype} rank {ctx.rank}"
+            for mode in ("any", "mean"):
+                h_ref = hidden64.clone().requires_grad_()
+                w_ref = weight64.clone().requires_grad_()
+                ce, ntl, mask = naive_per_token(h_ref @ w_ref.t(), labels, vocab, **variant)
+                if mode == "any":
+                    (upstream[0] * ce + upstream[1] * ntl).sum().backward()
+                else:
+                    valid = labels != -100
+                    (naive_reduce(ce, valid, None, "mean") + 0.3 * naive_reduce(ntl, mask, None, "mean")).backward()
+
+                hidden = hidden64.to(dtype).clone().requires_grad_()
+                shard = weight64[rows].to(dtype).contiguous().requires_grad_()
+                if mode == "any":
+                    terms = linear_ce_ntl(
+                        hidden,
+                        shard,
+                        labels,
+                        vocab,
+                        ntl_scale.NTLOptions(**variant),
+                        tp_group=ctx.tp_group,
+                        chunk_tokens=5,
+                    )
+                    _close(terms.ce, ce, tol, what + " ce")
+                    _close(terms.ntl, ntl, tol, what + " ntl")
+                    assert torch.equal(terms.number_mask, mask), what
+                    (upstream[0].to(dtype) * terms.ce + upstream[1].to(dtype) * terms.ntl).sum().backward()
+                else:
+                    out = linear_ce_with_ntl(
+                        hidden, shard, labels, vocab, tp_group=ctx.tp_group, chunk_tokens=5, **variant
+                    )
+                    out.loss.backward()
+                _close(shard.grad, w_ref.grad[rows], tol, f"{what} {mode} d weight shard")
+                grad_h = hidden.grad.clone()
+                dist.all_reduce(grad_h, group=ctx.tp_group)
+                _close(grad_h, h_ref.grad, tol, f"{what} {mode} d hidden (summed over TP)")
+        if layout == "first_shard":  # really a rank without number tokens
+            assert any(len(vocab.shard(r, ctx.tp_size).table_index) == 0 for r in range(ctx.tp_size))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)], ids=["fp64", "fp32"])
+def test_tp2_matches_the_reference(dtype, tol):
+    run_workers(2, 2, _check, dtype, tol)
