@@ -29,7 +29,14 @@ from ntl_scale.data import ShardedOrder, collate, encode
 from ntl_scale.training.config import RunConfig, load_config
 from ntl_scale.training.data import load_examples
 from ntl_scale.training.evaluate import evaluate_generation
-from ntl_scale.training.steps import global_counts, micro_batch_loss, resolve_deepspeed_config, shift_for_causal
+from ntl_scale.training.steps import (
+    global_counts,
+    loss_from_terms,
+    micro_batch_loss,
+    ntl_options,
+    resolve_deepspeed_config,
+    shift_for_causal,
+)
 from ntl_scale.training.tracking import Tracker, plot_curves
 
 
@@ -111,7 +118,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.manual_seed(cfg.train.seed)
     model, _keep = build_model(cfg, vocab_size, ds_config, tokenizer)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    trained = model
+    if cfg.train.chunked_loss:  # CE + NTL from the hidden states: the logits are never materialised
+        if cfg.model.kind != "causal":
+            raise ValueError("train.chunked_loss=true supports model.kind=causal; use the logits path for seq2seq")
+        from ntl_scale.integrations.hf import ChunkedLossCausalLM
+
+        trained = ChunkedLossCausalLM(model, vocab, ntl_options(cfg.ntl), cfg.train.loss_chunk_tokens)
+    engine, *_ = deepspeed.initialize(model=trained, model_parameters=model.parameters(), config=ds_config)
     order = ShardedOrder(len(train_set), cfg.train.micro_batch_size, rank, world, cfg.data.seed)
     held = sum(p.ds_tensor.numel() for p in model.parameters())  # ZeRO-3: this rank's partition
     total = sum(p.ds_numel for p in model.parameters())
@@ -160,9 +174,13 @@ def main(argv: list[str] | None = None) -> dict:
         for batch, target in zip(batches, targets):
             inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
             if not causal:
-                inputs["decoder_input_ids"] = engine.module.prepare_decoder_input_ids_from_labels(labels=target)
-            logits = engine(**inputs).logits
-            loss, stats = micro_batch_loss(logits, target, vocab, cfg.ntl, counts=counts, scale=ga * world)
+                inputs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=target)
+            if cfg.train.chunked_loss:
+                terms = engine(**inputs, targets=target)
+                loss, stats = loss_from_terms(terms, target, cfg.ntl, counts=counts, scale=ga * world)
+            else:
+                logits = engine(**inputs).logits
+                loss, stats = micro_batch_loss(logits, target, vocab, cfg.ntl, counts=counts, scale=ga * world)
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             totals += torch.tensor([stats[k] for k in ("ce_sum", "ntl_sum", "tokens", "numbers", "hits")])
@@ -200,16 +218,16 @@ def main(argv: list[str] | None = None) -> dict:
             _shutdown()
             return {"stopped_at": step, "history": history}
     save(cfg.train.steps)
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
         if rank == 0:  # a plain Hugging Face folder: from_pretrained(run_dir/hf_model) loads it
-            engine.module.save_pretrained(os.path.join(cfg.run_dir, "hf_model"))
+            model.save_pretrained(os.path.join(cfg.run_dir, "hf_model"))
             tokenizer.save_pretrained(os.path.join(cfg.run_dir, "hf_model"))
             vocab.save(os.path.join(cfg.run_dir, "hf_model", "number_vocab.json"))
     results = {}
     for split, examples in (eval_sets if cfg.eval.at_end else {}).items():
         path = os.path.join(cfg.run_dir, f"predictions_{split}.jsonl") if rank == 0 else None
         results[split] = evaluate_generation(
-            engine.module,
+            model,
             tokenizer,
             examples,
             kind=cfg.model.kind,

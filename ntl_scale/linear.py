@@ -171,15 +171,19 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 grad_w.addmm_(_matmul_dtype(work, weight).t(), hidden[sl])
                 del logits, work
         del dense_h, dense_w
-        # the label column: -g_ce e_y, for labels in this shard
+        # the label column (-g_ce e_y, for labels in this shard) and the number columns, chunk by
+        # chunk so that no [T, H] temporary is made
         owned, local_label = inputs.owned_targets(slice(None), weight.shape[0])
-        at = torch.nonzero(owned).flatten()
-        label_coef = -g_ce[at].unsqueeze(1)
-        grad_h.index_add_(0, at, label_coef * weight.index_select(0, local_label[at]).to(cdt))
-        grad_w.index_add_(0, local_label[at], (label_coef * hidden.index_select(0, at).to(cdt)).to(weight.dtype))
-        # the number columns
-        grad_h.add_(number_coef @ weight.index_select(0, cols).to(cdt))
-        grad_w.index_add_(0, cols, (number_coef.t() @ hidden.to(cdt)).to(weight.dtype))
+        number_weight = weight.index_select(0, cols).to(cdt)
+        for sl in ctx.rows:
+            at = torch.nonzero(owned[sl]).flatten()
+            label_coef = -g_ce[sl][at].unsqueeze(1)
+            rows_h = grad_h[sl]
+            rows_h.index_add_(0, at, label_coef * weight.index_select(0, local_label[sl][at]).to(cdt))
+            added = label_coef * hidden[sl].index_select(0, at).to(cdt)
+            grad_w.index_add_(0, local_label[sl][at], added.to(weight.dtype))
+            rows_h.add_(number_coef[sl] @ number_weight)
+            grad_w.index_add_(0, cols, (number_coef[sl].t() @ hidden[sl].to(cdt)).to(weight.dtype))
         return grad_h.to(hidden.dtype), grad_w, None, None, None, None, None, None
 
 

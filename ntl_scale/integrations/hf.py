@@ -7,15 +7,24 @@ names the extra to install (``pip install 'ntl_scale[hf]'``).
 from __future__ import annotations
 
 import os
+import types
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .._optional import require
-from ..losses import CENTLOutput, ce_with_ntl
+from ..linear import linear_ce_ntl
+from ..losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl
 from ..number_vocab import NumberVocab
 
-__all__ = ["causal_lm_ce_with_ntl", "ntl_trainer_class", "number_vocab_from_pretrained", "shift_labels"]
+__all__ = [
+    "ChunkedLossCausalLM",
+    "causal_lm_ce_with_ntl",
+    "ntl_trainer_class",
+    "number_vocab_from_pretrained",
+    "shift_labels",
+]
 
 
 def number_vocab_from_pretrained(
@@ -159,3 +168,63 @@ def ntl_trainer_class(base: Any = None) -> Any:
             return (loss, outputs) if return_outputs else loss
 
     return NTLTrainer
+
+
+class ChunkedLossCausalLM(torch.nn.Module):
+    """A Hugging Face causal LM whose training forward returns per-token CE and NTL, never the logits.
+
+    ``forward(input_ids, attention_mask, targets)`` runs the decoder to its final hidden states and
+    calls the output layer with the targets; that layer's forward is replaced by
+    :func:`ntl_scale.linear_ce_ntl`, so the ``[tokens, vocab]`` logits are never materialised.
+    Called without targets (generation, ``model.generate``) the output layer returns logits as before.
+
+    The loss runs inside the output layer's own forward, so DeepSpeed ZeRO-3 gathers its partitioned
+    weight there and again for the backward, as for any layer; pass this module to
+    ``deepspeed.initialize``. Granite's ``logits_scaling`` is applied to the hidden states (the map is
+    linear); models with a non-linear logit transform (Gemma's soft-capping) are refused.
+
+    Args:
+        model: a ``*ForCausalLM`` with a bias-free linear output layer.
+        vocab: the number-token table.
+        options: the NTL variant.
+        chunk_tokens: tokens per chunk (default: about 2**24 logits per chunk).
+    """
+
+    def __init__(
+        self, model: Any, vocab: NumberVocab, options: NTLOptions | None = None, chunk_tokens: int | None = None
+    ) -> None:
+        super().__init__()
+        head = model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+            raise ValueError(
+                f"ChunkedLossCausalLM needs a bias-free nn.Linear output layer, got {type(head).__name__}"
+                f"{' with a bias' if isinstance(head, torch.nn.Linear) else ''}; use the logits path"
+            )
+        capping = getattr(model.config, "final_logit_softcapping", None)
+        if capping:
+            raise ValueError(
+                f"{type(model).__name__} soft-caps its logits (final_logit_softcapping={capping}), which the "
+                "chunked loss does not reproduce; use the logits path (train.chunked_loss=false)"
+            )
+        self.model: Any = model
+        self.scaling: float = float(getattr(model.config, "logits_scaling", 1.0) or 1.0)
+        options = options or NTLOptions()
+
+        def head_forward(layer: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor | None = None):
+            if targets is None:
+                return F.linear(hidden, layer.weight)
+            terms = linear_ce_ntl(hidden, layer.weight, targets, vocab, options, chunk_tokens=chunk_tokens)
+            return tuple(terms)  # a plain tuple: ZeRO-3 hooks walk it to re-gather for the backward
+
+        head.forward = types.MethodType(head_forward, head)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> PerTokenTerms:
+        """Per-token terms for next-token ``targets`` aligned with ``input_ids`` (already shifted)."""
+        if targets is None:
+            raise ValueError("ChunkedLossCausalLM.forward needs targets; call .model for logits or generation")
+        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if self.scaling != 1.0:
+            hidden = hidden / self.scaling
+        return PerTokenTerms(*self.model.get_output_embeddings()(hidden, targets))

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..linear import linear_ce_ntl
 from ..losses import LOSS_KINDS, NTLOptions, per_token_ce_ntl
 from ..number_vocab import NumberVocab
 
@@ -406,15 +407,78 @@ class NTLLanguageModelMixin:
     position, as in pretraining without padding).
     """
 
-    def configure_ntl(self, settings: NTLSettings, vocab: NumberVocab, tp_group: dist.ProcessGroup | None) -> None:
-        """Turns NTL on for this model (a no-op loss change when ``settings.weight`` is 0)."""
+    def configure_ntl(
+        self,
+        settings: NTLSettings,
+        vocab: NumberVocab,
+        tp_group: dist.ProcessGroup | None,
+        *,
+        chunked: bool = False,
+        chunk_tokens: int | None = None,
+    ) -> None:
+        """Turns NTL on for this model (a no-op loss change when ``settings.weight`` is 0).
+
+        ``chunked=True`` computes CE + NTL from the final hidden states and the output layer's
+        (vocab-parallel) weight with :func:`ntl_scale.linear_ce_ntl`, never materialising the logits,
+        whenever the model is called with labels; without labels it returns logits as before.
+        """
         self._ntl = (settings, vocab, tp_group)
+        self._ntl_chunked = (chunked, chunk_tokens)
+        if chunked and not getattr(self, "_ntl_head_patched", False):
+            layer = self.output_layer  # type: ignore[attr-defined]
+            original = layer.forward
+            model = self
+
+            def forward(hidden_states, weight=None, runtime_gather_output=None, **kwargs):
+                if not getattr(model, "_ntl_hidden_mode", False):
+                    return original(hidden_states, weight=weight, runtime_gather_output=runtime_gather_output, **kwargs)
+                model._ntl_weight = weight  # the shared embedding, when the model ties them
+                return hidden_states, None  # the loss below applies the layer, chunk by chunk
+
+            layer.forward = forward
+            self._ntl_head_patched = True
+
+    def forward(self, *args, **kwargs):
+        """The model's forward; with ``chunked=True`` and labels the output layer hands over hidden states."""
+        labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
+        chunked = getattr(self, "_ntl_chunked", (False, None))[0]
+        self._ntl_hidden_mode = bool(chunked and labels is not None and getattr(self, "_ntl", (None,))[0] is not None)
+        try:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._ntl_hidden_mode = False
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         settings, vocab, tp_group = getattr(self, "_ntl", (None, None, None))
+        if getattr(self, "_ntl_hidden_mode", False):
+            return self._chunked_loss(labels, logits, settings, vocab, tp_group)
         if settings is None or vocab is None or not settings.enabled:
             return super().compute_language_model_loss(labels, logits)  # type: ignore[misc]
         # [s, b, V/tp] -> [b, s, V/tp]
         terms = per_token_ce_ntl(logits.transpose(0, 1), labels, vocab, settings.options(), tp_group=tp_group)
+        scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
+        return terms.ce + settings.weight * terms.ntl * scale
+
+    def _chunked_loss(self, labels, hidden, settings, vocab, tp_group) -> torch.Tensor:
+        """Per-token ``ce + weight * ntl * T / K`` from hidden states ``[s(/tp), b, H]``, no logits."""
+        from megatron.core import tensor_parallel
+
+        layer = self.output_layer  # type: ignore[attr-defined]
+        shared = getattr(self, "_ntl_weight", None)
+        weight = shared if shared is not None else layer.weight
+        # what ColumnParallelLinear does with its input: all-reduce (or reduce-scatter under sequence
+        # parallel) of the input gradient over the TP group in the backward. Megatron's reductions
+        # need a contiguous gradient, so the [s, b] -> [b, s] transpose happens before them.
+        sequence_parallel = getattr(layer, "sequence_parallel", False)
+        if sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
+        hidden = hidden.transpose(0, 1).contiguous()
+        if not sequence_parallel and tp_group is not None and dist.get_world_size(tp_group) > 1:
+            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+        terms = linear_ce_ntl(
+            hidden, weight, labels, vocab, settings.options(), tp_group=tp_group, chunk_tokens=self._ntl_chunked[1]
+        )
+        if not settings.enabled:
+            return terms.ce
         scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
         return terms.ce + settings.weight * terms.ntl * scale

@@ -124,11 +124,18 @@ class TrainConfig:
     """bf16 mixed precision (fills the DeepSpeed JSON's ``"bf16": {"enabled": "auto"}``)."""
     deepspeed_config: str = "configs/deepspeed/zero3.json"
     """DeepSpeed JSON; ``auto`` values are filled from this config."""
+    chunked_loss: bool = False
+    """CE + NTL straight from the final hidden states in token chunks, never materialising the
+    ``[tokens, vocab]`` logits (causal models; ``ntl_scale.linear_ce_ntl``)."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of the chunked loss (default: about 2**24 logits per chunk)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
+            raise ValueError(f"train.loss_chunk_tokens must be >= 1 or null, got {self.loss_chunk_tokens}")
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..losses import NTLOptions, per_token_ce_ntl
+from ..losses import NTLOptions, PerTokenTerms, per_token_ce_ntl
 from ..number_vocab import NumberVocab
 from .config import NTLConfig, TrainConfig
 
@@ -96,8 +96,24 @@ def micro_batch_loss(
     size), so the optimizer sees exactly ``sum over the global batch / global count``.
     ``micro-batch``: ``mean CE + w * mean NTL`` of this micro-batch (the engine averages those).
     """
-    options = NTLOptions(loss=ntl.loss, squash_factor=ntl.squash_factor, reweigh=ntl.reweigh)
-    terms = per_token_ce_ntl(logits, targets, vocab, options)
+    terms = per_token_ce_ntl(logits, targets, vocab, ntl_options(ntl))
+    return loss_from_terms(terms, targets, ntl, counts=counts, scale=scale)
+
+
+def ntl_options(ntl: NTLConfig) -> NTLOptions:
+    """The loss variant of a run config."""
+    return NTLOptions(loss=ntl.loss, squash_factor=ntl.squash_factor, reweigh=ntl.reweigh)
+
+
+def loss_from_terms(
+    terms: PerTokenTerms,
+    targets: torch.Tensor,
+    ntl: NTLConfig,
+    *,
+    counts: tuple[float, float] | None,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`micro_batch_loss` from per-token terms (of the logits or of the chunked loss)."""
     valid = targets != -100
     ce_sum = (terms.ce * valid).sum()
     ntl_sum = terms.ntl.sum()

@@ -194,3 +194,44 @@ def reference_path(tmp_path_factory):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
 def test_parallel_layouts_match_the_reference(reference_path, tp, pp):
     run_workers(tp * pp, tp * pp, _parallel_worker, tp, pp, reference_path)
+
+
+def _chunked_worker(ctx: WorkerContext) -> None:
+    """The mixin with chunked=True (no logits) against the same model computing logits, at TP=2."""
+    from megatron.core.models.gpt import GPTModel
+
+    import ntl_scale
+    from ntl_scale.integrations import megatron as ntl_megatron
+    from tests.helpers.megatron_cpu import tiny_gpt
+
+    class NTLGPTModel(ntl_megatron.NTLLanguageModelMixin, GPTModel):
+        pass
+
+    parallel_state, _ = _setup(2, 1)
+    vocab = ntl_scale.NumberVocab.from_id_to_token(TOKENS, vocab_size=VOCAB)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    logits_model = tiny_gpt(VOCAB, SEQ, tp=2, pp=1, model_class=NTLGPTModel)
+    chunked_model = tiny_gpt(VOCAB, SEQ, tp=2, pp=1, model_class=NTLGPTModel)
+    chunked_model.load_state_dict(logits_model.state_dict())
+    tokens, labels, _ = _data()
+    inputs = (tokens, torch.arange(SEQ).unsqueeze(0).expand(SEQUENCES, SEQ), torch.ones(1, 1, SEQ, SEQ).tril() < 0.5)
+    for variant in ("off", "micro-batch", "global"):
+        settings = ntl_megatron.NTLSettings(**VARIANTS[variant])
+        logits_model.configure_ntl(settings, vocab, tp_group)
+        chunked_model.configure_ntl(settings, vocab, tp_group, chunked=True, chunk_tokens=5)
+        for model in (logits_model, chunked_model):
+            model.zero_grad(set_to_none=True)
+            model(*inputs, labels=labels).mean().backward()
+        want = logits_model(*inputs, labels=labels)
+        got = chunked_model(*inputs, labels=labels)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"{variant} per-token loss")
+        grads = dict(logits_model.named_parameters())
+        for name, param in chunked_model.named_parameters():
+            torch.testing.assert_close(param.grad, grads[name].grad, atol=1e-5, rtol=1e-4, msg=f"{variant} {name}")
+        # without labels the chunked model still returns the logits
+        torch.testing.assert_close(chunked_model(*inputs), logits_model(*inputs), atol=0, rtol=0)
+    parallel_state.destroy_model_parallel()
+
+
+def test_chunked_loss_without_logits_matches_at_tp2():
+    run_workers(2, 2, _chunked_worker)

@@ -118,6 +118,19 @@ def test_gradient_accumulation_split_does_not_change_the_gradient(tmp_path, kind
         assert abs(norm - norms[0]) <= 1e-6 * norms[0], norms
 
 
+def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path):
+    """train.chunked_loss: CE + NTL from the hidden states, the output weight gathered by ZeRO-3."""
+    common = ("train.steps=3", "eval.at_end=false", "tracking.wandb=disabled", "train.micro_batch_size=4")
+    _train(tmp_path / "logits", *common)
+    _train(tmp_path / "chunked", *common, "train.chunked_loss=true", "train.loss_chunk_tokens=7")
+    a, b = _metrics(tmp_path / "logits"), _metrics(tmp_path / "chunked")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        for key in ("ce", "ntl", "grad_norm"):
+            assert abs(x[key] - y[key]) <= 1e-4 * abs(x[key]), (key, x, y)
+    assert (tmp_path / "chunked" / "hf_model" / "config.json").exists()  # the plain HF model is exported
+
+
 def test_bad_input_stops_before_training(tmp_path):
     out = _train(tmp_path / "bad", "train.stpes=3", nproc=1, check=False)
     assert out.returncode != 0 and "did you mean 'train.steps'" in out.stdout + out.stderr
