@@ -1,7 +1,7 @@
 # One task runner. `make run` and `make test` are the README's two commands.
 PYTHON ?= python3
 
-.PHONY: setup setup-dev run test test-unit test-dist lint format bench
+.PHONY: setup setup-dev run test test-unit test-dist lint format bench docs study
 
 setup:
 	bash scripts/setup.sh
@@ -33,3 +33,10 @@ format:
 bench:
 	$(PYTHON) benchmarks/bench_memory.py
 	$(PYTHON) benchmarks/bench_vocab_parallel.py
+	$(PYTHON) benchmarks/bench_linear.py
+
+docs:
+	$(PYTHON) -m mkdocs build --strict
+
+study:
+	$(PYTHON) experiments/study.py --preset configs/study/cpu.yaml

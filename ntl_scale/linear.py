@@ -55,8 +55,10 @@ from .parallel import ShardInputs, ShardMath, _raise_if_not_finite, compute_dtyp
 
 __all__ = ["linear_ce_ntl", "linear_ce_with_ntl"]
 
-# Elements of one chunk of logits: 2**24 (64 MiB in fp32) unless chunk_tokens says otherwise.
-_CHUNK_ELEMENTS = 1 << 24
+# Elements of one chunk of logits: 2**26 (256 MiB in fp32) unless chunk_tokens says otherwise. Smaller
+# chunks save memory but re-read the [V, H] weight-gradient accumulator once per chunk (measured:
+# 8192 x 131072 x 2048 on CPU, 128-token chunks 1.24x the materialised time, 512-token chunks 0.91x).
+_CHUNK_ELEMENTS = 1 << 26
 
 
 def _matmul_dtype(coef: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -248,7 +250,7 @@ def linear_ce_ntl(
         tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
             The gradient of ``hidden`` is then this shard's part (see the module docs).
         check_finite: raise when the logits hold NaN/Inf.
-        chunk_tokens: tokens per chunk (default: chunks of about 2**24 logits, 64 MiB in fp32).
+        chunk_tokens: tokens per chunk (default: chunks of about 2**26 logits, 256 MiB in fp32).
         need_ce: False skips the vocabulary pass when neither CE nor reweighing needs it.
         token_weights: the non-negative weights ``[...]`` the caller's reduction applies to CE (e.g.
             the loss mask); with them the weight gradient is built in the forward. Default: 1 on

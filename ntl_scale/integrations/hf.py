@@ -187,7 +187,7 @@ class ChunkedLossCausalLM(torch.nn.Module):
         model: a ``*ForCausalLM`` with a bias-free linear output layer.
         vocab: the number-token table.
         options: the NTL variant.
-        chunk_tokens: tokens per chunk (default: about 2**24 logits per chunk).
+        chunk_tokens: tokens per chunk (default: about 2**26 logits per chunk).
     """
 
     def __init__(

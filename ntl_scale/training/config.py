@@ -90,6 +90,12 @@ class DataConfig:
     """Longest tokenized question + answer; longer examples are dropped."""
     seed: int = 0
     """Seed of the generator and of the shuffling."""
+    kinds: list[str] = field(default_factory=lambda: ["add_sub", "add_sub_multiple", "mul"])
+    """Arithmetic problem kinds (``add_sub``, ``add_sub_multiple``, ``mul``), in equal shares."""
+    train_digits: int = 3
+    """Arithmetic operands have 1 to this many digits in ``train`` and ``interpolate``."""
+    extrapolate_digits: int = 5
+    """... and ``train_digits + 1`` to this many in ``extrapolate``."""
 
     def __post_init__(self) -> None:
         if self.source not in ("arithmetic", "deepmind", "jsonl"):
@@ -128,7 +134,7 @@ class TrainConfig:
     """CE + NTL straight from the final hidden states in token chunks, never materialising the
     ``[tokens, vocab]`` logits (causal models; ``ntl_scale.linear_ce_ntl``)."""
     loss_chunk_tokens: int | None = None
-    """Tokens per chunk of the chunked loss (default: about 2**24 logits per chunk)."""
+    """Tokens per chunk of the chunked loss (default: about 2**26 logits per chunk)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "gradient_accumulation_steps"):
@@ -221,6 +227,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ValueError(f"{where}: expected a string, got {value!r}")
         return str(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: expected a list like [a, b], got {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected a mapping, got {value!r}")

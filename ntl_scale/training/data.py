@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..data.arithmetic import Example, generate, read_deepmind_text, read_jsonl
+from ..data.arithmetic import ArithmeticConfig, Example, generate, read_deepmind_text, read_jsonl
 from .config import DataConfig
 
 __all__ = ["load_examples"]
@@ -16,8 +16,12 @@ def load_examples(cfg: DataConfig) -> tuple[list[Example], dict[str, list[Exampl
     split, the first ``eval_examples`` of it.
     """
     if cfg.source == "arithmetic":
-        train = generate(cfg.train_examples, "train", seed=cfg.seed)
-        evals = {s: generate(cfg.eval_examples, s, seed=cfg.seed) for s in ("interpolate", "extrapolate")}
+        task = ArithmeticConfig(
+            kinds=tuple(cfg.kinds), train_digits=cfg.train_digits, extrapolate_digits=cfg.extrapolate_digits
+        )
+        train = generate(cfg.train_examples, "train", seed=cfg.seed, config=task)
+        splits = ("interpolate", "extrapolate")
+        evals = {s: generate(cfg.eval_examples, s, seed=cfg.seed, config=task) for s in splits}
         return train, evals
     read = read_deepmind_text if cfg.source == "deepmind" else read_jsonl
     assert cfg.train_path is not None  # DataConfig validates this

@@ -1,0 +1,127 @@
+"""The documentation site and the study command.
+
+1. ``mkdocs build --strict`` (warnings are errors; internal links and anchors are checked by mkdocs'
+   own validation, the API pages are generated from the docstrings).
+2. Every command in the docs' shell blocks names files that exist, and every Python script it runs
+   answers ``--help``; the commands themselves are run elsewhere in the suite (the README's two, the
+   DeepSpeed, Megatron and Slurm jobs, the benchmarks' code paths, the study below).
+3. The CI-sized study preset end to end: 2 seeds x 3 arms through launch/train.py, the results
+   table (one row per arm, both splits, mean +- std) and the three plots.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+RUNNERS = ("python", "python3", "bash", "make", "sbatch", "deepspeed", "torchrun")
+
+
+def test_docs_site_builds_strictly(tmp_path):
+    if shutil.which("mkdocs") is None and not _has_module("mkdocs"):
+        if os.environ.get("CI"):
+            pytest.fail("mkdocs missing: scripts/setup.sh --dev installs it")
+        pytest.skip("mkdocs not installed")
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert "linear_ce_with_ntl" in api and "NumberVocab" in api  # generated from the docstrings
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def _shell_commands() -> list[tuple[str, str]]:
+    """(doc name, command) for every runner line in ``bash``/plain fenced blocks."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for block in re.findall(r"```(?:bash|sh|)\n(.*?)```", text, flags=re.S):
+            joined = block.replace("\\\n", " ")
+            for line in joined.splitlines():
+                line = line.strip()
+                line = re.sub(r"^(?:[A-Z_]+=\S+\s+)+", "", line)  # leading VAR=value
+                if line.split(" ", 1)[0] in RUNNERS:
+                    found.append((doc.name, line.split("#", 1)[0].strip()))
+    return found
+
+
+def test_docs_commands_name_real_files_and_scripts_answer_help():
+    commands = _shell_commands()
+    assert len(commands) > 20
+    checked = set()
+    for doc, command in commands:
+        words = shlex.split(command.split("&&")[0].split("|")[0].replace("$(", " ").replace(")", " "))
+        for word in words:
+            if re.match(r"^(launch|configs|scripts|benchmarks|experiments|tests)/[\w./-]+$", word):
+                assert (ROOT / word).exists(), f"{doc}: `{command}` names {word}, which does not exist"
+                if (
+                    word.endswith(".py")
+                    and word not in checked
+                    and word.split("/")[0] in ("launch", "benchmarks", "experiments")
+                ):
+                    checked.add(word)
+                    if word == "launch/pretrain_gpt_ntl.py":  # needs a Megatron-LM checkout
+                        continue
+                    out = subprocess.run([sys.executable, word, "--help"], cwd=ROOT, capture_output=True, text=True)
+                    assert out.returncode == 0, f"{doc}: {word} --help failed:\n{out.stderr[-2000:]}"
+    assert "experiments/study.py" in checked and "benchmarks/bench_linear.py" in checked
+
+
+def test_ci_study_preset_end_to_end(tmp_path):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "study"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "experiments/study.py", "--preset", "configs/study/ci.yaml", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert set(results) == {"CE", "CE + NTL-WAS", "CE + NTL-MSE"}
+    for arm in results.values():
+        assert set(arm) == {"interpolate", "extrapolate"}
+        for split in arm.values():
+            assert set(split) == {"accuracy", "mae", "log_mae", "r2"}
+            assert len(split["accuracy"]["seeds"]) == 2 and 0 <= split["accuracy"]["mean"] <= 1
+    # each arm really trained with its own loss: CE's NTL weight is 0, the others' configs differ
+    for arm, loss, weight in (("ce", "was", 0.0), ("ce_ntl_mse", "mse", 0.3)):
+        config = json.loads((out / arm / "seed0" / "config.json").read_text())
+        assert config["ntl"]["weight"] == weight and (weight == 0 or config["ntl"]["loss"] == loss)
+    table = (out / "results.md").read_text()
+    assert table.count("| CE + NTL-WAS |") == 2 and "+-" in table
+    for png in ("loss_curves.png", "error_by_digits.png", "digit_offsets.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    # a second call finds every run done and only re-tabulates
+    again = subprocess.run(
+        [sys.executable, "experiments/study.py", "--preset", "configs/study/ci.yaml", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0 and again.stdout.count("already done") == 6
