@@ -142,6 +142,7 @@ def _predictions(dirs: list[str], split: str) -> list[dict[str, Any]]:
 def plots(runs: dict[str, list[str]], out: str) -> list[str]:
     """Writes the three PNGs; returns their paths."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -185,6 +186,7 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
         axes[1][col].set_title(f"{split}: mean absolute error")
         axes[1][col].set_yscale("log")
         for ax in (axes[0][col], axes[1][col]):
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
             ax.set_xlabel("digits in the true answer")
             ax.grid(alpha=0.3)
             ax.legend()

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     held = sum(p.ds_tensor.numel() for p in model.parameters())  # ZeRO-3: this rank's partition
     total = sum(p.ds_numel for p in model.parameters())
     with open(os.path.join(cfg.run_dir, f"zero_rank{rank}.json"), "w") as f:
-        json.dump({"held": held, "total": total}, f)
+        json.dump({"held": held, "total": total, "host": socket.gethostname()}, f)
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     start_step = 0
     if os.path.isfile(os.path.join(ckpt_dir, "latest")):

@@ -488,8 +488,11 @@ def ce_with_ntl(
         labels: token ids ``[...]``.
         vocab: the number-token table.
         ntl_weight: weight of the NTL term (0.3 in the paper).
-        loss, squash_factor, reweigh, huber_delta, float_level: the NTL variant (see
-            :func:`number_token_loss`).
+        loss: the NTL variant, ``"was"``, ``"mse"``, ``"mae"``, ``"huber"`` or ``"number"``.
+        squash_factor: NTL-WAS distance squashing (see :func:`number_token_loss`).
+        reweigh: scale NTL by the number-token probability mass (see :func:`number_token_loss`).
+        huber_delta: the Huber threshold.
+        float_level: number-level NTL across a decimal point.
         loss_weights: optional non-negative weights ``[...]`` applied to both terms.
         ignore_index: label value to ignore.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-token terms).

@@ -5,10 +5,12 @@ Sections:
 2. ``sbatch --wait launch/slurm/deepspeed.sbatch``: tiny ZeRO-3 run, 2 processes; checkpoints, logs,
    resolved config, command and environment end up in the run directory.
 3. ``sbatch --wait launch/slurm/megatron.sbatch``: the megatron.core example at TP=2 with NTL.
-4. Preemption: the time-limit warning (USR1 to the batch shell, as ``--signal=B:USR1@300`` sends it)
+4. Two nodes: a second local cluster whose two slurmd run in their own network and UTS namespaces;
+   the DeepSpeed job puts one rank on each and they rendezvous over that network.
+5. Preemption: the time-limit warning (USR1 to the batch shell, as ``--signal=B:USR1@300`` sends it)
    mid-run: the job checkpoints, requeues itself, resumes, and ends with the uninterrupted run's loss,
    each step logged once.
-5. Bad input fails fast with a clear message in the job log: missing config, missing venv, zero
+6. Bad input fails fast with a clear message in the job log: missing config, missing venv, zero
    nodes, port in use.
 
 The cluster comes from launch/slurm/local_cluster.sh (root, Debian's slurm-wlm and munge; the dev
@@ -76,6 +78,20 @@ def _sbatch(env: dict, tmp: Path, script: str, *args: str, sbatch_opts=(), wait=
     return out.returncode, job, tmp / f"{name}-{job}.out", out
 
 
+@pytest.fixture(scope="module")
+def two_node_env(slurm_env):
+    """A second cluster: two slurmd in their own network and UTS namespaces (hosts ntl-n1, ntl-n2)."""
+    if shutil.which("ip") is None or shutil.which("nsenter") is None:
+        _missing("the two-node cluster needs iproute2 and util-linux (ip, nsenter)")
+    state = "/var/tmp/ntl-slurm-2n"
+    env = {**slurm_env, "NTL_SLURM_NODES": "2", "NTL_SLURM_STATE": state}
+    was_up = (Path(state) / "run" / "slurmctld.pid").exists()
+    subprocess.run([str(CLUSTER), "start"], check=True, timeout=120, env=env)
+    yield {**env, "SLURM_CONF": f"{state}/slurm.conf"}
+    if not was_up:
+        subprocess.run([str(CLUSTER), "stop"], check=False, timeout=120, env=env)
+
+
 def _job_state(env: dict, job: str) -> dict[str, str]:
     out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True)
     return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
@@ -141,7 +157,7 @@ def test_dry_run_with_zero_nodes_fails_with_a_clear_message():
     assert out.returncode != 0 and "nodes = '0'" in out.stderr and ">= 1" in out.stderr
 
 
-# 2-4. Jobs on the cluster ---------------------------------------------------------------------------
+# 2-5. Jobs on the clusters ---------------------------------------------------------------------------
 
 STEPS = 40
 
@@ -213,7 +229,21 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes_to_the_same_loss(sl
         assert abs(rows[-1][key] - reference[-1][key]) <= 1e-6 * abs(reference[-1][key])
 
 
-# 5. Bad input ---------------------------------------------------------------------------------------
+def test_two_nodes_rendezvous_over_their_own_network(two_node_env, tmp_path):
+    rc, job, log, out = _sbatch(
+        two_node_env, tmp_path, "deepspeed.sbatch", "--entry", DS_ENTRY, "--", "train.steps=4", *TINY,
+        sbatch_opts=["--nodes=2", "--ntasks-per-node=1"],
+    )  # fmt: skip
+    text = log.read_text() if log.exists() else out.stderr
+    assert rc == 0, text
+    assert "2 node(s) x 1 process(es)" in text and "rendezvous ntl-n1:" in text
+    run = tmp_path / "runs" / f"ntl-deepspeed-{job}"
+    hosts = {json.loads((run / f"zero_rank{r}.json").read_text())["host"] for r in (0, 1)}
+    assert hosts == {"ntl-n1", "ntl-n2"}  # one rank per node, each in its own namespace
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step4"
+
+
+# 6. Bad input ---------------------------------------------------------------------------------------
 
 
 def _fails_fast(env, tmp, *args, extra_env=None, sbatch_opts=()):
