@@ -85,7 +85,10 @@ class _FusedLinearCENTL(torch.autograd.Function):
         num_tokens, width = hidden.shape[0], weight.shape[0]
         distributed = group_size(tp_group) > 1
         cols = inputs.number_cols
-        number_logits = (hidden @ weight.index_select(0, cols).t()).to(cdt)  # [T, K]: small
+        if need_full:  # filled chunk by chunk from the chunk's logits: one matmul, one source of truth
+            number_logits = torch.empty(num_tokens, cols.numel(), dtype=cdt, device=hidden.device)
+        else:  # only the K number columns: a [T, K] matmul
+            number_logits = (hidden @ weight.index_select(0, cols).t()).to(cdt)
         rows = ShardMath.chunk_rows(num_tokens, width, chunk_tokens or max(1, _CHUNK_ELEMENTS // max(width, 1)))
         maxes = torch.zeros(num_tokens, 2, dtype=cdt, device=hidden.device)
         sums = torch.zeros(num_tokens, 4, dtype=cdt, device=hidden.device)
@@ -108,6 +111,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
             assert dense_h is not None and dense_w is not None
             logits = hidden[sl] @ weight.t()
             work = logits if logits.dtype == cdt else logits.to(cdt)
+            number_logits[sl] = work.index_select(1, cols)
             maxes[sl] = ShardMath.local_max(work, number_logits[sl], [slice(None)], True)
             if distributed:
                 dist.all_reduce(maxes[sl], op=dist.ReduceOp.MAX, group=tp_group)
