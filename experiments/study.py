@@ -50,6 +50,26 @@ def load_preset(path: str) -> dict[str, Any]:
     return preset
 
 
+def _read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _read_jsonl(path: str) -> list[Any]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _save(fig: Any, path: str, written: list[str]) -> None:
+    """Writes one figure as PNG, closes it and records its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+
+
 def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
 
@@ -103,7 +123,7 @@ def aggregate(runs: dict[str, list[str]]) -> dict[str, Any]:
     """Mean and spread over seeds of every metric, per arm and split."""
     table: dict[str, Any] = {}
     for arm, dirs in runs.items():
-        evals = [json.load(open(os.path.join(d, "eval.json"))) for d in dirs]
+        evals = [_read_json(os.path.join(d, "eval.json")) for d in dirs]
         table[arm] = {}
         for split in evals[0]:
             table[arm][split] = {}
@@ -135,7 +155,7 @@ def _predictions(dirs: list[str], split: str) -> list[dict[str, Any]]:
     for d in dirs:
         path = os.path.join(d, f"predictions_{split}.jsonl")
         if os.path.isfile(path):
-            rows += [json.loads(line) for line in open(path)]
+            rows += _read_jsonl(path)
     return rows
 
 
@@ -151,19 +171,17 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
     # loss curves, mean over seeds
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for arm, dirs in runs.items():
-        curves = [[json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))] for d in dirs]
+        curves = [_read_jsonl(os.path.join(d, "metrics.jsonl")) for d in dirs]
         steps = [r["step"] for r in curves[0]]
         for ax, key in zip(axes, ("ce", "ntl")):
             ax.plot(steps, [statistics.fmean(c[i][key] for c in curves) for i in range(len(steps))], label=arm)
-    for ax, title in zip(axes, ("cross entropy", "NTL-WAS (logged for every arm)")):
+    # each arm logs the NTL term of its own loss (the CE arm: NTL-WAS at weight 0, logged only)
+    for ax, title in zip(axes, ("cross entropy", "NTL term of the arm's loss")):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    written.append(os.path.join(out, "loss_curves.png"))
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
+    _save(fig, os.path.join(out, "loss_curves.png"), written)
 
     # error by number of digits of the true answer
     splits = ("interpolate", "extrapolate")
@@ -190,10 +208,7 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
             ax.set_xlabel("digits in the true answer")
             ax.grid(alpha=0.3)
             ax.legend()
-    fig.tight_layout()
-    written.append(os.path.join(out, "error_by_digits.png"))
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
+    _save(fig, os.path.join(out, "error_by_digits.png"), written)
 
     # wrong digits: predicted - true digit, aligned from the last digit
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -216,10 +231,7 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
     ax.set_xticks(offsets)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    written.append(os.path.join(out, "digit_offsets.png"))
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
+    _save(fig, os.path.join(out, "digit_offsets.png"), written)
     return written
 
 
