@@ -4,18 +4,29 @@
     torchrun --nproc_per_node 8 /path/to/ntl_scale/launch/pretrain_gpt_ntl.py \\
         <your usual Megatron arguments> --ntl-weight 0.3 [--ntl-loss was] [--ntl-normalization global]
 
-Everything but the loss is Megatron-LM's own: its data, model provider, get_batch, training loop,
-checkpoints and logging. With ``--ntl-weight 0`` (the default) each step calls Megatron-LM's own
-``forward_step``, so the run is exactly the plain one. With NTL on, the last pipeline stage gets the
-vocab-sharded logits and computes CE + NTL with the fused op; ``ntl loss`` and ``number accuracy``
-are logged next to ``lm loss``.
+This runs the checkout's own ``pretrain_gpt.py`` as ``__main__``: its argument parsing, model
+builder, datasets, ``get_batch``, ``forward_step`` and ``loss_func``, training loop, checkpoints and
+logging, whatever the release (tested: core_v0.16.1 and core_v0.19.0). Before it runs, three entry
+points of ``megatron.training`` are wrapped for this process only:
+
+* the argument parser gets the ``--ntl-*`` group (``parse_and_validate_args`` since core 0.18, or
+  ``pretrain``'s ``extra_args_provider`` before);
+* ``pretrain`` gets ``forward_step`` wrapped by :class:`ntl_scale.integrations.megatron_lm.NTLForwardStep`,
+  which makes the model compute CE + NTL where it computes CE and adds ``ntl loss`` and
+  ``number accuracy`` to the report;
+* ``evaluate`` hands ``lm loss`` to Megatron's printer (value and perplexity, as before) and prints
+  the NTL metrics on their own line, without a perplexity.
+
+With ``--ntl-weight 0`` (the default) each step is the release's own ``forward_step``: the plain run.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
+import runpy
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,85 +34,212 @@ sys.path.insert(0, os.path.dirname(HERE))  # the ntl_scale checkout, when not pi
 
 from ntl_scale.integrations import megatron as ntl_megatron  # noqa: E402
 
+SUPPORTED = "Megatron-LM core_v0.16.x to core_v0.19.x"
+NTL_KEYS = ("ntl loss", "number accuracy")
 
-def import_megatron_lm():
-    """Imports Megatron-LM's ``pretrain_gpt`` and ``megatron.training``, or exits with the fix."""
-    checkout = os.environ.get("MEGATRON_LM_PATH", os.getcwd())
+
+def find_pretrain_gpt() -> str:
+    """The checkout's ``pretrain_gpt.py`` (``MEGATRON_LM_PATH`` or the working directory), or exits with the fix."""
+    checkout = os.path.abspath(os.environ.get("MEGATRON_LM_PATH", os.getcwd()))
+    script = os.path.join(checkout, "pretrain_gpt.py")
     if checkout not in sys.path:
         sys.path.insert(0, checkout)
     try:
-        import pretrain_gpt
-        from megatron import training
+        if not os.path.isfile(script):
+            raise ImportError(f"no pretrain_gpt.py in {checkout}")
+        import megatron.training  # noqa: F401
     except ImportError as e:
         raise SystemExit(
             f"pretrain_gpt_ntl.py needs a Megatron-LM checkout (megatron.training and pretrain_gpt.py), "
             f"which is not importable from {checkout!r} ({e}). The megatron-core wheel does not contain "
-            "them. Fix: git clone Megatron-LM, then run from its root or set MEGATRON_LM_PATH to it. "
-            "Without a checkout, see launch/megatron_example.py (megatron.core only)."
+            f"them. Fix: git clone Megatron-LM ({SUPPORTED}), then run from its root or set MEGATRON_LM_PATH "
+            "to it. Without a checkout, see launch/megatron_example.py (megatron.core only)."
         ) from None
-    return pretrain_gpt, training
+    return script
 
 
-def make_ntl_forward_step(pretrain_gpt, training):
-    """Wraps Megatron-LM's forward_step: unchanged when NTL is off, CE + NTL from logits when on."""
-    from megatron.core import parallel_state
+def with_ntl_args(extra_args_provider):
+    """Megatron's ``extra_args_provider`` plus the ``--ntl-*`` group."""
+
+    def provider(parser):
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        return ntl_megatron.add_ntl_args(parser)
+
+    return provider
+
+
+def build_forward_step(forward_step):
+    """``forward_step`` with NTL, built on its first call (after Megatron has initialised)."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+
+    built = {}
+
+    @functools.wraps(forward_step)
+    def ntl_forward_step(data_iterator, model, *args, **kwargs):
+        step = built.get("step")
+        if step is None:
+            step = built["step"] = make_ntl_step(forward_step, get_args(), ps)
+        return step(data_iterator, model, *args, **kwargs)
+
+    return ntl_forward_step
+
+
+def make_ntl_step(forward_step, margs, ps):
+    """The release's ``forward_step`` when NTL is off, else an ``NTLForwardStep`` around it."""
+    import torch
+
+    from ntl_scale.integrations import megatron_lm
+
+    settings = ntl_megatron.NTLSettings.from_args(margs)
+    if not settings.enabled:
+        return forward_step
+    if getattr(margs, "overlap_moe_expert_parallel_comm", False):
+        raise SystemExit(
+            "--ntl-weight > 0 does not support --overlap-moe-expert-parallel-comm (the model's forward runs "
+            "in schedule plans outside forward_step); turn one of them off"
+        )
+    if getattr(margs, "use_legacy_models", False):
+        raise SystemExit("--ntl-weight > 0 needs megatron.core models; drop --use-legacy-models")
+    vocab = ntl_megatron.build_number_vocab(settings, _tokenizer(margs), margs.padded_vocab_size)
+    groups = megatron_lm.StepGroups(
+        tp_group=ps.get_tensor_model_parallel_group(),
+        cp_group=ps.get_context_parallel_group(),
+        count_group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+        dp_cp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+        reads_data=ps.get_tensor_model_parallel_rank() == 0,
+        counts_data=ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0,
+        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu",
+    )
     from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.core.utils import get_attr_wrapped_model
 
-    takes_vp_stage = "vp_stage" in inspect.signature(pretrain_gpt.get_batch).parameters
-    steps = {}
+    return megatron_lm.NTLForwardStep(
+        forward_step,
+        settings,
+        vocab,
+        groups,
+        num_microbatches=get_num_microbatches,
+        per_token_loss=bool(margs.calculate_per_token_loss),
+    )
 
-    def forward_step(data_iterator, model, *args, **kwargs):
-        margs = training.get_args()
-        settings = ntl_megatron.NTLSettings.from_args(margs)
-        if not settings.enabled:
-            return pretrain_gpt.forward_step(data_iterator, model, *args, **kwargs)
-        vp_stage = get_attr_wrapped_model(model, "vp_stage", allow_none=True) if takes_vp_stage else None
-        if vp_stage not in steps:
-            vocab = ntl_megatron.build_number_vocab(settings, training.get_tokenizer(), margs.padded_vocab_size)
-            get_batch = (
-                functools.partial(pretrain_gpt.get_batch, vp_stage=vp_stage)
-                if takes_vp_stage
-                else pretrain_gpt.get_batch
-            )
-            steps[vp_stage] = ntl_megatron.make_forward_step(
-                settings,
-                vocab,
-                get_batch,
-                tp_group=parallel_state.get_tensor_model_parallel_group(),
-                count_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-                num_microbatches=get_num_microbatches,
-                calculate_per_token_loss=margs.calculate_per_token_loss,
-                data_parallel_size=parallel_state.get_data_parallel_world_size(with_context_parallel=True),
-            )
-        return steps[vp_stage](data_iterator, model)
 
-    return forward_step
+def _tokenizer(margs):
+    """The run's tokenizer: Megatron's global one where the release keeps it, else built from the args."""
+    try:
+        from megatron.training import get_tokenizer
+
+        tokenizer = get_tokenizer()
+        if tokenizer is not None:
+            return tokenizer
+    except (ImportError, AssertionError):
+        pass
+    try:
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    except ImportError:
+        from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+    return build_tokenizer(margs)
+
+
+def wrap_pretrain(pretrain):
+    """``pretrain`` with the NTL ``forward_step`` (and, before core 0.18, the ``--ntl-*`` parser group)."""
+    signature = inspect.signature(pretrain)
+    if "forward_step_func" not in signature.parameters:
+        raise SystemExit(
+            f"pretrain_gpt_ntl.py: this Megatron-LM's pretrain() has no forward_step_func parameter "
+            f"({signature}); supported: {SUPPORTED}"
+        )
+
+    @functools.wraps(pretrain)
+    def ntl_pretrain(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["forward_step_func"] = build_forward_step(bound.arguments["forward_step_func"])
+        if "extra_args_provider" in signature.parameters and not _parser_has_ntl_args():
+            bound.arguments["extra_args_provider"] = with_ntl_args(bound.arguments.get("extra_args_provider"))
+        return pretrain(*bound.args, **bound.kwargs)
+
+    return ntl_pretrain
+
+
+_PARSED_WITH_NTL = {"done": False}
+
+
+def _parser_has_ntl_args() -> bool:
+    return _PARSED_WITH_NTL["done"]
+
+
+def wrap_parse_and_validate_args(parse):
+    """Core >= 0.18 parses the arguments before ``pretrain``: add the ``--ntl-*`` group there."""
+
+    @functools.wraps(parse)
+    def ntl_parse(*args, **kwargs):
+        bound = inspect.signature(parse).bind(*args, **kwargs)
+        bound.arguments["extra_args_provider"] = with_ntl_args(bound.arguments.get("extra_args_provider"))
+        _PARSED_WITH_NTL["done"] = True
+        return parse(*bound.args, **bound.kwargs)
+
+    return ntl_parse
+
+
+def wrap_evaluate(evaluate):
+    """``evaluate`` whose NTL metrics are printed here, once, and never get a perplexity."""
+
+    @functools.wraps(evaluate)
+    def ntl_evaluate(*args, **kwargs):
+        result = evaluate(*args, **kwargs)
+        totals = result[0] if isinstance(result, tuple) and result else None
+        if not isinstance(totals, dict) or not any(k in totals for k in NTL_KEYS):
+            return result
+        metrics = {k: float(totals.pop(k)) for k in NTL_KEYS if k in totals}
+        _log_validation(metrics)
+        return result
+
+    return ntl_evaluate
+
+
+def _log_validation(metrics: dict[str, float]) -> None:
+    from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
+    from megatron.training.utils import print_rank_last
+
+    iteration = getattr(get_args(), "curr_iteration", None)
+    parts = []
+    for key, value in metrics.items():
+        # No number token in the whole evaluation: sum / count is 0 / 0.
+        parts.append(f"{key}: {value:.6E}" if math.isfinite(value) else f"{key}: n/a (no number tokens)")
+    print_rank_last(" validation (ntl_scale) | " + " | ".join(parts) + " |")
+    finite = {f"{k} validation": v for k, v in metrics.items() if math.isfinite(v)}
+    writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
+    if iteration is not None:
+        for key, value in finite.items():
+            if writer is not None:
+                writer.add_scalar(key, value, iteration)
+        if wandb_writer is not None and finite:
+            wandb_writer.log(finite, iteration)
+
+
+def install() -> None:
+    """Wraps ``megatron.training``'s entry points for this process (before pretrain_gpt.py imports them)."""
+    import megatron.training as training_pkg
+    from megatron.training import arguments, training
+
+    if getattr(training_pkg.pretrain, "_ntl_scale", False):
+        return
+    pretrain = wrap_pretrain(training_pkg.pretrain)
+    pretrain._ntl_scale = True
+    training_pkg.pretrain = pretrain
+    training.pretrain = pretrain
+    if hasattr(arguments, "parse_and_validate_args"):
+        arguments.parse_and_validate_args = wrap_parse_and_validate_args(arguments.parse_and_validate_args)
+    elif "extra_args_provider" not in inspect.signature(training.pretrain.__wrapped__).parameters:
+        raise SystemExit(f"pretrain_gpt_ntl.py: cannot add the --ntl-* arguments to this Megatron-LM; supported: {SUPPORTED}")
+    training.evaluate = wrap_evaluate(training.evaluate)
 
 
 def main() -> None:
-    pretrain_gpt, training = import_megatron_lm()
-    from megatron.core.enums import ModelType
-
-    builder = getattr(pretrain_gpt, "gpt_builder", None)
-    provider = pretrain_gpt.model_provider
-    model_provider = functools.partial(provider, builder) if builder is not None else provider
-    modelopt_args = getattr(pretrain_gpt, "add_modelopt_args", None)
-
-    def extra_args_provider(parser):
-        if modelopt_args is not None and getattr(pretrain_gpt, "has_nvidia_modelopt", False):
-            parser = modelopt_args(parser)
-        return ntl_megatron.add_ntl_args(parser)
-
-    pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
-    training.pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        model_provider,
-        ModelType.encoder_or_decoder,
-        make_ntl_forward_step(pretrain_gpt, training),
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-        extra_args_provider=extra_args_provider,
-    )
+    script = find_pretrain_gpt()
+    install()
+    sys.argv[0] = script
+    runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":

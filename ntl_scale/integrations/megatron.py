@@ -71,6 +71,9 @@ class NTLSettings:
         squash_factor: NTL-WAS distance squashing (> 1), or None.
         huber_delta: the Huber threshold.
         normalization: ``micro-batch`` or ``global`` (see the module docstring).
+        chunked: compute CE + NTL from the hidden states and the output weight in token chunks,
+            never materialising the logits (``--ntl-chunked``).
+        chunk_tokens: tokens per chunk of the chunked route; None = the op's default.
     """
 
     weight: float = 0.0
@@ -80,6 +83,8 @@ class NTLSettings:
     squash_factor: float | None = None
     huber_delta: float = 1.0
     normalization: str = "micro-batch"
+    chunked: bool = False
+    chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight) or self.weight < 0:
@@ -90,6 +95,8 @@ class NTLSettings:
             raise ValueError(f"--ntl-normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if not self.number_vocab:
             raise ValueError("--ntl-number-vocab must be 'digits', 'multi-digit' or the path of a saved table")
+        if self.chunk_tokens is not None and (not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1):
+            raise ValueError(f"--ntl-chunk-tokens must be a positive integer, got {self.chunk_tokens!r}")
         self.options()  # validates loss, squash factor and Huber delta with the library's own checks
 
     @property
@@ -114,6 +121,8 @@ class NTLSettings:
             squash_factor=args.ntl_squash_factor,
             huber_delta=args.ntl_huber_delta,
             normalization=args.ntl_normalization,
+            chunked=getattr(args, "ntl_chunked", False),
+            chunk_tokens=getattr(args, "ntl_chunk_tokens", None),
         )
 
 
@@ -124,6 +133,16 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
 
@@ -162,6 +181,14 @@ def add_ntl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="micro-batch",
         help="NTL mean per micro-batch (paper) or over the global batch (split-invariant)",
     )
+    group.add_argument(
+        "--ntl-chunked",
+        action="store_true",
+        help="CE + NTL from the hidden states in token chunks, never materialising the logits",
+    )
+    group.add_argument(
+        "--ntl-chunk-tokens", type=_positive_int, default=None, help="tokens per chunk of --ntl-chunked"
+    )
     return parser
 
 
@@ -179,7 +206,16 @@ def build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size:
     """
     rule = settings.number_vocab
     if rule in VOCAB_RULES:
-        return NumberVocab.from_tokenizer(tokenizer, vocab_size=padded_vocab_size, digit_level=rule == "digits")
+        try:
+            return NumberVocab.from_tokenizer(tokenizer, vocab_size=padded_vocab_size, digit_level=rule == "digits")
+        except (NotImplementedError, TypeError) as e:
+            # NullTokenizer and similar raise NotImplementedError from inv_vocab.
+            raise ValueError(
+                f"--ntl-number-vocab {rule!r} reads the number tokens from the tokenizer, but "
+                f"{type(tokenizer).__name__} has no token table ({type(e).__name__}: {e}). Pass "
+                "--ntl-number-vocab PATH with a table saved by `python -m ntl_scale.number_vocab` or "
+                "NumberVocab.from_tokenizer(...).save(PATH)"
+            ) from None
     if not os.path.isfile(rule):
         raise ValueError(
             f"--ntl-number-vocab {rule!r} is neither one of {VOCAB_RULES} nor an existing file; "
