@@ -201,6 +201,34 @@ def patch_megatron() -> None:
         core_utils.get_device_arch_version = lambda: 9
 
 
+def trace_training_log(path: str) -> None:
+    """Appends each iteration's losses and gradient norm at full precision to ``path`` (JSON lines).
+
+    Megatron prints them rounded (the gradient norm to 3 decimals); the tests compare more closely.
+    Only the rank that holds a loss (the last pipeline stage) writes.
+    """
+    import inspect
+    import json
+
+    from megatron.training import training
+
+    original = training.training_log
+    signature = inspect.signature(original)
+
+    def training_log(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        losses = {k: float(v) for k, v in (bound.arguments["loss_dict"] or {}).items()}
+        if losses and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+            grad_norm = bound.arguments.get("grad_norm")
+            with open(path, "a", encoding="utf-8") as f:
+                record = {"iteration": bound.arguments["iteration"], "losses": losses,
+                          "grad_norm": None if grad_norm is None else float(grad_norm)}
+                f.write(json.dumps(record) + "\n")
+        return original(*args, **kwargs)
+
+    training.training_log = training_log
+
+
 def main() -> None:
     checkout = os.environ.get("MEGATRON_LM_PATH")
     if not checkout:
@@ -211,6 +239,8 @@ def main() -> None:
     sys.path.insert(0, checkout)
     patch_torch()
     patch_megatron()
+    if os.environ.get("NTL_TEST_TRACE"):
+        trace_training_log(os.environ["NTL_TEST_TRACE"])
     script, *arguments = sys.argv[1:]
     sys.argv = [script, *arguments]
     runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,159 @@
+"""``launch/pretrain_gpt_ntl.py`` against the real Megatron-LM releases (core_v0.16.1, core_v0.19.0) on CPU.
+
+Every run is the checkout's own ``pretrain_gpt.py`` (directly, or under our drop-in) in 1 or 2
+processes over gloo, with CUDA-only calls redirected by ``tests/helpers/megatron_lm_cpu.py``; the
+per-iteration losses and gradient norm come from Megatron's own ``training_log`` at full precision.
+
+Sections, each for both releases:
+1. ``--ntl-weight 0`` logs exactly what plain ``pretrain_gpt.py`` logs, at TP=2 and at PP=2.
+2. NTL on: the step-1 ``lm loss`` equals plain Megatron's, ``ntl loss`` and ``number accuracy`` are
+   logged and the loss falls; a TP=1 run's checkpoint (Megatron's ``--save``, ``torch_dist``) resumed
+   at TP=1, TP=2 and PP=2 logs the uninterrupted run's losses (1e-5).
+3. ``--ntl-normalization global``: the first-step gradient norm is the same for micro-batch splits
+   1 x 4, 2 x 2 and 4 x 1 (and, as a control, the micro-batch mean is not).
+4. Real data: an indexed dataset made by the release's ``tools/preprocess_data.py`` from our
+   arithmetic text with a Hugging Face tokenizer built offline, the number table read from that
+   tokenizer, evaluation on: ``ntl loss`` is printed for validation without a perplexity.
+5. Errors: a tokenizer without a token table (``NullTokenizer``) and no ``--ntl-number-vocab``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import megatron_lm as mlm
+
+pytestmark = pytest.mark.distributed
+
+MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--split", "100,0,0", "--eval-iters", "0",
+        "--eval-interval", "1000"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def numbers_json(tmp_path_factory) -> str:
+    """The number table of the NullTokenizer runs: ids 48-57 are the digits 0-9 (as in ASCII)."""
+    from ntl_scale import NumberVocab
+
+    path = tmp_path_factory.mktemp("vocab") / "numbers.json"
+    table = {i: (str(i - 48) if 48 <= i < 58 else f"w{i}") for i in range(127)}
+    NumberVocab.from_id_to_token(table, vocab_size=128).save(path)
+    return str(path)
+
+
+def _ok(run: mlm.Run) -> mlm.Run:
+    assert run.returncode == 0 and run.trace, mlm.tail(run.output)
+    return run
+
+
+def _close(a: dict[int, float], b: dict[int, float], rel: float) -> None:
+    assert a.keys() == b.keys(), (a, b)
+    for k in a:
+        assert math.isclose(a[k], b[k], rel_tol=rel, abs_tol=rel), (k, a[k], b[k])
+
+
+@pytest.mark.parametrize("tag", mlm.RELEASES)
+def test_ntl_off_is_plain_megatron(tag, tmp_path, numbers_json):
+    """Section 1: --ntl-weight 0 changes nothing, bit for bit, at TP=2 and at PP=2."""
+    for layout in (["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]):
+        args = [*mlm.tiny_args(), *MOCK, *layout]
+        plain = _ok(mlm.run(tag, "pretrain_gpt.py", args, nproc=2, workdir=tmp_path))
+        off = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-weight", "0"], nproc=2, workdir=tmp_path))
+        assert [r["losses"] for r in off.trace] == [r["losses"] for r in plain.trace]
+        assert off.grad_norms() == plain.grad_norms()
+        assert len(plain.trace) == 3
+
+
+@pytest.mark.parametrize("tag", mlm.RELEASES)
+def test_ntl_trains_and_resumes_across_layouts(tag, tmp_path, numbers_json):
+    """Section 2: CE as Megatron's, NTL logged and falling; TP=1 checkpoint resumed at TP=1, TP=2, PP=2."""
+    ntl = ["--ntl-weight", "0.3", "--ntl-number-vocab", numbers_json]
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    plain = _ok(mlm.run(tag, "pretrain_gpt.py", [*mlm.tiny_args(iters=1), *MOCK, *tp2], nproc=2, workdir=tmp_path))
+    trained = _ok(mlm.run(tag, mlm.DROP_IN, [*mlm.tiny_args(iters=8), *MOCK, *tp2, *ntl], nproc=2, workdir=tmp_path))
+    # The value of lm loss stays the cross entropy; our op computes it (not Megatron's kernel): 1e-6.
+    _close({1: trained.losses()[1]}, plain.losses(), 1e-6)
+    assert " ntl loss: " in trained.output and "number accuracy" in trained.trace[0]["losses"]
+    ntl_losses = trained.losses("ntl loss")
+    assert all(math.isfinite(v) and v >= 0 for v in ntl_losses.values()) and any(v > 0 for v in ntl_losses.values())
+    lm = trained.losses()
+    assert lm[8] < lm[1] - 0.05, lm
+
+    ckpt = tmp_path / "ckpt"
+    args = [*mlm.tiny_args(iters=4), *MOCK, *ntl]
+    whole = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--save", str(ckpt), "--save-interval", "2"], nproc=1,
+                        workdir=tmp_path))  # fmt: skip
+    assert (ckpt / "iter_0000002").is_dir()
+    for nproc, layout in ((1, []), (2, tp2), (2, ["--pipeline-model-parallel-size", "2"])):
+        resumed = _ok(mlm.run(tag, mlm.DROP_IN, [*args, *layout, "--load", str(ckpt), "--ckpt-step", "2"],
+                              nproc=nproc, workdir=tmp_path))  # fmt: skip
+        assert sorted(resumed.losses()) == [3, 4], (layout, resumed.trace)
+        for key in ("lm loss", "ntl loss"):
+            _close(resumed.losses(key), {k: v for k, v in whole.losses(key).items() if k > 2}, 1e-5)
+        _close(resumed.grad_norms(), {k: v for k, v in whole.grad_norms().items() if k > 2}, 1e-5)
+
+
+@pytest.mark.parametrize("tag", mlm.RELEASES)
+def test_global_normalisation_is_split_invariant(tag, tmp_path, numbers_json):
+    """Section 3: the first-step gradient of CE/T + 0.3 NTL/K does not depend on the micro-batch split."""
+    common = [*MOCK, "--ntl-weight", "0.3", "--ntl-number-vocab", numbers_json, "--ntl-loss", "mse"]
+    norms = {}
+    for mbs in (4, 2, 1):
+        args = [*mlm.tiny_args(iters=1, micro_batch=mbs, global_batch=4), *common, "--ntl-normalization", "global"]
+        norms[mbs] = _ok(mlm.run(tag, mlm.DROP_IN, args, nproc=1, workdir=tmp_path)).grad_norms()[1]
+    assert math.isclose(norms[4], norms[2], rel_tol=1e-5) and math.isclose(norms[4], norms[1], rel_tol=1e-5), norms
+    # Control: the paper's per-micro-batch mean weighs number tokens by their micro-batch, so it moves.
+    args = [*mlm.tiny_args(iters=1, micro_batch=1, global_batch=4), *common, "--ntl-normalization", "micro-batch"]
+    per_micro_batch = _ok(mlm.run(tag, mlm.DROP_IN, args, nproc=1, workdir=tmp_path)).grad_norms()[1]
+    assert not math.isclose(per_micro_batch, norms[1], rel_tol=1e-4), (per_micro_batch, norms)
+
+
+def _arithmetic_corpus(tmp_path: Path) -> tuple[Path, Path]:
+    """JSONL of arithmetic text and a Hugging Face tokenizer (single characters) built from it, offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from ntl_scale.data import arithmetic
+
+    lines = [f"{e.question} {e.answer}" for e in arithmetic.generate(400, seed=3)]
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.train_from_iterator(lines, trainers.WordLevelTrainer(special_tokens=["<unk>", "<eod>"]))
+    folder = tmp_path / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eod>").save_pretrained(folder)
+    return data, folder
+
+
+@pytest.mark.parametrize("tag", mlm.RELEASES)
+def test_real_data_tokenizer_and_evaluation(tag, tmp_path):
+    """Section 4: preprocess_data.py + a Hugging Face tokenizer + evaluation, numbers read from the tokenizer."""
+    data, tokenizer = _arithmetic_corpus(tmp_path)
+    prefix = tmp_path / "arith"
+    done = mlm.run_tool(
+        tag, "tools/preprocess_data.py",
+        ["--input", str(data), "--output-prefix", str(prefix), "--tokenizer-type", "HuggingFaceTokenizer",
+         "--tokenizer-model", str(tokenizer), "--append-eod", "--workers", "1"],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    args = [*mlm.tiny_args(iters=4), "--data-path", f"{prefix}_text_document", "--split", "90,10,0",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer),
+            "--eval-interval", "2", "--eval-iters", "1", "--ntl-weight", "0.3"]  # fmt: skip
+    trained = _ok(mlm.run(tag, mlm.DROP_IN, args, nproc=2, workdir=tmp_path))
+    assert all(r["losses"]["ntl loss"] > 0 for r in trained.trace), trained.trace  # digits in every step
+    validation = [line for line in trained.output.splitlines() if "validation (ntl_scale)" in line]
+    assert validation and "ntl loss: " in validation[0] and "number accuracy: " in validation[0], mlm.tail(trained.output)
+    assert "ntl loss PPL" not in trained.output and "lm loss PPL" in trained.output
+
+
+def test_null_tokenizer_needs_a_table(tmp_path):
+    """Section 5: NullTokenizer has no token table: the error says to pass --ntl-number-vocab PATH."""
+    args = [*mlm.tiny_args(iters=1), *MOCK, "--ntl-weight", "0.3"]
+    failed = mlm.run(mlm.RELEASES[-1], mlm.DROP_IN, args, nproc=1, workdir=tmp_path)
+    assert failed.returncode != 0
+    message = "has no token table (NotImplementedError"
+    assert message in failed.output and "--ntl-number-vocab PATH" in failed.output, mlm.tail(failed.output)
