@@ -33,7 +33,8 @@ def _env() -> dict[str, str]:
     """The child environment: this interpreter first on PATH (Megatron's Makefile calls ``python3``)."""
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    site = ROOT / "tests" / "helpers" / "py311_site"  # typing.override for spawned children (3.11)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(site), env.get("PYTHONPATH", "")])
     env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron asks for it with TP/CP
     env["OMP_NUM_THREADS"] = "1"
     env.pop("NTL_TEST_TRACE", None)
