@@ -170,3 +170,35 @@ def test_null_tokenizer_needs_a_table(tmp_path):
     assert failed.returncode != 0
     message = "has no token table (NotImplementedError"
     assert message in failed.output and "--ntl-number-vocab PATH" in failed.output, mlm.tail(failed.output)
+
+
+@pytest.mark.parametrize("tag", mlm.RELEASES)
+def test_chunked_route_matches_logits_route(tag, tmp_path, numbers_json):
+    """--ntl-chunked (CE + NTL from hidden states, no logits) trains like the logits route at TP=2 (1e-5)."""
+    args = [*mlm.tiny_args(), *MOCK, "--tensor-model-parallel-size", "2", "--ntl-weight", "0.3",
+            "--ntl-number-vocab", numbers_json]  # fmt: skip
+    logits = _ok(mlm.run(tag, mlm.DROP_IN, args, nproc=2, workdir=tmp_path))
+    chunked = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-chunked", "--ntl-chunk-tokens", "24"], nproc=2,
+                          workdir=tmp_path))  # fmt: skip
+    for key in ("lm loss", "ntl loss", "number accuracy"):
+        _close(chunked.losses(key), logits.losses(key), 1e-5)
+    _close(chunked.grad_norms(), logits.grad_norms(), 1e-5)
+
+
+@pytest.mark.parametrize("tag", mlm.RELEASES)
+def test_multi_token_prediction(tag, tmp_path, numbers_json):
+    """MTP heads train with NTL on their own labels: the logged main and MTP losses stay Megatron's CE."""
+    import re
+
+    args = [*mlm.tiny_args(iters=2), *MOCK, "--mtp-num-layers", "1", "--position-embedding-type", "rope",
+            "--ntl-number-vocab", numbers_json]  # fmt: skip
+    off = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-weight", "0"], nproc=1, workdir=tmp_path))
+    on = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-weight", "0.3"], nproc=1, workdir=tmp_path))
+
+    def mtp_losses(run):
+        return [float(v) for v in re.findall(r"mtp_1 loss: ([0-9.E+-]+)", run.output)]
+
+    assert mtp_losses(off) and mtp_losses(on)[0] == mtp_losses(off)[0], (mtp_losses(on), mtp_losses(off))
+    _close({1: on.losses()[1]}, {1: off.losses()[1]}, 1e-6)
+    assert on.losses("ntl loss")[1] > 0
+    assert not math.isclose(on.grad_norms()[1], off.grad_norms()[1], rel_tol=1e-3)  # NTL reaches the gradient
