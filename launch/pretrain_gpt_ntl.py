@@ -231,7 +231,9 @@ def install() -> None:
     if hasattr(arguments, "parse_and_validate_args"):
         arguments.parse_and_validate_args = wrap_parse_and_validate_args(arguments.parse_and_validate_args)
     elif "extra_args_provider" not in inspect.signature(training.pretrain.__wrapped__).parameters:
-        raise SystemExit(f"pretrain_gpt_ntl.py: cannot add the --ntl-* arguments to this Megatron-LM; supported: {SUPPORTED}")
+        raise SystemExit(
+            f"pretrain_gpt_ntl.py: cannot add the --ntl-* arguments to this Megatron-LM; supported: {SUPPORTED}"
+        )
     training.evaluate = wrap_evaluate(training.evaluate)
 
 

@@ -186,9 +186,7 @@ def add_ntl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="CE + NTL from the hidden states in token chunks, never materialising the logits",
     )
-    group.add_argument(
-        "--ntl-chunk-tokens", type=_positive_int, default=None, help="tokens per chunk of --ntl-chunked"
-    )
+    group.add_argument("--ntl-chunk-tokens", type=_positive_int, default=None, help="tokens per chunk of --ntl-chunked")
     return parser
 
 

@@ -87,7 +87,7 @@ class NTLStats:
     hits: torch.Tensor
 
 
-def find_language_model(model: Any) -> torch.nn.Module:
+def find_language_model(model: Any) -> Any:
     """The ``GPTModel`` inside Megatron's wrappers (DDP, Float16Module, ...)."""
     seen = model
     for _ in range(16):
@@ -111,14 +111,15 @@ class GPTModelNTL:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Any,
         settings: NTLSettings,
         vocab: NumberVocab,
         tp_group: dist.ProcessGroup | None,
         cp_group: dist.ProcessGroup | None,
         chunk_tokens: int | None,
     ) -> None:
-        self.model, self.settings, self.vocab = model, settings, vocab
+        self.model: Any = model  # a megatron.core GPTModel (typed loosely: Megatron is imported lazily)
+        self.settings, self.vocab = settings, vocab
         self.tp_group, self.cp_group = tp_group, cp_group
         self.chunked, self.chunk_tokens = settings.chunked, chunk_tokens
         self.options = settings.options()
@@ -158,7 +159,9 @@ class GPTModelNTL:
 
             def head(hidden_states, weight=None, runtime_gather_output=None, **kwargs):
                 if self._call is None or self._call["labels"] is None:
-                    return original_head(hidden_states, weight=weight, runtime_gather_output=runtime_gather_output, **kwargs)
+                    return original_head(
+                        hidden_states, weight=weight, runtime_gather_output=runtime_gather_output, **kwargs
+                    )
                 self._call["weight"] = weight  # the shared embedding when the model ties them
                 return hidden_states, None  # compute_language_model_loss applies the layer, chunk by chunk
 
@@ -195,7 +198,9 @@ class GPTModelNTL:
             from megatron.core.transformer.multi_token_prediction import roll_tensor
 
             for _ in range(mtp_index):
-                mask, _ = roll_tensor(mask, shifts=-1, dims=-1, cp_group=self.cp_group, packed_seq_params=call["packed"])
+                mask, _ = roll_tensor(
+                    mask, shifts=-1, dims=-1, cp_group=self.cp_group, packed_seq_params=call["packed"]
+                )
         return mask
 
     def _terms(self, labels: torch.Tensor, logits_or_hidden: torch.Tensor) -> PerTokenTerms:
@@ -211,7 +216,11 @@ class GPTModelNTL:
                 )
             # [s, b, V/tp] -> [b, s, V/tp]
             return per_token_ce_ntl(
-                logits_or_hidden.transpose(0, 1), labels, self.vocab, self.options, tp_group=self.tp_group,
+                logits_or_hidden.transpose(0, 1),
+                labels,
+                self.vocab,
+                self.options,
+                tp_group=self.tp_group,
                 check_finite=False,
             )
         return self._chunked_terms(labels, logits_or_hidden)
@@ -233,7 +242,13 @@ class GPTModelNTL:
         if not sequence_parallel and self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
         return linear_ce_ntl(
-            hidden, weight, labels, self.vocab, self.options, tp_group=self.tp_group, check_finite=False,
+            hidden,
+            weight,
+            labels,
+            self.vocab,
+            self.options,
+            tp_group=self.tp_group,
+            check_finite=False,
             chunk_tokens=self.chunk_tokens,
         )
 
@@ -407,7 +422,11 @@ class NTLForwardStep:
                 "forward runs outside forward_step there. Turn that option off to train with NTL."
             )
         hook = apply_ntl(
-            model, self.settings, self.vocab, tp_group=self.groups.tp_group, cp_group=self.groups.cp_group,
+            model,
+            self.settings,
+            self.vocab,
+            tp_group=self.groups.tp_group,
+            cp_group=self.groups.cp_group,
             chunk_tokens=self.settings.chunk_tokens,
         )
         key = id(hook)
@@ -456,8 +475,11 @@ class NTLForwardStep:
                 dist.all_reduce(counts, group=group)
             self._left[key] = m
             self._scale[key] = MicroBatchScale(
-                tokens=counts[0].float(), numbers=counts[1].float(), microbatches=m,
-                dp_cp_size=self.groups.dp_cp_size, per_token_loss=self.per_token_loss,
+                tokens=counts[0].float(),
+                numbers=counts[1].float(),
+                microbatches=m,
+                dp_cp_size=self.groups.dp_cp_size,
+                per_token_loss=self.per_token_loss,
             )
         self._left[key] -= 1
         return (replay if replay.source is not None else data_iterator), self._scale[key]

@@ -134,8 +134,23 @@ def patch_torch() -> None:
     """The torch-level redirections (idempotent)."""
     if getattr(torch, "_ntl_scale_lm_cpu_patched", False):
         return
-    for name in ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like", "rand",
-                 "randn", "randint", "as_tensor", "full_like", "linspace"):
+    for name in (
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "tensor",
+        "arange",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "rand",
+        "randn",
+        "randint",
+        "as_tensor",
+        "full_like",
+        "linspace",
+    ):
         setattr(torch, name, _redirect(getattr(torch, name)))
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.to = _cpu_to(torch.Tensor.to)
@@ -221,8 +236,11 @@ def trace_training_log(path: str) -> None:
         if losses and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
             grad_norm = bound.arguments.get("grad_norm")
             with open(path, "a", encoding="utf-8") as f:
-                record = {"iteration": bound.arguments["iteration"], "losses": losses,
-                          "grad_norm": None if grad_norm is None else float(grad_norm)}
+                record = {
+                    "iteration": bound.arguments["iteration"],
+                    "losses": losses,
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                }
                 f.write(json.dumps(record) + "\n")
         return original(*args, **kwargs)
 

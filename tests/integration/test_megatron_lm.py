@@ -107,7 +107,14 @@ def test_global_normalisation_is_split_invariant(tag, tmp_path, numbers_json):
     common = [*MOCK, "--ntl-weight", "0.3", "--ntl-number-vocab", numbers_json, "--ntl-loss", "mse"]
     ckpt = tmp_path / "ckpt"
     # Iteration 3 of this data has number tokens in some micro-batches only (iteration 2 has none).
-    args = [*mlm.tiny_args(iters=3, micro_batch=4, global_batch=4), *common, "--save", str(ckpt), "--save-interval", "2"]
+    args = [
+        *mlm.tiny_args(iters=3, micro_batch=4, global_batch=4),
+        *common,
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "2",
+    ]
     _ok(mlm.run(tag, mlm.DROP_IN, args, nproc=1, workdir=tmp_path))
 
     def third_step(micro_batch: int, normalization: str) -> float:
@@ -159,7 +166,9 @@ def test_real_data_tokenizer_and_evaluation(tag, tmp_path):
     trained = _ok(mlm.run(tag, mlm.DROP_IN, args, nproc=2, workdir=tmp_path))
     assert all(r["losses"]["ntl loss"] > 0 for r in trained.trace), trained.trace  # digits in every step
     validation = [line for line in trained.output.splitlines() if "validation (ntl_scale)" in line]
-    assert validation and "ntl loss: " in validation[0] and "number accuracy: " in validation[0], mlm.tail(trained.output)
+    assert validation and "ntl loss: " in validation[0] and "number accuracy: " in validation[0], mlm.tail(
+        trained.output
+    )
     assert "ntl loss PPL" not in trained.output and "lm loss PPL" in trained.output
 
 
