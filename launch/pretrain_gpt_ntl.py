@@ -141,8 +141,8 @@ def _tokenizer(margs):
     return build_tokenizer(margs)
 
 
-def wrap_pretrain(pretrain):
-    """``pretrain`` with the NTL ``forward_step`` (and, before core 0.18, the ``--ntl-*`` parser group)."""
+def wrap_pretrain(pretrain, *, add_args: bool):
+    """``pretrain`` with the NTL ``forward_step`` (and with ``add_args``, the ``--ntl-*`` parser group)."""
     signature = inspect.signature(pretrain)
     if "forward_step_func" not in signature.parameters:
         raise SystemExit(
@@ -154,18 +154,11 @@ def wrap_pretrain(pretrain):
     def ntl_pretrain(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.arguments["forward_step_func"] = build_forward_step(bound.arguments["forward_step_func"])
-        if "extra_args_provider" in signature.parameters and not _parser_has_ntl_args():
+        if add_args:
             bound.arguments["extra_args_provider"] = with_ntl_args(bound.arguments.get("extra_args_provider"))
         return pretrain(*bound.args, **bound.kwargs)
 
     return ntl_pretrain
-
-
-_PARSED_WITH_NTL = {"done": False}
-
-
-def _parser_has_ntl_args() -> bool:
-    return _PARSED_WITH_NTL["done"]
 
 
 def wrap_parse_and_validate_args(parse):
@@ -175,7 +168,6 @@ def wrap_parse_and_validate_args(parse):
     def ntl_parse(*args, **kwargs):
         bound = inspect.signature(parse).bind(*args, **kwargs)
         bound.arguments["extra_args_provider"] = with_ntl_args(bound.arguments.get("extra_args_provider"))
-        _PARSED_WITH_NTL["done"] = True
         return parse(*bound.args, **bound.kwargs)
 
     return ntl_parse
@@ -224,16 +216,17 @@ def install() -> None:
 
     if getattr(training_pkg.pretrain, "_ntl_scale", False):
         return
-    pretrain = wrap_pretrain(training_pkg.pretrain)
+    # Where Megatron parses its arguments: parse_and_validate_args (core >= 0.18, before pretrain),
+    # else pretrain's own extra_args_provider. Capabilities, not version strings.
+    parses_first = hasattr(arguments, "parse_and_validate_args")
+    if not parses_first and "extra_args_provider" not in inspect.signature(training_pkg.pretrain).parameters:
+        raise SystemExit(f"pretrain_gpt_ntl.py: cannot add the --ntl-* arguments here; supported: {SUPPORTED}")
+    if parses_first:
+        arguments.parse_and_validate_args = wrap_parse_and_validate_args(arguments.parse_and_validate_args)
+    pretrain = wrap_pretrain(training_pkg.pretrain, add_args=not parses_first)
     pretrain._ntl_scale = True
     training_pkg.pretrain = pretrain
     training.pretrain = pretrain
-    if hasattr(arguments, "parse_and_validate_args"):
-        arguments.parse_and_validate_args = wrap_parse_and_validate_args(arguments.parse_and_validate_args)
-    elif "extra_args_provider" not in inspect.signature(training.pretrain.__wrapped__).parameters:
-        raise SystemExit(
-            f"pretrain_gpt_ntl.py: cannot add the --ntl-* arguments to this Megatron-LM; supported: {SUPPORTED}"
-        )
     training.evaluate = wrap_evaluate(training.evaluate)
 
 

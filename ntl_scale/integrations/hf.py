@@ -93,16 +93,24 @@ def causal_lm_ce_with_ntl(
 
 
 def ntl_trainer_class(base: Any = None) -> Any:
-    """A ``transformers.Trainer`` subclass that trains with ``CE + weight * NTL``, globally normalised.
+    """A ``transformers.Trainer`` (or TRL ``SFTTrainer``, ...) subclass that trains with ``CE + weight * NTL``.
 
-    ``Trainer`` already counts the label tokens of a whole optimizer step (all accumulation
-    micro-batches, and all devices with ``average_tokens_across_devices``); the subclass counts the
-    number-token labels alongside, so CE is ``sum / label tokens of the step`` and NTL ``sum /
-    number tokens of the step``: the micro-batch x accumulation split does not change the gradient.
+    ``Trainer`` counts the label tokens of each optimizer step (all accumulation micro-batches, and all
+    devices with ``average_tokens_across_devices``) and hands the count to the loss as
+    ``num_items_in_batch``; the subclass counts the number-token labels of the same step alongside,
+    with the same rules (the causal shift, a collator's ``shift_labels``, the division by the tensor,
+    context and sequence parallel sizes that see the same batch), and passes ``[tokens, numbers]``.
+    So CE is ``sum / step tokens`` and NTL ``sum / step number tokens``: the accumulation x device
+    split does not change the gradient.
+
+    Causal LMs get the loss through their own ``loss_function`` hook (:func:`apply_ntl`), so
+    ``Trainer.compute_loss`` and a subclass's additions (TRL's metrics) run as they are, with the
+    Trainer's own scaling across devices (``num_processes // tp_size``). Other models (``causal=False``,
+    e.g. T5, whose built-in loss ignores ``num_items_in_batch``) get the loss from their logits here.
 
     Usage::
 
-        NTLTrainer = ntl_trainer_class()
+        NTLTrainer = ntl_trainer_class()            # or ntl_trainer_class(trl.SFTTrainer)
         trainer = NTLTrainer(model=model, args=args, train_dataset=ds, number_vocab=vocab, ntl_weight=0.3)
 
     Args:
@@ -111,10 +119,11 @@ def ntl_trainer_class(base: Any = None) -> Any:
     Returns:
         The subclass; its constructor takes ``number_vocab``, ``ntl_weight`` (0.3), ``ntl_options``
         (an :class:`ntl_scale.NTLOptions`) and ``causal`` (True: labels are shifted inside, as
-        Hugging Face causal LMs do) besides the usual Trainer arguments.
+        Hugging Face causal LMs do) besides the usual Trainer arguments. Logs gain ``ce`` and ``ntl``
+        (this process's means since the previous log).
     """
     transformers = require("transformers", "hf", "ntl_scale.integrations.hf.ntl_trainer_class")
-    from ..losses import NTLOptions, per_token_ce_ntl
+    from .hf_loss import NTLCausalLMLoss, apply_ntl
 
     parent = base or transformers.Trainer
 
@@ -129,43 +138,63 @@ def ntl_trainer_class(base: Any = None) -> Any:
             **kwargs: Any,
         ) -> None:
             super().__init__(*args, **kwargs)
-            self.number_vocab, self.ntl_weight = number_vocab, float(ntl_weight)
-            self.ntl_options, self.causal = ntl_options or NTLOptions(), causal
-            self.model_accepts_loss_kwargs = True  # the step's counts are ours; Trainer must not rescale
-            self._ntl_counts: torch.Tensor | None = None
+            if causal:
+                self.ntl_loss = apply_ntl(
+                    self.accelerator.unwrap_model(self.model), number_vocab, ntl_weight=ntl_weight, options=ntl_options
+                )
+            else:
+                self.ntl_loss = NTLCausalLMLoss(number_vocab, ntl_weight, ntl_options, causal=False)
+            self.causal = causal
+            # Trainer counts the step's tokens only for losses that take them, and then treats the loss
+            # as normalised over the whole step (no division by the accumulation steps).
+            self.model_accepts_loss_kwargs = True
+            self.loss_is_scaled_for_ga = True
 
-        def _targets(self, labels: torch.Tensor) -> torch.Tensor:
-            return shift_labels(labels, self.ntl_options.ignore_index) if self.causal else labels
+        def _divisor(self) -> int:
+            """Ranks that see the same batch (Trainer divides its token count by this)."""
+            size = 1
+            for name in ("get_tp_size", "get_cp_size", "get_sp_size"):
+                size *= int(getattr(self, name)()) if hasattr(self, name) else 1
+            return size
 
         def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-            counts = torch.zeros(2, dtype=torch.float64)
+            if num_items is None or not samples or "labels" not in samples[0]:
+                return samples, num_items
+            ignore = self.ntl_loss.options.ignore_index
+            numbers = torch.zeros((), dtype=torch.float64)
             for batch in samples:
-                targets = self._targets(batch["labels"]).cpu()
-                counts[0] += (targets != self.ntl_options.ignore_index).sum()
-                counts[1] += self.number_vocab.number_mask(targets).sum()
+                shifted = batch.get("shift_labels")
+                targets = shifted if shifted is not None else self.ntl_loss.targets(batch["labels"], ignore)
+                targets = targets.cpu()
+                numbers += (self.ntl_loss.vocab.number_mask(targets) & (targets != ignore)).sum()
+            numbers = numbers.to(device)
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
-                counts = self.accelerator.gather(counts.to(device)).view(-1, 2).sum(0).cpu()
-            self._ntl_counts = counts
-            return samples, num_items
+                numbers = self.accelerator.gather(numbers.reshape(1)).sum()
+            numbers = numbers / self._divisor()
+            tokens = torch.as_tensor(num_items, device=device).to(torch.float64).reshape(())
+            return samples, torch.stack([tokens, numbers.reshape(())])
 
         def compute_loss(
             self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
         ) -> Any:
+            if self.causal:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             labels = inputs.pop("labels")
+            shifted = inputs.pop("shift_labels", None)
             outputs = model(**inputs)
-            targets = self._targets(labels)
-            terms = per_token_ce_ntl(outputs.logits, targets, self.number_vocab, self.ntl_options)
-            valid = targets != self.ntl_options.ignore_index
-            if model.training and self._ntl_counts is not None:
-                tokens, numbers = (float(c) for c in self._ntl_counts)
-            else:  # evaluation: this batch's own means
-                tokens, numbers = float(valid.sum()), float(terms.number_mask.sum())
-            loss = (terms.ce * valid).sum() / max(tokens, 1.0)
-            loss = loss + self.ntl_weight * terms.ntl.sum() / max(numbers, 1.0)
-            if model.training and self.args.average_tokens_across_devices and self.args.world_size > 1:
-                loss = loss * self.args.world_size  # DDP averages gradients over devices
+            counts = num_items_in_batch if model.training else None
+            loss = self.ntl_loss(outputs.logits, labels, num_items_in_batch=counts, shift_labels=shifted)
+            if counts is not None and self.args.average_tokens_across_devices:
+                # what Trainer.compute_loss does: DDP averages gradients over the ranks
+                tp = int(self.get_tp_size()) if hasattr(self, "get_tp_size") else 1
+                loss = loss * (self.accelerator.num_processes // tp)
             return (loss, outputs) if return_outputs else loss
+
+        def log(self, logs: dict, *args: Any, **kwargs: Any) -> None:
+            if "loss" in logs:
+                logs = {**logs, **self.ntl_loss.pop_means()}
+            super().log(logs, *args, **kwargs)
 
     return NTLTrainer
 

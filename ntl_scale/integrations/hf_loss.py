@@ -1,0 +1,175 @@
+"""NTL as a Hugging Face ``loss_function``: one line for ``Trainer``, TRL and custom loops.
+
+Hugging Face causal LMs compute their loss with ``self.loss_function(logits=..., labels=...,
+vocab_size=..., num_items_in_batch=..., shift_labels=..., **kwargs)``. :class:`NTLCausalLMLoss` has
+that signature and returns ``CE + weight * NTL``; :func:`apply_ntl` installs it on a model
+(opt-in, idempotent, reversible with :func:`remove_ntl`)::
+
+    from ntl_scale.integrations.hf_loss import apply_ntl
+    apply_ntl(model, number_vocab, ntl_weight=0.3)     # model(..., labels=...).loss is now CE + 0.3 NTL
+
+Normalisation follows Hugging Face's, by what ``num_items_in_batch`` carries:
+
+* ``None``: the batch means, CE over label tokens and NTL over number-token labels;
+* a ``[tokens, numbers]`` pair (what ``ntl_trainer_class`` counts for the whole optimizer step, across
+  accumulation and devices, exactly as ``Trainer`` counts tokens): CE ``sum / tokens`` and NTL
+  ``sum / numbers``: the accumulation and device split does not change the gradient;
+* a scalar token count (a plain ``Trainer``): CE ``sum / tokens``, exact; the number-token count of
+  the step is unknown, so this micro-batch's NTL mean is weighted by its share of the step's tokens
+  (``ntl_sum / local_numbers * local_tokens / tokens``), which equals the step's NTL mean when number
+  tokens are spread evenly. Use ``ntl_trainer_class`` for the exact count.
+
+Logits scaling that models apply before the loss (Granite's ``logits_scaling``) reaches the loss as
+it is; soft-capped logits are reproduced too (the loss sees the model's own logits). The terms of
+the last calls are kept (:attr:`NTLCausalLMLoss.totals`) for logging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..losses import NTLOptions, per_token_ce_ntl
+from ..number_vocab import NumberVocab
+
+__all__ = ["NTLCausalLMLoss", "apply_ntl", "remove_ntl"]
+
+_MARK = "_ntl_scale_loss"
+
+
+class NTLCausalLMLoss:
+    """``CE + weight * NTL`` with the signature of Hugging Face's ``ForCausalLMLoss``.
+
+    Args:
+        vocab: the number table (over the model's vocabulary).
+        ntl_weight: weight of the NTL term (0.3 in the paper).
+        options: the NTL variant (default NTL-WAS).
+        causal: shift the labels as causal LMs do (False for labels already aligned with the logits,
+            e.g. encoder-decoder models).
+    """
+
+    def __init__(
+        self, vocab: NumberVocab, ntl_weight: float = 0.3, options: NTLOptions | None = None, *, causal: bool = True
+    ) -> None:
+        if not isinstance(vocab, NumberVocab):
+            raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
+        if not isinstance(ntl_weight, (int, float)) or ntl_weight < 0:
+            raise ValueError(f"ntl_weight must be a number >= 0 (0.3 in the paper), got {ntl_weight!r}")
+        self.vocab, self.ntl_weight = vocab, float(ntl_weight)
+        self.options = options or NTLOptions()
+        self.causal = causal
+        # Detached running sums since the last reset: ce_sum, tokens, ntl_sum, numbers.
+        self.totals = torch.zeros(4, dtype=torch.float64)
+
+    def targets(self, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        """The labels each logit position predicts (shifted for causal LMs)."""
+        if not self.causal:
+            return labels
+        return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        vocab_size: int | None = None,
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if shift_labels is None:
+            if labels is None:
+                raise ValueError("NTLCausalLMLoss needs labels or shift_labels")
+            shift_labels = self.targets(labels, ignore_index)
+        targets = shift_labels.to(logits.device)
+        options = self.options
+        if options.ignore_index != ignore_index:
+            options = dataclasses.replace(options, ignore_index=ignore_index)
+        if vocab_size is not None and logits.shape[-1] != vocab_size:
+            raise ValueError(f"logits have {logits.shape[-1]} columns but vocab_size is {vocab_size}")
+        terms = per_token_ce_ntl(logits, targets, self.vocab, options)
+        valid = (targets != ignore_index).to(terms.ce.dtype)
+        numbers = terms.number_mask.to(terms.ce.dtype)
+        ce_sum, ntl_sum = (terms.ce * valid).sum(), (terms.ntl * numbers).sum()
+        local_tokens, local_numbers = valid.sum(), numbers.sum()
+        self.totals += torch.stack([ce_sum, local_tokens, ntl_sum, local_numbers]).detach().to("cpu", torch.float64)
+        counts = num_items_in_batch
+        if counts is None:
+            ce = ce_sum / local_tokens.clamp_min(1)
+            ntl = ntl_sum / local_numbers.clamp_min(1)
+        elif torch.is_tensor(counts) and counts.numel() == 2:
+            tokens, step_numbers = counts.reshape(2).to(ce_sum.device, ce_sum.dtype)
+            ce = ce_sum / tokens.clamp_min(1)
+            ntl = ntl_sum / step_numbers.clamp_min(1)
+        else:
+            tokens = torch.as_tensor(counts, dtype=ce_sum.dtype, device=ce_sum.device).reshape(())
+            ce = ce_sum / tokens
+            ntl = ntl_sum / local_numbers.clamp_min(1) * (local_tokens / tokens)
+        return ce + self.ntl_weight * ntl
+
+    def pop_means(self) -> dict[str, float]:
+        """``{"ce": ..., "ntl": ...}`` means since the last call (this process's batches), then resets."""
+        ce_sum, tokens, ntl_sum, numbers = self.totals.tolist()
+        self.totals.zero_()
+        return {"ce": ce_sum / max(tokens, 1.0), "ntl": ntl_sum / max(numbers, 1.0)}
+
+
+def apply_ntl(
+    model: Any,
+    number_vocab: NumberVocab,
+    *,
+    ntl_weight: float = 0.3,
+    options: NTLOptions | None = None,
+) -> NTLCausalLMLoss:
+    """Makes a Hugging Face causal LM's loss ``CE + ntl_weight * NTL``; idempotent, undone by :func:`remove_ntl`.
+
+    Sets ``model.loss_function`` (the hook every ``*ForCausalLM.forward`` calls with its logits and
+    labels). A second call returns the installed loss (and refuses different settings).
+
+    Args:
+        model: a ``transformers`` causal LM (``PreTrainedModel`` with a ``loss_function``).
+        number_vocab: the number table over the model's vocabulary (``model.config.vocab_size``).
+        ntl_weight: the NTL weight.
+        options: the NTL variant.
+
+    Returns:
+        The installed :class:`NTLCausalLMLoss` (its ``pop_means()`` gives CE and NTL for logging).
+    """
+    if not hasattr(type(model), "loss_function"):
+        raise TypeError(
+            f"apply_ntl needs a Hugging Face model with a loss_function hook (transformers >= 4.46 causal LMs), "
+            f"got {type(model).__name__}"
+        )
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if size is not None and number_vocab.vocab_size is not None and number_vocab.vocab_size > size:
+        raise ValueError(
+            f"the number table covers {number_vocab.vocab_size} ids but the model has vocab_size={size}; build it "
+            "with NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)"
+        )
+    installed = model.__dict__.get(_MARK)
+    if installed is not None:
+        loss, _ = installed
+        same = loss.vocab == number_vocab and loss.ntl_weight == float(ntl_weight)
+        if not same or loss.options != (options or NTLOptions()):
+            raise ValueError("apply_ntl was already called on this model with other settings; call remove_ntl first")
+        return loss
+    loss = NTLCausalLMLoss(number_vocab, ntl_weight, options)
+    previous = model.__dict__.get("_loss_function")
+    model.loss_function = loss
+    model.__dict__[_MARK] = (loss, previous)
+    return loss
+
+
+def remove_ntl(model: Any) -> bool:
+    """Undoes :func:`apply_ntl`: the model's own ``loss_function`` again. Returns whether NTL was installed."""
+    installed = model.__dict__.pop(_MARK, None)
+    if installed is None:
+        return False
+    _, previous = installed
+    if previous is None:
+        model.__dict__.pop("_loss_function", None)
+    else:
+        model.__dict__["_loss_function"] = previous
+    return True

@@ -1,0 +1,91 @@
+"""NTL as a Hugging Face ``loss_function`` (``ntl_scale.integrations.hf_loss``) on a tiny GPT-2 built offline.
+
+Sections:
+1. ``NTLCausalLMLoss`` against the naive reference (``tests/helpers/reference.py``) for each meaning of
+   ``num_items_in_batch`` (none, ``[tokens, numbers]``, a token count), and against Hugging Face's
+   own ``ForCausalLMLoss`` with weight 0; ``shift_labels`` equals the shift of ``labels``.
+2. ``apply_ntl``: the model's loss becomes CE + NTL, a second call is the same, other settings are
+   refused, ``remove_ntl`` gives back the model's own loss bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ntl_scale
+from ntl_scale.integrations.hf_loss import NTLCausalLMLoss, apply_ntl, remove_ntl
+from tests.helpers import tokenizers as tk
+from tests.helpers.data import text_labels
+from tests.helpers.reference import naive_per_token
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tokenizer = tk.byte_level_bpe()
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    labels = text_labels(tokenizer, rows=2, seq=32)
+    labels[0, :5] = -100  # a masked prompt
+    vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer, vocab_size=config.vocab_size)
+    return model, vocab, labels
+
+
+def _naive(logits, labels, vocab):
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    ce, ntl, is_number = naive_per_token(logits, targets, vocab)
+    valid = (targets != -100).to(torch.float64)
+    return (ce * valid).sum(), valid.sum(), (ntl * is_number).sum(), is_number.to(torch.float64).sum()
+
+
+def test_loss_function_normalisations(setup):
+    model, vocab, labels = setup
+    logits = model(input_ids=labels.clamp_min(0)).logits.detach()
+    ce_sum, tokens, ntl_sum, numbers = _naive(logits, labels, vocab)
+    assert numbers > 0
+    loss = NTLCausalLMLoss(vocab, 0.3)
+    v = logits.shape[-1]
+    # batch means
+    torch.testing.assert_close(loss(logits, labels, v).double(), ce_sum / tokens + 0.3 * ntl_sum / numbers)
+    # the step's [tokens, numbers] (here: this batch is a third of the step's tokens, a half of its numbers)
+    counts = torch.tensor([3 * float(tokens), 2 * float(numbers)])
+    want = ce_sum / (3 * tokens) + 0.3 * ntl_sum / (2 * numbers)
+    torch.testing.assert_close(loss(logits, labels, v, num_items_in_batch=counts).double(), want)
+    # a plain token count: CE exactly as Hugging Face's own loss; NTL weighted by the token share
+    n = torch.tensor(3 * float(tokens))
+    hf_ce = transformers.loss.loss_utils.ForCausalLMLoss(logits, labels, v, num_items_in_batch=n)
+    torch.testing.assert_close(NTLCausalLMLoss(vocab, 0.0)(logits, labels, v, num_items_in_batch=n), hf_ce)
+    want = ce_sum / n + 0.3 * ntl_sum / numbers * tokens / n
+    torch.testing.assert_close(loss(logits, labels, v, num_items_in_batch=n).double(), want.double())
+    # a collator's shift_labels
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    assert torch.equal(loss(logits, None, v, shift_labels=shifted), loss(logits, labels, v))
+    means = loss.pop_means()
+    assert means["ntl"] > 0 and means["ce"] > 0 and loss.totals.sum() == 0
+
+
+def test_apply_ntl_is_idempotent_and_reversible(setup):
+    model, vocab, labels = setup
+    inputs = labels.clamp_min(0)
+    own = model(input_ids=inputs, labels=labels).loss
+    installed = apply_ntl(model, vocab, ntl_weight=0.3)
+    assert apply_ntl(model, vocab, ntl_weight=0.3) is installed
+    with pytest.raises(ValueError, match="other settings"):
+        apply_ntl(model, vocab, ntl_weight=0.5)
+    out = model(input_ids=inputs, labels=labels)
+    ce_sum, tokens, ntl_sum, numbers = _naive(out.logits.detach(), labels, vocab)
+    torch.testing.assert_close(out.loss.double(), ce_sum / tokens + 0.3 * ntl_sum / numbers)
+    assert remove_ntl(model) and not remove_ntl(model)
+    assert torch.equal(model(input_ids=inputs, labels=labels).loss, own)
+
+
+def test_table_larger_than_the_model_is_refused(setup):
+    model, _, _ = setup
+    big = ntl_scale.NumberVocab.from_id_to_token(
+        {5 + d: str(d) for d in range(10)}, vocab_size=model.config.vocab_size + 64
+    )
+    with pytest.raises(ValueError, match="vocab_size="):
+        apply_ntl(model, big)
