@@ -30,11 +30,13 @@ __all__ = [
     "CENTLOutput",
     "CEWithNTL",
     "NTLOptions",
+    "NumberPrediction",
     "NumberTokenLoss",
     "PerTokenTerms",
     "ce_with_ntl",
     "number_token_loss",
     "per_token_ce_ntl",
+    "predict_numbers",
     "reduce_loss",
     "vocab_parallel_ce_ntl",
 ]
@@ -541,6 +543,50 @@ def _combine(
 
 
 # ---------------------------------------------------------------------------------- modules
+
+
+class NumberPrediction(NamedTuple):
+    """Per-position outputs of :func:`predict_numbers`, each shaped like the logits without the vocab dim.
+
+    Attributes:
+        value: the expected number value ``sum_k p_k v_k`` under the number-token distribution.
+        mass: the probability mass the full softmax puts on number tokens.
+    """
+
+    value: torch.Tensor
+    mass: torch.Tensor
+
+
+def predict_numbers(logits: torch.Tensor, vocab: NumberVocab) -> NumberPrediction:
+    """The expected number value and the number-token mass at every position (for evaluation and logs).
+
+    The same quantities as ``ntloss``'s ``predict_numbers``: the value is the dot product of the
+    softmax over the number-token columns with their values, the mass the full softmax's sum over
+    those columns. Computed in fp32 (fp64 for fp64 logits), without gradient tracking of its own.
+
+    Args:
+        logits: ``[..., V]`` full-vocabulary logits (``V`` at least the table's largest id + 1).
+        vocab: the number-token table.
+
+    Returns:
+        :class:`NumberPrediction` ``(value, mass)``, each ``[...]``.
+    """
+    if not isinstance(vocab, NumberVocab):
+        raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
+    if not isinstance(logits, torch.Tensor) or not torch.is_floating_point(logits) or logits.dim() < 1:
+        raise TypeError("logits must be a floating-point tensor [..., vocab]")
+    largest = int(vocab.ids[-1])
+    if logits.shape[-1] <= largest:
+        raise ValueError(
+            f"logits have {logits.shape[-1]} columns but the number table has id {largest}; pass full-vocabulary "
+            "logits (gather tensor-parallel shards first)"
+        )
+    z = logits.to(compute_dtype(logits.dtype))
+    ids = vocab.ids.to(z.device)
+    number_logits = z.index_select(-1, ids)
+    value = (torch.softmax(number_logits, dim=-1) * vocab.values.to(z.device, z.dtype)).sum(-1)
+    mass = torch.exp(torch.logsumexp(number_logits, dim=-1) - torch.logsumexp(z, dim=-1))
+    return NumberPrediction(value, mass)
 
 
 class NumberTokenLoss(torch.nn.Module):

@@ -5,6 +5,7 @@ Sections:
 2. Losses: every option both packages have (WAS with and without squash factor, MSE/MAE/Huber,
    number-level with and without float_level, reweigh on and off, loss weights, all reductions),
    on random labels and on labels of real tokenized text, over several tokenizer layouts.
+3. ``predict_numbers``: the expected number value and number-token mass per position.
 """
 
 from __future__ import annotations
@@ -147,3 +148,18 @@ def test_float_level_changes_the_result():
     a = ntl_scale.number_token_loss(logits, labels, vocab, loss="number")
     b = ntl_scale.number_token_loss(logits, labels, vocab, loss="number", float_level=True)
     assert not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_predict_numbers_matches_reference(layout):
+    """predict_numbers: the expected value and number-token mass of ntloss's predict_numbers (float64)."""
+    build, digit_level = LAYOUTS[layout]
+    tokenizer = build()
+    vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer, digit_level=digit_level)
+    logits = random_logits((2, 9, vocab.vocab_size), seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = ntloss.NTLossDotProduct(tokenizer, digit_level=digit_level, reweigh=False)
+    want_value, want_mass = reference.predict_numbers(logits)
+    got = ntl_scale.predict_numbers(logits, vocab)
+    assert _rel(got.value, want_value) < RTOL and _rel(got.mass, want_mass) < RTOL
