@@ -103,10 +103,12 @@ def ntl_trainer_class(base: Any = None) -> Any:
     So CE is ``sum / step tokens`` and NTL ``sum / step number tokens``: the accumulation x device
     split does not change the gradient.
 
-    Causal LMs get the loss through their own ``loss_function`` hook (:func:`apply_ntl`), so
-    ``Trainer.compute_loss`` and a subclass's additions (TRL's metrics) run as they are, with the
-    Trainer's own scaling across devices (``num_processes // tp_size``). Other models (``causal=False``,
-    e.g. T5, whose built-in loss ignores ``num_items_in_batch``) get the loss from their logits here.
+    The loss is installed as the Trainer's ``compute_loss_func`` (CE + NTL from the model's logits), so
+    ``Trainer.compute_loss`` and a subclass's additions run as they are: the Trainer's own scaling
+    across devices (``num_processes // tp_size``) and accumulation, TRL ``SFTTrainer``'s metrics
+    (which it then computes in an extra no-grad forward; its fused LM head gives no logits). With
+    ``causal=False`` (T5 and other encoder-decoders, whose built-in loss ignores
+    ``num_items_in_batch``) the labels are used as they are.
 
     Usage::
 
@@ -123,7 +125,7 @@ def ntl_trainer_class(base: Any = None) -> Any:
         (this process's means since the previous log).
     """
     transformers = require("transformers", "hf", "ntl_scale.integrations.hf.ntl_trainer_class")
-    from .hf_loss import NTLCausalLMLoss, apply_ntl
+    from .hf_loss import NTLCausalLMLoss
 
     parent = base or transformers.Trainer
 
@@ -138,17 +140,17 @@ def ntl_trainer_class(base: Any = None) -> Any:
             **kwargs: Any,
         ) -> None:
             super().__init__(*args, **kwargs)
-            if causal:
-                self.ntl_loss = apply_ntl(
-                    self.accelerator.unwrap_model(self.model), number_vocab, ntl_weight=ntl_weight, options=ntl_options
-                )
-            else:
-                self.ntl_loss = NTLCausalLMLoss(number_vocab, ntl_weight, ntl_options, causal=False)
-            self.causal = causal
-            # Trainer counts the step's tokens only for losses that take them, and then treats the loss
-            # as normalised over the whole step (no division by the accumulation steps).
-            self.model_accepts_loss_kwargs = True
-            self.loss_is_scaled_for_ga = True
+            self.ntl_loss = NTLCausalLMLoss(number_vocab, ntl_weight, ntl_options, causal=causal)
+            self._shift_labels: torch.Tensor | None = None
+            # Trainer's own hook for a loss computed from the model's outputs: Trainer (and TRL) then
+            # count the step's tokens, call the model without labels, treat the loss as normalised over
+            # the whole step and scale it for the gradient average across devices themselves.
+            self.compute_loss_func = self._ntl_compute_loss
+
+        def _ntl_compute_loss(self, outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> Any:
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+            shifted, self._shift_labels = self._shift_labels, None
+            return self.ntl_loss(logits, labels, num_items_in_batch=num_items_in_batch, shift_labels=shifted)
 
         def _divisor(self) -> int:
             """Ranks that see the same batch (Trainer divides its token count by this)."""
@@ -178,18 +180,9 @@ def ntl_trainer_class(base: Any = None) -> Any:
         def compute_loss(
             self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
         ) -> Any:
-            if self.causal:
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            labels = inputs.pop("labels")
-            shifted = inputs.pop("shift_labels", None)
-            outputs = model(**inputs)
-            counts = num_items_in_batch if model.training else None
-            loss = self.ntl_loss(outputs.logits, labels, num_items_in_batch=counts, shift_labels=shifted)
-            if counts is not None and self.args.average_tokens_across_devices:
-                # what Trainer.compute_loss does: DDP averages gradients over the ranks
-                tp = int(self.get_tp_size()) if hasattr(self, "get_tp_size") else 1
-                loss = loss * (self.accelerator.num_processes // tp)
-            return (loss, outputs) if return_outputs else loss
+            # A collator's shift_labels (padding-free, sequence parallel) are the targets; the model never sees them.
+            self._shift_labels = inputs.pop("shift_labels", None)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
         def log(self, logs: dict, *args: Any, **kwargs: Any) -> None:
             if "loss" in logs:

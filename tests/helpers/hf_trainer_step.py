@@ -1,0 +1,96 @@
+"""One optimizer step of a real ``transformers.Trainer`` (or TRL ``SFTTrainer``) with NTL, in 1 or more processes.
+
+    torchrun --nproc_per_node N tests/helpers/hf_trainer_step.py OUT.pt MICRO ACCUMULATION [trainer|sft]
+
+A tiny GPT-2 (built from a config, seed 0) takes one SGD step (lr 0.1, no clipping) on the same four
+arithmetic examples whatever the split: ``MICRO`` per device x ``ACCUMULATION`` steps x N devices = 4.
+Rank 0 saves the updated weights, the step's logs and, before the step, the reference CE and NTL of
+the whole batch from ``ntl_scale.ce_with_ntl`` on the model's logits. Test only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# This file's folder holds tests/helpers/tokenizers.py, which must not shadow the real package.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, ROOT)
+
+
+def main() -> None:
+    out, micro, accumulation, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    from accelerate import PartialState
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        PartialState(backend="gloo")  # Trainer on CPU: gloo, set up before TrainingArguments
+    import transformers
+
+    import ntl_scale
+    from ntl_scale.data import EncodedExample, collate, encode, generate
+    from ntl_scale.integrations import hf
+    from ntl_scale.training.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer, vocab_size=96)
+    examples = [encode(tokenizer, e, max_length=48) for e in generate(8, seed=0)]
+    rows = [{"input_ids": e.input_ids, "labels": e.labels} for e in examples if e is not None][:4]
+
+    def collator(batch):
+        return collate([EncodedExample(r["input_ids"], r["labels"]) for r in batch], tokenizer.pad_token_id)
+
+    config = transformers.GPT2Config(
+        vocab_size=96, n_embd=16, n_layer=1, n_head=2, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    whole = collator(rows)
+    with torch.no_grad():
+        logits = model(input_ids=whole["input_ids"], attention_mask=whole["attention_mask"]).logits
+    reference = hf.causal_lm_ce_with_ntl(logits, whole["labels"], vocab, ntl_weight=0.3)
+    common = dict(
+        output_dir=os.path.join(os.path.dirname(out), f"hf-{kind}-{micro}x{accumulation}"),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        max_steps=1,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="steps",
+        logging_steps=1,
+        remove_unused_columns=False,
+        seed=0,
+        max_grad_norm=0.0,
+    )
+    if kind == "sft":
+        import datasets
+        import trl
+
+        args = trl.SFTConfig(**common, dataset_kwargs={"skip_prepare_dataset": True})
+        trainer_class = hf.ntl_trainer_class(trl.SFTTrainer)
+        extra = {"processing_class": tokenizer, "train_dataset": datasets.Dataset.from_list(rows)}
+    else:
+        args = transformers.TrainingArguments(**common)
+        trainer_class = hf.ntl_trainer_class()
+        extra = {"train_dataset": rows}
+    trainer = trainer_class(model=model, args=args, data_collator=collator, number_vocab=vocab, ntl_weight=0.3, **extra)
+    trainer.train()
+    if trainer.args.process_index == 0:
+        torch.save(
+            {
+                "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
+                "logs": trainer.state.log_history,
+                "reference": {"ce": float(reference.ce), "ntl": float(reference.ntl)},
+            },
+            out,
+        )
+
+
+if __name__ == "__main__":
+    main()
