@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..linear import linear_ce_ntl
-from ..losses import LOSS_KINDS, NTLOptions, per_token_ce_ntl
+from ..losses import LOSS_KINDS, NTLOptions, PerTokenTerms, per_token_ce_ntl
 from ..number_vocab import NumberVocab
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "count_targets",
     "make_forward_step",
     "make_loss_func",
+    "output_layer_terms",
     "plain_loss_func",
 ]
 
@@ -495,24 +496,54 @@ class NTLLanguageModelMixin:
 
     def _chunked_loss(self, labels, hidden, settings, vocab, tp_group) -> torch.Tensor:
         """Per-token ``ce + weight * ntl * T / K`` from hidden states ``[s(/tp), b, H]``, no logits."""
-        from megatron.core import tensor_parallel
-
         layer = self.output_layer  # type: ignore[attr-defined]
         shared = getattr(self, "_ntl_weight", None)
         weight = shared if shared is not None else layer.weight
-        # what ColumnParallelLinear does with its input: all-reduce (or reduce-scatter under sequence
-        # parallel) of the input gradient over the TP group in the backward. Megatron's reductions
-        # need a contiguous gradient, so the [s, b] -> [b, s] transpose happens before them.
-        sequence_parallel = getattr(layer, "sequence_parallel", False)
-        if sequence_parallel:
-            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
-        hidden = hidden.transpose(0, 1).contiguous()
-        if not sequence_parallel and tp_group is not None and dist.get_world_size(tp_group) > 1:
-            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-        terms = linear_ce_ntl(
-            hidden, weight, labels, vocab, settings.options(), tp_group=tp_group, chunk_tokens=self._ntl_chunked[1]
+        terms = output_layer_terms(
+            layer, hidden, weight, labels, vocab, settings.options(), tp_group, chunk_tokens=self._ntl_chunked[1]
         )
         if not settings.enabled:
             return terms.ce
         scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
         return terms.ce + settings.weight * terms.ntl * scale
+
+
+def output_layer_terms(
+    layer: Any,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions,
+    tp_group: dist.ProcessGroup | None,
+    *,
+    chunk_tokens: int | None = None,
+    check_finite: bool = True,
+) -> PerTokenTerms:
+    """Per-token CE + NTL of Megatron's (column-parallel) output layer applied to ``hidden``, without the logits.
+
+    Args:
+        layer: the model's ``output_layer`` (its ``sequence_parallel`` flag decides the input path).
+        hidden: final hidden states ``[s(/tp), b, H]`` (sequence-split under sequence parallel).
+        weight: the layer's weight shard ``[V/tp, H]`` (or the shared embedding when tied).
+        labels: ``[b, s]``.
+        vocab: the number table; options: the NTL variant; tp_group: the output layer's TP group.
+        chunk_tokens: tokens per chunk; check_finite: raise on non-finite logits.
+
+    Returns:
+        :class:`~ntl_scale.PerTokenTerms` shaped ``[b, s]``.
+    """
+    from megatron.core import tensor_parallel
+
+    # What ColumnParallelLinear does with its input: all-reduce (or reduce-scatter under sequence
+    # parallel) of the input gradient over the TP group in the backward. Megatron's reductions need a
+    # contiguous gradient, so the [s, b] -> [b, s] transpose happens before them.
+    sequence_parallel = getattr(layer, "sequence_parallel", False)
+    if sequence_parallel:
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=tp_group)
+    hidden = hidden.transpose(0, 1).contiguous()
+    if not sequence_parallel and tp_group is not None and dist.get_world_size(tp_group) > 1:
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+    return linear_ce_ntl(
+        hidden, weight, labels, vocab, options, tp_group=tp_group, check_finite=check_finite, chunk_tokens=chunk_tokens
+    )

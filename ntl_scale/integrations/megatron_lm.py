@@ -33,10 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..linear import linear_ce_ntl
 from ..losses import PerTokenTerms, per_token_ce_ntl
 from ..number_vocab import NumberVocab
-from .megatron import NTLSettings
+from .megatron import NTLSettings, output_layer_terms
 
 __all__ = ["GPTModelNTL", "MicroBatchScale", "NTLStats", "apply_ntl", "find_language_model", "remove_ntl"]
 
@@ -227,29 +226,18 @@ class GPTModelNTL:
 
     def _chunked_terms(self, labels: torch.Tensor, hidden: torch.Tensor) -> PerTokenTerms:
         """Terms from hidden states ``[s(/tp), b, H]`` and the output weight, without the logits."""
-        from megatron.core import tensor_parallel
-
         layer = self.model.output_layer
         shared = self._call.get("weight") if self._call else None
-        weight = shared if shared is not None else layer.weight
-        # What ColumnParallelLinear does with its input: all-reduce (or reduce-scatter under sequence
-        # parallel) of the input gradient over the TP group in the backward. Megatron's reductions
-        # need a contiguous gradient, so the [s, b] -> [b, s] transpose happens before them.
-        sequence_parallel = getattr(layer, "sequence_parallel", False)
-        if sequence_parallel:
-            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=self.tp_group)
-        hidden = hidden.transpose(0, 1).contiguous()
-        if not sequence_parallel and self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
-            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
-        return linear_ce_ntl(
+        return output_layer_terms(
+            layer,
             hidden,
-            weight,
+            shared if shared is not None else layer.weight,
             labels,
             self.vocab,
             self.options,
-            tp_group=self.tp_group,
-            check_finite=False,
+            self.tp_group,
             chunk_tokens=self.chunk_tokens,
+            check_finite=False,
         )
 
     def _loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
