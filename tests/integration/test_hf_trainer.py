@@ -2,8 +2,8 @@
 
 Sections:
 1. ``Trainer``: one SGD step on the same four examples gives the same weights for per-device batch x
-   accumulation x devices = 1 x 4 x 1, 2 x 1 x 2 and 1 x 2 x 2 (1e-6), and the logged loss, CE and NTL
-   of the one-process step equal ``ce_with_ntl`` on the whole batch.
+   accumulation x devices = 1 x 4 x 1, 4 x 1 x 1, 2 x 1 x 2 and 1 x 2 x 2 (1e-6); the logged loss, CE
+   and NTL of the one-process step equal ``ce_with_ntl`` on the whole batch.
 2. TRL ``SFTTrainer`` through ``ntl_trainer_class(SFTTrainer)``: TRL's own metrics are still logged
    next to ``ce`` and ``ntl``, and the terms match ``ce_with_ntl``.
 """
@@ -22,7 +22,7 @@ from tests.helpers.distributed import free_port
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-SPLITS = [(1, 4, 1), (2, 1, 2), (1, 2, 2)]  # per-device batch, accumulation, devices
+SPLITS = [(1, 4, 1), (4, 1, 1), (2, 1, 2), (1, 2, 2)]  # per-device batch, accumulation, devices
 
 
 def _step(tmp_path: Path, kind: str, micro: int, accumulation: int, devices: int) -> dict:
