@@ -1,11 +1,12 @@
 """One optimizer step of a real ``transformers.Trainer`` (or TRL ``SFTTrainer``) with NTL, in 1 or more processes.
 
-    torchrun --nproc_per_node N tests/helpers/hf_trainer_step.py OUT.pt MICRO ACCUMULATION [trainer|sft]
+    torchrun --nproc_per_node N tests/helpers/hf_trainer_step.py OUT.pt MICRO ACCUMULATION [trainer|zero3|sft]
 
 A tiny GPT-2 (built from a config, seed 0) takes one SGD step (lr 0.1, no clipping) on the same four
 arithmetic examples whatever the split: ``MICRO`` per device x ``ACCUMULATION`` steps x N devices = 4.
-Rank 0 saves the updated weights, the step's logs and, before the step, the reference CE and NTL of
-the whole batch from ``ntl_scale.ce_with_ntl`` on the model's logits. Test only.
+``zero3`` runs the ``Trainer`` under DeepSpeed ZeRO-3 (set ``DS_ACCELERATOR=cpu``). Rank 0 saves the
+updated weights, the step's logs and, before the step, the reference CE and NTL of the whole batch
+from ``ntl_scale.ce_with_ntl`` on the model's logits. Test only.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ sys.path.insert(0, ROOT)
 
 def main() -> None:
     out, micro, accumulation, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    if kind == "zero3":
+        import importlib
+
+        # DeepSpeed's CPU accelerator would compile a shared-memory op at start-up; gloo does the work.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda *args, **kwargs: None
     from accelerate import PartialState
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -76,15 +82,32 @@ def main() -> None:
         trainer_class = hf.ntl_trainer_class(trl.SFTTrainer)
         extra = {"processing_class": tokenizer, "train_dataset": datasets.Dataset.from_list(rows)}
     else:
+        if kind == "zero3":
+            common["deepspeed"] = {
+                "zero_optimization": {"stage": 3},
+                "train_micro_batch_size_per_gpu": "auto",
+                "train_batch_size": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "zero_allow_untested_optimizer": True,
+            }
         args = transformers.TrainingArguments(**common)
         trainer_class = hf.ntl_trainer_class()
         extra = {"train_dataset": rows}
     trainer = trainer_class(model=model, args=args, data_collator=collator, number_vocab=vocab, ntl_weight=0.3, **extra)
     trainer.train()
+    parameters = list(model.parameters())
+    if kind == "zero3":  # ZeRO-3 partitions the parameters: gather them (a collective on every rank)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(parameters):
+            weights = torch.cat([p.detach().flatten().clone() for p in parameters])
+    else:
+        weights = torch.cat([p.detach().flatten() for p in parameters])
     if trainer.args.process_index == 0:
         torch.save(
             {
-                "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
+                "weights": weights,
                 "logs": trainer.state.log_history,
                 "reference": {"ce": float(reference.ce), "ntl": float(reference.ntl)},
             },

@@ -2,14 +2,17 @@
 
 Sections:
 1. ``Trainer``: one SGD step on the same four examples gives the same weights for per-device batch x
-   accumulation x devices = 1 x 4 x 1, 4 x 1 x 1, 2 x 1 x 2 and 1 x 2 x 2 (1e-6); the logged loss, CE
-   and NTL of the one-process step equal ``ce_with_ntl`` on the whole batch.
+   accumulation x devices = 1 x 4 x 1, 4 x 1 x 1, 2 x 1 x 2, 1 x 2 x 2, and 2 x 1 x 2 under DeepSpeed
+   ZeRO-3 (1e-6); the logged loss, CE and NTL of the one-process step equal ``ce_with_ntl`` on the
+   whole batch.
 2. TRL ``SFTTrainer`` through ``ntl_trainer_class(SFTTrainer)``: TRL's own metrics are still logged
    next to ``ce`` and ``ntl``, and the terms match ``ce_with_ntl``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +35,8 @@ def _step(tmp_path: Path, kind: str, micro: int, accumulation: int, devices: int
         str(free_port()), str(ROOT / "tests" / "helpers" / "hf_trainer_step.py"), str(out), str(micro),
         str(accumulation), kind,
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     return torch.load(out, weights_only=False)
 
@@ -40,6 +44,8 @@ def _step(tmp_path: Path, kind: str, micro: int, accumulation: int, devices: int
 def test_trainer_step_is_independent_of_the_split_and_logs_the_terms(tmp_path):
     pytest.importorskip("accelerate")
     runs = [_step(tmp_path, "trainer", *split) for split in SPLITS]
+    if importlib.util.find_spec("deepspeed") is not None:
+        runs.append(_step(tmp_path, "zero3", 2, 1, 2))  # the same step under DeepSpeed ZeRO-3
     for run in runs[1:]:
         torch.testing.assert_close(run["weights"], runs[0]["weights"], atol=1e-6, rtol=1e-6)
     log = next(entry for entry in runs[0]["logs"] if "loss" in entry)
