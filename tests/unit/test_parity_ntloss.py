@@ -63,7 +63,7 @@ def _break_long_numbers(labels: torch.Tensor, vocab, max_digits: int = 7) -> tor
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+    return float((a - b).detach().abs().max() / b.detach().abs().max().clamp_min(1e-300))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
