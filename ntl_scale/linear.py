@@ -48,6 +48,7 @@ from .losses import (
     _check_weights,
     _combine,
     _shard_inputs,
+    shard_start,
     terms_from_stats,
 )
 from .number_vocab import NumberVocab
@@ -238,6 +239,7 @@ def linear_ce_ntl(
     chunk_tokens: int | None = None,
     need_ce: bool = True,
     token_weights: torch.Tensor | None = None,
+    vocab_start: int | None = None,
 ) -> PerTokenTerms:
     """Per-token CE and NTL of ``hidden @ weight.T`` without materialising those logits.
 
@@ -259,6 +261,8 @@ def linear_ce_ntl(
         token_weights: the non-negative weights ``[...]`` the caller's reduction applies to CE (e.g.
             the loss mask); with them the weight gradient is built in the forward. Default: 1 on
             every non-ignored label. Other reductions are exact too, at one more pass of matmuls.
+        vocab_start: the global id of this weight shard's first row, for uneven vocabulary splits
+            (see :func:`ntl_scale.vocab_parallel_ce_ntl`); None: ``rank * rows``.
 
     Returns:
         :class:`ntl_scale.PerTokenTerms` shaped like ``labels``.
@@ -268,7 +272,7 @@ def linear_ce_ntl(
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     # the checks of the logits path, on a shape-only (meta) stand-in for the logits
     stand_in = torch.empty(*hidden.shape[:-1], weight.shape[0], dtype=hidden.dtype, device="meta")
-    _check_inputs(stand_in, labels, vocab, options, tp_size)
+    _check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start)
     if options.loss == "number" and options.float_level and vocab.decimal_point_id is None:
         raise ValueError("float_level=True needs the '.' token id; the number table has no decimal_point_id")
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or int(chunk_tokens) < 1):
@@ -276,7 +280,7 @@ def linear_ce_ntl(
     shape, width = labels.shape, weight.shape[0]
     dtype = compute_dtype(hidden.dtype)
     flat_labels = labels.reshape(-1)
-    inputs, row = _shard_inputs(flat_labels, vocab, options, tp_rank * width, width, dtype)
+    inputs, row = _shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
     weights = _check_weights(token_weights, labels, dtype)
     weights = inputs.valid.to(dtype) if weights is None else weights.reshape(-1) * inputs.valid
     ce, expect, mass, hit = _FusedLinearCENTL.apply(

@@ -137,8 +137,13 @@ def _check_inputs(
     vocab: NumberVocab,
     options: NTLOptions,
     tp_size: int,
+    vocab_start: int | None = None,
 ) -> int:
-    """Validates user input; returns the global vocabulary size seen by the logits."""
+    """Validates user input; returns the global vocabulary size seen by the logits.
+
+    With ``vocab_start`` (an uneven split) the global vocabulary is the table's ``vocab_size`` and the
+    shard ``[vocab_start, vocab_start + width)`` must lie inside it.
+    """
     if not isinstance(vocab, NumberVocab):
         raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
     if not isinstance(logits, torch.Tensor) or not torch.is_floating_point(logits):
@@ -156,7 +161,19 @@ def _check_inputs(
             f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab dim "
             f"{tuple(logits.shape[:-1])}; shift labels and logits to the same length first"
         )
-    global_vocab = logits.shape[-1] * tp_size
+    if vocab_start is None:
+        global_vocab = logits.shape[-1] * tp_size
+    else:
+        global_vocab = vocab.vocab_size
+        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+            raise ValueError(
+                f"vocab_start must be an integer >= 0 (this shard's first vocabulary id), got {vocab_start!r}"
+            )
+        if vocab_start + logits.shape[-1] > global_vocab:
+            raise ValueError(
+                f"the shard [{vocab_start}, {vocab_start + logits.shape[-1]}) reaches past the vocabulary of "
+                f"{global_vocab} (the number table's vocab_size); build the table with the model's padded vocab size"
+            )
     largest = int(vocab.ids[-1])
     if global_vocab <= largest:
         where = f"{logits.shape[-1]} columns x tp={tp_size}" if tp_size > 1 else f"{logits.shape[-1]} columns"
@@ -198,6 +215,11 @@ def _check_reduction(reduction: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- per token
+
+
+def shard_start(vocab_start: int | None, tp_rank: int, width: int) -> int:
+    """The global id of a shard's first column: ``vocab_start``, or Megatron's even split ``rank * width``."""
+    return tp_rank * width if vocab_start is None else vocab_start
 
 
 def _shard_inputs(
@@ -290,16 +312,18 @@ def per_token_ce_ntl(
     check_finite: bool = True,
     chunk_tokens: int | None = None,
     need_ce: bool = True,
+    vocab_start: int | None = None,
 ) -> PerTokenTerms:
     """:func:`vocab_parallel_ce_ntl` with the variant as one :class:`NTLOptions`, plus the arg-max hit.
 
     The form for integrations. ``need_ce=False`` skips the full-vocabulary softmax when neither CE
-    nor reweighing needs it (``ce`` and ``hit`` are then 0).
+    nor reweighing needs it (``ce`` and ``hit`` are then 0). ``vocab_start``: see
+    :func:`vocab_parallel_ce_ntl`.
     """
     options = NTLOptions() if options is None else options
     loss, reweigh = options.loss, options.reweigh
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
-    _check_inputs(logits_shard, labels, vocab, options, tp_size)
+    _check_inputs(logits_shard, labels, vocab, options, tp_size, vocab_start)
     if inplace and logits_shard.dtype not in (torch.float32, torch.float64):
         raise ValueError(
             f"inplace=True reuses the logits buffer for fp32 math and needs float32/float64 logits, "
@@ -311,7 +335,7 @@ def per_token_ce_ntl(
     width = logits_shard.shape[-1]
     dtype = compute_dtype(logits_shard.dtype)
     flat_labels = labels.reshape(-1)
-    inputs, row = _shard_inputs(flat_labels, vocab, options, tp_rank * width, width, dtype)
+    inputs, row = _shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
     need_full = need_ce or reweigh
     ce, expect, mass, hit = fused_shard_stats(
         logits_shard.reshape(-1, width),
@@ -340,14 +364,16 @@ def vocab_parallel_ce_ntl(
     inplace: bool = False,
     check_finite: bool = True,
     chunk_tokens: int | None = None,
+    vocab_start: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token cross entropy and NTL from a vocab-parallel logits shard, fused.
 
-
     Rank ``r`` of ``tp_group`` holds the columns ``[r*V/tp, (r+1)*V/tp)`` of the (padded)
-    vocabulary. The forward issues one MAX and one SUM all-reduce on ``tp_group`` (CE and NTL
-    share them); the backward issues none. With ``tp_group=None`` (or size 1) this is the
-    single-device computation on full logits, through the same code.
+    vocabulary (Megatron's split), or, with ``vocab_start``, any contiguous slice: uneven splits
+    such as DeepSpeed's of a vocabulary that the TP size does not divide. The forward issues one MAX
+    and one SUM all-reduce on ``tp_group`` (CE and NTL share them); the backward issues none. With
+    ``tp_group=None`` (or size 1) this is the single-device computation on full logits, through the
+    same code.
 
     Args:
         logits_shard: local logits ``[..., V/tp]`` (fp32, bf16, fp16 or fp64; math in fp32, or
@@ -366,6 +392,8 @@ def vocab_parallel_ce_ntl(
             like Megatron; the logits hold garbage afterwards.
         check_finite: raise a ValueError when the logits hold NaN/Inf (costs one host sync).
         chunk_tokens: tokens per chunk of temporaries (default: a 64 MiB fp32 budget).
+        vocab_start: the global id of this shard's first column, for uneven splits; the shards of
+            the group must then tile ``[0, vocab.vocab_size)``. None: ``rank * width``.
 
     Shape:
         ``logits_shard``: ``[..., V/tp]``; ``labels`` and every output: ``[...]``.
@@ -385,6 +413,7 @@ def vocab_parallel_ce_ntl(
         inplace=inplace,
         check_finite=check_finite,
         chunk_tokens=chunk_tokens,
+        vocab_start=vocab_start,
     )
     return terms.ce, terms.ntl, terms.number_mask
 
@@ -478,6 +507,7 @@ def ce_with_ntl(
     tp_group: dist.ProcessGroup | None = None,
     inplace: bool = False,
     check_finite: bool = True,
+    vocab_start: int | None = None,
 ) -> CENTLOutput:
     """``CE + ntl_weight * NTL`` in one fused pass, returning both terms for logging.
 
@@ -499,6 +529,7 @@ def ce_with_ntl(
         ignore_index: label value to ignore.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-token terms).
         tp_group: tensor-parallel group of the vocab split, or None.
+        vocab_start: the shard's first global id for uneven splits (:func:`vocab_parallel_ce_ntl`).
         inplace: reuse the fp32 logits buffer (Megatron-style); logits are garbage afterwards.
         check_finite: raise on NaN/Inf logits.
 
@@ -509,7 +540,14 @@ def ce_with_ntl(
     _check_ntl_weight(ntl_weight)
     options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index)
     terms = per_token_ce_ntl(
-        logits, labels, vocab, options, tp_group=tp_group, inplace=inplace, check_finite=check_finite
+        logits,
+        labels,
+        vocab,
+        options,
+        tp_group=tp_group,
+        inplace=inplace,
+        check_finite=check_finite,
+        vocab_start=vocab_start,
     )
     return _combine(terms, labels, vocab, options, ntl_weight, loss_weights, reduction)
 

@@ -8,6 +8,9 @@ Sections:
    the last shard (labels owned by another rank); a tokenizer of 50 tokens padded to 64 columns;
    fp64 (1e-12), fp32 (1e-6), bf16 and fp16 logits; every NTL variant; the in-place variant.
 2. CE agrees with ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` on the same shards.
+3. Uneven splits: a 49-token vocabulary over TP = 2 and 3 in DeepSpeed-style unequal shards, placed
+   with ``vocab_start``: CE, NTL, the mask and each shard's gradient equal the naive fp64 reference,
+   for the logits op and for the chunked op on the output weight's row shard.
 """
 
 from __future__ import annotations
@@ -171,3 +174,69 @@ def _check_megatron_ce(ctx: WorkerContext) -> None:
 def test_ce_matches_megatron(tp_size):
     pytest.importorskip("megatron.core")
     run_workers(tp_size, tp_size, _check_megatron_ce)
+
+
+ODD_VOCAB = 49  # a vocabulary that TP 2 and 3 do not divide (Granite's 49155 at small scale)
+
+
+def _uneven_bounds(tp_size: int) -> list[int]:
+    """DeepSpeed-style uneven split: the first ``ODD_VOCAB % tp`` shards get one column more."""
+    sizes = [ODD_VOCAB // tp_size + (r < ODD_VOCAB % tp_size) for r in range(tp_size)]
+    return [sum(sizes[:r]) for r in range(tp_size + 1)]
+
+
+def _check_uneven_split(ctx: WorkerContext) -> None:
+    bounds = _uneven_bounds(ctx.tp_size)
+    start, end = bounds[ctx.tp_rank], bounds[ctx.tp_rank + 1]
+    assert end - start != ODD_VOCAB / ctx.tp_size  # really uneven
+    tokens = [f"w{i}" for i in range(ODD_VOCAB)]
+    for value, position in zip(range(10), [3, 11, 16, 17, 24, 25, 32, 33, 40, 48]):  # across every border
+        tokens[position] = str(value)
+    vocab = ntl_scale.NumberVocab.from_id_to_token(tokens, vocab_size=ODD_VOCAB)
+    labels = random_labels(vocab, (3, 16), ODD_VOCAB, seed=5, number_fraction=0.5)
+    full = random_logits((*labels.shape, ODD_VOCAB), seed=6)
+    upstream = torch.Generator().manual_seed(7)
+    g_ce = torch.randn(labels.shape, generator=upstream, dtype=torch.float64)
+    g_ntl = torch.randn(labels.shape, generator=upstream, dtype=torch.float64)
+    for variant in VARIANTS[:5]:  # token-level variants; number-level is covered above
+        shard = full[..., start:end].clone().requires_grad_()
+        ce, ntl, mask = ntl_scale.vocab_parallel_ce_ntl(
+            shard, labels, vocab, tp_group=ctx.tp_group, vocab_start=start, **variant
+        )
+        ((ce * g_ce).sum() + (ntl * g_ntl).sum()).backward()
+        reference = full.clone().requires_grad_()
+        ce_ref, ntl_ref, mask_ref = naive_per_token(reference, labels, vocab, **variant)
+        ((ce_ref * g_ce).sum() + (ntl_ref * g_ntl).sum()).backward()
+        what = f"uneven {variant} tp={ctx.tp_size} rank={ctx.rank}"
+        assert torch.equal(mask, mask_ref), what
+        _close(ce, ce_ref, 1e-12, 1e-12, f"{what} ce")
+        _close(ntl, ntl_ref, 1e-12, 1e-12, f"{what} ntl")
+        _close(shard.grad, reference.grad[..., start:end], 1e-12, 1e-12, f"{what} grad")
+    # the chunked route (hidden states and the output weight's row shard), same split
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(*labels.shape, 6, generator=g, dtype=torch.float64)
+    weight = torch.randn(ODD_VOCAB, 6, generator=g, dtype=torch.float64)
+    rows = weight[start:end].clone().requires_grad_()
+    terms = ntl_scale.linear_ce_ntl(
+        hidden, rows, labels, vocab, tp_group=ctx.tp_group, vocab_start=start, chunk_tokens=7
+    )
+    ((terms.ce * g_ce).sum() + (terms.ntl * g_ntl).sum()).backward()
+    full_weight = weight.clone().requires_grad_()
+    ce_ref, ntl_ref, _ = naive_per_token(hidden @ full_weight.T, labels, vocab)
+    ((ce_ref * g_ce).sum() + (ntl_ref * g_ntl).sum()).backward()
+    _close(terms.ce, ce_ref, 1e-12, 1e-12, f"linear ce tp={ctx.tp_size} rank={ctx.rank}")
+    _close(terms.ntl, ntl_ref, 1e-12, 1e-12, f"linear ntl tp={ctx.tp_size} rank={ctx.rank}")
+    _close(rows.grad, full_weight.grad[start:end], 1e-12, 1e-12, f"linear weight grad rank={ctx.rank}")
+    # control: the same columns placed one id off give another loss (every rank takes part in the collectives)
+    shard = full[..., start:end].clone()
+    off_by_one = start - 1 if start > 0 else start + 1
+    wrong, _, _ = ntl_scale.vocab_parallel_ce_ntl(shard, labels, vocab, tp_group=ctx.tp_group, vocab_start=off_by_one)
+    assert not torch.allclose(wrong, naive_per_token(full, labels, vocab)[0])
+    with pytest.raises(ValueError, match="reaches past the vocabulary"):
+        ntl_scale.vocab_parallel_ce_ntl(shard, labels, vocab, vocab_start=ODD_VOCAB - 1)
+
+
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_uneven_vocabulary_split(tp_size):
+    """Section 3: an odd vocabulary split unevenly (``vocab_start``) at TP = 2 and 3 equals the naive reference."""
+    run_workers(tp_size, tp_size, _check_uneven_split)
