@@ -212,8 +212,8 @@ def build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size:
             raise ValueError(
                 f"--ntl-number-vocab {rule!r} reads the number tokens from the tokenizer, but "
                 f"{type(tokenizer).__name__} has no token table ({type(e).__name__}: {e}). Pass "
-                "--ntl-number-vocab PATH with a table saved by `python -m ntl_scale.number_vocab` or "
-                "NumberVocab.from_tokenizer(...).save(PATH)"
+                "--ntl-number-vocab PATH with a table saved by `python -m ntl_scale.save_number_vocab "
+                "TOKENIZER --out PATH` or NumberVocab.from_tokenizer(...).save(PATH)"
             ) from None
     if not os.path.isfile(rule):
         raise ValueError(

@@ -181,6 +181,7 @@ def test_null_tokenizer_needs_a_table(tmp_path):
     assert failed.returncode != 0
     message = "has no token table (NotImplementedError"
     assert message in failed.output and "--ntl-number-vocab PATH" in failed.output, mlm.tail(failed.output)
+    assert "python -m ntl_scale.save_number_vocab" in failed.output  # the command that writes one
 
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)
