@@ -7,14 +7,11 @@ names the extra to install (``pip install 'ntl_scale[hf]'``).
 from __future__ import annotations
 
 import os
-import types
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .._optional import require
-from ..linear import linear_ce_ntl
 from ..losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl
 from ..number_vocab import NumberVocab
 
@@ -122,10 +119,10 @@ def ntl_trainer_class(base: Any = None) -> Any:
         The subclass; its constructor takes ``number_vocab``, ``ntl_weight`` (0.3), ``ntl_options``
         (an :class:`ntl_scale.NTLOptions`) and ``causal`` (True: labels are shifted inside, as
         Hugging Face causal LMs do) besides the usual Trainer arguments. Logs gain ``ce`` and ``ntl``
-        (this process's means since the previous log).
+        (the means over all processes since the previous log).
     """
     transformers = require("transformers", "hf", "ntl_scale.integrations.hf.ntl_trainer_class")
-    from .hf_loss import NTLCausalLMLoss
+    from .hf_loss import NTLCausalLMLoss, installed_loss, is_chunked
 
     parent = base or transformers.Trainer
 
@@ -140,8 +137,22 @@ def ntl_trainer_class(base: Any = None) -> Any:
             **kwargs: Any,
         ) -> None:
             super().__init__(*args, **kwargs)
-            self.ntl_loss = NTLCausalLMLoss(number_vocab, ntl_weight, ntl_options, causal=causal)
             self._shift_labels: torch.Tensor | None = None
+            installed = installed_loss(self.model) if is_chunked(self.model) else None
+            if installed is not None:
+                # apply_ntl(model, chunked=True): the model computes the loss from its hidden states with
+                # the labels and the step's [tokens, numbers] (Trainer passes num_items_in_batch to a
+                # model whose forward takes **kwargs); the logits are never built.
+                same = installed.vocab == number_vocab and installed.ntl_weight == float(ntl_weight)
+                if not same or installed.options != (ntl_options or NTLOptions()) or not causal:
+                    raise ValueError(
+                        "the model has apply_ntl(chunked=True) with other settings than number_vocab/ntl_weight/"
+                        "ntl_options given to the trainer (or causal=False); pass the same ones"
+                    )
+                self.ntl_loss = installed
+                self.model_accepts_loss_kwargs = True
+                return
+            self.ntl_loss = NTLCausalLMLoss(number_vocab, ntl_weight, ntl_options, causal=causal)
             # Trainer's own hook for a loss computed from the model's outputs: Trainer (and TRL) then
             # count the step's tokens, call the model without labels, treat the loss as normalised over
             # the whole step and scale it for the gradient average across devices themselves.
@@ -180,13 +191,18 @@ def ntl_trainer_class(base: Any = None) -> Any:
         def compute_loss(
             self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
         ) -> Any:
-            # A collator's shift_labels (padding-free, sequence parallel) are the targets; the model never sees them.
-            self._shift_labels = inputs.pop("shift_labels", None)
+            # A collator's shift_labels (padding-free, sequence parallel) are the targets; the model sees them
+            # only when it computes the loss itself (the chunked route).
+            if self.compute_loss_func is not None:
+                self._shift_labels = inputs.pop("shift_labels", None)
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
         def log(self, logs: dict, *args: Any, **kwargs: Any) -> None:
-            if "loss" in logs:
-                logs = {**logs, **self.ntl_loss.pop_means()}
+            if "loss" in logs:  # every process logs a training step (Trainer gathers the loss there too)
+                reduce = None
+                if self.args.world_size > 1:
+                    reduce = lambda totals: self.accelerator.reduce(totals, "sum")  # noqa: E731
+                logs = {**logs, **self.ntl_loss.pop_means(reduce)}
             super().log(logs, *args, **kwargs)
 
     return NTLTrainer
@@ -216,29 +232,11 @@ class ChunkedLossCausalLM(torch.nn.Module):
         self, model: Any, vocab: NumberVocab, options: NTLOptions | None = None, chunk_tokens: int | None = None
     ) -> None:
         super().__init__()
-        head = model.get_output_embeddings()
-        if not isinstance(head, torch.nn.Linear) or head.bias is not None:
-            raise ValueError(
-                f"ChunkedLossCausalLM needs a bias-free nn.Linear output layer, got {type(head).__name__}"
-                f"{' with a bias' if isinstance(head, torch.nn.Linear) else ''}; use the logits path"
-            )
-        capping = getattr(model.config, "final_logit_softcapping", None)
-        if capping:
-            raise ValueError(
-                f"{type(model).__name__} soft-caps its logits (final_logit_softcapping={capping}), which the "
-                "chunked loss does not reproduce; use the logits path (train.chunked_loss=false)"
-            )
+        from .hf_chunked import install_chunked_head, linear_head, logit_multiplier
+
         self.model: Any = model
-        self.scaling: float = float(getattr(model.config, "logits_scaling", 1.0) or 1.0)
-        options = options or NTLOptions()
-
-        def head_forward(layer: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor | None = None):
-            if targets is None:
-                return F.linear(hidden, layer.weight)
-            terms = linear_ce_ntl(hidden, layer.weight, targets, vocab, options, chunk_tokens=chunk_tokens)
-            return tuple(terms)  # a plain tuple: ZeRO-3 hooks walk it to re-gather for the backward
-
-        head.forward = types.MethodType(head_forward, head)
+        self.multiplier = logit_multiplier(model)
+        install_chunked_head(linear_head(model), vocab, options or NTLOptions(), chunk_tokens)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, targets: torch.Tensor | None = None
@@ -246,7 +244,9 @@ class ChunkedLossCausalLM(torch.nn.Module):
         """Per-token terms for next-token ``targets`` aligned with ``input_ids`` (already shifted)."""
         if targets is None:
             raise ValueError("ChunkedLossCausalLM.forward needs targets; call .model for logits or generation")
-        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        if self.scaling != 1.0:
-            hidden = hidden / self.scaling
-        return PerTokenTerms(*self.model.get_output_embeddings()(hidden, targets))
+        from .hf_chunked import hidden_state_terms
+
+        terms, _ = hidden_state_terms(
+            self.model, self.multiplier, targets, input_ids=input_ids, attention_mask=attention_mask
+        )
+        return terms

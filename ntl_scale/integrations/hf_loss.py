@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from ..losses import NTLOptions, per_token_ce_ntl
+from ..losses import NTLOptions, PerTokenTerms, per_token_ce_ntl
 from ..number_vocab import NumberVocab
 
-__all__ = ["NTLCausalLMLoss", "apply_ntl", "remove_ntl"]
+__all__ = ["NTLCausalLMLoss", "apply_ntl", "installed_loss", "is_chunked", "remove_ntl"]
 
 _MARK = "_ntl_scale_loss"
 
@@ -89,12 +89,22 @@ class NTLCausalLMLoss:
             options = dataclasses.replace(options, ignore_index=ignore_index)
         if vocab_size is not None and logits.shape[-1] != vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} columns but vocab_size is {vocab_size}")
-        terms = per_token_ce_ntl(logits, targets, self.vocab, options)
+        return self.reduce(
+            per_token_ce_ntl(logits, targets, self.vocab, options), targets, num_items_in_batch, ignore_index
+        )
+
+    def reduce(
+        self, terms: PerTokenTerms, targets: torch.Tensor, num_items_in_batch: Any = None, ignore_index: int = -100
+    ) -> torch.Tensor:
+        """``CE + weight * NTL`` from per-token terms, normalised by what ``num_items_in_batch`` carries."""
         valid = (targets != ignore_index).to(terms.ce.dtype)
         numbers = terms.number_mask.to(terms.ce.dtype)
         ce_sum, ntl_sum = (terms.ce * valid).sum(), (terms.ntl * numbers).sum()
         local_tokens, local_numbers = valid.sum(), numbers.sum()
-        self.totals += torch.stack([ce_sum, local_tokens, ntl_sum, local_numbers]).detach().to("cpu", torch.float64)
+        step = torch.stack([ce_sum, local_tokens, ntl_sum, local_numbers]).detach().to(torch.float64)
+        if self.totals.device != step.device:  # kept where the loss runs: logging reads it, training never syncs
+            self.totals = self.totals.to(step.device)
+        self.totals += step
         counts = num_items_in_batch
         if counts is None:
             ce = ce_sum / local_tokens.clamp_min(1)
@@ -109,9 +119,15 @@ class NTLCausalLMLoss:
             ntl = ntl_sum / local_numbers.clamp_min(1) * (local_tokens / tokens)
         return ce + self.ntl_weight * ntl
 
-    def pop_means(self) -> dict[str, float]:
-        """``{"ce": ..., "ntl": ...}`` means since the last call (this process's batches), then resets."""
-        ce_sum, tokens, ntl_sum, numbers = self.totals.tolist()
+    def pop_means(self, reduce: Any = None) -> dict[str, float]:
+        """``{"ce": ..., "ntl": ...}`` means since the last call, then resets.
+
+        Args:
+            reduce: sums the 4 running totals across processes (e.g. ``accelerator.reduce(t, "sum")``, a
+                collective every process must call); None: this process's batches only.
+        """
+        totals = self.totals if reduce is None else reduce(self.totals.clone())
+        ce_sum, tokens, ntl_sum, numbers = totals.tolist()  # the one host read, at logging
         self.totals.zero_()
         return {"ce": ce_sum / max(tokens, 1.0), "ntl": ntl_sum / max(numbers, 1.0)}
 
@@ -122,17 +138,29 @@ def apply_ntl(
     *,
     ntl_weight: float = 0.3,
     options: NTLOptions | None = None,
+    chunked: bool = False,
+    chunk_tokens: int | None = None,
+    check: bool = True,
 ) -> NTLCausalLMLoss:
     """Makes a Hugging Face causal LM's loss ``CE + ntl_weight * NTL``; idempotent, undone by :func:`remove_ntl`.
 
     Sets ``model.loss_function`` (the hook every ``*ForCausalLM.forward`` calls with its logits and
-    labels). A second call returns the installed loss (and refuses different settings).
+    labels). With ``chunked=True`` the training forward with labels computes the loss from the final
+    hidden states instead and never builds the logits (:mod:`ntl_scale.integrations.hf_chunked`);
+    its ``outputs.logits`` is then None. Evaluation, ``generate`` and calls without labels are the
+    model's own forward. A second call returns the installed loss (and refuses different settings).
 
     Args:
         model: a ``transformers`` causal LM (``PreTrainedModel`` with a ``loss_function``).
         number_vocab: the number table over the model's vocabulary (``model.config.vocab_size``).
         ntl_weight: the NTL weight.
         options: the NTL variant.
+        chunked: the hidden-state loss in training (bias-free linear head; Granite's ``logits_scaling``
+            and Cohere's ``logit_scale`` are applied; soft-capped logits are refused).
+        chunk_tokens: tokens per chunk of the hidden-state loss (default: about 2**26 logits per chunk).
+        check: with ``chunked``, compare the model's own logits with the hidden-state reconstruction on
+            four tokens and refuse a model whose head does something else (skipped when the weights
+            are not materialised, e.g. partitioned by ZeRO-3).
 
     Returns:
         The installed :class:`NTLCausalLMLoss` (its ``pop_means()`` gives CE and NTL for logging).
@@ -148,28 +176,66 @@ def apply_ntl(
             f"the number table covers {number_vocab.vocab_size} ids but the model has vocab_size={size}; build it "
             "with NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)"
         )
+    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be a positive int (or None for the default), got {chunk_tokens!r}")
     installed = model.__dict__.get(_MARK)
     if installed is not None:
-        loss, _ = installed
+        loss = installed["loss"]
         same = loss.vocab == number_vocab and loss.ntl_weight == float(ntl_weight)
+        same = same and installed["chunked"] == (chunk_tokens if chunked else False)
         if not same or loss.options != (options or NTLOptions()):
             raise ValueError("apply_ntl was already called on this model with other settings; call remove_ntl first")
         return loss
     loss = NTLCausalLMLoss(number_vocab, ntl_weight, options)
-    previous = model.__dict__.get("_loss_function")
+    if chunked:
+        import types
+
+        from . import hf_chunked
+
+        multiplier = hf_chunked.logit_multiplier(model)
+        head = hf_chunked.linear_head(model)
+        if check:
+            hf_chunked.check_head(model, multiplier, head)
+        hf_chunked.install_chunked_head(head, number_vocab, loss.options, chunk_tokens)
+        own_forward = model.__dict__.get("forward")  # another patch's instance forward, restored by remove_ntl
+        model.forward = types.MethodType(hf_chunked.chunked_forward(model.forward, loss, multiplier), model)
+    record = {
+        "loss": loss,
+        "previous": model.__dict__.get("_loss_function"),
+        "chunked": chunk_tokens if chunked else False,
+        "forward": own_forward if chunked else None,
+    }
     model.loss_function = loss
-    model.__dict__[_MARK] = (loss, previous)
+    model.__dict__[_MARK] = record
     return loss
 
 
+def installed_loss(model: Any) -> NTLCausalLMLoss | None:
+    """The loss :func:`apply_ntl` installed on ``model`` (None if it was not)."""
+    record = model.__dict__.get(_MARK)
+    return None if record is None else record["loss"]
+
+
+def is_chunked(model: Any) -> bool:
+    """Whether ``model`` trains with the hidden-state loss of ``apply_ntl(..., chunked=True)``."""
+    record = model.__dict__.get(_MARK)
+    return record is not None and record["chunked"] is not False
+
+
 def remove_ntl(model: Any) -> bool:
-    """Undoes :func:`apply_ntl`: the model's own ``loss_function`` again. Returns whether NTL was installed."""
-    installed = model.__dict__.pop(_MARK, None)
-    if installed is None:
+    """Undoes :func:`apply_ntl` (the model's own forward and ``loss_function``); returns whether it was installed."""
+    record = model.__dict__.pop(_MARK, None)
+    if record is None:
         return False
-    _, previous = installed
-    if previous is None:
+    if record["previous"] is None:
         model.__dict__.pop("_loss_function", None)
     else:
-        model.__dict__["_loss_function"] = previous
+        model.__dict__["_loss_function"] = record["previous"]
+    if record["chunked"] is not False:
+        from .hf_chunked import remove_chunked_head
+
+        model.__dict__.pop("forward", None)
+        if record["forward"] is not None:
+            model.__dict__["forward"] = record["forward"]
+        remove_chunked_head(model.get_output_embeddings())
     return True

@@ -1,10 +1,11 @@
 """One optimizer step of a real ``transformers.Trainer`` (or TRL ``SFTTrainer``) with NTL, in 1 or more processes.
 
-    torchrun --nproc_per_node N tests/helpers/hf_trainer_step.py OUT.pt MICRO ACCUMULATION [trainer|zero3|sft]
+    torchrun --nproc_per_node N tests/helpers/hf_trainer_step.py OUT.pt MICRO ACCUMULATION [trainer|zero3|sft][-chunked]
 
 A tiny GPT-2 (built from a config, seed 0) takes one SGD step (lr 0.1, no clipping) on the same four
 arithmetic examples whatever the split: ``MICRO`` per device x ``ACCUMULATION`` steps x N devices = 4.
-``zero3`` runs the ``Trainer`` under DeepSpeed ZeRO-3 (set ``DS_ACCELERATOR=cpu``). Rank 0 saves the
+``zero3`` runs the ``Trainer`` under DeepSpeed ZeRO-3 (set ``DS_ACCELERATOR=cpu``); a ``-chunked``
+suffix installs ``apply_ntl(model, vocab, chunked=True)`` first (the loss from the hidden states). Rank 0 saves the
 updated weights, the step's logs and, before the step, the reference CE and NTL of the whole batch
 from ``ntl_scale.ce_with_ntl`` on the model's logits. Test only.
 """
@@ -24,6 +25,8 @@ sys.path.insert(0, ROOT)
 
 def main() -> None:
     out, micro, accumulation, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    chunked = kind.endswith("-chunked")
+    kind = kind.removesuffix("-chunked")
     if kind == "zero3":
         import importlib
 
@@ -57,8 +60,12 @@ def main() -> None:
     with torch.no_grad():
         logits = model(input_ids=whole["input_ids"], attention_mask=whole["attention_mask"]).logits
     reference = hf.causal_lm_ce_with_ntl(logits, whole["labels"], vocab, ntl_weight=0.3)
+    if chunked:
+        from ntl_scale.integrations.hf_loss import apply_ntl
+
+        apply_ntl(model, vocab, ntl_weight=0.3, chunked=True, chunk_tokens=32)
     common = dict(
-        output_dir=os.path.join(os.path.dirname(out), f"hf-{kind}-{micro}x{accumulation}"),
+        output_dir=os.path.join(os.path.dirname(out), f"hf-{kind}-{chunked}-{micro}x{accumulation}"),
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation,
         max_steps=1,

@@ -4,7 +4,8 @@ Sections:
 1. ``Trainer``: one SGD step on the same four examples gives the same weights for per-device batch x
    accumulation x devices = 1 x 4 x 1, 4 x 1 x 1, 2 x 1 x 2, 1 x 2 x 2, and 2 x 1 x 2 under DeepSpeed
    ZeRO-3 (1e-6); the logged loss, CE and NTL of the one-process step equal ``ce_with_ntl`` on the
-   whole batch.
+   whole batch. With ``apply_ntl(model, chunked=True)`` (no logits built; under ZeRO-3 the head's
+   weight is gathered inside its forward) the step is the same (1e-5).
 2. TRL ``SFTTrainer`` through ``ntl_trainer_class(SFTTrainer)``: TRL's own metrics are still logged
    next to ``ce`` and ``ntl``, and the terms match ``ce_with_ntl``.
 """
@@ -48,6 +49,15 @@ def test_trainer_step_is_independent_of_the_split_and_logs_the_terms(tmp_path):
         runs.append(_step(tmp_path, "zero3", 2, 1, 2))  # the same step under DeepSpeed ZeRO-3
     for run in runs[1:]:
         torch.testing.assert_close(run["weights"], runs[0]["weights"], atol=1e-6, rtol=1e-6)
+    chunked = [_step(tmp_path, "trainer-chunked", 1, 4, 1)]
+    if importlib.util.find_spec("deepspeed") is not None:
+        chunked.append(_step(tmp_path, "zero3-chunked", 2, 1, 2))
+    for run in chunked:
+        torch.testing.assert_close(run["weights"], runs[0]["weights"], atol=1e-5, rtol=1e-5)
+    for run in runs + chunked:  # the logged terms are the means over all processes
+        log = next(entry for entry in run["logs"] if "loss" in entry)
+        assert abs(log["ntl"] - runs[0]["reference"]["ntl"]) < 1e-5, log
+        assert abs(log["ce"] - runs[0]["reference"]["ce"]) < 1e-5, log
     log = next(entry for entry in runs[0]["logs"] if "loss" in entry)
     want = runs[0]["reference"]
     assert abs(log["ce"] - want["ce"]) < 1e-5 and abs(log["ntl"] - want["ntl"]) < 1e-5, (log, want)

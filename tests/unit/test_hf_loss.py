@@ -89,3 +89,112 @@ def test_table_larger_than_the_model_is_refused(setup):
     )
     with pytest.raises(ValueError, match="vocab_size="):
         apply_ntl(model, big)
+
+
+# -- 3. apply_ntl(chunked=True): the hidden-state loss ------------------------------------------------
+
+
+def _tiny(kind: str, vocab_size: int):
+    torch.manual_seed(1)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=vocab_size, n_embd=16, n_layer=1, n_head=2, n_positions=64)
+        return transformers.GPT2LMHeadModel(config)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    if kind == "granite":  # logits divided by logits_scaling; tied embeddings
+        return transformers.GraniteForCausalLM(transformers.GraniteConfig(**common, logits_scaling=8.0))
+    if kind == "cohere":  # logits multiplied by logit_scale
+        return transformers.CohereForCausalLM(transformers.CohereConfig(**common, logit_scale=0.25))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "granite", "cohere"])
+def test_chunked_training_loss_equals_the_logits_path(setup, kind):
+    _, vocab, labels = setup
+    model = _tiny(kind, vocab.vocab_size).train()
+    for module in model.modules():  # dropout off, still training mode
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    inputs, counts = labels.clamp_min(0), torch.tensor([90.0, 14.0])
+    own_logits = model(input_ids=inputs).logits.detach()
+
+    def step(**extra):
+        model.zero_grad()
+        out = model(input_ids=inputs, labels=labels, **extra)
+        out.loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return out, grads
+
+    apply_ntl(model, vocab)
+    dense, dense_grads = step(num_items_in_batch=counts)
+    ce_sum, _, ntl_sum, _ = _naive(own_logits, labels, vocab)
+    torch.testing.assert_close(dense.loss.double(), ce_sum / 90 + 0.3 * ntl_sum / 14)
+    remove_ntl(model)
+    installed = apply_ntl(model, vocab, chunked=True, chunk_tokens=16)
+    assert apply_ntl(model, vocab, chunked=True, chunk_tokens=16) is installed
+    with pytest.raises(ValueError, match="other settings"):
+        apply_ntl(model, vocab)
+    chunked, chunked_grads = step(num_items_in_batch=counts)
+    assert chunked.logits is None  # no logits were built
+    torch.testing.assert_close(chunked.loss, dense.loss, rtol=1e-5, atol=1e-6)
+    assert len(chunked_grads) == len(dense_grads)
+    for a, b in zip(chunked_grads, dense_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    means = installed.pop_means()
+    assert means["ntl"] > 0
+    # evaluation and generation are the model's own forward
+    model.eval()
+    assert torch.equal(model(input_ids=inputs).logits, own_logits)
+    assert model(input_ids=inputs, labels=labels).logits is not None
+    generated = model.generate(inputs[:1, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert generated.shape == (1, 7)
+    # undone: the forward and the loss are the model's own, bit for bit
+    model.train()
+    assert remove_ntl(model)
+    assert "forward" not in model.__dict__ and "forward" not in model.get_output_embeddings().__dict__
+    reference = _tiny(kind, vocab.vocab_size).train()
+    reference.load_state_dict(model.state_dict())
+    for module in reference.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    assert torch.equal(model(input_ids=inputs, labels=labels).loss, reference(input_ids=inputs, labels=labels).loss)
+
+
+def test_chunked_refuses_what_it_cannot_reproduce(setup):
+    from ntl_scale.integrations.hf_chunked import check_head
+
+    _, vocab, _ = setup
+    common = dict(
+        vocab_size=vocab.vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, final_logit_softcapping=30.0))
+    with pytest.raises(ValueError, match="soft-caps its logits"):
+        apply_ntl(gemma, vocab, chunked=True)
+    assert "_ntl_scale_loss" not in gemma.__dict__ and "forward" not in gemma.__dict__
+    apply_ntl(gemma, vocab)  # the logits path reproduces the soft-capping: it is the model's own logits
+    assert remove_ntl(gemma)
+    # an unknown transform between the hidden states and the logits is caught by comparing them
+    llama = _tiny("llama", vocab.vocab_size)
+    assert check_head(llama, 1.0, llama.lm_head)
+    with pytest.raises(ValueError, match="transforms them"):
+        check_head(llama, 0.5, llama.lm_head)
+    # a biased output layer
+    gptj = transformers.GPTJForCausalLM(
+        transformers.GPTJConfig(vocab_size=vocab.vocab_size, n_embd=16, n_layer=1, n_head=2, rotary_dim=4)
+    )
+    with pytest.raises(ValueError, match="bias-free"):
+        apply_ntl(gptj, vocab, chunked=True)
