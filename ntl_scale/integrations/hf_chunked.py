@@ -100,6 +100,12 @@ def check_head(model: Any, multiplier: float, head: torch.nn.Linear) -> bool:
 def linear_head(model: Any) -> torch.nn.Linear:
     """The model's output layer; refuses anything but a bias-free ``nn.Linear``."""
     head = model.get_output_embeddings()
+    if type(getattr(head, "weight", None)).__name__ == "DTensor":
+        raise ValueError(
+            f"{type(model).__name__} is split by Hugging Face tensor parallelism (tp_plan): its output layer holds a "
+            "DTensor, which the hidden-state loss does not take. Use the logits path (apply_ntl(model, vocab) "
+            "without chunked=True), which works under tp_plan, or ntl_scale's vocab-parallel ops in your own loop"
+        )
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         raise ValueError(
             f"the hidden-state loss needs a bias-free nn.Linear output layer, {type(model).__name__} has "

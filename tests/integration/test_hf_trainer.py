@@ -8,6 +8,8 @@ Sections:
    weight is gathered inside its forward) the step is the same (1e-5).
 2. TRL ``SFTTrainer`` through ``ntl_trainer_class(SFTTrainer)``: TRL's own metrics are still logged
    next to ``ce`` and ``ntl``, and the terms match ``ce_with_ntl``.
+3. Hugging Face tensor parallelism (``tp_plan="auto"``): ``apply_ntl`` gives the whole model's loss and
+   gradients; the chunked route refuses it clearly.
 """
 
 from __future__ import annotations
@@ -79,3 +81,25 @@ def test_sft_trainer_keeps_its_metrics(tmp_path):
     assert "mean_token_accuracy" in log and "entropy" in log, log  # TRL's own metrics
     assert abs(log["loss"] - (log["ce"] + 0.3 * log["ntl"])) < 1e-5, log
     assert abs(log["ce"] - want["ce"]) < 1e-4 * want["ce"] and abs(log["ntl"] - want["ntl"]) < 1e-4 * want["ntl"]
+
+
+def test_apply_ntl_under_hugging_face_tensor_parallelism(tmp_path):
+    """A Llama loaded with ``tp_plan="auto"`` over 2 processes: the same CE + NTL and gradients as whole.
+
+    ``Trainer`` itself cannot be run with a ``tp_plan`` model on CPU: accelerate 1.x refuses its
+    ParallelismConfig for DistributedType.MULTI_CPU (measured here); the model-level loss is what
+    ntl_scale adds, and the Trainer's TP divisor is read from ``get_tp_size`` as Trainer's own.
+    """
+    out = tmp_path / "tp.pt"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        str(ROOT / "tests" / "helpers" / "hf_tp_loss.py"), str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    result = torch.load(out, weights_only=False)
+    assert result["tp_size"] == 2
+    assert abs(result["tp"]["loss"] - result["whole"]["loss"]) < 1e-5, result
+    for name, grad in result["whole"]["grads"].items():
+        torch.testing.assert_close(result["tp"]["grads"][name], grad, atol=1e-6, rtol=1e-5)
+    assert "tensor parallelism" in result["chunked_error"], result["chunked_error"]
