@@ -4,6 +4,7 @@
 and import their framework lazily.
 """
 
+from ._checks import set_debug_checks
 from .linear import linear_ce_ntl, linear_ce_with_ntl
 from .losses import (
     LOSS_KINDS,
@@ -46,5 +47,6 @@ __all__ = [
     "per_token_ce_ntl",
     "predict_numbers",
     "reduce_loss",
+    "set_debug_checks",
     "vocab_parallel_ce_ntl",
 ]

@@ -81,6 +81,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         tp_group: dist.ProcessGroup | None,
         chunk_tokens: int | None,
         token_weights: torch.Tensor,
+        proportional: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         cdt = compute_dtype(hidden.dtype)
         num_tokens, width = hidden.shape[0], weight.shape[0]
@@ -133,7 +134,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         number_max = ShardMath.safe_number_max(maxes[:, 1])
         ce, expect, mass, hit = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, need_full)
         ctx.mark_non_differentiable(hit)
-        ctx.inputs, ctx.need_full, ctx.rows = inputs, need_full, rows
+        ctx.inputs, ctx.need_full, ctx.rows, ctx.proportional = inputs, need_full, rows, proportional
         ctx.save_for_backward(
             hidden, weight, token_weights, maxes[:, 0], number_max, sums[:, 0], number_exp, sums[:, 2], expect, mass
         )
@@ -159,14 +160,14 @@ class _FusedLinearCENTL(torch.autograd.Function):
             grad_h = number_coef @ weight.index_select(0, cols).to(cdt)
             grad_w = torch.zeros_like(weight)
             grad_w.index_add_(0, cols, (number_coef.t() @ hidden.to(cdt)).to(weight.dtype))
-            return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None, None
+            return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None, None, None
 
         # number columns of the full softmax: pi_N = exp(z_N - max) / S
         pi_numbers = number_exp * (torch.exp(number_max - max_all) / total).unsqueeze(1)
         number_coef = number_coef + g_mass.unsqueeze(1) * pi_numbers
         u = g_ce - g_mass * mass
         grad_h = dense_h.mul_(u.unsqueeze(1))  # pi_t W, per token: exact for any upstream gradient
-        scale = _common_scale(u, token_weights)
+        scale = _scale_of(u, token_weights) if ctx.proportional else _common_scale(u, token_weights)
         if scale is not None:  # the weight gradient was built in the forward for these token weights
             grad_w = dense_w.mul_(scale)
         else:  # any other upstream gradient: recompute the logits chunk by chunk with the true u
@@ -182,20 +183,30 @@ class _FusedLinearCENTL(torch.autograd.Function):
         # chunk so that no [T, H] temporary is made
         owned, local_label = inputs.owned_targets(slice(None), weight.shape[0])
         number_weight = weight.index_select(0, cols).to(cdt)
+        # every row, with a zero coefficient where this shard does not own the label: no nonzero() sync
+        label_index = torch.where(owned, local_label, torch.zeros_like(local_label))
+        label_coef_all = torch.where(owned, -g_ce, torch.zeros_like(g_ce)).unsqueeze(1)
         for sl in ctx.rows:
-            at = torch.nonzero(owned[sl]).flatten()
-            label_coef = -g_ce[sl][at].unsqueeze(1)
+            label_coef, index = label_coef_all[sl], label_index[sl]
             rows_h = grad_h[sl]
-            rows_h.index_add_(0, at, label_coef * weight.index_select(0, local_label[sl][at]).to(cdt))
-            added = label_coef * hidden[sl].index_select(0, at).to(cdt)
-            grad_w.index_add_(0, local_label[sl][at], added.to(weight.dtype))
+            rows_h.add_(label_coef * weight.index_select(0, index).to(cdt))
+            grad_w.index_add_(0, index, (label_coef * hidden[sl].to(cdt)).to(weight.dtype))
             rows_h.add_(number_coef[sl] @ number_weight)
             grad_w.index_add_(0, cols, (number_coef[sl].t() @ hidden[sl].to(cdt)).to(weight.dtype))
-        return grad_h.to(hidden.dtype), grad_w, None, None, None, None, None, None
+        return grad_h.to(hidden.dtype), grad_w, None, None, None, None, None, None, None
+
+
+def _scale_of(u: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``s`` with ``u == s * weights``, for a caller that guarantees the proportion; on the device, no sync."""
+    if u.numel() == 0:
+        return torch.zeros((), dtype=u.dtype, device=u.device)
+    pivot = torch.argmax(weights).reshape(1)
+    at = weights.gather(0, pivot).to(u.dtype)
+    return torch.where(at > 0, u.gather(0, pivot) / torch.where(at > 0, at, 1), 0).reshape(())
 
 
 def _common_scale(u: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-    """``s`` with ``u == s * weights`` (within rounding), or None. One host sync."""
+    """``s`` with ``u == s * weights`` (within rounding), or None. Host syncs: for per-token callers only."""
     if u.numel() == 0:
         return torch.zeros((), dtype=u.dtype, device=u.device)
     pivot = int(torch.argmax(weights))
@@ -235,11 +246,12 @@ def linear_ce_ntl(
     options: NTLOptions | None = None,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    check_finite: bool = True,
+    check_finite: bool = False,
     chunk_tokens: int | None = None,
     need_ce: bool = True,
     token_weights: torch.Tensor | None = None,
     vocab_start: int | None = None,
+    proportional_grad: bool = False,
 ) -> PerTokenTerms:
     """Per-token CE and NTL of ``hidden @ weight.T`` without materialising those logits.
 
@@ -255,7 +267,7 @@ def linear_ce_ntl(
         options: the NTL variant (default: NTL-WAS).
         tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
             The gradient of ``hidden`` is then this shard's part (see the module docs).
-        check_finite: raise when the logits hold NaN/Inf.
+        check_finite: raise when the logits hold NaN/Inf (one host sync; default off, NaN reaches the loss).
         chunk_tokens: tokens per chunk (default: chunks of about 2**26 logits, 256 MiB in fp32).
         need_ce: False skips the vocabulary pass when neither CE nor reweighing needs it.
         token_weights: the non-negative weights ``[...]`` the caller's reduction applies to CE (e.g.
@@ -263,6 +275,11 @@ def linear_ce_ntl(
             every non-ignored label. Other reductions are exact too, at one more pass of matmuls.
         vocab_start: the global id of this weight shard's first row, for uneven vocabulary splits
             (see :func:`ntl_scale.vocab_parallel_ce_ntl`); None: ``rank * rows``.
+        proportional_grad: the caller guarantees that the gradient reaching CE is one scale times
+            ``token_weights`` and that the number-token mass gets none (a sum or mean of CE with
+            those weights, no reweighing), as :func:`ntl_scale.linear_ce_with_ntl` does. The backward
+            then reuses the forward's weight gradient without checking (no host sync). False: it
+            checks, with one host read, and recomputes when the gradient is not proportional.
 
     Returns:
         :class:`ntl_scale.PerTokenTerms` shaped like ``labels``.
@@ -292,6 +309,7 @@ def linear_ce_ntl(
         tp_group,
         chunk_tokens,
         weights,
+        proportional_grad,
     )
     return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options)
 
@@ -312,7 +330,7 @@ def linear_ce_with_ntl(
     ignore_index: int = -100,
     reduction: str = "mean",
     tp_group: dist.ProcessGroup | None = None,
-    check_finite: bool = True,
+    check_finite: bool = False,
     chunk_tokens: int | None = None,
 ) -> CENTLOutput:
     """:func:`ntl_scale.ce_with_ntl` from hidden states and the output weight, without the logits.
@@ -333,5 +351,6 @@ def linear_ce_with_ntl(
         check_finite=check_finite,
         chunk_tokens=chunk_tokens,
         token_weights=loss_weights,
+        proportional_grad=reduction in ("mean", "sum") and not reweigh,
     )
     return _combine(terms, labels, vocab, options, ntl_weight, loss_weights, reduction)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ._checks import device_check
 from .number_level import assemble_numbers, symmetric_mape
 from .number_vocab import NumberVocab
 from .parallel import ShardInputs, compute_dtype, fused_shard_stats, group_rank, group_size
@@ -174,7 +175,7 @@ def _check_inputs(
                 f"the shard [{vocab_start}, {vocab_start + logits.shape[-1]}) reaches past the vocabulary of "
                 f"{global_vocab} (the number table's vocab_size); build the table with the model's padded vocab size"
             )
-    largest = int(vocab.ids[-1])
+    largest = vocab.max_id
     if global_vocab <= largest:
         where = f"{logits.shape[-1]} columns x tp={tp_size}" if tp_size > 1 else f"{logits.shape[-1]} columns"
         raise ValueError(
@@ -184,12 +185,15 @@ def _check_inputs(
         )
     if labels.numel():
         bad = (labels != options.ignore_index) & ((labels < 0) | (labels >= global_vocab))
-        if bool(bad.any()):
+
+        def error() -> ValueError:
             value = int(labels[bad].flatten()[0])
-            raise ValueError(
+            return ValueError(
                 f"label id {value} is outside [0, {global_vocab}) and is not ignore_index="
                 f"{options.ignore_index}; mask padding with ignore_index or pass the right ignore_index"
             )
+
+        device_check(~bad.any(), error, f"a label id is outside [0, {global_vocab}) and is not ignore_index")
     return global_vocab
 
 
@@ -203,9 +207,14 @@ def _check_weights(loss_weights: torch.Tensor | None, labels: torch.Tensor, dtyp
             f"loss_weights shape {tuple(loss_weights.shape)} must equal the labels shape {tuple(labels.shape)}"
         )
     weights = loss_weights.to(device=labels.device, dtype=dtype)
-    if weights.numel() and bool((~torch.isfinite(weights) | (weights < 0)).any()):
-        bad = weights[~torch.isfinite(weights) | (weights < 0)].flatten()[0].item()
-        raise ValueError(f"loss_weights must be finite and >= 0, found {bad}; use 0 to mask a position")
+    if weights.numel():
+        bad = ~torch.isfinite(weights) | (weights < 0)
+
+        def error() -> ValueError:
+            value = weights[bad].flatten()[0].item()
+            return ValueError(f"loss_weights must be finite and >= 0, found {value}; use 0 to mask a position")
+
+        device_check(~bad.any(), error, "loss_weights must be finite and >= 0")
     return weights
 
 
@@ -235,14 +244,14 @@ def _shard_inputs(
     valid = labels != options.ignore_index
     safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
     row = torch.where(valid, vocab.index_of_id(device)[safe_labels], -1)
-    shard = vocab.shard_range(start, start + width)
-    table_index, local_ids = shard.table_index.to(device), shard.local_ids.to(device)
-    values = shard.values
+    table_index = vocab.shard_tensor(start, start + width, "table_index", device)
+    local_ids = vocab.shard_tensor(start, start + width, "local_ids", device)
     if options.loss == "was":
-        distances = vocab.distance_table(options.squash_factor).to(device=device, dtype=dtype)[:, table_index]
+        distances = vocab.distance_table_on(options.squash_factor, device, dtype)[:, table_index]
         a_table = torch.where((row >= 0).unsqueeze(1), distances[row.clamp_min(0)], 0)
     else:
-        a_table = values.to(device=device, dtype=dtype).unsqueeze(0).expand(labels.numel(), -1)
+        values = vocab.shard_tensor(start, start + width, "values", device).to(dtype)
+        a_table = values.unsqueeze(0).expand(labels.numel(), -1)
     return ShardInputs(safe_labels, valid, local_ids, a_table, start), row
 
 
@@ -309,7 +318,7 @@ def per_token_ce_ntl(
     *,
     tp_group: dist.ProcessGroup | None = None,
     inplace: bool = False,
-    check_finite: bool = True,
+    check_finite: bool = False,
     chunk_tokens: int | None = None,
     need_ce: bool = True,
     vocab_start: int | None = None,
@@ -362,7 +371,7 @@ def vocab_parallel_ce_ntl(
     ignore_index: int = -100,
     tp_group: dist.ProcessGroup | None = None,
     inplace: bool = False,
-    check_finite: bool = True,
+    check_finite: bool = False,
     chunk_tokens: int | None = None,
     vocab_start: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -390,7 +399,8 @@ def vocab_parallel_ce_ntl(
         tp_group: the tensor-parallel group the vocabulary is split over, or None.
         inplace: reuse the logits buffer for the softmax and the gradient (fp32/fp64 logits only),
             like Megatron; the logits hold garbage afterwards.
-        check_finite: raise a ValueError when the logits hold NaN/Inf (costs one host sync).
+        check_finite: raise a ValueError when the logits hold NaN/Inf (one host sync; off by default:
+            a non-finite logit then makes the loss NaN, for the training loop's own NaN check).
         chunk_tokens: tokens per chunk of temporaries (default: a 64 MiB fp32 budget).
         vocab_start: the global id of this shard's first column, for uneven splits; the shards of
             the group must then tile ``[0, vocab.vocab_size)``. None: ``rank * width``.
@@ -456,7 +466,7 @@ def number_token_loss(
     loss_weights: torch.Tensor | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
-    check_finite: bool = True,
+    check_finite: bool = False,
 ) -> torch.Tensor:
     """Number Token Loss on full logits.
 
@@ -474,7 +484,7 @@ def number_token_loss(
         loss_weights: optional non-negative weights ``[...]`` (a loss mask).
         ignore_index: label value to ignore.
         reduction: ``"mean"`` over number positions (weighted), ``"sum"`` or ``"none"``.
-        check_finite: raise on NaN/Inf logits.
+        check_finite: raise on NaN/Inf logits (one host sync; default off, NaN reaches the loss).
 
     Shape:
         ``logits``: ``[..., V]``; ``labels``, ``loss_weights``: ``[...]``.
@@ -506,7 +516,7 @@ def ce_with_ntl(
     reduction: str = "mean",
     tp_group: dist.ProcessGroup | None = None,
     inplace: bool = False,
-    check_finite: bool = True,
+    check_finite: bool = False,
     vocab_start: int | None = None,
 ) -> CENTLOutput:
     """``CE + ntl_weight * NTL`` in one fused pass, returning both terms for logging.
@@ -531,7 +541,7 @@ def ce_with_ntl(
         tp_group: tensor-parallel group of the vocab split, or None.
         vocab_start: the shard's first global id for uneven splits (:func:`vocab_parallel_ce_ntl`).
         inplace: reuse the fp32 logits buffer (Megatron-style); logits are garbage afterwards.
-        check_finite: raise on NaN/Inf logits.
+        check_finite: raise on NaN/Inf logits (one host sync; default off, NaN reaches the loss).
 
     Returns:
         A :class:`CENTLOutput` ``(loss, ce, ntl, num_tokens, num_number_tokens, number_accuracy)``.
@@ -613,7 +623,7 @@ def predict_numbers(logits: torch.Tensor, vocab: NumberVocab) -> NumberPredictio
         raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
     if not isinstance(logits, torch.Tensor) or not torch.is_floating_point(logits) or logits.dim() < 1:
         raise TypeError("logits must be a floating-point tensor [..., vocab]")
-    largest = int(vocab.ids[-1])
+    largest = vocab.max_id
     if logits.shape[-1] <= largest:
         raise ValueError(
             f"logits have {logits.shape[-1]} columns but the number table has id {largest}; pass full-vocabulary "
@@ -640,7 +650,7 @@ class NumberTokenLoss(torch.nn.Module):
         super().__init__()
         self.vocab = vocab
         self.reduction = str(options.pop("reduction", "mean"))
-        self.check_finite = bool(options.pop("check_finite", True))
+        self.check_finite = bool(options.pop("check_finite", False))
         _check_reduction(self.reduction)
         self.options = NTLOptions(**options)  # type: ignore[arg-type]
 
@@ -680,7 +690,7 @@ class CEWithNTL(torch.nn.Module):
         self.vocab, self.ntl_weight, self.tp_group = vocab, ntl_weight, tp_group
         self.reduction = str(options.pop("reduction", "mean"))
         self.inplace = bool(options.pop("inplace", False))
-        self.check_finite = bool(options.pop("check_finite", True))
+        self.check_finite = bool(options.pop("check_finite", False))
         _check_reduction(self.reduction)
         self.options = NTLOptions(**options)  # type: ignore[arg-type]
 

@@ -185,6 +185,8 @@ class NumberVocab:
         self._decimal_point_id = decimal_point_id
         self._digit_level = bool(digit_level)
         self._device_cache: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._shards: dict[tuple[int, int], VocabShard] = {}
+        self._max_id = int(self._ids[-1]) if self._ids.numel() else -1
 
     # ------------------------------------------------------------------ builders
 
@@ -328,6 +330,11 @@ class NumberVocab:
         return self._ids
 
     @property
+    def max_id(self) -> int:
+        """The largest number-token id (a Python int: reading it costs no device sync)."""
+        return self._max_id
+
+    @property
     def values(self) -> torch.Tensor:
         """Values of the number tokens, float32 ``[N]``, aligned with :attr:`ids`."""
         return self._values
@@ -410,6 +417,13 @@ class NumberVocab:
         """
         return self._cached(f"distance/{squash_factor}", None, lambda: self._build_distance_table(squash_factor))
 
+    def distance_table_on(
+        self, squash_factor: float | None, device: torch.device | str | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """:meth:`distance_table` in ``dtype`` on ``device``, copied once (no copy per training step)."""
+        key = f"distance/{squash_factor}/{dtype}"
+        return self._cached(key, device, lambda: self.distance_table(squash_factor).to(dtype))
+
     def _build_distance_table(self, squash_factor: float | None) -> torch.Tensor:
         diff = (self._values.unsqueeze(0) - self._values.unsqueeze(1)).abs()
         if squash_factor is None:
@@ -470,15 +484,23 @@ class NumberVocab:
         """
         if not 0 <= start < end:
             raise ValueError(f"shard_range: need 0 <= start < end, got [{start}, {end})")
-        inside = (self._ids >= start) & (self._ids < end)
-        table_index = torch.nonzero(inside).flatten()
-        return VocabShard(
-            start=start,
-            end=end,
-            local_ids=self._ids[table_index] - start,
-            table_index=table_index,
-            values=self._values[table_index],
-        )
+        shard = self._shards.get((start, end))
+        if shard is None:  # built once per range (the training path asks for the same range every step)
+            inside = (self._ids >= start) & (self._ids < end)
+            table_index = torch.nonzero(inside).flatten()
+            shard = VocabShard(
+                start=start,
+                end=end,
+                local_ids=self._ids[table_index] - start,
+                table_index=table_index,
+                values=self._values[table_index],
+            )
+            self._shards[(start, end)] = shard
+        return shard
+
+    def shard_tensor(self, start: int, end: int, name: str, device: torch.device | str | None) -> torch.Tensor:
+        """``table_index``, ``local_ids`` or ``values`` of :meth:`shard_range` on ``device``, copied once."""
+        return self._cached(f"shard/{start}/{end}/{name}", device, lambda: getattr(self.shard_range(start, end), name))
 
     # ------------------------------------------------------------------ serialisation
 

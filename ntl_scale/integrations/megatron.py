@@ -518,7 +518,7 @@ def output_layer_terms(
     tp_group: dist.ProcessGroup | None,
     *,
     chunk_tokens: int | None = None,
-    check_finite: bool = True,
+    check_finite: bool = False,
 ) -> PerTokenTerms:
     """Per-token CE + NTL of Megatron's (column-parallel) output layer applied to ``hidden``, without the logits.
 

@@ -248,10 +248,10 @@ def test_non_finite_logits_are_reported(bad, where):
     row, col = (0, 2) if where == "number_position" else (2, 3)
     logits[row, col, 0] = bad  # a non-number column: NTL alone would never see it
     with pytest.raises(ValueError, match="NaN or Inf"):
-        ntl_scale.ce_with_ntl(logits, labels, vocab)
+        ntl_scale.ce_with_ntl(logits, labels, vocab, check_finite=True)
     with pytest.raises(ValueError, match="NaN or Inf"):
-        ntl_scale.number_token_loss(logits, labels, vocab, reweigh=True)
-    unchecked = ntl_scale.ce_with_ntl(logits, labels, vocab, check_finite=False)
+        ntl_scale.number_token_loss(logits, labels, vocab, reweigh=True, check_finite=True)
+    unchecked = ntl_scale.ce_with_ntl(logits, labels, vocab)  # the default: NaN reaches the loss, no host sync
     if where == "number_position":
         assert not torch.isfinite(unchecked.loss)
 
