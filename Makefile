@@ -1,7 +1,7 @@
 # One task runner. `make run` and `make test` are the README's two commands.
 PYTHON ?= python3
 
-.PHONY: setup setup-dev run test test-unit test-dist lint format bench docs study
+.PHONY: setup setup-dev run test test-unit test-dist lint format bench docs study gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -34,6 +34,9 @@ bench:
 	$(PYTHON) benchmarks/bench_memory.py
 	$(PYTHON) benchmarks/bench_vocab_parallel.py
 	$(PYTHON) benchmarks/bench_linear.py
+
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
 
 docs:
 	$(PYTHON) -m mkdocs build --strict
