@@ -13,6 +13,7 @@ stop) and exports a Hugging Face folder.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -62,6 +63,12 @@ def build_tokenizer(cfg: RunConfig):
         return build_char_tokenizer()
     from transformers import AutoTokenizer
 
+    if not os.path.isdir(cfg.model.tokenizer):
+        raise ValueError(
+            f"model.tokenizer={cfg.model.tokenizer!r} is not a directory (looked in the working directory, next to the "
+            "config file and in the repository); ntl_scale never downloads. Save the tokenizer first "
+            "(tokenizer.save_pretrained(DIR)) and pass DIR, or use model.tokenizer=builtin:char"
+        )
     return AutoTokenizer.from_pretrained(cfg.model.tokenizer)
 
 
@@ -91,6 +98,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    if cfg.model.path and not os.path.isdir(cfg.model.path):
+        raise ValueError(
+            f"model.path={cfg.model.path!r} is not a directory (looked in the working directory, next to the config "
+            "file and in the repository); ntl_scale never downloads: pass a local checkpoint directory"
+        )
+    if not os.path.isfile(cfg.train.deepspeed_config):
+        raise ValueError(
+            f"train.deepspeed_config={cfg.train.deepspeed_config!r} is not a file (looked in the working directory, "
+            "next to the config file and in the repository)"
+        )
     rank, world = init_distributed()
     import deepspeed
 
@@ -240,7 +257,10 @@ def main(argv: list[str] | None = None) -> dict:
         tracker.log({f"eval/{split}/{k}": v for split, m in results.items() for k, v in m.items()}, cfg.train.steps)
         tracker.finish()
         if cfg.tracking.plot:
-            plot_curves(metrics_path, os.path.join(cfg.run_dir, "loss_curves.png"))
+            if importlib.util.find_spec("matplotlib") is None:
+                print("loss_curves.png skipped: matplotlib is not installed (pip install 'ntl_scale[wandb]')")
+            else:
+                plot_curves(metrics_path, os.path.join(cfg.run_dir, "loss_curves.png"))
     if rank == 0 and results:
         with open(os.path.join(cfg.run_dir, "eval.json"), "w") as f:
             json.dump(results, f, indent=2)

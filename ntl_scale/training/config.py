@@ -294,4 +294,32 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
             raise ValueError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
         _set(data, key.strip(), raw)
-    return _build(RunConfig, data, "")
+    cfg = _build(RunConfig, data, "")
+    resolve_paths(cfg, os.path.dirname(os.path.abspath(path)) if path is not None else None)
+    return cfg
+
+
+# Input files a config names; outputs (run_dir) stay relative to the working directory.
+_INPUT_PATHS = (("model", "path"), ("model", "tokenizer"), ("data", "train_path"), ("data", "eval_path"),
+                ("train", "deepspeed_config"))  # fmt: skip
+
+
+def resolve_paths(cfg: RunConfig, config_dir: str | None) -> None:
+    """Makes the config's relative input paths absolute, so a run starts from any directory.
+
+    A relative path is looked up in the working directory, then next to the config file, then in
+    the repository (where ``configs/`` lives, for the built-in default); the first place where it
+    exists wins. A path found nowhere is left as it is, for the error that names it.
+    """
+    repository = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    bases = [os.getcwd(), *([config_dir] if config_dir else []), repository]
+    for section, key in _INPUT_PATHS:
+        owner = getattr(cfg, section)
+        value = getattr(owner, key)
+        if not value or os.path.isabs(value) or value.startswith("builtin:"):
+            continue
+        for base in bases:
+            candidate = os.path.join(base, value)
+            if os.path.exists(candidate):
+                setattr(owner, key, os.path.normpath(candidate))
+                break

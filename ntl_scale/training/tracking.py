@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from typing import Any
@@ -29,6 +30,10 @@ class Tracker:
         if mode not in WANDB_MODES:
             raise ValueError(f"tracking.wandb must be one of {WANDB_MODES}, got {mode!r}")
         self.run = None
+        if active and mode == "offline" and importlib.util.find_spec("wandb") is None:
+            # the default, an optional output: skipped with one line (online, asked for, still needs wandb)
+            print("wandb offline log skipped: wandb is not installed (pip install 'ntl_scale[wandb]')", flush=True)
+            return
         if active and mode != "disabled":
             wandb = require("wandb", "wandb", f"tracking.wandb={mode}")
             os.environ.setdefault("WANDB_SILENT", "true")

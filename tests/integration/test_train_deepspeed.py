@@ -28,12 +28,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "tests" / "helpers" / "ds_launch.py"
 
 
-def _train(run_dir: Path, *overrides: str, nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
+def _train(
+    run_dir: Path, *overrides: str, nproc: int = 2, check: bool = True, cwd: Path = ROOT, env: dict | None = None
+) -> subprocess.CompletedProcess:
     port = str(free_port())
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", port]
-    cmd = [*launcher, str(SHIM), "launch/train.py", f"run_dir={run_dir}", *overrides]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [*launcher, str(SHIM), str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", *overrides]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", **(env or {})}
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     if check and out.returncode != 0:
         raise AssertionError(f"train.py failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
     return out
@@ -143,3 +145,25 @@ def test_bad_input_stops_before_training(tmp_path):
         tmp_path / "bad3", "data.source=jsonl", f"data.train_path={tmp_path / 'missing.jsonl'}", nproc=1, check=False
     )
     assert out.returncode != 0 and "no such data file" in out.stdout + out.stderr
+    out = _train(tmp_path / "bad4", "model.tokenizer=/nonexistent", nproc=1, check=False)
+    assert out.returncode != 0 and "is not a directory" in out.stdout + out.stderr
+    assert "never downloads" in out.stdout + out.stderr and "Repo id" not in out.stdout + out.stderr
+
+
+def test_runs_from_another_directory_without_the_optional_packages(tmp_path):
+    """As a new user with only ``ntl_scale[deepspeed]``: started elsewhere, no matplotlib, no wandb.
+
+    The built-in default's ``configs/deepspeed/zero3.json`` resolves against the repository; the plot
+    and the wandb log are skipped with one line each naming the extra; both ranks exit 0.
+    """
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = _train(
+        tmp_path / "run", "train.steps=3", "data.eval_examples=4", "eval.max_new_tokens=4",
+        cwd=elsewhere, env={"NTL_TEST_ABSENT": "matplotlib,wandb"},
+    )  # fmt: skip
+    assert out.returncode == 0
+    assert "loss_curves.png skipped: matplotlib is not installed (pip install 'ntl_scale[wandb]')" in out.stdout
+    assert "wandb offline log skipped" in out.stdout
+    assert not (tmp_path / "run" / "loss_curves.png").exists()
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "finished"

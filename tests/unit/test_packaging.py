@@ -37,6 +37,7 @@ def test_gpu_check_says_so_and_exits_0_without_a_gpu():
     import sys
     from pathlib import Path
 
+    import pytest
     import torch
 
     if torch.cuda.is_available():
