@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ntl_scale
 from ntl_scale.data import ShardedOrder, collate, encode
+from ntl_scale.integrations.deepspeed_tp import full_logits, gathered_weights, head_shard, install_chunked_head
 from ntl_scale.training.config import RunConfig, load_config
 from ntl_scale.training.data import load_examples
 from ntl_scale.training.evaluate import evaluate_generation
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--config", default=None, help="run config YAML (default: the tiny CPU run)")
     parser.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="section.key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides before or after --config
     cfg = load_config(args.config, args.overrides)
     if cfg.model.path and not os.path.isdir(cfg.model.path):
         raise ValueError(
@@ -142,12 +143,45 @@ def main(argv: list[str] | None = None) -> dict:
         from ntl_scale.integrations.hf import ChunkedLossCausalLM
 
         trained = ChunkedLossCausalLM(model, vocab, ntl_options(cfg.ntl), cfg.train.loss_chunk_tokens)
-    engine, *_ = deepspeed.initialize(model=trained, model_parameters=model.parameters(), config=ds_config)
-    order = ShardedOrder(len(train_set), cfg.train.micro_batch_size, rank, world, cfg.data.seed)
-    held = sum(p.ds_tensor.numel() for p in model.parameters())  # ZeRO-3: this rank's partition
-    total = sum(p.ds_numel for p in model.parameters())
+    tp = cfg.train.tensor_parallel_size
+    if tp > 1 and cfg.model.kind != "causal":
+        raise ValueError(
+            f"train.tensor_parallel_size={tp} supports model.kind=causal (a vocabulary-parallel lm_head); "
+            "train seq2seq models such as T5 with data parallelism and ZeRO-3"
+        )
+    try:
+        engine, *_ = deepspeed.initialize(model=trained, model_parameters=model.parameters(), config=ds_config)
+    except AssertionError as error:
+        if tp > 1 and "AutoTP not supported" in str(error):
+            raise ValueError(
+                f"DeepSpeed AutoTP cannot split {type(model).__name__} (train.tensor_parallel_size={tp}): it supports "
+                "models built from nn.Linear layers, such as Llama, Granite, Mistral or Qwen; GPT-2 uses Conv1D. "
+                "Use one of those architectures or train.tensor_parallel_size=1"
+            ) from error
+        raise
+    shard = head_shard(model) if tp > 1 else None
+    if tp > 1 and shard is None:
+        raise ValueError(
+            f"DeepSpeed AutoTP left {type(model).__name__}'s output layer whole, expected a vocabulary shard"
+        )
+    if shard is not None and cfg.train.chunked_loss:
+        install_chunked_head(shard, vocab, ntl_options(cfg.ntl), cfg.train.loss_chunk_tokens)
+    if tp > 1:
+        from deepspeed.utils import groups
+
+        dp_group, dp_rank, dp = groups.get_data_parallel_group(), groups.get_data_parallel_rank(), world // tp
+    else:
+        dp_group, dp_rank, dp = torch.distributed.group.WORLD, rank, world
+    tp_group, vocab_start = (shard.group, shard.start) if shard is not None else (None, None)
+    order = ShardedOrder(len(train_set), cfg.train.micro_batch_size, dp_rank, dp, cfg.data.seed)
+    params = list(model.parameters())
+    held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)  # this rank's part
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: the whole parameter
     with open(os.path.join(cfg.run_dir, f"zero_rank{rank}.json"), "w") as f:
-        json.dump({"held": held, "total": total, "host": socket.gethostname()}, f)
+        layout = {"held": held, "total": total, "host": socket.gethostname(), "tp": tp, "dp": dp, "dp_rank": dp_rank}
+        if shard is not None:
+            layout["vocab_shard"] = [shard.start, shard.end]
+        json.dump(layout, f)
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     start_step = 0
     if os.path.isfile(os.path.join(ckpt_dir, "latest")):
@@ -186,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         batches = [collate([train_set[i] for i in order.next_indices()], tokenizer.pad_token_id) for _ in range(ga)]
         causal = cfg.model.kind == "causal"  # seq2seq labels already align with the decoder's logits
         targets = [shift_for_causal(b["labels"]) if causal else b["labels"] for b in batches]
-        counts = global_counts(targets, vocab, None if world == 1 else torch.distributed.group.WORLD)
+        counts = global_counts(targets, vocab, None if dp == 1 else dp_group)
         totals = torch.zeros(5, dtype=torch.float64)
         for batch, target in zip(batches, targets):
             inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
@@ -194,14 +228,17 @@ def main(argv: list[str] | None = None) -> dict:
                 inputs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=target)
             if cfg.train.chunked_loss:
                 terms = engine(**inputs, targets=target)
-                loss, stats = loss_from_terms(terms, target, cfg.ntl, counts=counts, scale=ga * world)
+                loss, stats = loss_from_terms(terms, target, cfg.ntl, counts=counts, scale=ga * dp)
             else:
-                logits = engine(**inputs).logits
-                loss, stats = micro_batch_loss(logits, target, vocab, cfg.ntl, counts=counts, scale=ga * world)
+                logits = engine(**inputs).logits  # with TP: this rank's vocabulary shard
+                loss, stats = micro_batch_loss(
+                    logits, target, vocab, cfg.ntl, counts=counts, scale=ga * dp, tp_group=tp_group,
+                    vocab_start=vocab_start,
+                )  # fmt: skip
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             totals += torch.tensor([stats[k] for k in ("ce_sum", "ntl_sum", "tokens", "numbers", "hits")])
-        torch.distributed.all_reduce(totals)
+        torch.distributed.all_reduce(totals, group=dp_group)  # TP ranks hold the same sums: DP only
         ce, ntl = float(totals[0] / totals[2]), float(totals[1] / max(totals[3], 1))
         row = {
             "step": step,
@@ -235,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
             _shutdown()
             return {"stopped_at": step, "history": history}
     save(cfg.train.steps)
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None), gathered_weights(model):
         if rank == 0:  # a plain Hugging Face folder: from_pretrained(run_dir/hf_model) loads it
             model.save_pretrained(os.path.join(cfg.run_dir, "hf_model"))
             tokenizer.save_pretrained(os.path.join(cfg.run_dir, "hf_model"))
@@ -243,16 +280,17 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     for split, examples in (eval_sets if cfg.eval.at_end else {}).items():
         path = os.path.join(cfg.run_dir, f"predictions_{split}.jsonl") if rank == 0 else None
-        results[split] = evaluate_generation(
-            model,
-            tokenizer,
-            examples,
-            kind=cfg.model.kind,
-            max_new_tokens=cfg.eval.max_new_tokens,
-            num_beams=cfg.eval.num_beams,
-            synced_gpus=world > 1,
-            predictions_path=path,
-        )
+        with full_logits(shard):  # every rank generates the same answers; a TP head gathers its columns
+            results[split] = evaluate_generation(
+                model,
+                tokenizer,
+                examples,
+                kind=cfg.model.kind,
+                max_new_tokens=cfg.eval.max_new_tokens,
+                num_beams=cfg.eval.num_beams,
+                synced_gpus=world > 1,
+                predictions_path=path,
+            )
     if rank == 0:
         tracker.log({f"eval/{split}/{k}": v for split, m in results.items() for k, v in m.items()}, cfg.train.steps)
         tracker.finish()

@@ -238,6 +238,15 @@ class ChunkedLossCausalLM(torch.nn.Module):
         self.multiplier = logit_multiplier(model)
         install_chunked_head(linear_head(model), vocab, options or NTLOptions(), chunk_tokens)
 
+    @property
+    def loss_function(self) -> Any:
+        """The wrapped model's ``loss_function`` hook (DeepSpeed AutoTP sets it on the module it is given)."""
+        return self.model.loss_function
+
+    @loss_function.setter
+    def loss_function(self, value: Any) -> None:
+        self.model.loss_function = value
+
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, targets: torch.Tensor | None = None
     ) -> PerTokenTerms:

@@ -135,9 +135,13 @@ class TrainConfig:
     ``[tokens, vocab]`` logits (causal models; ``ntl_scale.linear_ce_ntl``)."""
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the chunked loss (default: about 2**26 logits per chunk)."""
+    tensor_parallel_size: int = 1
+    """DeepSpeed AutoTP size: the model and its output layer are split over this many ranks, the
+    vocabulary too (CE + NTL on the local shard); the world size must be a multiple of it, the rest is
+    data parallel. Needs a ZeRO stage 0, 1 or 2 DeepSpeed JSON and a model AutoTP can split."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "gradient_accumulation_steps"):
+        for name in ("steps", "micro_batch_size", "gradient_accumulation_steps", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:

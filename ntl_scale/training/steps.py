@@ -19,15 +19,48 @@ __all__ = ["global_counts", "micro_batch_loss", "resolve_deepspeed_config", "shi
 def resolve_deepspeed_config(ds: dict[str, Any], train: TrainConfig, world_size: int) -> dict[str, Any]:
     """Fills DeepSpeed's ``"auto"`` values from the training config; a contradiction is an error.
 
+    With ``train.tensor_parallel_size`` N > 1 the JSON gets ``"tensor_parallel": {"autotp_size": N,
+    "vocab_parallel_lm_head": true}`` and the batch size counts data-parallel ranks only.
+
     Args:
         ds: the DeepSpeed JSON as a dict.
         train: the training section of the run config.
-        world_size: the data-parallel size.
+        world_size: all ranks (data x tensor parallel).
 
     Returns:
         A resolved copy.
     """
     ds = copy.deepcopy(ds)
+    tp = train.tensor_parallel_size
+    if world_size % tp:
+        raise ValueError(
+            f"train.tensor_parallel_size={tp} does not divide the {world_size} ranks; launch a multiple of {tp} "
+            "processes (the rest of the world is data parallel)"
+        )
+    section = ds.setdefault("tensor_parallel", {})
+    given = section.get("autotp_size", tp if tp > 1 else 0)
+    if given not in (tp, "auto") and not (tp == 1 and given in (0, 1)):
+        raise ValueError(
+            f"DeepSpeed tensor_parallel.autotp_size={given!r} contradicts train.tensor_parallel_size={tp}; "
+            'drop it from the JSON or set it to "auto"'
+        )
+    if tp > 1:
+        stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+        if stage == 3:
+            raise ValueError(
+                f"train.tensor_parallel_size={tp} with a ZeRO stage 3 DeepSpeed JSON: AutoTP combines with ZeRO "
+                "stages 0, 1 and 2 in DeepSpeed's documentation; use train.deepspeed_config="
+                "configs/deepspeed/zero1.json (or zero2.json)"
+            )
+        if section.get("vocab_parallel_lm_head") is False:
+            raise ValueError(
+                "tensor_parallel.vocab_parallel_lm_head=false in the DeepSpeed JSON: ntl_scale computes CE + NTL on "
+                "the vocabulary shard; remove the key"
+            )
+        section.update(autotp_size=tp, vocab_parallel_lm_head=True)
+    elif not section:
+        del ds["tensor_parallel"]  # nothing asked for: the JSON stays as it was
+    world_size //= tp
     wanted = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
@@ -43,6 +76,10 @@ def resolve_deepspeed_config(ds: dict[str, Any], train: TrainConfig, world_size:
                 f"(train.micro_batch_size={train.micro_batch_size}, train.gradient_accumulation_steps="
                 f'{train.gradient_accumulation_steps}, {world_size} ranks); set it to "auto" or make them agree'
             )
+    if tp > 1:
+        # DeepSpeed 0.19 checks train_batch_size against micro x accumulation x *all* ranks while AutoTP
+        # is set up (its data-parallel size is known only later); let it derive the value.
+        ds.pop("train_batch_size", None)
     bf16 = ds.get("bf16", {})
     if bf16.get("enabled") == "auto":
         bf16["enabled"] = train.bf16
@@ -67,7 +104,7 @@ def shift_for_causal(labels: torch.Tensor) -> torch.Tensor:
 def global_counts(
     targets: list[torch.Tensor], vocab: NumberVocab, group: dist.ProcessGroup | None
 ) -> tuple[float, float]:
-    """Target tokens and number-token targets of a whole step: all micro-batches, all DP ranks.
+    """Target tokens and number-token targets of a whole step: all micro-batches, all DP ranks (``group``).
 
     One SUM all-reduce of two numbers over ``group``; computed from the labels before the forward.
     """
@@ -88,15 +125,20 @@ def micro_batch_loss(
     *,
     counts: tuple[float, float] | None,
     scale: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss to back-propagate for one micro-batch, and its logging sums.
+
+    ``logits`` may be a vocabulary shard (``tp_group``, its first id ``vocab_start``): the fused op
+    then runs on the shard with two all-reduces over ``tp_group`` per call.
 
     ``global`` normalisation: ``(sum CE / N + w * sum NTL / K) * scale`` with ``N``, ``K`` the step's
     global counts; ``scale`` undoes the engine's own averaging (gradient-accumulation steps x DP
     size), so the optimizer sees exactly ``sum over the global batch / global count``.
     ``micro-batch``: ``mean CE + w * mean NTL`` of this micro-batch (the engine averages those).
     """
-    terms = per_token_ce_ntl(logits, targets, vocab, ntl_options(ntl))
+    terms = per_token_ce_ntl(logits, targets, vocab, ntl_options(ntl), tp_group=tp_group, vocab_start=vocab_start)
     return loss_from_terms(terms, targets, ntl, counts=counts, scale=scale)
 
 

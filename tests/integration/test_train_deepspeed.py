@@ -167,3 +167,61 @@ def test_runs_from_another_directory_without_the_optional_packages(tmp_path):
     assert "wandb offline log skipped" in out.stdout
     assert not (tmp_path / "run" / "loss_curves.png").exists()
     assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "finished"
+
+
+TP_CONFIG = ("--config", str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"))
+TP_COMMON = ("train.steps=3", "eval.at_end=false", "tracking.wandb=disabled", "train.log_every=1")
+
+
+def _layout(run: Path, rank: int) -> dict:
+    return json.loads((run / f"zero_rank{rank}.json").read_text())
+
+
+def test_tensor_parallel_equals_one_process(tmp_path):
+    """AutoTP with a vocabulary-parallel head: TP=2 and TP=2 x DP=2 train as one process does.
+
+    Same global batch of 4 sequences per step, a Llama-style model built from a config, ZeRO-1 (and
+    ZeRO-2 at TP=2): per-step CE, NTL, number accuracy and gradient norm equal the one-process run
+    (1e-5) for 3 steps; the logits the loss sees are the local vocabulary shard (80 ids split 40/40),
+    also with the chunked loss; the exported Hugging Face model is whole.
+    """
+    runs = {
+        "tp1": ((*TP_CONFIG, "train.tensor_parallel_size=1", "train.micro_batch_size=4"), 1),
+        "tp2": ((*TP_CONFIG, "train.micro_batch_size=4"), 2),
+        "tp2_zero2": (
+            (*TP_CONFIG, "train.micro_batch_size=4", "train.deepspeed_config=configs/deepspeed/zero2.json"),
+            2,
+        ),
+        "tp2_chunked": ((*TP_CONFIG, "train.micro_batch_size=4", "train.chunked_loss=true"), 2),
+        "tp2_dp2": ((*TP_CONFIG, "train.micro_batch_size=2"), 4),
+    }
+    metrics = {}
+    for name, (overrides, nproc) in runs.items():
+        _train(tmp_path / name, *overrides, *TP_COMMON, nproc=nproc)
+        metrics[name] = _metrics(tmp_path / name)
+    reference = metrics.pop("tp1")
+    assert len(reference) == 3 and all(row["ntl"] > 0 for row in reference)
+    for name, rows in metrics.items():
+        for want, got in zip(reference, rows, strict=True):
+            for key in ("ce", "ntl", "number_acc", "grad_norm"):
+                assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (name, key, want, got)
+    for name in ("tp2", "tp2_chunked"):
+        assert [_layout(tmp_path / name, r)["vocab_shard"] for r in (0, 1)] == [[0, 40], [40, 80]]
+    layouts = [_layout(tmp_path / "tp2_dp2", r) for r in range(4)]
+    assert sorted((x["dp_rank"], tuple(x["vocab_shard"])) for x in layouts) == [
+        (0, (0, 40)), (0, (40, 80)), (1, (0, 40)), (1, (40, 80))
+    ]  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2" / "hf_model")
+    assert exported.lm_head.weight.shape[0] == 80
+
+
+def test_tensor_parallel_refusals(tmp_path):
+    zero1 = "train.deepspeed_config=configs/deepspeed/zero1.json"
+    out = _train(tmp_path / "gpt2", "train.tensor_parallel_size=2", zero1, "train.steps=1", check=False)
+    assert out.returncode != 0 and "AutoTP cannot split GPT2LMHeadModel" in out.stdout + out.stderr
+    out = _train(tmp_path / "zero3", *TP_CONFIG, "train.deepspeed_config=configs/deepspeed/zero3.json", check=False)
+    assert out.returncode != 0 and "ZeRO stage 3" in out.stdout + out.stderr
+    out = _train(tmp_path / "odd", *TP_CONFIG, "train.tensor_parallel_size=2", nproc=1, check=False)
+    assert out.returncode != 0 and "does not divide the 1 ranks" in out.stdout + out.stderr
