@@ -6,6 +6,8 @@ resumable data order; causal shifting and global counts against direct counting.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -96,7 +98,16 @@ def test_examples_from_files(tmp_path):
     assert len(examples) == 10 and {k: len(v) for k, v in sets.items()} == {"interpolate": 3, "extrapolate": 3}
 
 
-@pytest.mark.parametrize("name", ["tiny_cpu.yaml", "granite-3.2-2b_zero3.yaml", "t5-3b_zero3.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny_cpu.yaml",
+        "granite-3.2-2b_zero3.yaml",
+        "t5-3b_zero3.yaml",
+        "tiny_cpu_tp2.yaml",
+        "granite-3.2-2b_tp2_zero1.yaml",
+    ],
+)
 def test_shipped_configs_load_and_resolve(name):
     import json
     from pathlib import Path
@@ -104,7 +115,13 @@ def test_shipped_configs_load_and_resolve(name):
     root = Path(__file__).resolve().parents[2]
     path = root / "configs" / "train" / name
     cfg = load_config(str(path))
-    with open(root / cfg.train.deepspeed_config) as f:
+    assert os.path.isabs(cfg.train.deepspeed_config)  # resolved, so a run starts from any directory
+    with open(cfg.train.deepspeed_config) as f:
         ds = resolve_deepspeed_config(json.load(f), cfg.train, world_size=8)
-    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] == cfg.train.bf16
+    assert ds["bf16"]["enabled"] == cfg.train.bf16
+    if cfg.train.tensor_parallel_size > 1:  # AutoTP: ZeRO 1/2, the vocabulary-parallel head asked for
+        assert ds["zero_optimization"]["stage"] in (1, 2)
+        assert ds["tensor_parallel"] == {"autotp_size": cfg.train.tensor_parallel_size, "vocab_parallel_lm_head": True}
+    else:
+        assert ds["zero_optimization"]["stage"] == 3 and "tensor_parallel" not in ds
     assert "launch/train.py" in path.read_text().split("run_dir:")[0]  # the header gives the launch command
