@@ -184,12 +184,23 @@ def main(argv: list[str] | None = None) -> dict:
         json.dump(layout, f)
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     start_step = 0
+    layout_path = os.path.join(ckpt_dir, "layout.json")  # the parallel layout the checkpoints were written with
     if os.path.isfile(os.path.join(ckpt_dir, "latest")):
+        check_layout(layout_path, {"data_parallel": dp, "tensor_parallel": tp}, cfg.run_dir)
         _, client = engine.load_checkpoint(ckpt_dir)
         start_step, order.position = client["step"], client["order_position"]
         torch.set_rng_state(client["rng"])
         if rank == 0:
             print(f"resumed from step {start_step}", flush=True)
+        if start_step >= cfg.train.steps:  # started again after it finished: say so, change nothing
+            if rank == 0:
+                print(
+                    f"{cfg.run_dir} already finished: its checkpoint is at step {start_step} of train.steps="
+                    f"{cfg.train.steps}; nothing to do (raise train.steps to train on, or use a new run_dir)",
+                    flush=True,
+                )
+            _shutdown()
+            return {"finished_before": start_step, "history": []}
 
     stop = {"signal": 0}
     for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -200,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine.save_checkpoint(ckpt_dir, tag=f"step{step}", client_state=client, save_latest=False)
         torch.distributed.barrier()  # every rank's shard is on disk before "latest" points at it
         if rank == 0:  # a crash before this line leaves "latest" at the previous, complete checkpoint
+            write_layout(layout_path, {"data_parallel": dp, "tensor_parallel": tp})
             with open(os.path.join(ckpt_dir, "latest.tmp"), "w") as f:
                 f.write(f"step{step}")
             os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
@@ -308,6 +320,29 @@ def main(argv: list[str] | None = None) -> dict:
     _write_status(cfg.run_dir, rank, "finished", cfg.train.steps)
     _shutdown()
     return {"history": history, "eval": results}
+
+
+def write_layout(path: str, layout: dict) -> None:
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(layout, f)
+    os.replace(f"{path}.tmp", path)
+
+
+def check_layout(path: str, now: dict, run_dir: str) -> None:
+    """Stops before any step when the checkpoints were written with another parallel layout."""
+    if not os.path.isfile(path):
+        return  # written before the layout was recorded: DeepSpeed's own check applies
+    with open(path) as f:
+        then = json.load(f)
+    if then != now:
+        written = " x ".join(f"{k.replace('_', ' ')} {v}" for k, v in then.items())
+        current = " x ".join(f"{k.replace('_', ' ')} {v}" for k, v in now.items())
+        raise ValueError(
+            f"the checkpoints in {run_dir}/checkpoints were written with {written} ranks; this run has {current}. "
+            f"Resume with the same layout ({then['data_parallel'] * then['tensor_parallel']} processes and "
+            f"train.tensor_parallel_size={then['tensor_parallel']}), or start a new run_dir; resuming on another "
+            "number of ranks is not supported yet"
+        )
 
 
 def _write_status(run_dir: str, rank: int, state: str, step: int) -> None:

@@ -89,6 +89,18 @@ def test_resume_continues_the_same_curve(tmp_path):
     assert [r["step"] for r in b] == list(range(1, 9))  # no step logged twice
     for x, y in zip(a, b):
         assert abs(x["ce"] - y["ce"]) <= 1e-6 * abs(x["ce"]) and abs(x["ntl"] - y["ntl"]) <= 1e-6 * abs(x["ntl"])
+    # started again after it finished: it says so, trains nothing, changes nothing
+    before = (parted / "metrics.jsonl").read_text()
+    again = _train(parted, "train.steps=8", *common)
+    assert "already finished: its checkpoint is at step 8 of train.steps=8" in again.stdout
+    assert (parted / "metrics.jsonl").read_text() == before
+    # resumed on another number of ranks: stopped before any step, saying what changed
+    other = _train(parted, "train.steps=12", *common, nproc=1, check=False)
+    assert other.returncode != 0
+    assert "written with data parallel 2 x tensor parallel 1 ranks; this run has data parallel 1" in (
+        other.stdout + other.stderr
+    )
+    assert (parted / "metrics.jsonl").read_text() == before
 
 
 # no dropout: its masks depend on how the batch is split
