@@ -67,7 +67,7 @@ def install_chunked_head(
         hidden = ColumnParallel.apply(layer.mp_group, hidden)
         terms = linear_ce_ntl(
             hidden, layer.weight, targets, vocab, options, tp_group=layer.mp_group, chunk_tokens=chunk_tokens,
-            vocab_start=shard.start,
+            vocab_start=shard.start, proportional_grad=not options.reweigh,  # CE summed over valid targets
         )  # fmt: skip
         return tuple(terms)
 

@@ -122,7 +122,17 @@ def install_chunked_head(
     def head_forward(layer: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         if targets is None:
             return F.linear(hidden, layer.weight)
-        terms = linear_ce_ntl(hidden, layer.weight, targets, vocab, options, chunk_tokens=chunk_tokens)
+        # the callers (apply_ntl's forward, ChunkedLossCausalLM with launch/train.py) sum CE over the valid
+        # targets, so the backward may reuse the forward's weight gradient without a host-side check
+        terms = linear_ce_ntl(
+            hidden,
+            layer.weight,
+            targets,
+            vocab,
+            options,
+            chunk_tokens=chunk_tokens,
+            proportional_grad=not options.reweigh,
+        )
         return tuple(terms)  # a plain tuple: ZeRO-3 hooks walk it to re-gather for the backward
 
     head.forward = types.MethodType(head_forward, head)  # type: ignore[method-assign]
