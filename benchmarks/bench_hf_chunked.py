@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import rss_mib
+from common import machine, rss_mib, run_child, tiny_llama
 
 VARIANTS = {
     "ce": "model's own CE (no NTL)",
@@ -34,18 +32,12 @@ VARIANTS = {
 
 def run_variant(name: str, batch: int, seq: int, vocab_size: int, hidden: int) -> dict:
     import torch
-    import transformers
 
     import ntl_scale
     from ntl_scale.integrations.hf_loss import apply_ntl
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).train()
+    model = tiny_llama(vocab_size, hidden, seq)
     vocab = ntl_scale.NumberVocab.from_id_to_token({100 + d: str(d) for d in range(10)}, vocab_size=vocab_size)
     if name == "logits":
         apply_ntl(model, vocab)
@@ -92,13 +84,11 @@ def main() -> None:
     for name in VARIANTS:
         cmd = [sys.executable, __file__, "--child", name, "--batch", sizes[0], "--seq", sizes[1]]
         cmd += ["--vocab", sizes[2], "--hidden", sizes[3]]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        rows.append(run_child(cmd))
     logits_mib = args.batch * args.seq * args.vocab * 4 / 2**20
     print(
         f"Llama, 2 layers, hidden {args.hidden}, {args.batch} x {args.seq} tokens, vocab {args.vocab}, fp32 logits = "
-        f"{logits_mib:.0f} MiB; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads "
-        f"{os.environ.get('BENCH_THREADS', '2')}\n"
+        f"{logits_mib:.0f} MiB; {machine()}\n"
     )
     print("| variant | peak step memory (MiB) | x logits | time fwd+bwd (s) | loss |")
     print("|---|---:|---:|---:|---:|")

@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import rss_mib, word_level_tokenizer
+from common import machine, rss_mib, run_child, word_level_tokenizer
 
 VARIANTS = {
     "ce": "F.cross_entropy alone (baseline)",
@@ -116,14 +114,9 @@ def main() -> None:
     rows = []
     for name in args.variants.split(","):
         cmd = [sys.executable, __file__, "--child", name, "--tokens", str(args.tokens), "--vocab", str(args.vocab)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        rows.append(run_child(cmd))
     logits_mib = args.tokens * args.vocab * 4 / 2**20
-    print(
-        f"tokens x vocab = {args.tokens} x {args.vocab}, fp32 logits = {logits_mib:.0f} MiB; "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads "
-        f"{os.environ.get('BENCH_THREADS', '2')}\n"
-    )
+    print(f"tokens x vocab = {args.tokens} x {args.vocab}, fp32 logits = {logits_mib:.0f} MiB; {machine()}\n")
     print("| variant | peak extra memory (MiB) | x logits | time fwd+bwd (s) | loss |")
     print("|---|---:|---:|---:|---:|")
     for row in rows:

@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import rss_mib, word_level_tokenizer
+from common import machine, rss_mib, run_child, tiny_llama, word_level_tokenizer
 
 VARIANTS = {
     "ce": "CE alone",
@@ -40,7 +38,6 @@ VARIANTS = {
 def run_variant(name: str, vocab_size: int, batch: int, seq: int, hidden: int, steps: int) -> dict:
     import torch
     import torch.nn.functional as F
-    import transformers
 
     import ntl_scale
 
@@ -56,12 +53,7 @@ def run_variant(name: str, vocab_size: int, batch: int, seq: int, hidden: int, s
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             reference = ntloss.NTLoss(tokenizer, reweigh=False)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).train()
+    model = tiny_llama(vocab_size, hidden, seq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, vocab_size, (batch, seq), generator=g)
@@ -115,11 +107,7 @@ def main() -> None:
         return
     import importlib.util
 
-    print(
-        f"Llama, 2 layers, hidden {args.hidden}, {args.batch} x {args.seq} tokens, fp32, AdamW; "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads "
-        f"{os.environ.get('BENCH_THREADS', '2')}\n"
-    )
+    print(f"Llama, 2 layers, hidden {args.hidden}, {args.batch} x {args.seq} tokens, fp32, AdamW; {machine()}\n")
     print("| vocab | variant | step time (s) | x CE alone | peak memory (MiB) | x CE alone | loss |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for vocab in args.vocab.split(","):
@@ -130,8 +118,7 @@ def main() -> None:
                 continue
             cmd = [sys.executable, __file__, "--child", name, "--vocab", vocab, "--batch", str(args.batch)]
             cmd += ["--seq", str(args.seq), "--hidden", str(args.hidden), "--steps", str(args.steps)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            rows.append(run_child(cmd))
         base = rows[0]
         for row in rows:
             time_ratio, memory_ratio = row["time_s"] / base["time_s"], row["peak_mib"] / base["peak_mib"]

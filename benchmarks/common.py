@@ -1,8 +1,11 @@
-"""Shared benchmark helpers: a synthetic tokenizer of any size and a peak-RSS sampler."""
+"""Shared benchmark helpers: a synthetic tokenizer, a small Llama, variant subprocesses, a peak-RSS sampler."""
 
 from __future__ import annotations
 
+import json
 import os
+import platform
+import subprocess
 import threading
 import time
 
@@ -17,6 +20,31 @@ def word_level_tokenizer(vocab_size: int):
     raw = Tokenizer(models.WordLevel(words, unk_token="w10"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w10")
+
+
+def tiny_llama(vocab_size: int, hidden: int, seq: int):
+    """A seeded 2-layer ``LlamaForCausalLM`` (untied head) in training mode, built from a config."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def run_child(cmd: list[str]) -> dict:
+    """Runs one variant in a fresh process; its result is the JSON on the last line of its stdout."""
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def machine() -> str:
+    """The CPU, its cores and the torch threads the benchmarks use (``BENCH_THREADS``, default 2)."""
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} cores, torch threads {os.environ.get('BENCH_THREADS', '2')}"
 
 
 def rss_mib() -> float:
