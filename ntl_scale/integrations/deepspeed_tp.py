@@ -34,7 +34,6 @@ class HeadShard(NamedTuple):
     group: Any
     start: int
     end: int
-    vocab_size: int
 
 
 def head_shard(model: torch.nn.Module) -> HeadShard | None:
@@ -45,7 +44,7 @@ def head_shard(model: torch.nn.Module) -> HeadShard | None:
     if len(heads) > 1:
         raise ValueError(f"found {len(heads)} vocabulary-parallel output layers; expected one")
     head: Any = heads[0]
-    return HeadShard(head, head.mp_group, int(head.vocab_start_index), int(head.vocab_end_index), int(head.vocab_size))
+    return HeadShard(head, head.mp_group, int(head.vocab_start_index), int(head.vocab_end_index))
 
 
 def install_chunked_head(

@@ -38,8 +38,8 @@ def resolve_deepspeed_config(ds: dict[str, Any], train: TrainConfig, world_size:
             "processes (the rest of the world is data parallel)"
         )
     section = ds.setdefault("tensor_parallel", {})
-    given = section.get("autotp_size", tp if tp > 1 else 0)
-    if given not in (tp, "auto") and not (tp == 1 and given in (0, 1)):
+    given = section.get("autotp_size", tp)
+    if given not in (tp, "auto") and not (tp == 1 and given == 0):  # DeepSpeed's own "off" is 0
         raise ValueError(
             f"DeepSpeed tensor_parallel.autotp_size={given!r} contradicts train.tensor_parallel_size={tp}; "
             'drop it from the JSON or set it to "auto"'

@@ -94,20 +94,19 @@ def test_table_larger_than_the_model_is_refused(setup):
 # -- 3. apply_ntl(chunked=True): the hidden-state loss ------------------------------------------------
 
 
+# the decoder size of every Llama-family model these tests build from a config
+TINY = dict(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+    max_position_embeddings=64,
+)  # fmt: skip
+
+
 def _tiny(kind: str, vocab_size: int):
     torch.manual_seed(1)
     if kind == "gpt2":
         config = transformers.GPT2Config(vocab_size=vocab_size, n_embd=16, n_layer=1, n_head=2, n_positions=64)
         return transformers.GPT2LMHeadModel(config)
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
+    common = dict(vocab_size=vocab_size, **TINY)
     if kind == "granite":  # logits divided by logits_scaling; tied embeddings
         return transformers.GraniteForCausalLM(transformers.GraniteConfig(**common, logits_scaling=8.0))
     if kind == "cohere":  # logits multiplied by logit_scale
@@ -171,16 +170,7 @@ def test_chunked_refuses_what_it_cannot_reproduce(setup):
     from ntl_scale.integrations.hf_chunked import check_head
 
     _, vocab, _ = setup
-    common = dict(
-        vocab_size=vocab.vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=64,
-    )
+    common = dict(vocab_size=vocab.vocab_size, head_dim=8, **TINY)
     gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, final_logit_softcapping=30.0))
     with pytest.raises(ValueError, match="soft-caps its logits"):
         apply_ntl(gemma, vocab, chunked=True)
