@@ -101,6 +101,8 @@ def main() -> None:
         for name, entry in (("first", logged[0]), ("last", logged[-1])) if logged else ():
             terms = f"loss {entry['loss']:.4f}, ce {entry['ce']:.4f}, ntl {entry['ntl']:.4f}"
             print(f"{name} log: step {entry['step']}, {terms}")
+    if torch.distributed.is_initialized():  # shut the process group down before exit (a live one can abort it)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

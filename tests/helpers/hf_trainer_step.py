@@ -120,6 +120,8 @@ def main() -> None:
             },
             out,
         )
+    if torch.distributed.is_initialized():  # an orderly shutdown: a live gloo group can abort the process at exit
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
