@@ -31,6 +31,7 @@ from ntl_scale.integrations.deepspeed_tp import full_logits, gathered_weights, h
 from ntl_scale.training.config import RunConfig, load_config
 from ntl_scale.training.data import load_examples
 from ntl_scale.training.evaluate import evaluate_generation
+from ntl_scale.training.resume import Layout, plan_resume, read_layout, to_universal, write_layout
 from ntl_scale.training.steps import (
     global_counts,
     loss_from_terms,
@@ -113,10 +114,22 @@ def main(argv: list[str] | None = None) -> dict:
     import deepspeed
 
     os.makedirs(cfg.run_dir, exist_ok=True)
-    if rank == 0:
-        cfg.save(os.path.join(cfg.run_dir, "config.json"))
     with open(cfg.train.deepspeed_config) as f:
         ds_config = resolve_deepspeed_config(json.load(f), cfg.train, world)
+    cfg.train.gradient_accumulation_steps = ga = ds_config["gradient_accumulation_steps"]  # global_batch_size
+    if rank == 0:
+        cfg.save(os.path.join(cfg.run_dir, "config.json"))
+    tp = cfg.train.tensor_parallel_size
+    dp = world // tp
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    layout = Layout(dp, tp, cfg.train.micro_batch_size * ga * dp)
+    resume = plan_resume(ckpt_dir, layout)  # a change that cannot continue the run stops here, before any step
+    if resume == "universal":  # written on another number of ranks: DeepSpeed re-partitions a universal copy
+        if rank == 0:
+            print(f"resuming {cfg.run_dir} (written with {read_layout(ckpt_dir).describe()}) on "
+                  f"{layout.describe()}: converting its checkpoint to DeepSpeed's universal format", flush=True)
+        _on_rank_zero(rank, lambda: to_universal(ckpt_dir))
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
     tokenizer = build_tokenizer(cfg)
     if cfg.model.path:
@@ -143,7 +156,6 @@ def main(argv: list[str] | None = None) -> dict:
         from ntl_scale.integrations.hf import ChunkedLossCausalLM
 
         trained = ChunkedLossCausalLM(model, vocab, ntl_options(cfg.ntl), cfg.train.loss_chunk_tokens)
-    tp = cfg.train.tensor_parallel_size
     if tp > 1 and cfg.model.kind != "causal":
         raise ValueError(
             f"train.tensor_parallel_size={tp} supports model.kind=causal (a vocabulary-parallel lm_head); "
@@ -169,26 +181,28 @@ def main(argv: list[str] | None = None) -> dict:
     if tp > 1:
         from deepspeed.utils import groups
 
-        dp_group, dp_rank, dp = groups.get_data_parallel_group(), groups.get_data_parallel_rank(), world // tp
+        dp_group, dp_rank = groups.get_data_parallel_group(), groups.get_data_parallel_rank()
     else:
-        dp_group, dp_rank, dp = torch.distributed.group.WORLD, rank, world
+        dp_group, dp_rank = torch.distributed.group.WORLD, rank
     tp_group, vocab_start = (shard.group, shard.start) if shard is not None else (None, None)
-    order = ShardedOrder(len(train_set), cfg.train.micro_batch_size, dp_rank, dp, cfg.data.seed)
+    order = ShardedOrder(len(train_set), cfg.train.micro_batch_size, dp_rank, dp, cfg.data.seed, accumulation=ga)
     params = list(model.parameters())
     held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)  # this rank's part
     total = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: the whole parameter
     with open(os.path.join(cfg.run_dir, f"zero_rank{rank}.json"), "w") as f:
-        layout = {"held": held, "total": total, "host": socket.gethostname(), "tp": tp, "dp": dp, "dp_rank": dp_rank}
+        part = {"held": held, "total": total, "host": socket.gethostname(), "tp": tp, "dp": dp, "dp_rank": dp_rank}
         if shard is not None:
-            layout["vocab_shard"] = [shard.start, shard.end]
-        json.dump(layout, f)
-    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+            part["vocab_shard"] = [shard.start, shard.end]
+        json.dump(part, f)
     start_step = 0
-    layout_path = os.path.join(ckpt_dir, "layout.json")  # the parallel layout the checkpoints were written with
-    if os.path.isfile(os.path.join(ckpt_dir, "latest")):
-        check_layout(layout_path, {"data_parallel": dp, "tensor_parallel": tp}, cfg.run_dir)
+    if resume:
         _, client = engine.load_checkpoint(ckpt_dir)
-        start_step, order.position = client["step"], client["order_position"]
+        if "examples_consumed" not in client:
+            raise ValueError(
+                f"{ckpt_dir} was written by an older launch/train.py (its data position counts micro-batches); "
+                "finish it with that version or start a new run_dir"
+            )
+        start_step, order.position = client["step"], client["examples_consumed"]
         torch.set_rng_state(client["rng"])
         if rank == 0:
             print(f"resumed from step {start_step}", flush=True)
@@ -207,11 +221,11 @@ def main(argv: list[str] | None = None) -> dict:
         signal.signal(sig, lambda num, _frame: stop.update(signal=num))
 
     def save(step: int) -> None:
-        client = {"step": step, "order_position": order.position, "rng": torch.get_rng_state()}
+        client = {"step": step, "examples_consumed": order.position, "rng": torch.get_rng_state()}
         engine.save_checkpoint(ckpt_dir, tag=f"step{step}", client_state=client, save_latest=False)
         torch.distributed.barrier()  # every rank's shard is on disk before "latest" points at it
         if rank == 0:  # a crash before this line leaves "latest" at the previous, complete checkpoint
-            write_layout(layout_path, {"data_parallel": dp, "tensor_parallel": tp})
+            write_layout(ckpt_dir, layout)
             with open(os.path.join(ckpt_dir, "latest.tmp"), "w") as f:
                 f.write(f"step{step}")
             os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
@@ -225,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
             kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start_step]
         with open(metrics_path, "w") as f:
             f.writelines(kept)
-    ga, clock, history = cfg.train.gradient_accumulation_steps, time.time(), []
+    clock, history = time.time(), []
     for step in range(start_step + 1, cfg.train.steps + 1):
         for group in engine.optimizer.param_groups:
             group["lr"] = cfg.train.lr * min(1.0, step / max(cfg.train.warmup_steps, 1))
@@ -322,27 +336,20 @@ def main(argv: list[str] | None = None) -> dict:
     return {"history": history, "eval": results}
 
 
-def write_layout(path: str, layout: dict) -> None:
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(layout, f)
-    os.replace(f"{path}.tmp", path)
-
-
-def check_layout(path: str, now: dict, run_dir: str) -> None:
-    """Stops before any step when the checkpoints were written with another parallel layout."""
-    if not os.path.isfile(path):
-        return  # written before the layout was recorded: DeepSpeed's own check applies
-    with open(path) as f:
-        then = json.load(f)
-    if then != now:
-        written = " x ".join(f"{k.replace('_', ' ')} {v}" for k, v in then.items())
-        current = " x ".join(f"{k.replace('_', ' ')} {v}" for k, v in now.items())
-        raise ValueError(
-            f"the checkpoints in {run_dir}/checkpoints were written with {written} ranks; this run has {current}. "
-            f"Resume with the same layout ({then['data_parallel'] * then['tensor_parallel']} processes and "
-            f"train.tensor_parallel_size={then['tensor_parallel']}), or start a new run_dir; resuming on another "
-            "number of ranks is not supported yet"
-        )
+def _on_rank_zero(rank: int, work) -> None:
+    """Runs ``work`` on rank 0 while the others wait; if it fails, every rank stops (none waits forever)."""
+    failed = torch.tensor([0])
+    error = None
+    if rank == 0:
+        try:
+            work()
+        except Exception as exc:  # re-raised below, after the other ranks have been told
+            failed[0], error = 1, exc
+    torch.distributed.broadcast(failed, src=0)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise RuntimeError("rank 0 failed preparing the checkpoint (its error is above); stopping")
 
 
 def _write_status(run_dir: str, rank: int, state: str, step: int) -> None:

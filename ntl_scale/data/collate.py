@@ -58,21 +58,29 @@ def collate(batch: Sequence[EncodedExample], pad_id: int) -> dict[str, torch.Ten
 class ShardedOrder:
     """A deterministic, resumable order of example indices for one data-parallel rank.
 
-    Each epoch is a seeded permutation of all examples; the global batch of micro-batch ``i`` (over
-    all ranks) is a contiguous slice of that sequence, and rank ``r`` takes its part. The state is a
-    single integer (micro-batches consumed), saved with checkpoints.
+    Each epoch is a seeded permutation of all examples, cut into optimizer steps of
+    ``micro_batch_size x world_size x accumulation`` examples (a remainder too small for a step is left
+    out of that epoch). Each micro-batch takes the next ``micro_batch_size x world_size`` examples and
+    rank ``r`` takes its part of them. The state, ``position``, counts the examples consumed over all
+    ranks: at a step boundary it depends only on the steps taken and the global batch, so a run resumed
+    on another number of ranks (same global batch, accumulation adjusted) sees the same examples.
 
     Args:
         num_examples: dataset size.
         micro_batch_size: sequences per micro-batch per rank.
         rank, world_size: this data-parallel rank and the data-parallel size.
         seed: the shuffling seed.
+        accumulation: micro-batches per optimizer step.
     """
 
-    def __init__(self, num_examples: int, micro_batch_size: int, rank: int, world_size: int, seed: int) -> None:
-        if num_examples < micro_batch_size * world_size:
+    def __init__(
+        self, num_examples: int, micro_batch_size: int, rank: int, world_size: int, seed: int, accumulation: int = 1
+    ) -> None:
+        self.per_step = micro_batch_size * world_size * accumulation
+        if num_examples < self.per_step:
             raise ValueError(
-                f"{num_examples} examples cannot fill one micro-batch of {micro_batch_size} on {world_size} ranks"
+                f"{num_examples} examples cannot fill one step of {micro_batch_size} sequences x {world_size} "
+                f"ranks x {accumulation} accumulation steps; use more data or a smaller batch"
             )
         self.num_examples, self.micro_batch_size = num_examples, micro_batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
@@ -85,9 +93,8 @@ class ShardedOrder:
 
     def next_indices(self) -> list[int]:
         """This rank's example indices of the next micro-batch."""
-        per_global = self.micro_batch_size * self.world_size
-        per_epoch = self.num_examples // per_global
-        epoch, index = divmod(self.position, per_epoch)
-        start = index * per_global + self.rank * self.micro_batch_size
-        self.position += 1
+        per_epoch = self.num_examples // self.per_step * self.per_step
+        epoch, offset = divmod(self.position, per_epoch)
+        start = offset + self.rank * self.micro_batch_size
+        self.position += self.micro_batch_size * self.world_size
         return self._epoch(epoch)[start : start + self.micro_batch_size]

@@ -113,7 +113,11 @@ class TrainConfig:
     micro_batch_size: int = 16
     """Sequences per micro-batch per rank."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step."""
+    """Micro-batches per optimizer step (derived when ``global_batch_size`` is set)."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all data-parallel ranks. When set, the accumulation steps are
+    derived from it (``global / (micro_batch_size x data-parallel ranks)``), so a job restarted on
+    another number of GPUs keeps its batch and resumes its curve (Megatron's convention)."""
     lr: float = 3e-3
     """Peak learning rate."""
     warmup_steps: int = 10
@@ -144,8 +148,23 @@ class TrainConfig:
         for name in ("steps", "micro_batch_size", "gradient_accumulation_steps", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"train.global_batch_size must be >= 1 or null, got {self.global_batch_size}")
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
             raise ValueError(f"train.loss_chunk_tokens must be >= 1 or null, got {self.loss_chunk_tokens}")
+
+    def accumulation_for(self, data_parallel: int) -> int:
+        """Micro-batches per optimizer step on ``data_parallel`` ranks (from ``global_batch_size`` if set)."""
+        if self.global_batch_size is None:
+            return self.gradient_accumulation_steps
+        per_micro_batch = self.micro_batch_size * data_parallel
+        if self.global_batch_size % per_micro_batch:
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of train.micro_batch_size="
+                f"{self.micro_batch_size} x {data_parallel} data-parallel ranks = {per_micro_batch}; change either "
+                "so that the accumulation steps are a whole number"
+            )
+        return self.global_batch_size // per_micro_batch
 
 
 @dataclass

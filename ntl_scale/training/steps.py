@@ -61,10 +61,11 @@ def resolve_deepspeed_config(ds: dict[str, Any], train: TrainConfig, world_size:
     elif not section:
         del ds["tensor_parallel"]  # nothing asked for: the JSON stays as it was
     world_size //= tp
+    accumulation = train.accumulation_for(world_size)
     wanted = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": train.gradient_accumulation_steps,
-        "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * world_size,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": train.micro_batch_size * accumulation * world_size,
     }
     for key, value in wanted.items():
         given = ds.get(key, "auto")
@@ -74,7 +75,7 @@ def resolve_deepspeed_config(ds: dict[str, Any], train: TrainConfig, world_size:
             raise ValueError(
                 f"DeepSpeed config sets {key}={given!r} but the run config implies {value} "
                 f"(train.micro_batch_size={train.micro_batch_size}, train.gradient_accumulation_steps="
-                f'{train.gradient_accumulation_steps}, {world_size} ranks); set it to "auto" or make them agree'
+                f'{accumulation}, {world_size} ranks); set it to "auto" or make them agree'
             )
     if tp > 1:
         # DeepSpeed 0.19 checks train_batch_size against micro x accumulation x *all* ranks while AutoTP

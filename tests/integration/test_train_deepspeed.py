@@ -3,10 +3,13 @@
 Sections:
 1. A short run: parameters are partitioned (each rank holds about half), the loss decreases, the
    evaluation and checkpoints are written, the resolved config is saved.
-2. Resume: stop after k steps, run again to the end; the losses after k equal the uninterrupted run.
+2. Resume: stop after k steps, run again to the end, on the same or on another number of processes
+   (DeepSpeed universal checkpoints); the losses after k equal the uninterrupted run.
 3. Gradient accumulation: 4 x 1, 2 x 2 and 1 x 4 micro-batch splits of the same global batch give
    the same first-step gradient norm (global normalisation of CE and NTL).
 4. Bad input stops before training with a clear message.
+5. Tensor parallelism (AutoTP, vocabulary-parallel head) equals one process, also resumed at another
+   tensor-parallel size; what AutoTP cannot do is refused.
 """
 
 from __future__ import annotations
@@ -77,30 +80,49 @@ def test_short_zero3_run(tmp_path):
     assert len(ntl_scale.NumberVocab.load(run / "hf_model" / "number_vocab.json")) == 10 and len(tokenizer) > 10
 
 
+def _same_curve(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]  # no step lost or logged twice
+    for x, y in zip(a, b):
+        for key in ("ce", "ntl", "grad_norm"):
+            assert abs(x[key] - y[key]) <= 1e-6 * max(1.0, abs(x[key])), (key, x, y)
+
+
 def test_resume_continues_the_same_curve(tmp_path):
-    common = ("train.log_every=5", "eval.at_end=false", "tracking.wandb=disabled")
+    """ZeRO-3: stopped at step 4 and resumed on 2 processes, then on 1 process (DeepSpeed's universal
+    checkpoint re-partitions the weights and Adam's state; accumulation doubles to keep the global batch
+    of 8), the curve is the uninterrupted run's; a changed global batch and a finished run are told."""
+    no_dropout = (  # dropout masks depend on how the batch is split over ranks
+        "model.architecture={model_type: gpt2, n_embd: 64, n_layer: 2, n_head: 4, n_positions: 128, "
+        "resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0}"
+    )
+    common = ("train.log_every=5", "eval.at_end=false", "tracking.wandb=disabled", no_dropout,
+              "train.micro_batch_size=4", "train.global_batch_size=8")  # fmt: skip
     whole = tmp_path / "whole"
-    _train(whole, "train.steps=8", *common)
+    _train(whole, "train.steps=12", *common)
     parted = tmp_path / "parted"
     _train(parted, "train.steps=4", *common)
     out = _train(parted, "train.steps=8", *common)
     assert "resumed from step 4" in out.stdout
-    a, b = _metrics(whole), _metrics(parted)
-    assert [r["step"] for r in b] == list(range(1, 9))  # no step logged twice
-    for x, y in zip(a, b):
-        assert abs(x["ce"] - y["ce"]) <= 1e-6 * abs(x["ce"]) and abs(x["ntl"] - y["ntl"]) <= 1e-6 * abs(x["ntl"])
+    _same_curve(_metrics(whole)[:8], _metrics(parted))
     # started again after it finished: it says so, trains nothing, changes nothing
     before = (parted / "metrics.jsonl").read_text()
     again = _train(parted, "train.steps=8", *common)
     assert "already finished: its checkpoint is at step 8 of train.steps=8" in again.stdout
     assert (parted / "metrics.jsonl").read_text() == before
-    # resumed on another number of ranks: stopped before any step, saying what changed
-    other = _train(parted, "train.steps=12", *common, nproc=1, check=False)
+    # another global batch cannot continue the run: stopped before any step, saying what to set
+    other = _train(parted, "train.steps=12", *common, "train.global_batch_size=4", nproc=1, check=False)
     assert other.returncode != 0
-    assert "written with data parallel 2 x tensor parallel 1 ranks; this run has data parallel 1" in (
-        other.stdout + other.stderr
-    )
+    assert (
+        "written with 2 data-parallel x 1 tensor-parallel ranks, global batch 8; this run has 1 data-parallel x 1 "
+        "tensor-parallel ranks, global batch 4. Set train.global_batch_size=8"
+    ) in other.stdout + other.stderr
     assert (parted / "metrics.jsonl").read_text() == before
+    # on 1 process with the same global batch (accumulation 2): the same curve to the end
+    out = _train(parted, "train.steps=12", *common, nproc=1)
+    assert "converting its checkpoint to DeepSpeed's universal format" in out.stdout
+    assert "resumed from step 8" in out.stdout
+    _same_curve(_metrics(whole), _metrics(parted))
+    assert json.loads((parted / "checkpoints" / "layout.json").read_text())["data_parallel"] == 1
 
 
 # no dropout: its masks depend on how the batch is split
@@ -194,11 +216,11 @@ def test_tensor_parallel_equals_one_process(tmp_path):
 
     Same global batch of 4 sequences per step, a Llama-style model built from a config, ZeRO-1 (and
     ZeRO-2 at TP=2): per-step CE, NTL, number accuracy and gradient norm equal the one-process run
-    (1e-5) for 3 steps; the logits the loss sees are the local vocabulary shard (80 ids split 40/40),
+    (1e-5) for 3 steps, and for 2 more when the TP 2 x DP 2 run resumes as TP 1 x DP 2; the logits the loss sees are the local vocabulary shard (80 ids split 40/40),
     also with the chunked loss; the exported Hugging Face model is whole.
     """
     runs = {
-        "tp1": ((*TP_CONFIG, "train.tensor_parallel_size=1", "train.micro_batch_size=4"), 1),
+        "tp1": ((*TP_CONFIG, "train.tensor_parallel_size=1", "train.micro_batch_size=4", "train.steps=5"), 1),
         "tp2": ((*TP_CONFIG, "train.micro_batch_size=4"), 2),
         "tp2_zero2": (
             (*TP_CONFIG, "train.micro_batch_size=4", "train.deepspeed_config=configs/deepspeed/zero2.json"),
@@ -209,20 +231,28 @@ def test_tensor_parallel_equals_one_process(tmp_path):
     }
     metrics = {}
     for name, (overrides, nproc) in runs.items():
-        _train(tmp_path / name, *overrides, *TP_COMMON, nproc=nproc)
+        _train(tmp_path / name, *TP_COMMON, *overrides, nproc=nproc)
         metrics[name] = _metrics(tmp_path / name)
     reference = metrics.pop("tp1")
-    assert len(reference) == 3 and all(row["ntl"] > 0 for row in reference)
-    for name, rows in metrics.items():
-        for want, got in zip(reference, rows, strict=True):
-            for key in ("ce", "ntl", "number_acc", "grad_norm"):
-                assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (name, key, want, got)
-    for name in ("tp2", "tp2_chunked"):
-        assert [_layout(tmp_path / name, r)["vocab_shard"] for r in (0, 1)] == [[0, 40], [40, 80]]
+    assert len(reference) == 5 and all(row["ntl"] > 0 for row in reference)
     layouts = [_layout(tmp_path / "tp2_dp2", r) for r in range(4)]
     assert sorted((x["dp_rank"], tuple(x["vocab_shard"])) for x in layouts) == [
         (0, (0, 40)), (0, (40, 80)), (1, (0, 40)), (1, (40, 80))
     ]  # fmt: skip
+    # TP 2 x DP 2 stopped at step 3, resumed as TP 1 x DP 2: a universal checkpoint joins the shards
+    resumed = _train(tmp_path / "tp2_dp2", *TP_CONFIG, *TP_COMMON, "train.steps=5", "train.tensor_parallel_size=1",
+                     "train.micro_batch_size=2", nproc=2)  # fmt: skip
+    assert (
+        "(written with 2 data-parallel x 2 tensor-parallel ranks, global batch 4) on 2 data-parallel x 1 "
+        "tensor-parallel ranks, global batch 4"
+    ) in resumed.stdout
+    metrics["tp2_dp2_then_tp1_dp2"] = _metrics(tmp_path / "tp2_dp2")
+    for name, rows in metrics.items():
+        for want, got in zip(reference[: len(rows)], rows, strict=True):
+            for key in ("ce", "ntl", "number_acc", "grad_norm"):
+                assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (name, key, want, got)
+    for name in ("tp2", "tp2_chunked"):
+        assert [_layout(tmp_path / name, r)["vocab_shard"] for r in (0, 1)] == [[0, 40], [40, 80]]
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2" / "hf_model")

@@ -14,6 +14,7 @@ import torch
 import ntl_scale
 from ntl_scale.data import ShardedOrder
 from ntl_scale.training.config import TrainConfig, load_config
+from ntl_scale.training.resume import Layout, plan_resume, write_layout
 from ntl_scale.training.steps import global_counts, resolve_deepspeed_config, shift_for_causal
 
 
@@ -66,12 +67,42 @@ def test_sharded_order_partitions_and_resumes():
     epoch = [i for _ in range(5) for o in ranks for i in o.next_indices()]
     assert sorted(epoch) == list(range(20))  # one epoch: every example once, ranks disjoint
     resumed = ShardedOrder(20, 2, 1, 2, seed=3)
-    resumed.position = 2
     fresh = ShardedOrder(20, 2, 1, 2, seed=3)
     fresh.next_indices(), fresh.next_indices()
+    resumed.position = fresh.position
     assert resumed.next_indices() == fresh.next_indices()
-    with pytest.raises(ValueError, match="cannot fill one micro-batch"):
+    with pytest.raises(ValueError, match="cannot fill one step of 2 sequences x 2 ranks x 1"):
         ShardedOrder(3, 2, 0, 2, seed=0)
+
+
+def _steps(order_of_rank, ranks: int, accumulation: int, steps: int) -> list[list[int]]:
+    """The examples of each optimizer step, over all ranks and micro-batches, in a canonical order."""
+    orders = [order_of_rank(r) for r in range(ranks)]
+    return [sorted(i for _ in range(accumulation) for o in orders for i in o.next_indices()) for _ in range(steps)]
+
+
+def test_sharded_order_steps_do_not_depend_on_the_split():
+    """The same global batch (12) split as 4 x 3 ranks x 1, 2 x 2 x 3 and 1 x 1 x 12 takes the same examples
+    at every step, across epoch ends (50 examples: 4 steps per epoch, 2 left out), and a resumed split
+    continues where another stopped: the state is the number of examples consumed."""
+    splits = [(4, 3, 1), (2, 2, 3), (1, 1, 12)]  # micro-batch, ranks, accumulation
+    runs = [_steps(lambda r, m=m, n=n, a=a: ShardedOrder(50, m, r, n, seed=5, accumulation=a), n, a, 10)
+            for m, n, a in splits]  # fmt: skip
+    assert runs[0] == runs[1] == runs[2]
+    assert sorted(i for step in runs[0][:4] for i in step) != list(range(50))  # 48 of 50 in an epoch
+    assert len({i for step in runs[0][:4] for i in step}) == 48
+    first = [ShardedOrder(50, 4, r, 3, seed=5) for r in range(3)]
+    for _ in range(5):  # 5 steps on 3 ranks ...
+        for o in first:
+            o.next_indices()
+    position = first[0].position
+
+    def resumed(r):  # ... then 2 ranks with accumulation 3 from the saved position
+        order = ShardedOrder(50, 2, r, 2, seed=5, accumulation=3)
+        order.position = position
+        return order
+
+    assert _steps(resumed, 2, 3, 5) == runs[0][5:]
 
 
 def test_shift_and_global_counts():
@@ -125,3 +156,30 @@ def test_shipped_configs_load_and_resolve(name):
     else:
         assert ds["zero_optimization"]["stage"] == 3 and "tensor_parallel" not in ds
     assert "launch/train.py" in path.read_text().split("run_dir:")[0]  # the header gives the launch command
+
+
+def test_resume_plan_follows_the_recorded_layout(tmp_path):
+    now = Layout(data_parallel=2, tensor_parallel=1, global_batch=8)
+    assert plan_resume(str(tmp_path), now) is None  # nothing written yet: start
+    (tmp_path / "latest").write_text("step4")
+    assert plan_resume(str(tmp_path), now) == "same"  # no record (older run): DeepSpeed's own checks
+    write_layout(str(tmp_path), now)
+    assert plan_resume(str(tmp_path), now) == "same"
+    assert plan_resume(str(tmp_path), Layout(1, 1, 8)) == "universal"
+    assert plan_resume(str(tmp_path), Layout(2, 2, 8)) == "universal"
+    with pytest.raises(ValueError, match=r"global batch 8; this run has .* global batch 16\. Set train\."
+                       r"global_batch_size=8"):  # fmt: skip
+        plan_resume(str(tmp_path), Layout(2, 1, 16))
+    (tmp_path / "layout.json").write_text('{"data_parallel": 2, "tensor_parallel": 1}')  # no global batch
+    with pytest.raises(ValueError, match="no recorded global batch.*Resume with 2 processes"):
+        plan_resume(str(tmp_path), Layout(1, 1, 8))
+
+
+def test_global_batch_size_sets_the_accumulation():
+    train = TrainConfig(micro_batch_size=4, global_batch_size=32)
+    assert [train.accumulation_for(dp) for dp in (1, 2, 8)] == [8, 4, 1]
+    assert TrainConfig(micro_batch_size=4, gradient_accumulation_steps=3).accumulation_for(5) == 3
+    with pytest.raises(ValueError, match=r"global_batch_size=32 is not a multiple of .*4 x 3 data-parallel"):
+        train.accumulation_for(3)
+    resolved = resolve_deepspeed_config({}, train, 2)
+    assert (resolved["gradient_accumulation_steps"], resolved["train_batch_size"]) == (4, 32)
