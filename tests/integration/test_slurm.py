@@ -6,7 +6,8 @@ Sections:
    resolved config, command and environment end up in the run directory.
 3. ``sbatch --wait launch/slurm/megatron.sbatch``: the megatron.core example at TP=2 with NTL.
 4. Two nodes: a second local cluster whose two slurmd run in their own network and UTS namespaces;
-   the DeepSpeed job puts one rank on each and they rendezvous over that network.
+   the DeepSpeed job runs the tensor-parallel config with 2 ranks on each (TP 2 inside a node, DP 2
+   across nodes) and they rendezvous over that network.
 5. Preemption: the time-limit warning (USR1 to the batch shell, as ``--signal=B:USR1@300`` sends it)
    mid-run: the job checkpoints, requeues itself, resumes, and ends with the uninterrupted run's loss,
    each step logged once.
@@ -261,17 +262,25 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes_to_the_same_loss(sl
 
 
 def test_two_nodes_rendezvous_over_their_own_network(two_node_env, tmp_path):
+    """The tensor-parallel config on 2 nodes x 2 tasks: TP 2 inside each node, DP 2 across the nodes."""
     rc, job, log, out = _sbatch(
-        two_node_env, tmp_path, "deepspeed.sbatch", "--entry", DS_ENTRY, "--", "train.steps=4", *TINY,
-        sbatch_opts=["--nodes=2", "--ntasks-per-node=1"],
+        two_node_env, tmp_path, "deepspeed.sbatch", "--config", "configs/train/tiny_cpu_tp2.yaml", "--entry",
+        DS_ENTRY, "--", "train.steps=4", "train.micro_batch_size=4", *TINY,
+        sbatch_opts=["--nodes=2", "--ntasks-per-node=2"],
     )  # fmt: skip
     text = log.read_text() if log.exists() else out.stderr
     assert rc == 0, text
-    assert "2 node(s) x 1 process(es)" in text and "rendezvous ntl-n1:" in text
+    assert "2 node(s) x 2 process(es)" in text and "rendezvous ntl-n1:" in text
     run = tmp_path / "runs" / f"ntl-deepspeed-{job}"
-    hosts = {json.loads((run / f"zero_rank{r}.json").read_text())["host"] for r in (0, 1)}
-    assert hosts == {"ntl-n1", "ntl-n2"}  # one rank per node, each in its own namespace
+    ranks = [json.loads((run / f"zero_rank{r}.json").read_text()) for r in range(4)]
+    placed = [(r["host"], r["tp"], r["dp_rank"], r["vocab_shard"]) for r in ranks]
+    assert placed == [  # each node holds one tensor-parallel group, in its own network namespace
+        ("ntl-n1", 2, 0, [0, 40]), ("ntl-n1", 2, 0, [40, 80]), ("ntl-n2", 2, 1, [0, 40]), ("ntl-n2", 2, 1, [40, 80])
+    ]  # fmt: skip
     assert (run / "checkpoints" / "latest").read_text().strip() == "step4"
+    assert json.loads((run / "checkpoints" / "layout.json").read_text()) == {
+        "data_parallel": 2, "tensor_parallel": 2, "global_batch": 8
+    }  # fmt: skip
 
 
 # 6. Bad input ---------------------------------------------------------------------------------------
