@@ -98,14 +98,18 @@ class NTLOptions:
             return (pred - target).abs()
         return F.huber_loss(pred, target, reduction="none", delta=float(self.huber_delta))
 
-    def max_loss(self, vocab: NumberVocab) -> float:
-        """The largest value the per-token loss can take (the reweighing constant's base)."""
+    def max_loss(self, vocab: NumberVocab) -> torch.Tensor:
+        """The largest value the per-token loss can take (the reweighing constant's base).
+
+        A 0-dim float64 CPU tensor (usable with tensors on any device, like a Python number): no
+        host read, so ``torch.compile`` traces it without a graph break.
+        """
         if self.loss == "number":
-            return 1.0
+            return torch.ones((), dtype=torch.float64)
         if self.loss == "was":
-            return float(vocab.distance_table(self.squash_factor).max())
+            return vocab.distance_table(self.squash_factor).max().double()
         low, high = vocab.values.min(), vocab.values.max()
-        return float(torch.maximum(self.point_loss(low, high).abs(), self.point_loss(high, low).abs()))
+        return torch.maximum(self.point_loss(low, high).abs(), self.point_loss(high, low).abs()).double()
 
 
 class CENTLOutput(NamedTuple):

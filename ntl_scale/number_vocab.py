@@ -96,6 +96,19 @@ def pad_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp_size: int = 1
     return -(-vocab_size // multiple) * multiple
 
 
+def _count_below(ordered: list[int], bound: int) -> int:
+    """How many of the sorted ``ordered`` are below ``bound`` (a binary search in plain Python, which
+    torch.compile traces; ``bisect`` is a C function it cannot)."""
+    low, high = 0, len(ordered)
+    while low < high:
+        middle = (low + high) // 2
+        if ordered[middle] < bound:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
 @dataclass(frozen=True)
 class VocabShard:
     """The number tokens that fall into one tensor-parallel vocab shard ``[start, end)``.
@@ -186,7 +199,8 @@ class NumberVocab:
         self._digit_level = bool(digit_level)
         self._device_cache: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._shards: dict[tuple[int, int], VocabShard] = {}
-        self._max_id = int(self._ids[-1]) if self._ids.numel() else -1
+        self._id_list: list[int] = self._ids.tolist()  # sorted: a shard's tokens are one contiguous run
+        self._max_id = self._id_list[-1] if self._id_list else -1
 
     # ------------------------------------------------------------------ builders
 
@@ -435,12 +449,11 @@ class NumberVocab:
             )
         nonzero = diff.masked_fill(diff == 0, torch.finfo(diff.dtype).max)
         smallest, largest = nonzero.min(), diff.max()
-        if not largest > 0 or smallest == largest:
-            return diff
-        scale = (squash_factor - 1) / (largest - smallest)
-        table = 1 + (diff - smallest) * scale
-        table[diff == 0] = 0.0
-        return table
+        # branch-free (torch.compile traces it): all distances equal, or none nonzero, keeps |v_i - v_j|
+        plain = (largest <= 0) | (smallest == largest)
+        scale = (squash_factor - 1) / torch.where(plain, 1, largest - smallest)
+        table = torch.where(diff == 0, 0.0, 1 + (diff - smallest) * scale)
+        return torch.where(plain, diff, table)
 
     def _cached(self, name: str, device: torch.device | str | None, build: Any) -> torch.Tensor:
         dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -486,14 +499,15 @@ class NumberVocab:
             raise ValueError(f"shard_range: need 0 <= start < end, got [{start}, {end})")
         shard = self._shards.get((start, end))
         if shard is None:  # built once per range (the training path asks for the same range every step)
-            inside = (self._ids >= start) & (self._ids < end)
-            table_index = torch.nonzero(inside).flatten()
+            # Found on the host from the sorted ids (no tensor op whose size depends on data, so
+            # torch.compile traces it without a graph break).
+            first, last = _count_below(self._id_list, start), _count_below(self._id_list, end)
             shard = VocabShard(
                 start=start,
                 end=end,
-                local_ids=self._ids[table_index] - start,
-                table_index=table_index,
-                values=self._values[table_index],
+                local_ids=self._ids[first:last] - start,
+                table_index=torch.arange(first, last),
+                values=self._values[first:last],
             )
             self._shards[(start, end)] = shard
         return shard

@@ -89,7 +89,7 @@ class ShardMath:
     @staticmethod
     def chunk_buffer(logits: torch.Tensor, rows: list[slice], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised ``[largest chunk, V_local]`` work buffer."""
-        longest = max((sl.stop - sl.start for sl in rows), default=0)
+        longest = max([sl.stop - sl.start for sl in rows]) if rows else 0
         return torch.empty(longest, logits.shape[1], dtype=dtype, device=logits.device)
 
     @staticmethod
