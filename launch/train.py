@@ -126,8 +126,11 @@ def main(argv: list[str] | None = None) -> dict:
     resume = plan_resume(ckpt_dir, layout)  # a change that cannot continue the run stops here, before any step
     if resume == "universal":  # written on another number of ranks: DeepSpeed re-partitions a universal copy
         if rank == 0:
-            print(f"resuming {cfg.run_dir} (written with {read_layout(ckpt_dir).describe()}) on "
-                  f"{layout.describe()}: converting its checkpoint to DeepSpeed's universal format", flush=True)
+            print(
+                f"resuming {cfg.run_dir} (written with {read_layout(ckpt_dir).describe()}) on "
+                f"{layout.describe()}: converting its checkpoint to DeepSpeed's universal format",
+                flush=True,
+            )
         _on_rank_zero(rank, lambda: to_universal(ckpt_dir))
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
@@ -241,13 +244,14 @@ def main(argv: list[str] | None = None) -> dict:
             f.writelines(kept)
     clock, history = time.time(), []
     for step in range(start_step + 1, cfg.train.steps + 1):
+        step_start = time.perf_counter()
         for group in engine.optimizer.param_groups:
             group["lr"] = cfg.train.lr * min(1.0, step / max(cfg.train.warmup_steps, 1))
         batches = [collate([train_set[i] for i in order.next_indices()], tokenizer.pad_token_id) for _ in range(ga)]
         causal = cfg.model.kind == "causal"  # seq2seq labels already align with the decoder's logits
         targets = [shift_for_causal(b["labels"]) if causal else b["labels"] for b in batches]
         counts = global_counts(targets, vocab, None if dp == 1 else dp_group)
-        totals = torch.zeros(5, dtype=torch.float64)
+        totals = None  # [ce_sum, ntl_sum, tokens, numbers, hits] on the loss's device: read once per step
         for batch, target in zip(batches, targets):
             inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
             if not causal:
@@ -263,8 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
                 )  # fmt: skip
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
-            totals += torch.tensor([stats[k] for k in ("ce_sum", "ntl_sum", "tokens", "numbers", "hits")])
+            totals = stats if totals is None else totals + stats
         torch.distributed.all_reduce(totals, group=dp_group)  # TP ranks hold the same sums: DP only
+        totals = totals.cpu()
         ce, ntl = float(totals[0] / totals[2]), float(totals[1] / max(totals[3], 1))
         row = {
             "step": step,
@@ -273,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
             "number_acc": float(totals[4] / max(totals[3], 1)),
             "lr": engine.optimizer.param_groups[0]["lr"],
             "grad_norm": float(engine.get_global_grad_norm() or 0),
+            "time_s": time.perf_counter() - step_start,  # data, forward, backward, optimizer, logging reduce
         }
         history.append(row)
         if rank == 0:

@@ -128,8 +128,8 @@ def micro_batch_loss(
     scale: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss to back-propagate for one micro-batch, and its logging sums.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss to back-propagate for one micro-batch, and its logging sums (see :func:`loss_from_terms`).
 
     ``logits`` may be a vocabulary shard (``tp_group``, its first id ``vocab_start``): the fused op
     then runs on the shard with two all-reduces over ``tp_group`` per call.
@@ -155,19 +155,24 @@ def loss_from_terms(
     *,
     counts: tuple[float, float] | None,
     scale: float = 1.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """:func:`micro_batch_loss` from per-token terms (of the logits or of the chunked loss)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`micro_batch_loss` from per-token terms (of the logits or of the chunked loss).
+
+    Returns the loss and its logging sums ``[ce_sum, ntl_sum, tokens, numbers, hits]`` as one float64
+    tensor on the loss's device: nothing is read on the host here, so a training step queues its
+    micro-batches without waiting for the device; the caller adds them up and reads them once per step.
+    """
     valid = targets != -100
     ce_sum = (terms.ce * valid).sum()
     ntl_sum = terms.ntl.sum()
-    tokens, numbers = float(valid.sum()), float(terms.number_mask.sum())
+    tokens, numbers = valid.sum(), terms.number_mask.sum()
     if ntl.normalization == "global":
         if counts is None:
             raise ValueError("ntl.normalization=global needs the step's global counts")
         loss = (ce_sum / max(counts[0], 1.0) + ntl.weight * ntl_sum / max(counts[1], 1.0)) * scale
     else:
-        loss = ce_sum / max(tokens, 1.0) + ntl.weight * ntl_sum / max(numbers, 1.0)
-    hits = float((terms.hit & terms.number_mask).sum())
-    stats = {"ce_sum": float(ce_sum.detach()), "ntl_sum": float(ntl_sum.detach())}
-    stats.update(tokens=tokens, numbers=numbers, hits=hits)
+        loss = ce_sum / tokens.clamp_min(1) + ntl.weight * ntl_sum / numbers.clamp_min(1)
+    hits = (terms.hit & terms.number_mask).sum()
+    stats = torch.stack([ce_sum.detach().double(), ntl_sum.detach().double(), tokens.double(), numbers.double(),
+                         hits.double()])  # fmt: skip
     return loss, stats

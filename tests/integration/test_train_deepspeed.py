@@ -216,8 +216,9 @@ def test_tensor_parallel_equals_one_process(tmp_path):
 
     Same global batch of 4 sequences per step, a Llama-style model built from a config, ZeRO-1 (and
     ZeRO-2 at TP=2): per-step CE, NTL, number accuracy and gradient norm equal the one-process run
-    (1e-5) for 3 steps, and for 2 more when the TP 2 x DP 2 run resumes as TP 1 x DP 2; the logits the loss sees are the local vocabulary shard (80 ids split 40/40),
-    also with the chunked loss; the exported Hugging Face model is whole.
+    (1e-5) for 3 steps, and for 2 more when the TP 2 x DP 2 run resumes as TP 1 x DP 2; the logits
+    the loss sees are the local vocabulary shard (80 ids split 40/40), also with the chunked loss; the
+    exported Hugging Face model is whole.
     """
     runs = {
         "tp1": ((*TP_CONFIG, "train.tensor_parallel_size=1", "train.micro_batch_size=4", "train.steps=5"), 1),

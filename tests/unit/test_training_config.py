@@ -171,7 +171,7 @@ def test_resume_plan_follows_the_recorded_layout(tmp_path):
                        r"global_batch_size=8"):  # fmt: skip
         plan_resume(str(tmp_path), Layout(2, 1, 16))
     (tmp_path / "layout.json").write_text('{"data_parallel": 2, "tensor_parallel": 1}')  # no global batch
-    with pytest.raises(ValueError, match="no recorded global batch.*Resume with 2 processes"):
+    with pytest.raises(ValueError, match=r"no recorded global batch.*Resume with 2 processes"):
         plan_resume(str(tmp_path), Layout(1, 1, 8))
 
 
