@@ -489,8 +489,7 @@ class NTLLanguageModelMixin:
             return self._chunked_loss(labels, logits, settings, vocab, tp_group)
         if settings is None or vocab is None or not settings.enabled:
             return super().compute_language_model_loss(labels, logits)  # type: ignore[misc]
-        # [s, b, V/tp] -> [b, s, V/tp]
-        terms = per_token_ce_ntl(logits.transpose(0, 1), labels, vocab, settings.options(), tp_group=tp_group)
+        terms = sequence_first_terms(logits, labels, vocab, settings.options(), tp_group=tp_group)
         scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
         return terms.ce + settings.weight * terms.ntl * scale
 
@@ -506,6 +505,22 @@ class NTLLanguageModelMixin:
             return terms.ce
         scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
         return terms.ce + settings.weight * terms.ntl * scale
+
+
+def sequence_first_terms(
+    logits: torch.Tensor, labels: torch.Tensor, vocab: NumberVocab, options: NTLOptions, **kwargs: Any
+) -> PerTokenTerms:
+    """:func:`per_token_ce_ntl` of Megatron's ``[s, b, V/tp]`` logits for ``[b, s]`` labels; terms ``[b, s]``.
+
+    The logits are read in the layout the output layer wrote them (a ``[b, s]`` view of them would be
+    copied whole by the op's flattening: one more ``[tokens, V/tp]`` buffer and pass); the labels and
+    the per-token terms are transposed instead. Number-level NTL assembles numbers along each sequence
+    and so takes the ``[b, s]`` layout (that copy included).
+    """
+    if options.loss == "number":
+        return per_token_ce_ntl(logits.transpose(0, 1), labels, vocab, options, **kwargs)
+    terms = per_token_ce_ntl(logits, labels.t(), vocab, options, **kwargs)
+    return PerTokenTerms(*(t.t() for t in terms))
 
 
 def output_layer_terms(

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..losses import PerTokenTerms, per_token_ce_ntl
+from ..losses import PerTokenTerms
 from ..number_vocab import NumberVocab
-from .megatron import NTLSettings, output_layer_terms
+from .megatron import NTLSettings, output_layer_terms, sequence_first_terms
 
 __all__ = ["GPTModelNTL", "MicroBatchScale", "NTLStats", "apply_ntl", "find_language_model", "remove_ntl"]
 
@@ -213,14 +213,8 @@ class GPTModelNTL:
                     f"the output layer returned {width} columns x TP {tp}, fewer than the padded vocabulary "
                     f"{self.vocab.vocab_size}: NTL needs vocab-sharded logits (parallel_output=True)"
                 )
-            # [s, b, V/tp] -> [b, s, V/tp]
-            return per_token_ce_ntl(
-                logits_or_hidden.transpose(0, 1),
-                labels,
-                self.vocab,
-                self.options,
-                tp_group=self.tp_group,
-                check_finite=False,
+            return sequence_first_terms(
+                logits_or_hidden, labels, self.vocab, self.options, tp_group=self.tp_group, check_finite=False
             )
         return self._chunked_terms(labels, logits_or_hidden)
 
