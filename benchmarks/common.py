@@ -53,6 +53,20 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def reset_peak_rss() -> float:
+    """Resets this process's peak resident set (Linux ``clear_refs``) and returns the RSS now, MiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_mib()
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set since start or the last :func:`reset_peak_rss`, MiB."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
 class PeakRSS:
     """Samples this process's RSS every millisecond; ``.peak`` is the rise over the RSS at entry (MiB).
 

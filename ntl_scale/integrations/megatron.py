@@ -489,7 +489,9 @@ class NTLLanguageModelMixin:
             return self._chunked_loss(labels, logits, settings, vocab, tp_group)
         if settings is None or vocab is None or not settings.enabled:
             return super().compute_language_model_loss(labels, logits)  # type: ignore[misc]
-        terms = sequence_first_terms(logits, labels, vocab, settings.options(), tp_group=tp_group)
+        terms = sequence_first_terms(
+            logits, labels, vocab, settings.options(), tp_group=tp_group, inplace=in_place_ok(logits)
+        )
         scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
         return terms.ce + settings.weight * terms.ntl * scale
 
@@ -521,6 +523,17 @@ def sequence_first_terms(
         return per_token_ce_ntl(logits.transpose(0, 1), labels, vocab, options, **kwargs)
     terms = per_token_ce_ntl(logits, labels.t(), vocab, options, **kwargs)
     return PerTokenTerms(*(t.t() for t in terms))
+
+
+def in_place_ok(logits: torch.Tensor) -> bool:
+    """Whether the loss may reuse the logits buffer, as Megatron's own CE does in the same place.
+
+    ``compute_language_model_loss`` hands its ``vocab_parallel_cross_entropy`` the fp32 logits, which
+    it overwrites with the softmax and then the gradient; the logits are not read after the loss. The
+    fused op does the same for fp32/fp64 logits (no second ``[tokens, V/tp]`` buffer); half-precision
+    logits go through its fp32 chunk buffer instead.
+    """
+    return logits.dtype in (torch.float32, torch.float64)
 
 
 def output_layer_terms(
