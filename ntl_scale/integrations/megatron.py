@@ -522,7 +522,7 @@ def sequence_first_terms(
     if options.loss == "number":
         return per_token_ce_ntl(logits.transpose(0, 1), labels, vocab, options, **kwargs)
     terms = per_token_ce_ntl(logits, labels.t(), vocab, options, **kwargs)
-    return PerTokenTerms(*(t.t() for t in terms))
+    return PerTokenTerms(*(t.t().contiguous() for t in terms))  # Megatron's loss_func views them flat
 
 
 def in_place_ok(logits: torch.Tensor) -> bool:
