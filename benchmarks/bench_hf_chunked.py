@@ -21,7 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, rss_mib, run_child, tiny_llama
+from common import machine, print_logits_table, rss_mib, run_child, tiny_llama
 
 VARIANTS = {
     "ce": "model's own CE (no NTL)",
@@ -90,13 +90,7 @@ def main() -> None:
         f"Llama, 2 layers, hidden {args.hidden}, {args.batch} x {args.seq} tokens, vocab {args.vocab}, fp32 logits = "
         f"{logits_mib:.0f} MiB; {machine()}\n"
     )
-    print("| variant | peak step memory (MiB) | x logits | time fwd+bwd (s) | loss |")
-    print("|---|---:|---:|---:|---:|")
-    for row in rows:
-        print(
-            f"| {VARIANTS[row['variant']]} | {row['peak_mib']:.0f} | {row['peak_mib'] / logits_mib:.2f} | "
-            f"{row['time_s']:.3f} | {row['loss']:.4f} |"
-        )
+    print_logits_table(rows, VARIANTS, logits_mib, "peak step memory")
 
 
 if __name__ == "__main__":

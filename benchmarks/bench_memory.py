@@ -20,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, rss_mib, run_child, word_level_tokenizer
+from common import machine, print_logits_table, rss_mib, run_child, word_level_tokenizer
 
 VARIANTS = {
     "ce": "F.cross_entropy alone (baseline)",
@@ -117,13 +117,7 @@ def main() -> None:
         rows.append(run_child(cmd))
     logits_mib = args.tokens * args.vocab * 4 / 2**20
     print(f"tokens x vocab = {args.tokens} x {args.vocab}, fp32 logits = {logits_mib:.0f} MiB; {machine()}\n")
-    print("| variant | peak extra memory (MiB) | x logits | time fwd+bwd (s) | loss |")
-    print("|---|---:|---:|---:|---:|")
-    for row in rows:
-        print(
-            f"| {VARIANTS[row['variant']]} | {row['peak_mib']:.0f} | {row['peak_mib'] / logits_mib:.2f} | "
-            f"{row['time_s']:.3f} | {row['loss']:.4f} |"
-        )
+    print_logits_table(rows, VARIANTS, logits_mib, "peak extra memory")
 
 
 if __name__ == "__main__":

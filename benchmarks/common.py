@@ -95,3 +95,14 @@ class PeakRSS:
         self._thread.join()
         self._max = max(self._max, rss_mib())
         self.peak = self._max - self.base
+
+
+def print_logits_table(rows: list[dict], names: dict[str, str], logits_mib: float, memory: str) -> None:
+    """The markdown table of per-variant peak memory (also as a multiple of the logits), time and loss."""
+    print(f"| variant | {memory} (MiB) | x logits | time fwd+bwd (s) | loss |")
+    print("|---|---:|---:|---:|---:|")
+    for row in rows:
+        print(
+            f"| {names[row['variant']]} | {row['peak_mib']:.0f} | {row['peak_mib'] / logits_mib:.2f} | "
+            f"{row['time_s']:.3f} | {row['loss']:.4f} |"
+        )

@@ -200,7 +200,6 @@ class NumberVocab:
         self._device_cache: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._shards: dict[tuple[int, int], VocabShard] = {}
         self._id_list: list[int] = self._ids.tolist()  # sorted: a shard's tokens are one contiguous run
-        self._max_id = self._id_list[-1] if self._id_list else -1
 
     # ------------------------------------------------------------------ builders
 
@@ -346,7 +345,7 @@ class NumberVocab:
     @property
     def max_id(self) -> int:
         """The largest number-token id (a Python int: reading it costs no device sync)."""
-        return self._max_id
+        return self._id_list[-1] if self._id_list else -1
 
     @property
     def values(self) -> torch.Tensor:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs what the Slurm tests need: Debian's Slurm 22.05 (slurmctld, slurmd, client), munge, the
-# ShellCheck linter, and iproute2 for the two-node cluster's namespaces. Root with apt-get only;
+# ShellCheck linter, iproute2 for the two-node cluster's namespaces, and g++, with which torch.compile's
+# CPU backend builds its kernels (tests/unit/test_compile.py). Root with apt-get only;
 # elsewhere it says so, and the Slurm tests skip (under CI they fail).
 # dpkg must not start the daemons (there is no init system): launch/slurm/local_cluster.sh does.
 set -euo pipefail
-packages=(slurm-wlm slurmctld slurmd slurm-client munge shellcheck iproute2)
+packages=(slurm-wlm slurmctld slurmd slurm-client munge shellcheck iproute2 g++)
 if command -v sbatch >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null &&
-  command -v shellcheck >/dev/null && command -v ip >/dev/null; then
+  command -v shellcheck >/dev/null && command -v ip >/dev/null && command -v g++ >/dev/null; then
   exit 0
 fi
 if [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null; then

@@ -489,9 +489,7 @@ class NTLLanguageModelMixin:
             return self._chunked_loss(labels, logits, settings, vocab, tp_group)
         if settings is None or vocab is None or not settings.enabled:
             return super().compute_language_model_loss(labels, logits)  # type: ignore[misc]
-        terms = sequence_first_terms(
-            logits, labels, vocab, settings.options(), tp_group=tp_group, inplace=in_place_ok(logits)
-        )
+        terms = sequence_first_terms(logits, labels, vocab, settings.options(), tp_group=tp_group)
         scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
         return terms.ce + settings.weight * terms.ntl * scale
 
@@ -514,26 +512,21 @@ def sequence_first_terms(
 ) -> PerTokenTerms:
     """:func:`per_token_ce_ntl` of Megatron's ``[s, b, V/tp]`` logits for ``[b, s]`` labels; terms ``[b, s]``.
 
-    The logits are read in the layout the output layer wrote them (a ``[b, s]`` view of them would be
-    copied whole by the op's flattening: one more ``[tokens, V/tp]`` buffer and pass); the labels and
-    the per-token terms are transposed instead. Number-level NTL assembles numbers along each sequence
-    and so takes the ``[b, s]`` layout (that copy included).
+    Costs what Megatron's own ``vocab_parallel_cross_entropy`` costs in ``compute_language_model_loss``:
+
+    - the logits are read in the layout the output layer wrote them (a ``[b, s]`` view of them would
+      be copied whole by the op's flattening); the labels and the per-token terms are transposed
+      instead. Number-level NTL assembles numbers along each sequence and so takes the ``[b, s]``
+      layout (that copy included);
+    - fp32/fp64 logits are overwritten with the softmax and then the gradient (``inplace``), as
+      Megatron's CE overwrites them in the same place: they are not read after the loss. Half-precision
+      logits go through the op's fp32 chunk buffer instead.
     """
+    inplace = logits.dtype in (torch.float32, torch.float64)
     if options.loss == "number":
-        return per_token_ce_ntl(logits.transpose(0, 1), labels, vocab, options, **kwargs)
-    terms = per_token_ce_ntl(logits, labels.t(), vocab, options, **kwargs)
+        return per_token_ce_ntl(logits.transpose(0, 1), labels, vocab, options, inplace=inplace, **kwargs)
+    terms = per_token_ce_ntl(logits, labels.t(), vocab, options, inplace=inplace, **kwargs)
     return PerTokenTerms(*(t.t().contiguous() for t in terms))  # Megatron's loss_func views them flat
-
-
-def in_place_ok(logits: torch.Tensor) -> bool:
-    """Whether the loss may reuse the logits buffer, as Megatron's own CE does in the same place.
-
-    ``compute_language_model_loss`` hands its ``vocab_parallel_cross_entropy`` the fp32 logits, which
-    it overwrites with the softmax and then the gradient; the logits are not read after the loss. The
-    fused op does the same for fp32/fp64 logits (no second ``[tokens, V/tp]`` buffer); half-precision
-    logits go through its fp32 chunk buffer instead.
-    """
-    return logits.dtype in (torch.float32, torch.float64)
 
 
 def output_layer_terms(

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..losses import PerTokenTerms
 from ..number_vocab import NumberVocab
-from .megatron import NTLSettings, in_place_ok, output_layer_terms, sequence_first_terms
+from .megatron import NTLSettings, output_layer_terms, sequence_first_terms
 
 __all__ = ["GPTModelNTL", "MicroBatchScale", "NTLStats", "apply_ntl", "find_language_model", "remove_ntl"]
 
@@ -214,9 +214,8 @@ class GPTModelNTL:
                     f"{self.vocab.vocab_size}: NTL needs vocab-sharded logits (parallel_output=True)"
                 )
             return sequence_first_terms(
-                logits_or_hidden, labels, self.vocab, self.options, tp_group=self.tp_group, check_finite=False,
-                inplace=in_place_ok(logits_or_hidden),
-            )  # fmt: skip
+                logits_or_hidden, labels, self.vocab, self.options, tp_group=self.tp_group, check_finite=False
+            )
         return self._chunked_terms(labels, logits_or_hidden)
 
     def _chunked_terms(self, labels: torch.Tensor, hidden: torch.Tensor) -> PerTokenTerms:
