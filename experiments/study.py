@@ -1,16 +1,22 @@
 """CE vs CE + NTL: train every arm for every seed through launch/train.py, then tabulate and plot.
 
-    python experiments/study.py --preset configs/study/cpu.yaml            # 2 CPU cores, ~25 minutes
+    python experiments/study.py --preset configs/study/cpu.yaml            # 2 CPU cores, about an hour
     python experiments/study.py --preset configs/study/gpu.yaml            # one GPU (H100/H200)
     python experiments/study.py --preset configs/study/ci.yaml --out runs/study-ci   # minutes, for CI
+    python experiments/study.py --preset configs/study/ablation_weight.yaml   # NTL weight 0.3 / 0.8 / 2.0
+    python experiments/study.py --preset configs/study/ablation_loss.yaml     # MSE, MAE, Huber, WAS
+    python experiments/study.py --preset configs/study/deepmind.yaml          # the DeepMind arithmetic data
 
 A preset names the base run config, the arms (overrides on top of it: the loss), the seeds (model
 init; the data is the same seeded arithmetic for every arm and seed) and the shared overrides (the
-budget). Each run lands in ``OUT/<arm>/seed<S>/`` (a finished run is not redone, so an interrupted
-study continues where it stopped). Then ``OUT`` gets:
+budget); optionally ``prepare`` (commands run once first, e.g. generating the DeepMind data),
+``parallel`` (runs at once, the cores shared between them) and ``baseline`` (the arm the others are
+tested against; default the first). Each run lands in ``OUT/<arm>/seed<S>/`` (a finished run is not
+redone, so an interrupted study continues where it stopped). Then ``OUT`` gets:
 
 * ``results.json`` and ``results.md``: mean and spread (sample standard deviation) over seeds of
-  exact-match accuracy, MAE, log-MAE and R^2 on the interpolation and extrapolation splits;
+  exact-match accuracy, MAE, log-MAE and R^2 on the interpolation and extrapolation splits, every
+  seed's numbers, and paired tests of each arm against the baseline (see :func:`paired_tests`);
 * ``loss_curves.png``: CE and NTL per step (mean over seeds) for each arm;
 * ``error_by_digits.png``: accuracy and MAE by the number of digits of the true answer;
 * ``digit_offsets.png``: where wrong digits land relative to the true digit (predicted - true,
@@ -88,28 +94,61 @@ def train_command(preset: dict[str, Any], run_dir: str, arm: list[str], seed: in
 
 
 def run_all(preset: dict[str, Any], out: str) -> dict[str, list[str]]:
-    """Trains every (arm, seed); returns the run directories per arm."""
+    """Trains every (arm, seed), ``parallel`` at a time; returns the run directories per arm."""
+    for command in preset.get("prepare", []):
+        print(f"[study] prepare: {command}", flush=True)
+        if subprocess.call(command, shell=True, cwd=ROOT) != 0:
+            raise SystemExit(f"[study] prepare step failed: {command}")
     runs: dict[str, list[str]] = {}
-    total = len(preset["arms"]) * len(preset["seeds"])
-    done = 0
+    todo = []
     for arm, overrides in preset["arms"].items():
         for seed in preset["seeds"]:
             run_dir = os.path.join(out, slug(arm), f"seed{seed}")
             runs.setdefault(arm, []).append(run_dir)
-            done += 1
             if os.path.isfile(os.path.join(run_dir, "eval.json")):
-                print(f"[study] {done}/{total} {arm} seed {seed}: already done", flush=True)
-                continue
-            print(f"[study] {done}/{total} {arm} seed {seed} -> {run_dir}", flush=True)
-            os.makedirs(run_dir, exist_ok=True)
-            start = time.time()
-            with open(os.path.join(run_dir, "train.log"), "w") as log:
-                command = train_command(preset, run_dir, list(overrides), seed)
-                code = subprocess.call(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-            if code != 0 or not os.path.isfile(os.path.join(run_dir, "eval.json")):
-                raise SystemExit(f"[study] {arm} seed {seed} failed (exit {code}); see {run_dir}/train.log")
-            print(f"[study]    {time.time() - start:.0f} s", flush=True)
+                print(f"[study] {arm} seed {seed}: already done", flush=True)
+            else:
+                todo.append((arm, seed, run_dir, list(overrides)))
+    parallel = max(1, int(preset.get("parallel", 1)))
+    env = dict(os.environ)
+    if parallel > 1 and "OMP_NUM_THREADS" not in env:  # share the cores between the runs
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // parallel))
+    active: list[tuple[subprocess.Popen, Any, str, int, str, float]] = []
+    failed = []
+    for index, (arm, seed, run_dir, overrides) in enumerate(todo, start=1):
+        while len(active) >= parallel:
+            failed += _reap(active, block=True)
+        print(f"[study] {index}/{len(todo)} {arm} seed {seed} -> {run_dir}", flush=True)
+        os.makedirs(run_dir, exist_ok=True)
+        log = open(os.path.join(run_dir, "train.log"), "w")
+        process = subprocess.Popen(
+            train_command(preset, run_dir, overrides, seed), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+        active.append((process, log, arm, seed, run_dir, time.time()))
+    while active:
+        failed += _reap(active, block=True)
+    if failed:
+        raise SystemExit("[study] failed: " + "; ".join(failed))
     return runs
+
+
+def _reap(active: list, block: bool) -> list[str]:
+    """Waits for one run of ``active`` to end (removing it); returns its failure, if any."""
+    while True:
+        for item in list(active):
+            process, log, arm, seed, run_dir, start = item
+            code = process.poll()
+            if code is None:
+                continue
+            active.remove(item)
+            log.close()
+            if code != 0 or not os.path.isfile(os.path.join(run_dir, "eval.json")):
+                return [f"{arm} seed {seed} (exit {code}; see {run_dir}/train.log)"]
+            print(f"[study]    {arm} seed {seed}: {time.time() - start:.0f} s", flush=True)
+            return []
+        if not block:
+            return []
+        time.sleep(1)
 
 
 def _mean_spread(values: list[float]) -> tuple[float, float]:
@@ -134,10 +173,83 @@ def aggregate(runs: dict[str, list[str]]) -> dict[str, Any]:
     return table
 
 
-def markdown(table: dict[str, Any], preset_path: str, seeds: list[int]) -> str:
-    """The results table: one row per arm, mean +- std over seeds for each split and metric."""
+def _errors(run_dir: str, split: str) -> list[tuple[str, bool, float]]:
+    """(question, right, |error|) per evaluated question; an unparseable answer: wrong, error inf."""
+    out = []
+    for row in _read_jsonl(os.path.join(run_dir, f"predictions_{split}.jsonl")):
+        truth = float(row["answer"]) if _is_number(row["answer"]) else math.nan
+        parsed = row["parsed"]
+        error = abs(parsed - truth) if parsed is not None and math.isfinite(truth) else math.inf
+        out.append((row["question"], parsed is not None and parsed == truth, error))
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def paired_tests(runs: dict[str, list[str]], table: dict[str, Any], baseline: str) -> dict[str, Any]:
+    """Each arm against ``baseline``, paired (same seed: same init and data; same questions).
+
+    * per seed: a paired t-test on each metric's per-seed values (n = seeds, so weak with 3 seeds);
+    * per question, pooled over seeds: an exact McNemar test on exact-match accuracy (the binomial
+      test of the discordant pairs) and a Wilcoxon signed-rank test on the absolute errors (an
+      unparseable answer counts as an infinite error, so it ranks worst).
+    """
+    from scipy import stats
+
+    out: dict[str, Any] = {}
+    for arm, dirs in runs.items():
+        if arm == baseline:
+            continue
+        out[arm] = {}
+        for split in table[arm]:
+            result: dict[str, Any] = {}
+            for metric in METRICS:
+                a, b = table[arm][split][metric]["seeds"], table[baseline][split][metric]["seeds"]
+                pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None and math.isfinite(x + y)]
+                diff = [x - y for x, y in pairs]
+                p = math.nan
+                if len(pairs) > 1 and any(d != diff[0] for d in diff):
+                    p = float(stats.ttest_rel([x for x, _ in pairs], [y for _, y in pairs]).pvalue)
+                result[metric] = {"mean_diff": statistics.fmean(diff) if diff else math.nan, "p_seed_t": p}
+            only_arm = only_base = 0
+            better = []
+            for run, base in zip(dirs, runs[baseline]):
+                for (q, right, err), (q0, right0, err0) in zip(_errors(run, split), _errors(base, split)):
+                    if q != q0:
+                        raise SystemExit(f"{run} and {base} evaluated different questions; cannot pair them")
+                    only_arm += right and not right0
+                    only_base += right0 and not right
+                    if err != err0:
+                        better.append(err0 - err if math.isfinite(err0 - err) else (1e300 if err < err0 else -1e300))
+            result["accuracy"]["mcnemar"] = {
+                "only_arm_right": only_arm,
+                "only_baseline_right": only_base,
+                "p": float(stats.binomtest(only_arm, only_arm + only_base).pvalue) if only_arm + only_base else 1.0,
+            }
+            result["mae"]["wilcoxon"] = {
+                "n": len(better),
+                "arm_closer": sum(d > 0 for d in better),
+                "p": float(stats.wilcoxon(better).pvalue) if len(better) > 1 else math.nan,
+            }
+            out[arm][split] = result
+    return out
+
+
+def _p(p: float) -> str:
+    return "n/a" if not math.isfinite(p) else ("< 0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def markdown(table: dict[str, Any], preset_path: str, seeds: list[int], tests: dict[str, Any], baseline: str) -> str:
+    """The results: mean +- std over seeds per arm, every seed's value, and the paired tests."""
     splits = list(next(iter(table.values())))
-    lines = [f"Preset `{preset_path}`, {len(seeds)} seeds; mean +- standard deviation over seeds.", ""]
+    lines = [f"Preset `{preset_path}`, {len(seeds)} seeds ({', '.join(map(str, seeds))}); mean +- standard "
+             "deviation over seeds.", ""]  # fmt: skip
     for split in splits:
         lines += [f"**{split}**", "", "| arm | accuracy | MAE | log-MAE | R^2 |", "|---|---:|---:|---:|---:|"]
         for arm, splits_of_arm in table.items():
@@ -146,6 +258,30 @@ def markdown(table: dict[str, Any], preset_path: str, seeds: list[int]) -> str:
                 m = splits_of_arm[split][metric]
                 cells.append(f"{m['mean']:.3f} +- {m['std']:.3f}" if math.isfinite(m["mean"]) else "n/a")
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+        lines += ["", f"Per seed ({split}; accuracy / MAE):", ""]
+        for arm, splits_of_arm in table.items():
+            acc, mae = splits_of_arm[split]["accuracy"]["seeds"], splits_of_arm[split]["mae"]["seeds"]
+            lines.append(f"- {arm}: " + ", ".join(f"{a:.3f} / {e:.3g}" for a, e in zip(acc, mae)))
+        if tests:
+            lines += [
+                "",
+                f"Paired against {baseline} ({split}): accuracy by McNemar's exact test over every question of "
+                "every seed, MAE by the Wilcoxon signed-rank test on the absolute errors, and a paired t-test "
+                "over the seeds.",
+                "",
+                "| arm | accuracy diff | right only here / only baseline | McNemar p | t-test p | MAE diff "
+                "| closer / pairs | Wilcoxon p | t-test p |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            ]
+            for arm, per_split in tests.items():
+                t = per_split[split]
+                mc, wx = t["accuracy"]["mcnemar"], t["mae"]["wilcoxon"]
+                right = f"{mc['only_arm_right']} / {mc['only_baseline_right']}"
+                lines.append(
+                    f"| {arm} | {t['accuracy']['mean_diff']:+.3f} | {right} "
+                    f"| {_p(mc['p'])} | {_p(t['accuracy']['p_seed_t'])} | {t['mae']['mean_diff']:+.3g} "
+                    f"| {wx['arm_closer']} / {wx['n']} | {_p(wx['p'])} | {_p(t['mae']['p_seed_t'])} |"
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -248,9 +384,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.time()
     runs = run_all(preset, out)
     table = aggregate(runs)
+    baseline = preset.get("baseline", next(iter(preset["arms"])))
+    if baseline not in preset["arms"]:
+        raise SystemExit(f"{args.preset}: baseline {baseline!r} is not one of the arms {list(preset['arms'])}")
+    tests = paired_tests(runs, table, baseline) if len(preset["seeds"]) > 0 else {}
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"preset": preset, "results": table, "seconds": time.time() - start}, f, indent=2)
-    text = markdown(table, args.preset, preset["seeds"])
+        summary = {"preset": preset, "results": table, "paired_tests": tests, "seconds": time.time() - start}
+        json.dump(summary, f, indent=2)
+    text = markdown(table, args.preset, preset["seeds"], tests, baseline)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text + "\n")
     pngs = plots(runs, out)

@@ -13,23 +13,27 @@ stop) and exports a Hugging Face folder.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import signal
 import socket
 import sys
 import time
+import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ntl_scale
-from ntl_scale.data import ShardedOrder, collate, encode
+from ntl_scale.data import collate
+from ntl_scale.eval.numbers import extract_number
 from ntl_scale.integrations.deepspeed_tp import full_logits, gathered_weights, head_shard, install_chunked_head
 from ntl_scale.training.config import RunConfig, load_config
-from ntl_scale.training.data import load_examples
+from ntl_scale.training.data import Batches, eval_sets, train_dataset
 from ntl_scale.training.evaluate import evaluate_generation
 from ntl_scale.training.resume import Layout, plan_resume, read_layout, to_universal, write_layout
 from ntl_scale.training.steps import (
@@ -52,10 +56,34 @@ def init_distributed() -> tuple[int, int]:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if "OMP_NUM_THREADS" not in os.environ:  # share the cores: N ranks x all cores each runs 3-4x slower
+            local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
+    quiet_libraries()
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # DeepSpeed's CPU backend prints "... built successfully" per rank
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    for line in printed.getvalue().splitlines():
+        if not (line.startswith("DeepSpeed ") and line.endswith(" built successfully")):
+            print(line, flush=True)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def quiet_libraries() -> None:
+    """One progress line per log interval: drop the libraries' known repeated notices (each named
+    here), never their errors or other warnings."""
+    warnings.filterwarnings(  # DeepSpeed's ZeRO-3 calls these per step; torch warns on every call site
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning,
+    )
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()  # a bar per cached map and filter
+    transformers.utils.logging.disable_progress_bar()  # "Writing model shards" at export
 
 
 def build_tokenizer(cfg: RunConfig):
@@ -146,9 +174,12 @@ def main(argv: list[str] | None = None) -> dict:
     if vocab_size < len(tokenizer):
         raise ValueError(f"model vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
     vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer, vocab_size=vocab_size, digit_level=cfg.ntl.digit_level)
-    train_examples, eval_sets = load_examples(cfg.data)
-    encoded = (encode(tokenizer, x, kind=cfg.model.kind, max_length=cfg.data.max_length) for x in train_examples)
-    train_set = [e for e in encoded if e is not None]
+    # rank 0 tokenises (and fills the Arrow cache) first; the other ranks then read its cache
+    train_set = train_dataset(cfg.data, tokenizer, kind=cfg.model.kind) if rank == 0 else None
+    torch.distributed.barrier()
+    if rank != 0:
+        train_set = train_dataset(cfg.data, tokenizer, kind=cfg.model.kind)
+    evals = eval_sets(cfg.data)
 
     torch.manual_seed(cfg.train.seed)
     model, _keep = build_model(cfg, vocab_size, ds_config, tokenizer)
@@ -188,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         dp_group, dp_rank = torch.distributed.group.WORLD, rank
     tp_group, vocab_start = (shard.group, shard.start) if shard is not None else (None, None)
-    order = ShardedOrder(len(train_set), cfg.train.micro_batch_size, dp_rank, dp, cfg.data.seed, accumulation=ga)
+    order = Batches(train_set, cfg.train.micro_batch_size, dp_rank, dp, cfg.data.seed, ga, cfg.data.shuffle_buffer)
     params = list(model.parameters())
     held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)  # this rank's part
     total = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: the whole parameter
@@ -242,12 +273,12 @@ def main(argv: list[str] | None = None) -> dict:
             kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start_step]
         with open(metrics_path, "w") as f:
             f.writelines(kept)
-    clock, history = time.time(), []
+    clock, history, tokens_read = time.time(), [], 0
     for step in range(start_step + 1, cfg.train.steps + 1):
         step_start = time.perf_counter()
         for group in engine.optimizer.param_groups:
-            group["lr"] = cfg.train.lr * min(1.0, step / max(cfg.train.warmup_steps, 1))
-        batches = [collate([train_set[i] for i in order.next_indices()], tokenizer.pad_token_id) for _ in range(ga)]
+            group["lr"] = cfg.train.lr_at(step)
+        batches = [collate(order.next(), tokenizer.pad_token_id) for _ in range(ga)]
         causal = cfg.model.kind == "causal"  # seq2seq labels already align with the decoder's logits
         targets = [shift_for_causal(b["labels"]) if causal else b["labels"] for b in batches]
         counts = global_counts(targets, vocab, None if dp == 1 else dp_group)
@@ -268,8 +299,13 @@ def main(argv: list[str] | None = None) -> dict:
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             totals = stats if totals is None else totals + stats
+        # every token the model read (prompts and answers, not padding; seq2seq: the decoder's too)
+        read = sum(int(b["attention_mask"].sum()) for b in batches)
+        read += 0 if causal else sum(int((b["labels"] != -100).sum()) for b in batches)
+        totals = torch.cat([totals, totals.new_tensor([read])])
         torch.distributed.all_reduce(totals, group=dp_group)  # TP ranks hold the same sums: DP only
         totals = totals.cpu()
+        tokens_read += int(totals[5])
         ce, ntl = float(totals[0] / totals[2]), float(totals[1] / max(totals[3], 1))
         row = {
             "step": step,
@@ -278,6 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
             "number_acc": float(totals[4] / max(totals[3], 1)),
             "lr": engine.optimizer.param_groups[0]["lr"],
             "grad_norm": float(engine.get_global_grad_norm() or 0),
+            "tokens": int(totals[5]),
             "time_s": time.perf_counter() - step_start,  # data, forward, backward, optimizer, logging reduce
         }
         history.append(row)
@@ -286,10 +323,11 @@ def main(argv: list[str] | None = None) -> dict:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                rate = (step - start_step) / (time.time() - clock)
+                elapsed = time.time() - clock
+                eta = (cfg.train.steps - step) * elapsed / (step - start_step)
                 print(
                     f"step {step}/{cfg.train.steps}  ce {ce:.4f}  ntl {ntl:.4f}  number acc {row['number_acc']:.3f}  "
-                    f"{rate * totals[2].item():.0f} tok/s  eta {(cfg.train.steps - step) / rate:.0f}s",
+                    f"{tokens_read / elapsed:.0f} tok/s  eta {eta:.0f}s",
                     flush=True,
                 )
         flag = torch.tensor([stop["signal"]])
@@ -310,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
             tokenizer.save_pretrained(os.path.join(cfg.run_dir, "hf_model"))
             vocab.save(os.path.join(cfg.run_dir, "hf_model", "number_vocab.json"))
     results = {}
-    for split, examples in (eval_sets if cfg.eval.at_end else {}).items():
+    for split, examples in (evals if cfg.eval.at_end else {}).items():
         path = os.path.join(cfg.run_dir, f"predictions_{split}.jsonl") if rank == 0 else None
         with full_logits(shard):  # every rank generates the same answers; a TP head gathers its columns
             results[split] = evaluate_generation(
@@ -334,12 +372,26 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0 and results:
         with open(os.path.join(cfg.run_dir, "eval.json"), "w") as f:
             json.dump(results, f, indent=2)
-        print("split        accuracy   MAE       log-MAE  unparseable")
-        for split, m in results.items():
-            print(f"{split:12s} {m['accuracy']:.3f}      {m['mae']:<9.3g} {m['log_mae']:.3f}    {m['unparseable']:.3f}")
+        print_summary(cfg.run_dir, results, {split: len(examples) for split, examples in evals.items()})
     _write_status(cfg.run_dir, rank, "finished", cfg.train.steps)
     _shutdown()
     return {"history": history, "eval": results}
+
+
+def print_summary(run_dir: str, results: dict, sizes: dict, shown: int = 6) -> None:
+    """The end of a run: accuracy and error per held-out split, then a few questions with the model's answers."""
+    print(f"\nheld-out questions, answered by greedy generation ({run_dir}/eval.json)")
+    print(f"{'split':<13} {'questions':>9} {'accuracy':>9} {'MAE':>10} {'unparseable':>12}")
+    for split, m in results.items():
+        print(f"{split:<13} {sizes[split]:>9} {m['accuracy']:>9.1%} {m['mae']:>10.3g} {m['unparseable']:>12.1%}")
+    split = next(iter(results))
+    with open(os.path.join(run_dir, f"predictions_{split}.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line, _ in zip(f, range(shown))]
+    width = max(len(r["question"]) for r in rows)
+    print(f"\nexamples ({split}; all in {run_dir}/predictions_{split}.jsonl)")
+    for r in rows:
+        mark = "right" if r["parsed"] is not None and r["parsed"] == extract_number(r["answer"]) else "wrong"
+        print(f"  {r['question']:<{width}}  true {r['answer']:>8}  model {r['generated'].strip()!s:>8}  {mark}")
 
 
 def _on_rank_zero(rank: int, work) -> None:

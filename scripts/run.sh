@@ -2,6 +2,8 @@
 # The main job with its small default: the self-check, then `deepspeed launch/train.py` (tiny config,
 # ZeRO-3, 2 processes; on a machine without GPUs they run on the CPU over gloo). Extra arguments go
 # to train.py (e.g. --config configs/train/tiny_cpu.yaml train.steps=50).
+# The launcher's own INFO lines (its command line, world info, one per spawned process) are dropped
+# from the screen; its warnings and errors, and everything the ranks print, are kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -12,4 +14,7 @@ else
   export DS_ACCELERATOR=cpu
   gpus=2
 fi
-exec "$PYTHON" -m deepspeed.launcher.runner --num_gpus "$gpus" launch/train.py --config configs/train/tiny_cpu.yaml "$@"
+echo
+echo "deepspeed launch/train.py --config configs/train/tiny_cpu.yaml $* ($gpus processes)"
+"$PYTHON" -m deepspeed.launcher.runner --num_gpus "$gpus" launch/train.py --config configs/train/tiny_cpu.yaml "$@" 2>&1 \
+  | { grep --line-buffered -v -E '^\[[0-9-]+ [0-9:,]+\] \[INFO\] \[(runner|launch)\.py:[0-9]+:main\]' || true; }

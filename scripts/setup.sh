@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up ntl_scale on a fresh machine with nothing but Python.
 #   bash scripts/setup.sh          # the package and what the main job needs
-#   bash scripts/setup.sh --dev    # plus everything the test suite needs (Slurm too, as root with apt)
+#   bash scripts/setup.sh --dev    # plus everything the test suite needs (Slurm too, as root with apt;
+#                                  # the DeepMind data generator's own environment)
 # torch: installs the pin torch==2.13.0 (a local CPU wheel on the project's machines) when no torch is
 # present, and pins whatever torch is installed as a constraint so no later install can upgrade it.
 set -euo pipefail
@@ -25,4 +26,7 @@ echo "[setup] installing ntl_scale[${extras}] (torch ${torch_version} kept as is
 
 if [[ "${1:-}" == "--dev" ]]; then
   bash scripts/setup_slurm.sh
+  # DeepMind's generator pins sympy 1.5.1 and numpy<1.24: its own venv (~/.cache/ntl_scale), built once
+  echo "[setup] the DeepMind mathematics generator's environment"
+  "$PYTHON" -m ntl_scale.data.deepmind --setup-only
 fi

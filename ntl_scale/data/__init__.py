@@ -1,7 +1,9 @@
-"""Data for NTL training: a seeded arithmetic generator and readers of local question/answer files."""
+"""Data for NTL training: a seeded arithmetic generator, DeepMind's own generator
+(:mod:`ntl_scale.data.deepmind`) and question/answer files through Hugging Face ``datasets``."""
 
-from .arithmetic import ArithmeticConfig, Example, generate, read_deepmind_text, read_jsonl
+from .arithmetic import ArithmeticConfig, Example, generate
 from .collate import IGNORE_INDEX, EncodedExample, ShardedOrder, collate, encode
+from .hf_datasets import StreamingOrder, load_qa, tokenize_qa
 
 __all__ = [
     "IGNORE_INDEX",
@@ -9,9 +11,10 @@ __all__ = [
     "EncodedExample",
     "Example",
     "ShardedOrder",
+    "StreamingOrder",
     "collate",
     "encode",
     "generate",
-    "read_deepmind_text",
-    "read_jsonl",
+    "load_qa",
+    "tokenize_qa",
 ]

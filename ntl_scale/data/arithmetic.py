@@ -1,8 +1,10 @@
-"""Seeded arithmetic problems in the style of the DeepMind mathematics dataset, and file readers.
+"""Seeded arithmetic problems in the style of the DeepMind mathematics dataset (files are read by
+:mod:`ntl_scale.data.hf_datasets`).
 
 The generator makes three kinds of question, each answered by one integer:
 
-* ``add_sub``: ``What is 123 - 45?``
+* ``add``: ``What is 123 + 45?``
+* ``add_sub``: ``What is 123 - 45?`` (either operation)
 * ``add_sub_multiple``: ``Calculate 12 + -7 - 30 + 4.`` (3 to 5 terms)
 * ``mul``: ``What is 37 times 12?``
 
@@ -13,15 +15,12 @@ Splits follow the DeepMind convention: ``interpolate`` draws operands from the t
 
 from __future__ import annotations
 
-import json
-import os
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["KINDS", "SPLITS", "ArithmeticConfig", "Example", "generate", "read_deepmind_text", "read_jsonl"]
+__all__ = ["KINDS", "SPLITS", "ArithmeticConfig", "Example", "generate"]
 
-KINDS = ("add_sub", "add_sub_multiple", "mul")
+KINDS = ("add", "add_sub", "add_sub_multiple", "mul")
 SPLITS = ("train", "interpolate", "extrapolate")
 
 
@@ -46,7 +45,7 @@ class ArithmeticConfig:
         negative_share: share of operands made negative.
     """
 
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] = ("add_sub", "add_sub_multiple", "mul")
     train_digits: int = 3
     extrapolate_digits: int = 5
     mul_digits: int = 2
@@ -75,9 +74,9 @@ def _term(value: int) -> str:
 
 
 def _make(rng: random.Random, kind: str, low: int, high: int, mul_high: int, neg: float) -> Example:
-    if kind == "add_sub":
+    if kind in ("add", "add_sub"):
         a, b = _operand(rng, low, high, neg), _operand(rng, low, high, 0.0)
-        op = rng.choice("+-")
+        op = rng.choice("+-") if kind == "add_sub" else "+"
         value = a + b if op == "+" else a - b
         return Example(f"What is {_term(a)} {op} {b}?", str(value), kind)
     if kind == "add_sub_multiple":
@@ -133,38 +132,3 @@ def generate(
         out.append(example)
     rng.shuffle(out)
     return out
-
-
-def read_deepmind_text(path: str | os.PathLike[str]) -> Iterator[Example]:
-    """Reads a DeepMind ``mathematics_dataset`` text file: question and answer lines alternate."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"no such data file {path!r}")
-    with open(path, encoding="utf-8") as f:
-        lines = [line.rstrip("\n") for line in f]
-    if lines and lines[-1] == "":
-        lines.pop()
-    if len(lines) % 2:
-        raise ValueError(f"{path}: {len(lines)} lines; expected question/answer pairs (an even count)")
-    for i in range(0, len(lines), 2):
-        yield Example(lines[i].strip(), lines[i + 1].strip(), os.path.basename(path))
-
-
-def read_jsonl(
-    path: str | os.PathLike[str], *, question_key: str = "question", answer_key: str = "answer"
-) -> Iterator[Example]:
-    """Reads ``{question, answer}`` JSON lines (GSM8K's layout); errors name the file and line."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"no such data file {path!r}")
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: malformed JSON ({e.msg})") from None
-            if not isinstance(record, dict) or question_key not in record or answer_key not in record:
-                raise ValueError(f"{path}:{number}: expected an object with keys {question_key!r} and {answer_key!r}")
-            yield Example(str(record[question_key]), str(record[answer_key]), os.path.basename(path))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -79,7 +80,8 @@ class DataConfig:
     source: str = "arithmetic"
     """``arithmetic`` (the seeded generator), ``deepmind`` (text files) or ``jsonl``."""
     train_path: str | None = None
-    """File for ``deepmind``/``jsonl`` sources."""
+    """File for ``deepmind``/``jsonl`` sources; for ``deepmind`` also a folder written by
+    ``python -m ntl_scale.data.deepmind`` (its arithmetic subset: train, interpolate, extrapolate)."""
     eval_path: str | None = None
     """Evaluation file for ``deepmind``/``jsonl`` sources."""
     train_examples: int = 4000
@@ -91,17 +93,34 @@ class DataConfig:
     seed: int = 0
     """Seed of the generator and of the shuffling."""
     kinds: list[str] = field(default_factory=lambda: ["add_sub", "add_sub_multiple", "mul"])
-    """Arithmetic problem kinds (``add_sub``, ``add_sub_multiple``, ``mul``), in equal shares."""
+    """Arithmetic problem kinds (``add``, ``add_sub``, ``add_sub_multiple``, ``mul``), in equal shares."""
     train_digits: int = 3
     """Arithmetic operands have 1 to this many digits in ``train`` and ``interpolate``."""
     extrapolate_digits: int = 5
     """... and ``train_digits + 1`` to this many in ``extrapolate``."""
+    negative_share: float = 0.2
+    """Share of arithmetic operands drawn negative."""
+    streaming: bool = False
+    """Read ``train_path`` as a stream (``datasets.IterableDataset``) instead of building its Arrow table:
+    for corpora larger than memory or disk cache."""
+    shuffle_buffer: int = 10000
+    """Rows in the streaming shuffle buffer (0: file order)."""
+    num_proc: int = 1
+    """Processes that tokenise a file (``datasets.map``); the result is cached."""
+    cache_dir: str | None = None
+    """The ``datasets`` Arrow cache (default: ``~/.cache/huggingface/datasets``)."""
 
     def __post_init__(self) -> None:
         if self.source not in ("arithmetic", "deepmind", "jsonl"):
             raise ValueError(f"data.source must be 'arithmetic', 'deepmind' or 'jsonl', got {self.source!r}")
         if self.source != "arithmetic" and not self.train_path:
             raise ValueError(f"data.source={self.source!r} needs data.train_path")
+        if self.streaming and self.source == "arithmetic":
+            raise ValueError("data.streaming=true reads data.train_path; the generated arithmetic source has no file")
+        if self.num_proc < 1 or self.shuffle_buffer < 0:
+            raise ValueError(
+                f"need data.num_proc >= 1 and data.shuffle_buffer >= 0, got {self.num_proc} and {self.shuffle_buffer}"
+            )
 
 
 @dataclass
@@ -122,6 +141,11 @@ class TrainConfig:
     """Peak learning rate."""
     warmup_steps: int = 10
     """Linear warm-up steps."""
+    lr_decay: str = "constant"
+    """After warm-up: ``constant``, ``cosine`` or ``linear`` decay to ``min_lr`` at the last step
+    (Megatron's ``--lr-decay-style``)."""
+    min_lr: float = 0.0
+    """The learning rate the decay ends at."""
     seed: int = 1234
     """Model init and dropout seed."""
     log_every: int = 10
@@ -150,8 +174,22 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ValueError(f"train.global_batch_size must be >= 1 or null, got {self.global_batch_size}")
+        if self.lr_decay not in ("constant", "cosine", "linear"):
+            raise ValueError(f"train.lr_decay must be constant, cosine or linear, got {self.lr_decay!r}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
             raise ValueError(f"train.loss_chunk_tokens must be >= 1 or null, got {self.loss_chunk_tokens}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (1-based): linear warm-up, then the decay."""
+        if step <= self.warmup_steps:
+            return self.lr * step / max(self.warmup_steps, 1)
+        if self.lr_decay == "constant" or self.steps <= self.warmup_steps:
+            return self.lr
+        done = min(1.0, (step - self.warmup_steps) / (self.steps - self.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * done)) if self.lr_decay == "cosine" else 1 - done
+        return self.min_lr + (self.lr - self.min_lr) * shape
 
     def accumulation_for(self, data_parallel: int) -> int:
         """Micro-batches per optimizer step on ``data_parallel`` ranks (from ``global_batch_size`` if set)."""

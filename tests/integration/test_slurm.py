@@ -41,6 +41,7 @@ DS_ENTRY = "tests/helpers/ds_launch.py launch/train.py"  # skips DeepSpeed's CPU
 MEGATRON_ENTRY = "tests/helpers/megatron_cpu_launch.py launch/megatron_example.py"  # CPU patches
 CPU_JOB = ["--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1"]
 TINY = ["eval.at_end=false", "tracking.wandb=disabled", "train.save_every=0"]
+ZERO3 = "train.deepspeed_config=configs/deepspeed/zero3.json"  # the tiny default is ZeRO-2; these jobs test 3
 
 
 def _missing(what: str) -> None:
@@ -168,7 +169,7 @@ STEPS = 40
 def uninterrupted(slurm_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ds")
     rc, job, log, out = _sbatch(
-        slurm_env, tmp, "deepspeed.sbatch", "--entry", DS_ENTRY, "--", f"train.steps={STEPS}", *TINY
+        slurm_env, tmp, "deepspeed.sbatch", "--entry", DS_ENTRY, "--", f"train.steps={STEPS}", *TINY, ZERO3
     )
     return rc, tmp / "runs" / f"ntl-deepspeed-{job}", log, out
 
@@ -230,7 +231,16 @@ def test_megatron_job_runs_the_drop_in_on_real_megatron_lm(slurm_env, tmp_path):
 
 def test_time_limit_warning_checkpoints_requeues_and_resumes_to_the_same_loss(slurm_env, tmp_path, uninterrupted):
     rc, job, log, out = _sbatch(
-        slurm_env, tmp_path, "deepspeed.sbatch", "--entry", DS_ENTRY, "--", f"train.steps={STEPS}", *TINY, wait=False
+        slurm_env,
+        tmp_path,
+        "deepspeed.sbatch",
+        "--entry",
+        DS_ENTRY,
+        "--",
+        f"train.steps={STEPS}",
+        *TINY,
+        ZERO3,
+        wait=False,
     )
     assert rc == 0, out.stderr
     run = tmp_path / "runs" / f"ntl-deepspeed-{job}"

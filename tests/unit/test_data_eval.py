@@ -9,13 +9,12 @@ Sections:
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import pytest
 
-from ntl_scale.data import ArithmeticConfig, generate, read_deepmind_text, read_jsonl
+from ntl_scale.data import ArithmeticConfig, generate
 from ntl_scale.eval import extract_number, number_metrics
 
 
@@ -58,26 +57,6 @@ def test_generator_errors():
         ArithmeticConfig(kinds=("div",))
     with pytest.raises(ValueError, match="train_digits < extrapolate_digits"):
         ArithmeticConfig(train_digits=4, extrapolate_digits=4)
-
-
-def test_readers(tmp_path):
-    text = tmp_path / "add.txt"
-    text.write_text("What is 1 + 2?\n3\nWhat is 5 - 7?\n-2\n")
-    assert [(e.question, e.answer) for e in read_deepmind_text(text)] == [
-        ("What is 1 + 2?", "3"),
-        ("What is 5 - 7?", "-2"),
-    ]
-    odd = tmp_path / "odd.txt"
-    odd.write_text("q\na\nq2\n")
-    with pytest.raises(ValueError, match="3 lines; expected question/answer pairs"):
-        list(read_deepmind_text(odd))
-    jsonl = tmp_path / "gsm.jsonl"
-    jsonl.write_text(json.dumps({"question": "q1", "answer": "x #### 4"}) + "\n\n" + '{"question": "q2", "answer"\n')
-    with pytest.raises(ValueError, match=r"gsm\.jsonl:3: malformed JSON"):
-        list(read_jsonl(jsonl))
-    assert next(read_jsonl(jsonl)).answer == "x #### 4"
-    with pytest.raises(ValueError, match="no such data file"):
-        list(read_jsonl(tmp_path / "missing.jsonl"))
 
 
 @pytest.mark.parametrize(
