@@ -118,7 +118,21 @@ def test_ci_study_preset_end_to_end(tmp_path):
         config = json.loads((out / arm / "seed0" / "config.json").read_text())
         assert config["ntl"]["weight"] == weight and (weight == 0 or config["ntl"]["loss"] == loss)
     table = (out / "results.md").read_text()
-    assert table.count("| CE + NTL-WAS |") == 2 and "+-" in table
+    assert table.count("| CE + NTL-WAS |") == 4 and "+-" in table  # 2 splits x (results, paired tests)
+    # the paired tests count the questions only one arm got right, from the predictions themselves
+    tests = json.loads((out / "results.json").read_text())["paired_tests"]
+    assert set(tests) == {"CE + NTL-WAS", "CE + NTL-MSE"}
+    for arm, folder in (("CE + NTL-WAS", "ce_ntl_was"), ("CE + NTL-MSE", "ce_ntl_mse")):
+        only_arm = only_ce = 0
+        for seed in (0, 1):
+            mine = (out / folder / f"seed{seed}" / "predictions_interpolate.jsonl").read_text().splitlines()
+            base = (out / "ce" / f"seed{seed}" / "predictions_interpolate.jsonl").read_text().splitlines()
+            for a, b in zip(map(json.loads, mine), map(json.loads, base)):
+                right_a, right_b = a["parsed"] == float(a["answer"]), b["parsed"] == float(b["answer"])
+                only_arm, only_ce = only_arm + (right_a and not right_b), only_ce + (right_b and not right_a)
+        mcnemar = tests[arm]["interpolate"]["accuracy"]["mcnemar"]
+        assert (mcnemar["only_arm_right"], mcnemar["only_baseline_right"]) == (only_arm, only_ce)
+        assert 0 <= mcnemar["p"] <= 1
     for png in ("loss_curves.png", "error_by_digits.png", "digit_offsets.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     # a second call finds every run done and only re-tabulates
