@@ -40,6 +40,10 @@ from typing import Any
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from ntl_scale.eval.numbers import extract_number  # noqa: E402
+
 METRICS = ("accuracy", "mae", "log_mae", "r2")
 
 
@@ -177,19 +181,12 @@ def _errors(run_dir: str, split: str) -> list[tuple[str, bool, float]]:
     """(question, right, |error|) per evaluated question; an unparseable answer: wrong, error inf."""
     out = []
     for row in _read_jsonl(os.path.join(run_dir, f"predictions_{split}.jsonl")):
-        truth = float(row["answer"]) if _is_number(row["answer"]) else math.nan
+        truth = extract_number(row["answer"])  # as launch/train.py's evaluation reads it
+        truth = math.nan if truth is None else truth
         parsed = row["parsed"]
         error = abs(parsed - truth) if parsed is not None and math.isfinite(truth) else math.inf
         out.append((row["question"], parsed is not None and parsed == truth, error))
     return out
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def paired_tests(runs: dict[str, list[str]], table: dict[str, Any], baseline: str) -> dict[str, Any]:
@@ -326,7 +323,9 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
         for arm, dirs in runs.items():
             by_digits: dict[int, list[tuple[bool, float]]] = {}
             for row in _predictions(dirs, split):
-                truth = float(row["answer"])
+                truth = extract_number(row["answer"])
+                if truth is None or truth != int(truth):  # answers by digits: whole numbers only
+                    continue
                 digits = len(str(abs(int(truth))))
                 pred = row["parsed"]
                 error = abs(pred - truth) if pred is not None else math.nan
@@ -354,9 +353,10 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
         counts = dict.fromkeys(offsets, 0)
         for split in splits:
             for row in _predictions(dirs, split):
-                if row["parsed"] is None:
-                    continue
-                truth, pred = str(abs(int(float(row["answer"])))), str(abs(int(row["parsed"])))
+                value = extract_number(row["answer"])
+                if row["parsed"] is None or value is None or value != int(value) or row["parsed"] != int(row["parsed"]):
+                    continue  # digit offsets of whole numbers only
+                truth, pred = str(abs(int(value))), str(abs(int(row["parsed"])))
                 for a, b in zip(reversed(pred), reversed(truth)):
                     counts[int(a) - int(b)] += 1
         wrong = sum(v for o, v in counts.items() if o != 0) or 1

@@ -2,7 +2,8 @@
 
 Extraction rules: the text after a GSM8K ``####`` marker if there is one, else the whole text; in it
 the *last* number, where a number is an optional minus sign, digits with optional thousands
-separators (``1,234,567``) and an optional decimal part (``-12.5``). Text without a number gives None.
+separators (``1,234,567``), an optional decimal part (``-12.5``) and an optional denominator
+(``-29/5``, the DeepMind data's rational answers, is -5.8). Text without a number gives None.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 
 __all__ = ["extract_number", "number_metrics"]
 
-_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", flags=re.ASCII)
+_NUMBER = re.compile(r"(?<![\w./])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?", flags=re.ASCII)
 
 
 def extract_number(text: str) -> float | None:
@@ -23,7 +24,10 @@ def extract_number(text: str) -> float | None:
     matches = _NUMBER.findall(text)
     if not matches:
         return None
-    return float(matches[-1].replace(",", ""))
+    numerator, _, denominator = matches[-1].replace(",", "").partition("/")
+    if not denominator:
+        return float(numerator)
+    return float(numerator) / float(denominator) if float(denominator) else None
 
 
 def number_metrics(predictions: Sequence[float | None], targets: Sequence[float]) -> dict[str, float]:

@@ -71,6 +71,9 @@ def test_generator_errors():
         ("#### -1,000.5", -1000.5),
         ("no number here", None),
         ("v2 of the model", None),
+        ("-29/5", -29 / 5),  # the DeepMind data's rational answers
+        ("so it is 1/12", 1 / 12),
+        ("1/0", None),
     ],
 )
 def test_extract_number(text, value):
