@@ -1,6 +1,6 @@
 """CE vs CE + NTL: train every arm for every seed through launch/train.py, then tabulate and plot.
 
-    python experiments/study.py --preset configs/study/cpu.yaml            # 2 CPU cores, about an hour
+    python experiments/study.py --preset configs/study/cpu.yaml            # 2 CPU cores, about 35 minutes
     python experiments/study.py --preset configs/study/gpu.yaml            # one GPU (H100/H200)
     python experiments/study.py --preset configs/study/ci.yaml --out runs/study-ci   # minutes, for CI
     python experiments/study.py --preset configs/study/ablation_weight.yaml   # NTL weight 0.3 / 0.8 / 2.0
