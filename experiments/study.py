@@ -121,7 +121,7 @@ def run_all(preset: dict[str, Any], out: str) -> dict[str, list[str]]:
     failed = []
     for index, (arm, seed, run_dir, overrides) in enumerate(todo, start=1):
         while len(active) >= parallel:
-            failed += _reap(active, block=True)
+            failed += _reap(active)
         print(f"[study] {index}/{len(todo)} {arm} seed {seed} -> {run_dir}", flush=True)
         os.makedirs(run_dir, exist_ok=True)
         log = open(os.path.join(run_dir, "train.log"), "w")
@@ -130,13 +130,13 @@ def run_all(preset: dict[str, Any], out: str) -> dict[str, list[str]]:
         )
         active.append((process, log, arm, seed, run_dir, time.time()))
     while active:
-        failed += _reap(active, block=True)
+        failed += _reap(active)
     if failed:
         raise SystemExit("[study] failed: " + "; ".join(failed))
     return runs
 
 
-def _reap(active: list, block: bool) -> list[str]:
+def _reap(active: list) -> list[str]:
     """Waits for one run of ``active`` to end (removing it); returns its failure, if any."""
     while True:
         for item in list(active):
@@ -149,8 +149,6 @@ def _reap(active: list, block: bool) -> list[str]:
             if code != 0 or not os.path.isfile(os.path.join(run_dir, "eval.json")):
                 return [f"{arm} seed {seed} (exit {code}; see {run_dir}/train.log)"]
             print(f"[study]    {arm} seed {seed}: {time.time() - start:.0f} s", flush=True)
-            return []
-        if not block:
             return []
         time.sleep(1)
 

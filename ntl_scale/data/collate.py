@@ -11,7 +11,7 @@ import torch
 
 from .arithmetic import Example
 
-__all__ = ["EncodedExample", "ShardedOrder", "collate", "encode"]
+__all__ = ["EncodedExample", "ShardedOrder", "collate", "encode", "encode_pairs", "fits"]
 
 IGNORE_INDEX = -100
 
@@ -24,21 +24,37 @@ class EncodedExample:
     labels: list[int]
 
 
-def encode(tokenizer: Any, example: Example, *, kind: str = "causal", max_length: int = 512) -> EncodedExample | None:
-    """Tokenises one example; None if it is longer than ``max_length``.
+def encode_pairs(
+    tokenizer: Any, questions: Sequence[str], answers: Sequence[str], *, kind: str = "causal"
+) -> tuple[list[list[int]], list[list[int]]]:
+    """``input_ids`` and ``labels`` of question/answer pairs, tokenised in one batch per side.
 
     ``causal``: ``question + " "`` is the prompt (masked from the loss), the answer and EOS are the
     targets, in one sequence. ``seq2seq``: the question is the encoder input, answer + EOS the labels.
     """
-    prompt = tokenizer(example.question + " ", add_special_tokens=False)["input_ids"]
-    answer = tokenizer(example.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    if kind == "seq2seq":
-        if max(len(prompt), len(answer)) > max_length:
-            return None
-        return EncodedExample(prompt, answer)
-    if len(prompt) + len(answer) > max_length:
-        return None
-    return EncodedExample(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer)
+    prompts = tokenizer([q + " " if kind == "causal" else q for q in questions], add_special_tokens=False)
+    targets = tokenizer(list(answers), add_special_tokens=False)
+    input_ids, labels = [], []
+    for prompt, answer in zip(prompts["input_ids"], targets["input_ids"]):
+        target = [*answer, tokenizer.eos_token_id]
+        if kind == "seq2seq":
+            input_ids.append(prompt)
+            labels.append(target)
+        else:
+            input_ids.append(prompt + target)
+            labels.append([IGNORE_INDEX] * len(prompt) + target)
+    return input_ids, labels
+
+
+def fits(input_ids: Sequence[int], labels: Sequence[int], *, kind: str, max_length: int) -> bool:
+    """Whether an encoded example is at most ``max_length`` tokens (seq2seq: each side)."""
+    return max(len(input_ids), len(labels)) <= max_length if kind == "seq2seq" else len(input_ids) <= max_length
+
+
+def encode(tokenizer: Any, example: Example, *, kind: str = "causal", max_length: int = 512) -> EncodedExample | None:
+    """Tokenises one example as :func:`encode_pairs` does; None if it is longer than ``max_length``."""
+    (input_ids,), (labels,) = encode_pairs(tokenizer, [example.question], [example.answer], kind=kind)
+    return EncodedExample(input_ids, labels) if fits(input_ids, labels, kind=kind, max_length=max_length) else None
 
 
 def collate(batch: Sequence[EncodedExample], pad_id: int) -> dict[str, torch.Tensor]:

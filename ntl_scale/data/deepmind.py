@@ -201,7 +201,10 @@ def generate_deepmind(
     out = os.path.abspath(out)
     record = os.path.join(out, "generation.json")
     if os.path.exists(out):
-        previous = json.load(open(record)) if os.path.isfile(record) else None
+        previous = None
+        if os.path.isfile(record):
+            with open(record, encoding="utf-8") as f:
+                previous = json.load(f)
         if previous is not None and previous.get("settings") == settings:
             return previous
         raise ValueError(

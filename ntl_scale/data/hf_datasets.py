@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .._optional import require
-from .collate import IGNORE_INDEX, EncodedExample
+from .collate import EncodedExample, encode_pairs, fits
 
 __all__ = ["StreamingOrder", "load_qa", "tokenize_qa"]
 
@@ -89,17 +89,7 @@ def load_qa(
 
 
 def _encode_batch(batch: dict[str, list[str]], tokenizer: Any, kind: str) -> dict[str, list[list[int]]]:
-    prompts = tokenizer([q + " " if kind == "causal" else q for q in batch["question"]], add_special_tokens=False)
-    answers = tokenizer(batch["answer"], add_special_tokens=False)
-    input_ids, labels = [], []
-    for prompt, answer in zip(prompts["input_ids"], answers["input_ids"]):
-        target = [*answer, tokenizer.eos_token_id]
-        if kind == "seq2seq":
-            input_ids.append(prompt)
-            labels.append(target)
-        else:
-            input_ids.append(prompt + target)
-            labels.append([IGNORE_INDEX] * len(prompt) + target)
+    input_ids, labels = encode_pairs(tokenizer, batch["question"], batch["answer"], kind=kind)
     return {"input_ids": input_ids, "labels": labels}
 
 
@@ -118,9 +108,7 @@ def tokenize_qa(dataset: Any, tokenizer: Any, *, kind: str = "causal", max_lengt
     encoded = dataset.map(
         _encode_batch, batched=True, remove_columns=columns, fn_kwargs={"tokenizer": tokenizer, "kind": kind}, **options
     )
-    if kind == "seq2seq":
-        return encoded.filter(lambda r: max(len(r["input_ids"]), len(r["labels"])) <= max_length, **options)
-    return encoded.filter(lambda r: len(r["input_ids"]) <= max_length, **options)
+    return encoded.filter(lambda r: fits(r["input_ids"], r["labels"], kind=kind, max_length=max_length), **options)
 
 
 def rows_to_examples(rows: dict[str, list[list[int]]]) -> list[EncodedExample]:
