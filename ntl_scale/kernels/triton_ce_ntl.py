@@ -1,0 +1,364 @@
+"""CE + NTL statistics of a logits shard in one pass (Triton), and the gradient written in place.
+
+The PyTorch path (:class:`ntl_scale.parallel.ShardMath`) walks over each logits chunk several times
+(an fp32 copy for half precision, the max, ``exp``, the sum, the normalisation). These two kernels
+read each row once per phase, in the logits' own dtype, with fp32 (fp64 for fp64 logits) arithmetic
+in registers:
+
+* :func:`shard_stats`: per token, an online log-sum-exp over the shard's columns (local max ``m``
+  and ``S = sum exp(z - m)``), the label's logit ``z_y`` (0 where this shard does not own the
+  label), and over the number columns ``N`` the local max ``mN``, ``SN = sum_{k in N} exp(z_k - mN)``
+  and ``A = sum_{k in N} exp(z_k - mN) a_k`` (``a_k`` per token: the distance ``d(v_k, t)`` for
+  NTL-WAS or the value ``v_k``; ``docs/math.md``). The statistics are relative to the *local*
+  maxima, so a shard needs no second pass after the MAX all-reduce: :func:`combine` rescales them
+  (``S * exp(m_local - m)``) and does the same two all-reduces as the PyTorch path, MAX of
+  ``[m, mN]`` and SUM of ``[S, z_y, SN, A]``.
+* :func:`softmax_grad_`: ``out[t, j] = coef_t * exp(z_tj - m_t) / S_t - label_coef_t [j = y_t]``,
+  then ``out[t, cols] += extra[t]`` on the number columns. With ``coef = g_ce - g_mass * mass``,
+  ``label_coef = g_ce`` and ``extra = g_mass pi_N + g_expect p (a - expect)`` this is the gradient
+  of the logits (:meth:`ShardMath.grad_chunk`); with ``coef = 1`` and nothing else it is the
+  softmax the chunked op multiplies by the weight. ``out`` may be the logits themselves (in place).
+
+Used only where the logits are on a CUDA device, Triton imports and :func:`set_triton_kernels` has
+not turned it off (:func:`enabled`). On the CPU the tests run the same kernels under Triton's
+interpreter (``TRITON_INTERPRET=1``, set before Triton is imported).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import ShardInputs
+
+__all__ = [
+    "combine",
+    "enabled",
+    "fused_stats",
+    "logits_grad_",
+    "set_triton_kernels",
+    "shard_stats",
+    "softmax_grad_",
+    "triton_available",
+]
+
+_ENABLED = True
+
+
+def set_triton_kernels(enabled: bool) -> bool:
+    """Turns the Triton kernels on (default) or off for this process; returns the previous setting.
+
+    Off, every op runs its PyTorch code on every device (to compare, or to rule the kernels out).
+    """
+    global _ENABLED
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_triton_kernels takes True or False, got {enabled!r}")
+    previous, _ENABLED = _ENABLED, enabled
+    return previous
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether ``triton`` imports (cached)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def enabled(tensor: torch.Tensor) -> bool:
+    """Whether the ops use these kernels for ``tensor``: on CUDA, with Triton, not turned off."""
+    return _ENABLED and tensor.is_cuda and triton_available()
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stats_kernel(
+        z_ptr, stride_zt, stride_zv, V,
+        target_ptr, cols_ptr, K, a_ptr, stride_at, stride_ak,
+        out_ptr,
+        ACC: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        z_row = z_ptr + row * stride_zt
+        neg_inf = float("-inf")
+        # online log-sum-exp over the columns: m the running max, s = sum exp(z - m)
+        m = tl.full((), neg_inf, ACC)
+        s = tl.zeros((), ACC)
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            z = tl.load(z_row + offs * stride_zv, mask=offs < V, other=neg_inf).to(ACC)
+            new_m = tl.maximum(m, tl.max(z, 0))
+            base = tl.where(new_m == neg_inf, 0.0, new_m)  # an all -inf block adds 0, not NaN
+            s = s * tl.exp(m - base) + tl.sum(tl.exp(z - base), 0)
+            m = new_m
+        target = tl.load(target_ptr + row)
+        z_y = tl.load(z_row + tl.maximum(target, 0) * stride_zv, mask=target >= 0, other=0.0).to(ACC)
+        # the same over the number columns, with the per-token weights a_k
+        mn = tl.full((), neg_inf, ACC)
+        sn = tl.zeros((), ACC)
+        an = tl.zeros((), ACC)
+        for start in range(0, K, BLOCK_K):
+            kofs = start + tl.arange(0, BLOCK_K)
+            kmask = kofs < K
+            cols = tl.load(cols_ptr + kofs, mask=kmask, other=0)
+            zk = tl.load(z_row + cols * stride_zv, mask=kmask, other=neg_inf).to(ACC)
+            ak = tl.load(a_ptr + row * stride_at + kofs * stride_ak, mask=kmask, other=0.0).to(ACC)
+            new_m = tl.maximum(mn, tl.max(zk, 0))
+            base = tl.where(new_m == neg_inf, 0.0, new_m)
+            scale = tl.exp(mn - base)
+            ek = tl.exp(zk - base)
+            sn = sn * scale + tl.sum(ek, 0)
+            an = an * scale + tl.sum(ek * ak, 0)
+            mn = new_m
+        out = out_ptr + row * 6
+        tl.store(out + 0, m)
+        tl.store(out + 1, s)
+        tl.store(out + 2, z_y)
+        tl.store(out + 3, mn)
+        tl.store(out + 4, sn)
+        tl.store(out + 5, an)
+
+    @triton.jit
+    def grad_kernel(
+        z_ptr, stride_zt, stride_zv, g_ptr, stride_gt, stride_gv, V,
+        max_ptr, total_ptr, coef_ptr, label_coef_ptr, target_ptr,
+        cols_ptr, K, extra_ptr, stride_et, stride_ek,
+        ACC: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        z_row = z_ptr + row * stride_zt
+        g_row = g_ptr + row * stride_gt
+        m = tl.load(max_ptr + row).to(ACC)
+        scale = tl.load(coef_ptr + row).to(ACC) / tl.load(total_ptr + row).to(ACC)
+        label_coef = tl.load(label_coef_ptr + row).to(ACC)
+        target = tl.load(target_ptr + row)
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            mask = offs < V
+            z = tl.load(z_row + offs * stride_zv, mask=mask, other=0.0).to(ACC)
+            g = scale * tl.exp(z - m)
+            g = tl.where(offs == target, g - label_coef, g)
+            tl.store(g_row + offs * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
+        if HAS_EXTRA:
+            # the number columns were written above by other threads of this program: wait for them
+            tl.debug_barrier()
+            for start in range(0, K, BLOCK_K):
+                kofs = start + tl.arange(0, BLOCK_K)
+                kmask = kofs < K
+                cols = tl.load(cols_ptr + kofs, mask=kmask, other=0)
+                extra = tl.load(extra_ptr + row * stride_et + kofs * stride_ek, mask=kmask, other=0.0).to(ACC)
+                current = tl.load(g_row + cols * stride_gv, mask=kmask, other=0.0).to(ACC)
+                tl.store(g_row + cols * stride_gv, (current + extra).to(g_ptr.dtype.element_ty), mask=kmask)
+
+    return stats_kernel, grad_kernel
+
+
+def _acc(dtype: torch.dtype) -> Any:
+    import triton.language as tl
+
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _block_v(width: int) -> int:
+    import triton
+
+    return min(4096, triton.next_power_of_2(max(width, 16)))
+
+
+def _block_k(k: int) -> int:
+    import triton
+
+    return min(128, triton.next_power_of_2(max(k, 16)))
+
+
+def _warps(block: int) -> int:
+    return 16 if block >= 4096 else 8 if block >= 1024 else 4
+
+
+def shard_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    number_cols: torch.Tensor,
+    a_table: torch.Tensor,
+    *,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """Per-token local statistics of a logits shard in one pass: ``[T, 6]`` = ``m, S, z_y, mN, SN, A``.
+
+    Args:
+        logits: ``[T, V_local]`` (fp32/bf16/fp16/fp64; any strides).
+        target: the label's local column per token, or -1 where this shard does not own it (or the
+            label is ignored), int64 ``[T]``.
+        number_cols: local column of each number token in this shard, int64 ``[K]`` (may be empty).
+        a_table: ``a_k`` per token and number column, ``[T, K]`` (an expanded view is fine).
+        block_v: columns per block (a power of two; default up to 4096); the tests use small blocks.
+
+    Returns:
+        fp32 (fp64 for fp64 logits) ``[T, 6]``: ``m`` the local max, ``S = sum exp(z - m)``, ``z_y``
+        (0 where ``target < 0``), ``mN`` the local max over the number columns (-inf without any),
+        ``SN = sum_N exp(z_k - mN)``, ``A = sum_N exp(z_k - mN) a_k``.
+    """
+    stats_kernel, _ = _kernels()
+    num_tokens, width = logits.shape
+    k = number_cols.numel()
+    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out = torch.empty(num_tokens, 6, dtype=cdt, device=logits.device)
+    if num_tokens == 0:
+        return out
+    a = a_table if k else torch.zeros(num_tokens, 1, dtype=cdt, device=logits.device)
+    block_v = block_v or _block_v(width)
+    stats_kernel[(num_tokens,)](
+        logits, logits.stride(0), logits.stride(1), width,
+        target.contiguous(), number_cols.contiguous(), k, a, a.stride(0), a.stride(1),
+        out,
+        ACC=_acc(logits.dtype), BLOCK_V=block_v, BLOCK_K=_block_k(k), num_warps=_warps(block_v),
+    )  # fmt: skip
+    return out
+
+
+def combine(
+    local: torch.Tensor, tp_group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global ``max [T]``, number max ``[T]`` (-inf kept) and sums ``[T, 4]`` = ``S, z_y, SN, A``.
+
+    The sums are relative to the global maxima, as :meth:`ShardMath.local_sums` computes them after
+    the MAX all-reduce; over ``tp_group`` (None: one device, no collective) this is one MAX
+    all-reduce of ``[T, 2]`` and one SUM all-reduce of ``[T, 4]``.
+    """
+    maxes = local[:, [0, 3]].clone()
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
+
+    def rescale(local_max: torch.Tensor, global_max: torch.Tensor) -> torch.Tensor:
+        # exp(local - global); a shard with no finite column (-inf) contributes 0
+        safe = torch.where(torch.isfinite(global_max), global_max, torch.zeros_like(global_max))
+        return torch.where(torch.isfinite(local_max), torch.exp(local_max - safe), torch.zeros_like(local_max))
+
+    full, number = rescale(local[:, 0], maxes[:, 0]), rescale(local[:, 3], maxes[:, 1])
+    sums = torch.stack(
+        (local[:, 1] * full, local[:, 2], local[:, 4] * number, local[:, 5] * number), dim=1
+    ).contiguous()
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+    return maxes[:, 0], maxes[:, 1], sums
+
+
+def softmax_grad_(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    row_max: torch.Tensor,
+    total: torch.Tensor,
+    coef: torch.Tensor,
+    label_coef: torch.Tensor | None = None,
+    target: torch.Tensor | None = None,
+    number_cols: torch.Tensor | None = None,
+    extra: torch.Tensor | None = None,
+    *,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """Writes ``coef * softmax - label_coef * onehot(target)`` (+ ``extra`` on ``number_cols``) into ``out``.
+
+    Args:
+        logits: ``[T, V_local]``.
+        out: ``[T, V_local]``, any float dtype; may be ``logits`` itself (in place).
+        row_max, total: the global max and ``S = sum exp(z - max)`` per token ``[T]``.
+        coef: per-token factor of the softmax ``[T]``.
+        label_coef: subtracted at the label's column ``[T]`` (None: nothing).
+        target: the label's local column, or -1 where this shard does not own it, int64 ``[T]``.
+        number_cols, extra: ``[K]`` columns and ``[T, K]`` values added to them (None: nothing).
+        block_v: columns per block (see :func:`shard_stats`).
+
+    Returns:
+        ``out``.
+    """
+    _, grad_kernel = _kernels()
+    num_tokens, width = logits.shape
+    if num_tokens == 0:
+        return out
+    device = logits.device
+    if label_coef is None or target is None:
+        label_coef = torch.zeros(num_tokens, dtype=coef.dtype, device=device)
+        target = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    has_extra = number_cols is not None and extra is not None and number_cols.numel() > 0
+    if has_extra:
+        assert number_cols is not None and extra is not None
+        cols, k, ext = number_cols.contiguous(), number_cols.numel(), extra
+    else:
+        cols, k, ext = torch.zeros(1, dtype=torch.int64, device=device), 0, coef.view(-1, 1)
+    block_v = block_v or _block_v(width)
+    grad_kernel[(num_tokens,)](
+        logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), width,
+        row_max.contiguous(), total.contiguous(), coef.contiguous(), label_coef.contiguous(), target.contiguous(),
+        cols, k, ext, ext.stride(0), ext.stride(1),
+        ACC=_acc(logits.dtype), HAS_EXTRA=has_extra, BLOCK_V=block_v, BLOCK_K=_block_k(k),
+        num_warps=_warps(block_v),
+    )  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------ the fused op's two phases
+
+
+def local_target(inputs: ShardInputs, width: int) -> torch.Tensor:
+    """The label's local column per token, -1 where this shard does not own it or the label is ignored."""
+    owned, column = inputs.owned_targets(slice(None), width)
+    return torch.where(owned, column, torch.full_like(column, -1))
+
+
+def fused_stats(
+    logits: torch.Tensor,
+    inputs: ShardInputs,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``max [T]``, number max ``[T]`` (-inf kept) and ``sums [T, 4]`` of a logits shard, reduced over ``tp_group``.
+
+    What :meth:`ShardMath.local_max` and :meth:`ShardMath.local_sums` compute with their two
+    all-reduces, in one pass over the logits; ``ShardMath.finalize`` turns them into the terms.
+    """
+    target = local_target(inputs, logits.shape[1])
+    local = shard_stats(logits, target, inputs.number_cols, inputs.a_table, block_v=block_v)
+    return combine(local, tp_group)
+
+
+def logits_grad_(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    inputs: ShardInputs,
+    max_all: torch.Tensor,
+    number_max: torch.Tensor,
+    sums: torch.Tensor,
+    expect: torch.Tensor,
+    mass: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """Writes the gradient of ``sum(g_ce*ce + g_expect*expect + g_mass*mass)`` w.r.t. the logits into ``out``.
+
+    ``grads`` = ``(g_ce, g_expect, g_mass)`` per token, ``g_ce`` already 0 at ignored labels;
+    ``number_max`` may hold -inf (no number column anywhere). ``out`` may be ``logits`` (in place):
+    the number columns are read before the kernel writes.
+    """
+    g_ce, g_expect, g_mass = grads
+    cols = inputs.number_cols
+    total, number_total = sums[:, 0], sums[:, 2]
+    safe_max = torch.where(torch.isfinite(number_max), number_max, torch.zeros_like(number_max))
+    number_exp = torch.exp(logits.index_select(1, cols).to(sums.dtype) - safe_max.unsqueeze(1))
+    probs = number_exp / torch.where(number_total > 0, number_total, 1).unsqueeze(1)  # p, over N only
+    pi_numbers = number_exp * (torch.exp(safe_max - max_all) / total).unsqueeze(1)  # the full softmax on N
+    extra = g_mass.unsqueeze(1) * pi_numbers
+    extra += g_expect.unsqueeze(1) * probs * (inputs.a_table - expect.unsqueeze(1))
+    coef = g_ce - g_mass * mass
+    target = local_target(inputs, logits.shape[1])
+    return softmax_grad_(logits, out, max_all, total, coef, g_ce, target, cols, extra, block_v=block_v)

@@ -1,0 +1,306 @@
+"""The Triton CE + NTL kernels (``ntl_scale/kernels/triton_ce_ntl.py``) under Triton's CPU interpreter.
+
+``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors (slowly: sizes stay small). Compared with
+float64 computations written out here with plain torch ops:
+
+1. One-pass statistics of a shard: max, sum of exponentials, label logit, number-column max, sums;
+   fp32 and bf16, vocabulary not a multiple of the block, several blocks, shard offsets,
+   ignored labels, a shard without number columns.
+2. TP: shards of one vocabulary, their statistics combined with the two all-reduces (threads with a
+   recording all-reduce), against the full-vocabulary softmax.
+3. Gradients: the kernel's in-place logits gradient for arbitrary upstream gradients of ``ce``,
+   ``expect`` and ``mass`` against float64 autograd, per shard; uneven token chunks; a shard that
+   owns no label; no number targets.
+4. Selection: ``enabled`` is False on the CPU and after ``set_triton_kernels(False)``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the kernels import it lazily)
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
+
+from ntl_scale.kernels import triton_ce_ntl as tk  # noqa: E402
+from ntl_scale.parallel import ShardInputs, ShardMath  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - a GPU run sets it off on purpose
+    pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="TRITON_INTERPRET is off and no GPU")
+
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5}  # relative; bf16 inputs are exact in fp32 arithmetic
+
+
+def _problem(tokens=9, vocab=203, numbers=(3, 17, 64, 65, 130, 200), seed=0, dtype=torch.float32):
+    """Global logits ``[T, V]``, labels (some ignored, some numbers), number ids and a per-token ``a`` table."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(tokens, vocab, generator=g)).to(dtype)
+    ids = torch.tensor(numbers, dtype=torch.int64)
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    pick = torch.randint(0, len(numbers), (tokens,), generator=g)
+    labels = torch.where(torch.arange(tokens) % 3 == 0, ids[pick], labels)
+    labels[1] = -100
+    a = torch.rand(tokens, len(numbers), generator=g, dtype=torch.float64) * 5
+    return logits, labels, ids, a
+
+
+def _inputs(labels, ids, a, start, width):
+    """The shard ``[start, start + width)``'s inputs: its number columns and their slice of ``a``."""
+    valid = labels != -100
+    inside = (ids >= start) & (ids < start + width)
+    return ShardInputs(
+        labels=torch.where(valid, labels, 0).to(DEVICE),
+        valid=valid.to(DEVICE),
+        number_cols=(ids[inside] - start).to(DEVICE),
+        a_table=a[:, inside].float().to(DEVICE),
+        start=start,
+    )
+
+
+def _reference_stats(z64, labels, ids, a, start, width):
+    """float64 per-shard ``m, S, z_y, mN, SN, A`` the obvious way."""
+    shard = z64[:, start : start + width]
+    m = shard.max(dim=1).values
+    s = torch.exp(shard - m[:, None]).sum(1)
+    local = labels - start
+    owned = (labels != -100) & (local >= 0) & (local < width)
+    z_y = torch.where(owned, shard.gather(1, local.clamp(0, width - 1)[:, None])[:, 0], torch.zeros_like(m))
+    inside = (ids >= start) & (ids < start + width)
+    if not bool(inside.any()):
+        return torch.stack([m, s, z_y, torch.full_like(m, float("-inf")), 0 * m, 0 * m], 1)
+    zn = shard[:, ids[inside] - start]
+    mn = zn.max(1).values
+    en = torch.exp(zn - mn[:, None])
+    return torch.stack([m, s, z_y, mn, en.sum(1), (en * a[:, inside]).sum(1)], 1)
+
+
+# ------------------------------------------------------------------------- 1. one-pass statistics
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start,width", [(0, 203), (64, 70), (140, 63), (5, 50)])  # (5, 50): no numbers
+def test_stats_match_float64(dtype, start, width):
+    logits, labels, ids, a = _problem(dtype=dtype)
+    inputs = _inputs(labels, ids, a, start, width)
+    shard = logits[:, start : start + width].to(DEVICE)  # a strided view: the row stride is V
+    target = tk.local_target(inputs, width)
+    got = tk.shard_stats(shard, target, inputs.number_cols, inputs.a_table, block_v=32).double().cpu()
+    a32 = a.float().double()  # the kernel reads the fp32 table
+    want = _reference_stats(logits.double(), labels, ids, a32, start, width)
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=1e-6)
+
+
+def test_stats_float64_logits_stay_float64():
+    logits, labels, ids, a = _problem(dtype=torch.float64)
+    inputs = _inputs(labels, ids, a, 0, 203)
+    inputs.a_table = inputs.a_table.double()
+    got = tk.shard_stats(logits.to(DEVICE), tk.local_target(inputs, 203), inputs.number_cols, inputs.a_table)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got.cpu(), _reference_stats(logits, labels, ids, a.float().double(), 0, 203))
+
+
+# ------------------------------------------------------------------------- 2. tensor parallel
+
+
+def _run_ranks(fn, ranks):
+    """Runs ``fn(rank)`` in one thread per rank with ``dist`` collectives replaced by an in-memory reduction."""
+    barrier = threading.Barrier(ranks)
+    slots: dict[int, torch.Tensor] = {}
+    local = threading.local()
+    calls = []
+
+    def all_reduce(tensor, op=None, group=None):
+        calls.append(op)
+        slots[local.rank] = tensor.clone()
+        barrier.wait()
+        stacked = torch.stack([slots[r] for r in range(ranks)])
+        reduced = stacked.amax(0) if op == torch.distributed.ReduceOp.MAX else stacked.sum(0)
+        barrier.wait()
+        tensor.copy_(reduced)
+
+    results: dict[int, object] = {}
+
+    def worker(rank):
+        local.rank = rank
+        results[rank] = fn(rank)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(tk.dist, "all_reduce", all_reduce)
+    patch.setattr(tk.dist, "get_world_size", lambda group=None: ranks)
+    try:
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        patch.undo()
+    return results, calls
+
+
+def test_tp_shards_combine_to_the_full_softmax():
+    """Uneven split 203 = 64 + 76 + 63; the number ids straddle the borders (64, 65; 130)."""
+    logits, labels, ids, a = _problem()
+    bounds = [(0, 64), (64, 76), (140, 63)]
+    inputs = [_inputs(labels, ids, a, s, w) for s, w in bounds]
+    local = [
+        tk.shard_stats(logits[:, s : s + w].to(DEVICE), tk.local_target(i, w), i.number_cols, i.a_table, block_v=16)
+        for (s, w), i in zip(bounds, inputs)
+    ]  # kernels first, one at a time (the interpreter is not thread-safe); only the collectives in threads
+    results, calls = _run_ranks(lambda r: tk.combine(local[r], tp_group=object()), 3)
+    assert calls.count(torch.distributed.ReduceOp.MAX) == 3 and calls.count(torch.distributed.ReduceOp.SUM) == 3
+    z = logits.double()
+    m = z.max(1).values
+    zn = z[:, ids]
+    mn = zn.max(1).values
+    en = torch.exp(zn - mn[:, None])
+    valid = labels != -100
+    want_sums = torch.stack(
+        [
+            torch.exp(z - m[:, None]).sum(1),
+            torch.where(valid, z.gather(1, torch.where(valid, labels, 0)[:, None])[:, 0], 0),
+            en.sum(1),
+            (en * a.float().double()).sum(1),
+        ],
+        1,
+    )
+    for rank in range(3):
+        max_all, number_max, sums = results[rank]
+        torch.testing.assert_close(max_all.double().cpu(), m)
+        torch.testing.assert_close(number_max.double().cpu(), mn)
+        torch.testing.assert_close(sums.double().cpu(), want_sums, rtol=2e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------- 3. gradients
+
+
+def _reference_grad(z64, labels, ids, a, g_ce, g_expect, g_mass):
+    """float64 autograd of ``sum(g_ce*ce + g_expect*expect + g_mass*mass)`` over the full vocabulary."""
+    z = z64.clone().requires_grad_()
+    valid = labels != -100
+    ce = -F.log_softmax(z, 1).gather(1, torch.where(valid, labels, 0)[:, None])[:, 0]
+    ce = torch.where(valid, ce, 0)
+    p = F.softmax(z[:, ids], 1)
+    expect = (p * a).sum(1)
+    mass = F.softmax(z, 1)[:, ids].sum(1)
+    ((g_ce * ce + g_expect * expect + g_mass * mass).sum()).backward()
+    return ce.detach(), expect.detach(), mass.detach(), z.grad
+
+
+def _kernel_grad(logits, labels, ids, a, bounds, grads, *, inplace, rows=None):
+    """Per shard: statistics, combine (threads), finalize, then the gradient kernel; concatenated."""
+    inputs = [_inputs(labels, ids, a, s, w) for s, w in bounds]
+    shards = [logits[:, s : s + w].contiguous().to(DEVICE) for s, w in bounds]
+    local = [
+        tk.shard_stats(x, tk.local_target(i, x.shape[1]), i.number_cols, i.a_table, block_v=32)
+        for x, i in zip(shards, inputs)
+    ]
+    if len(bounds) == 1:
+        combined = {0: tk.combine(local[0])}
+    else:
+        combined, _ = _run_ranks(lambda r: tk.combine(local[r], tp_group=object()), len(bounds))
+    outs, terms = [], None
+    for r, (x, i) in enumerate(zip(shards, inputs)):
+        max_all, number_max, sums = combined[r]
+        ce, expect, mass, _ = ShardMath.finalize(
+            max_all, sums, ShardMath.safe_number_max(number_max), i.valid, need_full=True
+        )
+        terms = (ce, expect, mass)
+        g = tuple(t.float().to(DEVICE) for t in grads)
+        g = (torch.where(i.valid, g[0], 0), g[1], g[2])
+        out = x if inplace else torch.empty_like(x)
+        for sl in rows or [slice(None)]:  # token chunks, as the chunked op calls it
+            part = tk.logits_grad_(
+                x[sl], out[sl], i.rows(sl), max_all[sl], number_max[sl], sums[sl], expect[sl], mass[sl],
+                tuple(t[sl] for t in g), block_v=32,
+            )  # fmt: skip
+        outs.append(out)
+        assert part.data_ptr() == out[sl].data_ptr()
+    return terms, torch.cat([o.double().cpu() for o in outs], 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "bounds,inplace,rows",
+    [
+        ([(0, 203)], False, None),
+        ([(0, 203)], True, [slice(0, 4), slice(4, 9)]),  # uneven chunks, in place
+        ([(0, 64), (64, 76), (140, 63)], False, None),  # TP: uneven shards, numbers on the borders
+    ],
+)
+def test_gradient_matches_float64_autograd(dtype, bounds, inplace, rows):
+    logits, labels, ids, a = _problem(dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    grads = tuple(torch.randn(labels.shape[0], generator=g, dtype=torch.float64) for _ in range(3))
+    a32 = a.float().double()
+    ce, expect, mass, want = _reference_grad(logits.double(), labels, ids, a32, *grads)
+    if inplace and dtype != torch.float32:
+        pytest.skip("in place is for fp32 logits")
+    (got_ce, got_expect, got_mass), got = _kernel_grad(
+        logits, labels, ids, a, bounds, grads, inplace=inplace, rows=rows
+    )
+    torch.testing.assert_close(got_ce.double().cpu(), ce, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got_expect.double().cpu(), expect, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got_mass.double().cpu(), mass, rtol=2e-5, atol=2e-5)
+    # bf16 gradients are rounded once when written (8 bits of mantissa)
+    atol = 2e-6 if dtype == torch.float32 else 8e-3 * float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=0 if dtype == torch.bfloat16 else 1e-5, atol=atol)
+
+
+def test_gradient_without_number_targets_or_number_columns():
+    """No label is a number, and the vocabulary has no number token: CE's gradient alone."""
+    logits, labels, _, _ = _problem(numbers=(3,))
+    labels = torch.where(labels == 3, 4, labels)
+    ids = torch.zeros(0, dtype=torch.int64)
+    a = torch.zeros(labels.shape[0], 0, dtype=torch.float64)
+    g_ce = torch.full((labels.shape[0],), 0.25, dtype=torch.float64)
+    zeros = torch.zeros_like(g_ce)
+    ce, _, _, want = _reference_grad(logits.double(), labels, ids, a, g_ce, zeros, zeros)
+    (got_ce, got_expect, got_mass), got = _kernel_grad(
+        logits, labels, ids, a, [(0, 203)], (g_ce, zeros, zeros), inplace=False
+    )
+    torch.testing.assert_close(got_ce.double().cpu(), ce, rtol=2e-5, atol=2e-5)
+    assert float(got_expect.abs().max()) == 0 and float(got_mass.abs().max()) == 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_a_wrong_gradient_is_caught():
+    """The comparison above fails when the kernel's label term is dropped (the test can fail)."""
+    logits, labels, ids, a = _problem()
+    grads = tuple(torch.ones(labels.shape[0], dtype=torch.float64) for _ in range(3))
+    *_, want = _reference_grad(logits.double(), labels, ids, a.float().double(), *grads)
+    original = tk.softmax_grad_
+
+    def no_label(logits, out, row_max, total, coef, label_coef=None, target=None, *rest, **kw):
+        return original(logits, out, row_max, total, coef, None, None, *rest, **kw)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(tk, "softmax_grad_", no_label)
+    try:
+        _, got = _kernel_grad(logits, labels, ids, a, [(0, 203)], grads, inplace=False)
+    finally:
+        patch.undo()
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+# ------------------------------------------------------------------------- 4. selection
+
+
+def test_enabled_only_on_cuda_and_switchable():
+    assert tk.enabled(torch.zeros(1)) is False  # CPU tensors never take the kernel path in the ops
+    previous = tk.set_triton_kernels(False)
+    try:
+        assert previous is True
+        if torch.cuda.is_available():
+            assert tk.enabled(torch.zeros(1, device="cuda")) is False
+    finally:
+        tk.set_triton_kernels(previous)
+    with pytest.raises(TypeError, match="True or False"):
+        tk.set_triton_kernels("no")  # type: ignore[arg-type]
