@@ -23,9 +23,15 @@ touches one column per token and the NTL terms the ``K`` number columns (10 for 
   recomputes ``z`` chunk by chunk for ``(u pi)^T h``: exact for any upstream gradient, two more
   matmuls.
 
+``G_W`` sums over every token while the ``1/N`` of a mean is applied only in the backward, so it
+accumulates in fp32 (fp64 for fp64 weights): each chunk's product is one half-precision matmul of
+coefficients scaled to a mean (no fp16 overflow) added to the fp32 accumulator, and the gradient is
+rounded to the weight's dtype once, at the end.
+
 Peak extra memory: ``C x V_local`` (one chunk of logits, plus a cast copy for half precision),
-``T x H`` (``P_h``) and ``V_local x H`` (``G_W``; what the weight gradient costs anyway), instead of
-``T x V`` logits and their gradient. See ``docs/memory_efficient.md``.
+``T x H`` (``P_h``) and ``V_local x H`` in fp32 (``G_W``; twice the bf16 weight gradient, plus a
+half-precision product buffer while the forward runs), instead of ``T x V`` logits and their
+gradient. See ``docs/memory_efficient.md``.
 
 Under tensor parallelism ``weight`` is the local vocab shard ``[V/tp, H]`` and ``hidden`` the full
 (sequence-gathered) hidden states; the returned gradient of ``hidden`` is this shard's part, to be
@@ -107,8 +113,10 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
         else:
             dense_h = torch.empty(num_tokens, hidden.shape[1], dtype=cdt, device=hidden.device)
-            # the weight gradient accumulates in the weight's dtype, one rounding per chunk
-            dense_w = torch.zeros(width, hidden.shape[1], dtype=weight.dtype, device=weight.device)
+            # The weight gradient sums over every token: it accumulates in fp32 (fp64 for fp64), never in
+            # a half dtype (fp16 overflowed at 8k tokens, bf16 lost precision with the chunk count).
+            dense_w = torch.zeros(width, hidden.shape[1], dtype=cdt, device=weight.device)
+        product = _product_buffer(weight, cdt) if need_full else None
         for sl in rows if need_full else []:
             assert dense_h is not None and dense_w is not None
             logits = hidden[sl] @ weight.t()
@@ -126,8 +134,11 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 dist.all_reduce(sums[sl], op=dist.ReduceOp.SUM, group=tp_group)
             work.mul_(sums[sl, 0].reciprocal().unsqueeze(1))
             dense_h[sl] = _matmul_dtype(work, weight) @ weight
-            work.mul_(token_weights[sl].unsqueeze(1))
-            dense_w.addmm_(_matmul_dtype(work, weight).t(), hidden[sl])
+            # sum_t w_t pi_t h_t^T of the chunk, as a mean over a power of two >= its length in half
+            # precision (no fp16 overflow, whatever the chunk's length) and added back in fp32
+            span = _mean_span(sl) if product is not None else 1
+            work.mul_((token_weights[sl] * (1.0 / span)).unsqueeze(1))
+            _accumulate(dense_w, work, hidden[sl], product, span)
             del logits, work
         if check_finite:
             _raise_if_not_finite(maxes, sums, need_full)
@@ -171,13 +182,16 @@ class _FusedLinearCENTL(torch.autograd.Function):
         if scale is not None:  # the weight gradient was built in the forward for these token weights
             grad_w = dense_w.mul_(scale)
         else:  # any other upstream gradient: recompute the logits chunk by chunk with the true u
-            grad_w = torch.zeros_like(weight)
+            # (u carries the caller's normaliser, as the materialised path's logit gradient does)
+            grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device)
+            product = _product_buffer(weight, cdt)
             for sl in ctx.rows:
                 logits = hidden[sl] @ weight.t()
                 work = logits if logits.dtype == cdt else logits.to(cdt)
                 work.sub_(max_all[sl].unsqueeze(1)).exp_().mul_((u[sl] / total[sl]).unsqueeze(1))
-                grad_w.addmm_(_matmul_dtype(work, weight).t(), hidden[sl])
+                _accumulate(grad_w, work, hidden[sl], product, 1)
                 del logits, work
+            del product
         del dense_h, dense_w
         # the label column (-g_ce e_y, for labels in this shard) and the number columns, chunk by
         # chunk so that no [T, H] temporary is made
@@ -190,10 +204,38 @@ class _FusedLinearCENTL(torch.autograd.Function):
             label_coef, index = label_coef_all[sl], label_index[sl]
             rows_h = grad_h[sl]
             rows_h.add_(label_coef * weight.index_select(0, index).to(cdt))
-            grad_w.index_add_(0, index, (label_coef * hidden[sl].to(cdt)).to(weight.dtype))
+            grad_w.index_add_(0, index, label_coef * hidden[sl].to(cdt))
             rows_h.add_(number_coef[sl] @ number_weight)
-            grad_w.index_add_(0, cols, (number_coef[sl].t() @ hidden[sl].to(cdt)).to(weight.dtype))
-        return grad_h.to(hidden.dtype), grad_w, None, None, None, None, None, None, None
+            grad_w.index_add_(0, cols, number_coef[sl].t() @ hidden[sl].to(cdt))
+        # one rounding to the weight's dtype, at the end (grad_w is the fp32/fp64 accumulator)
+        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None, None, None
+
+
+def _product_buffer(weight: torch.Tensor, cdt: torch.dtype) -> torch.Tensor | None:
+    """A reused ``[V_local, H]`` buffer for one chunk's weight-gradient product in the weight's half
+    dtype (the matmul runs at half-precision speed); None when the weight is already fp32/fp64."""
+    return None if weight.dtype == cdt else torch.empty_like(weight)
+
+
+def _mean_span(sl: slice) -> int:
+    """The power of two >= the chunk's length: dividing by it is exact in every binary float."""
+    return 1 << max(0, (sl.stop - sl.start - 1).bit_length())
+
+
+def _accumulate(
+    acc: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, product: torch.Tensor | None, span: int
+) -> None:
+    """``acc += span * coef^T rows``: ``acc`` fp32/fp64; ``coef`` [C, V] in ``acc``'s dtype, ``rows`` [C, H].
+
+    For half-precision weights the product is one half-precision matmul into ``product`` (fp32
+    accumulation inside the matmul, one rounding of the chunk's sum), then added in fp32: one rounding
+    per chunk instead of a half-precision running sum.
+    """
+    if product is None:
+        acc.addmm_(coef.t(), rows, alpha=span)
+    else:
+        torch.mm(coef.to(product.dtype).t(), rows, out=product)
+        acc.add_(product, alpha=span)
 
 
 def _scale_of(u: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
