@@ -1,7 +1,7 @@
 # One task runner. `make run` and `make test` are the README's two commands.
 PYTHON ?= python3
 
-.PHONY: setup setup-dev run test test-unit test-dist lint format bench docs study gpu-check
+.PHONY: setup setup-dev run test test-unit test-dist lint format bench docs study gpu-check gpu-wheels
 
 setup:
 	bash scripts/setup.sh
@@ -37,6 +37,10 @@ bench:
 
 gpu-check:
 	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
+
+# the wheels and sources a GPU machine without internet needs for gpu-check (.gpu_wheels/, < 64 MiB)
+gpu-wheels:
+	PYTHON=$(PYTHON) bash scripts/gpu_wheels.sh
 
 docs:
 	$(PYTHON) -m mkdocs build --strict

@@ -12,7 +12,7 @@
 # The carry limit counts the working tree too; optional groups that would push the total over it are
 # dropped with the reason printed.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 PYTHON=${PYTHON:-python3}
 DEST=${GPU_WHEELS_DIR:-.gpu_wheels}
