@@ -39,6 +39,7 @@ __all__ = [
     "enabled",
     "fused_stats",
     "logits_grad_",
+    "number_exp_of",
     "set_triton_kernels",
     "shard_stats",
     "softmax_grad_",
@@ -71,8 +72,11 @@ def triton_available() -> bool:
 
 
 def enabled(tensor: torch.Tensor) -> bool:
-    """Whether the ops use these kernels for ``tensor``: on CUDA, with Triton, not turned off."""
-    return _ENABLED and tensor.is_cuda and triton_available()
+    """Whether the ops use these kernels for ``tensor``: on CUDA, with Triton, not turned off.
+
+    Never while ``torch.compile`` traces: Inductor generates its own fused kernels from the PyTorch code.
+    """
+    return _ENABLED and tensor.is_cuda and not torch.compiler.is_compiling() and triton_available()
 
 
 @functools.lru_cache(maxsize=1)
@@ -331,30 +335,49 @@ def fused_stats(
     return combine(local, tp_group)
 
 
+def number_exp_of(logits: torch.Tensor, number_cols: torch.Tensor, number_max: torch.Tensor) -> torch.Tensor:
+    """``exp(z_k - mN)`` on the number columns ``[T, K]`` in the compute dtype (-inf ``mN`` read as 0)."""
+    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    safe = torch.where(torch.isfinite(number_max), number_max, torch.zeros_like(number_max))
+    return torch.exp(logits.index_select(1, number_cols).to(cdt) - safe.unsqueeze(1))
+
+
 def logits_grad_(
     logits: torch.Tensor,
     out: torch.Tensor,
     inputs: ShardInputs,
     max_all: torch.Tensor,
+    total: torch.Tensor,
     number_max: torch.Tensor,
-    sums: torch.Tensor,
+    number_total: torch.Tensor,
     expect: torch.Tensor,
     mass: torch.Tensor,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    number_exp: torch.Tensor | None = None,
     *,
     block_v: int | None = None,
 ) -> torch.Tensor:
     """Writes the gradient of ``sum(g_ce*ce + g_expect*expect + g_mass*mass)`` w.r.t. the logits into ``out``.
 
-    ``grads`` = ``(g_ce, g_expect, g_mass)`` per token, ``g_ce`` already 0 at ignored labels;
-    ``number_max`` may hold -inf (no number column anywhere). ``out`` may be ``logits`` (in place):
-    the number columns are read before the kernel writes.
+    Args:
+        logits, out: ``[T, V_local]``; ``out`` may be ``logits`` (in place: the number columns are
+            read before the kernel writes).
+        inputs: the shard's inputs (labels, number columns, ``a`` table).
+        max_all, total: the global max and ``S`` per token (:func:`fused_stats`).
+        number_max, number_total: the global number-column max (-inf read as 0) and ``SN``.
+        expect, mass: the forward's terms (``ShardMath.finalize``).
+        grads: ``(g_ce, g_expect, g_mass)`` per token, ``g_ce`` already 0 at ignored labels.
+        number_exp: ``exp(z_N - mN)`` saved by the forward (None: recomputed from ``logits``).
+        block_v: columns per block (tests).
+
+    Returns:
+        ``out``.
     """
     g_ce, g_expect, g_mass = grads
     cols = inputs.number_cols
-    total, number_total = sums[:, 0], sums[:, 2]
     safe_max = torch.where(torch.isfinite(number_max), number_max, torch.zeros_like(number_max))
-    number_exp = torch.exp(logits.index_select(1, cols).to(sums.dtype) - safe_max.unsqueeze(1))
+    if number_exp is None:
+        number_exp = number_exp_of(logits, cols, number_max)
     probs = number_exp / torch.where(number_total > 0, number_total, 1).unsqueeze(1)  # p, over N only
     pi_numbers = number_exp * (torch.exp(safe_max - max_all) / total).unsqueeze(1)  # the full softmax on N
     extra = g_mass.unsqueeze(1) * pi_numbers

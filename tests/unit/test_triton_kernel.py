@@ -216,9 +216,10 @@ def _kernel_grad(logits, labels, ids, a, bounds, grads, *, inplace, rows=None):
         g = (torch.where(i.valid, g[0], 0), g[1], g[2])
         out = x if inplace else torch.empty_like(x)
         for sl in rows or [slice(None)]:  # token chunks, as the chunked op calls it
+            saved = tk.number_exp_of(x[sl], i.number_cols, number_max[sl]) if sl.start else None  # both ways
             part = tk.logits_grad_(
-                x[sl], out[sl], i.rows(sl), max_all[sl], number_max[sl], sums[sl], expect[sl], mass[sl],
-                tuple(t[sl] for t in g), block_v=32,
+                x[sl], out[sl], i.rows(sl), max_all[sl], sums[sl, 0], number_max[sl], sums[sl, 2], expect[sl],
+                mass[sl], tuple(t[sl] for t in g), saved, block_v=32,
             )  # fmt: skip
         outs.append(out)
         assert part.data_ptr() == out[sl].data_ptr()
