@@ -4,7 +4,10 @@
    computed on the GPU from the same values: loss and gradients.
 2. ``torch.cuda.set_sync_debug_mode("error")`` around a forward and backward of each op: any host
    synchronisation raises.
-3. A CUDA graph captures a forward + backward of ``ce_with_ntl`` and replays it with new values.
+3. A CUDA graph captures a forward + backward of ``ce_with_ntl`` and replays it with new values; the
+   same for the chunked op ``linear_ce_with_ntl``.
+4. The Triton kernels (``ntl_scale/kernels``, on by default on a GPU) against the PyTorch code
+   (``set_triton_kernels(False)``), both ops, fp32 and bf16, at a vocabulary that spans many blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import pytest
 import torch
 
 import ntl_scale
+from ntl_scale.kernels import triton_ce_ntl
 from tests.helpers.reference import naive_per_token
 
 pytestmark = [
@@ -107,3 +111,70 @@ def test_cuda_graph_captures_a_step_with_the_loss():
     want.backward()
     assert abs(float(static_loss) - float(want)) < 1e-5 * float(want)
     torch.testing.assert_close(static_logits.grad.double(), x64.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_cuda_graph_captures_the_chunked_op():
+    vocab, labels, _, hidden, weight = _setup(torch.float32)
+    static_h, static_w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    static_labels = labels.clone()
+
+    def step():
+        static_h.grad = static_w.grad = None
+        loss = ntl_scale.linear_ce_with_ntl(static_h, static_w, static_labels, vocab, chunk_tokens=128).loss
+        loss.backward()
+        return loss
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    static_h.grad = static_w.grad = None
+    with torch.cuda.graph(graph):
+        static_loss = ntl_scale.linear_ce_with_ntl(static_h, static_w, static_labels, vocab, chunk_tokens=128).loss
+        static_loss.backward()
+    _, new_labels, _, new_h, new_w = _setup(torch.float32, seed=7)
+    with torch.no_grad():
+        static_h.copy_(new_h)
+        static_w.copy_(new_w)
+    static_labels.copy_(new_labels)
+    graph.replay()
+    h64, w64 = (t.detach().double().requires_grad_() for t in (new_h, new_w))
+    want = _reference(h64 @ w64.t(), new_labels, vocab)
+    want.backward()
+    assert abs(float(static_loss) - float(want)) < 1e-5 * float(want)
+    torch.testing.assert_close(static_h.grad.double(), h64.grad, atol=1e-5 * float(h64.grad.abs().max()), rtol=1e-4)
+    torch.testing.assert_close(static_w.grad.double(), w64.grad, atol=1e-5 * float(w64.grad.abs().max()), rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernels_match_the_pytorch_code(dtype):
+    if not triton_ce_ntl.triton_available():
+        pytest.skip("triton is not installed")
+    vocab = ntl_scale.NumberVocab.from_id_to_token({7000 + d: str(d) for d in range(10)}, vocab_size=20011)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    T, V = 300, 20011  # several 4096-column blocks, the last one partial
+    labels = torch.randint(0, V, (T,), device="cuda", generator=g)
+    labels = torch.where(torch.rand(T, device="cuda", generator=g) < 0.4, 7000 + labels % 10, labels)
+    labels[:5] = -100
+    logits = (2 * torch.randn(T, V, device="cuda", generator=g)).to(dtype)
+    hidden = torch.randn(T, H, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(dtype)
+    results = {}
+    for use_kernels in (True, False):
+        previous = triton_ce_ntl.set_triton_kernels(use_kernels)
+        try:
+            z, h, w = (t.detach().clone().requires_grad_() for t in (logits, hidden, weight))
+            fused = ntl_scale.ce_with_ntl(z, labels, vocab, loss="mse", reweigh=True).loss
+            fused.backward()
+            chunked = ntl_scale.linear_ce_with_ntl(h, w, labels, vocab, chunk_tokens=96).loss
+            chunked.backward()
+            results[use_kernels] = (fused.detach(), z.grad, chunked.detach(), h.grad, w.grad)
+        finally:
+            triton_ce_ntl.set_triton_kernels(previous)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for got, want in zip(results[True], results[False]):
+        scale = float(want.double().abs().max()) or 1.0
+        torch.testing.assert_close(got.double(), want.double(), atol=tol * scale, rtol=tol)
