@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -95,7 +96,9 @@ def _needs_cuda(x: Inputs, what: str) -> None:
 
 def _import(module: str, package: str):
     try:
-        return importlib.import_module(module)
+        with warnings.catch_warnings():  # megatron-core warns about Transformer Engine and Apex at import
+            warnings.simplefilter("ignore")
+            return importlib.import_module(module)
     except ImportError as e:
         raise Skip(f"{package} not installed ({e.__class__.__name__}: {e})") from None
 
@@ -192,22 +195,38 @@ def ce_plus_ntloss(x: Inputs) -> Step:
     return _on_logits(x, loss_fn)
 
 
-def _ours_logits(x: Inputs, compiled: bool) -> Step:
+def _kernels_off(step: Step) -> Step:
+    """The step with ntl_scale's Triton kernels turned off (the PyTorch code), for the forward and backward."""
+    from ntl_scale.kernels.triton_ce_ntl import set_triton_kernels
+
+    def wrapped():
+        previous = set_triton_kernels(False)
+        try:
+            return step()
+        finally:
+            set_triton_kernels(previous)
+
+    return wrapped
+
+
+def _ours_logits(x: Inputs, compiled: bool, kernels: bool = True) -> Step:
     def fn(z, y):
         out = ntl_scale.ce_with_ntl(z, y, x.vocab, ntl_weight=NTL_WEIGHT)
         return out.loss, out.ce
 
     fn = torch.compile(fn) if compiled else fn
-    return _on_logits(x, lambda z: fn(z, x.labels))
+    step = _on_logits(x, lambda z: fn(z, x.labels))
+    return step if kernels else _kernels_off(step)
 
 
-def _ours_chunked(x: Inputs, compiled: bool) -> Step:
+def _ours_chunked(x: Inputs, compiled: bool, kernels: bool = True) -> Step:
     def fn(h, w, y):
         out = ntl_scale.linear_ce_with_ntl(h, w, y, x.vocab, ntl_weight=NTL_WEIGHT)
         return out.loss, out.ce
 
     fn = torch.compile(fn) if compiled else fn
-    return _on_hidden(x, lambda: fn(x.hidden, x.weight, x.labels))
+    step = _on_hidden(x, lambda: fn(x.hidden, x.weight, x.labels))
+    return step if kernels else _kernels_off(step)
 
 
 CUTEDSL = {"LIGER_KERNEL_IMPL": "cutedsl"}
@@ -222,9 +241,13 @@ ROWS = [
     Row("ce", "F.cross_entropy on logits", True, materialised_ce),
     Row("ce_ntloss", "F.cross_entropy + ntloss on logits", False, ce_plus_ntloss),
     Row("ours_logits", "ours: ce_with_ntl on logits", False, lambda x: _ours_logits(x, False)),
+    Row("ours_logits_pytorch", "ours: ce_with_ntl on logits, Triton kernels off", False,
+        lambda x: _ours_logits(x, False, kernels=False)),
     Row("ours_logits_compiled", "ours: torch.compile(ce_with_ntl) on logits", False,
         lambda x: _ours_logits(x, True), compiled=True),
     Row("ours_chunked", "ours: linear_ce_with_ntl (chunked)", False, lambda x: _ours_chunked(x, False)),
+    Row("ours_chunked_pytorch", "ours: linear_ce_with_ntl (chunked), Triton kernels off", False,
+        lambda x: _ours_chunked(x, False, kernels=False)),
     Row("ours_chunked_compiled", "ours: torch.compile(linear_ce_with_ntl)", False,
         lambda x: _ours_chunked(x, True), compiled=True),
 ]  # fmt: skip
