@@ -243,9 +243,10 @@ def combine(
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
 
     def rescale(local_max: torch.Tensor, global_max: torch.Tensor) -> torch.Tensor:
-        # exp(local - global); a shard with no finite column (-inf) contributes 0
-        safe = torch.where(torch.isfinite(global_max), global_max, torch.zeros_like(global_max))
-        return torch.where(torch.isfinite(local_max), torch.exp(local_max - safe), torch.zeros_like(local_max))
+        # exp(local - global); a shard whose columns are all -inf (or none) contributes 0. NaN and +inf
+        # are kept, as in ShardMath: NaN logits give NaN terms, never a silent 0
+        safe = torch.where(global_max == float("-inf"), torch.zeros_like(global_max), global_max)
+        return torch.where(local_max == float("-inf"), torch.zeros_like(local_max), torch.exp(local_max - safe))
 
     full, number = rescale(local[:, 0], maxes[:, 0]), rescale(local[:, 3], maxes[:, 1])
     sums = torch.stack(
@@ -338,7 +339,7 @@ def fused_stats(
 def number_exp_of(logits: torch.Tensor, number_cols: torch.Tensor, number_max: torch.Tensor) -> torch.Tensor:
     """``exp(z_k - mN)`` on the number columns ``[T, K]`` in the compute dtype (-inf ``mN`` read as 0)."""
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    safe = torch.where(torch.isfinite(number_max), number_max, torch.zeros_like(number_max))
+    safe = torch.where(number_max == float("-inf"), torch.zeros_like(number_max), number_max)
     return torch.exp(logits.index_select(1, number_cols).to(cdt) - safe.unsqueeze(1))
 
 
@@ -375,10 +376,10 @@ def logits_grad_(
     """
     g_ce, g_expect, g_mass = grads
     cols = inputs.number_cols
-    safe_max = torch.where(torch.isfinite(number_max), number_max, torch.zeros_like(number_max))
+    safe_max = torch.where(number_max == float("-inf"), torch.zeros_like(number_max), number_max)
     if number_exp is None:
         number_exp = number_exp_of(logits, cols, number_max)
-    probs = number_exp / torch.where(number_total > 0, number_total, 1).unsqueeze(1)  # p, over N only
+    probs = number_exp / torch.where(number_total == 0, 1, number_total).unsqueeze(1)  # p, over N only
     pi_numbers = number_exp * (torch.exp(safe_max - max_all) / total).unsqueeze(1)  # the full softmax on N
     extra = g_mass.unsqueeze(1) * pi_numbers
     extra += g_expect.unsqueeze(1) * probs * (inputs.a_table - expect.unsqueeze(1))

@@ -105,6 +105,21 @@ def test_stats_float64_logits_stay_float64():
     torch.testing.assert_close(got.cpu(), _reference_stats(logits, labels, ids, a.float().double(), 0, 203))
 
 
+def test_nan_logits_give_nan_sums():
+    """A NaN logit is never dropped by the max: that row's sum (and, on a number column, SN) is NaN."""
+    logits, labels, ids, a = _problem()
+    logits[2, 50] = float("nan")  # not a number column
+    logits[4, 64] = float("nan")  # a number column
+    inputs = _inputs(labels, ids, a, 0, 203)
+    got = tk.shard_stats(
+        logits.to(DEVICE), tk.local_target(inputs, 203), inputs.number_cols, inputs.a_table, block_v=32
+    )
+    _, _, sums = tk.combine(got)
+    assert torch.isnan(sums[2, 0]) and torch.isnan(sums[4, 0]) and torch.isnan(sums[4, 2])
+    finite = [0, 1, 3, 5, 6, 7, 8]
+    assert torch.isfinite(sums[finite]).all() and not torch.isnan(sums[2, 2])
+
+
 # ------------------------------------------------------------------------- 2. tensor parallel
 
 
