@@ -29,6 +29,9 @@ __all__ = [
 ]
 
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+
+
 @dataclass
 class ModelConfig:
     """The model to train."""
@@ -43,10 +46,21 @@ class ModelConfig:
     """Hugging Face config fields for a random init (``model_type`` picks the class)."""
     tokenizer: str = "builtin:char"
     """A local tokenizer directory, or ``builtin:char`` (a character tokenizer built offline)."""
+    attn_implementation: str = "sdpa"
+    """Hugging Face attention kernel: ``sdpa`` (PyTorch's fused attention), ``flash_attention_2`` (needs the
+    ``flash_attn`` package and a CUDA GPU) or ``eager`` (the plain matmul-softmax reference)."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing: keep only each layer's input and recompute the layer in the backward
+    (non-reentrant; works with ZeRO-3). Saves most activation memory for about one more forward."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("causal", "seq2seq"):
             raise ValueError(f"model.kind must be 'causal' or 'seq2seq', got {self.kind!r}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, got "
+                f"{self.attn_implementation!r}"
+            )
 
 
 @dataclass
@@ -151,11 +165,15 @@ class TrainConfig:
     log_every: int = 10
     """Steps between progress lines."""
     eval_every: int = 0
-    """Steps between evaluations (0: only at the end)."""
+    """Steps between held-out loss/perplexity evaluations (0: only at the end, with ``eval.at_end``)."""
     save_every: int = 0
     """Steps between checkpoints (0: only at the end)."""
-    bf16: bool = False
-    """bf16 mixed precision (fills the DeepSpeed JSON's ``"bf16": {"enabled": "auto"}``)."""
+    bf16: bool | None = None
+    """bf16 mixed precision; null = auto: on for a GPU/accelerator with bf16, off on the CPU. Fills the
+    DeepSpeed JSON's ``"bf16": {"enabled": "auto"}``; an explicit JSON value must agree with a set one."""
+    peak_tflops: float | None = None
+    """Peak dense bf16 TFLOP/s of one device, for the logged MFU; null = from the built-in table of
+    GPUs (H100, H200, A100, ...), none on the CPU (MFU not reported)."""
     deepspeed_config: str = "configs/deepspeed/zero3.json"
     """DeepSpeed JSON; ``auto`` values are filled from this config."""
     chunked_loss: bool = False
@@ -178,6 +196,10 @@ class TrainConfig:
             raise ValueError(f"train.lr_decay must be constant, cosine or linear, got {self.lr_decay!r}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"train.peak_tflops must be > 0 or null, got {self.peak_tflops}")
+        if self.eval_every < 0:
+            raise ValueError(f"train.eval_every must be >= 0 (0: only at the end), got {self.eval_every}")
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
             raise ValueError(f"train.loss_chunk_tokens must be >= 1 or null, got {self.loss_chunk_tokens}")
 

@@ -16,7 +16,9 @@ from .config import NTLConfig, TrainConfig
 __all__ = ["global_counts", "micro_batch_loss", "resolve_deepspeed_config", "shift_for_causal"]
 
 
-def resolve_deepspeed_config(ds: dict[str, Any], train: TrainConfig, world_size: int) -> dict[str, Any]:
+def resolve_deepspeed_config(
+    ds: dict[str, Any], train: TrainConfig, world_size: int, *, bf16_default: bool = False
+) -> dict[str, Any]:
     """Fills DeepSpeed's ``"auto"`` values from the training config; a contradiction is an error.
 
     With ``train.tensor_parallel_size`` N > 1 the JSON gets ``"tensor_parallel": {"autotp_size": N,
@@ -26,6 +28,8 @@ def resolve_deepspeed_config(ds: dict[str, Any], train: TrainConfig, world_size:
         ds: the DeepSpeed JSON as a dict.
         train: the training section of the run config.
         world_size: all ranks (data x tensor parallel).
+        bf16_default: what ``train.bf16: null`` (auto) means here: True on a GPU or other accelerator
+            with bf16, False on the CPU.
 
     Returns:
         A resolved copy.
@@ -83,8 +87,8 @@ def resolve_deepspeed_config(ds: dict[str, Any], train: TrainConfig, world_size:
         ds.pop("train_batch_size", None)
     bf16 = ds.get("bf16", {})
     if bf16.get("enabled") == "auto":
-        bf16["enabled"] = train.bf16
-    elif bool(bf16.get("enabled", False)) != train.bf16:
+        bf16["enabled"] = bf16_default if train.bf16 is None else train.bf16
+    elif train.bf16 is not None and bool(bf16.get("enabled", False)) != train.bf16:
         raise ValueError(
             f'DeepSpeed bf16.enabled={bf16.get("enabled")} contradicts train.bf16={train.bf16}; use "auto"'
         )
@@ -107,9 +111,10 @@ def global_counts(
 ) -> tuple[float, float]:
     """Target tokens and number-token targets of a whole step: all micro-batches, all DP ranks (``group``).
 
-    One SUM all-reduce of two numbers over ``group``; computed from the labels before the forward.
+    One SUM all-reduce of two numbers over ``group``; computed from the labels before the forward, on
+    the labels' device (NCCL reduces device tensors only).
     """
-    counts = torch.zeros(2, dtype=torch.float64)
+    counts = torch.zeros(2, dtype=torch.float64, device=targets[0].device if targets else None)
     for t in targets:
         counts[0] += (t != -100).sum()
         counts[1] += vocab.number_mask(t).sum()

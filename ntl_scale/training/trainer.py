@@ -1,0 +1,578 @@
+"""The DeepSpeed training loop of ``launch/train.py``, in named parts.
+
+:class:`Trainer` owns one run: :meth:`~Trainer.setup` (resume plan, tokenizer, number table, data,
+model and engine), :meth:`~Trainer.train_step` (one optimizer step of exactly normalised CE + NTL),
+:meth:`~Trainer.save` / :meth:`~Trainer.load` (checkpoints), :meth:`~Trainer.evaluate_heldout`
+(loss and perplexity on held-out batches), :meth:`~Trainer.evaluate_generation` (answers generated
+and scored), :meth:`~Trainer.log` (metrics.jsonl, wandb, the progress line) and
+:meth:`~Trainer.export` (a Hugging Face folder). :meth:`~Trainer.run` calls them in order.
+
+Distributed is initialised by the caller (``launch/train.py``); the trainer receives the rank, the
+world size and the device. Every tensor it creates or receives goes to the engine's device before it
+meets the model or a collective (NCCL refuses host tensors): collated batches, the step's token
+counts, the logging sums, the stop flag.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..data.arithmetic import Example
+from ..data.collate import collate, encode_pairs, fits
+from ..eval.numbers import extract_number
+from ..losses import PerTokenTerms, per_token_ce_ntl
+from ..number_vocab import NumberVocab, pad_vocab_size
+from .build import build_model, build_tokenizer, model_vocab_size
+from .config import RunConfig
+from .flops import FlopsCounter
+from .resume import Layout, plan_resume, read_layout, to_universal, write_layout
+from .steps import global_counts, loss_from_terms, ntl_options, resolve_deepspeed_config, shift_for_causal
+from .tracking import Tracker, plot_curves
+
+__all__ = ["Trainer", "check_inputs", "heldout_qa_batches", "print_summary", "to_device"]
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Input paths that must exist, checked before distributed start-up (a typo fails in a second)."""
+    if cfg.model.path and not os.path.isdir(cfg.model.path):
+        raise ValueError(
+            f"model.path={cfg.model.path!r} is not a directory (looked in the working directory, next to the config "
+            "file and in the repository); ntl_scale never downloads: pass a local checkpoint directory"
+        )
+    if not os.path.isfile(cfg.train.deepspeed_config):
+        raise ValueError(
+            f"train.deepspeed_config={cfg.train.deepspeed_config!r} is not a file (looked in the working directory, "
+            "next to the config file and in the repository)"
+        )
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of a host batch on ``device`` (DeepSpeed's ``engine(...)`` does not move inputs)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def heldout_qa_batches(
+    examples: list[Example], tokenizer: Any, *, kind: str, max_length: int, micro_batch_size: int, dp_rank: int, dp: int
+) -> list[dict[str, torch.Tensor]]:
+    """This data-parallel rank's held-out micro-batches of question/answer examples (host tensors).
+
+    The examples are tokenised as in training (prompt masked); those longer than ``max_length`` are
+    left out. They are cut to a multiple of ``dp`` and dealt round-robin, so every rank runs the same
+    number of forward passes (ZeRO-3 gathers parameters collectively).
+    """
+    input_ids, labels = encode_pairs(tokenizer, [e.question for e in examples], [e.answer for e in examples], kind=kind)
+    from ..data.collate import EncodedExample
+
+    rows = [EncodedExample(i, t) for i, t in zip(input_ids, labels) if fits(i, t, kind=kind, max_length=max_length)]
+    rows = rows[: len(rows) - len(rows) % dp][dp_rank::dp]
+    pad = tokenizer.pad_token_id
+    return [collate(rows[s : s + micro_batch_size], pad) for s in range(0, len(rows), micro_batch_size)]
+
+
+class Trainer:
+    """One DeepSpeed run of CE + NTL.
+
+    Args:
+        cfg: the run config.
+        rank: this process's global rank.
+        world_size: all ranks (data x tensor parallel).
+        device: the accelerator device of this rank (DeepSpeed's
+            ``get_accelerator().current_device_name()``); the engine's device once it is built.
+    """
+
+    def __init__(self, cfg: RunConfig, *, rank: int, world_size: int, device: torch.device | str) -> None:
+        self.cfg = cfg
+        self.rank, self.world = rank, world_size
+        self.device = torch.device(device)
+        self.stop_signal = 0
+        self.start_step = 0
+        self.history: list[dict[str, Any]] = []
+        self.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+        self.metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+        self.shard: Any = None
+        self.tp_group: Any = None
+        self.vocab_start: int | None = None
+        self.heldout: list[dict[str, torch.Tensor]] = []
+
+    # ---- set-up ---------------------------------------------------------------------------------------
+
+    def request_stop(self, signum: int) -> None:
+        """Checkpoint and stop after the current step (a signal handler's target)."""
+        self.stop_signal = signum
+
+    def setup(self) -> None:
+        """DeepSpeed config, resume plan, tokenizer, number table, data, model, engine; loads a checkpoint."""
+        import deepspeed
+
+        cfg, rank = self.cfg, self.rank
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        with open(cfg.train.deepspeed_config) as f:
+            bf16_default = self.device.type != "cpu" and bool(deepspeed.get_accelerator().is_bf16_supported())
+            self.ds_config = resolve_deepspeed_config(json.load(f), cfg.train, self.world, bf16_default=bf16_default)
+        cfg.train.gradient_accumulation_steps = self.ga = self.ds_config["gradient_accumulation_steps"]
+        cfg.train.bf16 = bool(self.ds_config.get("bf16", {}).get("enabled", False))
+        if rank == 0:
+            cfg.save(os.path.join(cfg.run_dir, "config.json"))
+        self.tp = cfg.train.tensor_parallel_size
+        self.dp = self.world // self.tp
+        self.layout = Layout(self.dp, self.tp, cfg.train.micro_batch_size * self.ga * self.dp)
+        self.resume = plan_resume(self.ckpt_dir, self.layout)  # an impossible change stops here, before any step
+        if self.resume == "universal":  # written on another number of ranks: DeepSpeed re-partitions a universal copy
+            if rank == 0:
+                print(
+                    f"resuming {cfg.run_dir} (written with {read_layout(self.ckpt_dir).describe()}) on "  # type: ignore[union-attr]
+                    f"{self.layout.describe()}: converting its checkpoint to DeepSpeed's universal format",
+                    flush=True,
+                )
+            self.on_rank_zero(lambda: to_universal(self.ckpt_dir))
+            self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
+
+        self.tokenizer = build_tokenizer(cfg.model)
+        vocab_size = model_vocab_size(cfg.model) or pad_vocab_size(len(self.tokenizer), divisible_by=8)
+        if vocab_size < len(self.tokenizer):
+            raise ValueError(
+                f"model vocab_size {vocab_size} is smaller than the tokenizer ({len(self.tokenizer)} tokens)"
+            )
+        self.vocab = NumberVocab.from_tokenizer(self.tokenizer, vocab_size=vocab_size, digit_level=cfg.ntl.digit_level)
+        self.build_data()
+        self.build_engine(vocab_size)
+        self.order = self.make_order()
+        self.heldout = self.build_heldout()
+        self.write_partition()
+        if self.resume:
+            self.load()
+
+    def build_data(self) -> None:
+        """The tokenised training set (rank 0 fills the Arrow cache first, the others read it) and the
+        generation-evaluation splits."""
+        from .data import eval_sets, train_dataset
+
+        cfg = self.cfg
+        self.train_set = train_dataset(cfg.data, self.tokenizer, kind=cfg.model.kind) if self.rank == 0 else None
+        dist.barrier()
+        if self.rank != 0:
+            self.train_set = train_dataset(cfg.data, self.tokenizer, kind=cfg.model.kind)
+        self.eval_splits = eval_sets(cfg.data)
+
+    def make_order(self) -> Any:
+        """This rank's micro-batch source: ``next()`` gives a micro-batch (encoded rows or a batch dict),
+        ``position`` is the resumable state stored in each checkpoint."""
+        from .data import Batches
+
+        cfg = self.cfg
+        return Batches(self.train_set, cfg.train.micro_batch_size, self.dp_rank, self.dp, cfg.data.seed, self.ga,
+                       cfg.data.shuffle_buffer)  # fmt: skip
+
+    def build_heldout(self) -> list[dict[str, torch.Tensor]]:
+        """This rank's held-out micro-batches for :meth:`evaluate_heldout` (host tensors): the first
+        generation-evaluation split of the question/answer sources."""
+        if not self.eval_splits:
+            return []
+        examples = next(iter(self.eval_splits.values()))
+        cfg = self.cfg
+        return heldout_qa_batches(
+            examples, self.tokenizer, kind=cfg.model.kind, max_length=cfg.data.max_length,
+            micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.dp_rank, dp=self.dp,
+        )  # fmt: skip
+
+    def build_engine(self, vocab_size: int) -> None:
+        """The Hugging Face model (under ZeRO-3 partitioned as it is created), the chunked-loss wrapper,
+        the DeepSpeed engine, AutoTP's vocabulary shard and the process groups."""
+        import deepspeed
+
+        cfg, tp = self.cfg, self.tp
+        torch.manual_seed(cfg.train.seed)
+        self.model, self._keep_alive = build_model(cfg.model, vocab_size, self.ds_config, self.tokenizer)
+        trained: torch.nn.Module = self.model
+        if cfg.train.chunked_loss:  # CE + NTL from the hidden states: the logits are never materialised
+            if cfg.model.kind != "causal":
+                raise ValueError("train.chunked_loss=true supports model.kind=causal; use the logits path for seq2seq")
+            from ..integrations.hf import ChunkedLossCausalLM
+
+            trained = ChunkedLossCausalLM(self.model, self.vocab, ntl_options(cfg.ntl), cfg.train.loss_chunk_tokens)
+        if tp > 1 and cfg.model.kind != "causal":
+            raise ValueError(
+                f"train.tensor_parallel_size={tp} supports model.kind=causal (a vocabulary-parallel lm_head); "
+                "train seq2seq models such as T5 with data parallelism and ZeRO-3"
+            )
+        try:
+            self.engine, *_ = deepspeed.initialize(
+                model=trained, model_parameters=self.model.parameters(), config=self.ds_config
+            )
+        except AssertionError as error:
+            if tp > 1 and "AutoTP not supported" in str(error):
+                raise ValueError(
+                    f"DeepSpeed AutoTP cannot split {type(self.model).__name__} (train.tensor_parallel_size={tp}): it "
+                    "supports models built from nn.Linear layers, such as Llama, Granite, Mistral or Qwen; GPT-2 uses "
+                    "Conv1D. Use one of those architectures or train.tensor_parallel_size=1"
+                ) from error
+            raise
+        self.device = torch.device(self.engine.device)
+        from ..integrations.deepspeed_tp import head_shard, install_chunked_head
+
+        self.shard = head_shard(self.model) if tp > 1 else None
+        if tp > 1 and self.shard is None:
+            raise ValueError(
+                f"DeepSpeed AutoTP left {type(self.model).__name__}'s output layer whole, expected a vocabulary shard"
+            )
+        if self.shard is not None and cfg.train.chunked_loss:
+            install_chunked_head(self.shard, self.vocab, ntl_options(cfg.ntl), cfg.train.loss_chunk_tokens)
+        if tp > 1:
+            from deepspeed.utils import groups
+
+            self.dp_group, self.dp_rank = groups.get_data_parallel_group(), groups.get_data_parallel_rank()
+        else:
+            self.dp_group, self.dp_rank = dist.group.WORLD, self.rank
+        self.tp_group, self.vocab_start = (
+            (self.shard.group, self.shard.start) if self.shard is not None else (None, None)
+        )
+        self.flops = FlopsCounter.for_model(self.model, kind=cfg.model.kind, device=self.device,
+                                            peak_tflops=cfg.train.peak_tflops)  # fmt: skip
+
+    def write_partition(self) -> None:
+        """``zero_rank{r}.json``: how much of the model this rank holds, its place in the layout."""
+        params = list(self.model.parameters())
+        held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)  # this rank's part
+        total = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: the whole parameter
+        part: dict[str, Any] = {"held": held, "total": total, "host": socket.gethostname(), "tp": self.tp,
+                                "dp": self.dp, "dp_rank": self.dp_rank}  # fmt: skip
+        if self.shard is not None:
+            part["vocab_shard"] = [self.shard.start, self.shard.end]
+        with open(os.path.join(self.cfg.run_dir, f"zero_rank{self.rank}.json"), "w") as f:
+            json.dump(part, f)
+
+    def on_rank_zero(self, work: Callable[[], Any]) -> None:
+        """Runs ``work`` on rank 0 while the others wait; if it fails, every rank stops (none waits forever)."""
+        failed = torch.zeros(1, dtype=torch.long, device=self.device)
+        error = None
+        if self.rank == 0:
+            try:
+                work()
+            except Exception as exc:  # re-raised below, after the other ranks have been told
+                failed[0], error = 1, exc
+        dist.broadcast(failed, src=0)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError("rank 0 failed preparing the checkpoint (its error is above); stopping")
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+
+    def save(self, step: int) -> None:
+        """DeepSpeed checkpoint ``step{step}`` with the data position and the RNG; ``latest`` moves last."""
+        client = {"step": step, "examples_consumed": self.order.position, "rng": torch.get_rng_state()}
+        self.engine.save_checkpoint(self.ckpt_dir, tag=f"step{step}", client_state=client, save_latest=False)
+        dist.barrier()  # every rank's shard is on disk before "latest" points at it
+        if self.rank == 0:  # a crash before this line leaves "latest" at the previous, complete checkpoint
+            write_layout(self.ckpt_dir, self.layout)
+            with open(os.path.join(self.ckpt_dir, "latest.tmp"), "w") as f:
+                f.write(f"step{step}")
+            os.replace(os.path.join(self.ckpt_dir, "latest.tmp"), os.path.join(self.ckpt_dir, "latest"))
+        dist.barrier()
+
+    def load(self) -> None:
+        """Loads the checkpoint ``latest`` names: weights, optimizer, data position, RNG."""
+        _, client = self.engine.load_checkpoint(self.ckpt_dir)
+        if "examples_consumed" not in client:
+            raise ValueError(
+                f"{self.ckpt_dir} was written by an older launch/train.py (its data position counts micro-batches); "
+                "finish it with that version or start a new run_dir"
+            )
+        self.start_step, self.order.position = client["step"], client["examples_consumed"]
+        torch.set_rng_state(client["rng"])
+        if self.rank == 0:
+            print(f"resumed from step {self.start_step}", flush=True)
+
+    # ---- the step -------------------------------------------------------------------------------------
+
+    def next_micro_batch(self) -> dict[str, torch.Tensor]:
+        """The next micro-batch of this rank as host tensors: ``input_ids``, ``labels`` (unshifted; -100 =
+        no loss) and optionally ``attention_mask`` / ``position_ids``."""
+        rows = self.order.next()
+        return rows if isinstance(rows, dict) else collate(rows, self.tokenizer.pad_token_id)
+
+    def targets_of(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What the logits at each position are scored against (causal: the next token)."""
+        return shift_for_causal(batch["labels"]) if self.cfg.model.kind == "causal" else batch["labels"]
+
+    def forward_terms(self, batch: dict[str, torch.Tensor], target: torch.Tensor) -> PerTokenTerms:
+        """Per-token CE and NTL of one device micro-batch (the logits path, the chunked path, or this
+        rank's vocabulary shard under AutoTP)."""
+        inputs: dict[str, torch.Tensor] = {
+            k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch
+        }
+        if self.cfg.model.kind != "causal":  # seq2seq labels already align with the decoder's logits
+            inputs["decoder_input_ids"] = self.model.prepare_decoder_input_ids_from_labels(labels=target)
+        if self.cfg.train.chunked_loss:
+            return PerTokenTerms(*self.engine(**inputs, targets=target))
+        logits = self.engine(**inputs).logits  # with TP: this rank's vocabulary shard
+        return per_token_ce_ntl(logits, target, self.vocab, ntl_options(self.cfg.ntl), tp_group=self.tp_group,
+                                vocab_start=self.vocab_start)  # fmt: skip
+
+    @staticmethod
+    def tokens_read(batch: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
+        """Every token the model reads (prompts and answers, not padding; seq2seq: the decoder's too)."""
+        mask = batch.get("attention_mask")
+        read = (
+            mask.sum()
+            if mask is not None
+            else torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
+        )
+        return read if kind == "causal" else read + (batch["labels"] != -100).sum()
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns its metrics row.
+
+        CE and NTL are normalised by the step's global counts (all micro-batches, all data-parallel
+        ranks). The logging sums stay on the device and are read once, after one all-reduce.
+        """
+        cfg, ga, dp = self.cfg, self.ga, self.dp
+        step_start = time.perf_counter()
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = cfg.train.lr_at(step)
+        batches = [to_device(self.next_micro_batch(), self.device) for _ in range(ga)]
+        data_s = time.perf_counter() - step_start
+        targets = [self.targets_of(b) for b in batches]
+        counts = global_counts(targets, self.vocab, None if dp == 1 else self.dp_group, ntl_options(cfg.ntl))
+        totals = torch.zeros(6, dtype=torch.float64, device=self.device)  # + [ce, ntl, tokens, numbers, hits, read]
+        for batch, target in zip(batches, targets):
+            terms = self.forward_terms(batch, target)
+            loss, stats = loss_from_terms(terms, target, cfg.ntl, counts=counts, scale=ga * dp)
+            self.engine.backward(loss)
+            self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+            totals[:5] += stats
+            totals[5] += self.tokens_read(batch, cfg.model.kind)
+        dist.all_reduce(totals, group=self.dp_group)  # TP ranks hold the same sums: DP only
+        ce_sum, ntl_sum, tokens, numbers, hits, read = totals.cpu().tolist()
+        seconds = time.perf_counter() - step_start  # data, forward, backward, optimizer, logging reduce
+        row: dict[str, Any] = {
+            "step": step,
+            "ce": ce_sum / tokens,
+            "ntl": ntl_sum / max(numbers, 1),
+            "number_acc": hits / max(numbers, 1),
+            "lr": self.engine.optimizer.param_groups[0]["lr"],
+            "grad_norm": float(self.engine.get_global_grad_norm() or 0),
+            "tokens": int(read),
+            "time_s": seconds,
+            "data_s": data_s,
+        }
+        row.update(self.flops.rates(int(read), seconds, self.world, seq_len=self._seq_len(batches)))
+        return row
+
+    @staticmethod
+    def _seq_len(batches: list[dict[str, torch.Tensor]]) -> int:
+        return max(int(b["input_ids"].shape[-1]) for b in batches)
+
+    def stop_requested(self) -> int:
+        """The largest signal any rank received (0: none); every rank agrees."""
+        flag = torch.tensor([self.stop_signal], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    # ---- evaluation -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate_heldout(self, batches: Iterable[dict[str, torch.Tensor]] | None = None) -> dict[str, float]:
+        """Loss and perplexity on held-out micro-batches (this rank's share; default :attr:`heldout`).
+
+        Returns ``eval/ce`` (mean CE per target token), ``eval/ppl`` = exp(``eval/ce``), ``eval/ntl``
+        (mean per number target), ``eval/loss`` = ``eval/ce + ntl.weight * eval/ntl`` (the training
+        objective), ``eval/number_acc``; sums over every data-parallel rank. Every rank must call it with
+        the same number of batches (ZeRO-3 gathers parameters in each forward).
+        """
+        batches = self.heldout if batches is None else batches
+        totals = torch.zeros(5, dtype=torch.float64, device=self.device)
+        self.engine.eval()
+        try:
+            for host in batches:
+                batch = to_device(host, self.device)
+                target = self.targets_of(batch)
+                _, stats = loss_from_terms(self.forward_terms(batch, target), target, self.cfg.ntl, counts=(1.0, 1.0))
+                totals += stats
+        finally:
+            self.engine.train()
+        dist.all_reduce(totals, group=self.dp_group)
+        ce_sum, ntl_sum, tokens, numbers, hits = totals.cpu().tolist()
+        if tokens == 0:
+            return {}
+        ce, ntl = ce_sum / tokens, ntl_sum / max(numbers, 1)
+        return {
+            "eval/loss": ce + self.cfg.ntl.weight * ntl,
+            "eval/ce": ce,
+            "eval/ppl": math.exp(min(ce, 700.0)),
+            "eval/ntl": ntl,
+            "eval/number_acc": hits / max(numbers, 1),
+            "eval/tokens": int(tokens),
+        }
+
+    def evaluate_generation(self) -> dict[str, dict[str, float]]:
+        """Answers generated for each held-out question split and scored (every rank generates the same)."""
+        from ..integrations.deepspeed_tp import full_logits
+        from .evaluate import evaluate_generation
+
+        results = {}
+        for split, examples in self.eval_splits.items():
+            path = os.path.join(self.cfg.run_dir, f"predictions_{split}.jsonl") if self.rank == 0 else None
+            with full_logits(self.shard):  # a TP head gathers its columns
+                results[split] = evaluate_generation(
+                    self.model, self.tokenizer, examples, kind=self.cfg.model.kind,
+                    max_new_tokens=self.cfg.eval.max_new_tokens, num_beams=self.cfg.eval.num_beams,
+                    synced_gpus=self.world > 1, predictions_path=path,
+                )  # fmt: skip
+        return results
+
+    # ---- logging --------------------------------------------------------------------------------------
+
+    def open_logs(self) -> None:
+        """wandb (rank 0) and ``metrics.jsonl``, cut back to the resumed step (steps about to be redone go)."""
+        cfg = self.cfg
+        self.tracker = Tracker(cfg.tracking.wandb, cfg.run_dir, cfg.to_dict(), cfg.tracking.project,
+                               active=self.rank == 0)  # fmt: skip
+        if self.rank == 0:
+            kept = []
+            if os.path.isfile(self.metrics_path):
+                with open(self.metrics_path) as f:
+                    kept = [line for line in f if json.loads(line)["step"] <= self.start_step]
+            with open(self.metrics_path, "w") as f:
+                f.writelines(kept)
+        self._interval = {"start": time.time(), "tokens": 0, "seconds": 0.0, "steps": 0, "flops": 0.0}
+        self._clock = time.time()
+
+    def log(self, row: dict[str, Any]) -> None:
+        """One row per step into metrics.jsonl and wandb; a progress line every ``train.log_every`` steps."""
+        self.history.append(row)
+        interval = self._interval
+        interval["tokens"] += row["tokens"]
+        interval["seconds"] += row["time_s"]
+        interval["steps"] += 1
+        if self.rank != 0:
+            return
+        self.tracker.log(row, row["step"])
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        step, steps = row["step"], self.cfg.train.steps
+        if step % self.cfg.train.log_every == 0 or step == steps:
+            elapsed = time.time() - self._clock
+            eta = (steps - step) * elapsed / (step - self.start_step)
+            rates = self.flops.rates(int(interval["tokens"]), float(interval["seconds"]), self.world,
+                                     seq_len=None)  # fmt: skip
+            mfu = f"MFU {rates['mfu']:.1%}" if rates.get("mfu") is not None else "MFU n/a"
+            evals = f"  eval ppl {row['eval/ppl']:.3f}" if "eval/ppl" in row else ""
+            print(
+                f"step {step}/{steps}  ce {row['ce']:.4f}  ntl {row['ntl']:.4f}  number acc {row['number_acc']:.3f}"
+                f"{evals}  {interval['tokens'] / max(interval['seconds'], 1e-9):.0f} tok/s "
+                f"({rates['tokens_per_s_per_device']:.0f}/device)  {rates['tflops']:.3g} TFLOP/s/device  {mfu}  "
+                f"eta {eta:.0f}s",
+                flush=True,
+            )
+            self._interval = {"start": time.time(), "tokens": 0, "seconds": 0.0, "steps": 0, "flops": 0.0}
+
+    # ---- export and the end ---------------------------------------------------------------------------
+
+    def export(self) -> None:
+        """A plain Hugging Face folder (``run_dir/hf_model``, with the number table): every weight gathered."""
+        import deepspeed
+
+        from ..integrations.deepspeed_tp import gathered_weights
+
+        out = os.path.join(self.cfg.run_dir, "hf_model")
+        with (
+            deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None),
+            gathered_weights(self.model),
+        ):
+            if self.rank == 0:
+                self.model.save_pretrained(out)
+                self.tokenizer.save_pretrained(out)
+                self.vocab.save(os.path.join(out, "number_vocab.json"))
+
+    def write_status(self, state: str, step: int) -> None:
+        """``status.json``: ``finished`` or ``stopped`` (checkpointed early on a signal); batch scripts read it."""
+        if self.rank == 0:
+            path = os.path.join(self.cfg.run_dir, "status.json")
+            with open(f"{path}.tmp", "w") as f:
+                json.dump({"state": state, "step": step}, f)
+            os.replace(f"{path}.tmp", path)
+
+    def finish(self, results: dict[str, dict[str, float]]) -> None:
+        """Generation results into wandb and eval.json, the loss plot, the summary table."""
+        cfg = self.cfg
+        if self.rank != 0:
+            return
+        flat = {f"eval/{split}/{k}": v for split, m in results.items() for k, v in m.items()}
+        self.tracker.log(flat, cfg.train.steps)
+        self.tracker.finish()
+        if cfg.tracking.plot:
+            if importlib.util.find_spec("matplotlib") is None:
+                print("loss_curves.png skipped: matplotlib is not installed (pip install 'ntl_scale[wandb]')")
+            else:
+                plot_curves(self.metrics_path, os.path.join(cfg.run_dir, "loss_curves.png"))
+        if results:
+            with open(os.path.join(cfg.run_dir, "eval.json"), "w") as f:
+                json.dump(results, f, indent=2)
+            sizes = {split: len(examples) for split, examples in self.eval_splits.items()}
+            print_summary(cfg.run_dir, results, sizes)
+
+    def run(self) -> dict[str, Any]:
+        """Set-up, the steps (with held-out evaluation every ``train.eval_every`` steps and checkpoints
+        every ``train.save_every``), the final checkpoint, export, evaluation. A signal checkpoints and stops."""
+        cfg = self.cfg
+        self.setup()
+        steps = cfg.train.steps
+        if self.start_step >= steps:  # started again after it finished: say so, change nothing
+            if self.rank == 0:
+                print(
+                    f"{cfg.run_dir} already finished: its checkpoint is at step {self.start_step} of train.steps="
+                    f"{steps}; nothing to do (raise train.steps to train on, or use a new run_dir)",
+                    flush=True,
+                )
+            return {"finished_before": self.start_step, "history": []}
+        self.open_logs()
+        for step in range(self.start_step + 1, steps + 1):
+            row = self.train_step(step)
+            every = cfg.train.eval_every
+            if self.heldout and ((every and step % every == 0) or (step == steps and cfg.eval.at_end)):
+                started = time.perf_counter()
+                row.update(self.evaluate_heldout())
+                row["eval_s"] = time.perf_counter() - started
+            self.log(row)
+            signum = self.stop_requested()
+            if (cfg.train.save_every and step % cfg.train.save_every == 0) or signum:
+                self.save(step)
+            if signum:
+                if self.rank == 0:
+                    print(f"signal {signum}: checkpointed at step {step}, stopping", flush=True)
+                    self.tracker.finish()
+                self.write_status("stopped", step)
+                return {"stopped_at": step, "history": self.history}
+        self.save(steps)
+        self.export()
+        results = self.evaluate_generation() if cfg.eval.at_end else {}
+        self.finish(results)
+        self.write_status("finished", steps)
+        return {"history": self.history, "eval": results}
+
+
+def print_summary(run_dir: str, results: dict, sizes: dict, shown: int = 6) -> None:
+    """The end of a run: accuracy and error per held-out split, then a few questions with the model's answers."""
+    print(f"\nheld-out questions, answered by greedy generation ({run_dir}/eval.json)")
+    print(f"{'split':<13} {'questions':>9} {'accuracy':>9} {'MAE':>10} {'unparseable':>12}")
+    for split, m in results.items():
+        print(f"{split:<13} {sizes[split]:>9} {m['accuracy']:>9.1%} {m['mae']:>10.3g} {m['unparseable']:>12.1%}")
+    split = next(iter(results))
+    with open(os.path.join(run_dir, f"predictions_{split}.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line, _ in zip(f, range(shown))]
+    width = max(len(r["question"]) for r in rows)
+    print(f"\nexamples ({split}; all in {run_dir}/predictions_{split}.jsonl)")
+    for r in rows:
+        mark = "right" if r["parsed"] is not None and r["parsed"] == extract_number(r["answer"]) else "wrong"
+        print(f"  {r['question']:<{width}}  true {r['answer']:>8}  model {r['generated'].strip()!s:>8}  {mark}")
