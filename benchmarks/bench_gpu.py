@@ -353,7 +353,7 @@ def init_tp_group(device: str):
         os.environ.setdefault("MASTER_PORT", str(port))
         backend = "nccl" if device == "cuda" else "gloo"
         dist.init_process_group(
-            backend, rank=0, world_size=1, device_id=torch.device(device) if device == "cuda" else None
+            backend, rank=0, world_size=1, device_id=torch.device("cuda", 0) if device == "cuda" else None
         )
     return dist.new_group([0])
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ._checks import device_check
-from .number_level import assemble_numbers, symmetric_mape
+from .number_level import assemble_numbers, number_starts, symmetric_mape
 from .number_vocab import NumberVocab
 from .parallel import ShardInputs, compute_dtype, fused_shard_stats, group_rank, group_size
 
@@ -35,6 +35,9 @@ __all__ = [
     "NumberTokenLoss",
     "PerTokenTerms",
     "ce_with_ntl",
+    "check_number_level_table",
+    "ntl_counts",
+    "ntl_positions",
     "number_token_loss",
     "per_token_ce_ntl",
     "predict_numbers",
@@ -120,9 +123,11 @@ class CENTLOutput(NamedTuple):
         ce: the cross-entropy term.
         ntl: the NTL term (unweighted).
         num_tokens: weight (count) of the tokens CE was averaged over.
-        num_number_tokens: weight (count) of the positions NTL was averaged over.
-        number_accuracy: share of number-token labels that are the arg-max over the whole
-            vocabulary (greedy next-token accuracy on number tokens; a metric, not differentiable).
+        num_number_tokens: weight (count) of the positions NTL was averaged over
+            (:func:`ntl_positions`: number-token labels; one per number for ``loss="number"``).
+        number_accuracy: share of those same positions whose label is the arg-max over the whole
+            vocabulary (greedy next-token accuracy where NTL is charged: every number-token label,
+            or the first digit of each number for ``loss="number"``; a metric, not differentiable).
     """
 
     loss: torch.Tensor
@@ -265,6 +270,110 @@ class PerTokenTerms(NamedTuple):
     Attributes:
         ce: cross entropy (0 where ignored).
         ntl: NTL (0 where ``number_mask`` is False).
+def check_number_level_table(vocab: NumberVocab) -> None:
+    """Refuses a number table that number-level NTL (``loss="number"``) cannot read.
+
+    Number-level NTL rebuilds a number from a run of digit labels, one decimal digit per position; a
+    token worth ``123`` or ``-4`` or ``0.5``, or a digit with a word prefix (``"▁3"``, which starts a
+    new word), would be weighted as one digit and assemble a wrong number. The table must therefore
+    hold single digits only: at most the ten values 0-9, each once, and (when the table knows its
+    token strings) each token exactly one ASCII digit, as ``NumberVocab.from_tokenizer(tokenizer,
+    digit_level=True)`` builds it.
+
+    Raises:
+        ValueError: naming the offending entry and the fix.
+    """
+    cached = getattr(vocab, "_ntl_digit_table_ok", None)
+    if cached is True:
+        return
+    problem = None
+    tokens = vocab.tokens
+    if len(vocab) > 10:
+        problem = f"it has {len(vocab)} number tokens (a digit table has at most the ten digits 0-9)"
+    else:
+        values = vocab.values.tolist()
+        for i, value in enumerate(values):
+            token = None if tokens is None else tokens[i]
+            shown = f"{token!r} (value {value:g})" if token is not None else f"value {value:g}"
+            if value not in range(10):
+                problem = f"its token {shown} is not a single digit 0-9"
+            elif values.count(value) > 1:
+                problem = f"the digit {value:g} appears {values.count(value)} times (e.g. {shown})"
+            elif token is not None and not (len(token) == 1 and token in "0123456789"):
+                problem = f"its token {shown} is not exactly one ASCII digit (a prefixed or multi-character token)"
+            if problem:
+                break
+    if problem is not None:
+        raise ValueError(
+            f'loss="number" assembles numbers from single-digit tokens, but the number table cannot be read so: '
+            f"{problem}. Build a digit table with NumberVocab.from_tokenizer(tokenizer, digit_level=True) "
+            "(Megatron: --ntl-number-vocab digits; train config: ntl.digit_level=true), or use a token-level "
+            'loss ("was", "mse", "mae", "huber") with this table'
+        )
+    object.__setattr__(vocab, "_ntl_digit_table_ok", True)  # the table is immutable: check it once
+
+
+def ntl_positions(
+    labels: torch.Tensor, vocab: NumberVocab, options: NTLOptions | None = None, *, pieces: int = 1
+) -> torch.Tensor:
+    """The label positions that carry an NTL term: what NTL's mean divides by (its denominator).
+
+    The one definition every reduction and every integration counts with: for the token-level
+    variants (``was``, ``mse``, ``mae``, ``huber``), every non-ignored label that is a number token;
+    for ``loss="number"``, one position per number, the first digit of each maximal run of digit
+    labels along the last axis (with ``float_level`` a decimal point between two digits joins them).
+    :func:`per_token_ce_ntl` returns the same mask as ``number_mask``.
+
+    Args:
+        labels: token ids ``[...]`` (for ``loss="number"`` the last axis is the sequence).
+        vocab: the number table.
+        options: the NTL variant (default NTL-WAS); its ``ignore_index`` marks positions without loss.
+        pieces: ``loss="number"`` only: numbers are cut at the borders of this many equal slices of the
+            sequence, as under context parallelism, where each rank assembles numbers from its own
+            slice (Megatron's load-balanced split: ``2 x`` the context-parallel size).
+
+    Returns:
+        bool ``[...]``, on the labels' device; no host synchronisation.
+    """
+    options = NTLOptions() if options is None else options
+    valid = labels != options.ignore_index
+    is_number = valid & vocab.number_mask(labels)
+    if options.loss != "number":
+        return is_number
+    check_number_level_table(vocab)
+    dots = None
+    if options.float_level:
+        if vocab.decimal_point_id is None:
+            raise ValueError("float_level=True needs the '.' token id; the number table has no decimal_point_id")
+        dots = valid & (labels == vocab.decimal_point_id)
+    if labels.dim() == 0:
+        return is_number
+    return number_starts(is_number, dots, pieces=pieces)
+
+
+def ntl_counts(
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions | None = None,
+    *,
+    loss_mask: torch.Tensor | None = None,
+    pieces: int = 1,
+) -> torch.Tensor:
+    """``[tokens, NTL positions]`` of some labels, float64 ``[2]`` on their device: the step-count material.
+
+    ``tokens`` is the loss-mask weight of the labels (default: the non-ignored labels) and ``NTL
+    positions`` the loss-mask weight of :func:`ntl_positions`. Summed over a step's micro-batches and
+    ranks they are the denominators of global normalisation, for every variant.
+    """
+    options = NTLOptions() if options is None else options
+    positions = ntl_positions(labels, vocab, options, pieces=pieces).to(torch.float64)
+    if loss_mask is None:
+        weight = (labels != options.ignore_index).to(torch.float64)
+    else:
+        weight = loss_mask.to(device=labels.device, dtype=torch.float64)
+    return torch.stack([weight.sum(), (weight * positions).sum()])
+
+
         number_mask: positions that carry NTL.
         hit: the label is the arg-max over the whole vocabulary (for token accuracy; False when
             CE was not computed).
@@ -300,12 +409,13 @@ def terms_from_stats(
         targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
         pred, target, starts = assemble_numbers(expect.view(-1, sequences), targets.view(-1, sequences), digits, dots)
         mask = starts.reshape(-1)
-        ntl = symmetric_mape(pred.reshape(-1), target.reshape(-1))
+        ntl = symmetric_mape(pred.reshape(-1), target.reshape(-1)).to(dtype)
     elif loss == "was":
         mask, ntl = is_number, expect
     else:
         mask = is_number
-        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
+        # Target digits in float64: the assembled target numbers are exact whatever the logits' dtype.
+        targets = vocab.values.to(device=ce.device, dtype=torch.float64)[row.clamp_min(0)]
         ntl = options.point_loss(expect, targets)
     if reweigh:
         penalty = _REWEIGH_MARGIN * options.max_loss(vocab)
@@ -327,6 +437,7 @@ def per_token_ce_ntl(
     need_ce: bool = True,
     vocab_start: int | None = None,
 ) -> PerTokenTerms:
+        check_number_level_table(vocab)
     """:func:`vocab_parallel_ce_ntl` with the variant as one :class:`NTLOptions`, plus the arg-max hit.
 
     The form for integrations. ``need_ce=False`` skips the full-vocabulary softmax when neither CE
@@ -585,10 +696,7 @@ def _combine(
     valid = labels != options.ignore_index
     ce_red, num_tokens = reduce_loss(terms.ce, valid, weights, reduction)
     ntl_red, num_numbers = reduce_loss(terms.ntl, terms.number_mask, weights, reduction)
-    if options.loss == "number":  # the NTL mask holds first digits only; accuracy counts every digit
-        number_positions = valid & vocab.number_mask(labels)
-    else:
-        number_positions = terms.number_mask
+    number_positions = terms.number_mask  # ntl_positions: accuracy is counted where NTL is
     hits = (number_positions & terms.hit).sum().to(terms.ce.dtype)
     accuracy = (hits / number_positions.sum().clamp_min(1)).detach()
     return CENTLOutput(ce_red + ntl_weight * ntl_red, ce_red, ntl_red, num_tokens, num_numbers, accuracy)

@@ -9,7 +9,7 @@
 #      for the GPU: tests/unit/test_triton_kernel.py with TRITON_INTERPRET=0),
 #   2. deepspeed launch/train.py on one GPU (the tiny config, a few steps),
 #   3. Megatron-LM core_v0.19.0 pretrain_gpt.py through launch/pretrain_gpt_ntl.py (TP=1, local
-#      transformer, mock data),
+#      transformer, fusions off: no Transformer Engine or Apex there; mock data),
 #   4. a Hugging Face Trainer run with apply_ntl (examples/hf_trainer_ntl.py --chunked --bf16),
 #   5. benchmarks/bench_gpu.py (arguments of this script go to it),
 # then a summary, and the benchmark's Markdown table last. Exit status: 1 if a step failed.
@@ -110,7 +110,8 @@ NumberVocab.from_id_to_token(table, vocab_size=128).save('$WORK/numbers.json')" 
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
     --micro-batch-size 4 --global-batch-size 8 --train-iters 10 --lr 1e-3 --lr-decay-style constant \
     --vocab-size 127 --make-vocab-size-divisible-by 64 --transformer-impl local --tensor-model-parallel-size 1 \
-    --no-gradient-accumulation-fusion --attention-dropout 0 --hidden-dropout 0 --log-interval 2 --seed 1234 \
+    --no-gradient-accumulation-fusion --no-bias-gelu-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion \
+    --no-rope-fusion --no-persist-layer-norm --attention-dropout 0 --hidden-dropout 0 --log-interval 2 --seed 1234 \
     --mock-data --tokenizer-type NullTokenizer --split 100,0,0 --eval-iters 0 --eval-interval 1000 \
     --ntl-weight 0.3 --ntl-number-vocab "$WORK/numbers.json"
 }

@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from .._optional import require
-from ..losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl
+from ..losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl, ntl_counts
 from ..number_vocab import NumberVocab
 
 __all__ = [
     "ChunkedLossCausalLM",
     "causal_lm_ce_with_ntl",
+    "count_step_numbers",
     "ntl_trainer_class",
     "number_vocab_from_pretrained",
     "shift_labels",
@@ -87,6 +88,22 @@ def causal_lm_ce_with_ntl(
         The :class:`ntl_scale.CENTLOutput`.
     """
     return ce_with_ntl(logits, shift_labels(labels, ignore_index), vocab, ignore_index=ignore_index, **options)
+
+
+def count_step_numbers(loss: Any, samples: list[dict]) -> torch.Tensor:
+    """The NTL positions of one optimizer step's micro-batches on this process (float64 0-d, CPU).
+
+    What NTL's denominator counts (:func:`ntl_scale.ntl_positions`: number-token targets, or one per
+    number for ``loss="number"``), of the targets the loss sees: a collator's ``shift_labels``, or the
+    labels shifted as ``loss`` (an :class:`~ntl_scale.integrations.hf_loss.NTLCausalLMLoss`) shifts them.
+    """
+    options = loss.options
+    numbers = torch.zeros((), dtype=torch.float64)
+    for batch in samples:
+        shifted = batch.get("shift_labels")
+        targets = shifted if shifted is not None else loss.targets(batch["labels"], options.ignore_index)
+        numbers += ntl_counts(targets.cpu(), loss.vocab, options)[1]
+    return numbers
 
 
 def ntl_trainer_class(base: Any = None) -> Any:
@@ -174,14 +191,7 @@ def ntl_trainer_class(base: Any = None) -> Any:
             samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
             if num_items is None or not samples or "labels" not in samples[0]:
                 return samples, num_items
-            ignore = self.ntl_loss.options.ignore_index
-            numbers = torch.zeros((), dtype=torch.float64)
-            for batch in samples:
-                shifted = batch.get("shift_labels")
-                targets = shifted if shifted is not None else self.ntl_loss.targets(batch["labels"], ignore)
-                targets = targets.cpu()
-                numbers += (self.ntl_loss.vocab.number_mask(targets) & (targets != ignore)).sum()
-            numbers = numbers.to(device)
+            numbers = count_step_numbers(self.ntl_loss, samples).to(device)
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
                 numbers = self.accelerator.gather(numbers.reshape(1)).sum()
             numbers = numbers / self._divisor()

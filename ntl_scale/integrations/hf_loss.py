@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..losses import NTLOptions, PerTokenTerms, per_token_ce_ntl
+from ..losses import NTLOptions, PerTokenTerms, check_number_level_table, per_token_ce_ntl
 from ..number_vocab import NumberVocab
 
 __all__ = ["NTLCausalLMLoss", "apply_ntl", "installed_loss", "is_chunked", "remove_ntl"]
@@ -59,6 +59,8 @@ class NTLCausalLMLoss:
             raise ValueError(f"ntl_weight must be a number >= 0 (0.3 in the paper), got {ntl_weight!r}")
         self.vocab, self.ntl_weight = vocab, float(ntl_weight)
         self.options = options or NTLOptions()
+        if self.options.loss == "number":
+            check_number_level_table(vocab)  # refused when the loss is built, not at the first step
         self.causal = causal
         # Detached running sums since the last reset: ce_sum, tokens, ntl_sum, numbers.
         self.totals = torch.zeros(4, dtype=torch.float64)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..linear import linear_ce_ntl
-from ..losses import LOSS_KINDS, NTLOptions, PerTokenTerms, per_token_ce_ntl
+from ..losses import LOSS_KINDS, NTLOptions, PerTokenTerms, check_number_level_table, ntl_counts, per_token_ce_ntl
 from ..number_vocab import NumberVocab
 
 __all__ = [
@@ -99,6 +99,12 @@ class NTLSettings:
         if self.chunk_tokens is not None and (not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1):
             raise ValueError(f"--ntl-chunk-tokens must be a positive integer, got {self.chunk_tokens!r}")
         self.options()  # validates loss, squash factor and Huber delta with the library's own checks
+        if self.loss == "number" and self.number_vocab == "multi-digit":
+            raise ValueError(
+                "--ntl-loss number assembles numbers from single-digit tokens and cannot read a multi-digit table "
+                "(a token worth 123 would count as one digit); use --ntl-number-vocab digits (a digit table), or a "
+                "token-level --ntl-loss (was, mse, mae, huber) with --ntl-number-vocab multi-digit"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -203,6 +209,13 @@ def build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size:
     Returns:
         The table, sized to the padded vocabulary.
     """
+    vocab = _build_number_vocab(settings, tokenizer, padded_vocab_size)
+    if settings.loss == "number":
+        check_number_level_table(vocab)  # a saved table of other tokens, refused before the first step
+    return vocab
+
+
+def _build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size: int) -> NumberVocab:
     rule = settings.number_vocab
     if rule in VOCAB_RULES:
         try:
@@ -223,11 +236,13 @@ def build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size:
     return NumberVocab.load(rule, vocab_size=padded_vocab_size)
 
 
-def count_targets(labels: torch.Tensor, loss_mask: torch.Tensor, vocab: NumberVocab) -> torch.Tensor:
-    """``[tokens, number tokens]`` of one micro-batch: the loss-mask weight of all and of number labels."""
-    mask = loss_mask.to(torch.float64)
-    is_number = vocab.number_mask(labels)
-    return torch.stack([mask.sum(), (mask * is_number).sum()])
+def count_targets(
+    labels: torch.Tensor, loss_mask: torch.Tensor, vocab: NumberVocab, options: NTLOptions | None = None
+) -> torch.Tensor:
+    """``[tokens, NTL positions]`` of one micro-batch: the loss-mask weight of all labels and of the
+    positions that carry NTL (:func:`ntl_scale.ntl_positions`: number labels, or one per number for
+    ``--ntl-loss number``), float64."""
+    return ntl_counts(labels, vocab, options, loss_mask=loss_mask)
 
 
 class GlobalCounts:
@@ -240,10 +255,13 @@ class GlobalCounts:
     Args:
         vocab: the number table.
         group: the data(-and-context)-parallel group, or None for one replica.
+        options: the NTL variant (what NTL's denominator counts: :func:`ntl_scale.ntl_positions`).
     """
 
-    def __init__(self, vocab: NumberVocab, group: dist.ProcessGroup | None = None) -> None:
-        self.vocab, self.group = vocab, group
+    def __init__(
+        self, vocab: NumberVocab, group: dist.ProcessGroup | None = None, options: NTLOptions | None = None
+    ) -> None:
+        self.vocab, self.group, self.options = vocab, group, options
         self.tokens: torch.Tensor | None = None
         self.numbers: torch.Tensor | None = None
 
@@ -251,7 +269,7 @@ class GlobalCounts:
         """Counts the labels of one step's micro-batches and reduces the counts across ``group``."""
         if not batches:
             raise ValueError("GlobalCounts.set_step needs the (labels, loss_mask) of at least one micro-batch")
-        counts = torch.stack([count_targets(labels, mask, self.vocab) for labels, mask in batches]).sum(0)
+        counts = torch.stack([count_targets(labels, mask, self.vocab, self.options) for labels, mask in batches]).sum(0)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(counts, group=self.group)
         self.tokens, self.numbers = counts[0], counts[1]
@@ -392,7 +410,7 @@ def make_forward_step(
         if vocab is None:
             raise ValueError("NTL is on (--ntl-weight > 0) but no number table was given")
         if settings.normalization == "global":
-            counts = GlobalCounts(vocab, count_group)
+            counts = GlobalCounts(vocab, count_group, settings.options())
         loss_func = make_loss_func(
             settings,
             vocab,
@@ -507,8 +525,24 @@ class NTLLanguageModelMixin:
         return terms.ce + settings.weight * terms.ntl * scale
 
 
+def _pieces(seq: int, pieces: int) -> tuple[int, int]:
+    """The ``[pieces, seq / pieces]`` split of a local sequence (context-parallel slices)."""
+    if pieces > 1 and seq % pieces:
+        raise ValueError(
+            f"the local sequence of {seq} tokens does not split into {pieces} context-parallel slices; "
+            "the sequence length must be divisible by 2 x the context-parallel size, as Megatron requires"
+        )
+    return (pieces, seq // pieces)
+
+
 def sequence_first_terms(
-    logits: torch.Tensor, labels: torch.Tensor, vocab: NumberVocab, options: NTLOptions, **kwargs: Any
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions,
+    *,
+    pieces: int = 1,
+    **kwargs: Any,
 ) -> PerTokenTerms:
     """:func:`per_token_ce_ntl` of Megatron's ``[s, b, V/tp]`` logits for ``[b, s]`` labels; terms ``[b, s]``.
 
@@ -521,10 +555,20 @@ def sequence_first_terms(
     - fp32/fp64 logits are overwritten with the softmax and then the gradient (``inplace``), as
       Megatron's CE overwrites them in the same place: they are not read after the loss. Half-precision
       logits go through the op's fp32 chunk buffer instead.
+
+    ``pieces``: number-level NTL only: the local sequence is this many slices of the global one that are
+    not neighbours (context parallelism: Megatron's load-balanced split gives each rank 2), so no number
+    is assembled across their seam (:func:`ntl_scale.ntl_positions` counts the same way).
     """
     inplace = logits.dtype in (torch.float32, torch.float64)
     if options.loss == "number":
-        return per_token_ce_ntl(logits.transpose(0, 1), labels, vocab, options, inplace=inplace, **kwargs)
+        b, s = labels.shape
+        split = _pieces(s, pieces)
+        terms = per_token_ce_ntl(
+            logits.transpose(0, 1).unflatten(1, split), labels.unflatten(1, split), vocab, options,
+            inplace=inplace, **kwargs,
+        )  # fmt: skip
+        return PerTokenTerms(*(t.reshape(b, s) for t in terms))
     terms = per_token_ce_ntl(logits, labels.t(), vocab, options, inplace=inplace, **kwargs)
     return PerTokenTerms(*(t.t().contiguous() for t in terms))  # Megatron's loss_func views them flat
 
@@ -540,6 +584,7 @@ def output_layer_terms(
     *,
     chunk_tokens: int | None = None,
     check_finite: bool = False,
+    pieces: int = 1,
 ) -> PerTokenTerms:
     """Per-token CE + NTL of Megatron's (column-parallel) output layer applied to ``hidden``, without the logits.
 
@@ -550,6 +595,8 @@ def output_layer_terms(
         labels: ``[b, s]``.
         vocab: the number table; options: the NTL variant; tp_group: the output layer's TP group.
         chunk_tokens: tokens per chunk; check_finite: raise on non-finite logits.
+        pieces: number-level NTL: slices of the local sequence that are not neighbours (see
+            :func:`sequence_first_terms`).
 
     Returns:
         :class:`~ntl_scale.PerTokenTerms` shaped ``[b, s]``.
@@ -565,6 +612,16 @@ def output_layer_terms(
     hidden = hidden.transpose(0, 1).contiguous()
     if not sequence_parallel and tp_group is not None and dist.get_world_size(tp_group) > 1:
         hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
-    return linear_ce_ntl(
-        hidden, weight, labels, vocab, options, tp_group=tp_group, check_finite=check_finite, chunk_tokens=chunk_tokens
+    b, s = labels.shape
+    split = _pieces(s, pieces if options.loss == "number" else 1)
+    terms = linear_ce_ntl(
+        hidden.unflatten(1, split),
+        weight,
+        labels.unflatten(1, split),
+        vocab,
+        options,
+        tp_group=tp_group,
+        check_finite=check_finite,
+        chunk_tokens=chunk_tokens,
     )
+    return PerTokenTerms(*(t.reshape(b, s) for t in terms))

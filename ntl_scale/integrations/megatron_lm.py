@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..losses import PerTokenTerms
+from ..losses import PerTokenTerms, ntl_counts
 from ..number_vocab import NumberVocab
 from .megatron import NTLSettings, output_layer_terms, sequence_first_terms
 
@@ -56,7 +56,8 @@ class MicroBatchScale:
 
     Attributes:
         tokens: ``T``, the loss-mask weight of the global batch.
-        numbers: ``K``, the loss-mask weight of its number-token labels.
+        numbers: ``K``, the loss-mask weight of its NTL positions (:func:`ntl_scale.ntl_positions`:
+            number-token labels, or one per number for ``--ntl-loss number``).
         microbatches: ``m``.
         dp_cp_size: ``r``.
         per_token_loss: Megatron's ``--calculate-per-token-loss``.
@@ -202,9 +203,24 @@ class GPTModelNTL:
                 )
         return mask
 
+    def _pieces(self) -> int:
+        """Number-level NTL under context parallelism: the local sequence is 2 slices of the global one
+        that are not neighbours (Megatron's load-balanced split); no number is assembled across them."""
+        cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        if cp == 1 or self.options.loss != "number":
+            return 1
+        if self._call is not None and self._call.get("packed") is not None:
+            raise ValueError(
+                "--ntl-loss number with context parallelism and packed sequences is not supported: each rank's "
+                "slices of a packed sequence follow its documents, which NTL's step counts cannot see. Use a "
+                "token-level --ntl-loss, or unpacked sequences, or --context-parallel-size 1"
+            )
+        return 2
+
     def _terms(self, labels: torch.Tensor, logits_or_hidden: torch.Tensor) -> PerTokenTerms:
         # Megatron's NaN/Inf checks judge the loss, so non-finite logits must reach them as a NaN
         # loss instead of raising here (check_finite=False).
+        pieces = self._pieces()
         if not self.chunked:
             width = logits_or_hidden.shape[-1]
             tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
@@ -214,11 +230,17 @@ class GPTModelNTL:
                     f"{self.vocab.vocab_size}: NTL needs vocab-sharded logits (parallel_output=True)"
                 )
             return sequence_first_terms(
-                logits_or_hidden, labels, self.vocab, self.options, tp_group=self.tp_group, check_finite=False
+                logits_or_hidden,
+                labels,
+                self.vocab,
+                self.options,
+                tp_group=self.tp_group,
+                check_finite=False,
+                pieces=pieces,
             )
-        return self._chunked_terms(labels, logits_or_hidden)
+        return self._chunked_terms(labels, logits_or_hidden, pieces)
 
-    def _chunked_terms(self, labels: torch.Tensor, hidden: torch.Tensor) -> PerTokenTerms:
+    def _chunked_terms(self, labels: torch.Tensor, hidden: torch.Tensor, pieces: int = 1) -> PerTokenTerms:
         """Terms from hidden states ``[s(/tp), b, H]`` and the output weight, without the logits."""
         layer = self.model.output_layer
         shared = self._call.get("weight") if self._call else None
@@ -232,6 +254,7 @@ class GPTModelNTL:
             self.tp_group,
             chunk_tokens=self.chunk_tokens,
             check_finite=False,
+            pieces=pieces,
         )
 
     def _loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -474,9 +497,13 @@ class NTLForwardStep:
                 f"micro-batches, which here are {kind}; use a Megatron GPT dataset (GPTDataset, MockGPTDataset, "
                 "SFTDataset) or one that yields those keys"
             )
-        mask = item["loss_mask"].to(torch.float64)
-        numbers = self.vocab.number_mask(item["labels"]).to(torch.float64) * mask
-        return torch.stack([mask.sum(), numbers.sum()])
+        # The full sequences, as one context rank reads them: under context parallelism number-level NTL cuts
+        # numbers at the borders of the 2 x CP slices the ranks hold (GPTModelNTL._pieces), and so does the count.
+        cp = dist.get_world_size(self.groups.cp_group) if self.groups.cp_group is not None else 1
+        pieces = 2 * cp if cp > 1 and self.settings.loss == "number" else 1
+        return ntl_counts(
+            item["labels"], self.vocab, self.settings.options(), loss_mask=item["loss_mask"], pieces=pieces
+        )
 
 
 class _ReportNTL:

@@ -85,6 +85,12 @@ class NTLConfig:
             raise ValueError(f"ntl.weight must be >= 0, got {self.weight}")
         if self.normalization not in ("global", "micro-batch"):
             raise ValueError(f"ntl.normalization must be 'global' or 'micro-batch', got {self.normalization!r}")
+        if self.loss == "number" and not self.digit_level:
+            raise ValueError(
+                "ntl.loss=number assembles numbers from single-digit tokens and cannot read the multi-digit table "
+                "of ntl.digit_level=false (a token worth 123 would count as one digit); set ntl.digit_level=true, "
+                "or use a token-level ntl.loss (was, mse, mae, huber) with the multi-digit table"
+            )
 
 
 @dataclass

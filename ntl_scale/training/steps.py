@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..losses import NTLOptions, PerTokenTerms, per_token_ce_ntl
+from ..losses import NTLOptions, PerTokenTerms, ntl_counts, per_token_ce_ntl
 from ..number_vocab import NumberVocab
 from .config import NTLConfig, TrainConfig
 
@@ -107,9 +107,15 @@ def shift_for_causal(labels: torch.Tensor) -> torch.Tensor:
 
 
 def global_counts(
-    targets: list[torch.Tensor], vocab: NumberVocab, group: dist.ProcessGroup | None
+    targets: list[torch.Tensor],
+    vocab: NumberVocab,
+    group: dist.ProcessGroup | None,
+    options: NTLOptions | None = None,
 ) -> tuple[float, float]:
-    """Target tokens and number-token targets of a whole step: all micro-batches, all DP ranks (``group``).
+    """Target tokens and NTL positions of a whole step: all micro-batches, all DP ranks (``group``).
+
+    NTL positions are :func:`ntl_scale.ntl_positions` of ``options`` (the run's :func:`ntl_options`):
+    number-token targets, or one per number for ``loss="number"``; None counts number-token targets.
 
     One SUM all-reduce of two numbers over ``group``; computed from the labels before the forward, on
     the labels' device (NCCL reduces device tensors only).
@@ -117,7 +123,7 @@ def global_counts(
     counts = torch.zeros(2, dtype=torch.float64, device=targets[0].device if targets else None)
     for t in targets:
         counts[0] += (t != -100).sum()
-        counts[1] += vocab.number_mask(t).sum()
+        counts[1] += ntl_counts(t, vocab, options)[1]
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)
     return float(counts[0]), float(counts[1])

@@ -256,15 +256,21 @@ def test_non_finite_logits_are_reported(bad, where):
         assert not torch.isfinite(unchecked.loss)
 
 
-def test_number_accuracy_is_the_argmax_hit_rate_on_number_labels():
+def test_number_accuracy_is_the_argmax_hit_rate_where_ntl_is_charged():
+    """One definition (issue 23): the hit rate over the positions NTL divides by, as the training loops log it:
+    every number label for token-level NTL, the first digit of each number for loss="number"."""
     vocab = _vocab()
     labels = _labels_with_runs(vocab, seed=7)
     logits = random_logits((*labels.shape, 64), seed=7)
     is_number = torch.isin(labels, vocab.ids)
     rows = is_number.nonzero()[::2]
     logits[rows[:, 0], rows[:, 1], labels[rows[:, 0], rows[:, 1]]] = 20.0  # every second number label wins
-    want = (logits.argmax(-1) == labels)[is_number].double().mean()
-    for loss in ("was", "number"):
+    first_digit = is_number.clone()
+    first_digit[:, 1:] &= ~is_number[:, :-1]  # written out here, independently of ntl_positions
+    hit = logits.argmax(-1) == labels
+    for loss, where in (("was", is_number), ("number", first_digit)):
         out = ntl_scale.ce_with_ntl(logits, labels, vocab, loss=loss)
+        want = hit[where].double().mean()
         torch.testing.assert_close(out.number_accuracy, want)
-    assert 0 < float(want) < 1
+        torch.testing.assert_close(out.num_number_tokens, where.sum().to(out.num_number_tokens.dtype))
+        assert 0 < float(want) < 1
