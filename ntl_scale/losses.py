@@ -235,41 +235,6 @@ def _check_reduction(reduction: str) -> None:
 # ---------------------------------------------------------------------------------- per token
 
 
-def shard_start(vocab_start: int | None, tp_rank: int, width: int) -> int:
-    """The global id of a shard's first column: ``vocab_start``, or Megatron's even split ``rank * width``."""
-    return tp_rank * width if vocab_start is None else vocab_start
-
-
-def _shard_inputs(
-    labels: torch.Tensor,
-    vocab: NumberVocab,
-    options: NTLOptions,
-    start: int,
-    width: int,
-    dtype: torch.dtype,
-) -> tuple[ShardInputs, torch.Tensor]:
-    """Resolves labels and the table to this shard; returns the inputs and the label table index."""
-    device = labels.device
-    valid = labels != options.ignore_index
-    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
-    row = torch.where(valid, vocab.index_of_id(device)[safe_labels], -1)
-    table_index = vocab.shard_tensor(start, start + width, "table_index", device)
-    local_ids = vocab.shard_tensor(start, start + width, "local_ids", device)
-    if options.loss == "was":
-        distances = vocab.distance_table_on(options.squash_factor, device, dtype)[:, table_index]
-        a_table = torch.where((row >= 0).unsqueeze(1), distances[row.clamp_min(0)], 0)
-    else:
-        values = vocab.shard_tensor(start, start + width, "values", device).to(dtype)
-        a_table = values.unsqueeze(0).expand(labels.numel(), -1)
-    return ShardInputs(safe_labels, valid, local_ids, a_table, start), row
-
-
-class PerTokenTerms(NamedTuple):
-    """Per-token outputs of :func:`per_token_ce_ntl`, each shaped like the labels.
-
-    Attributes:
-        ce: cross entropy (0 where ignored).
-        ntl: NTL (0 where ``number_mask`` is False).
 def check_number_level_table(vocab: NumberVocab) -> None:
     """Refuses a number table that number-level NTL (``loss="number"``) cannot read.
 
@@ -374,6 +339,41 @@ def ntl_counts(
     return torch.stack([weight.sum(), (weight * positions).sum()])
 
 
+def shard_start(vocab_start: int | None, tp_rank: int, width: int) -> int:
+    """The global id of a shard's first column: ``vocab_start``, or Megatron's even split ``rank * width``."""
+    return tp_rank * width if vocab_start is None else vocab_start
+
+
+def _shard_inputs(
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions,
+    start: int,
+    width: int,
+    dtype: torch.dtype,
+) -> tuple[ShardInputs, torch.Tensor]:
+    """Resolves labels and the table to this shard; returns the inputs and the label table index."""
+    device = labels.device
+    valid = labels != options.ignore_index
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+    row = torch.where(valid, vocab.index_of_id(device)[safe_labels], -1)
+    table_index = vocab.shard_tensor(start, start + width, "table_index", device)
+    local_ids = vocab.shard_tensor(start, start + width, "local_ids", device)
+    if options.loss == "was":
+        distances = vocab.distance_table_on(options.squash_factor, device, dtype)[:, table_index]
+        a_table = torch.where((row >= 0).unsqueeze(1), distances[row.clamp_min(0)], 0)
+    else:
+        values = vocab.shard_tensor(start, start + width, "values", device).to(dtype)
+        a_table = values.unsqueeze(0).expand(labels.numel(), -1)
+    return ShardInputs(safe_labels, valid, local_ids, a_table, start), row
+
+
+class PerTokenTerms(NamedTuple):
+    """Per-token outputs of :func:`per_token_ce_ntl`, each shaped like the labels.
+
+    Attributes:
+        ce: cross entropy (0 where ignored).
+        ntl: NTL (0 where ``number_mask`` is False).
         number_mask: positions that carry NTL.
         hit: the label is the arg-max over the whole vocabulary (for token accuracy; False when
             CE was not computed).
@@ -401,12 +401,14 @@ def terms_from_stats(
     is_number = row >= 0
     zero = torch.zeros((), dtype=dtype, device=ce.device)
     if loss == "number":
+        check_number_level_table(vocab)
         sequences = shape[-1] if len(shape) else 1
         digits = is_number.view(-1, sequences)
         dots = None
         if options.float_level:
             dots = (inputs.valid & (inputs.labels == vocab.decimal_point_id)).view(-1, sequences)
-        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
+        # Target digits in float64: the assembled target numbers are exact whatever the logits' dtype.
+        targets = vocab.values.to(device=ce.device, dtype=torch.float64)[row.clamp_min(0)]
         pred, target, starts = assemble_numbers(expect.view(-1, sequences), targets.view(-1, sequences), digits, dots)
         mask = starts.reshape(-1)
         ntl = symmetric_mape(pred.reshape(-1), target.reshape(-1)).to(dtype)
@@ -414,8 +416,7 @@ def terms_from_stats(
         mask, ntl = is_number, expect
     else:
         mask = is_number
-        # Target digits in float64: the assembled target numbers are exact whatever the logits' dtype.
-        targets = vocab.values.to(device=ce.device, dtype=torch.float64)[row.clamp_min(0)]
+        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
         ntl = options.point_loss(expect, targets)
     if reweigh:
         penalty = _REWEIGH_MARGIN * options.max_loss(vocab)
@@ -437,7 +438,6 @@ def per_token_ce_ntl(
     need_ce: bool = True,
     vocab_start: int | None = None,
 ) -> PerTokenTerms:
-        check_number_level_table(vocab)
     """:func:`vocab_parallel_ce_ntl` with the variant as one :class:`NTLOptions`, plus the arg-max hit.
 
     The form for integrations. ``need_ce=False`` skips the full-vocabulary softmax when neither CE
