@@ -98,10 +98,15 @@ class DataConfig:
     """Training and evaluation data."""
 
     source: str = "arithmetic"
-    """``arithmetic`` (the seeded generator), ``deepmind`` (text files) or ``jsonl``."""
+    """Question/answer sources: ``arithmetic`` (the seeded generator), ``deepmind`` (text files) or
+    ``jsonl``. Pretraining sources, packed into ``train.seq_length`` sequences: ``text`` (documents in a
+    text column of JSON lines, Parquet or a ``save_to_disk`` folder) or ``megatron`` (a Megatron
+    ``.bin``/``.idx`` prefix from ``preprocess_data.py``)."""
     train_path: str | None = None
     """File for ``deepmind``/``jsonl`` sources; for ``deepmind`` also a folder written by
-    ``python -m ntl_scale.data.deepmind`` (its arithmetic subset: train, interpolate, extrapolate)."""
+    ``python -m ntl_scale.data.deepmind`` (its arithmetic subset: train, interpolate, extrapolate).
+    ``text``: a ``.jsonl``/``.json``/``.parquet`` file, a folder of them, or a ``save_to_disk`` folder.
+    ``megatron``: the path prefix (``PREFIX.bin`` and ``PREFIX.idx``)."""
     eval_path: str | None = None
     """Evaluation file for ``deepmind``/``jsonl`` sources."""
     train_examples: int = 4000
@@ -129,17 +134,36 @@ class DataConfig:
     """Processes that tokenise a file (``datasets.map``); the result is cached."""
     cache_dir: str | None = None
     """The ``datasets`` Arrow cache (default: ``~/.cache/huggingface/datasets``)."""
+    text_column: str = "text"
+    """``text`` source: the column holding each document."""
+    document_isolation: bool = False
+    """Packed sources: ``position_ids`` restart at every document start and no position predicts across a
+    document boundary (Hugging Face's flattening layout; the model must build its mask from
+    ``position_ids``, see docs/data.md). Off: documents attend to the ones before them in a sequence."""
+    eval_sequences: int = 0
+    """Packed sources: sequences held out for evaluation loss and perplexity (the corpus's first documents
+    that hold them; no document is in both parts); 0: none."""
 
     def __post_init__(self) -> None:
-        if self.source not in ("arithmetic", "deepmind", "jsonl"):
-            raise ValueError(f"data.source must be 'arithmetic', 'deepmind' or 'jsonl', got {self.source!r}")
+        sources = ("arithmetic", "deepmind", "jsonl", "text", "megatron")
+        if self.source not in sources:
+            raise ValueError(f"data.source must be one of {', '.join(sources)}, got {self.source!r}")
         if self.source != "arithmetic" and not self.train_path:
             raise ValueError(f"data.source={self.source!r} needs data.train_path")
-        if self.streaming and self.source == "arithmetic":
-            raise ValueError("data.streaming=true reads data.train_path; the generated arithmetic source has no file")
-        if self.num_proc < 1 or self.shuffle_buffer < 0:
+        if self.streaming and self.source in ("arithmetic", "megatron"):
             raise ValueError(
-                f"need data.num_proc >= 1 and data.shuffle_buffer >= 0, got {self.num_proc} and {self.shuffle_buffer}"
+                f"data.streaming=true reads data.train_path through datasets; data.source={self.source!r} "
+                "has no such file (a Megatron corpus is memory-mapped already)"
+            )
+        if self.num_proc < 1 or self.shuffle_buffer < 0 or self.eval_sequences < 0:
+            raise ValueError(
+                f"need data.num_proc >= 1, data.shuffle_buffer >= 0 and data.eval_sequences >= 0, got "
+                f"{self.num_proc}, {self.shuffle_buffer} and {self.eval_sequences}"
+            )
+        if self.source not in ("text", "megatron") and (self.document_isolation or self.eval_sequences):
+            raise ValueError(
+                f"data.document_isolation and data.eval_sequences apply to packed corpora (data.source=text or "
+                f"megatron), not data.source={self.source!r}"
             )
 
 
@@ -151,6 +175,9 @@ class TrainConfig:
     """Optimizer steps."""
     micro_batch_size: int = 16
     """Sequences per micro-batch per rank."""
+    seq_length: int = 2048
+    """Tokens per packed sequence of the pretraining sources (``data.source=text`` or ``megatron``);
+    question/answer sources use ``data.max_length``."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step (derived when ``global_batch_size`` is set)."""
     global_batch_size: int | None = None
@@ -193,6 +220,8 @@ class TrainConfig:
     data parallel. Needs a ZeRO stage 0, 1 or 2 DeepSpeed JSON and a model AutoTP can split."""
 
     def __post_init__(self) -> None:
+        if self.seq_length < 2:
+            raise ValueError(f"train.seq_length must be >= 2, got {self.seq_length}")
         for name in ("steps", "micro_batch_size", "gradient_accumulation_steps", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -409,6 +438,6 @@ def resolve_paths(cfg: RunConfig, config_dir: str | None) -> None:
             continue
         for base in bases:
             candidate = os.path.join(base, value)
-            if os.path.exists(candidate):
+            if os.path.exists(candidate) or os.path.exists(f"{candidate}.idx"):  # .idx: a Megatron prefix
                 setattr(owner, key, os.path.normpath(candidate))
                 break

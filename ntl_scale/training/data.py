@@ -6,6 +6,11 @@
 ``eval_examples`` of ``arithmetic_test_interpolate.txt`` / ``arithmetic_test_extrapolate.txt`` as
 the evaluation splits). ``jsonl``: ``{question, answer}`` lines. For files, ``eval_path`` (if given)
 is the ``eval`` split.
+
+Pretraining sources, packed into ``train.seq_length`` sequences (:mod:`ntl_scale.data.packing`):
+``text`` (documents of a text column, tokenised through ``datasets``) and ``megatron`` (a Megatron
+indexed dataset). Their held-out part (``data.eval_sequences``) gives :func:`heldout_batches` for
+evaluation loss and perplexity; they have no generation-evaluation splits.
 """
 
 from __future__ import annotations
@@ -14,12 +19,63 @@ import os
 from typing import Any
 
 from ..data.arithmetic import ArithmeticConfig, Example, generate
-from ..data.collate import EncodedExample, ShardedOrder
+from ..data.collate import ShardedOrder
 from ..data.deepmind import SPLIT_FILES
-from ..data.hf_datasets import StreamingOrder, datasets_module, load_qa, rows_to_examples, tokenize_qa
+from ..data.hf_datasets import (
+    HFDocuments,
+    PackedStream,
+    StreamingOrder,
+    datasets_module,
+    load_qa,
+    load_text,
+    packed_stream,
+    rows_to_examples,
+    tokenize_documents,
+    tokenize_qa,
+)
+from ..data.packing import PackedSequences, collate_packed, heldout_split, pack_documents
 from .config import DataConfig
 
-__all__ = ["Batches", "eval_sets", "train_dataset"]
+__all__ = ["PACKED_SOURCES", "Batches", "eval_sets", "heldout_batches", "train_dataset"]
+
+PACKED_SOURCES = ("text", "megatron")
+"""``data.source`` values whose documents are packed into ``train.seq_length`` sequences."""
+
+
+def _documents(cfg: DataConfig, tokenizer: Any) -> Any:
+    """The tokenised documents of a packed source: a random-access source, or (streaming) an
+    ``IterableDataset`` of ``input_ids`` rows."""
+    assert cfg.train_path is not None  # DataConfig validates this
+    if cfg.source == "megatron":
+        from ..data.indexed import IndexedDocuments
+
+        return IndexedDocuments(cfg.train_path)
+    rows = load_text(cfg.train_path, text_column=cfg.text_column, streaming=cfg.streaming, cache_dir=cfg.cache_dir)
+    documents = tokenize_documents(rows, tokenizer, text_column=cfg.text_column, num_proc=cfg.num_proc)
+    return documents if cfg.streaming else HFDocuments(documents)
+
+
+def _packed_checks(cfg: DataConfig, kind: str, seq_length: int | None) -> int:
+    if kind != "causal":
+        raise ValueError(f"data.source={cfg.source!r} packs documents for causal models; got model.kind={kind!r}")
+    if seq_length is None:
+        raise ValueError(f"data.source={cfg.source!r} needs a sequence length (train.seq_length)")
+    return seq_length
+
+
+def _packed_train(cfg: DataConfig, tokenizer: Any, seq_length: int) -> Any:
+    documents = _documents(cfg, tokenizer)
+    if cfg.streaming:
+        tokens = cfg.eval_sequences * seq_length
+        return packed_stream(documents, seq_length, document_isolation=cfg.document_isolation, skip_tokens=tokens)
+    first = heldout_split(documents.lengths, seq_length, cfg.eval_sequences)
+    train = PackedSequences(documents, seq_length, first_document=first, document_isolation=cfg.document_isolation)
+    if len(train) == 0:
+        raise ValueError(
+            f"{cfg.train_path}: {train.stats.tokens} training tokens do not fill one sequence of train.seq_length="
+            f"{seq_length}; add data or shorten the sequences"
+        )
+    return train
 
 
 def _task(cfg: DataConfig) -> ArithmeticConfig:
@@ -42,9 +98,13 @@ def _train_file(cfg: DataConfig) -> str:
     return cfg.train_path
 
 
-def train_dataset(cfg: DataConfig, tokenizer: Any, *, kind: str = "causal") -> Any:
+def train_dataset(cfg: DataConfig, tokenizer: Any, *, kind: str = "causal", seq_length: int | None = None) -> Any:
     """The tokenised training rows: a memory-mapped ``Dataset`` (cached), or an ``IterableDataset``
-    when ``data.streaming`` is set."""
+    when ``data.streaming`` is set. Packed sources: a :class:`~ntl_scale.data.packing.PackedSequences`
+    (its ``stats`` say what was packed and left out), or a :class:`~ntl_scale.data.hf_datasets.PackedStream`
+    when streaming; ``seq_length`` (``train.seq_length``) is then required."""
+    if cfg.source in PACKED_SOURCES:
+        return _packed_train(cfg, tokenizer, _packed_checks(cfg, kind, seq_length))
     if cfg.source == "arithmetic":
         datasets = datasets_module()
         examples = generate(cfg.train_examples, "train", seed=cfg.seed, config=_task(cfg))
@@ -59,7 +119,10 @@ def train_dataset(cfg: DataConfig, tokenizer: Any, *, kind: str = "causal") -> A
 
 
 def eval_sets(cfg: DataConfig) -> dict[str, list[Example]]:
-    """Named evaluation splits, ``eval_examples`` questions each (read lazily: only those are parsed)."""
+    """Named evaluation splits, ``eval_examples`` questions each (read lazily: only those are parsed);
+    none for the packed sources (they are evaluated by loss and perplexity, :func:`heldout_batches`)."""
+    if cfg.source in PACKED_SOURCES:
+        return {}
     if cfg.source == "arithmetic":
         splits = ("interpolate", "extrapolate")
         return {s: generate(cfg.eval_examples, s, seed=cfg.seed, config=_task(cfg)) for s in splits}
@@ -75,14 +138,53 @@ def eval_sets(cfg: DataConfig) -> dict[str, list[Example]]:
     return out
 
 
+def heldout_batches(
+    cfg: DataConfig, tokenizer: Any, *, seq_length: int, micro_batch_size: int, dp_rank: int, dp: int
+) -> list[dict[str, Any]]:
+    """This data-parallel rank's held-out micro-batches of a packed source (host tensors): the first
+    ``data.eval_sequences`` sequences of the corpus (never trained on), cut to a multiple of ``dp`` and
+    dealt round-robin, so every rank runs the same number of forward passes. Empty when
+    ``data.eval_sequences`` is 0."""
+    if cfg.source not in PACKED_SOURCES or cfg.eval_sequences == 0:
+        return []
+    if cfg.eval_sequences < dp:
+        raise ValueError(
+            f"data.eval_sequences={cfg.eval_sequences} is fewer than the {dp} data-parallel ranks that share it; "
+            f"hold out at least {dp} sequences"
+        )
+    documents = _documents(cfg, tokenizer)
+    if cfg.streaming:
+        tokens = (row["input_ids"] for row in documents)
+        rows = list(pack_documents(tokens, seq_length, document_isolation=cfg.document_isolation,
+                                   max_sequences=cfg.eval_sequences))  # fmt: skip
+    else:
+        stop = heldout_split(documents.lengths, seq_length, cfg.eval_sequences)
+        held = PackedSequences(documents, seq_length, stop_document=stop, max_sequences=cfg.eval_sequences,
+                               document_isolation=cfg.document_isolation)  # fmt: skip
+        rows = [held[i] for i in range(len(held))]
+    rows = rows[: len(rows) - len(rows) % dp][dp_rank::dp]
+    return [collate_packed(rows[s : s + micro_batch_size]) for s in range(0, len(rows), micro_batch_size)]
+
+
+def packing_summary(dataset: Any) -> str | None:
+    """One log line of what packing did (documents, sequences, and every count of what was left out),
+    or None for a question/answer or streamed dataset (a stream logs its counts after each pass)."""
+    return dataset.stats.describe("packed training corpus") if isinstance(dataset, PackedSequences) else None
+
+
 class Batches:
-    """This rank's micro-batches of a tokenised dataset, in :class:`ShardedOrder` (a ``Dataset``) or
-    :class:`StreamingOrder` (an ``IterableDataset``); ``position`` is the resumable state."""
+    """This rank's micro-batches of a tokenised dataset, in :class:`ShardedOrder` (a ``Dataset`` or packed
+    sequences) or :class:`StreamingOrder` (an ``IterableDataset`` or a packed stream); ``position`` is the
+    resumable state. ``next()`` gives encoded examples, or for packed data a collated batch (``input_ids``,
+    ``labels``, with document isolation ``position_ids``; host tensors)."""
 
     def __init__(self, dataset: Any, micro_batch_size: int, rank: int, world_size: int, seed: int, accumulation: int,
                  shuffle_buffer: int = 10000) -> None:  # fmt: skip
         self.dataset = dataset
-        if hasattr(dataset, "num_rows"):
+        self.packed = isinstance(dataset, (PackedSequences, PackedStream))
+        if isinstance(dataset, PackedStream):
+            dataset = dataset.rows
+        if hasattr(dataset, "num_rows") or isinstance(dataset, PackedSequences):
             self.order: Any = ShardedOrder(len(dataset), micro_batch_size, rank, world_size, seed, accumulation)
         else:
             self.order = StreamingOrder(dataset, micro_batch_size, rank, world_size, seed, accumulation, shuffle_buffer)
@@ -95,7 +197,11 @@ class Batches:
     def position(self, value: int) -> None:
         self.order.position = value
 
-    def next(self) -> list[EncodedExample]:
+    def next(self) -> Any:
+        if self.packed and isinstance(self.order, ShardedOrder):
+            return collate_packed([self.dataset[i] for i in self.order.next_indices()])
+        if self.packed:
+            return collate_packed(self.order.next_rows())
         if isinstance(self.order, ShardedOrder):
             return rows_to_examples(self.dataset[self.order.next_indices()])
         return self.order.next_examples()
