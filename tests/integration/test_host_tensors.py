@@ -1,0 +1,87 @@
+"""Device-correctness of ``launch/train.py`` on the CPU: no host tensor reaches the model or a collective.
+
+On a CPU a forgotten ``.to(device)`` goes unnoticed; on a GPU the model gets CPU ``input_ids`` and NCCL
+refuses CPU tensors. ``tests/helpers/host_guard.py`` makes the omission fail here: collated batches and
+tensors the loop creates without ``device=`` are ``HostOnly`` tensors, usable only after a device move,
+and the collectives refuse them (checked to fail on the pre-Trainer ``launch/train.py``).
+
+Sections:
+1. The guard itself: a use raises, a device move returns a plain tensor, a collective refuses it.
+2. Real two-process DeepSpeed runs under the guard: the logits path (ZeRO-3, accumulation 2, held-out
+   evaluation, generation), the chunked loss, and AutoTP's vocabulary-parallel path (TP=2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.distributed import free_port
+from tests.helpers.host_guard import HostOnly, HostTensorError, _check_collective, host_only
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- 1. the guard --------------------------------------------------------------------------------------
+
+
+def test_guard_raises_on_use_and_allows_a_device_move():
+    t = host_only(torch.arange(6).reshape(2, 3))
+    assert isinstance(t, HostOnly) and t.shape == (2, 3) and t.dtype == torch.long
+    for use in (lambda: t + 1, lambda: t.sum(), lambda: torch.nn.functional.embedding(t, torch.ones(6, 2)),
+                lambda: t.to(torch.float64), lambda: float(t[0, 0]), lambda: t != -100):  # fmt: skip
+        with pytest.raises(HostTensorError):
+            use()
+    moved = t.to(torch.device("cpu"), non_blocking=True)
+    assert type(moved) is torch.Tensor and moved.sum().item() == 15
+    assert type(t.to(device="cpu")) is torch.Tensor
+    calls = []
+    guarded = _check_collective("all_reduce", lambda tensor, **kw: calls.append(tensor))
+    with pytest.raises(HostTensorError, match=r"torch\.distributed\.all_reduce"):
+        guarded(host_only(torch.zeros(2)))
+    guarded(torch.zeros(2))
+    assert len(calls) == 1
+
+
+# ---- 2. the trainer under the guard ----------------------------------------------------------------------
+
+
+def _guarded_train(run_dir: Path, *overrides: str, nproc: int = 2, script: Path = ROOT / "launch" / "train.py"):
+    port = str(free_port())
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", port]
+    shims = [str(ROOT / "tests" / "helpers" / "host_guard.py"), str(ROOT / "tests" / "helpers" / "ds_launch.py")]
+    cmd = [*launcher, *shims, str(script), f"run_dir={run_dir}", *overrides]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
+           "NTL_HOST_GUARD_REPORT": str(run_dir.parent / f"{run_dir.name}_guard")}  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+COMMON = ("train.steps=2", "train.log_every=1", "tracking.wandb=disabled", "tracking.plot=false",
+          "data.eval_examples=8", "eval.max_new_tokens=2", "train.eval_every=1")  # fmt: skip
+PATHS = {
+    "logits": ("train.micro_batch_size=4", "train.gradient_accumulation_steps=2"),
+    "chunked": ("train.micro_batch_size=4", "train.chunked_loss=true", "train.loss_chunk_tokens=16"),
+    "tp": ("--config", str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"), "train.micro_batch_size=4"),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("path", list(PATHS))
+def test_no_host_tensor_reaches_the_model_or_a_collective(tmp_path, path):
+    pytest.importorskip("deepspeed")
+    run = tmp_path / path
+    out = _guarded_train(run, *COMMON, *PATHS[path])
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-5000:]
+    assert "HostTensorError" not in text
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f"{path}_guard.{rank}").read_text())
+        assert counts["wrapped"] > 0 and counts["moved"] >= counts["wrapped"] // 2, counts  # the guard was active
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("eval/ppl" in r for r in rows)
