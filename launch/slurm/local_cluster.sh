@@ -13,6 +13,11 @@
 # /var/tmp/ntl-slurm-2n for two nodes); the system's own /etc/slurm is never touched. Each node gets
 # this machine's CPUs and memory; one partition, "debug", is the default. Daemon logs: $STATE/log/.
 #
+# Several clusters on one machine (two test suites at once): give each its own NTL_SLURM_STATE, its
+# own ports (NTL_SLURMCTLD_PORT, NTL_SLURMD_PORT) and its own job ids (NTL_SLURM_FIRST_JOB_ID: the
+# batch scripts derive their rendezvous port from the job id). tests/integration/test_slurm.py does.
+# munged is shared; the two-node network (namespaces ntl-n1.., bridge ntlbr0) is one per machine.
+#
 # Two nodes: each slurmd runs in its own network namespace (ntl-n1, ntl-n2: a veth on the bridge
 # ntlbr0, 10.201.0.0/24, made here and removed by `stop`) and UTS namespace (its own hostname), so
 # jobs see two hosts with their own addresses and rendezvous over that private network for real.
@@ -72,6 +77,7 @@ SlurmctldLogFile=$STATE/log/slurmctld.log
 SlurmdLogFile=$STATE/log/slurmd-%n.log
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=${NTL_SLURMD_PORT:-$((CTLD_PORT + 1))}
+FirstJobId=${NTL_SLURM_FIRST_JOB_ID:-1}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres

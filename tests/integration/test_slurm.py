@@ -15,11 +15,16 @@ Sections:
    nodes, port in use.
 
 The cluster comes from launch/slurm/local_cluster.sh (root, Debian's slurm-wlm and munge; the dev
-set-up installs them). Without them these tests skip, except under CI, where they fail.
+set-up installs them). Without them these tests skip, except under CI, where they fail. Each run of
+this module starts clusters of its own (a fresh state directory under /var/tmp, free ports, its own
+job-id range, so the batch scripts' rendezvous ports differ too) and stops them at the end, so two
+suites on one machine do not touch each other's daemons or slurm.conf; the two-node cluster's network
+namespaces are one per machine, so its users take turns (a file lock).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -27,6 +32,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,21 +56,60 @@ def _missing(what: str) -> None:
     pytest.skip(what)
 
 
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _cluster_settings(nodes: int) -> dict[str, str]:
+    """A state directory of this run's own, two free ports (slurmctld, slurmd) and a job-id range of its own."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        if port < 65000 and _free(port + 1):
+            break
+    else:
+        raise RuntimeError("no two consecutive free ports for a test Slurm cluster")
+    state = tempfile.mkdtemp(prefix=f"ntl-slurm-{nodes}n-", dir="/var/tmp")  # short: slurmd's sockets live there
+    return {
+        "NTL_SLURM_NODES": str(nodes),
+        "NTL_SLURM_STATE": state,
+        "NTL_SLURMCTLD_PORT": str(port),
+        "NTL_SLURMD_PORT": str(port + 1),
+        # The batch scripts' rendezvous port is 20000 + job id mod 20000: ranges of 50 job ids per cluster.
+        "NTL_SLURM_FIRST_JOB_ID": str(1 + 50 * (port % 400)),
+    }
+
+
+def _start_cluster(settings: dict[str, str]) -> dict[str, str]:
+    env = {**os.environ, **settings}
+    subprocess.run([str(CLUSTER), "start"], check=True, timeout=120, env=env)
+    return {**env, "SLURM_CONF": f"{settings['NTL_SLURM_STATE']}/slurm.conf"}
+
+
+def _stop_cluster(env: dict[str, str]) -> None:
+    subprocess.run([str(CLUSTER), "stop"], check=False, timeout=120, env=env)
+    shutil.rmtree(env["NTL_SLURM_STATE"], ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def slurm_env():
-    """Starts the local cluster (idempotent) and yields the environment for sbatch/scontrol."""
+    """Starts a one-node cluster of this run's own and yields the environment for sbatch/scontrol."""
     for tool in ("sbatch", "slurmctld", "slurmd", "munged"):
         if shutil.which(tool) is None:
             _missing(f"{tool} not installed")
     if os.geteuid() != 0:
         _missing("the local Slurm cluster needs root")
-    state = os.environ.get("NTL_SLURM_STATE", "/var/tmp/ntl-slurm")
-    was_up = (Path(state) / "run" / "slurmctld.pid").exists()
-    subprocess.run([str(CLUSTER), "start"], check=True, timeout=120)
-    env = {**os.environ, "SLURM_CONF": f"{state}/slurm.conf", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    yield env
-    if not was_up:
-        subprocess.run([str(CLUSTER), "stop"], check=False, timeout=120)
+    env = _start_cluster(_cluster_settings(1))
+    try:
+        yield {**env, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    finally:
+        _stop_cluster(env)
 
 
 def _sbatch(env: dict, tmp: Path, script: str, *args: str, sbatch_opts=(), wait=True, extra_env=None):
@@ -86,13 +131,14 @@ def two_node_env(slurm_env):
     """A second cluster: two slurmd in their own network and UTS namespaces (hosts ntl-n1, ntl-n2)."""
     if shutil.which("ip") is None or shutil.which("nsenter") is None:
         _missing("the two-node cluster needs iproute2 and util-linux (ip, nsenter)")
-    state = "/var/tmp/ntl-slurm-2n"
-    env = {**slurm_env, "NTL_SLURM_NODES": "2", "NTL_SLURM_STATE": state}
-    was_up = (Path(state) / "run" / "slurmctld.pid").exists()
-    subprocess.run([str(CLUSTER), "start"], check=True, timeout=120, env=env)
-    yield {**env, "SLURM_CONF": f"{state}/slurm.conf"}
-    if not was_up:
-        subprocess.run([str(CLUSTER), "stop"], check=False, timeout=120, env=env)
+    # The namespaces ntl-n1/ntl-n2 and the bridge are one per machine: another suite's two-node cluster waits.
+    with open("/var/tmp/ntl-slurm-2n.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        env = _start_cluster(_cluster_settings(2))
+        try:
+            yield {**slurm_env, **{k: v for k, v in env.items() if k.startswith(("NTL_SLURM", "SLURM_CONF"))}}
+        finally:
+            _stop_cluster(env)
 
 
 def _job_state(env: dict, job: str) -> dict[str, str]:
