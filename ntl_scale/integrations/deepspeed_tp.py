@@ -8,6 +8,12 @@ fused op over the layer's own group (two all-reduces per token, as Megatron's CE
 hidden states with :func:`install_chunked_head`. DeepSpeed's own vocab-parallel CE, which it installs
 as ``model.loss_function``, is not called (the entry computes its loss itself).
 
+With ZeRO stage 3 (DeepSpeed >= 0.19.4) each rank's TP shard is further partitioned over the
+data-parallel ranks and gathered by ZeRO's hooks around each module's forward, the output layer's
+included, so the same functions apply: the head's ``forward`` replaced by :func:`install_chunked_head`
+still runs inside those hooks (its weight is whole on entry), and :func:`gathered_weights` expects
+ZeRO's ``GatheredParameters`` to have gathered the data-parallel partitions first.
+
 ``deepspeed`` is imported on first use.
 """
 
@@ -90,11 +96,28 @@ def full_logits(shard: HeadShard | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
-    """Every tensor-parallel layer holds its whole weight inside (to export a plain checkpoint)."""
+    """Every tensor-parallel layer holds its whole weight inside (to export a plain checkpoint).
+
+    A weight shared by two layers (tied embeddings: AutoTP's vocabulary-parallel embedding holds the
+    output layer's shard) is gathered once. Under ZeRO-3, enter
+    ``deepspeed.zero.GatheredParameters(list(model.parameters()))`` first (outside
+    this context): AutoTP's gather joins the TP shards of whole data-parallel partitions, and a
+    partitioned weight (an empty placeholder) is refused with a ValueError.
+    """
     from deepspeed.module_inject.layers import GatherReplacedLayerParams, TensorParallel_Layer
 
+    seen: set[int] = set()  # a tied embedding shares the output layer's shard: gather that weight once
     with contextlib.ExitStack() as stack:
         for module in model.modules():
             if isinstance(module, TensorParallel_Layer):
-                stack.enter_context(GatherReplacedLayerParams(list(module.parameters(recurse=False)), module))
+                params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+                seen.update(id(p) for p in params)
+                if not params:
+                    continue
+                if any(hasattr(p, "ds_id") and p.ds_status.name != "AVAILABLE" for p in params):
+                    raise ValueError(
+                        f"{type(module).__name__} holds a ZeRO-3 partitioned weight; enter "
+                        "deepspeed.zero.GatheredParameters(list(model.parameters())) before gathered_weights(model)"
+                    )
+                stack.enter_context(GatherReplacedLayerParams(params, module))
         yield

@@ -22,7 +22,8 @@ def resolve_deepspeed_config(
     """Fills DeepSpeed's ``"auto"`` values from the training config; a contradiction is an error.
 
     With ``train.tensor_parallel_size`` N > 1 the JSON gets ``"tensor_parallel": {"autotp_size": N,
-    "vocab_parallel_lm_head": true}`` and the batch size counts data-parallel ranks only.
+    "vocab_parallel_lm_head": true}`` (with any ZeRO stage, 3 included) and the batch size counts
+    data-parallel ranks only.
 
     Args:
         ds: the DeepSpeed JSON as a dict.
@@ -49,13 +50,9 @@ def resolve_deepspeed_config(
             'drop it from the JSON or set it to "auto"'
         )
     if tp > 1:
-        stage = int(ds.get("zero_optimization", {}).get("stage", 0))
-        if stage == 3:
-            raise ValueError(
-                f"train.tensor_parallel_size={tp} with a ZeRO stage 3 DeepSpeed JSON: AutoTP combines with ZeRO "
-                "stages 0, 1 and 2 in DeepSpeed's documentation; use train.deepspeed_config="
-                "configs/deepspeed/zero1.json (or zero2.json)"
-            )
+        # Any ZeRO stage: DeepSpeed >= 0.19.4 trains AutoTP with ZeRO-3 (its engine.py says so; tested here
+        # equal to TP=1). ZeRO-3 then partitions each TP shard over the data-parallel ranks and the
+        # replicated weights (norms, embeddings) over all ranks.
         if section.get("vocab_parallel_lm_head") is False:
             raise ValueError(
                 "tensor_parallel.vocab_parallel_lm_head=false in the DeepSpeed JSON: ntl_scale computes CE + NTL on "
