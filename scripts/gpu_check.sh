@@ -92,7 +92,7 @@ step "Triton kernels on the GPU" 120 env TRITON_INTERPRET=0 "$PYTHON" -m pytest 
 
 step "deepspeed launch/train.py (1 GPU)" 150 deepspeed --num_gpus 1 launch/train.py \
   --config configs/train/tiny_cpu.yaml "run_dir=$WORK/ds_run" train.steps=20 train.log_every=5 \
-  data.train_examples=800 data.eval_examples=20
+  data.train_examples=800 data.eval_examples=20 tracking.wandb=disabled tracking.plot=false
 
 MEGATRON=$(ls -d "$WORK"/Megatron-LM-* 2>/dev/null | head -1)
 megatron_smoke() {
