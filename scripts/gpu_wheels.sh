@@ -47,7 +47,7 @@ download() { # download DIR SPEC...
   for spec in "$@"; do # pip download may print nothing on failure through the filter above
     local name=${spec%%==*}
     name=${name//-/_}
-    if ! ls "$dir" | grep -qi "^${name}-"; then
+    if ! compgen -G "$dir/${name}-*" >/dev/null; then
       echo "gpu_wheels: could not download ${spec} for cp312 manylinux" >&2
       return 1
     fi
@@ -77,6 +77,16 @@ if [[ -f "$MEGATRON_ARCHIVE" ]]; then
   top=Megatron-LM-${MEGATRON_TAG}
   tar xzf "$MEGATRON_ARCHIVE" -C "$work" --exclude='*/tests/*' \
     "$top/megatron" "$top/pretrain_gpt.py" "$top/gpt_builders.py" "$top/model_provider.py" "$top/LICENSE"
+  # Megatron's dataset helpers, prebuilt for cp312 in the megatron-core wheel of the same release, newer
+  # than helpers.cpp: its `make` finds nothing to do (the machine may lack python3-config)
+  "$PYTHON" - "$DEST" "$work/$top/megatron/core/datasets" <<'EOF'
+import pathlib, sys, zipfile
+wheel = next(pathlib.Path(sys.argv[1]).glob("megatron_core-*.whl"))
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if name.startswith("megatron/core/datasets/helpers_cpp") and name.endswith(".so"):
+            (pathlib.Path(sys.argv[2]) / pathlib.Path(name).name).write_bytes(z.read(name))
+EOF
   tar czf "$DEST/megatron-lm-${MEGATRON_TAG}.tar.gz" -C "$work" "$top"
 else
   echo "gpu_wheels: no $MEGATRON_ARCHIVE: the Megatron-LM smoke run will be skipped there"
