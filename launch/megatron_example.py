@@ -163,13 +163,17 @@ def train(args: argparse.Namespace) -> list[dict]:
     samples = args.steps * args.micro_batches * args.micro_batch_size * dp
     dataset = build_dataset(tokenizer, os.path.join(workdir, "arithmetic"), args.seq_length, samples, args.seed)
     model = build_model(padded, args.seq_length, args.tp, args.pp)
+    # built on the host (use_cpu_initialization), then moved, as Megatron-LM's get_model does; every
+    # tensor the loop feeds the model or a collective goes to this device (NCCL refuses host tensors)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    model.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     dp_rank = parallel_state.get_data_parallel_rank()
     order = iter(range(dp_rank, len(dataset), dp))
 
     def get_batch(iterator):
         items = [dataset[next(iterator)] for _ in range(args.micro_batch_size)]
-        batch = {k: torch.stack([torch.as_tensor(item[k]) for item in items]) for k in items[0]}
+        batch = {k: torch.stack([torch.as_tensor(item[k]).to(device) for item in items]) for k in items[0]}
         return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
 
     forward_step = ntl_megatron.make_forward_step(
@@ -184,10 +188,10 @@ def train(args: argparse.Namespace) -> list[dict]:
     start = load_checkpoint(args.load, model, optimizer) if args.load else 0
     for _ in range(start * args.micro_batches * args.micro_batch_size):  # the samples already trained on
         next(order)
-    stop = torch.zeros(1)
+    stop = {"signal": 0}
     if args.exit_signal_handler:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, lambda num, _frame: stop.fill_(num))
+            signal.signal(sig, lambda num, _frame: stop.update(signal=num))
     history = []
     for step in range(start, args.steps):
         optimizer.zero_grad(set_to_none=True)
@@ -212,7 +216,7 @@ def train(args: argparse.Namespace) -> list[dict]:
             if parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
                 shown = "  ".join(f"{k} {v:.4f}" for k, v in row.items())
                 print(f"step {step + 1:3d}/{args.steps}  {shown}", flush=True)
-        flag = stop.clone()
+        flag = torch.tensor([float(stop["signal"])], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops after the same step
         last = step + 1 == args.steps or bool(flag.item())
         if args.save and (last or (args.save_interval and (step + 1) % args.save_interval == 0)):

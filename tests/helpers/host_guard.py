@@ -8,7 +8,7 @@ This guard makes the omission visible on the CPU:
   explicit device move (``.to(device)``, ``.to(device=...)``, ``.cuda()``), which returns a plain
   tensor, and reading its metadata (``shape``, ``dtype``, ``device``);
 - :func:`install` wraps the outputs of the batch collation in ``HostOnly``, makes the tensor factories
-  (``torch.tensor``, ``zeros``, ``ones``, ``full``, ``empty``, ``arange``) return ``HostOnly`` when
+  (``torch.tensor``, ``as_tensor``, ``zeros``, ``ones``, ``full``, ``empty``, ``arange``) return ``HostOnly`` when
   they are called without ``device=`` from the training loop's own files, and makes the
   ``torch.distributed`` collectives raise when given a ``HostOnly`` tensor.
 
@@ -110,7 +110,7 @@ def _check_collective(name: str, fn: Any) -> Any:
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce",
                "all_to_all_single", "gather", "scatter")  # fmt: skip
-FACTORIES = ("tensor", "zeros", "ones", "full", "empty", "arange")
+FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange")
 
 
 def _loop_files() -> set[str]:
@@ -132,8 +132,9 @@ def _guard_factory(name: str, fn: Any, files: set[str]) -> Any:
     return factory
 
 
-def install() -> None:
-    """Installs the guard in this process (idempotent)."""
+def install(files: set[str] | None = None) -> None:
+    """Installs the guard in this process (idempotent); ``files``: the loop's files whose tensor
+    factories are guarded (default: the trainer's and the entry script's)."""
     import torch.distributed as dist
 
     if getattr(dist.all_reduce, "__ntl_host_guard__", False):
@@ -142,7 +143,7 @@ def install() -> None:
         guarded = _check_collective(name, getattr(dist, name))
         setattr(dist, name, guarded)
         setattr(dist.distributed_c10d, name, guarded)
-    files = _loop_files()
+    files = _loop_files() if files is None else {os.path.abspath(f) for f in files}
     for name in FACTORIES:
         setattr(torch, name, _guard_factory(name, getattr(torch, name), files))
     collate_module = __import__("ntl_scale.data.collate", fromlist=["collate"])

@@ -85,3 +85,37 @@ def test_no_host_tensor_reaches_the_model_or_a_collective(tmp_path, path):
         assert counts["wrapped"] > 0 and counts["moved"] >= counts["wrapped"] // 2, counts  # the guard was active
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all("eval/ppl" in r for r in rows)
+
+
+# ---- 3. the megatron.core example under the guard --------------------------------------------------------
+
+EXAMPLE = ROOT / "launch" / "megatron_example.py"
+
+
+def _megatron_worker(ctx, workdir: str, example_path: str = str(EXAMPLE)) -> None:
+    import importlib.util
+
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    from tests.helpers import host_guard
+    from tests.helpers.megatron_cpu import patch_for_cpu
+
+    patch_for_cpu()
+    host_guard.install(files={example_path})
+    read = GPTDataset.__getitem__
+    GPTDataset.__getitem__ = lambda self, i: host_guard._wrap(read(self, i))  # the data arrive on the host
+    spec = importlib.util.spec_from_file_location("megatron_example", example_path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.parse_args(f"--tp 2 --pp 2 --steps 2 --micro-batches 2 --ntl-weight 0.3 --workdir {workdir}".split())
+    example.train(args)
+    if ctx.rank == 0:  # the guard was active: the first stage read host batches and moved them
+        assert host_guard.COUNTS["wrapped"] > 0 and host_guard.COUNTS["moved"] > 0, host_guard.COUNTS
+
+
+@pytest.mark.distributed
+def test_megatron_example_moves_its_batches_and_flags(tmp_path):
+    pytest.importorskip("megatron.core")
+    from tests.helpers.distributed import run_workers
+
+    run_workers(4, 4, _megatron_worker, str(tmp_path))
