@@ -58,7 +58,15 @@ from .losses import (
     terms_from_stats,
 )
 from .number_vocab import NumberVocab
-from .parallel import ShardInputs, ShardMath, _raise_if_not_finite, compute_dtype, group_rank, group_size
+from .parallel import (
+    ShardInputs,
+    ShardMath,
+    _raise_if_not_finite,
+    check_chunk_tokens,
+    compute_dtype,
+    group_rank,
+    group_size,
+)
 
 __all__ = ["linear_ce_ntl", "linear_ce_with_ntl"]
 
@@ -331,11 +339,10 @@ def linear_ce_ntl(
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     # the checks of the logits path, on a shape-only (meta) stand-in for the logits
     stand_in = torch.empty(*hidden.shape[:-1], weight.shape[0], dtype=hidden.dtype, device="meta")
-    _check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start)
+    _check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start, source="the output weight's first dimension")
     if options.loss == "number" and options.float_level and vocab.decimal_point_id is None:
         raise ValueError("float_level=True needs the '.' token id; the number table has no decimal_point_id")
-    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or int(chunk_tokens) < 1):
-        raise ValueError(f"chunk_tokens must be a whole number >= 1 or None, got {chunk_tokens!r}")
+    check_chunk_tokens(chunk_tokens)
     shape, width = labels.shape, weight.shape[0]
     dtype = compute_dtype(hidden.dtype)
     flat_labels = labels.reshape(-1)

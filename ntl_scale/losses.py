@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ._checks import device_check
 from .number_level import assemble_numbers, number_starts, symmetric_mape
 from .number_vocab import NumberVocab
-from .parallel import ShardInputs, compute_dtype, fused_shard_stats, group_rank, group_size
+from .parallel import ShardInputs, check_chunk_tokens, compute_dtype, fused_shard_stats, group_rank, group_size
 
 __all__ = [
     "LOSS_KINDS",
@@ -148,11 +148,12 @@ def _check_inputs(
     options: NTLOptions,
     tp_size: int,
     vocab_start: int | None = None,
+    source: str = "the logits' last dimension",
 ) -> int:
-    """Validates user input; returns the global vocabulary size seen by the logits.
+    """Validates user input; returns the global vocabulary size (the table's ``vocab_size``).
 
-    With ``vocab_start`` (an uneven split) the global vocabulary is the table's ``vocab_size`` and the
-    shard ``[vocab_start, vocab_start + width)`` must lie inside it.
+    The logits' width is checked against the table (:func:`_check_width`); ``source`` names what
+    holds the columns in the messages (the chunked op passes the output weight's rows).
     """
     if not isinstance(vocab, NumberVocab):
         raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
@@ -171,27 +172,7 @@ def _check_inputs(
             f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab dim "
             f"{tuple(logits.shape[:-1])}; shift labels and logits to the same length first"
         )
-    if vocab_start is None:
-        global_vocab = logits.shape[-1] * tp_size
-    else:
-        global_vocab = vocab.vocab_size
-        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
-            raise ValueError(
-                f"vocab_start must be an integer >= 0 (this shard's first vocabulary id), got {vocab_start!r}"
-            )
-        if vocab_start + logits.shape[-1] > global_vocab:
-            raise ValueError(
-                f"the shard [{vocab_start}, {vocab_start + logits.shape[-1]}) reaches past the vocabulary of "
-                f"{global_vocab} (the number table's vocab_size); build the table with the model's padded vocab size"
-            )
-    largest = vocab.max_id
-    if global_vocab <= largest:
-        where = f"{logits.shape[-1]} columns x tp={tp_size}" if tp_size > 1 else f"{logits.shape[-1]} columns"
-        raise ValueError(
-            f"logits cover a vocabulary of {global_vocab} ({where}), smaller than the number-token "
-            f"id {largest}; expected the model's full (padded) vocabulary of {vocab.vocab_size}. "
-            "Pass the logits over the whole vocabulary (or its TP shard with tp_group)."
-        )
+    global_vocab = _check_width(logits.shape[-1], vocab, tp_size, vocab_start, source)
     if labels.numel():
         bad = (labels != options.ignore_index) & ((labels < 0) | (labels >= global_vocab))
 
@@ -204,6 +185,60 @@ def _check_inputs(
 
         device_check(~bad.any(), error, f"a label id is outside [0, {global_vocab}) and is not ignore_index")
     return global_vocab
+
+
+def _check_width(width: int, vocab: NumberVocab, tp_size: int, vocab_start: int | None, source: str) -> int:
+    """Refuses logits whose width is neither the table's ``vocab_size`` nor, under TP, its shard's.
+
+    A shape check (host values, no sync). Wider logits would add columns the table never knew to
+    the softmax (CE, the number-token mass of ``reweigh``); narrower ones would lose columns. Without
+    ``vocab_start`` the shard is Megatron's even split, ``vocab_size / tp`` columns; with it (an uneven
+    split) ``[vocab_start, vocab_start + width)`` must lie inside the vocabulary, and on one device
+    cover it. Returns the global vocabulary size.
+    """
+    size = vocab.vocab_size
+    fix = (
+        "build the number table for the model's output size, e.g. NumberVocab.from_tokenizer(tokenizer, "
+        "vocab_size=model.config.vocab_size) (Megatron: its padded vocabulary, ntl_scale.pad_vocab_size), "
+        "or vocab.with_vocab_size(N)"
+    )
+    if vocab_start is not None:
+        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+            raise ValueError(
+                f"vocab_start must be an integer >= 0 (this shard's first vocabulary id), got {vocab_start!r}"
+            )
+        if vocab_start + width > size:
+            raise ValueError(
+                f"the shard [{vocab_start}, {vocab_start + width}) ({source} {width} from vocab_start={vocab_start}) "
+                f"reaches past the vocabulary of {size} (the number table's vocab_size); {fix}"
+            )
+        if tp_size == 1 and (vocab_start, width) != (0, size):
+            raise ValueError(
+                f"without a tensor-parallel group the columns must cover the number table's whole vocabulary "
+                f"[0, {size}), got [{vocab_start}, {vocab_start + width}) ({source} {width}, vocab_start="
+                f"{vocab_start}); pass tp_group for a shard, or {fix}"
+            )
+        return size
+    if tp_size == 1:
+        if width != size:
+            raise ValueError(
+                f"{source} is {width} but the number table was built for vocab_size={size}; they must be equal "
+                f"(the softmax runs over every column). Fix: {fix}, here N={width}"
+            )
+        return size
+    if size % tp_size:
+        raise ValueError(
+            f"the number table's vocab_size {size} is not divisible by tp={tp_size}, so its even shards are "
+            f"undefined ({source} is {width}); build the table with the padded vocabulary "
+            f"(ntl_scale.pad_vocab_size({size}, tp_size={tp_size})), or pass vocab_start for an uneven split"
+        )
+    if width != size // tp_size:
+        raise ValueError(
+            f"{source} is {width} on this rank but the number table's vocab_size={size} over tp={tp_size} gives "
+            f"{size // tp_size} per rank; they must be equal. Fix: {fix}, here N={width * tp_size}; for an "
+            "uneven split pass vocab_start"
+        )
+    return size
 
 
 def _check_weights(loss_weights: torch.Tensor | None, labels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -448,6 +483,7 @@ def per_token_ce_ntl(
     loss, reweigh = options.loss, options.reweigh
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     _check_inputs(logits_shard, labels, vocab, options, tp_size, vocab_start)
+    check_chunk_tokens(chunk_tokens)
     if inplace and logits_shard.dtype not in (torch.float32, torch.float64):
         raise ValueError(
             f"inplace=True reuses the logits buffer for fp32 math and needs float32/float64 logits, "
@@ -500,8 +536,9 @@ def vocab_parallel_ce_ntl(
     same code.
 
     Args:
-        logits_shard: local logits ``[..., V/tp]`` (fp32, bf16, fp16 or fp64; math in fp32, or
-            fp64 for fp64 input).
+        logits_shard: local logits ``[..., V/tp]`` with ``V = vocab.vocab_size`` (with ``vocab_start``:
+            any contiguous slice of ``[0, V)``; another width is a ValueError); fp32, bf16, fp16 or
+            fp64 (math in fp32, or fp64 for fp64 input).
         labels: global token ids ``[...]``, identical on all TP ranks; ``ignore_index`` marks
             positions without loss. For ``loss="number"`` the last dim is the sequence.
         vocab: the number-token table of the global vocabulary.
@@ -588,7 +625,7 @@ def number_token_loss(
     Without ``reweigh`` only the number-token columns of the logits are read.
 
     Args:
-        logits: ``[..., V]`` (fp32/bf16/fp16/fp64; math in fp32, fp64 for fp64 input).
+        logits: ``[..., V]``, ``V = vocab.vocab_size`` (fp32/bf16/fp16/fp64; math in fp32, fp64 for fp64 input).
         labels: token ids ``[...]``; for ``loss="number"`` the last dim is the sequence.
         vocab: the number-token table.
         loss: ``"was"`` (default), ``"mse"``, ``"mae"``, ``"huber"`` or ``"number"``.
@@ -641,7 +678,7 @@ def ce_with_ntl(
     :func:`vocab_parallel_ce_ntl`).
 
     Args:
-        logits: ``[..., V]`` or the TP shard ``[..., V/tp]``.
+        logits: ``[..., V]`` or the TP shard ``[..., V/tp]``, ``V = vocab.vocab_size``.
         labels: token ids ``[...]``.
         vocab: the number-token table.
         ntl_weight: weight of the NTL term (0.3 in the paper).
@@ -725,7 +762,7 @@ def predict_numbers(logits: torch.Tensor, vocab: NumberVocab) -> NumberPredictio
     those columns. Computed in fp32 (fp64 for fp64 logits), without gradient tracking of its own.
 
     Args:
-        logits: ``[..., V]`` full-vocabulary logits (``V`` at least the table's largest id + 1).
+        logits: ``[..., V]`` full-vocabulary logits, ``V`` the table's ``vocab_size`` (gather TP shards first).
         vocab: the number-token table.
 
     Returns:
@@ -735,12 +772,7 @@ def predict_numbers(logits: torch.Tensor, vocab: NumberVocab) -> NumberPredictio
         raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
     if not isinstance(logits, torch.Tensor) or not torch.is_floating_point(logits) or logits.dim() < 1:
         raise TypeError("logits must be a floating-point tensor [..., vocab]")
-    largest = vocab.max_id
-    if logits.shape[-1] <= largest:
-        raise ValueError(
-            f"logits have {logits.shape[-1]} columns but the number table has id {largest}; pass full-vocabulary "
-            "logits (gather tensor-parallel shards first)"
-        )
+    _check_width(logits.shape[-1], vocab, 1, None, "the logits' last dimension")  # full logits: gather TP shards
     z = logits.to(compute_dtype(logits.dtype))
     ids = vocab.ids.to(z.device)
     number_logits = z.index_select(-1, ids)

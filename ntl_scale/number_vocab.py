@@ -142,7 +142,8 @@ class NumberVocab:
     Args:
         ids: number-token ids (any order; stored sorted).
         values: their numeric values, aligned with ``ids``.
-        vocab_size: the model's (padded) vocabulary size, i.e. the logits' last dimension.
+        vocab_size: the model's (padded) vocabulary size, i.e. the logits' last dimension (the losses
+            refuse logits of another width).
         tokens: optional token strings, aligned with ``ids`` (for display and saving).
         decimal_point_id: id of the ``"."`` token, used by number-level NTL with ``float_level``.
         digit_level: whether the table was built with the digit-level rule (informational).
@@ -354,7 +355,11 @@ class NumberVocab:
 
     @property
     def vocab_size(self) -> int:
-        """The model's (padded) vocabulary size: the logits' last dimension."""
+        """The model's (padded) vocabulary size: the logits' last dimension.
+
+        The losses refuse logits of any other width (under tensor parallelism: shards of
+        ``vocab_size / tp`` columns, or any contiguous slice with ``vocab_start``).
+        """
         return self._vocab_size
 
     @property

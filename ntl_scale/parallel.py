@@ -20,12 +20,13 @@ two all-reduces; ``tp_group=None`` (or a group of size 1) is the same code witho
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShardMath", "fused_shard_stats"]
+__all__ = ["ShardMath", "check_chunk_tokens", "fused_shard_stats"]
 
 # Temporaries of one chunk hold at most this many elements (64 MiB in fp32): the forward and the
 # backward walk over the logits in token chunks so that no full-size fp32 copy is made.
@@ -35,6 +36,17 @@ _CHUNK_ELEMENTS = 1 << 24
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the loss math: float64 for float64 logits, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_chunk_tokens(chunk_tokens: int | None) -> None:
+    """Refuses a ``chunk_tokens`` that is not None or a whole number >= 1 (0 or less made empty chunks)."""
+    if chunk_tokens is None:
+        return
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, numbers.Integral) or chunk_tokens < 1:
+        raise ValueError(
+            f"chunk_tokens must be a whole number >= 1 (tokens per chunk) or None, got {chunk_tokens!r}; "
+            "pass e.g. chunk_tokens=512, or None for the default budget"
+        )
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -83,6 +95,7 @@ class ShardMath:
     @staticmethod
     def chunk_rows(num_tokens: int, num_cols: int, chunk_tokens: int | None) -> list[slice]:
         """Token slices whose ``[chunk, V_local]`` temporaries stay below a fixed element budget."""
+        check_chunk_tokens(chunk_tokens)
         step = chunk_tokens or max(1, _CHUNK_ELEMENTS // max(num_cols, 1))
         return [slice(i, min(i + step, num_tokens)) for i in range(0, num_tokens, step)]
 
@@ -110,8 +123,11 @@ class ShardMath:
 
     @staticmethod
     def safe_number_max(number_max: torch.Tensor) -> torch.Tensor:
-        """The number-column max with -inf (no number logit anywhere finite) replaced by 0."""
-        return torch.where(torch.isfinite(number_max), number_max, torch.zeros_like(number_max))
+        """The number-column max with -inf (no number column, or every number logit -inf) replaced by 0.
+
+        NaN and +inf are kept: they make the number statistics NaN, so NTL is NaN when its logits are.
+        """
+        return torch.where(number_max == float("-inf"), torch.zeros_like(number_max), number_max)
 
     @staticmethod
     def local_sums(
@@ -165,8 +181,10 @@ class ShardMath:
             hit = valid & (target >= max_all)
         else:
             ce, mass, hit = zero, zero, torch.zeros_like(valid)
-        has_numbers = number_total > 0
-        expect = torch.where(has_numbers, weighted / torch.where(has_numbers, number_total, 1), zero)
+        # 0 only when no number logit is finite (NTL is then 0); a NaN total (a NaN or +inf number
+        # logit) gives a NaN expect, so NTL is NaN when its inputs are, without a host check
+        no_numbers = number_total == 0
+        expect = torch.where(no_numbers, zero, weighted / torch.where(no_numbers, 1, number_total))
         return ce, expect, mass, hit
 
     @staticmethod
@@ -175,7 +193,7 @@ class ShardMath:
     ) -> torch.Tensor:
         """``g_expect * d expect/dz_k = g_expect * p_k (a_k - expect)`` on the local number columns."""
         number_total = saved["number_total"][sl].unsqueeze(1)
-        number_probs = saved["number_exp"][sl] / torch.where(number_total > 0, number_total, 1)
+        number_probs = saved["number_exp"][sl] / torch.where(number_total == 0, 1, number_total)
         spread = inputs.a_table[sl] - saved["expect"][sl].unsqueeze(1)
         return g_expect[sl].unsqueeze(1) * number_probs * spread
 
@@ -329,4 +347,5 @@ def fused_shard_stats(
         label is the arg-max of the full vocabulary; only with ``need_full``), identical on every
         TP rank.
     """
+    check_chunk_tokens(chunk_tokens)
     return _FusedCENTL.apply(logits, inputs, need_full, inplace, check_finite, tp_group, chunk_tokens)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..linear import linear_ce_ntl
 from ..losses import NTLOptions, PerTokenTerms
 from ..number_vocab import NumberVocab
+from ..parallel import check_chunk_tokens
 
 __all__ = ["check_head", "install_chunked_head", "linear_head", "logit_multiplier", "remove_chunked_head"]
 
@@ -118,6 +119,7 @@ def install_chunked_head(
     head: torch.nn.Linear, vocab: NumberVocab, options: NTLOptions, chunk_tokens: int | None = None
 ) -> None:
     """Makes ``head(hidden, targets)`` return the per-token (CE, NTL, number mask); ``head(hidden)`` is unchanged."""
+    check_chunk_tokens(chunk_tokens)  # refused when installed, not at the first training step
 
     def head_forward(layer: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         if targets is None:

@@ -149,7 +149,9 @@ def test_bad_input_is_named():
         linear_ce_ntl(hidden, weight.double(), labels, vocab)
     with pytest.raises(ValueError, match="labels shape"):
         linear_ce_ntl(hidden, weight, labels[:, :3], vocab)
-    with pytest.raises(ValueError, match="vocabulary of 10"):
+    with pytest.raises(ValueError, match=r"output weight's first dimension is 10 .* vocab_size=64"):
         linear_ce_ntl(hidden, weight[:10], labels, vocab)
+    with pytest.raises(ValueError, match=r"output weight's first dimension is 164 .* vocab_size=64"):
+        linear_ce_ntl(hidden, torch.cat([weight, weight, weight[:36]]), labels, vocab)
     with pytest.raises(ValueError, match="chunk_tokens"):
         linear_ce_ntl(hidden, weight, labels, vocab, chunk_tokens=0)
