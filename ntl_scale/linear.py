@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .kernels import triton_ce_ntl
 from .losses import (
     CENTLOutput,
     NTLOptions,
@@ -125,9 +126,23 @@ class _FusedLinearCENTL(torch.autograd.Function):
             # a half dtype (fp16 overflowed at 8k tokens, bf16 lost precision with the chunk count).
             dense_w = torch.zeros(width, hidden.shape[1], dtype=cdt, device=weight.device)
         product = _product_buffer(weight, cdt) if need_full else None
+        fast = need_full and triton_ce_ntl.enabled(hidden)
         for sl in rows if need_full else []:
             assert dense_h is not None and dense_w is not None
             logits = hidden[sl] @ weight.t()
+            if fast:  # Triton (ntl_scale/kernels): one pass for the statistics, one writing the softmax in place
+                number_logits[sl] = logits.index_select(1, cols).to(cdt)
+                max_all, maxes[sl, 1], sums[sl] = triton_ce_ntl.fused_stats(logits, inputs.rows(sl), tp_group)
+                maxes[sl, 0] = max_all
+                number_exp[sl] = torch.exp(number_logits[sl] - ShardMath.safe_number_max(maxes[sl, 1]).unsqueeze(1))
+                probs = triton_ce_ntl.softmax_grad_(logits, logits, max_all, sums[sl, 0], torch.ones_like(max_all))
+                dense_h[sl] = probs @ weight
+                # the token weights and the mean's power of two scale the chunk's [C, H] rows, not [C, V]
+                span = _mean_span(sl) if product is not None else 1
+                scaled = (hidden[sl].to(cdt) * (token_weights[sl] * (1.0 / span)).unsqueeze(1)).to(hidden.dtype)
+                _accumulate(dense_w, probs, scaled, product, span)
+                del logits, probs
+                continue
             work = logits if logits.dtype == cdt else logits.to(cdt)
             number_logits[sl] = work.index_select(1, cols)
             maxes[sl] = ShardMath.local_max(work, number_logits[sl], [slice(None)], True)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .kernels import triton_ce_ntl
+
 __all__ = ["ShardMath", "check_chunk_tokens", "fused_shard_stats"]
 
 # Temporaries of one chunk hold at most this many elements (64 MiB in fp32): the forward and the
@@ -244,23 +246,31 @@ class _FusedCENTL(torch.autograd.Function):
         number_logits = logits.index_select(1, inputs.number_cols).to(cdt)
         distributed = group_size(tp_group) > 1
 
-        maxes = ShardMath.local_max(logits, number_logits, rows, need_full)
-        if distributed:
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
-        max_all = maxes[:, 0]
-        number_max = ShardMath.safe_number_max(maxes[:, 1])
+        fast = need_full and triton_ce_ntl.enabled(logits)
+        if fast:  # Triton (ntl_scale/kernels): the statistics in one pass, the same two all-reduces
+            max_all, raw_number_max, sums = triton_ce_ntl.fused_stats(logits, inputs, tp_group)
+            maxes = torch.stack((max_all, raw_number_max), dim=1)
+            number_max = ShardMath.safe_number_max(raw_number_max)
+            number_exp = torch.exp(number_logits - number_max.unsqueeze(1))
+        else:
+            maxes = ShardMath.local_max(logits, number_logits, rows, need_full)
+            if distributed:
+                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
+            max_all = maxes[:, 0]
+            number_max = ShardMath.safe_number_max(maxes[:, 1])
 
-        sums, number_exp = ShardMath.local_sums(
-            logits, number_logits, inputs, max_all, number_max, rows, need_full, inplace
-        )
-        if distributed:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+            sums, number_exp = ShardMath.local_sums(
+                logits, number_logits, inputs, max_all, number_max, rows, need_full, inplace
+            )
+            if distributed:
+                dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
         if check_finite:
             _raise_if_not_finite(maxes, sums, need_full)
         ce, expect, mass, hit = ShardMath.finalize(max_all, sums, number_max, inputs.valid, need_full)
         ctx.mark_non_differentiable(hit)
 
         ctx.inputs, ctx.need_full, ctx.inplace, ctx.rows = inputs, need_full, inplace, rows
+        ctx.fast, ctx.number_max = fast, number_max
         ctx.save_for_backward(logits, max_all, sums[:, 0], number_exp, sums[:, 2], expect, mass)
         return ce, expect, mass, hit
 
@@ -284,6 +294,10 @@ class _FusedCENTL(torch.autograd.Function):
             number_grad = ShardMath.number_grad(slice(None), saved, ctx.inputs, grads[1])
             out.index_add_(1, ctx.inputs.number_cols, number_grad.to(out.dtype))
             return out, None, None, None, None, None, None
+        if ctx.fast:  # Triton: one pass writes the gradient (over the logits, which it left intact, in place)
+            out = logits if ctx.inplace else torch.empty_like(logits)
+            args = (max_all, total, ctx.number_max, number_total, expect, mass, grads, number_exp)
+            return triton_ce_ntl.logits_grad_(logits, out, ctx.inputs, *args), None, None, None, None, None, None
         cdt = expect.dtype
         # In place: the saved buffer holds exp(z - max) and becomes the gradient. Otherwise a new
         # gradient buffer; half-precision logits go through one reused fp32 chunk buffer.

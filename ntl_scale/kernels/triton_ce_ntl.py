@@ -27,12 +27,13 @@ interpreter (``TRITON_INTERPRET=1``, set before Triton is imported).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ..parallel import ShardInputs
+if TYPE_CHECKING:  # parallel.py imports this module: no import cycle at run time
+    from ..parallel import ShardInputs
 
 __all__ = [
     "combine",

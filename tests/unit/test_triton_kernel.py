@@ -11,7 +11,10 @@ float64 computations written out here with plain torch ops:
 3. Gradients: the kernel's in-place logits gradient for arbitrary upstream gradients of ``ce``,
    ``expect`` and ``mass`` against float64 autograd, per shard; uneven token chunks; a shard that
    owns no label; no number targets.
-4. Selection: ``enabled`` is False on the CPU and after ``set_triton_kernels(False)``.
+4. The ops with the kernels (the kernel path forced for CPU tensors): ``ce_with_ntl`` (fp32 in and
+   out of place, bf16; NTL-WAS, and MSE with reweighing) and ``linear_ce_with_ntl`` (uneven chunks)
+   against the float64 reference of ``tests/helpers/reference.py``, loss and gradients.
+5. Selection: ``enabled`` is False on the CPU and after ``set_triton_kernels(False)``.
 """
 
 from __future__ import annotations
@@ -306,7 +309,91 @@ def test_a_wrong_gradient_is_caught():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
-# ------------------------------------------------------------------------- 4. selection
+# ------------------------------------------------------------------------- 4. the ops with the kernels
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """The ops take the kernel path for CPU tensors too (interpreter); counts the kernel launches."""
+    calls = {"stats": 0, "grad": 0}
+    stats, grad = tk.shard_stats, tk.softmax_grad_
+
+    def counted_stats(*args, **kwargs):
+        calls["stats"] += 1
+        return stats(*args, **kwargs)
+
+    def counted_grad(*args, **kwargs):
+        calls["grad"] += 1
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(tk, "enabled", lambda tensor: tk._ENABLED and not torch.compiler.is_compiling())
+    monkeypatch.setattr(tk, "shard_stats", counted_stats)
+    monkeypatch.setattr(tk, "softmax_grad_", counted_grad)
+    return calls
+
+
+def _op_problem(dtype):
+    import ntl_scale
+
+    vocab = ntl_scale.NumberVocab.from_id_to_token({60 + d: str(d) for d in range(10)}, vocab_size=203)
+    g = torch.Generator().manual_seed(5)
+    labels = torch.randint(0, 203, (11,), generator=g)
+    labels = torch.where(torch.arange(11) % 2 == 0, 60 + labels % 10, labels)
+    labels[3] = -100
+    hidden = torch.randn(11, 16, generator=g).to(dtype)
+    weight = (torch.randn(203, 16, generator=g) / 4).to(dtype)
+    return vocab, labels, hidden, weight
+
+
+def _op_reference(logits64, labels, vocab, **options):
+    from tests.helpers.reference import naive_per_token
+
+    ce, ntl, is_number = naive_per_token(logits64, labels, vocab, **options)
+    valid = (labels != -100).double()
+    return (ce * valid).sum() / valid.sum() + 0.3 * (ntl * is_number).sum() / is_number.double().sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [{}, {"loss": "mse", "reweigh": True}])
+def test_ce_with_ntl_uses_the_kernels_and_matches_float64(kernels_on_cpu, dtype, options):
+    import ntl_scale
+
+    vocab, labels, hidden, weight = _op_problem(dtype)
+    logits = (hidden.float() @ weight.float().t()).to(dtype)
+    x64 = logits.double().requires_grad_()
+    want = _op_reference(x64, labels, vocab, **options)
+    want.backward()
+    for inplace in (False, True) if dtype == torch.float32 else (False,):
+        z = logits.clone().requires_grad_()
+        work = z * 1 if inplace else z  # inplace needs a non-leaf buffer it may overwrite
+        got = ntl_scale.ce_with_ntl(work, labels, vocab, inplace=inplace, **options).loss
+        got.backward()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        atol = 1e-6 if dtype == torch.float32 else 1e-2 * float(x64.grad.abs().max())
+        torch.testing.assert_close(z.grad.double(), x64.grad, rtol=1e-4 if dtype == torch.float32 else 0, atol=atol)
+    assert kernels_on_cpu["stats"] > 0 and kernels_on_cpu["grad"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_ce_with_ntl_uses_the_kernels_and_matches_float64(kernels_on_cpu, dtype):
+    import ntl_scale
+
+    vocab, labels, hidden, weight = _op_problem(dtype)
+    h64, w64 = (t.double().requires_grad_() for t in (hidden, weight))
+    want = _op_reference(h64 @ w64.t(), labels, vocab)
+    want.backward()
+    h, w = (t.clone().requires_grad_() for t in (hidden, weight))
+    got = ntl_scale.linear_ce_with_ntl(h, w, labels, vocab, chunk_tokens=4).loss  # chunks 4, 4, 3
+    got.backward()
+    rtol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=1e-6)
+    for a, b in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        scale = float(b.abs().max())
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=(1e-5 if dtype == torch.float32 else 2e-2) * scale)
+    assert kernels_on_cpu["stats"] == 3 and kernels_on_cpu["grad"] == 3  # one of each per chunk
+
+
+# ------------------------------------------------------------------------- 5. selection
 
 
 def test_enabled_only_on_cuda_and_switchable():
