@@ -364,13 +364,14 @@ def test_ce_with_ntl_uses_the_kernels_and_matches_float64(kernels_on_cpu, dtype,
     want = _op_reference(x64, labels, vocab, **options)
     want.backward()
     for inplace in (False, True) if dtype == torch.float32 else (False,):
-        z = logits.clone().requires_grad_()
+        z = logits.to(DEVICE, copy=True).requires_grad_()
         work = z * 1 if inplace else z  # inplace needs a non-leaf buffer it may overwrite
-        got = ntl_scale.ce_with_ntl(work, labels, vocab, inplace=inplace, **options).loss
+        got = ntl_scale.ce_with_ntl(work, labels.to(DEVICE), vocab, inplace=inplace, **options).loss
         got.backward()
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-6)
         atol = 1e-6 if dtype == torch.float32 else 1e-2 * float(x64.grad.abs().max())
-        torch.testing.assert_close(z.grad.double(), x64.grad, rtol=1e-4 if dtype == torch.float32 else 0, atol=atol)
+        rtol = 1e-4 if dtype == torch.float32 else 0
+        torch.testing.assert_close(z.grad.double().cpu(), x64.grad, rtol=rtol, atol=atol)
     assert kernels_on_cpu["stats"] > 0 and kernels_on_cpu["grad"] > 0
 
 
@@ -382,14 +383,15 @@ def test_linear_ce_with_ntl_uses_the_kernels_and_matches_float64(kernels_on_cpu,
     h64, w64 = (t.double().requires_grad_() for t in (hidden, weight))
     want = _op_reference(h64 @ w64.t(), labels, vocab)
     want.backward()
-    h, w = (t.clone().requires_grad_() for t in (hidden, weight))
-    got = ntl_scale.linear_ce_with_ntl(h, w, labels, vocab, chunk_tokens=4).loss  # chunks 4, 4, 3
+    h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
+    got = ntl_scale.linear_ce_with_ntl(h, w, labels.to(DEVICE), vocab, chunk_tokens=4).loss  # chunks 4, 4, 3
     got.backward()
     rtol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=1e-6)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=rtol, atol=1e-6)
     for a, b in ((h.grad, h64.grad), (w.grad, w64.grad)):
         scale = float(b.abs().max())
-        torch.testing.assert_close(a.double(), b, rtol=0, atol=(1e-5 if dtype == torch.float32 else 2e-2) * scale)
+        atol = (1e-5 if dtype == torch.float32 else 2e-2) * scale
+        torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=atol)
     assert kernels_on_cpu["stats"] == 3 and kernels_on_cpu["grad"] == 3  # one of each per chunk
 
 
