@@ -258,14 +258,19 @@ class ChunkedLossCausalLM(torch.nn.Module):
         self.model.loss_function = value
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, targets: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        **decoder_kwargs: Any,
     ) -> PerTokenTerms:
-        """Per-token terms for next-token ``targets`` aligned with ``input_ids`` (already shifted)."""
+        """Per-token terms for next-token ``targets`` aligned with ``input_ids`` (already shifted);
+        ``decoder_kwargs`` (``position_ids``, ``use_cache``) go to the decoder."""
         if targets is None:
             raise ValueError("ChunkedLossCausalLM.forward needs targets; call .model for logits or generation")
         from .hf_chunked import hidden_state_terms
 
         terms, _ = hidden_state_terms(
-            self.model, self.multiplier, targets, input_ids=input_ids, attention_mask=attention_mask
+            self.model, self.multiplier, targets, input_ids=input_ids, attention_mask=attention_mask, **decoder_kwargs
         )
         return terms

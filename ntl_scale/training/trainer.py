@@ -155,13 +155,17 @@ class Trainer:
     def build_data(self) -> None:
         """The tokenised training set (rank 0 fills the Arrow cache first, the others read it) and the
         generation-evaluation splits."""
-        from .data import eval_sets, train_dataset
+        from .data import eval_sets, packing_summary, train_dataset
 
         cfg = self.cfg
-        self.train_set = train_dataset(cfg.data, self.tokenizer, kind=cfg.model.kind) if self.rank == 0 else None
+        options: dict[str, Any] = {"kind": cfg.model.kind, "seq_length": cfg.train.seq_length}
+        self.train_set = train_dataset(cfg.data, self.tokenizer, **options) if self.rank == 0 else None
         dist.barrier()
         if self.rank != 0:
-            self.train_set = train_dataset(cfg.data, self.tokenizer, kind=cfg.model.kind)
+            self.train_set = train_dataset(cfg.data, self.tokenizer, **options)
+        summary = packing_summary(self.train_set)  # packed corpora: every count of what was left out
+        if summary and self.rank == 0:
+            print(summary, flush=True)
         self.eval_splits = eval_sets(cfg.data)
 
     def make_order(self) -> Any:
@@ -175,11 +179,19 @@ class Trainer:
 
     def build_heldout(self) -> list[dict[str, torch.Tensor]]:
         """This rank's held-out micro-batches for :meth:`evaluate_heldout` (host tensors): the first
-        generation-evaluation split of the question/answer sources."""
+        generation-evaluation split of the question/answer sources; the held-out packed sequences of a
+        pretraining corpus (``data.eval_sequences``)."""
+        from .data import PACKED_SOURCES, heldout_batches
+
+        cfg = self.cfg
+        if cfg.data.source in PACKED_SOURCES:
+            return heldout_batches(
+                cfg.data, self.tokenizer, seq_length=cfg.train.seq_length,
+                micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.dp_rank, dp=self.dp,
+            )  # fmt: skip
         if not self.eval_splits:
             return []
         examples = next(iter(self.eval_splits.values()))
-        cfg = self.cfg
         return heldout_qa_batches(
             examples, self.tokenizer, kind=cfg.model.kind, max_length=cfg.data.max_length,
             micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.dp_rank, dp=self.dp,
@@ -308,9 +320,9 @@ class Trainer:
     def forward_terms(self, batch: dict[str, torch.Tensor], target: torch.Tensor) -> PerTokenTerms:
         """Per-token CE and NTL of one device micro-batch (the logits path, the chunked path, or this
         rank's vocabulary shard under AutoTP)."""
-        inputs: dict[str, torch.Tensor] = {
-            k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch
-        }
+        inputs: dict[str, Any] = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        if "position_ids" in inputs:  # packed documents: HF builds the per-document mask only without a cache
+            inputs["use_cache"] = False
         if self.cfg.model.kind != "causal":  # seq2seq labels already align with the decoder's logits
             inputs["decoder_input_ids"] = self.model.prepare_decoder_input_ids_from_labels(labels=target)
         if self.cfg.train.chunked_loss:
