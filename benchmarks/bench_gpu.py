@@ -358,6 +358,11 @@ def init_tp_group(device: str):
     return dist.new_group([0])
 
 
+def write_markdown(path: str, lines: list[str]) -> None:
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def device_peak_tflops(name: str) -> float | None:
     return next((peak for key, peak in BF16_PEAK_TFLOPS if key in name), None)
 
@@ -499,13 +504,14 @@ def main(argv=None) -> int:
             else:
                 print(f"  T={T} H={H} V={V} {row.name}: not run: {result['skip']}", flush=True)
         results.append({"T": T, "H": H, "V": V, "rows": rows})
+        if args.markdown:  # after each configuration: a run stopped by a time limit keeps what it finished
+            write_markdown(args.markdown, [header, "", *table(results, peak)])
         del x
         if device == "cuda":
             torch.cuda.empty_cache()
     lines = [header, "", *table(results, peak)]
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write_markdown(args.markdown, lines)
     print()
     print("\n".join(lines[2:]))
     return 0
