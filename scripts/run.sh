@@ -13,6 +13,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   export DS_ACCELERATOR=cpu
   gpus=2
+  # one thread per rank unless asked otherwise: CPU float sums depend on the thread count, so the same
+  # seed gives the same numbers on any machine with the same CPU kernels (docs/deepspeed.md, "Reproducibility")
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 echo
 echo "deepspeed launch/train.py --config configs/train/tiny_cpu.yaml $* ($gpus processes)"

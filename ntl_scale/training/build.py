@@ -81,5 +81,9 @@ def build_model(model: ModelConfig, vocab_size: int, ds_config: dict[str, Any], 
                 f"model.gradient_checkpointing=true: {type(built).__name__} does not support activation checkpointing "
                 "in transformers; set it to false"
             )
-        built.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}  # re-entrant checkpointing breaks ZeRO-3's parameter hooks
+        if hasattr(built, "activation_checkpointing_enable"):  # transformers >= 5.2x names it so
+            built.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            built.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return built, keep_alive

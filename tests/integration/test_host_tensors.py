@@ -14,6 +14,7 @@ Sections:
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -85,6 +86,31 @@ def test_no_host_tensor_reaches_the_model_or_a_collective(tmp_path, path):
         assert counts["wrapped"] > 0 and counts["moved"] >= counts["wrapped"] // 2, counts  # the guard was active
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all("eval/ppl" in r for r in rows)
+    if path == "logits":  # the held-out CE equals plain float64 cross entropy of the exported model
+        assert abs(rows[-1]["eval/ce"] - _heldout_ce(run / "hf_model")) <= 1e-5 * rows[-1]["eval/ce"]
+        assert rows[-1]["eval/ppl"] == pytest.approx(math.exp(rows[-1]["eval/ce"]), rel=1e-12)
+
+
+def _heldout_ce(model_dir: Path) -> float:
+    """Mean next-token CE over the answer tokens of the 8 held-out questions, without ntl_scale's loss."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ntl_scale.data.collate import encode_pairs
+    from ntl_scale.training.config import DataConfig
+    from ntl_scale.training.data import eval_sets
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).double().eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    examples = next(iter(eval_sets(DataConfig(eval_examples=8)).values()))
+    inputs, labels = encode_pairs(tokenizer, [e.question for e in examples], [e.answer for e in examples])
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, lab in zip(inputs, labels):
+            logits = model(torch.tensor([ids])).logits[0, :-1]
+            target = torch.tensor(lab[1:])
+            total += float(torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
+            count += int((target != -100).sum())
+    return total / count
 
 
 # ---- 3. the megatron.core example under the guard --------------------------------------------------------
