@@ -1,7 +1,7 @@
 """``deepspeed launch/train.py --config configs/train/tiny_pretrain_cpu.yaml``: pretraining on a packed,
 number-rich text corpus that the test writes, on CPU processes over gloo (ZeRO-2).
 
-Sections (four launches in all, several checks each):
+Sections (sections 1-3: four launches in all, several checks each):
 1. Two processes, 12 steps with document isolation: the packing counts are printed, the loss falls,
    held-out perplexity is in the log and in metrics.jsonl every 4 steps (exp of the held-out CE), the
    progress line shows MFU.
@@ -11,6 +11,8 @@ Sections (four launches in all, several checks each):
 3. The same corpus as a Megatron indexed dataset (written by megatron-core's own builder) trains the
    same sequences: with the chunked loss, which must honour ``position_ids``, the first 4 steps equal
    section 1's logits-path run.
+4. Megatron-LM's own ``tools/preprocess_data.py`` (the real release, ``--append-eod``) writes the same
+   documents as our ``datasets`` path, so both give the same packed sequences.
 """
 
 from __future__ import annotations
@@ -122,3 +124,36 @@ def test_pretrain_packed_text_resume_and_megatron(tmp_path, corpus):
                  "train.chunked_loss=true", "train.loss_chunk_tokens=50", nproc=1)  # fmt: skip
     assert "packed training corpus: " in out.stdout
     _same_curve(rows[:4], _metrics(megatron), 1e-4)
+
+
+def test_megatron_preprocess_data_gives_the_same_documents_and_sequences(tmp_path, corpus):
+    """Megatron-LM's own ``tools/preprocess_data.py`` (``--append-eod``, a Hugging Face tokenizer) and our
+    ``datasets`` path tokenise the corpus to the same documents, so both entries train the same sequences."""
+    import numpy as np
+
+    from ntl_scale.data.hf_datasets import HFDocuments, load_text, tokenize_documents
+    from ntl_scale.data.indexed import IndexedDocuments
+    from ntl_scale.data.packing import PackedSequences
+    from ntl_scale.training.tokenizer import build_char_tokenizer
+    from tests.helpers import megatron_lm as mlm
+
+    tokenizer = build_char_tokenizer()
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(folder)
+    prefix = tmp_path / "numbers"
+    done = mlm.run_tool(
+        mlm.RELEASES[-1], "tools/preprocess_data.py",
+        ["--input", str(corpus), "--output-prefix", str(prefix), "--tokenizer-type", "HuggingFaceTokenizer",
+         "--tokenizer-model", str(folder), "--append-eod", "--workers", "1"],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    theirs = IndexedDocuments(f"{prefix}_text_document")
+    ours = HFDocuments(tokenize_documents(load_text(str(corpus), cache_dir=str(tmp_path / "cache")), tokenizer))
+    assert (theirs.lengths == 0).sum() == (ours.lengths == 0).sum() > 0  # empty texts: empty documents in both
+    assert theirs.lengths.tolist() == ours.lengths.tolist()
+    assert theirs.read(0, len(theirs)).tolist() == ours.read(0, len(ours)).tolist()
+    a, b = PackedSequences(theirs, 64, document_isolation=True), PackedSequences(ours, 64, document_isolation=True)
+    assert len(a) == len(b) > 0
+    for i in range(len(a)):
+        for key in ("input_ids", "labels", "position_ids"):
+            assert np.array_equal(a[i][key], b[i][key]), (i, key)
