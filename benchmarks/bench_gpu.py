@@ -195,12 +195,12 @@ def ce_plus_ntloss(x: Inputs) -> Step:
     return _on_logits(x, loss_fn)
 
 
-def _kernels_off(step: Step) -> Step:
-    """The step with ntl_scale's Triton kernels turned off (the PyTorch code), for the forward and backward."""
+def _with_kernels(step: Step, on: bool) -> Step:
+    """The step with ntl_scale's Triton kernels on or off (the PyTorch code), for the forward and backward."""
     from ntl_scale.kernels.triton_ce_ntl import set_triton_kernels
 
     def wrapped():
-        previous = set_triton_kernels(False)
+        previous = set_triton_kernels(on)
         try:
             return step()
         finally:
@@ -216,7 +216,7 @@ def _ours_logits(x: Inputs, compiled: bool, kernels: bool = True) -> Step:
 
     fn = torch.compile(fn) if compiled else fn
     step = _on_logits(x, lambda z: fn(z, x.labels))
-    return step if kernels else _kernels_off(step)
+    return _with_kernels(step, kernels)
 
 
 def _ours_chunked(x: Inputs, compiled: bool, kernels: bool = True) -> Step:
@@ -226,7 +226,7 @@ def _ours_chunked(x: Inputs, compiled: bool, kernels: bool = True) -> Step:
 
     fn = torch.compile(fn) if compiled else fn
     step = _on_hidden(x, lambda: fn(x.hidden, x.weight, x.labels))
-    return step if kernels else _kernels_off(step)
+    return _with_kernels(step, kernels)
 
 
 CUTEDSL = {"LIGER_KERNEL_IMPL": "cutedsl"}

@@ -19,9 +19,10 @@ in registers:
   of the logits (:meth:`ShardMath.grad_chunk`); with ``coef = 1`` and nothing else it is the
   softmax the chunked op multiplies by the weight. ``out`` may be the logits themselves (in place).
 
-Used only where the logits are on a CUDA device, Triton imports and :func:`set_triton_kernels` has
-not turned it off (:func:`enabled`). On the CPU the tests run the same kernels under Triton's
-interpreter (``TRITON_INTERPRET=1``, set before Triton is imported).
+Opt-in: used only after :func:`set_triton_kernels(True) <set_triton_kernels>`, where the logits are on
+a CUDA device and Triton imports (:func:`enabled`). They are off by default until they have run on a
+GPU: so far they were tested only under Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set
+before Triton is imported; ``docs/kernels.md``).
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ __all__ = [
     "triton_available",
 ]
 
-_ENABLED = True
+_ENABLED = False  # opt-in until the GPU suite (make gpu-check) has run them on a GPU
 
 
 def set_triton_kernels(enabled: bool) -> bool:
-    """Turns the Triton kernels on (default) or off for this process; returns the previous setting.
+    """Turns the Triton kernels on or off (the default) for this process; returns the previous setting.
 
     Off, every op runs its PyTorch code on every device (to compare, or to rule the kernels out).
     """
@@ -73,7 +74,7 @@ def triton_available() -> bool:
 
 
 def enabled(tensor: torch.Tensor) -> bool:
-    """Whether the ops use these kernels for ``tensor``: on CUDA, with Triton, not turned off.
+    """Whether the ops use these kernels for ``tensor``: turned on, on CUDA, with Triton.
 
     Never while ``torch.compile`` traces: Inductor generates its own fused kernels from the PyTorch code.
     """

@@ -6,7 +6,7 @@
    synchronisation raises.
 3. A CUDA graph captures a forward + backward of ``ce_with_ntl`` and replays it with new values; the
    same for the chunked op ``linear_ce_with_ntl``.
-4. The Triton kernels (``ntl_scale/kernels``, on by default on a GPU) against the PyTorch code
+4. The Triton kernels (``ntl_scale/kernels``, opt-in: ``set_triton_kernels(True)``) against the PyTorch code
    (``set_triton_kernels(False)``), both ops, fp32 and bf16, at a vocabulary that spans many blocks.
 """
 

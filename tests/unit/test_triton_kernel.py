@@ -326,6 +326,7 @@ def kernels_on_cpu(monkeypatch):
         calls["grad"] += 1
         return grad(*args, **kwargs)
 
+    monkeypatch.setattr(tk, "_ENABLED", True)
     monkeypatch.setattr(tk, "enabled", lambda tensor: tk._ENABLED and not torch.compiler.is_compiling())
     monkeypatch.setattr(tk, "shard_stats", counted_stats)
     monkeypatch.setattr(tk, "softmax_grad_", counted_grad)
@@ -399,10 +400,15 @@ def test_linear_ce_with_ntl_uses_the_kernels_and_matches_float64(kernels_on_cpu,
 
 
 def test_enabled_only_on_cuda_and_switchable():
-    assert tk.enabled(torch.zeros(1)) is False  # CPU tensors never take the kernel path in the ops
+    assert tk._ENABLED is False  # opt-in until the kernels have run on a GPU
+    previous = tk.set_triton_kernels(True)
+    try:
+        assert previous is False
+        assert tk.enabled(torch.zeros(1)) is False  # CPU tensors never take the kernel path in the ops
+    finally:
+        tk.set_triton_kernels(previous)
     previous = tk.set_triton_kernels(False)
     try:
-        assert previous is True
         if torch.cuda.is_available():
             assert tk.enabled(torch.zeros(1, device="cuda")) is False
     finally:
