@@ -62,6 +62,7 @@ COMMON = (
     "train.warmup_steps=2", "train.lr_decay=constant", "train.log_every=4", "train.eval_every=4",
     "data.eval_sequences=4", "data.document_isolation=true", "tracking.wandb=disabled", "tracking.plot=false",
     "eval.at_end=false",
+    "train.peak_tflops=1.0",  # a nominal peak (CPUs have no table entry): the MFU column is then printed
 )  # fmt: skip
 
 
