@@ -73,6 +73,8 @@ def build_model(model: ModelConfig, vocab_size: int, ds_config: dict[str, Any], 
         ids["bos_token_id"] = ids["bos_token_id"] if ids["bos_token_id"] is not None else ids["eos_token_id"]
         if model.kind == "seq2seq":
             ids["decoder_start_token_id"] = ids["pad_token_id"]  # T5's convention
+        arch.pop("vocab_size", None)  # model_vocab_size already read it into vocab_size
+        ids = {k: v for k, v in ids.items() if k not in arch}  # token ids the architecture names win
         config = transformers.AutoConfig.for_model(arch.pop("model_type"), vocab_size=vocab_size, **ids, **arch)
         built = auto.from_config(config, attn_implementation=model.attn_implementation)
     if model.gradient_checkpointing:

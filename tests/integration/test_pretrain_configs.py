@@ -127,13 +127,6 @@ def _launch(config: Path, run_dir: Path, overrides: tuple[str, ...]) -> subproce
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="ntl_scale/training/build.py passes vocab_size twice when model.architecture names it (TypeError: "
-    "AutoConfig.for_model() got multiple values for keyword argument 'vocab_size'); remove this marker with "
-    "the fix (arch.pop('vocab_size', None) in build_model)",
-)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_configs_take_two_steps_at_reduced_size(tmp_path, family):
     pytest.importorskip("deepspeed")

@@ -125,3 +125,13 @@ def test_heldout_batches_are_dealt_evenly_over_ranks():
     assert len(rows) == len(set(rows)) == 10
     moved = to_device(parts[0][0], torch.device("cpu"))
     assert set(moved) == {"input_ids", "attention_mask", "labels"}
+
+
+def test_architecture_may_name_its_vocabulary_and_token_ids():
+    from ntl_scale.training.build import build_model, build_tokenizer, model_vocab_size
+
+    arch = {"model_type": "gpt2", "n_embd": 16, "n_layer": 1, "n_head": 2, "vocab_size": 96, "bos_token_id": 5}
+    cfg = ModelConfig(architecture=arch)
+    assert model_vocab_size(cfg) == 96
+    model, _ = build_model(cfg, 96, {"train_micro_batch_size_per_gpu": 1}, build_tokenizer(cfg))
+    assert model.config.vocab_size == 96 and model.config.bos_token_id == 5
