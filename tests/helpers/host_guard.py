@@ -157,6 +157,19 @@ def install(files: set[str] | None = None) -> None:
 
     collate_module.collate = collate
     ntl_scale.data.collate = collate  # type: ignore[attr-defined]  # the package re-exports the function
+    # packed pretraining batches (data.source=text/megatron) are stacked by collate_packed, which
+    # ntl_scale.training.data imported by name: wrap it where the loop looks it up
+    import ntl_scale.data.packing as packing_module
+    import ntl_scale.training.data as training_data
+
+    stack = packing_module.collate_packed
+
+    @functools.wraps(stack)
+    def collate_packed(*args: Any, **kwargs: Any) -> Any:
+        return _wrap(stack(*args, **kwargs))
+
+    packing_module.collate_packed = collate_packed
+    training_data.collate_packed = collate_packed  # type: ignore[attr-defined]
     report = os.environ.get("NTL_HOST_GUARD_REPORT")
     if report:
 

@@ -8,7 +8,8 @@ and the collectives refuse them (checked to fail on the pre-Trainer ``launch/tra
 Sections:
 1. The guard itself: a use raises, a device move returns a plain tensor, a collective refuses it.
 2. Real two-process DeepSpeed runs under the guard: the logits path (ZeRO-3, accumulation 2, held-out
-   evaluation, generation), the chunked loss, and AutoTP's vocabulary-parallel path (TP=2).
+   evaluation, generation), the chunked loss, AutoTP's vocabulary-parallel path (TP=2), and packed
+   text pretraining (``collate_packed`` batches with ``position_ids``, held-out text batches).
 """
 
 from __future__ import annotations
@@ -69,7 +70,11 @@ PATHS = {
     "logits": ("train.micro_batch_size=4", "train.gradient_accumulation_steps=2"),
     "chunked": ("train.micro_batch_size=4", "train.chunked_loss=true", "train.loss_chunk_tokens=16"),
     "tp": ("--config", str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"), "train.micro_batch_size=4"),
-}
+    # packed text (collate_packed, position_ids for document isolation, held-out text batches)
+    "packed": ("--config", str(ROOT / "configs" / "train" / "tiny_pretrain_cpu.yaml"), "train.seq_length=32",
+               "train.micro_batch_size=2", "train.global_batch_size=8", "data.eval_sequences=4",
+               "data.document_isolation=true", "eval.at_end=false"),
+}  # fmt: skip
 
 
 @pytest.mark.distributed
@@ -77,7 +82,14 @@ PATHS = {
 def test_no_host_tensor_reaches_the_model_or_a_collective(tmp_path, path):
     pytest.importorskip("deepspeed")
     run = tmp_path / path
-    out = _guarded_train(run, *COMMON, *PATHS[path])
+    overrides = PATHS[path]
+    if path == "packed":
+        from tests.integration.test_train_pretrain import corpus_texts
+
+        corpus = tmp_path / "numbers.jsonl"
+        corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts(60)))
+        overrides = (*overrides, f"data.train_path={corpus}")
+    out = _guarded_train(run, *COMMON, *overrides)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
     assert "HostTensorError" not in text
