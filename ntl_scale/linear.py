@@ -256,11 +256,15 @@ def _accumulate(
     """
     if product is None:
         acc.addmm_(coef.t(), rows, alpha=span)
-    elif acc.is_cuda and acc.dtype == torch.float32:
-        # one GEMM with half-precision inputs and an fp32 output that adds the accumulator in its
-        # epilogue: no extra [V, H] pass per chunk (the fallback below re-reads the accumulator)
-        torch.addmm(acc, coef.to(rows.dtype).t(), rows, alpha=span, out_dtype=torch.float32, out=acc)
     else:
+        if acc.is_cuda and acc.dtype == torch.float32 and not torch.compiler.is_compiling():
+            # one GEMM with half-precision inputs and an fp32 output that adds the accumulator in its
+            # epilogue: no extra [V, H] pass per chunk (the path below re-reads the accumulator)
+            try:
+                torch.addmm(acc, coef.to(rows.dtype).t(), rows, alpha=span, out_dtype=torch.float32, out=acc)
+                return
+            except RuntimeError:  # a torch or GPU without the fp32-output half-precision GEMM
+                pass
         torch.mm(coef.to(product.dtype).t(), rows, out=product)
         acc.add_(product, alpha=span)
 
