@@ -217,7 +217,7 @@ class TrainConfig:
     tensor_parallel_size: int = 1
     """DeepSpeed AutoTP size: the model and its output layer are split over this many ranks, the
     vocabulary too (CE + NTL on the local shard); the world size must be a multiple of it, the rest is
-    data parallel. Needs a ZeRO stage 0, 1 or 2 DeepSpeed JSON and a model AutoTP can split."""
+    data parallel. Works with ZeRO stages 0-3 (stage 3 needs DeepSpeed >= 0.19.4) and a model AutoTP can split."""
 
     def __post_init__(self) -> None:
         if self.seq_length < 2:
