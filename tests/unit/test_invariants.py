@@ -276,17 +276,22 @@ def _run(path, *args, monkeypatch=None, **kwargs):
 # ---------------------------------------------------------------------------------- 1. the repro
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_the_review_repro_global_equals_micro_batch_for_number_level(path, monkeypatch):
-    vocab = _vocab()
-    labels, logits = _repro()
-    variant = dict(loss="number")
+def _global_equals_micro_batch(path, vocab, labels, logits, variant, monkeypatch) -> None:
+    """Both normalisations of one micro-batch on one rank give the float64 reference's value and gradient."""
     want_value, want_grad = _reference_grad(vocab, labels, logits, variant)
     for normalization in ("micro-batch", "global"):
         value, grad = _run(path, vocab, labels, logits, variant, normalization, monkeypatch=monkeypatch)
         torch.testing.assert_close(grad, want_grad, atol=1e-12, rtol=1e-9, msg=f"{path} {normalization}")
         if value is not None:
             torch.testing.assert_close(value, float(want_value), atol=1e-12, rtol=1e-9)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_review_repro_global_equals_micro_batch_for_number_level(path, monkeypatch):
+    vocab = _vocab()
+    labels, logits = _repro()
+    variant = dict(loss="number")
+    _global_equals_micro_batch(path, vocab, labels, logits, variant, monkeypatch)
 
 
 # ---------------------------------------------------------------------------------- 2. one micro-batch
@@ -297,12 +302,7 @@ def test_the_review_repro_global_equals_micro_batch_for_number_level(path, monke
 def test_global_equals_micro_batch_for_one_micro_batch_on_one_rank(path, variant, monkeypatch):
     vocab = _vocab()
     labels, logits = _batch(rows=1, seed=2)
-    want_value, want_grad = _reference_grad(vocab, labels, logits, variant)
-    for normalization in ("micro-batch", "global"):
-        value, grad = _run(path, vocab, labels, logits, variant, normalization, monkeypatch=monkeypatch)
-        torch.testing.assert_close(grad, want_grad, atol=1e-12, rtol=1e-9, msg=f"{path} {normalization}")
-        if value is not None:
-            torch.testing.assert_close(value, float(want_value), atol=1e-12, rtol=1e-9)
+    _global_equals_micro_batch(path, vocab, labels, logits, variant, monkeypatch)
 
 
 # ---------------------------------------------------------------------------------- 3. splits
