@@ -45,6 +45,20 @@ sys.path.insert(0, ROOT)
 from ntl_scale.eval.numbers import extract_number  # noqa: E402
 
 METRICS = ("accuracy", "mae", "log_mae", "r2")
+"""Metrics of a split answered by generation (``predictions_<split>.jsonl``)."""
+HELDOUT_METRICS = ("text_ppl", "number_token_ppl", "number_token_acc", "number_token_mae", "ppl")
+"""Metrics of a pretraining corpus's held-out text (split ``heldout``; ``heldout_sequences.jsonl``)."""
+SEQUENCE_TESTS = {  # held-out metric: (per-sequence value from heldout_sequences.jsonl, lower is better)
+    "text_ppl": (lambda r: (r["ce_sum"] - r["number_ce_sum"]) / (r["tokens"] - r["number_tokens"]), True),
+    "number_token_ppl": (lambda r: r["number_ce_sum"] / r["number_tokens"], True),
+    "number_token_acc": (lambda r: r["number_hits"] / r["number_tokens"], False),
+    "number_token_mae": (lambda r: r["number_abs_error_sum"] / r["number_tokens"], True),
+}
+
+
+def metrics_of(split: dict[str, Any]) -> tuple[str, ...]:
+    """The metrics tabulated for one split of an ``eval.json``."""
+    return METRICS if "accuracy" in split else tuple(m for m in HELDOUT_METRICS if m in split)
 
 
 def load_preset(path: str) -> dict[str, Any]:
@@ -105,8 +119,8 @@ def run_all(preset: dict[str, Any], out: str) -> dict[str, list[str]]:
             raise SystemExit(f"[study] prepare step failed: {command}")
     runs: dict[str, list[str]] = {}
     todo = []
-    for arm, overrides in preset["arms"].items():
-        for seed in preset["seeds"]:
+    for seed in preset["seeds"]:  # seed by seed: a study stopped early has every arm at the same seeds
+        for arm, overrides in preset["arms"].items():
             run_dir = os.path.join(out, slug(arm), f"seed{seed}")
             runs.setdefault(arm, []).append(run_dir)
             if os.path.isfile(os.path.join(run_dir, "eval.json")):
@@ -168,7 +182,7 @@ def aggregate(runs: dict[str, list[str]]) -> dict[str, Any]:
         table[arm] = {}
         for split in evals[0]:
             table[arm][split] = {}
-            for metric in METRICS:
+            for metric in metrics_of(evals[0][split]):
                 values = [e[split].get(metric) for e in evals]
                 mean, spread = _mean_spread(values)
                 table[arm][split][metric] = {"mean": mean, "std": spread, "seeds": values}
@@ -204,7 +218,7 @@ def paired_tests(runs: dict[str, list[str]], table: dict[str, Any], baseline: st
         out[arm] = {}
         for split in table[arm]:
             result: dict[str, Any] = {}
-            for metric in METRICS:
+            for metric in table[arm][split]:
                 a, b = table[arm][split][metric]["seeds"], table[baseline][split][metric]["seeds"]
                 pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None and math.isfinite(x + y)]
                 diff = [x - y for x, y in pairs]
@@ -212,6 +226,11 @@ def paired_tests(runs: dict[str, list[str]], table: dict[str, Any], baseline: st
                 if len(pairs) > 1 and any(d != diff[0] for d in diff):
                     p = float(stats.ttest_rel([x for x, _ in pairs], [y for _, y in pairs]).pvalue)
                 result[metric] = {"mean_diff": statistics.fmean(diff) if diff else math.nan, "p_seed_t": p}
+            if not os.path.isfile(os.path.join(dirs[0], f"predictions_{split}.jsonl")):
+                if split == "heldout":
+                    _sequence_tests(result, dirs, runs[baseline])
+                out[arm][split] = result
+                continue
             only_arm = only_base = 0
             better = []
             for run, base in zip(dirs, runs[baseline]):
@@ -236,6 +255,33 @@ def paired_tests(runs: dict[str, list[str]], table: dict[str, Any], baseline: st
     return out
 
 
+def _sequence_tests(result: dict[str, Any], dirs: list[str], base_dirs: list[str]) -> None:
+    """Per held-out sequence, pooled over seeds: a Wilcoxon signed-rank test of each held-out metric's
+    per-sequence value, arm against baseline (the same sequences: the corpus and its held-out part do
+    not depend on the seed). Adds ``wilcoxon`` = {n, arm_better, p} to the metrics in ``result``."""
+    from scipy import stats
+
+    for metric, (value, lower_better) in SEQUENCE_TESTS.items():
+        if metric not in result:
+            continue
+        diffs = []
+        for run, base in zip(dirs, base_dirs):
+            rows = _read_jsonl(os.path.join(run, "heldout_sequences.jsonl"))
+            base_rows = _read_jsonl(os.path.join(base, "heldout_sequences.jsonl"))
+            if [r["sequence"] for r in rows] != [r["sequence"] for r in base_rows]:
+                raise SystemExit(f"{run} and {base} hold out different sequences; cannot pair them")
+            for r, r0 in zip(rows, base_rows):
+                if r["number_tokens"] > 0 and r["tokens"] > r["number_tokens"]:
+                    d = value(r) - value(r0)
+                    if d != 0:
+                        diffs.append(d)
+        result[metric]["wilcoxon"] = {
+            "n": len(diffs),
+            "arm_better": sum((d < 0) == lower_better for d in diffs),
+            "p": float(stats.wilcoxon(diffs).pvalue) if len(diffs) > 1 else math.nan,
+        }
+
+
 def _p(p: float) -> str:
     return "n/a" if not math.isfinite(p) else ("< 0.001" if p < 0.001 else f"{p:.3f}")
 
@@ -246,6 +292,9 @@ def markdown(table: dict[str, Any], preset_path: str, seeds: list[int], tests: d
     lines = [f"Preset `{preset_path}`, {len(seeds)} seeds ({', '.join(map(str, seeds))}); mean +- standard "
              "deviation over seeds.", ""]  # fmt: skip
     for split in splits:
+        if "accuracy" not in next(iter(table.values()))[split]:
+            lines += _heldout_markdown(table, split, tests, baseline)
+            continue
         lines += [f"**{split}**", "", "| arm | accuracy | MAE | log-MAE | R^2 |", "|---|---:|---:|---:|---:|"]
         for arm, splits_of_arm in table.items():
             cells = []
@@ -281,6 +330,33 @@ def markdown(table: dict[str, Any], preset_path: str, seeds: list[int], tests: d
     return "\n".join(lines)
 
 
+def _heldout_markdown(table: dict[str, Any], split: str, tests: dict[str, Any], baseline: str) -> list[str]:
+    """The held-out text table: each metric's mean +- std over seeds, then the paired tests."""
+    metrics = list(next(iter(table.values()))[split])
+    lines = [f"**{split}** (held-out text; ppl: perplexity)", "", "| arm | " + " | ".join(metrics) + " |",
+             "|---|" + "---:|" * len(metrics)]  # fmt: skip
+    for arm, per_split in table.items():
+        cells = [f"{per_split[split][m]['mean']:.4g} +- {per_split[split][m]['std']:.2g}" for m in metrics]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    if tests:
+        lines += [
+            "",
+            f"Paired against {baseline} ({split}): a Wilcoxon signed-rank test on each held-out sequence's value "
+            "(pooled over seeds; 'better' = lower perplexity or error, higher accuracy) and a paired t-test over "
+            "the seeds.",
+            "",
+            "| arm | metric | diff | better / pairs | Wilcoxon p | t-test p |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for arm, per_split in tests.items():
+            for metric, t in per_split[split].items():
+                wx = t.get("wilcoxon")
+                better = f"{wx['arm_better']} / {wx['n']}" if wx else ""
+                lines.append(f"| {arm} | {metric} | {t['mean_diff']:+.4g} | {better} | {_p(wx['p']) if wx else ''} "
+                             f"| {_p(t['p_seed_t'])} |")  # fmt: skip
+    return [*lines, ""]
+
+
 def _predictions(dirs: list[str], split: str) -> list[dict[str, Any]]:
     rows = []
     for d in dirs:
@@ -314,8 +390,12 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
         ax.legend()
     _save(fig, os.path.join(out, "loss_curves.png"), written)
 
-    # error by number of digits of the true answer
-    splits = ("interpolate", "extrapolate")
+    # error by number of digits of the true answer, for the splits answered by generation
+    first = next(iter(runs.values()))[0]
+    splits = tuple(s for s in _read_json(os.path.join(first, "eval.json"))
+                   if os.path.isfile(os.path.join(first, f"predictions_{s}.jsonl")))  # fmt: skip
+    if not splits:
+        return written
     fig, axes = plt.subplots(2, len(splits), figsize=(11, 7), squeeze=False)
     for col, split in enumerate(splits):
         for arm, dirs in runs.items():

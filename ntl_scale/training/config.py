@@ -108,7 +108,8 @@ class DataConfig:
     ``text``: a ``.jsonl``/``.json``/``.parquet`` file, a folder of them, or a ``save_to_disk`` folder.
     ``megatron``: the path prefix (``PREFIX.bin`` and ``PREFIX.idx``)."""
     eval_path: str | None = None
-    """Evaluation file for ``deepmind``/``jsonl`` sources."""
+    """Evaluation file for ``deepmind``/``jsonl`` sources; for the packed sources (``text``,
+    ``megatron``) a JSON-lines file of ``{question, answer}`` asked by greedy generation at the end."""
     train_examples: int = 4000
     """Generated training examples (``arithmetic``)."""
     eval_examples: int = 64
@@ -272,6 +273,10 @@ class EvalConfig:
     """1 = greedy; more = beam search."""
     at_end: bool = True
     """Evaluate after the last step."""
+    answer_until: str | None = None
+    """Cut each generated answer at the first occurrence of this text before its number is read (the
+    reader takes the last number of the answer): ``"\n"`` for a corpus whose answer lines are followed
+    by the next question."""
 
 
 @dataclass

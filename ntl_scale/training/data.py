@@ -119,10 +119,15 @@ def train_dataset(cfg: DataConfig, tokenizer: Any, *, kind: str = "causal", seq_
 
 
 def eval_sets(cfg: DataConfig) -> dict[str, list[Example]]:
-    """Named evaluation splits, ``eval_examples`` questions each (read lazily: only those are parsed);
-    none for the packed sources (they are evaluated by loss and perplexity, :func:`heldout_batches`)."""
+    """Named evaluation splits, ``eval_examples`` questions each (read lazily: only those are parsed).
+    The packed sources are evaluated by loss and perplexity (:func:`heldout_batches`), and by greedy
+    answers to the ``{question, answer}`` JSON lines of ``data.eval_path`` when one is given (split
+    ``questions``; prompted as the question and a space, like every causal source)."""
     if cfg.source in PACKED_SOURCES:
-        return {}
+        if not cfg.eval_path:
+            return {}
+        rows = load_qa("jsonl", cfg.eval_path, streaming=True).take(cfg.eval_examples)
+        return {"questions": [Example(r["question"], r["answer"], os.path.basename(cfg.eval_path)) for r in rows]}
     if cfg.source == "arithmetic":
         splits = ("interpolate", "extrapolate")
         return {s: generate(cfg.eval_examples, s, seed=cfg.seed, config=_task(cfg)) for s in splits}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -12,7 +13,71 @@ import torch
 from ..data.arithmetic import Example
 from ..eval.numbers import extract_number, number_metrics
 
-__all__ = ["evaluate_generation"]
+__all__ = ["HELDOUT_COLUMNS", "evaluate_generation", "heldout_metrics", "sequence_stats"]
+
+HELDOUT_COLUMNS = (
+    "ce_sum", "ntl_sum", "tokens", "ntl_positions", "ntl_hits",
+    "number_tokens", "number_ce_sum", "number_hits", "number_abs_error_sum",
+)  # fmt: skip
+"""The per-sequence sums of :func:`sequence_stats`, in column order."""
+
+
+def sequence_stats(
+    terms: Any, targets: torch.Tensor, vocab: Any, abs_error: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Held-out sums per sequence, float64 ``[sequences, len(HELDOUT_COLUMNS)]``, on the terms' device.
+
+    ``terms`` are the per-token CE and NTL of the run's own variant (:class:`~ntl_scale.PerTokenTerms`);
+    ``ntl_positions`` / ``ntl_hits`` count where that variant puts NTL (for ``loss="number"``: first
+    digits). The ``number_*`` columns count every label that is a number token, whatever the variant,
+    so runs with different losses are measured alike: CE on them, arg-max hits over the whole
+    vocabulary, and the absolute error of the expected value over the number tokens (``abs_error``:
+    per-token NTL-MAE, 0 elsewhere; the column is 0 when it is not given). Nothing is read on the host.
+    """
+    valid = targets != -100
+    numbers = valid & vocab.number_mask(targets)
+    per_token = [
+        terms.ce * valid, terms.ntl, valid, terms.number_mask, terms.hit & terms.number_mask,
+        numbers, terms.ce * numbers, terms.hit & numbers,
+        abs_error * numbers if abs_error is not None else torch.zeros_like(terms.ce),
+    ]  # fmt: skip
+    flat = [t.reshape(t.shape[0], -1).double().sum(-1) for t in per_token]
+    return torch.stack(flat, dim=-1)
+
+
+def heldout_metrics(totals: list[float], weight: float, *, with_abs_error: bool = True) -> dict[str, float]:
+    """The held-out metrics of summed :func:`sequence_stats` columns (``{}`` without tokens).
+
+    ``ce``, ``ppl`` = exp(ce), ``ntl`` and ``number_acc`` (over the variant's NTL positions), ``loss`` =
+    ce + weight * ntl (the training objective); on labels that are not number tokens ``text_ce`` and
+    ``text_ppl`` (what NTL may cost on text); on number-token labels ``number_token_ce``,
+    ``number_token_ppl``, ``number_token_acc`` and ``number_token_mae`` (|expected value - true value|).
+    """
+    col = dict(zip(HELDOUT_COLUMNS, totals))
+    tokens, numbers = col["tokens"], col["number_tokens"]
+    if tokens == 0:
+        return {}
+    ce, ntl = col["ce_sum"] / tokens, col["ntl_sum"] / max(col["ntl_positions"], 1)
+    text_tokens = tokens - numbers
+    text_ce = (col["ce_sum"] - col["number_ce_sum"]) / max(text_tokens, 1)
+    number_ce = col["number_ce_sum"] / max(numbers, 1)
+    out = {
+        "loss": ce + weight * ntl,
+        "ce": ce,
+        "ppl": math.exp(min(ce, 700.0)),
+        "ntl": ntl,
+        "number_acc": col["ntl_hits"] / max(col["ntl_positions"], 1),
+        "tokens": int(tokens),
+        "text_ce": text_ce,
+        "text_ppl": math.exp(min(text_ce, 700.0)),
+        "number_token_ce": number_ce,
+        "number_token_ppl": math.exp(min(number_ce, 700.0)),
+        "number_token_acc": col["number_hits"] / max(numbers, 1),
+        "number_tokens": int(numbers),
+    }
+    if with_abs_error:
+        out["number_token_mae"] = col["number_abs_error_sum"] / max(numbers, 1)
+    return out
 
 
 @torch.no_grad()
@@ -27,6 +92,7 @@ def evaluate_generation(
     batch_size: int = 32,
     synced_gpus: bool = False,
     predictions_path: str | None = None,
+    answer_until: str | None = None,
 ) -> dict[str, float]:
     """Generates an answer per question and scores the numbers in them.
 
@@ -41,6 +107,8 @@ def evaluate_generation(
         batch_size: questions per generate call.
         synced_gpus: keep ZeRO-3 ranks in step during generation.
         predictions_path: where to write one JSON line per example (question, answer, generated, parsed).
+        answer_until: cut each answer at the first occurrence of this text before the number is read
+            (``generated`` in the predictions keeps the whole continuation).
 
     Returns:
         :func:`ntl_scale.eval.number_metrics` of the parsed answers.
@@ -69,7 +137,8 @@ def evaluate_generation(
                 out = out[:, enc["input_ids"].shape[1] :]
             for example, ids in zip(chunk, out):
                 text = tokenizer.decode(ids, skip_special_tokens=True)
-                rows.append((example, text, extract_number(text)))
+                answer = text.split(answer_until, 1)[0] if answer_until else text
+                rows.append((example, text, extract_number(answer)))
     finally:
         tokenizer.padding_side = side
         model.train(was_training)

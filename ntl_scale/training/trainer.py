@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import socket
 import time
@@ -30,7 +29,7 @@ import torch.distributed as dist
 from ..data.arithmetic import Example
 from ..data.collate import collate, encode_pairs, fits
 from ..eval.numbers import extract_number
-from ..losses import PerTokenTerms, per_token_ce_ntl
+from ..losses import NTLOptions, PerTokenTerms, per_token_ce_ntl
 from ..number_vocab import NumberVocab, pad_vocab_size
 from .build import build_model, build_tokenizer, model_vocab_size
 from .config import RunConfig
@@ -99,6 +98,8 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
         self.metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+        self.sequences_path = os.path.join(cfg.run_dir, "heldout_sequences.jsonl")
+        self.final_heldout: dict[str, float] = {}
         self.shard: Any = None
         self.tp_group: Any = None
         self.vocab_start: int | None = None
@@ -317,19 +318,41 @@ class Trainer:
         """What the logits at each position are scored against (causal: the next token)."""
         return shift_for_causal(batch["labels"]) if self.cfg.model.kind == "causal" else batch["labels"]
 
-    def forward_terms(self, batch: dict[str, torch.Tensor], target: torch.Tensor) -> PerTokenTerms:
-        """Per-token CE and NTL of one device micro-batch (the logits path, the chunked path, or this
-        rank's vocabulary shard under AutoTP)."""
+    def model_inputs(self, batch: dict[str, torch.Tensor], target: torch.Tensor) -> dict[str, Any]:
+        """The model's keyword arguments for one device micro-batch."""
         inputs: dict[str, Any] = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
         if "position_ids" in inputs:  # packed documents: HF builds the per-document mask only without a cache
             inputs["use_cache"] = False
         if self.cfg.model.kind != "causal":  # seq2seq labels already align with the decoder's logits
             inputs["decoder_input_ids"] = self.model.prepare_decoder_input_ids_from_labels(labels=target)
+        return inputs
+
+    def terms_of_logits(self, logits: torch.Tensor, target: torch.Tensor, options: NTLOptions | None = None,
+                        **kwargs: Any) -> PerTokenTerms:  # fmt: skip
+        """Per-token terms of logits (with TP: this rank's vocabulary shard); default: the run's variant."""
+        options = ntl_options(self.cfg.ntl) if options is None else options
+        return per_token_ce_ntl(logits, target, self.vocab, options, tp_group=self.tp_group,
+                                vocab_start=self.vocab_start, **kwargs)  # fmt: skip
+
+    def forward_terms(self, batch: dict[str, torch.Tensor], target: torch.Tensor) -> PerTokenTerms:
+        """Per-token CE and NTL of one device micro-batch (the logits path, the chunked path, or this
+        rank's vocabulary shard under AutoTP)."""
+        inputs = self.model_inputs(batch, target)
         if self.cfg.train.chunked_loss:
             return PerTokenTerms(*self.engine(**inputs, targets=target))
-        logits = self.engine(**inputs).logits  # with TP: this rank's vocabulary shard
-        return per_token_ce_ntl(logits, target, self.vocab, ntl_options(self.cfg.ntl), tp_group=self.tp_group,
-                                vocab_start=self.vocab_start)  # fmt: skip
+        return self.terms_of_logits(self.engine(**inputs).logits, target)
+
+    def heldout_terms(
+        self, batch: dict[str, torch.Tensor], target: torch.Tensor
+    ) -> tuple[PerTokenTerms, torch.Tensor | None]:
+        """:meth:`forward_terms` and, on the logits path, the per-token absolute error of the expected
+        value over the number tokens (NTL-MAE of the same logits; ``None`` with the chunked loss, whose
+        head computes the run's own variant only)."""
+        if self.cfg.train.chunked_loss:
+            return self.forward_terms(batch, target), None
+        logits = self.engine(**self.model_inputs(batch, target)).logits
+        mae = self.terms_of_logits(logits, target, NTLOptions(loss="mae"), need_ce=False).ntl
+        return self.terms_of_logits(logits, target), mae
 
     @staticmethod
     def tokens_read(batch: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
@@ -394,38 +417,58 @@ class Trainer:
     # ---- evaluation -----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate_heldout(self, batches: Iterable[dict[str, torch.Tensor]] | None = None) -> dict[str, float]:
-        """Loss and perplexity on held-out micro-batches (this rank's share; default :attr:`heldout`).
+    def evaluate_heldout(
+        self, batches: Iterable[dict[str, torch.Tensor]] | None = None, *, per_sequence: str | None = None
+    ) -> dict[str, float]:
+        """Loss, perplexity and number metrics on held-out micro-batches (this rank's share; default
+        :attr:`heldout`), summed over every data-parallel rank.
 
-        Returns ``eval/ce`` (mean CE per target token), ``eval/ppl`` = exp(``eval/ce``), ``eval/ntl``
-        (mean per number target), ``eval/loss`` = ``eval/ce + ntl.weight * eval/ntl`` (the training
-        objective), ``eval/number_acc``; sums over every data-parallel rank. Every rank must call it with
-        the same number of batches (ZeRO-3 gathers parameters in each forward).
+        Returns ``eval/<name>`` for each metric of :func:`~ntl_scale.training.evaluate.heldout_metrics`:
+        ``ce``, ``ppl``, ``ntl``, ``loss`` (the training objective), ``number_acc``, and split by label
+        kind ``text_ppl`` (labels that are not number tokens) and ``number_token_ppl`` /
+        ``number_token_acc`` / ``number_token_mae`` (number-token labels; the MAE of the expected value
+        on the logits path only). ``per_sequence``: a file that rank 0 writes with every held-out
+        sequence's sums (JSON lines, by global sequence index: the paired tests of the study). Every rank
+        must call it with the same number of batches (ZeRO-3 gathers parameters in each forward).
         """
+        from .evaluate import HELDOUT_COLUMNS, heldout_metrics, sequence_stats
+
         batches = self.heldout if batches is None else batches
-        totals = torch.zeros(5, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(len(HELDOUT_COLUMNS), dtype=torch.float64, device=self.device)
+        rows: list[torch.Tensor] = []
         self.engine.eval()
         try:
             for host in batches:
                 batch = to_device(host, self.device)
                 target = self.targets_of(batch)
-                _, stats = loss_from_terms(self.forward_terms(batch, target), target, self.cfg.ntl, counts=(1.0, 1.0))
-                totals += stats
+                terms, abs_error = self.heldout_terms(batch, target)
+                stats = sequence_stats(terms, target, self.vocab, abs_error)
+                totals += stats.sum(0)
+                if per_sequence:
+                    rows.append(stats)
         finally:
             self.engine.train()
         dist.all_reduce(totals, group=self.dp_group)
-        ce_sum, ntl_sum, tokens, numbers, hits = totals.cpu().tolist()
-        if tokens == 0:
-            return {}
-        ce, ntl = ce_sum / tokens, ntl_sum / max(numbers, 1)
-        return {
-            "eval/loss": ce + self.cfg.ntl.weight * ntl,
-            "eval/ce": ce,
-            "eval/ppl": math.exp(min(ce, 700.0)),
-            "eval/ntl": ntl,
-            "eval/number_acc": hits / max(numbers, 1),
-            "eval/tokens": int(tokens),
-        }
+        if per_sequence:
+            self.write_sequence_stats(per_sequence, torch.cat(rows).cpu().tolist() if rows else [])
+        metrics = heldout_metrics(totals.cpu().tolist(), self.cfg.ntl.weight,
+                                  with_abs_error=not self.cfg.train.chunked_loss)  # fmt: skip
+        return {f"eval/{k}": v for k, v in metrics.items()}
+
+    def write_sequence_stats(self, path: str, rows: list[list[float]]) -> None:
+        """Rank 0 writes every data-parallel rank's held-out sequence sums to ``path``, ordered by the
+        sequence's index in the held-out set (rank ``r``'s ``i``-th is sequence ``r + dp * i``)."""
+        from .evaluate import HELDOUT_COLUMNS
+
+        shares: list[Any] = [None] * self.dp
+        dist.all_gather_object(shares, (self.dp_rank, rows), group=self.dp_group)
+        if self.rank != 0:
+            return
+        indexed = sorted((r + self.dp * i, row) for r, share in shares for i, row in enumerate(share))
+        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+            for index, row in indexed:
+                f.write(json.dumps({"sequence": index, **dict(zip(HELDOUT_COLUMNS, row))}) + "\n")
+        os.replace(f"{path}.tmp", path)
 
     def evaluate_generation(self) -> dict[str, dict[str, float]]:
         """Answers generated for each held-out question split and scored (every rank generates the same)."""
@@ -439,7 +482,7 @@ class Trainer:
                 results[split] = evaluate_generation(
                     self.model, self.tokenizer, examples, kind=self.cfg.model.kind,
                     max_new_tokens=self.cfg.eval.max_new_tokens, num_beams=self.cfg.eval.num_beams,
-                    synced_gpus=self.world > 1, predictions_path=path,
+                    synced_gpus=self.world > 1, predictions_path=path, answer_until=self.cfg.eval.answer_until,
                 )  # fmt: skip
         return results
 
@@ -533,6 +576,12 @@ class Trainer:
                 json.dump(results, f, indent=2)
             sizes = {split: len(examples) for split, examples in self.eval_splits.items()}
             print_summary(cfg.run_dir, results, sizes)
+            if "heldout" in results:
+                m = results["heldout"]
+                mae = f"  number-token MAE {m['number_token_mae']:.3f}" if "number_token_mae" in m else ""
+                print(f"\nheld-out text ({m['tokens']} tokens): ppl {m['ppl']:.3f}  text ppl {m['text_ppl']:.3f}  "
+                      f"number-token ppl {m['number_token_ppl']:.3f}  number-token acc {m['number_token_acc']:.3f}"
+                      f"{mae}  ({cfg.run_dir}/heldout_sequences.jsonl)")  # fmt: skip
 
     def run(self) -> dict[str, Any]:
         """Set-up, the steps (with held-out evaluation every ``train.eval_every`` steps and checkpoints
@@ -548,14 +597,21 @@ class Trainer:
                     flush=True,
                 )
             return {"finished_before": self.start_step, "history": []}
+        from .data import PACKED_SOURCES
+
+        packed = cfg.data.source in PACKED_SOURCES
         self.open_logs()
         for step in range(self.start_step + 1, steps + 1):
             row = self.train_step(step)
             every = cfg.train.eval_every
-            if self.heldout and ((every and step % every == 0) or (step == steps and cfg.eval.at_end)):
+            final = step == steps and cfg.eval.at_end
+            if self.heldout and ((every and step % every == 0) or final):
                 started = time.perf_counter()
-                row.update(self.evaluate_heldout())
+                sequences = self.sequences_path if final and packed else None  # the pretraining study's pairs
+                row.update(self.evaluate_heldout(per_sequence=sequences))
                 row["eval_s"] = time.perf_counter() - started
+                if final and packed:
+                    self.final_heldout = {k.removeprefix("eval/"): v for k, v in row.items() if k.startswith("eval/")}
             self.log(row)
             signum = self.stop_requested()
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or signum:
@@ -569,6 +625,8 @@ class Trainer:
         self.save(steps)
         self.export()
         results = self.evaluate_generation() if cfg.eval.at_end else {}
+        if self.final_heldout and packed:  # a pretraining corpus's held-out text
+            results["heldout"] = self.final_heldout
         self.finish(results)
         self.write_status("finished", steps)
         return {"history": self.history, "eval": results}
@@ -576,6 +634,9 @@ class Trainer:
 
 def print_summary(run_dir: str, results: dict, sizes: dict, shown: int = 6) -> None:
     """The end of a run: accuracy and error per held-out split, then a few questions with the model's answers."""
+    results = {split: m for split, m in results.items() if split in sizes}  # generation splits only
+    if not results:
+        return
     print(f"\nheld-out questions, answered by greedy generation ({run_dir}/eval.json)")
     print(f"{'split':<13} {'questions':>9} {'accuracy':>9} {'MAE':>10} {'unparseable':>12}")
     for split, m in results.items():

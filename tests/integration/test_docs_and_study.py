@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -138,3 +139,105 @@ def test_ci_study_preset_end_to_end(tmp_path):
     # a second call finds every run done and only re-tabulates
     again = _study(out)
     assert again.returncode == 0 and again.stdout.count("already done") == 6
+
+
+def test_pretrain_study_preset_end_to_end(tmp_path):
+    """configs/study/pretrain_ci.yaml (the pretraining study's pipeline, tiny): the corpus builder, 2 seeds x
+    2 arms through launch/train.py on the packed corpus, the held-out text metrics and their per-sequence
+    paired tests, and the greedy answers to the held-out questions cut at the answer line.
+
+    The held-out metrics are recomputed from each run's exported Hugging Face model with a plain float64
+    forward pass over the held-out sequences (CE split by label kind, arg-max hits, the expected digit)."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("matplotlib")
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    import yaml
+    from scipy import stats
+
+    from ntl_scale.eval.numbers import extract_number
+    from ntl_scale.training.config import load_config
+    from ntl_scale.training.data import heldout_batches
+
+    corpus = tmp_path / "corpus"  # the preset's own corpus folder under ROOT/runs, moved to this test's folder
+    preset = (
+        (ROOT / "configs" / "study" / "pretrain_ci.yaml").read_text().replace("runs/pretrain-ci-corpus", str(corpus))
+    )
+    (tmp_path / "preset.yaml").write_text(preset)
+    out = tmp_path / "study"
+    command = [sys.executable, "experiments/study.py", "--preset", str(tmp_path / "preset.yaml"), "--out", str(out)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1500,
+                            env={**os.environ, "DS_ACCELERATOR": "cpu"})  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "results.json").read_text())
+    assert set(summary["results"]) == {"CE", "CE + NTL-WAS"}
+    metrics = ("text_ppl", "number_token_ppl", "number_token_acc", "number_token_mae", "ppl")
+    for arm in summary["results"].values():
+        assert set(arm) == {"questions", "heldout"} and tuple(arm["heldout"]) == metrics
+    overrides = yaml.safe_load(preset)["overrides"]
+    digit_ids = None
+    per_sequence: dict[str, list[list[dict[str, float]]]] = {}
+    for folder in ("ce", "ce_ntl_was"):
+        for seed in (0, 1):
+            run = out / folder / f"seed{seed}"
+            cfg = load_config(str(ROOT / "configs/train/pretrain_study_cpu.yaml"), overrides)
+            model = transformers.AutoModelForCausalLM.from_pretrained(run / "hf_model").double().eval()
+            tokenizer = transformers.AutoTokenizer.from_pretrained(run / "hf_model")
+            digit_ids = {tokenizer.convert_tokens_to_ids(str(d)): d for d in range(10)}
+            batches = heldout_batches(cfg.data, tokenizer, seq_length=cfg.train.seq_length, micro_batch_size=4,
+                                      dp_rank=0, dp=1)  # fmt: skip
+            rows = []
+            with torch.no_grad():
+                for batch in batches:
+                    logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+                    labels = batch["labels"][:, 1:]
+                    for z, y in zip(logits, labels):
+                        logp = F.log_softmax(z, -1)
+                        sums = dict.fromkeys(("ce", "n", "num_ce", "num", "hits", "err"), 0.0)
+                        for t in range(len(y)):
+                            label = int(y[t])
+                            if label == -100:
+                                continue
+                            sums["ce"] -= float(logp[t, label])
+                            sums["n"] += 1
+                            if label in digit_ids:
+                                p = logp[t, list(digit_ids)].softmax(-1)
+                                expected = sum(float(q) * d for q, d in zip(p, digit_ids.values()))
+                                sums["num_ce"] -= float(logp[t, label])
+                                sums["num"] += 1
+                                sums["hits"] += float(int(z[t].argmax()) == label)
+                                sums["err"] += abs(expected - digit_ids[label])
+                        rows.append(sums)
+            assert len(rows) == cfg.data.eval_sequences
+            written = [json.loads(line) for line in (run / "heldout_sequences.jsonl").read_text().splitlines()]
+            assert [r["sequence"] for r in written] == list(range(len(rows)))
+            for mine, ref in zip(written, rows):
+                assert mine["tokens"] == ref["n"] and mine["number_tokens"] == ref["num"]
+                assert mine["number_hits"] == ref["hits"]
+                assert mine["ce_sum"] == pytest.approx(ref["ce"], rel=1e-4)
+                assert mine["number_ce_sum"] == pytest.approx(ref["num_ce"], rel=1e-4)
+                assert mine["number_abs_error_sum"] == pytest.approx(ref["err"], rel=1e-4, abs=1e-4)
+            total = {k: sum(r[k] for r in rows) for k in rows[0]}
+            heldout = json.loads((run / "eval.json").read_text())["heldout"]
+            text_ce = (total["ce"] - total["num_ce"]) / (total["n"] - total["num"])
+            assert heldout["text_ppl"] == pytest.approx(math.exp(text_ce), rel=1e-4)
+            assert heldout["number_token_ppl"] == pytest.approx(math.exp(total["num_ce"] / total["num"]), rel=1e-4)
+            assert heldout["number_token_acc"] == pytest.approx(total["hits"] / total["num"])
+            assert heldout["number_token_mae"] == pytest.approx(total["err"] / total["num"], rel=1e-4)
+            per_sequence.setdefault(folder, []).append(rows)
+            # greedy answers: the number of the answer line, as the preset's eval.answer_until says
+            for line in (run / "predictions_questions.jsonl").read_text().splitlines():
+                row = json.loads(line)
+                assert row["parsed"] == extract_number(row["generated"].split("\n")[0])
+    # the per-sequence test pairs the same held-out sequence of the same seed, pooled over seeds
+    diffs = []
+    for arm_rows, base_rows in zip(per_sequence["ce_ntl_was"], per_sequence["ce"]):
+        for a, b in zip(arm_rows, base_rows):
+            d = (a["ce"] - a["num_ce"]) / (a["n"] - a["num"]) - (b["ce"] - b["num_ce"]) / (b["n"] - b["num"])
+            if a["num"] and b["num"] and a["n"] > a["num"] and abs(d) > 1e-12:
+                diffs.append(d)
+    wilcoxon = summary["paired_tests"]["CE + NTL-WAS"]["heldout"]["text_ppl"]["wilcoxon"]
+    assert wilcoxon["n"] == len(diffs) and wilcoxon["arm_better"] == sum(d < 0 for d in diffs)
+    assert wilcoxon["p"] == pytest.approx(float(stats.wilcoxon(diffs).pvalue), rel=1e-3)
+    assert "**heldout** (held-out text" in (out / "results.md").read_text()
