@@ -1,6 +1,11 @@
 """One optimizer step of a real ``transformers.Trainer`` (or TRL ``SFTTrainer``) with NTL, in 1 or more processes.
 
-    torchrun --nproc_per_node N tests/helpers/hf_trainer_step.py OUT.pt MICRO ACCUMULATION [trainer|zero3|sft][-chunked]
+    torchrun --nproc_per_node N tests/helpers/hf_trainer_step.py OUT.pt MICRO ACCUMULATION KIND [OUT.pt ...]
+
+KIND is ``trainer``, ``zero3`` or ``sft``, optionally with ``-chunked``. Each group of four arguments
+is one step, from a new model and a new trainer; several steps run one after another in the same
+processes (the accelerate and DeepSpeed state of the previous step reset), which saves the start-up
+of a launch per step.
 
 A tiny GPT-2 (built from a config, seed 0) takes one SGD step (lr 0.1, no clipping) on the same four
 arithmetic examples whatever the split: ``MICRO`` per device x ``ACCUMULATION`` steps x N devices = 4.
@@ -24,10 +29,10 @@ sys.path.insert(0, ROOT)
 
 
 def main() -> None:
-    out, micro, accumulation, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    chunked = kind.endswith("-chunked")
-    kind = kind.removesuffix("-chunked")
-    if kind == "zero3":
+    steps = sys.argv[1:]
+    if not steps or len(steps) % 4:
+        raise SystemExit(f"expected OUT.pt MICRO ACCUMULATION KIND (repeated), got {steps}")
+    if any(kind.startswith("zero3") for kind in steps[3::4]):
         import importlib
 
         # DeepSpeed's CPU accelerator would compile a shared-memory op at start-up; gloo does the work.
@@ -36,6 +41,30 @@ def main() -> None:
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         PartialState(backend="gloo")  # Trainer on CPU: gloo, set up before TrainingArguments
+    for i in range(0, len(steps), 4):
+        _reset()
+        step(steps[i], int(steps[i + 1]), int(steps[i + 2]), steps[i + 3])
+    if torch.distributed.is_initialized():  # an orderly shutdown: a live gloo group can abort the process at exit
+        torch.distributed.destroy_process_group()
+
+
+def _reset() -> None:
+    """Forgets the previous step's trainer: accelerate's shared state (not the process group) and the
+    DeepSpeed config that ``TrainingArguments(deepspeed=...)`` registers process-wide."""
+    import gc
+
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    gc.collect()
+
+
+def step(out: str, micro: int, accumulation: int, kind: str) -> None:
+    chunked = kind.endswith("-chunked")
+    kind = kind.removesuffix("-chunked")
     import transformers
 
     import ntl_scale
@@ -120,8 +149,6 @@ def main() -> None:
             },
             out,
         )
-    if torch.distributed.is_initialized():  # an orderly shutdown: a live gloo group can abort the process at exit
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

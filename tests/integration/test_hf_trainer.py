@@ -5,7 +5,9 @@ Sections:
    accumulation x devices = 1 x 4 x 1, 4 x 1 x 1, 2 x 1 x 2, 1 x 2 x 2, and 2 x 1 x 2 under DeepSpeed
    ZeRO-3 (1e-6); the logged loss, CE and NTL of the one-process step equal ``ce_with_ntl`` on the
    whole batch. With ``apply_ntl(model, chunked=True)`` (no logits built; under ZeRO-3 the head's
-   weight is gathered inside its forward) the step is the same (1e-5).
+   weight is gathered inside its forward) the step is the same (1e-5). The steps with one process run
+   one after another in one launch, those with two in another (``hf_trainer_step.py`` resets the
+   trainer state between them).
 2. TRL ``SFTTrainer`` through ``ntl_trainer_class(SFTTrainer)``: TRL's own metrics are still logged
    next to ``ce`` and ``ntl``, and the terms match ``ce_with_ntl``.
 3. Hugging Face tensor parallelism (``tp_plan="auto"``): ``apply_ntl`` gives the whole model's loss and
@@ -31,29 +33,41 @@ ROOT = Path(__file__).resolve().parents[2]
 SPLITS = [(1, 4, 1), (4, 1, 1), (2, 1, 2), (1, 2, 2)]  # per-device batch, accumulation, devices
 
 
-def _step(tmp_path: Path, kind: str, micro: int, accumulation: int, devices: int) -> dict:
-    out = tmp_path / f"{kind}-{micro}x{accumulation}x{devices}.pt"
+def _steps(tmp_path: Path, devices: int, *steps: tuple[str, int, int]) -> list[dict]:
+    """Runs the steps ``(kind, micro, accumulation)`` one after another in one launch of ``devices`` processes."""
+    args, outs = [], []
+    for kind, micro, accumulation in steps:
+        outs.append(tmp_path / f"{kind}-{micro}x{accumulation}x{devices}.pt")
+        args += [str(outs[-1]), str(micro), str(accumulation), kind]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(devices), "--master_port",
-        str(free_port()), str(ROOT / "tests" / "helpers" / "hf_trainer_step.py"), str(out), str(micro),
-        str(accumulation), kind,
+        str(free_port()), str(ROOT / "tests" / "helpers" / "hf_trainer_step.py"), *args,
     ]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
-    return torch.load(out, weights_only=False)
+    return [torch.load(out, weights_only=False) for out in outs]
 
 
 def test_trainer_step_is_independent_of_the_split_and_logs_the_terms(tmp_path):
     pytest.importorskip("accelerate")
-    runs = [_step(tmp_path, "trainer", *split) for split in SPLITS]
-    if importlib.util.find_spec("deepspeed") is not None:
-        runs.append(_step(tmp_path, "zero3", 2, 1, 2))  # the same step under DeepSpeed ZeRO-3
+    deepspeed = importlib.util.find_spec("deepspeed") is not None
+    by_devices: dict[int, list[tuple[str, int, int]]] = {1: [], 2: []}
+    for micro, accumulation, devices in SPLITS:
+        by_devices[devices].append(("trainer", micro, accumulation))
+    by_devices[1].append(("trainer-chunked", 1, 4))
+    if deepspeed:  # the same step under DeepSpeed ZeRO-3, also with the chunked loss
+        by_devices[2] += [("zero3", 2, 1), ("zero3-chunked", 2, 1)]
+    done = {devices: _steps(tmp_path, devices, *steps) for devices, steps in by_devices.items()}
+    results = {(devices, *step): run for devices in done for step, run in zip(by_devices[devices], done[devices])}
+    runs = [results[devices, "trainer", micro, accumulation] for micro, accumulation, devices in SPLITS]
+    if deepspeed:
+        runs.append(results[2, "zero3", 2, 1])
     for run in runs[1:]:
         torch.testing.assert_close(run["weights"], runs[0]["weights"], atol=1e-6, rtol=1e-6)
-    chunked = [_step(tmp_path, "trainer-chunked", 1, 4, 1)]
-    if importlib.util.find_spec("deepspeed") is not None:
-        chunked.append(_step(tmp_path, "zero3-chunked", 2, 1, 2))
+    chunked = [results[1, "trainer-chunked", 1, 4]]
+    if deepspeed:
+        chunked.append(results[2, "zero3-chunked", 2, 1])
     for run in chunked:
         torch.testing.assert_close(run["weights"], runs[0]["weights"], atol=1e-5, rtol=1e-5)
     for run in runs + chunked:  # the logged terms are the means over all processes
@@ -75,7 +89,7 @@ def test_sft_trainer_keeps_its_metrics(tmp_path):
     """
     pytest.importorskip("accelerate")
     pytest.importorskip("trl")
-    run = _step(tmp_path, "sft", 1, 4, 1)
+    (run,) = _steps(tmp_path, 1, ("sft", 1, 4))
     log = next(entry for entry in run["logs"] if "loss" in entry)
     want = run["reference"]
     assert "mean_token_accuracy" in log and "entropy" in log, log  # TRL's own metrics
