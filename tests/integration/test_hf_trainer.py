@@ -5,13 +5,15 @@ Sections:
    accumulation x devices = 1 x 4 x 1, 4 x 1 x 1, 2 x 1 x 2, 1 x 2 x 2, and 2 x 1 x 2 under DeepSpeed
    ZeRO-3 (1e-6); the logged loss, CE and NTL of the one-process step equal ``ce_with_ntl`` on the
    whole batch. With ``apply_ntl(model, chunked=True)`` (no logits built; under ZeRO-3 the head's
-   weight is gathered inside its forward) the step is the same (1e-5). The steps with one process run
-   one after another in one launch, those with two in another (``hf_trainer_step.py`` resets the
-   trainer state between them).
+   weight is gathered inside its forward) the step is the same (1e-5).
 2. TRL ``SFTTrainer`` through ``ntl_trainer_class(SFTTrainer)``: TRL's own metrics are still logged
    next to ``ce`` and ``ntl``, and the terms match ``ce_with_ntl``.
 3. Hugging Face tensor parallelism (``tp_plan="auto"``): ``apply_ntl`` gives the whole model's loss and
    gradients; the chunked route refuses it clearly.
+
+The steps of sections 1 and 2 run in two launches (module-scoped): those with one process one after
+another in one, those with two in the other (``hf_trainer_step.py`` resets the trainer state between
+steps; the weights are bitwise those of a process per step).
 """
 
 from __future__ import annotations
@@ -49,17 +51,25 @@ def _steps(tmp_path: Path, devices: int, *steps: tuple[str, int, int]) -> list[d
     return [torch.load(out, weights_only=False) for out in outs]
 
 
-def test_trainer_step_is_independent_of_the_split_and_logs_the_terms(tmp_path):
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[tuple[int, str, int, int], dict]:
+    """Every step of sections 1 and 2, by ``(devices, kind, micro, accumulation)``: two launches."""
     pytest.importorskip("accelerate")
-    deepspeed = importlib.util.find_spec("deepspeed") is not None
     by_devices: dict[int, list[tuple[str, int, int]]] = {1: [], 2: []}
     for micro, accumulation, devices in SPLITS:
         by_devices[devices].append(("trainer", micro, accumulation))
     by_devices[1].append(("trainer-chunked", 1, 4))
-    if deepspeed:  # the same step under DeepSpeed ZeRO-3, also with the chunked loss
+    if importlib.util.find_spec("deepspeed") is not None:  # the same step under DeepSpeed ZeRO-3, also chunked
         by_devices[2] += [("zero3", 2, 1), ("zero3-chunked", 2, 1)]
+    if importlib.util.find_spec("trl") is not None:
+        by_devices[1].append(("sft", 1, 4))
+    tmp_path = tmp_path_factory.mktemp("steps")
     done = {devices: _steps(tmp_path, devices, *steps) for devices, steps in by_devices.items()}
-    results = {(devices, *step): run for devices in done for step, run in zip(by_devices[devices], done[devices])}
+    return {(devices, *step): run for devices in done for step, run in zip(by_devices[devices], done[devices])}
+
+
+def test_trainer_step_is_independent_of_the_split_and_logs_the_terms(results):
+    deepspeed = importlib.util.find_spec("deepspeed") is not None
     runs = [results[devices, "trainer", micro, accumulation] for micro, accumulation, devices in SPLITS]
     if deepspeed:
         runs.append(results[2, "zero3", 2, 1])
@@ -80,16 +90,15 @@ def test_trainer_step_is_independent_of_the_split_and_logs_the_terms(tmp_path):
     assert abs(log["loss"] - (want["ce"] + 0.3 * want["ntl"])) < 1e-5, (log, want)
 
 
-def test_sft_trainer_keeps_its_metrics(tmp_path):
+def test_sft_trainer_keeps_its_metrics(results):
     """TRL SFTTrainer: CE + NTL with TRL's own metrics logged beside ``ce`` and ``ntl``.
 
     Split invariance is not asserted for SFTTrainer: plain TRL 1.16 SFTTrainer, without NTL, already
     changes the updated weights by about 1e-4 between micro-batch splits of the same batch on CPU
     (measured here), so the check would test TRL rather than NTL.
     """
-    pytest.importorskip("accelerate")
     pytest.importorskip("trl")
-    (run,) = _steps(tmp_path, 1, ("sft", 1, 4))
+    run = results[1, "sft", 1, 4]
     log = next(entry for entry in run["logs"] if "loss" in entry)
     want = run["reference"]
     assert "mean_token_accuracy" in log and "entropy" in log, log  # TRL's own metrics
