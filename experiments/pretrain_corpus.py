@@ -162,6 +162,18 @@ def heldout_questions(rng: random.Random, count: int) -> list[dict[str, str]]:
     return rows
 
 
+def reserved_questions(questions: list[dict[str, str]]) -> set[str]:
+    """The question texts no training document may hold: each held-out question and, for an addition,
+    the same addition with its operands swapped (``b + a`` asks the same sum)."""
+    reserved = set()
+    for row in questions:
+        reserved.add(row["question"])
+        match = re.fullmatch(r"What is (-?\d+) \+ (-?\d+)\?", row["question"])
+        if match:
+            reserved.add(f"What is {match.group(2)} + {match.group(1)}?")
+    return reserved
+
+
 def _arithmetic(rng: random.Random, reserved: set[str]) -> str:
     lines = []
     for _ in range(rng.randint(5, 12)):
@@ -386,7 +398,7 @@ def build_corpus(config: CorpusConfig) -> Corpus:
     """
     rng = random.Random(config.seed)
     questions = heldout_questions(rng, config.questions)
-    reserved = {q["question"] for q in questions}
+    reserved = reserved_questions(questions)
     pairs = number_documents(rng, config.number_documents, reserved)
     pairs += [("prose", doc) for doc in prose_documents(config.seed, config.prose_chars)]
     random.Random(f"{config.seed}/mix").shuffle(pairs)

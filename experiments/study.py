@@ -219,6 +219,8 @@ def paired_tests(runs: dict[str, list[str]], table: dict[str, Any], baseline: st
         for split in table[arm]:
             result: dict[str, Any] = {}
             for metric in table[arm][split]:
+                if metric not in table[baseline][split]:
+                    continue
                 a, b = table[arm][split][metric]["seeds"], table[baseline][split][metric]["seeds"]
                 pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None and math.isfinite(x + y)]
                 diff = [x - y for x, y in pairs]
@@ -319,6 +321,10 @@ def markdown(table: dict[str, Any], preset_path: str, seeds: list[int], tests: d
             ]
             for arm, per_split in tests.items():
                 t = per_split[split]
+                if "mcnemar" not in t["accuracy"]:  # no predictions file: per-seed tests only
+                    lines.append(f"| {arm} | {t['accuracy']['mean_diff']:+.3f} | | | {_p(t['accuracy']['p_seed_t'])} "
+                                 f"| {t['mae']['mean_diff']:+.3g} | | | {_p(t['mae']['p_seed_t'])} |")  # fmt: skip
+                    continue
                 mc, wx = t["accuracy"]["mcnemar"], t["mae"]["wilcoxon"]
                 right = f"{mc['only_arm_right']} / {mc['only_baseline_right']}"
                 lines.append(

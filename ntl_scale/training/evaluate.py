@@ -52,6 +52,7 @@ def heldout_metrics(totals: list[float], weight: float, *, with_abs_error: bool 
     ce + weight * ntl (the training objective); on labels that are not number tokens ``text_ce`` and
     ``text_ppl`` (what NTL may cost on text); on number-token labels ``number_token_ce``,
     ``number_token_ppl``, ``number_token_acc`` and ``number_token_mae`` (|expected value - true value|).
+    A label kind that does not occur has no metrics (the keys are left out).
     """
     col = dict(zip(HELDOUT_COLUMNS, totals))
     tokens, numbers = col["tokens"], col["number_tokens"]
@@ -68,15 +69,15 @@ def heldout_metrics(totals: list[float], weight: float, *, with_abs_error: bool 
         "ntl": ntl,
         "number_acc": col["ntl_hits"] / max(col["ntl_positions"], 1),
         "tokens": int(tokens),
-        "text_ce": text_ce,
-        "text_ppl": math.exp(min(text_ce, 700.0)),
-        "number_token_ce": number_ce,
-        "number_token_ppl": math.exp(min(number_ce, 700.0)),
-        "number_token_acc": col["number_hits"] / max(numbers, 1),
         "number_tokens": int(numbers),
     }
-    if with_abs_error:
-        out["number_token_mae"] = col["number_abs_error_sum"] / max(numbers, 1)
+    if text_tokens > 0:  # a kind without labels has no metrics (not a perfect 0 error or ppl 1)
+        out.update(text_ce=text_ce, text_ppl=math.exp(min(text_ce, 700.0)))
+    if numbers > 0:
+        out.update(number_token_ce=number_ce, number_token_ppl=math.exp(min(number_ce, 700.0)),
+                   number_token_acc=col["number_hits"] / numbers)  # fmt: skip
+        if with_abs_error:
+            out["number_token_mae"] = col["number_abs_error_sum"] / numbers
     return out
 
 

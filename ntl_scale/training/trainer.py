@@ -450,16 +450,16 @@ class Trainer:
             self.engine.train()
         dist.all_reduce(totals, group=self.dp_group)
         if per_sequence:
-            self.write_sequence_stats(per_sequence, torch.cat(rows).cpu().tolist() if rows else [])
+            columns = HELDOUT_COLUMNS[:-1] if self.cfg.train.chunked_loss else HELDOUT_COLUMNS  # no MAE: see above
+            self.write_sequence_stats(per_sequence, columns, torch.cat(rows).cpu().tolist() if rows else [])
         metrics = heldout_metrics(totals.cpu().tolist(), self.cfg.ntl.weight,
                                   with_abs_error=not self.cfg.train.chunked_loss)  # fmt: skip
         return {f"eval/{k}": v for k, v in metrics.items()}
 
-    def write_sequence_stats(self, path: str, rows: list[list[float]]) -> None:
-        """Rank 0 writes every data-parallel rank's held-out sequence sums to ``path``, ordered by the
-        sequence's index in the held-out set (rank ``r``'s ``i``-th is sequence ``r + dp * i``)."""
-        from .evaluate import HELDOUT_COLUMNS
-
+    def write_sequence_stats(self, path: str, columns: tuple[str, ...], rows: list[list[float]]) -> None:
+        """Rank 0 writes every data-parallel rank's held-out sequence sums (named ``columns``) to
+        ``path``, ordered by the sequence's index in the held-out set (rank ``r``'s ``i``-th is sequence
+        ``r + dp * i``)."""
         shares: list[Any] = [None] * self.dp
         dist.all_gather_object(shares, (self.dp_rank, rows), group=self.dp_group)
         if self.rank != 0:
@@ -467,7 +467,7 @@ class Trainer:
         indexed = sorted((r + self.dp * i, row) for r, share in shares for i, row in enumerate(share))
         with open(f"{path}.tmp", "w", encoding="utf-8") as f:
             for index, row in indexed:
-                f.write(json.dumps({"sequence": index, **dict(zip(HELDOUT_COLUMNS, row))}) + "\n")
+                f.write(json.dumps({"sequence": index, **dict(zip(columns, row))}) + "\n")
         os.replace(f"{path}.tmp", path)
 
     def evaluate_generation(self) -> dict[str, dict[str, float]]:
@@ -578,10 +578,9 @@ class Trainer:
             print_summary(cfg.run_dir, results, sizes)
             if "heldout" in results:
                 m = results["heldout"]
-                mae = f"  number-token MAE {m['number_token_mae']:.3f}" if "number_token_mae" in m else ""
-                print(f"\nheld-out text ({m['tokens']} tokens): ppl {m['ppl']:.3f}  text ppl {m['text_ppl']:.3f}  "
-                      f"number-token ppl {m['number_token_ppl']:.3f}  number-token acc {m['number_token_acc']:.3f}"
-                      f"{mae}  ({cfg.run_dir}/heldout_sequences.jsonl)")  # fmt: skip
+                names = ("ppl", "text_ppl", "number_token_ppl", "number_token_acc", "number_token_mae")
+                shown = "  ".join(f"{key} {m[key]:.3f}" for key in names if key in m)
+                print(f"\nheld-out text ({m['tokens']} tokens): {shown}  ({cfg.run_dir}/heldout_sequences.jsonl)")
 
     def run(self) -> dict[str, Any]:
         """Set-up, the steps (with held-out evaluation every ``train.eval_every`` steps and checkpoints
@@ -648,4 +647,5 @@ def print_summary(run_dir: str, results: dict, sizes: dict, shown: int = 6) -> N
     print(f"\nexamples ({split}; all in {run_dir}/predictions_{split}.jsonl)")
     for r in rows:
         mark = "right" if r["parsed"] is not None and r["parsed"] == extract_number(r["answer"]) else "wrong"
-        print(f"  {r['question']:<{width}}  true {r['answer']:>8}  model {r['generated'].strip()!s:>8}  {mark}")
+        generated = r["generated"].strip().replace("\n", "\\n")  # one line per example
+        print(f"  {r['question']:<{width}}  true {r['answer']:>8}  model {generated:>8}  {mark}")

@@ -33,6 +33,8 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     labels = torch.where(torch.rand(3, 17, generator=g) < 0.4, digits, labels)  # runs of digits
     labels[0, :3] = -100
     labels[2, 5] = -100
+    if seed == 2:  # a sequence without any label
+        labels[1] = -100
     return logits, labels
 
 
@@ -66,7 +68,7 @@ def _stats(logits, labels, loss):
     return terms, sequence_stats(terms, labels, vocab, mae)
 
 
-@pytest.mark.parametrize("loss", ["was", "mse", "huber", "number"])
+@pytest.mark.parametrize("loss", ["was", "mse", "mae", "huber", "number"])
 def test_per_sequence_sums_equal_the_float64_reference(loss):
     logits, labels = _batch(0)
     terms, stats = _stats(logits, labels, loss)
@@ -103,3 +105,15 @@ def test_metrics_of_summed_columns():
     # without the expected value (the chunked loss), the MAE is left out rather than reported as 0
     assert "number_token_mae" not in heldout_metrics(stats.sum(0).tolist(), weight=0.3, with_abs_error=False)
     assert heldout_metrics([0.0] * len(HELDOUT_COLUMNS), weight=0.3) == {}
+
+
+def test_a_label_kind_that_does_not_occur_has_no_metrics():
+    logits, labels = _batch(2)
+    assert (labels[1] == -100).all()
+    _, stats = _stats(logits, labels, "was")
+    assert stats[1].abs().sum() == 0  # the sequence without labels adds nothing
+    text_only = torch.where(torch.isin(labels, torch.tensor(list(DIGIT_IDS))), torch.full_like(labels, 3), labels)
+    _, stats = _stats(logits, text_only, "was")
+    metrics = heldout_metrics(stats.sum(0).tolist(), weight=0.3)
+    assert metrics["number_tokens"] == 0 and "text_ppl" in metrics
+    assert not [k for k in metrics if k.startswith("number_token_")]  # not a perfect 0 error or ppl 1

@@ -227,6 +227,9 @@ def test_heldout_questions_are_correct_balanced_and_never_in_training_text(full,
         train = (folder / "train.jsonl").read_text(encoding="utf-8")  # JSON leaves the question characters as they are
         for q in questions:
             assert q["question"] not in train, q
+            a, op, b = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", q["question"]).groups()
+            if op == "+":  # the same sum with the operands swapped is held out too
+                assert f"What is {b} + {a}?" not in train, q
 
 
 # --------------------------------------------------------------------------------------------------
