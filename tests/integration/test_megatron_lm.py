@@ -15,6 +15,11 @@ Sections, each for both releases:
    arithmetic text with a Hugging Face tokenizer built offline, the number table read from that
    tokenizer, evaluation on: ``ntl loss`` is printed for validation without a perplexity.
 5. Errors: a tokenizer without a token table (``NullTokenizer``) and no ``--ntl-number-vocab``.
+
+Runs that several sections read are launched once per release (``Shared``, module-scoped): plain
+Megatron at TP=2 (sections 1 and 2), the NTL run at TP=2 (section 2 and the chunked route's
+reference), and the TP=1 run that saves the checkpoint sections 2 and 3 start from. Tests read their
+outputs and never write to them.
 """
 
 from __future__ import annotations
@@ -49,6 +54,48 @@ def _ok(run: mlm.Run) -> mlm.Run:
     return run
 
 
+TP2 = ["--tensor-model-parallel-size", "2"]
+
+
+class Shared:
+    """The runs several tests compare against, launched on first use, once per release."""
+
+    def __init__(self, root: Path, numbers_json: str) -> None:
+        self.root, self.ntl = root, ["--ntl-weight", "0.3", "--ntl-number-vocab", numbers_json]
+        self.runs: dict[tuple[str, str], mlm.Run] = {}
+
+    def _run(self, tag: str, name: str, script, args: list[str], nproc: int) -> mlm.Run:
+        if (tag, name) not in self.runs:
+            self.runs[tag, name] = _ok(mlm.run(tag, script, args, nproc=nproc, workdir=self.root / tag / name))
+        return self.runs[tag, name]
+
+    def plain_tp2(self, tag: str) -> mlm.Run:
+        """Plain ``pretrain_gpt.py`` at TP=2, 3 iterations."""
+        return self._run(tag, "plain_tp2", "pretrain_gpt.py", [*mlm.tiny_args(), *MOCK, *TP2], 2)
+
+    def ntl_tp2_args(self) -> list[str]:
+        return [*mlm.tiny_args(iters=8), *MOCK, *TP2, *self.ntl]
+
+    def ntl_tp2(self, tag: str) -> mlm.Run:
+        """The drop-in at TP=2 with NTL-WAS (0.3) through the logits, 8 iterations."""
+        return self._run(tag, "ntl_tp2", mlm.DROP_IN, self.ntl_tp2_args(), 2)
+
+    def checkpoint_args(self) -> list[str]:
+        """The TP=1 run's arguments, also those of the runs resumed from its checkpoint (without --save)."""
+        return [*mlm.tiny_args(iters=4), *MOCK, *self.ntl]
+
+    def checkpointed(self, tag: str) -> tuple[mlm.Run, Path]:
+        """The drop-in at TP=1 (one process), 4 iterations, a ``torch_dist`` checkpoint every 2; and its folder."""
+        ckpt = self.root / tag / "ckpt"
+        args = [*self.checkpoint_args(), "--save", str(ckpt), "--save-interval", "2"]
+        return self._run(tag, "checkpointed", mlm.DROP_IN, args, 1), ckpt
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, numbers_json) -> Shared:
+    return Shared(tmp_path_factory.mktemp("shared"), numbers_json)
+
+
 def _close(a: dict[int, float], b: dict[int, float], rel: float) -> None:
     assert a.keys() == b.keys(), (a, b)
     for k in a:
@@ -56,11 +103,14 @@ def _close(a: dict[int, float], b: dict[int, float], rel: float) -> None:
 
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)
-def test_ntl_off_is_plain_megatron(tag, tmp_path, numbers_json):
+def test_ntl_off_is_plain_megatron(tag, tmp_path, shared):
     """Section 1: --ntl-weight 0 changes nothing, bit for bit, at TP=2 and at PP=2."""
-    for layout in (["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]):
+    for layout in (TP2, ["--pipeline-model-parallel-size", "2"]):
         args = [*mlm.tiny_args(), *MOCK, *layout]
-        plain = _ok(mlm.run(tag, "pretrain_gpt.py", args, nproc=2, workdir=tmp_path))
+        if layout == TP2:
+            plain = shared.plain_tp2(tag)
+        else:
+            plain = _ok(mlm.run(tag, "pretrain_gpt.py", args, nproc=2, workdir=tmp_path))
         off = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-weight", "0"], nproc=2, workdir=tmp_path))
         assert [r["losses"] for r in off.trace] == [r["losses"] for r in plain.trace]
         assert off.grad_norms() == plain.grad_norms()
@@ -68,14 +118,13 @@ def test_ntl_off_is_plain_megatron(tag, tmp_path, numbers_json):
 
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)
-def test_ntl_trains_and_resumes_across_layouts(tag, tmp_path, numbers_json):
+def test_ntl_trains_and_resumes_across_layouts(tag, tmp_path, shared):
     """Section 2: CE as Megatron's, NTL logged and falling; TP=1 checkpoint resumed at TP=1, TP=2, PP=2."""
-    ntl = ["--ntl-weight", "0.3", "--ntl-number-vocab", numbers_json]
-    tp2 = ["--tensor-model-parallel-size", "2"]
-    plain = _ok(mlm.run(tag, "pretrain_gpt.py", [*mlm.tiny_args(iters=1), *MOCK, *tp2], nproc=2, workdir=tmp_path))
-    trained = _ok(mlm.run(tag, mlm.DROP_IN, [*mlm.tiny_args(iters=8), *MOCK, *tp2, *ntl], nproc=2, workdir=tmp_path))
+    plain = shared.plain_tp2(tag)
+    trained = shared.ntl_tp2(tag)
     # The value of lm loss stays the cross entropy; our op computes it (not Megatron's kernel): 1e-6.
-    _close({1: trained.losses()[1]}, plain.losses(), 1e-6)
+    # Step 1 only: plain Megatron trains without NTL from there on.
+    _close({1: trained.losses()[1]}, {1: plain.losses()[1]}, 1e-6)
     assert " ntl loss: " in trained.output and "number accuracy" in trained.trace[0]["losses"]
     ntl_losses = trained.losses("ntl loss")
     assert all(math.isfinite(v) and v >= 0 for v in ntl_losses.values()) and any(v > 0 for v in ntl_losses.values())
@@ -84,12 +133,10 @@ def test_ntl_trains_and_resumes_across_layouts(tag, tmp_path, numbers_json):
     lm = trained.losses()
     assert lm[8] < lm[1] - 0.05, lm
 
-    ckpt = tmp_path / "ckpt"
-    args = [*mlm.tiny_args(iters=4), *MOCK, *ntl]
-    whole = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--save", str(ckpt), "--save-interval", "2"], nproc=1,
-                        workdir=tmp_path))  # fmt: skip
+    whole, ckpt = shared.checkpointed(tag)
+    args = shared.checkpoint_args()
     assert (ckpt / "iter_0000002").is_dir()
-    for nproc, layout in ((1, []), (2, tp2), (2, ["--pipeline-model-parallel-size", "2"])):
+    for nproc, layout in ((1, []), (2, TP2), (2, ["--pipeline-model-parallel-size", "2"])):
         resumed = _ok(mlm.run(tag, mlm.DROP_IN, [*args, *layout, "--load", str(ckpt), "--ckpt-step", "2"],
                               nproc=nproc, workdir=tmp_path))  # fmt: skip
         assert sorted(resumed.losses()) == [3, 4], (layout, resumed.trace)
@@ -99,28 +146,21 @@ def test_ntl_trains_and_resumes_across_layouts(tag, tmp_path, numbers_json):
 
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)
-def test_global_normalisation_is_split_invariant(tag, tmp_path, numbers_json):
+def test_global_normalisation_is_split_invariant(tag, tmp_path, numbers_json, shared):
     """Section 3: the gradient of CE/T + 0.3 NTL/K does not depend on the micro-batch split.
 
-    All splits start from one checkpoint: plain Megatron itself logs different first-step losses for
-    micro-batch sizes 4 and 2 of the same samples when each run initialises its own model (measured
-    here on both releases), so only a shared starting point isolates the loss.
+    All splits start from one checkpoint (section 2's TP=1 run at iteration 2): plain Megatron itself
+    logs different first-step losses for micro-batch sizes 4 and 2 of the same samples when each run
+    initialises its own model (measured here on both releases), so only a shared starting point
+    isolates the loss. The runs go to iteration 4, as the checkpoint's run (Megatron refuses another
+    schedule length); iteration 3 is compared.
     """
     common = [*MOCK, "--ntl-weight", "0.3", "--ntl-number-vocab", numbers_json, "--ntl-loss", "mse"]
-    ckpt = tmp_path / "ckpt"
+    _, ckpt = shared.checkpointed(tag)
     # Iteration 3 of this data has number tokens in some micro-batches only (iteration 2 has none).
-    args = [
-        *mlm.tiny_args(iters=3, micro_batch=4, global_batch=4),
-        *common,
-        "--save",
-        str(ckpt),
-        "--save-interval",
-        "2",
-    ]
-    _ok(mlm.run(tag, mlm.DROP_IN, args, nproc=1, workdir=tmp_path))
 
     def third_step(micro_batch: int, normalization: str) -> float:
-        args = [*mlm.tiny_args(iters=3, micro_batch=micro_batch, global_batch=4), *common, "--load", str(ckpt),
+        args = [*mlm.tiny_args(iters=4, micro_batch=micro_batch, global_batch=4), *common, "--load", str(ckpt),
                 "--ckpt-step", "2", "--ntl-normalization", normalization]  # fmt: skip
         run = _ok(mlm.run(tag, mlm.DROP_IN, args, nproc=1, workdir=tmp_path))
         assert run.losses("ntl loss")[3] > 0, run.trace
@@ -185,11 +225,13 @@ def test_null_tokenizer_needs_a_table(tmp_path):
 
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)
-def test_chunked_route_matches_logits_route(tag, tmp_path, numbers_json):
-    """--ntl-chunked (CE + NTL from hidden states, no logits) trains like the logits route at TP=2 (1e-5)."""
-    args = [*mlm.tiny_args(), *MOCK, "--tensor-model-parallel-size", "2", "--ntl-weight", "0.3",
-            "--ntl-number-vocab", numbers_json]  # fmt: skip
-    logits = _ok(mlm.run(tag, mlm.DROP_IN, args, nproc=2, workdir=tmp_path))
+def test_chunked_route_matches_logits_route(tag, tmp_path, shared):
+    """--ntl-chunked (CE + NTL from hidden states, no logits) trains like the logits route at TP=2 (1e-5).
+
+    The logits route is section 2's NTL run at TP=2 (8 iterations); the chunked run has its arguments.
+    """
+    args = shared.ntl_tp2_args()
+    logits = shared.ntl_tp2(tag)
     chunked = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-chunked", "--ntl-chunk-tokens", "24"], nproc=2,
                           workdir=tmp_path))  # fmt: skip
     for key in ("lm loss", "ntl loss", "number accuracy"):
