@@ -10,6 +10,10 @@ Sections:
 4. Bad input stops before training with a clear message.
 5. Tensor parallelism (AutoTP, vocabulary-parallel head) equals one process, also resumed at another
    tensor-parallel size; what AutoTP cannot do is refused.
+
+Two runs are shared by the tests that read them (module-scoped, never written to by a test): the
+uninterrupted no-dropout run of section 2, whose first step is also section 3's 4 x 1 split, and the
+run started from another directory, which is also the logits-path reference of the chunked loss.
 """
 
 from __future__ import annotations
@@ -80,6 +84,26 @@ def test_short_zero3_run(tmp_path):
     assert len(ntl_scale.NumberVocab.load(run / "hf_model" / "number_vocab.json")) == 10 and len(tokenizer) > 10
 
 
+# no dropout: its masks depend on how the batch is split
+ARCHITECTURES = {
+    "causal": "{model_type: gpt2, n_embd: 64, n_layer: 2, n_head: 4, n_positions: 128, "
+    "resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0}",
+    "seq2seq": "{model_type: t5, d_model: 64, d_ff: 128, num_layers: 2, num_heads: 4, d_kv: 16, dropout_rate: 0}",
+}
+# 2 processes x micro-batch 4 x accumulation 1
+RESUME_COMMON = ("train.log_every=5", "eval.at_end=false", "tracking.wandb=disabled",
+                 f"model.architecture={ARCHITECTURES['causal']}", "train.micro_batch_size=4",
+                 "train.global_batch_size=8")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    """12 steps of the no-dropout GPT-2 on 2 processes, micro-batch 4, global batch 8: the metrics."""
+    whole = tmp_path_factory.mktemp("uninterrupted") / "whole"
+    _train(whole, "train.steps=12", *RESUME_COMMON)
+    return _metrics(whole)
+
+
 def _same_curve(a: list[dict], b: list[dict]) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b]  # no step lost or logged twice
     for x, y in zip(a, b):
@@ -87,23 +111,16 @@ def _same_curve(a: list[dict], b: list[dict]) -> None:
             assert abs(x[key] - y[key]) <= 1e-6 * max(1.0, abs(x[key])), (key, x, y)
 
 
-def test_resume_continues_the_same_curve(tmp_path):
+def test_resume_continues_the_same_curve(tmp_path, uninterrupted):
     """ZeRO-3: stopped at step 4 and resumed on 2 processes, then on 1 process (DeepSpeed's universal
     checkpoint re-partitions the weights and Adam's state; accumulation doubles to keep the global batch
     of 8), the curve is the uninterrupted run's; a changed global batch and a finished run are told."""
-    no_dropout = (  # dropout masks depend on how the batch is split over ranks
-        "model.architecture={model_type: gpt2, n_embd: 64, n_layer: 2, n_head: 4, n_positions: 128, "
-        "resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0}"
-    )
-    common = ("train.log_every=5", "eval.at_end=false", "tracking.wandb=disabled", no_dropout,
-              "train.micro_batch_size=4", "train.global_batch_size=8")  # fmt: skip
-    whole = tmp_path / "whole"
-    _train(whole, "train.steps=12", *common)
+    common = RESUME_COMMON  # dropout off: its masks depend on how the batch is split over ranks
     parted = tmp_path / "parted"
     _train(parted, "train.steps=4", *common)
     out = _train(parted, "train.steps=8", *common)
     assert "resumed from step 4" in out.stdout
-    _same_curve(_metrics(whole)[:8], _metrics(parted))
+    _same_curve(uninterrupted[:8], _metrics(parted))
     # started again after it finished: it says so, trains nothing, changes nothing
     before = (parted / "metrics.jsonl").read_text()
     again = _train(parted, "train.steps=8", *common)
@@ -121,22 +138,20 @@ def test_resume_continues_the_same_curve(tmp_path):
     out = _train(parted, "train.steps=12", *common, nproc=1)
     assert "converting its checkpoint to DeepSpeed's universal format" in out.stdout
     assert "resumed from step 8" in out.stdout
-    _same_curve(_metrics(whole), _metrics(parted))
+    _same_curve(uninterrupted, _metrics(parted))
     assert json.loads((parted / "checkpoints" / "layout.json").read_text())["data_parallel"] == 1
 
 
-# no dropout: its masks depend on how the batch is split
-ARCHITECTURES = {
-    "causal": "{model_type: gpt2, n_embd: 64, n_layer: 2, n_head: 4, n_positions: 128, "
-    "resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0}",
-    "seq2seq": "{model_type: t5, d_model: 64, d_ff: 128, num_layers: 2, num_heads: 4, d_kv: 16, dropout_rate: 0}",
-}
-
-
 @pytest.mark.parametrize("kind", ["causal", "seq2seq"])
-def test_gradient_accumulation_split_does_not_change_the_gradient(tmp_path, kind):
+def test_gradient_accumulation_split_does_not_change_the_gradient(tmp_path, kind, request):
+    """2 processes, the same global batch of 8 split 4 x 1, 2 x 2 and 1 x 4: the same first-step gradient
+    norm. The causal 4 x 1 split is the first step of section 2's uninterrupted run (that configuration:
+    the first step's gradient does not depend on train.steps)."""
     norms = []
     for micro, accumulation in [(4, 1), (2, 2), (1, 4)]:
+        if kind == "causal" and (micro, accumulation) == (4, 1):
+            norms.append(request.getfixturevalue("uninterrupted")[0]["grad_norm"])
+            continue
         run = tmp_path / f"ga{micro}x{accumulation}"
         _train(
             run,
@@ -154,12 +169,27 @@ def test_gradient_accumulation_split_does_not_change_the_gradient(tmp_path, kind
         assert abs(norm - norms[0]) <= 1e-6 * norms[0], norms
 
 
-def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path):
-    """train.chunked_loss: CE + NTL from the hidden states, the output weight gathered by ZeRO-3."""
-    common = ("train.steps=3", "eval.at_end=false", "tracking.wandb=disabled", "train.micro_batch_size=4")
-    _train(tmp_path / "logits", *common)
-    _train(tmp_path / "chunked", *common, "train.chunked_loss=true", "train.loss_chunk_tokens=7")
-    a, b = _metrics(tmp_path / "logits"), _metrics(tmp_path / "chunked")
+# 3 steps of the built-in default (GPT-2 with dropout, ZeRO-3), micro-batch 4 on 2 processes
+ELSEWHERE = ("train.steps=3", "train.micro_batch_size=4", "data.eval_examples=4", "eval.max_new_tokens=4")
+
+
+@pytest.fixture(scope="module")
+def elsewhere(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The run started from another directory without matplotlib and wandb: its folder and its output."""
+    root = tmp_path_factory.mktemp("elsewhere")
+    (root / "elsewhere").mkdir()
+    out = _train(root / "run", *ELSEWHERE, cwd=root / "elsewhere", env={"NTL_TEST_ABSENT": "matplotlib,wandb"})
+    return root / "run", out
+
+
+def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
+    """train.chunked_loss: CE + NTL from the hidden states, the output weight gathered by ZeRO-3.
+
+    The logits path is the run of ``test_runs_from_another_directory_without_the_optional_packages``;
+    the chunked run trains with its settings (no evaluation, no wandb: they come after the steps)."""
+    _train(tmp_path / "chunked", *ELSEWHERE, "eval.at_end=false", "tracking.wandb=disabled",
+           "train.chunked_loss=true", "train.loss_chunk_tokens=7")  # fmt: skip
+    a, b = _metrics(elsewhere[0]), _metrics(tmp_path / "chunked")
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):
         for key in ("ce", "ntl", "grad_norm"):
@@ -184,23 +214,18 @@ def test_bad_input_stops_before_training(tmp_path):
     assert "never downloads" in out.stdout + out.stderr and "Repo id" not in out.stdout + out.stderr
 
 
-def test_runs_from_another_directory_without_the_optional_packages(tmp_path):
+def test_runs_from_another_directory_without_the_optional_packages(elsewhere):
     """As a new user with only ``ntl_scale[deepspeed]``: started elsewhere, no matplotlib, no wandb.
 
     The built-in default's ``configs/deepspeed/zero3.json`` resolves against the repository; the plot
     and the wandb log are skipped with one line each naming the extra; both ranks exit 0.
     """
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    out = _train(
-        tmp_path / "run", "train.steps=3", "data.eval_examples=4", "eval.max_new_tokens=4",
-        cwd=elsewhere, env={"NTL_TEST_ABSENT": "matplotlib,wandb"},
-    )  # fmt: skip
+    run, out = elsewhere
     assert out.returncode == 0
     assert "loss_curves.png skipped: matplotlib is not installed (pip install 'ntl_scale[wandb]')" in out.stdout
     assert "wandb offline log skipped" in out.stdout
-    assert not (tmp_path / "run" / "loss_curves.png").exists()
-    assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "finished"
+    assert not (run / "loss_curves.png").exists()
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
 
 
 TP_CONFIG = ("--config", str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"))
@@ -215,19 +240,16 @@ def test_tensor_parallel_equals_one_process(tmp_path):
     """AutoTP with a vocabulary-parallel head: TP=2 and TP=2 x DP=2 train as one process does.
 
     Same global batch of 4 sequences per step, a Llama-style model built from a config, ZeRO-1 (and
-    ZeRO-2 at TP=2): per-step CE, NTL, number accuracy and gradient norm equal the one-process run
-    (1e-5) for 3 steps, and for 2 more when the TP 2 x DP 2 run resumes as TP 1 x DP 2; the logits
-    the loss sees are the local vocabulary shard (80 ids split 40/40), also with the chunked loss; the
-    exported Hugging Face model is whole.
+    ZeRO-2 at TP=2, that run with the chunked loss): per-step CE, NTL, number accuracy and gradient
+    norm equal the one-process run (1e-5) for 3 steps, and for 2 more when the TP 2 x DP 2 run resumes
+    as TP 1 x DP 2; the logits the loss sees are the local vocabulary shard (80 ids split 40/40), also
+    with the chunked loss; the exported Hugging Face model is whole.
     """
+    zero2 = "train.deepspeed_config=configs/deepspeed/zero2.json"
     runs = {
         "tp1": ((*TP_CONFIG, "train.tensor_parallel_size=1", "train.micro_batch_size=4", "train.steps=5"), 1),
         "tp2": ((*TP_CONFIG, "train.micro_batch_size=4"), 2),
-        "tp2_zero2": (
-            (*TP_CONFIG, "train.micro_batch_size=4", "train.deepspeed_config=configs/deepspeed/zero2.json"),
-            2,
-        ),
-        "tp2_chunked": ((*TP_CONFIG, "train.micro_batch_size=4", "train.chunked_loss=true"), 2),
+        "tp2_zero2_chunked": ((*TP_CONFIG, "train.micro_batch_size=4", zero2, "train.chunked_loss=true"), 2),
         "tp2_dp2": ((*TP_CONFIG, "train.micro_batch_size=2"), 4),
     }
     metrics = {}
@@ -252,7 +274,7 @@ def test_tensor_parallel_equals_one_process(tmp_path):
         for want, got in zip(reference[: len(rows)], rows, strict=True):
             for key in ("ce", "ntl", "number_acc", "grad_norm"):
                 assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (name, key, want, got)
-    for name in ("tp2", "tp2_chunked"):
+    for name in ("tp2", "tp2_zero2_chunked"):
         assert [_layout(tmp_path / name, r)["vocab_shard"] for r in (0, 1)] == [[0, 40], [40, 80]]
     from transformers import AutoModelForCausalLM
 
