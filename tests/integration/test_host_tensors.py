@@ -10,6 +10,8 @@ Sections:
 2. Real two-process DeepSpeed runs under the guard: the logits path (ZeRO-3, accumulation 2, held-out
    evaluation, generation), the chunked loss, AutoTP's vocabulary-parallel path (TP=2), and packed
    text pretraining (``collate_packed`` batches with ``position_ids``, held-out text batches).
+3. The megatron.core example (TP = 2 x PP = 2) under the guard: run by
+   ``tests/integration/test_megatron_example.py``, whose 30-step run is guarded (one launch for both).
 """
 
 from __future__ import annotations
@@ -123,37 +125,3 @@ def _heldout_ce(model_dir: Path) -> float:
             total += float(torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
             count += int((target != -100).sum())
     return total / count
-
-
-# ---- 3. the megatron.core example under the guard --------------------------------------------------------
-
-EXAMPLE = ROOT / "launch" / "megatron_example.py"
-
-
-def _megatron_worker(ctx, workdir: str, example_path: str = str(EXAMPLE)) -> None:
-    import importlib.util
-
-    from megatron.core.datasets.gpt_dataset import GPTDataset
-
-    from tests.helpers import host_guard
-    from tests.helpers.megatron_cpu import patch_for_cpu
-
-    patch_for_cpu()
-    host_guard.install(files={example_path})
-    read = GPTDataset.__getitem__
-    GPTDataset.__getitem__ = lambda self, i: host_guard._wrap(read(self, i))  # the data arrive on the host
-    spec = importlib.util.spec_from_file_location("megatron_example", example_path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    args = example.parse_args(f"--tp 2 --pp 2 --steps 2 --micro-batches 2 --ntl-weight 0.3 --workdir {workdir}".split())
-    example.train(args)
-    if ctx.rank == 0:  # the guard was active: the first stage read host batches and moved them
-        assert host_guard.COUNTS["wrapped"] > 0 and host_guard.COUNTS["moved"] > 0, host_guard.COUNTS
-
-
-@pytest.mark.distributed
-def test_megatron_example_moves_its_batches_and_flags(tmp_path):
-    pytest.importorskip("megatron.core")
-    from tests.helpers.distributed import run_workers
-
-    run_workers(4, 4, _megatron_worker, str(tmp_path))

@@ -2,6 +2,11 @@
 
 A real indexed dataset of arithmetic text, a character tokenizer's digit table, Megatron's pipeline
 schedule; CE + 0.3 * NTL-WAS must decrease. CPU patches come from tests/helpers/megatron_cpu.py.
+
+The run is also test_host_tensors.py's section 3: it trains under ``tests/helpers/host_guard.py``
+(the dataset's samples arrive as host-only tensors, tensors the example creates without ``device=``
+are host-only, collectives refuse them), so a forgotten device move fails here; the first stage must
+have read host batches and moved them.
 """
 
 from __future__ import annotations
@@ -22,9 +27,15 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "launch" / "megatron_example.py"
 
 
 def _worker(ctx: WorkerContext, workdir: str) -> None:
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    from tests.helpers import host_guard
     from tests.helpers.megatron_cpu import patch_for_cpu
 
     patch_for_cpu()
+    host_guard.install(files={str(EXAMPLE)})
+    read = GPTDataset.__getitem__
+    GPTDataset.__getitem__ = lambda self, i: host_guard._wrap(read(self, i))  # the data arrive on the host
     spec = importlib.util.spec_from_file_location("megatron_example", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
@@ -32,6 +43,8 @@ def _worker(ctx: WorkerContext, workdir: str) -> None:
         f"--tp 2 --pp 2 --steps 30 --micro-batches 2 --ntl-weight 0.3 --workdir {workdir}".split()
     )
     history = example.train(args)
+    if ctx.rank == 0:  # the guard was active: the first stage read host batches and moved them
+        assert host_guard.COUNTS["wrapped"] > 0 and host_guard.COUNTS["moved"] > 0, host_guard.COUNTS
     if history:
         with open(os.path.join(workdir, f"history{ctx.rank}.json"), "w") as f:
             json.dump(history, f)
