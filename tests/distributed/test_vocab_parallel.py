@@ -11,9 +11,15 @@ Sections:
 3. Uneven splits: a 49-token vocabulary over TP = 2 and 3 in DeepSpeed-style unequal shards, placed
    with ``vocab_start``: CE, NTL, the mask and each shard's gradient equal the naive fp64 reference,
    for the logits op and for the chunked op on the output weight's row shard.
+
+One launch per process layout: the TP = 2 processes run sections 1, 2 and 3, the TP = 4 ones
+sections 1 and 2, DP x TP = 2 x 2 section 1 and TP = 3 section 3 (section 2 where megatron-core is
+installed).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -135,14 +141,6 @@ def _check_parity(ctx: WorkerContext, layouts: list[str], dtypes: list[torch.dty
             assert any(len(vocab.shard(r, ctx.tp_size).table_index) == 0 for r in range(ctx.tp_size))
 
 
-@pytest.mark.parametrize("world_size,tp_size", [(2, 2), (4, 4), (4, 2)], ids=["tp2", "tp4", "dp2xtp2"])
-def test_parity_with_single_process(world_size, tp_size):
-    dtypes = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
-    if world_size == 4 and tp_size == 2:
-        dtypes = [torch.float64, torch.float32]
-    run_workers(world_size, tp_size, _check_parity, list(LAYOUTS), dtypes)
-
-
 def _check_megatron_ce(ctx: WorkerContext) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -168,12 +166,6 @@ def _check_megatron_ce(ctx: WorkerContext) -> None:
         torch.testing.assert_close(shard.grad, megatron_in.grad, atol=1e-6, rtol=0)
     finally:
         parallel_state.destroy_model_parallel()
-
-
-@pytest.mark.parametrize("tp_size", [2, 4])
-def test_ce_matches_megatron(tp_size):
-    pytest.importorskip("megatron.core")
-    run_workers(tp_size, tp_size, _check_megatron_ce)
 
 
 ODD_VOCAB = 49  # a vocabulary that TP 2 and 3 do not divide (Granite's 49155 at small scale)
@@ -236,7 +228,25 @@ def _check_uneven_split(ctx: WorkerContext) -> None:
         ntl_scale.vocab_parallel_ce_ntl(shard, labels, vocab, vocab_start=ODD_VOCAB - 1)
 
 
-@pytest.mark.parametrize("tp_size", [2, 3])
-def test_uneven_vocabulary_split(tp_size):
-    """Section 3: an odd vocabulary split unevenly (``vocab_start``) at TP = 2 and 3 equals the naive reference."""
-    run_workers(tp_size, tp_size, _check_uneven_split)
+def _check_sections(ctx: WorkerContext, dtypes: list[torch.dtype], megatron: bool, uneven: bool) -> None:
+    _check_parity(ctx, list(LAYOUTS), dtypes)
+    if megatron:
+        _check_megatron_ce(ctx)
+    if uneven:
+        _check_uneven_split(ctx)
+
+
+@pytest.mark.parametrize("world_size,tp_size", [(2, 2), (4, 4), (4, 2)], ids=["tp2", "tp4", "dp2xtp2"])
+def test_parity_with_single_process(world_size, tp_size):
+    """Section 1; at TP = 2 and 4 the same processes then check section 2 (CE as Megatron's; needs
+    megatron-core), at TP = 2 section 3 (the uneven split)."""
+    dtypes = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+    if world_size == 4 and tp_size == 2:
+        dtypes = [torch.float64, torch.float32]
+    megatron = world_size == tp_size and importlib.util.find_spec("megatron.core") is not None
+    run_workers(world_size, tp_size, _check_sections, dtypes, megatron, tp_size == 2 and world_size == 2)
+
+
+def test_uneven_vocabulary_split_at_tp3():
+    """Section 3 at TP = 3 (TP = 2 runs in test_parity_with_single_process[tp2])."""
+    run_workers(3, 3, _check_uneven_split)

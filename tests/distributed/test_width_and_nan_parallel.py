@@ -65,9 +65,11 @@ def _check_nan(ctx: WorkerContext) -> None:
     assert math.isnan(float(out.ntl)), f"rank {ctx.rank} chunked: ntl {float(out.ntl)}"
 
 
-def test_tp2_shard_width_is_checked():
-    run_workers(2, 2, _check_width)
+def _check_width_then_nan(ctx: WorkerContext) -> None:
+    _check_width(ctx)
+    _check_nan(ctx)
 
 
-def test_tp2_nan_on_one_rank_reaches_ntl_on_every_rank():
-    run_workers(2, 2, _check_nan)
+def test_tp2_shard_width_is_checked_and_nan_on_one_rank_reaches_ntl_on_every_rank():
+    """Sections 1 and 2, one after the other in one pair of processes."""
+    run_workers(2, 2, _check_width_then_nan)
