@@ -2,9 +2,9 @@
 
 Sections:
 1. Static: shellcheck, --help, dry runs for 1 and 4 nodes (no cluster needed).
-2. ``sbatch --wait launch/slurm/deepspeed.sbatch``: tiny ZeRO-3 run, 2 processes; checkpoints, logs,
+2. ``sbatch launch/slurm/deepspeed.sbatch``: tiny ZeRO-3 run, 2 processes; checkpoints, logs,
    resolved config, command and environment end up in the run directory.
-3. ``sbatch --wait launch/slurm/megatron.sbatch``: the megatron.core example at TP=2 with NTL.
+3. ``sbatch launch/slurm/megatron.sbatch``: the megatron.core example at TP=2 with NTL.
 4. Two nodes: a second local cluster whose two slurmd run in their own network and UTS namespaces;
    the DeepSpeed job runs the tensor-parallel config with 2 ranks on each (TP 2 inside a node, DP 2
    across nodes) and they rendezvous over that network.
@@ -20,6 +20,9 @@ this module starts clusters of its own (a fresh state directory under /var/tmp, 
 job-id range, so the batch scripts' rendezvous ports differ too) and stops them at the end, so two
 suites on one machine do not touch each other's daemons or slurm.conf; the two-node cluster's network
 namespaces are one per machine, so its users take turns (a file lock).
+
+The tests wait for a job by reading its state every half second, not with ``sbatch --wait``: that
+polls after 2, 10 and 42 s (Slurm 22.05), so a 12-second job took 42.
 """
 
 from __future__ import annotations
@@ -113,17 +116,37 @@ def slurm_env():
 
 
 def _sbatch(env: dict, tmp: Path, script: str, *args: str, sbatch_opts=(), wait=True, extra_env=None):
-    """Submits from the checkout; the job log goes to tmp. Returns (exit code, job id, log path)."""
+    """Submits from the checkout; the job log goes to tmp. Returns (exit code, job id, log path, sbatch's
+    output); the exit code is sbatch's, and once the job is submitted with ``wait`` (the default) the job's."""
     runs = tmp / "runs"
     runs.mkdir(exist_ok=True)
-    cmd = ["sbatch", "--parsable", f"--output={tmp}/%x-%j.out", *CPU_JOB, *sbatch_opts]
-    cmd += ["--wait"] if wait else []
-    cmd += [str(SLURM / script), *args]
+    cmd = ["sbatch", "--parsable", f"--output={tmp}/%x-%j.out", *CPU_JOB, *sbatch_opts, str(SLURM / script), *args]
     job_env = {**env, "NTL_RUNS": str(runs), **(extra_env or {})}
-    out = subprocess.run(cmd, cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(cmd, cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=120)
     job = out.stdout.strip().split(";")[0]
     name = "ntl-deepspeed" if script.startswith("deepspeed") else "ntl-megatron"
-    return out.returncode, job, tmp / f"{name}-{job}.out", out
+    rc = out.returncode
+    if wait and rc == 0:
+        rc = _wait_for(env, job)
+    return rc, job, tmp / f"{name}-{job}.out", out
+
+
+FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def _wait_for(env: dict, job: str, timeout: float = 600) -> int:
+    """Waits until the job has finished, as ``sbatch --wait`` does; its exit code (0 only if COMPLETED)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = _job_state(env, job)
+        if state.get("JobState") in FINISHED:
+            if state["JobState"] == "COMPLETED":
+                return 0
+            code, _, signal = state.get("ExitCode", "1:0").partition(":")
+            return int(code) or 128 + int(signal or 0)
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], env=env, check=False)
+    raise AssertionError(f"job {job} still not finished after {timeout} s: {_job_state(env, job)}")
 
 
 @pytest.fixture(scope="module")
