@@ -23,6 +23,11 @@ Writes into ``--out``:
 * ``questions.jsonl``: held-out ``{"question": ..., "answer": ...}`` rows of the arithmetic kind in
   the corpus format (half addition, half subtraction); none of them occurs in ``train.jsonl``
   (their operand pairs are reserved before any training document is drawn).
+* The first documents of ``train.jsonl`` are the part the trainer holds out (``data.eval_sequences``
+  x ``train.seq_length`` tokens; :func:`heldout_block`): prose only in its first
+  ``--heldout-prose-sequences`` sequences, number documents in the rest, so held-out text perplexity
+  is measured on prose and on number documents separately (``manifest.json`` names the sequence
+  ranges: ``heldout.groups``).
 * ``manifest.json``: the arguments, the Python version, documents and characters per kind and the
   SHA-256 of both files.
 
@@ -43,6 +48,7 @@ import re
 import sys
 import time
 import unicodedata
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -58,6 +64,8 @@ __all__ = [
     "Corpus",
     "CorpusConfig",
     "build_corpus",
+    "document_tokens",
+    "heldout_block",
     "heldout_questions",
     "main",
     "normalise",
@@ -102,15 +110,24 @@ class CorpusConfig:
         number_documents: number-rich documents, the four kinds in equal shares.
         prose_chars: at most this many characters of prose; None takes all of ``pydoc_data``.
         questions: held-out arithmetic questions (additions get the extra one of an odd count).
+        heldout_sequences: sequences of ``seq_length`` character-tokenizer tokens the trainer holds
+            out (``data.eval_sequences``); 0 = no held-out block (every document shuffled).
+        heldout_prose_sequences: of these, how many are prose only (the first ones).
+        seq_length: the run's ``train.seq_length``.
     """
 
     seed: int = 0
     number_documents: int = 6000
     prose_chars: int | None = None
     questions: int = 400
+    heldout_sequences: int = 128
+    heldout_prose_sequences: int = 64
+    seq_length: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("seed", "number_documents", "prose_chars", "questions"):
+        names = ("seed", "number_documents", "prose_chars", "questions", "heldout_sequences",
+                 "heldout_prose_sequences", "seq_length")  # fmt: skip
+        for name in names:
             value = getattr(self, name)
             if value is None and name == "prose_chars":
                 continue
@@ -118,6 +135,12 @@ class CorpusConfig:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.questions > MAX_QUESTIONS:
             raise ValueError(f"questions must be at most {MAX_QUESTIONS}, got {self.questions}; ask for fewer")
+        if self.heldout_prose_sequences >= self.heldout_sequences > 0 or self.seq_length < 1:
+            raise ValueError(
+                f"need heldout_prose_sequences < heldout_sequences (got {self.heldout_prose_sequences} and "
+                f"{self.heldout_sequences}; the rest hold the number documents) and seq_length >= 1 (got "
+                f"{self.seq_length})"
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,6 +407,7 @@ class Corpus:
 
     rows: list[dict[str, str]]
     questions: list[dict[str, str]]
+    heldout: dict[str, Any]
 
 
 _QUESTION = re.compile(r"What is \d+ [+-] \d+\?")
@@ -402,13 +426,77 @@ def build_corpus(config: CorpusConfig) -> Corpus:
     pairs = number_documents(rng, config.number_documents, reserved)
     pairs += [("prose", doc) for doc in prose_documents(config.seed, config.prose_chars)]
     random.Random(f"{config.seed}/mix").shuffle(pairs)
+    pairs, heldout = heldout_block(pairs, config)
     rows = [{"text": text, "source": kind} for kind, text in pairs]
     for row in rows:  # the guarantees, checked once more on the final text
         stray = set(row["text"]) - _KEEP
         leaked = [q for q in _QUESTION.findall(row["text"]) if q in reserved]
         if stray or leaked:
             raise RuntimeError(f"corpus bug: characters {sorted(stray)!r} or held-out questions {leaked!r} in {row}")
-    return Corpus(rows, questions)
+    return Corpus(rows, questions, heldout)
+
+
+def document_tokens(text: str) -> int:
+    """Tokens of one document as the trainer packs it with ``model.tokenizer: builtin:char``: one per
+    character, plus the BOS (if that tokenizer adds one) and the EOS that end each document."""
+    from ntl_scale.data.hf_datasets import document_specials
+    from ntl_scale.training.tokenizer import build_char_tokenizer
+
+    bos, _ = document_specials(build_char_tokenizer())
+    return len(text) + 1 + (bos is not None)
+
+
+def heldout_block(pairs: list[tuple[str, str]], config: CorpusConfig) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Moves the documents the trainer holds out to the front, with a fixed composition.
+
+    The trainer holds out the corpus's first ``heldout_sequences x seq_length`` tokens. Left to the
+    shuffle, that part is whatever documents came first (often no prose at all). Here it is prose
+    documents (in shuffled order) until the first ``heldout_prose_sequences`` sequences are filled,
+    then number documents until every held-out sequence is: sequences ``[0, prose_end)`` hold prose
+    only, ``[numbers_start, heldout_sequences)`` number documents only (the one in between holds the
+    end of the last prose document and the start of the first number document).
+
+    Returns:
+        The reordered ``(kind, text)`` pairs and the block's description (for the manifest): the
+        sequence ranges of each group, its documents and characters per kind.
+    """
+    if config.heldout_sequences == 0:
+        return pairs, {}
+    length = config.seq_length
+    need = {"prose": config.heldout_prose_sequences * length, "numbers": config.heldout_sequences * length}
+    overhead = document_tokens("")
+    held: list[tuple[str, str]] = []
+    chosen: set[int] = set()
+    tokens = 0
+    for group in ("prose", "numbers"):
+        for i, (kind, text) in enumerate(pairs):
+            if tokens >= need[group]:
+                break
+            if (kind == "prose") == (group == "prose"):
+                room = need[group] - tokens - overhead
+                if group == "prose" and 0 < room < len(text):  # cut the last one to end the prose exactly
+                    text = text[:room]
+                held.append((kind, text))
+                chosen.add(i)
+                tokens += document_tokens(text)
+        if tokens < need[group]:
+            raise ValueError(
+                f"the corpus has too few {group} documents for {need[group]} held-out tokens "
+                f"(heldout_sequences={config.heldout_sequences}, heldout_prose_sequences="
+                f"{config.heldout_prose_sequences}, seq_length={length}); add documents or hold out fewer sequences"
+            )
+        if group == "prose":
+            prose_tokens = tokens
+    groups = {"prose": [0, prose_tokens // length],
+              "numbers": [-(-prose_tokens // length), config.heldout_sequences]}  # fmt: skip
+    description = {
+        "seq_length": length,
+        "sequences": config.heldout_sequences,
+        "groups": groups,
+        "documents": dict(Counter(kind for kind, _ in held)),
+        "characters": {k: sum(len(t) for kind, t in held if kind == k) for k in dict.fromkeys(k for k, _ in held)},
+    }
+    return held + [p for i, p in enumerate(pairs) if i not in chosen], description
 
 
 def _jsonl(rows: Sequence[dict[str, Any]]) -> bytes:
@@ -491,6 +579,7 @@ def write_corpus(out: str, config: CorpusConfig, *, force: bool = False) -> dict
         "documents": {k: sum(1 for r in corpus.rows if r["source"] == k) for k in kinds},
         "characters": {k: sum(len(r["text"]) for r in corpus.rows if r["source"] == k) for k in kinds},
         "questions": len(corpus.questions),
+        "heldout": corpus.heldout,
         "train_bytes": len(train),
         "train_sha256": _sha256(train),
         "questions_sha256": _sha256(questions),
@@ -527,10 +616,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--questions", type=_nonnegative, default=CorpusConfig.questions,
                         help=f"held-out arithmetic questions, at most {MAX_QUESTIONS} "
                              "(default %(default)s)")  # fmt: skip
+    parser.add_argument("--heldout-sequences", type=_nonnegative, default=CorpusConfig.heldout_sequences,
+                        help="sequences the trainer holds out (data.eval_sequences; 0: none placed; "
+                             "default %(default)s)")  # fmt: skip
+    parser.add_argument("--heldout-prose-sequences", type=_nonnegative,
+                        default=CorpusConfig.heldout_prose_sequences,
+                        help="of these, the first ones that hold prose only (default %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--seq-length",
+        type=_nonnegative,
+        default=CorpusConfig.seq_length,
+        help="the run's train.seq_length (default %(default)s)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild over an existing build in --out")
     args = parser.parse_args(argv)
     try:
-        config = CorpusConfig(args.seed, args.number_documents, args.prose_chars, args.questions)
+        config = CorpusConfig(args.seed, args.number_documents, args.prose_chars, args.questions,
+                              args.heldout_sequences, args.heldout_prose_sequences, args.seq_length)  # fmt: skip
     except ValueError as e:
         parser.error(str(e))
     manifest = write_corpus(args.out, config, force=args.force)

@@ -10,9 +10,12 @@
 A preset names the base run config, the arms (overrides on top of it: the loss), the seeds (model
 init; the data is the same seeded arithmetic for every arm and seed) and the shared overrides (the
 budget); optionally ``prepare`` (commands run once first, e.g. generating the DeepMind data),
-``parallel`` (runs at once, the cores shared between them) and ``baseline`` (the arm the others are
-tested against; default the first). Each run lands in ``OUT/<arm>/seed<S>/`` (a finished run is not
-redone, so an interrupted study continues where it stopped). Then ``OUT`` gets:
+``parallel`` (runs at once, the cores shared between them), ``baseline`` (the arm the others are
+tested against; default the first) and ``heldout_groups`` (a pretraining corpus: name -> [first, stop)
+held-out sequence indices, each tabulated and tested as split ``heldout:<name>``; e.g. the prose and
+the number documents of experiments/pretrain_corpus.py, whose manifest names their ranges). Each run
+lands in ``OUT/<arm>/seed<S>/`` (a finished run is not redone, so an interrupted study continues
+where it stopped). Then ``OUT`` gets:
 
 * ``results.json`` and ``results.md``: mean and spread (sample standard deviation) over seeds of
   exact-match accuracy, MAE, log-MAE and R^2 on the interpolation and extrapolation splits, every
@@ -43,17 +46,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from ntl_scale.eval.numbers import extract_number  # noqa: E402
+from ntl_scale.training.evaluate import HELDOUT_COLUMNS, heldout_metrics  # noqa: E402
 
 METRICS = ("accuracy", "mae", "log_mae", "r2")
 """Metrics of a split answered by generation (``predictions_<split>.jsonl``)."""
 HELDOUT_METRICS = ("text_ppl", "number_token_ppl", "number_token_acc", "number_token_mae", "ppl")
 """Metrics of a pretraining corpus's held-out text (split ``heldout``; ``heldout_sequences.jsonl``)."""
-SEQUENCE_TESTS = {  # held-out metric: (per-sequence value from heldout_sequences.jsonl, lower is better)
-    "text_ppl": (lambda r: (r["ce_sum"] - r["number_ce_sum"]) / (r["tokens"] - r["number_tokens"]), True),
-    "number_token_ppl": (lambda r: r["number_ce_sum"] / r["number_tokens"], True),
-    "number_token_acc": (lambda r: r["number_hits"] / r["number_tokens"], False),
-    "number_token_mae": (lambda r: r["number_abs_error_sum"] / r["number_tokens"], True),
+LOWER_BETTER = {
+    "text_ppl": True,
+    "number_token_ppl": True,
+    "number_token_acc": False,
+    "number_token_mae": True,
+    "ppl": True,
 }
+"""Held-out metric: whether lower is better (for the per-sequence tests' 'better' count)."""
 
 
 def metrics_of(split: dict[str, Any]) -> tuple[str, ...]:
@@ -174,11 +180,52 @@ def _mean_spread(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0
 
 
-def aggregate(runs: dict[str, list[str]]) -> dict[str, Any]:
+def sequence_rows(run_dir: str, _cache: dict[str, list[dict[str, Any]]] = {}) -> list[dict[str, Any]]:  # noqa: B006
+    """A run's ``heldout_sequences.jsonl`` (read once per study)."""
+    if run_dir not in _cache:
+        _cache[run_dir] = _read_jsonl(os.path.join(run_dir, "heldout_sequences.jsonl"))
+    return _cache[run_dir]
+
+
+def sequence_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The held-out metrics of some sequences' rows together (:func:`heldout_metrics` of their sums)."""
+    totals = [sum(r.get(c, 0.0) for r in rows) for c in HELDOUT_COLUMNS]
+    with_error = bool(rows) and "number_abs_error_sum" in rows[0]
+    metrics = heldout_metrics(totals, 0.0, with_abs_error=with_error)
+    return {m: metrics[m] for m in HELDOUT_METRICS if m in metrics}
+
+
+def _groups(preset: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """The preset's ``heldout_groups``: name -> [first, stop) held-out sequence indices."""
+    groups = preset.get("heldout_groups") or {}
+    if not isinstance(groups, dict) or not all(
+        isinstance(v, list) and len(v) == 2 and all(isinstance(i, int) for i in v) and 0 <= v[0] < v[1]
+        for v in groups.values()
+    ):
+        raise SystemExit(f"heldout_groups must map names to [first, stop) sequence indices, got {groups!r}")
+    return {str(k): (v[0], v[1]) for k, v in groups.items()}
+
+
+def run_eval(run_dir: str, groups: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    """A run's ``eval.json``, with a split ``heldout:<group>`` per held-out sequence group (metrics of
+    the group's sequences of ``heldout_sequences.jsonl``)."""
+    result = _read_json(os.path.join(run_dir, "eval.json"))
+    if "heldout" in result and groups:
+        rows = sequence_rows(run_dir)
+        for name, (first, stop) in groups.items():
+            if stop > len(rows):
+                raise SystemExit(
+                    f"heldout_groups {name}: [{first}, {stop}) but {run_dir} held out {len(rows)} sequences"
+                )
+            result[f"heldout:{name}"] = sequence_metrics(rows[first:stop])
+    return result
+
+
+def aggregate(runs: dict[str, list[str]], groups: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     """Mean and spread over seeds of every metric, per arm and split."""
     table: dict[str, Any] = {}
     for arm, dirs in runs.items():
-        evals = [_read_json(os.path.join(d, "eval.json")) for d in dirs]
+        evals = [run_eval(d, groups or {}) for d in dirs]
         table[arm] = {}
         for split in evals[0]:
             table[arm][split] = {}
@@ -201,13 +248,16 @@ def _errors(run_dir: str, split: str) -> list[tuple[str, bool, float]]:
     return out
 
 
-def paired_tests(runs: dict[str, list[str]], table: dict[str, Any], baseline: str) -> dict[str, Any]:
+def paired_tests(
+    runs: dict[str, list[str]], table: dict[str, Any], baseline: str, groups: dict[str, tuple[int, int]] | None = None
+) -> dict[str, Any]:
     """Each arm against ``baseline``, paired (same seed: same init and data; same questions).
 
     * per seed: a paired t-test on each metric's per-seed values (n = seeds, so weak with 3 seeds);
     * per question, pooled over seeds: an exact McNemar test on exact-match accuracy (the binomial
       test of the discordant pairs) and a Wilcoxon signed-rank test on the absolute errors (an
-      unparseable answer counts as an infinite error, so it ranks worst).
+      unparseable answer counts as an infinite error, so it ranks worst);
+    * held-out text (splits ``heldout`` and ``heldout:<group>``): see :func:`_sequence_tests`.
     """
     from scipy import stats
 
@@ -228,9 +278,12 @@ def paired_tests(runs: dict[str, list[str]], table: dict[str, Any], baseline: st
                 if len(pairs) > 1 and any(d != diff[0] for d in diff):
                     p = float(stats.ttest_rel([x for x, _ in pairs], [y for _, y in pairs]).pvalue)
                 result[metric] = {"mean_diff": statistics.fmean(diff) if diff else math.nan, "p_seed_t": p}
+            if split == "heldout" or split.startswith("heldout:"):
+                first, stop = (groups or {}).get(split.partition(":")[2], (0, None))
+                _sequence_tests(result, dirs, runs[baseline], slice(first, stop))
+                out[arm][split] = result
+                continue
             if not os.path.isfile(os.path.join(dirs[0], f"predictions_{split}.jsonl")):
-                if split == "heldout":
-                    _sequence_tests(result, dirs, runs[baseline])
                 out[arm][split] = result
                 continue
             only_arm = only_base = 0
@@ -257,30 +310,32 @@ def paired_tests(runs: dict[str, list[str]], table: dict[str, Any], baseline: st
     return out
 
 
-def _sequence_tests(result: dict[str, Any], dirs: list[str], base_dirs: list[str]) -> None:
-    """Per held-out sequence, pooled over seeds: a Wilcoxon signed-rank test of each held-out metric's
-    per-sequence value, arm against baseline (the same sequences: the corpus and its held-out part do
-    not depend on the seed). Adds ``wilcoxon`` = {n, arm_better, p} to the metrics in ``result``."""
+def _sequence_tests(result: dict[str, Any], dirs: list[str], base_dirs: list[str], part: slice) -> None:
+    """Per held-out sequence (those of ``part``): each metric's value of the sequence alone, arm minus
+    baseline, averaged over the seeds (the same sequences in every run: their labels' CRC-32 must
+    match), then a Wilcoxon signed-rank test over the sequences. It is conditional on these trained
+    models (the seed-level t-test is the test of the NTL effect). A sequence without the metric's label
+    kind is left out of that metric. Adds ``wilcoxon`` = {n, arm_better, p} to the metrics of ``result``."""
     from scipy import stats
 
-    for metric, (value, lower_better) in SEQUENCE_TESTS.items():
-        if metric not in result:
+    per_seed = []
+    for run, base in zip(dirs, base_dirs):
+        rows, base_rows = sequence_rows(run)[part], sequence_rows(base)[part]
+        if [r.get("labels_crc32") for r in rows] != [r.get("labels_crc32") for r in base_rows]:
+            raise SystemExit(f"{run} and {base} hold out different text; cannot pair their sequences")
+        per_seed.append([(sequence_metrics([r]), sequence_metrics([r0])) for r, r0 in zip(rows, base_rows)])
+    for metric in result:
+        if metric not in LOWER_BETTER:
             continue
         diffs = []
-        for run, base in zip(dirs, base_dirs):
-            rows = _read_jsonl(os.path.join(run, "heldout_sequences.jsonl"))
-            base_rows = _read_jsonl(os.path.join(base, "heldout_sequences.jsonl"))
-            if [r["sequence"] for r in rows] != [r["sequence"] for r in base_rows]:
-                raise SystemExit(f"{run} and {base} hold out different sequences; cannot pair them")
-            for r, r0 in zip(rows, base_rows):
-                if r["number_tokens"] > 0 and r["tokens"] > r["number_tokens"]:
-                    d = value(r) - value(r0)
-                    if d != 0:
-                        diffs.append(d)
+        for pairs in zip(*per_seed):  # one held-out sequence, every seed
+            if all(metric in a and metric in b for a, b in pairs):
+                diffs.append(statistics.fmean(a[metric] - b[metric] for a, b in pairs))
+        nonzero = [d for d in diffs if d != 0]
         result[metric]["wilcoxon"] = {
             "n": len(diffs),
-            "arm_better": sum((d < 0) == lower_better for d in diffs),
-            "p": float(stats.wilcoxon(diffs).pvalue) if len(diffs) > 1 else math.nan,
+            "arm_better": sum((d < 0) == LOWER_BETTER[metric] for d in nonzero),
+            "p": float(stats.wilcoxon(nonzero).pvalue) if len(nonzero) > 1 else math.nan,
         }
 
 
@@ -347,9 +402,9 @@ def _heldout_markdown(table: dict[str, Any], split: str, tests: dict[str, Any], 
     if tests:
         lines += [
             "",
-            f"Paired against {baseline} ({split}): a Wilcoxon signed-rank test on each held-out sequence's value "
-            "(pooled over seeds; 'better' = lower perplexity or error, higher accuracy) and a paired t-test over "
-            "the seeds.",
+            f"Paired against {baseline} ({split}): a paired t-test over the seeds (the test of the effect), and "
+            "a Wilcoxon signed-rank test over the held-out sequences of each sequence's difference averaged over "
+            "the seeds (conditional on these runs; 'better' = lower perplexity or error, higher accuracy).",
             "",
             "| arm | metric | diff | better / pairs | Wilcoxon p | t-test p |",
             "|---|---|---:|---:|---:|---:|",
@@ -466,12 +521,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.out or os.path.join("runs", "study-" + os.path.splitext(os.path.basename(args.preset))[0])
     os.makedirs(out, exist_ok=True)
     start = time.time()
+    groups = _groups(preset)
     runs = run_all(preset, out)
-    table = aggregate(runs)
+    table = aggregate(runs, groups)
     baseline = preset.get("baseline", next(iter(preset["arms"])))
     if baseline not in preset["arms"]:
         raise SystemExit(f"{args.preset}: baseline {baseline!r} is not one of the arms {list(preset['arms'])}")
-    tests = paired_tests(runs, table, baseline) if len(preset["seeds"]) > 0 else {}
+    tests = paired_tests(runs, table, baseline, groups) if len(preset["seeds"]) > 0 else {}
     with open(os.path.join(out, "results.json"), "w") as f:
         summary = {"preset": preset, "results": table, "paired_tests": tests, "seconds": time.time() - start}
         json.dump(summary, f, indent=2)

@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -428,7 +429,8 @@ class Trainer:
         kind ``text_ppl`` (labels that are not number tokens) and ``number_token_ppl`` /
         ``number_token_acc`` / ``number_token_mae`` (number-token labels; the MAE of the expected value
         on the logits path only). ``per_sequence``: a file that rank 0 writes with every held-out
-        sequence's sums (JSON lines, by global sequence index: the paired tests of the study). Every rank
+        sequence's sums (JSON lines, by global sequence index: the paired tests of the study) and the
+        CRC-32 of its int64 labels (``labels_crc32``: runs pair only the same text). Every rank
         must call it with the same number of batches (ZeRO-3 gathers parameters in each forward).
         """
         from .evaluate import HELDOUT_COLUMNS, heldout_metrics, sequence_stats
@@ -436,6 +438,7 @@ class Trainer:
         batches = self.heldout if batches is None else batches
         totals = torch.zeros(len(HELDOUT_COLUMNS), dtype=torch.float64, device=self.device)
         rows: list[torch.Tensor] = []
+        fingerprints: list[int] = []
         self.engine.eval()
         try:
             for host in batches:
@@ -446,12 +449,16 @@ class Trainer:
                 totals += stats.sum(0)
                 if per_sequence:
                     rows.append(stats)
+                    labels = host.get("labels", host["input_ids"]).to(torch.int64).numpy()
+                    fingerprints += [zlib.crc32(row.tobytes()) for row in labels]
         finally:
             self.engine.train()
         dist.all_reduce(totals, group=self.dp_group)
         if per_sequence:
             columns = HELDOUT_COLUMNS[:-1] if self.cfg.train.chunked_loss else HELDOUT_COLUMNS  # no MAE: see above
-            self.write_sequence_stats(per_sequence, columns, torch.cat(rows).cpu().tolist() if rows else [])
+            sums = torch.cat(rows)[:, : len(columns)].cpu().tolist() if rows else []
+            self.write_sequence_stats(per_sequence, (*columns, "labels_crc32"),
+                                      [[*row, crc] for row, crc in zip(sums, fingerprints)])  # fmt: skip
         metrics = heldout_metrics(totals.cpu().tolist(), self.cfg.ntl.weight,
                                   with_abs_error=not self.cfg.train.chunked_loss)  # fmt: skip
         return {f"eval/{k}": v for k, v in metrics.items()}

@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -144,7 +145,8 @@ def test_ci_study_preset_end_to_end(tmp_path):
 def test_pretrain_study_preset_end_to_end(tmp_path):
     """configs/study/pretrain_ci.yaml (the pretraining study's pipeline, tiny): the corpus builder, 2 seeds x
     2 arms through launch/train.py on the packed corpus, the held-out text metrics and their per-sequence
-    paired tests, and the greedy answers to the held-out questions cut at the answer line.
+    paired tests (the whole held-out part and each group of the preset's ``heldout_groups``: the corpus's
+    prose and number documents), and the greedy answers to the held-out questions cut at the answer line.
 
     The held-out metrics are recomputed from each run's exported Hugging Face model with a plain float64
     forward pass over the held-out sequences (CE split by label kind, arg-max hits, the expected digit)."""
@@ -174,7 +176,8 @@ def test_pretrain_study_preset_end_to_end(tmp_path):
     assert set(summary["results"]) == {"CE", "CE + NTL-WAS"}
     metrics = ("text_ppl", "number_token_ppl", "number_token_acc", "number_token_mae", "ppl")
     for arm in summary["results"].values():
-        assert set(arm) == {"questions", "heldout"} and tuple(arm["heldout"]) == metrics
+        assert set(arm) == {"questions", "heldout", "heldout:prose", "heldout:numbers"}
+        assert tuple(arm["heldout"]) == metrics
     overrides = yaml.safe_load(preset)["overrides"]
     digit_ids = None
     per_sequence: dict[str, list[list[dict[str, float]]]] = {}
@@ -212,6 +215,8 @@ def test_pretrain_study_preset_end_to_end(tmp_path):
             assert len(rows) == cfg.data.eval_sequences
             written = [json.loads(line) for line in (run / "heldout_sequences.jsonl").read_text().splitlines()]
             assert [r["sequence"] for r in written] == list(range(len(rows)))
+            labels = torch.cat([b["labels"] for b in batches]).to(torch.int64)
+            assert [r["labels_crc32"] for r in written] == [zlib.crc32(y.numpy().tobytes()) for y in labels]
             for mine, ref in zip(written, rows):
                 assert mine["tokens"] == ref["n"] and mine["number_tokens"] == ref["num"]
                 assert mine["number_hits"] == ref["hits"]
@@ -230,14 +235,35 @@ def test_pretrain_study_preset_end_to_end(tmp_path):
             for line in (run / "predictions_questions.jsonl").read_text().splitlines():
                 row = json.loads(line)
                 assert row["parsed"] == extract_number(row["generated"].split("\n")[0])
-    # the per-sequence test pairs the same held-out sequence of the same seed, pooled over seeds
-    diffs = []
-    for arm_rows, base_rows in zip(per_sequence["ce_ntl_was"], per_sequence["ce"]):
-        for a, b in zip(arm_rows, base_rows):
-            d = (a["ce"] - a["num_ce"]) / (a["n"] - a["num"]) - (b["ce"] - b["num_ce"]) / (b["n"] - b["num"])
-            if a["num"] and b["num"] and a["n"] > a["num"] and abs(d) > 1e-12:
-                diffs.append(d)
-    wilcoxon = summary["paired_tests"]["CE + NTL-WAS"]["heldout"]["text_ppl"]["wilcoxon"]
-    assert wilcoxon["n"] == len(diffs) and wilcoxon["arm_better"] == sum(d < 0 for d in diffs)
-    assert wilcoxon["p"] == pytest.approx(float(stats.wilcoxon(diffs).pvalue), rel=1e-3)
+    # each group of the preset (the corpus's prose and number documents) is tabulated from its sequences
+    groups = yaml.safe_load(preset)["heldout_groups"]
+    for folder, arm in (("ce", "CE"), ("ce_ntl_was", "CE + NTL-WAS")):
+        for name, (first, stop) in groups.items():
+            seeds = summary["results"][arm][f"heldout:{name}"]
+            for seed, rows in enumerate(per_sequence[folder]):
+                part = {k: sum(r[k] for r in rows[first:stop]) for k in rows[0]}
+                if part["n"] > part["num"]:
+                    text_ce = (part["ce"] - part["num_ce"]) / (part["n"] - part["num"])
+                    assert seeds["text_ppl"]["seeds"][seed] == pytest.approx(math.exp(text_ce), rel=1e-4)
+                if part["num"]:
+                    assert seeds["number_token_acc"]["seeds"][seed] == pytest.approx(part["hits"] / part["num"])
+                else:
+                    assert "number_token_acc" not in seeds
+
+    # the per-sequence test: each sequence's text perplexity, arm minus CE averaged over the seeds, then a
+    # Wilcoxon signed-rank test over the sequences (those of the split; with text labels)
+    def text_ppl(r):
+        return math.exp((r["ce"] - r["num_ce"]) / (r["n"] - r["num"]))
+
+    for split, (first, stop) in (("heldout", (0, None)), *((f"heldout:{k}", tuple(v)) for k, v in groups.items())):
+        diffs = []
+        for i in range(first, stop or cfg.data.eval_sequences):
+            pairs = [(a[i], b[i]) for a, b in zip(per_sequence["ce_ntl_was"], per_sequence["ce"])]
+            if all(a["n"] > a["num"] for a, _ in pairs):
+                diffs.append(sum(text_ppl(a) - text_ppl(b) for a, b in pairs) / len(pairs))
+        nonzero = [d for d in diffs if abs(d) > 1e-12]
+        wilcoxon = summary["paired_tests"]["CE + NTL-WAS"][split]["text_ppl"]["wilcoxon"]
+        assert wilcoxon["n"] == len(diffs) and wilcoxon["arm_better"] == sum(d < 0 for d in nonzero)
+        if len(nonzero) > 1:
+            assert wilcoxon["p"] == pytest.approx(float(stats.wilcoxon(nonzero).pvalue), rel=1e-3)
     assert "**heldout** (held-out text" in (out / "results.md").read_text()

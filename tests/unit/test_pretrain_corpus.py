@@ -32,7 +32,8 @@ pc = importlib.util.module_from_spec(_spec)
 sys.modules["pretrain_corpus"] = pc
 _spec.loader.exec_module(pc)
 
-SMALL = {"number_documents": 240, "prose_chars": 40_000, "questions": 60}
+SMALL = {"number_documents": 240, "prose_chars": 40_000, "questions": 60, "heldout_sequences": 16,
+         "heldout_prose_sequences": 8, "seq_length": 64}  # fmt: skip
 
 
 def _rows(path: Path) -> list[dict]:
@@ -288,7 +289,8 @@ def test_manifest_matches_files(full, built):
 
 def test_existing_folder_is_reused_refused_or_forced(tmp_path, capsys):
     out = tmp_path / "corpus"
-    args = ["--out", str(out), "--number-documents", "20", "--prose-chars", "3000", "--questions", "8"]
+    args = ["--out", str(out), "--number-documents", "20", "--prose-chars", "3000", "--questions", "8",
+            "--heldout-sequences", "0"]  # fmt: skip
     first = pc.main(args)
     assert not first["reused"]
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
@@ -307,6 +309,56 @@ def test_existing_folder_is_reused_refused_or_forced(tmp_path, capsys):
     (out / "train.jsonl").write_text("tampered\n")
     with pytest.raises(SystemExit, match="does not match"):
         pc.main([*args, "--seed", "3"])
+
+
+# --------------------------------------------------------------------------------------------------
+# The held-out block, as the trainer packs and holds it out
+
+
+@pytest.mark.parametrize("which", ["small", "default"])
+def test_heldout_groups_hold_only_their_kind_as_the_trainer_packs_them(built, full, tmp_path, which):
+    """The trainer's own held-out sequences (data.eval_sequences x train.seq_length, the character
+    tokenizer), cut at EOS: every piece of a sequence in the manifest's prose range is text of a prose
+    document, every piece in the number range text of a number document; the ranges tile the held-out
+    part but for at most one sequence between them."""
+    from ntl_scale.training.config import DataConfig
+    from ntl_scale.training.data import heldout_batches
+    from ntl_scale.training.tokenizer import build_char_tokenizer
+
+    folder = built["a"] if which == "small" else full
+    held = json.loads((folder / "manifest.json").read_text())["heldout"]
+    (p0, p1), (n0, n1) = held["groups"]["prose"], held["groups"]["numbers"]
+    wanted = SMALL if which == "small" else {"heldout_sequences": 128, "heldout_prose_sequences": 64, "seq_length": 256}
+    assert (p0, p1, n1) == (0, wanted["heldout_prose_sequences"], wanted["heldout_sequences"]) and p1 <= n0 <= p1 + 1
+    tokenizer = build_char_tokenizer()
+    cfg = DataConfig(source="text", train_path=str(folder / "train.jsonl"), eval_sequences=n1,
+                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    batches = heldout_batches(cfg, tokenizer, seq_length=held["seq_length"], micro_batch_size=8, dp_rank=0, dp=1)
+    sequences = [row for batch in batches for row in batch["input_ids"].tolist()]
+    assert len(sequences) == n1
+    rows = _rows(folder / "train.jsonl")
+    texts = {
+        kind: [r["text"] for r in rows if (r["source"] == "prose") == (kind == "prose")] for kind in ("prose", "n")
+    }
+    for index, sequence in enumerate(sequences):
+        if p1 <= index < n0:
+            continue
+        pool = texts["prose"] if index < p1 else texts["n"]
+        pieces, current = [], []
+        for token in sequence:
+            if token == tokenizer.eos_token_id:
+                pieces.append(current)
+                current = []
+            else:
+                current.append(token)
+        pieces.append(current)
+        for piece in filter(None, pieces):
+            text = tokenizer.decode(piece)
+            assert any(text in doc for doc in pool), (index, text[:60])
+    # the manifest counts the held-out block's documents: they come first in train.jsonl
+    count = sum(held["documents"].values())
+    assert dict(Counter(r["source"] for r in rows[:count])) == held["documents"]
+    assert [r["source"] for r in rows[: held["documents"]["prose"]]] == ["prose"] * held["documents"]["prose"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -334,6 +386,13 @@ def test_config_rejects_bad_values():
         pc.CorpusConfig(prose_chars=1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"seed must be an integer >= 0, got 'x'"):
         pc.CorpusConfig(seed="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"heldout_prose_sequences < heldout_sequences \(got 4 and 4"):
+        pc.CorpusConfig(heldout_sequences=4, heldout_prose_sequences=4)
+    with pytest.raises(ValueError, match=r"too few prose documents for 16384 held-out tokens.*hold out fewer"):
+        pc.build_corpus(pc.CorpusConfig(number_documents=40, prose_chars=0, questions=4))
+    with pytest.raises(ValueError, match=r"too few numbers documents for 2048 held-out tokens"):
+        pc.build_corpus(pc.CorpusConfig(number_documents=4, prose_chars=5000, questions=4, heldout_sequences=32,
+                                        heldout_prose_sequences=1, seq_length=64))  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,11 +402,13 @@ def test_config_rejects_bad_values():
 def test_script_runs(tmp_path):
     out = tmp_path / "c"
     command = [sys.executable, str(SCRIPT), "--out", str(out), "--number-documents", "8", "--prose-chars", "2000",
-               "--questions", "4", "--seed", "5"]  # fmt: skip
+               "--questions", "4", "--seed", "5", "--heldout-sequences", "4", "--heldout-prose-sequences", "2",
+               "--seq-length", "64"]  # fmt: skip
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "4 held-out questions" in result.stdout
-    expected = pc.CorpusConfig(seed=5, number_documents=8, prose_chars=2000, questions=4)
+    expected = pc.CorpusConfig(seed=5, number_documents=8, prose_chars=2000, questions=4, heldout_sequences=4,
+                               heldout_prose_sequences=2, seq_length=64)  # fmt: skip
     assert (out / "train.jsonl").read_bytes() == b"".join(
         (json.dumps(r) + "\n").encode() for r in pc.build_corpus(expected).rows
     )
