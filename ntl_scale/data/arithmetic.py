@@ -16,9 +16,10 @@ Splits follow the DeepMind convention: ``interpolate`` draws operands from the t
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
-__all__ = ["KINDS", "SPLITS", "ArithmeticConfig", "Example", "generate"]
+__all__ = ["KINDS", "SPLITS", "ArithmeticConfig", "Example", "generate", "reverse_digits"]
 
 KINDS = ("add", "add_sub", "add_sub_multiple", "mul")
 SPLITS = ("train", "interpolate", "extrapolate")
@@ -43,6 +44,9 @@ class ArithmeticConfig:
         extrapolate_digits: operands have ``train_digits + 1`` to this many digits in ``extrapolate``.
         mul_digits: the same bound for the second factor of a multiplication (keeps products short).
         negative_share: share of operands made negative.
+        reverse_answers: write each answer's digits least-significant first (``168`` as ``861``, ``-45``
+            as ``-54``): a model then emits the digits in the order addition computes them, carries
+            last (:func:`reverse_digits` reads them back). The questions are unchanged.
     """
 
     kinds: tuple[str, ...] = ("add_sub", "add_sub_multiple", "mul")
@@ -50,6 +54,7 @@ class ArithmeticConfig:
     extrapolate_digits: int = 5
     mul_digits: int = 2
     negative_share: float = 0.2
+    reverse_answers: bool = False
 
     def __post_init__(self) -> None:
         unknown = [k for k in self.kinds if k not in KINDS]
@@ -61,6 +66,12 @@ class ArithmeticConfig:
             )
         if not 0 <= self.negative_share <= 1:
             raise ValueError(f"negative_share must be in [0, 1], got {self.negative_share}")
+
+
+def reverse_digits(text: str) -> str:
+    """Every run of digits in ``text`` reversed (signs and other characters stay): the answer format of
+    ``reverse_answers`` and its inverse (``reverse_digits(reverse_digits(t)) == t``)."""
+    return re.sub(r"\d+", lambda m: m.group(0)[::-1], text)
 
 
 def _operand(rng: random.Random, low_digits: int, high_digits: int, negative_share: float) -> int:
@@ -129,6 +140,6 @@ def generate(
         if example.question in seen:
             continue
         seen.add(example.question)
-        out.append(example)
+        out.append(replace(example, answer=reverse_digits(example.answer)) if config.reverse_answers else example)
     rng.shuffle(out)
     return out

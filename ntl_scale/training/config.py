@@ -126,6 +126,9 @@ class DataConfig:
     """... and ``train_digits + 1`` to this many in ``extrapolate``."""
     negative_share: float = 0.2
     """Share of arithmetic operands drawn negative."""
+    reverse_answers: bool = False
+    """``arithmetic`` source: answers written least-significant digit first (``What is 57 + 68? 521`` for
+    125); evaluation reads them back, so ``eval.json`` and the predictions hold the true numbers."""
     streaming: bool = False
     """Read ``train_path`` as a stream (``datasets.IterableDataset``) instead of building its Arrow table:
     for corpora larger than memory or disk cache."""
@@ -160,6 +163,11 @@ class DataConfig:
             raise ValueError(
                 f"need data.num_proc >= 1, data.shuffle_buffer >= 0 and data.eval_sequences >= 0, got "
                 f"{self.num_proc}, {self.shuffle_buffer} and {self.eval_sequences}"
+            )
+        if self.reverse_answers and self.source != "arithmetic":
+            raise ValueError(
+                f"data.reverse_answers=true writes the generated arithmetic answers reversed; data.source="
+                f"{self.source!r} reads its answers from files: reverse them there, or use data.source=arithmetic"
             )
         if self.source not in ("text", "megatron") and (self.document_isolation or self.eval_sequences):
             raise ValueError(
@@ -303,6 +311,14 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.reverse_answers and self.ntl.loss == "number":
+            raise ValueError(
+                "ntl.loss=number reads each digit run as a number written most-significant digit first, and "
+                "data.reverse_answers=true writes the answers the other way round; use a token-level ntl.loss "
+                "(was, mse, mae, huber) with reversed answers"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -81,7 +81,7 @@ def _packed_train(cfg: DataConfig, tokenizer: Any, seq_length: int) -> Any:
 def _task(cfg: DataConfig) -> ArithmeticConfig:
     return ArithmeticConfig(
         kinds=tuple(cfg.kinds), train_digits=cfg.train_digits, extrapolate_digits=cfg.extrapolate_digits,
-        negative_share=cfg.negative_share,
+        negative_share=cfg.negative_share, reverse_answers=cfg.reverse_answers,
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..data.arithmetic import Example
+from ..data.arithmetic import Example, reverse_digits
 from ..eval.numbers import extract_number, number_metrics
 
 __all__ = ["HELDOUT_COLUMNS", "evaluate_generation", "heldout_metrics", "sequence_stats"]
@@ -94,6 +94,7 @@ def evaluate_generation(
     synced_gpus: bool = False,
     predictions_path: str | None = None,
     answer_until: str | None = None,
+    reverse_answers: bool = False,
 ) -> dict[str, float]:
     """Generates an answer per question and scores the numbers in them.
 
@@ -110,6 +111,10 @@ def evaluate_generation(
         predictions_path: where to write one JSON line per example (question, answer, generated, parsed).
         answer_until: cut each answer at the first occurrence of this text before the number is read
             (``generated`` in the predictions keeps the whole continuation).
+        reverse_answers: the answers are written least-significant digit first
+            (:func:`~ntl_scale.data.arithmetic.reverse_digits`): the true and the generated answer are
+            read back before their numbers are taken, so ``answer`` and ``parsed`` in the predictions
+            and the metrics are in the usual order (``generated`` stays as generated).
 
     Returns:
         :func:`ntl_scale.eval.number_metrics` of the parsed answers.
@@ -139,17 +144,18 @@ def evaluate_generation(
             for example, ids in zip(chunk, out):
                 text = tokenizer.decode(ids, skip_special_tokens=True)
                 answer = text.split(answer_until, 1)[0] if answer_until else text
-                rows.append((example, text, extract_number(answer)))
+                rows.append((example, text, extract_number(reverse_digits(answer) if reverse_answers else answer)))
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
-    targets = [extract_number(e.answer) for e in examples]
+    truths = [reverse_digits(e.answer) if reverse_answers else e.answer for e in examples]
+    targets = [extract_number(t) for t in truths]
     metrics = number_metrics([p for _, _, p in rows], [t if t is not None else float("nan") for t in targets])
     if predictions_path is not None:
         tmp = f"{predictions_path}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
-            for example, text, parsed in rows:
-                record = {"question": example.question, "answer": example.answer, "generated": text, "parsed": parsed}
+            for (example, text, parsed), truth in zip(rows, truths):
+                record = {"question": example.question, "answer": truth, "generated": text, "parsed": parsed}
                 f.write(json.dumps(record) + "\n")
         os.replace(tmp, predictions_path)
     return metrics

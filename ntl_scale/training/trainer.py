@@ -490,6 +490,7 @@ class Trainer:
                     self.model, self.tokenizer, examples, kind=self.cfg.model.kind,
                     max_new_tokens=self.cfg.eval.max_new_tokens, num_beams=self.cfg.eval.num_beams,
                     synced_gpus=self.world > 1, predictions_path=path, answer_until=self.cfg.eval.answer_until,
+                    reverse_answers=self.cfg.data.reverse_answers,
                 )  # fmt: skip
         return results
 

@@ -34,6 +34,20 @@ def test_answers_are_right(split):
         assert int(e.answer) == _evaluate(e.question), e
 
 
+@pytest.mark.parametrize("split", ["train", "interpolate", "extrapolate"])
+def test_reversed_answers_are_the_right_number_least_significant_digit_first(split):
+    """data.reverse_answers: the same questions, each answer's digits in the reverse order (sign first),
+    checked against the question evaluated here; zeros that end the number lead the reversed answer."""
+    config = ArithmeticConfig(kinds=("add_sub", "add_sub_multiple", "mul"), reverse_answers=True)
+    plain = generate(300, split, seed=3)
+    examples = generate(300, split, seed=3, config=config)
+    assert [e.question for e in examples] == [e.question for e in plain]
+    for e in examples:
+        value = _evaluate(e.question)
+        assert e.answer == ("-" if value < 0 else "") + str(abs(value))[::-1], e
+    assert any(e.answer.lstrip("-").startswith("0") for e in examples if e.kind == "mul" or split != "train")
+
+
 def test_seeded_and_split_properties():
     assert generate(50, seed=1) == generate(50, seed=1)
     assert generate(50, seed=1) != generate(50, seed=2)
