@@ -514,10 +514,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="configs/study/cpu.yaml", help="study preset YAML")
     parser.add_argument("--out", default=None, help="output folder (default: runs/study-<preset name>)")
+    parser.add_argument("--parallel", type=int, default=None, help="runs at once (default: the preset's parallel)")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.preset):
         raise SystemExit(f"--preset {args.preset}: no such file (presets: configs/study/*.yaml)")
     preset = load_preset(args.preset)
+    if args.parallel is not None:
+        if args.parallel < 1:
+            raise SystemExit(f"--parallel {args.parallel}: expected at least 1 run at a time")
+        preset["parallel"] = args.parallel
     out = args.out or os.path.join("runs", "study-" + os.path.splitext(os.path.basename(args.preset))[0])
     os.makedirs(out, exist_ok=True)
     start = time.time()
