@@ -355,7 +355,8 @@ def prose_documents(seed: int, max_chars: int | None, limit: int = MAX_PROSE_DOC
     """Documents of the CPython documentation topics (``pydoc_data.topics``), normalised.
 
     Each topic (in sorted order) is cut at paragraph boundaries into documents of at most ``limit``
-    characters; the documents are shuffled with ``seed`` and taken in that order, each one that
+    characters (a paragraph that an earlier topic already had is left out: the topics repeat some);
+    the documents are shuffled with ``seed`` and taken in that order, each one that
     would bring the total past ``max_chars`` skipped (None: all of them).
 
     Args:
@@ -376,9 +377,13 @@ def prose_documents(seed: int, max_chars: int | None, limit: int = MAX_PROSE_DOC
             "use a full CPython install or pass --prose-chars 0"
         ) from e
     documents = []
+    seen: set[str] = set()  # topics repeat paragraphs: each is kept once (held-out prose is never trained on)
     for name in sorted(topics):
         current = ""
         for paragraph in _paragraphs(topics[name]):
+            if paragraph in seen:
+                continue
+            seen.add(paragraph)
             for piece in _cut(paragraph, limit):
                 if current and len(current) + 1 + len(piece) > limit:
                     documents.append(current)
@@ -452,9 +457,9 @@ def heldout_block(pairs: list[tuple[str, str]], config: CorpusConfig) -> tuple[l
     The trainer holds out the corpus's first ``heldout_sequences x seq_length`` tokens. Left to the
     shuffle, that part is whatever documents came first (often no prose at all). Here it is prose
     documents (in shuffled order) until the first ``heldout_prose_sequences`` sequences are filled,
-    then number documents until every held-out sequence is: sequences ``[0, prose_end)`` hold prose
-    only, ``[numbers_start, heldout_sequences)`` number documents only (the one in between holds the
-    end of the last prose document and the start of the first number document).
+    then number documents until every held-out sequence is: sequences ``[0, heldout_prose_sequences)``
+    hold prose only (the last prose document is cut to end exactly there) and
+    ``[heldout_prose_sequences, heldout_sequences)`` number documents only.
 
     Returns:
         The reordered ``(kind, text)`` pairs and the block's description (for the manifest): the
@@ -474,6 +479,9 @@ def heldout_block(pairs: list[tuple[str, str]], config: CorpusConfig) -> tuple[l
                 break
             if (kind == "prose") == (group == "prose"):
                 room = need[group] - tokens - overhead
+                if group == "prose" and room == 0 and held:  # one token short: end the one before a character
+                    held[-1] = (held[-1][0], held[-1][1][:-1])  # earlier, so that this one fits with one
+                    tokens, room = tokens - 1, 1
                 if group == "prose" and 0 < room < len(text):  # cut the last one to end the prose exactly
                     text = text[:room]
                 held.append((kind, text))
@@ -485,10 +493,10 @@ def heldout_block(pairs: list[tuple[str, str]], config: CorpusConfig) -> tuple[l
                 f"(heldout_sequences={config.heldout_sequences}, heldout_prose_sequences="
                 f"{config.heldout_prose_sequences}, seq_length={length}); add documents or hold out fewer sequences"
             )
-        if group == "prose":
-            prose_tokens = tokens
-    groups = {"prose": [0, prose_tokens // length],
-              "numbers": [-(-prose_tokens // length), config.heldout_sequences]}  # fmt: skip
+        if group == "prose" and tokens != need["prose"]:
+            raise RuntimeError(f"corpus bug: the held-out prose ends at token {tokens}, not {need['prose']}")
+    groups = {"prose": [0, config.heldout_prose_sequences],
+              "numbers": [config.heldout_prose_sequences, config.heldout_sequences]}  # fmt: skip
     description = {
         "seq_length": length,
         "sequences": config.heldout_sequences,

@@ -12,8 +12,9 @@ init; the data is the same seeded arithmetic for every arm and seed) and the sha
 budget); optionally ``prepare`` (commands run once first, e.g. generating the DeepMind data),
 ``parallel`` (runs at once, the cores shared between them), ``baseline`` (the arm the others are
 tested against; default the first) and ``heldout_groups`` (a pretraining corpus: name -> [first, stop)
-held-out sequence indices, each tabulated and tested as split ``heldout:<name>``; e.g. the prose and
-the number documents of experiments/pretrain_corpus.py, whose manifest names their ranges). Each run
+held-out sequence indices, each tabulated and tested as split ``heldout:<name>``; or the path of a
+corpus manifest of experiments/pretrain_corpus.py, whose ``heldout.groups`` are its prose and number
+documents, checked against each run's held-out sequences). Each run
 lands in ``OUT/<arm>/seed<S>/`` (a finished run is not redone, so an interrupted study continues
 where it stopped). Then ``OUT`` gets:
 
@@ -195,9 +196,27 @@ def sequence_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {m: metrics[m] for m in HELDOUT_METRICS if m in metrics}
 
 
-def _groups(preset: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """The preset's ``heldout_groups``: name -> [first, stop) held-out sequence indices."""
+def _groups(preset: dict[str, Any], runs: dict[str, list[str]] | None = None) -> dict[str, tuple[int, int]]:
+    """The preset's ``heldout_groups``: name -> [first, stop) held-out sequence indices, given as a mapping
+    or as the path of a corpus manifest (``heldout.groups`` of experiments/pretrain_corpus.py; read once
+    the corpus is prepared, with ``runs``: each run must hold out the manifest's sequences of its length)."""
     groups = preset.get("heldout_groups") or {}
+    if isinstance(groups, str):
+        if runs is None:
+            return {}
+        path = os.path.join(ROOT, groups) if not os.path.isabs(groups) else groups
+        if not os.path.isfile(path):
+            raise SystemExit(f"heldout_groups: no corpus manifest {path}; give a mapping or the corpus's manifest.json")
+        held = _read_json(path).get("heldout") or {}
+        for run in (d for dirs in runs.values() for d in dirs):
+            cfg = _read_json(os.path.join(run, "config.json"))
+            got = (cfg["data"]["eval_sequences"], cfg["train"]["seq_length"])
+            if got != (held.get("sequences"), held.get("seq_length")):
+                raise SystemExit(
+                    f"{run} held out {got[0]} sequences of {got[1]} tokens, but {path} places {held.get('sequences')} "
+                    f"of {held.get('seq_length')}; build the corpus with the run's data.eval_sequences and seq_length"
+                )
+        groups = held.get("groups") or {}
     if not isinstance(groups, dict) or not all(
         isinstance(v, list) and len(v) == 2 and all(isinstance(i, int) for i in v) and 0 <= v[0] < v[1]
         for v in groups.values()
@@ -526,8 +545,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.out or os.path.join("runs", "study-" + os.path.splitext(os.path.basename(args.preset))[0])
     os.makedirs(out, exist_ok=True)
     start = time.time()
-    groups = _groups(preset)
+    _groups(preset)  # a mapping is checked before any run; a manifest once the corpus is prepared
     runs = run_all(preset, out)
+    groups = _groups(preset, runs)
     table = aggregate(runs, groups)
     baseline = preset.get("baseline", next(iter(preset["arms"])))
     if baseline not in preset["arms"]:
