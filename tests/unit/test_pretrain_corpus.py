@@ -361,6 +361,33 @@ def test_heldout_groups_hold_only_their_kind_as_the_trainer_packs_them(built, fu
     assert [r["source"] for r in rows[: held["documents"]["prose"]]] == ["prose"] * held["documents"]["prose"]
 
 
+def test_heldout_prose_ends_exactly_even_one_token_short():
+    """Documents whose tokens (characters + EOS, counted here) fall one short of the prose target: the
+    one before ends a character earlier and the next is cut, so the prose fills exactly its sequences;
+    the rest of each group's documents come in their shuffled order, the other documents after them."""
+    pairs = [("prose", "abcdefgh"), ("table", "1 2 3"), ("prose", "ijklmnop"), ("prose", "qr"), ("dates", "4 5 6 7")]
+    config = pc.CorpusConfig(heldout_sequences=2, heldout_prose_sequences=1, seq_length=10)
+    moved, held = pc.heldout_block(pairs, config)
+    prose = [text for kind, text in moved[:2]]
+    assert prose == ["abcdefg", "i"] and sum(len(t) + 1 for t in prose) == 10  # 9 tokens, then 1 short
+    assert moved[2:] == [("table", "1 2 3"), ("dates", "4 5 6 7"), ("prose", "qr")]
+    assert held["groups"] == {"prose": [0, 1], "numbers": [1, 2]} and held["documents"] == {"prose": 2, "table": 1,
+                                                                                              "dates": 1}  # fmt: skip
+
+
+def test_heldout_prose_is_not_training_prose(full):
+    """pydoc topics repeat paragraphs; each is kept once, so the held-out prose (the block's prose
+    documents) shares almost no 50-character window with the training prose."""
+    rows = _rows(full / "train.jsonl")
+    held = json.loads((full / "manifest.json").read_text())["heldout"]
+    count = sum(held["documents"].values())
+    heldout = " ".join(r["text"] for r in rows[:count] if r["source"] == "prose")
+    training = " ".join(r["text"] for r in rows[count:] if r["source"] == "prose")
+    windows = [heldout[i : i + 50] for i in range(0, len(heldout) - 50, 25)]
+    shared = sum(window in training for window in windows)
+    assert len(windows) > 500 and shared / len(windows) < 0.03, (shared, len(windows))
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad arguments
 
