@@ -236,7 +236,8 @@ def test_pretrain_study_preset_end_to_end(tmp_path):
                 row = json.loads(line)
                 assert row["parsed"] == extract_number(row["generated"].split("\n")[0])
     # each group of the preset (the corpus's prose and number documents) is tabulated from its sequences
-    groups = yaml.safe_load(preset)["heldout_groups"]
+    groups = json.loads(Path(yaml.safe_load(preset)["heldout_groups"]).read_text())["heldout"]["groups"]
+    assert groups == {"prose": [0, 4], "numbers": [4, 8]}  # the prepare step's --heldout-*sequences 8 / 4
     for folder, arm in (("ce", "CE"), ("ce_ntl_was", "CE + NTL-WAS")):
         for name, (first, stop) in groups.items():
             seeds = summary["results"][arm][f"heldout:{name}"]
