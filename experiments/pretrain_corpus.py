@@ -135,10 +135,10 @@ class CorpusConfig:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.questions > MAX_QUESTIONS:
             raise ValueError(f"questions must be at most {MAX_QUESTIONS}, got {self.questions}; ask for fewer")
-        if self.heldout_prose_sequences >= self.heldout_sequences > 0 or self.seq_length < 1:
+        if self.heldout_prose_sequences >= self.heldout_sequences > 0 or self.seq_length < 2:
             raise ValueError(
                 f"need heldout_prose_sequences < heldout_sequences (got {self.heldout_prose_sequences} and "
-                f"{self.heldout_sequences}; the rest hold the number documents) and seq_length >= 1 (got "
+                f"{self.heldout_sequences}; the rest hold the number documents) and seq_length >= 2 (got "
                 f"{self.seq_length})"
             )
 
@@ -497,6 +497,8 @@ def heldout_block(pairs: list[tuple[str, str]], config: CorpusConfig) -> tuple[l
             raise RuntimeError(f"corpus bug: the held-out prose ends at token {tokens}, not {need['prose']}")
     groups = {"prose": [0, config.heldout_prose_sequences],
               "numbers": [config.heldout_prose_sequences, config.heldout_sequences]}  # fmt: skip
+    if config.heldout_prose_sequences == 0:  # no prose held out: no prose group
+        del groups["prose"]
     description = {
         "seq_length": length,
         "sequences": config.heldout_sequences,

@@ -184,7 +184,16 @@ def _mean_spread(values: list[float]) -> tuple[float, float]:
 def sequence_rows(run_dir: str, _cache: dict[str, list[dict[str, Any]]] = {}) -> list[dict[str, Any]]:  # noqa: B006
     """A run's ``heldout_sequences.jsonl`` (read once per study)."""
     if run_dir not in _cache:
-        _cache[run_dir] = _read_jsonl(os.path.join(run_dir, "heldout_sequences.jsonl"))
+        path = os.path.join(run_dir, "heldout_sequences.jsonl")
+        if not os.path.isfile(path):
+            raise SystemExit(f"{path} is missing: the per-sequence tests of held-out text need it (written at the "
+                             "end of a packed run since 2026-11-23); re-run that run")  # fmt: skip
+        rows = _read_jsonl(path)
+        if rows and "labels_crc32" not in rows[0]:
+            raise SystemExit(
+                f"{path} has no labels_crc32 (an older run): re-run it so that its sequences can be paired"
+            )
+        _cache[run_dir] = rows
     return _cache[run_dir]
 
 
@@ -218,7 +227,7 @@ def _groups(preset: dict[str, Any], runs: dict[str, list[str]] | None = None) ->
                 )
         groups = held.get("groups") or {}
     if not isinstance(groups, dict) or not all(
-        isinstance(v, list) and len(v) == 2 and all(isinstance(i, int) for i in v) and 0 <= v[0] < v[1]
+        isinstance(v, list) and len(v) == 2 and all(type(i) is int for i in v) and 0 <= v[0] < v[1]
         for v in groups.values()
     ):
         raise SystemExit(f"heldout_groups must map names to [first, stop) sequence indices, got {groups!r}")
@@ -229,6 +238,8 @@ def run_eval(run_dir: str, groups: dict[str, tuple[int, int]]) -> dict[str, Any]
     """A run's ``eval.json``, with a split ``heldout:<group>`` per held-out sequence group (metrics of
     the group's sequences of ``heldout_sequences.jsonl``)."""
     result = _read_json(os.path.join(run_dir, "eval.json"))
+    if groups and "heldout" not in result:
+        raise SystemExit(f"heldout_groups is set, but {run_dir} evaluated no held-out text (data.eval_sequences=0?)")
     if "heldout" in result and groups:
         rows = sequence_rows(run_dir)
         for name, (first, stop) in groups.items():
@@ -331,17 +342,20 @@ def paired_tests(
 
 def _sequence_tests(result: dict[str, Any], dirs: list[str], base_dirs: list[str], part: slice) -> None:
     """Per held-out sequence (those of ``part``): each metric's value of the sequence alone, arm minus
-    baseline, averaged over the seeds (the same sequences in every run: their labels' CRC-32 must
-    match), then a Wilcoxon signed-rank test over the sequences. It is conditional on these trained
-    models (the seed-level t-test is the test of the NTL effect). A sequence without the metric's label
-    kind is left out of that metric. Adds ``wilcoxon`` = {n, arm_better, p} to the metrics of ``result``."""
+    baseline, averaged over the seeds (the same sequences in every run of both arms: their labels'
+    CRC-32 must match, else the study stops), then a Wilcoxon signed-rank test over the sequences. It
+    is conditional on these trained models (the seed-level t-test is the test of the NTL effect). A
+    sequence without the metric's label kind is left out of that metric. Adds ``wilcoxon`` = {n,
+    arm_better, p} to the metrics of ``result``."""
     from scipy import stats
 
     per_seed = []
+    reference = [r["labels_crc32"] for r in sequence_rows(base_dirs[0])]
     for run, base in zip(dirs, base_dirs):
         rows, base_rows = sequence_rows(run)[part], sequence_rows(base)[part]
-        if [r.get("labels_crc32") for r in rows] != [r.get("labels_crc32") for r in base_rows]:
-            raise SystemExit(f"{run} and {base} hold out different text; cannot pair their sequences")
+        for other in (run, base):  # every run of both arms, every seed: the same text, sequence by sequence
+            if [r["labels_crc32"] for r in sequence_rows(other)] != reference:
+                raise SystemExit(f"{other} and {base_dirs[0]} hold out different text; cannot pair their sequences")
         per_seed.append([(sequence_metrics([r]), sequence_metrics([r0])) for r, r0 in zip(rows, base_rows)])
     for metric in result:
         if metric not in LOWER_BETTER:

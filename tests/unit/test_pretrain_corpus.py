@@ -359,6 +359,11 @@ def test_heldout_groups_hold_only_their_kind_as_the_trainer_packs_them(built, fu
     count = sum(held["documents"].values())
     assert dict(Counter(r["source"] for r in rows[:count])) == held["documents"]
     assert [r["source"] for r in rows[: held["documents"]["prose"]]] == ["prose"] * held["documents"]["prose"]
+    # and training starts right after the block: nothing of it is trained on, nothing else is held out
+    from ntl_scale.data.packing import heldout_split
+
+    lengths = [len(r["text"]) + 1 for r in rows]  # the character tokenizer: a token per character, and EOS
+    assert heldout_split(lengths, held["seq_length"], n1) == count
 
 
 def test_heldout_prose_ends_exactly_even_one_token_short():

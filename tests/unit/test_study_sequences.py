@@ -1,0 +1,118 @@
+"""experiments/study.py on held-out text, without training: per-sequence files written here by hand.
+
+The group tables and the per-sequence test are checked against a float64 reference written here
+(perplexity of summed label counts; differences averaged over seeds; scipy's Wilcoxon), and the
+study refuses what it cannot pair: runs holding out other text, files from before labels_crc32, a
+missing file, groups on runs without held-out text, group ranges that are not [first, stop).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("study_under_test", ROOT / "experiments" / "study.py")
+assert _spec is not None and _spec.loader is not None
+study = importlib.util.module_from_spec(_spec)
+sys.modules["study_under_test"] = study
+_spec.loader.exec_module(study)
+
+stats = pytest.importorskip("scipy.stats")
+
+
+def _row(rng: random.Random, index: int, crc: int) -> dict:
+    shape = random.Random(index)  # a sequence has the same labels in every run; the model's sums differ
+    tokens = shape.randint(50, 256)
+    numbers = shape.choice([0, shape.randint(1, tokens - 1), tokens])  # no numbers, a mix, numbers only
+    ce = rng.uniform(0.3, 2.5) * tokens
+    number_ce = rng.uniform(0.0, 1.0) * ce if numbers else 0.0
+    if numbers == tokens:
+        number_ce = ce
+    return {"sequence": index, "ce_sum": ce, "ntl_sum": 0.0, "tokens": tokens, "ntl_positions": numbers,
+            "ntl_hits": 0, "number_tokens": numbers, "number_ce_sum": number_ce,
+            "number_hits": rng.randint(0, numbers), "number_abs_error_sum": rng.uniform(0, 3) * numbers,
+            "labels_crc32": crc}  # fmt: skip
+
+
+def _write(run: Path, rows: list[dict]) -> None:
+    run.mkdir(parents=True)
+    (run / "heldout_sequences.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "eval.json").write_text(json.dumps({"heldout": study.sequence_metrics(rows)}))
+
+
+def _runs(tmp_path: Path, crcs: list[int], seeds: int = 3) -> dict[str, list[str]]:
+    rng = random.Random(7)
+    runs: dict[str, list[str]] = {}
+    for arm in ("CE", "NTL"):
+        for seed in range(seeds):
+            run = tmp_path / arm / f"seed{seed}"
+            _write(run, [_row(rng, i, crc) for i, crc in enumerate(crcs)])
+            runs.setdefault(arm, []).append(str(run))
+    return runs
+
+
+def _text_ppl(r: dict) -> float:
+    return math.exp((r["ce_sum"] - r["number_ce_sum"]) / (r["tokens"] - r["number_tokens"]))
+
+
+def test_groups_and_per_sequence_tests_match_a_reference(tmp_path):
+    runs = _runs(tmp_path, list(range(12)))
+    groups = {"a": (0, 5), "b": (5, 12)}
+    table = study.aggregate(runs, groups)
+    tests = study.paired_tests(runs, table, "CE", groups)
+    rows = {arm: [[json.loads(x) for x in Path(d, "heldout_sequences.jsonl").read_text().splitlines()] for d in dirs]
+            for arm, dirs in runs.items()}  # fmt: skip
+    for split, (first, stop) in (("heldout", (0, 12)), ("heldout:a", groups["a"]), ("heldout:b", groups["b"])):
+        for arm in runs:
+            for seed, seq in enumerate(rows[arm]):
+                part = seq[first:stop]
+                text = [(r["ce_sum"] - r["number_ce_sum"], r["tokens"] - r["number_tokens"]) for r in part]
+                want = math.exp(sum(c for c, _ in text) / sum(n for _, n in text))
+                assert table[arm][split]["text_ppl"]["seeds"][seed] == pytest.approx(want, rel=1e-12)
+        diffs = []
+        for i in range(first, stop):
+            pairs = [(a[i], b[i]) for a, b in zip(rows["NTL"], rows["CE"])]
+            if all(a["tokens"] > a["number_tokens"] for a, _ in pairs):
+                diffs.append(sum(_text_ppl(a) - _text_ppl(b) for a, b in pairs) / len(pairs))
+        wilcoxon = tests["NTL"][split]["text_ppl"]["wilcoxon"]
+        assert wilcoxon["n"] == len(diffs) and wilcoxon["arm_better"] == sum(d < 0 for d in diffs)
+        assert wilcoxon["p"] == pytest.approx(float(stats.wilcoxon(diffs).pvalue), rel=1e-9)
+
+
+def test_runs_that_hold_out_other_text_are_not_paired(tmp_path):
+    runs = _runs(tmp_path, list(range(6)))
+    path = Path(runs["NTL"][2], "heldout_sequences.jsonl")  # the last seed of the arm: another text
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    rows[3]["labels_crc32"] = 99
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = study.aggregate(runs, {})
+    with pytest.raises(SystemExit, match=r"seed2 and .*seed0 hold out different text"):
+        study.paired_tests(runs, table, "CE", {})
+
+
+def test_files_that_cannot_be_paired_are_refused(tmp_path):
+    runs = _runs(tmp_path, list(range(4)), seeds=1)
+    path = Path(runs["CE"][0], "heldout_sequences.jsonl")
+    old = [{k: v for k, v in json.loads(x).items() if k != "labels_crc32"} for x in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    with pytest.raises(SystemExit, match="has no labels_crc32"):
+        study.aggregate(runs, {"a": (0, 2)})
+    path.unlink()
+    with pytest.raises(SystemExit, match=r"heldout_sequences\.jsonl is missing"):
+        study.aggregate(runs, {"a": (0, 2)})
+    Path(runs["NTL"][0], "eval.json").write_text(json.dumps({"questions": {"accuracy": 0.5}}))
+    with pytest.raises(SystemExit, match="evaluated no held-out text"):
+        study.run_eval(runs["NTL"][0], {"a": (0, 2)})
+    fresh = _runs(tmp_path / "fresh", list(range(4)), seeds=1)
+    with pytest.raises(SystemExit, match=r"\[0, 9\) but .* held out 4 sequences"):
+        study.run_eval(fresh["CE"][0], {"a": (0, 9)})
+    for bad in ({"a": [2, 2]}, {"a": [True, 3]}, {"a": [0]}):
+        with pytest.raises(SystemExit, match=r"\[first, stop\)"):
+            study._groups({"heldout_groups": bad})
