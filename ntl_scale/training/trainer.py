@@ -449,7 +449,7 @@ class Trainer:
                 totals += stats.sum(0)
                 if per_sequence:
                     rows.append(stats)
-                    labels = host.get("labels", host["input_ids"]).to(torch.int64).numpy()
+                    labels = host.get("labels", host["input_ids"]).to(torch.int64).cpu().numpy()
                     fingerprints += [zlib.crc32(row.tobytes()) for row in labels]
         finally:
             self.engine.train()
@@ -656,4 +656,6 @@ def print_summary(run_dir: str, results: dict, sizes: dict, shown: int = 6) -> N
     for r in rows:
         mark = "right" if r["parsed"] is not None and r["parsed"] == extract_number(r["answer"]) else "wrong"
         generated = r["generated"].strip().replace("\n", "\\n")  # one line per example
+        if r["parsed"] is not None and extract_number(r["generated"]) != r["parsed"]:  # cut or reversed answers
+            generated += f" (read {r['parsed']:g})"
         print(f"  {r['question']:<{width}}  true {r['answer']:>8}  model {generated:>8}  {mark}")
