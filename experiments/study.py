@@ -363,7 +363,9 @@ def _sequence_tests(result: dict[str, Any], dirs: list[str], base_dirs: list[str
         diffs = []
         for pairs in zip(*per_seed):  # one held-out sequence, every seed
             if all(metric in a and metric in b for a, b in pairs):
-                diffs.append(statistics.fmean(a[metric] - b[metric] for a, b in pairs))
+                d = statistics.fmean(a[metric] - b[metric] for a, b in pairs)
+                scale = max(abs(a[metric]) + abs(b[metric]) for a, b in pairs)
+                diffs.append(d if abs(d) > 1e-12 * scale else 0.0)  # differences that cancel are ties, not 1e-17
         nonzero = [d for d in diffs if d != 0]
         result[metric]["wilcoxon"] = {
             "n": len(diffs),

@@ -116,3 +116,22 @@ def test_files_that_cannot_be_paired_are_refused(tmp_path):
     for bad in ({"a": [2, 2]}, {"a": [True, 3]}, {"a": [0]}):
         with pytest.raises(SystemExit, match=r"\[first, stop\)"):
             study._groups({"heldout_groups": bad})
+
+
+def test_differences_that_cancel_over_the_seeds_are_ties(tmp_path):
+    """Digit accuracy 3/7 vs 2/7 at one seed and 5/7 vs 6/7 at the other: the mean difference is 0 in
+    exact arithmetic (about 1e-17 in floats), so the sequence is a tie, counted as neither better nor
+    worse; a sequence better at both seeds counts once."""
+    runs: dict[str, list[str]] = {}
+    hits = {"CE": ((2, 1), (6, 1)), "NTL": ((3, 2), (5, 2))}  # (sequence 0, sequence 1) per seed
+    for arm, per_seed in hits.items():
+        for seed, seq_hits in enumerate(per_seed):
+            rows = [{"sequence": i, "ce_sum": 10.0 + seed + i, "ntl_sum": 0.0, "tokens": 20, "ntl_positions": 7,
+                     "ntl_hits": h, "number_tokens": 7, "number_ce_sum": 4.0 + i, "number_hits": h,
+                     "number_abs_error_sum": 3.0, "labels_crc32": i} for i, h in enumerate(seq_hits)]  # fmt: skip
+            run = tmp_path / arm / f"seed{seed}"
+            _write(run, rows)
+            runs.setdefault(arm, []).append(str(run))
+    table = study.aggregate(runs, {})
+    wilcoxon = study.paired_tests(runs, table, "CE", {})["NTL"]["heldout"]["number_token_acc"]["wilcoxon"]
+    assert wilcoxon["n"] == 2 and wilcoxon["arm_better"] == 1
