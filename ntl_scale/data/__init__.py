@@ -1,7 +1,7 @@
 """Data for NTL training: a seeded arithmetic generator, DeepMind's own generator
 (:mod:`ntl_scale.data.deepmind`) and question/answer files through Hugging Face ``datasets``."""
 
-from .arithmetic import ArithmeticConfig, Example, generate
+from .arithmetic import ArithmeticConfig, Example, generate, reverse_digits
 from .collate import IGNORE_INDEX, EncodedExample, ShardedOrder, collate, encode
 from .hf_datasets import StreamingOrder, load_qa, tokenize_qa
 
@@ -16,5 +16,6 @@ __all__ = [
     "encode",
     "generate",
     "load_qa",
+    "reverse_digits",
     "tokenize_qa",
 ]
