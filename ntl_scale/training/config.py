@@ -129,6 +129,15 @@ class DataConfig:
     reverse_answers: bool = False
     """``arithmetic`` source: answers written least-significant digit first (``What is 57 + 68? 521`` for
     125); evaluation reads them back, so ``eval.json`` and the predictions hold the true numbers."""
+    position_coupling: bool = False
+    """Question/answer sources, causal models: position ids couple the digits of the question and the
+    (reversed) answer by place value (:mod:`ntl_scale.data.positions`, Cho et al. 2024), in training and
+    in generation; the variant that lets a rotary model add numbers longer than it was trained on. Needs
+    ``reverse_answers`` and a tokenizer with one token per digit."""
+    position_offset: int = 0
+    """With ``position_coupling``: each training row's digit positions are shifted by a random offset,
+    0 to this many (evaluation: 0), so that a place is not read off its distance to the question's words;
+    set it to at least the number of places the model should extrapolate to."""
     streaming: bool = False
     """Read ``train_path`` as a stream (``datasets.IterableDataset``) instead of building its Arrow table:
     for corpora larger than memory or disk cache."""
@@ -168,6 +177,16 @@ class DataConfig:
             raise ValueError(
                 f"data.reverse_answers=true writes the generated arithmetic answers reversed; data.source="
                 f"{self.source!r} reads its answers from files: reverse them there, or use data.source=arithmetic"
+            )
+        if self.position_offset < 0 or (self.position_offset and not self.position_coupling):
+            raise ValueError(
+                f"data.position_offset={self.position_offset} shifts the coupled positions of training rows: it "
+                "needs data.position_coupling=true and a value >= 0"
+            )
+        if self.position_coupling and not self.reverse_answers:
+            raise ValueError(
+                "data.position_coupling=true couples each answer digit with the operand digits of its place, "
+                "which needs the answers least-significant digit first: set data.reverse_answers=true"
             )
         if self.source not in ("text", "megatron") and (self.document_isolation or self.eval_sequences):
             raise ValueError(
@@ -318,6 +337,12 @@ class RunConfig:
                 "ntl.loss=number reads each digit run as a number written most-significant digit first, and "
                 "data.reverse_answers=true writes the answers the other way round; use a token-level ntl.loss "
                 "(was, mse, mae, huber) with reversed answers"
+            )
+
+        if self.data.position_coupling and self.model.kind != "causal":
+            raise ValueError(
+                f"data.position_coupling=true sets the position ids of one causal sequence (question + answer); "
+                f"model.kind={self.model.kind!r} has no such sequence: use model.kind=causal"
             )
 
     def to_dict(self) -> dict[str, Any]:

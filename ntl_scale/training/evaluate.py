@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +95,7 @@ def evaluate_generation(
     predictions_path: str | None = None,
     answer_until: str | None = None,
     reverse_answers: bool = False,
+    position_ids: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Generates an answer per question and scores the numbers in them.
 
@@ -115,6 +116,9 @@ def evaluate_generation(
             (:func:`~ntl_scale.data.arithmetic.reverse_digits`): the true and the generated answer are
             read back before their numbers are taken, so ``answer`` and ``parsed`` in the predictions
             and the metrics are in the usual order (``generated`` stays as generated).
+        position_ids: the position ids of the (left-padded) prompt ids, for models trained with
+            position ids of their own (``data.position_coupling``); ``generate`` extends them by one per
+            new token. Default: the model's own (0, 1, 2, ... after the padding).
 
     Returns:
         :func:`ntl_scale.eval.number_metrics` of the parsed answers.
@@ -130,6 +134,8 @@ def evaluate_generation(
             prompts = [e.question + " " if kind == "causal" else e.question for e in chunk]
             enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
             enc = {k: v.to(next(model.parameters()).device) for k, v in enc.items()}
+            if position_ids is not None:
+                enc["position_ids"] = position_ids(enc["input_ids"])
             out = model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,

@@ -146,6 +146,8 @@ class Trainer:
                 f"model vocab_size {vocab_size} is smaller than the tokenizer ({len(self.tokenizer)} tokens)"
             )
         self.vocab = NumberVocab.from_tokenizer(self.tokenizer, vocab_size=vocab_size, digit_level=cfg.ntl.digit_level)
+        if cfg.data.position_coupling:
+            self.check_one_token_per_digit()
         self.build_data()
         self.build_engine(vocab_size)
         self.order = self.make_order()
@@ -153,6 +155,33 @@ class Trainer:
         self.write_partition()
         if self.resume:
             self.load()
+
+    def check_one_token_per_digit(self) -> None:
+        """Position coupling gives every digit token a place value: each number token must be one digit."""
+        tokens = self.vocab.tokens
+        wide = [t for t in tokens or () if sum(c.isdigit() for c in t) != 1]
+        if tokens is None or wide:
+            raise ValueError(
+                f"data.position_coupling=true needs a tokenizer with one token per digit; {self.cfg.model.tokenizer!r} "
+                f"has number tokens {wide[:5]!r}{' ...' if len(wide) > 5 else ''}: use a digit-level tokenizer "
+                "(builtin:char, or one that splits numbers into digits)"
+            )
+
+    def coupled_positions(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, training: bool = False
+    ) -> torch.Tensor:
+        """:func:`~ntl_scale.data.positions.coupled_position_ids` of token rows; the answer starts at the
+        first label that is not -100 (``labels=None``: generation prompts); ``training``: with the random
+        offsets of ``data.position_offset``."""
+        from ..data.positions import coupled_position_ids, training_position_ids
+
+        digits = self.vocab.number_mask(input_ids)
+        if labels is None:
+            return coupled_position_ids(digits)
+        offset = None
+        if training and self.cfg.data.position_offset:  # the torch RNG is in every checkpoint
+            offset = torch.randint(0, self.cfg.data.position_offset + 1, (input_ids.shape[0],))
+        return training_position_ids(digits, labels, offset)
 
     def build_data(self) -> None:
         """The tokenised training set (rank 0 fills the Arrow cache first, the others read it) and the
@@ -194,10 +223,14 @@ class Trainer:
         if not self.eval_splits:
             return []
         examples = next(iter(self.eval_splits.values()))
-        return heldout_qa_batches(
+        batches = heldout_qa_batches(
             examples, self.tokenizer, kind=cfg.model.kind, max_length=cfg.data.max_length,
             micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.dp_rank, dp=self.dp,
         )  # fmt: skip
+        if cfg.data.position_coupling:
+            for batch in batches:
+                batch["position_ids"] = self.coupled_positions(batch["input_ids"], batch["labels"])
+        return batches
 
     def build_engine(self, vocab_size: int) -> None:
         """The Hugging Face model (under ZeRO-3 partitioned as it is created), the chunked-loss wrapper,
@@ -313,7 +346,12 @@ class Trainer:
         """The next micro-batch of this rank as host tensors: ``input_ids``, ``labels`` (unshifted; -100 =
         no loss) and optionally ``attention_mask`` / ``position_ids``."""
         rows = self.order.next()
-        return rows if isinstance(rows, dict) else collate(rows, self.tokenizer.pad_token_id)
+        if isinstance(rows, dict):
+            return rows
+        batch = collate(rows, self.tokenizer.pad_token_id)
+        if self.cfg.data.position_coupling:
+            batch["position_ids"] = self.coupled_positions(batch["input_ids"], batch["labels"], training=True)
+        return batch
 
     def targets_of(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """What the logits at each position are scored against (causal: the next token)."""
@@ -491,6 +529,7 @@ class Trainer:
                     max_new_tokens=self.cfg.eval.max_new_tokens, num_beams=self.cfg.eval.num_beams,
                     synced_gpus=self.world > 1, predictions_path=path, answer_until=self.cfg.eval.answer_until,
                     reverse_answers=self.cfg.data.reverse_answers,
+                    position_ids=self.coupled_positions if self.cfg.data.position_coupling else None,
                 )  # fmt: skip
         return results
 
