@@ -180,7 +180,7 @@ class Trainer:
             return coupled_position_ids(digits)
         offset = None
         if training and self.cfg.data.position_offset:  # the torch RNG is in every checkpoint
-            offset = torch.randint(0, self.cfg.data.position_offset + 1, (input_ids.shape[0],))
+            offset = torch.randint(0, self.cfg.data.position_offset + 1, (input_ids.shape[0],)).to(input_ids.device)
         return training_position_ids(digits, labels, offset)
 
     def build_data(self) -> None:
@@ -223,14 +223,10 @@ class Trainer:
         if not self.eval_splits:
             return []
         examples = next(iter(self.eval_splits.values()))
-        batches = heldout_qa_batches(
+        return heldout_qa_batches(
             examples, self.tokenizer, kind=cfg.model.kind, max_length=cfg.data.max_length,
             micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.dp_rank, dp=self.dp,
         )  # fmt: skip
-        if cfg.data.position_coupling:
-            for batch in batches:
-                batch["position_ids"] = self.coupled_positions(batch["input_ids"], batch["labels"])
-        return batches
 
     def build_engine(self, vocab_size: int) -> None:
         """The Hugging Face model (under ZeRO-3 partitioned as it is created), the chunked-loss wrapper,
@@ -346,11 +342,13 @@ class Trainer:
         """The next micro-batch of this rank as host tensors: ``input_ids``, ``labels`` (unshifted; -100 =
         no loss) and optionally ``attention_mask`` / ``position_ids``."""
         rows = self.order.next()
-        if isinstance(rows, dict):
-            return rows
-        batch = collate(rows, self.tokenizer.pad_token_id)
+        return rows if isinstance(rows, dict) else collate(rows, self.tokenizer.pad_token_id)
+
+    def device_batch(self, host: dict[str, torch.Tensor], *, training: bool) -> dict[str, torch.Tensor]:
+        """A host micro-batch on the device, with ``data.position_coupling``'s position ids (made there)."""
+        batch = to_device(host, self.device)
         if self.cfg.data.position_coupling:
-            batch["position_ids"] = self.coupled_positions(batch["input_ids"], batch["labels"], training=True)
+            batch["position_ids"] = self.coupled_positions(batch["input_ids"], batch["labels"], training=training)
         return batch
 
     def targets_of(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -414,7 +412,7 @@ class Trainer:
         step_start = time.perf_counter()
         for group in self.engine.optimizer.param_groups:
             group["lr"] = cfg.train.lr_at(step)
-        batches = [to_device(self.next_micro_batch(), self.device) for _ in range(ga)]
+        batches = [self.device_batch(self.next_micro_batch(), training=True) for _ in range(ga)]
         data_s = time.perf_counter() - step_start
         targets = [self.targets_of(b) for b in batches]
         counts = global_counts(targets, self.vocab, None if dp == 1 else self.dp_group, ntl_options(cfg.ntl))
@@ -480,7 +478,7 @@ class Trainer:
         self.engine.eval()
         try:
             for host in batches:
-                batch = to_device(host, self.device)
+                batch = self.device_batch(host, training=False)
                 target = self.targets_of(batch)
                 terms, abs_error = self.heldout_terms(batch, target)
                 stats = sequence_stats(terms, target, self.vocab, abs_error)

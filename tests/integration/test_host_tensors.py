@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +71,9 @@ COMMON = ("train.steps=2", "train.log_every=1", "tracking.wandb=disabled", "trac
           "data.eval_examples=8", "eval.max_new_tokens=2", "train.eval_every=1")  # fmt: skip
 PATHS = {
     "logits": ("train.micro_batch_size=4", "train.gradient_accumulation_steps=2"),
-    "chunked": ("train.micro_batch_size=4", "train.chunked_loss=true", "train.loss_chunk_tokens=16"),
+    # with coupled position ids (data.position_coupling): made on the host with every batch
+    "chunked": ("train.micro_batch_size=4", "train.chunked_loss=true", "train.loss_chunk_tokens=16",
+                "data.reverse_answers=true", "data.position_coupling=true", "data.position_offset=3"),
     "tp": ("--config", str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"), "train.micro_batch_size=4"),
     # packed text (collate_packed, position_ids for document isolation, held-out text batches)
     "packed": ("--config", str(ROOT / "configs" / "train" / "tiny_pretrain_cpu.yaml"), "train.seq_length=32",
@@ -100,13 +103,27 @@ def test_no_host_tensor_reaches_the_model_or_a_collective(tmp_path, path):
         assert counts["wrapped"] > 0 and counts["moved"] >= counts["wrapped"] // 2, counts  # the guard was active
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all("eval/ppl" in r for r in rows)
-    if path == "logits":  # the held-out CE equals plain float64 cross entropy of the exported model
-        assert abs(rows[-1]["eval/ce"] - _heldout_ce(run / "hf_model")) <= 1e-5 * rows[-1]["eval/ce"]
+    if path in ("logits", "chunked"):  # the held-out CE equals plain float64 cross entropy of the exported model
+        coupled = path == "chunked"
+        assert abs(rows[-1]["eval/ce"] - _heldout_ce(run / "hf_model", coupled)) <= 1e-5 * rows[-1]["eval/ce"]
         assert rows[-1]["eval/ppl"] == pytest.approx(math.exp(rows[-1]["eval/ce"]), rel=1e-12)
+        if coupled:  # and the greedy answers were generated with the coupled ids too
+            assert (run / "predictions_extrapolate.jsonl").is_file()
 
 
-def _heldout_ce(model_dir: Path) -> float:
-    """Mean next-token CE over the answer tokens of the 8 held-out questions, without ntl_scale's loss."""
+def _text_position_ids(question: str, answer: str) -> list[int]:
+    """Coupled position ids read off the text (character tokens): in ``question + " "`` the i-th digit of
+    an n-digit run has n - i, other characters 0; the answer's k-th character and then EOS have k + 1."""
+    prompt = question + " "
+    ids = [0] * len(prompt)
+    for run in re.finditer(r"\d+", prompt):
+        ids[run.start() : run.end()] = range(len(run.group()), 0, -1)
+    return ids + list(range(1, len(answer) + 2))
+
+
+def _heldout_ce(model_dir: Path, coupled: bool = False) -> float:
+    """Mean next-token CE over the answer tokens of the 8 held-out questions, without ntl_scale's loss
+    (``coupled``: reversed answers, position ids read off the text)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ntl_scale.data.collate import encode_pairs
@@ -115,12 +132,14 @@ def _heldout_ce(model_dir: Path) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).double().eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    examples = next(iter(eval_sets(DataConfig(eval_examples=8)).values()))
+    examples = next(iter(eval_sets(DataConfig(eval_examples=8, reverse_answers=coupled)).values()))
     inputs, labels = encode_pairs(tokenizer, [e.question for e in examples], [e.answer for e in examples])
     total, count = 0.0, 0
     with torch.no_grad():
-        for ids, lab in zip(inputs, labels):
-            logits = model(torch.tensor([ids])).logits[0, :-1]
+        for e, ids, lab in zip(examples, inputs, labels):
+            positions = torch.tensor([_text_position_ids(e.question, e.answer)]) if coupled else None
+            assert positions is None or positions.shape[1] == len(ids)
+            logits = model(torch.tensor([ids]), position_ids=positions).logits[0, :-1]
             target = torch.tensor(lab[1:])
             total += float(torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
             count += int((target != -100).sum())
