@@ -7,6 +7,7 @@ resumable data order; causal shifting and global counts against direct counting.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,3 +208,24 @@ def test_global_batch_size_sets_the_accumulation():
         train.accumulation_for(3)
     resolved = resolve_deepspeed_config({}, train, 2)
     assert (resolved["gradient_accumulation_steps"], resolved["train_batch_size"]) == (4, 32)
+
+
+STUDY_PRESETS = sorted((Path(__file__).resolve().parents[2] / "configs" / "study").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", STUDY_PRESETS, ids=lambda p: p.name)
+def test_study_presets_resolve_for_every_arm(preset):
+    """Every arm of every study preset is a valid run config (its base, the shared overrides, the arm's
+    own, a seed), so a long study cannot stop at its fifth arm on a typo; the arms differ as they say."""
+    import json
+
+    import yaml
+
+    spec = yaml.safe_load(preset.read_text())
+    root = preset.parents[2]
+    configs = {}
+    for arm, overrides in spec["arms"].items():
+        cfg = load_config(str(root / spec["base_config"]), [*spec.get("overrides", []), *overrides, "train.seed=1"])
+        assert cfg.train.seed == 1
+        configs[arm] = cfg.to_dict()
+    assert len({json.dumps(c, sort_keys=True) for c in configs.values()}) == len(configs)  # no two arms alike
