@@ -595,6 +595,17 @@ class Trainer:
                 self.tokenizer.save_pretrained(out)
                 self.vocab.save(os.path.join(out, "number_vocab.json"))
 
+    def read_state(self) -> str:
+        """The ``state`` of ``status.json`` as rank 0 reads it (every rank gets the same answer); a run
+        without one (written before status files) counts as ``finished``."""
+        state: list[Any] = ["finished"]
+        path = os.path.join(self.cfg.run_dir, "status.json")
+        if self.rank == 0 and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                state[0] = json.load(f).get("state")
+        dist.broadcast_object_list(state, src=0)
+        return str(state[0])
+
     def write_status(self, state: str, step: int) -> None:
         """``status.json``: ``finished`` or ``stopped`` (checkpointed early on a signal); batch scripts read it."""
         if self.rank == 0:
@@ -633,7 +644,10 @@ class Trainer:
         cfg = self.cfg
         self.setup()
         steps = cfg.train.steps
-        if self.start_step >= steps:  # started again after it finished: say so, change nothing
+        from .data import PACKED_SOURCES
+
+        packed = cfg.data.source in PACKED_SOURCES
+        if self.start_step >= steps and self.read_state() == "finished":  # started again: say so, change nothing
             if self.rank == 0:
                 print(
                     f"{cfg.run_dir} already finished: its checkpoint is at step {self.start_step} of train.steps="
@@ -641,10 +655,15 @@ class Trainer:
                     flush=True,
                 )
             return {"finished_before": self.start_step, "history": []}
-        from .data import PACKED_SOURCES
-
-        packed = cfg.data.source in PACKED_SOURCES
         self.open_logs()
+        if self.start_step >= steps:  # stopped by a signal after its last step: export and evaluate now
+            if self.rank == 0:
+                print(f"{cfg.run_dir}: every step is done (checkpoint at step {self.start_step}); exporting and "
+                      "evaluating", flush=True)  # fmt: skip
+            if self.heldout and cfg.eval.at_end and packed:  # the final held-out text, as the last step had it
+                heldout = self.evaluate_heldout(per_sequence=self.sequences_path)
+                self.final_heldout = {k.removeprefix("eval/"): v for k, v in heldout.items()}
+            return self.complete(self.start_step, save=False)
         for step in range(self.start_step + 1, steps + 1):
             row = self.train_step(step)
             every = cfg.train.eval_every
@@ -666,13 +685,18 @@ class Trainer:
                     self.tracker.finish()
                 self.write_status("stopped", step)
                 return {"stopped_at": step, "history": self.history}
-        self.save(steps)
+        return self.complete(steps)
+
+    def complete(self, step: int, *, save: bool = True) -> dict[str, Any]:
+        """The end of a run: the final checkpoint (``save``), export, generation evaluation, status."""
+        if save:
+            self.save(step)
         self.export()
-        results = self.evaluate_generation() if cfg.eval.at_end else {}
-        if self.final_heldout and packed:  # a pretraining corpus's held-out text
+        results = self.evaluate_generation() if self.cfg.eval.at_end else {}
+        if self.final_heldout:  # a pretraining corpus's held-out text
             results["heldout"] = self.final_heldout
         self.finish(results)
-        self.write_status("finished", steps)
+        self.write_status("finished", step)
         return {"history": self.history, "eval": results}
 
 

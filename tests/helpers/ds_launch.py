@@ -18,6 +18,21 @@ importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda *args, **k
 # ImportError, importlib.util.find_spec returns None), as with only `pip install 'ntl_scale[deepspeed]'`.
 for name in filter(None, os.environ.get("NTL_TEST_ABSENT", "").split(",")):
     sys.modules[name] = None  # type: ignore[assignment]
+# NTL_TEST_SIGNAL_AT_STEP=N: rank 0 sends itself SIGUSR1 during step N (as a Slurm time-limit warning would).
+if os.environ.get("NTL_TEST_SIGNAL_AT_STEP"):
+    import signal
+
+    from ntl_scale.training.trainer import Trainer
+
+    signal_step, train_step = int(os.environ["NTL_TEST_SIGNAL_AT_STEP"]), Trainer.train_step
+
+    def signalled_step(self, step):
+        row = train_step(self, step)
+        if step == signal_step and self.rank == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return row
+
+    Trainer.train_step = signalled_step
 arguments = sys.argv[1:]
 script = next(a for a in arguments if a.endswith(".py"))
 arguments.remove(script)

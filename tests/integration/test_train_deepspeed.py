@@ -143,6 +143,33 @@ def test_resume_continues_the_same_curve(tmp_path, uninterrupted):
     assert (parted / "metrics.jsonl").read_text() == before
 
 
+def test_a_signal_at_the_last_step_is_finished_on_restart(tmp_path):
+    """A stop signal during the last step checkpoints and stops (status ``stopped``, nothing exported);
+    started again, the run exports and evaluates without training, and its answers are those of the
+    same run uninterrupted."""
+    common = ("train.steps=3", "train.micro_batch_size=4", "data.eval_examples=8", "eval.max_new_tokens=4",
+              "tracking.wandb=disabled", "tracking.plot=false",
+              f"model.architecture={ARCHITECTURES['causal']}")  # fmt: skip
+    whole, parted = tmp_path / "whole", tmp_path / "parted"
+    _train(whole, *common, nproc=1)
+    out = _train(parted, *common, nproc=1, env={"NTL_TEST_SIGNAL_AT_STEP": "3"})
+    assert "checkpointed at step 3, stopping" in out.stdout
+    assert json.loads((parted / "status.json").read_text()) == {"state": "stopped", "step": 3}
+    assert not (parted / "eval.json").exists() and not (parted / "hf_model").exists()
+    curve = (parted / "metrics.jsonl").read_text()
+    again = _train(parted, *common, nproc=1)
+    assert "every step is done (checkpoint at step 3); exporting and evaluating" in again.stdout
+    assert json.loads((parted / "status.json").read_text()) == {"state": "finished", "step": 3}
+    assert (parted / "metrics.jsonl").read_text() == curve  # no step trained or logged again
+    assert json.loads((parted / "eval.json").read_text()) == json.loads((whole / "eval.json").read_text())
+    for split in ("interpolate", "extrapolate"):
+        name = f"predictions_{split}.jsonl"
+        assert (parted / name).read_text() == (whole / name).read_text()
+    assert (parted / "hf_model" / "config.json").is_file()
+    third = _train(parted, *common, nproc=1)  # and now it is finished
+    assert "already finished: its checkpoint is at step 3 of train.steps=3" in third.stdout
+
+
 @pytest.mark.parametrize("kind", ["causal", "seq2seq"])
 def test_gradient_accumulation_split_does_not_change_the_gradient(tmp_path, kind, request):
     """2 processes, the same global batch of 8 split 4 x 1, 2 x 2 and 1 x 4: the same first-step gradient
