@@ -133,7 +133,9 @@ class DataConfig:
     """Question/answer sources, causal models: position ids couple the digits of the question and the
     (reversed) answer by place value (:mod:`ntl_scale.data.positions`, Cho et al. 2024), in training and
     in generation; the variant that lets a rotary model add numbers longer than it was trained on. Needs
-    ``reverse_answers`` and a tokenizer with one token per digit."""
+    ``reverse_answers``, answers that are never negative (kinds ``add``/``mul``, ``negative_share: 0``), a
+    tokenizer with one token per digit and a model whose ``forward`` takes ``position_ids`` (not
+    ``flash_attention_2``). A model trained so must be given such ids at inference too."""
     position_offset: int = 0
     """With ``position_coupling``: each training row's digit positions are shifted by a random offset,
     0 to this many (evaluation: 0), so that a place is not read off its distance to the question's words;
@@ -187,6 +189,13 @@ class DataConfig:
             raise ValueError(
                 "data.position_coupling=true couples each answer digit with the operand digits of its place, "
                 "which needs the answers least-significant digit first: set data.reverse_answers=true"
+            )
+        signed = [k for k in self.kinds if k in ("add_sub", "add_sub_multiple")]
+        if self.position_coupling and (signed or self.negative_share):
+            raise ValueError(
+                f"data.position_coupling=true counts answer positions from the units digit, and a negative answer "
+                f"starts with its sign (data.kinds={self.kinds}, data.negative_share={self.negative_share}); use "
+                "kinds whose answers are never negative (add, mul) with data.negative_share=0"
             )
         if self.source not in ("text", "megatron") and (self.document_isolation or self.eval_sequences):
             raise ValueError(
@@ -343,6 +352,12 @@ class RunConfig:
             raise ValueError(
                 f"data.position_coupling=true sets the position ids of one causal sequence (question + answer); "
                 f"model.kind={self.model.kind!r} has no such sequence: use model.kind=causal"
+            )
+        if self.data.position_coupling and self.model.attn_implementation == "flash_attention_2":
+            raise ValueError(
+                "data.position_coupling=true gives position ids that are not 0, 1, 2, ...; with "
+                "model.attn_implementation=flash_attention_2 Hugging Face reads such ids as packed documents "
+                "(a row without padding is cut at every id 0); use model.attn_implementation=sdpa or eager"
             )
 
     def to_dict(self) -> dict[str, Any]:

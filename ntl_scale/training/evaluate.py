@@ -134,8 +134,8 @@ def evaluate_generation(
             prompts = [e.question + " " if kind == "causal" else e.question for e in chunk]
             enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
             enc = {k: v.to(next(model.parameters()).device) for k, v in enc.items()}
-            if position_ids is not None:
-                enc["position_ids"] = position_ids(enc["input_ids"])
+            if position_ids is not None:  # with a cache: without one Hugging Face may read them as packed documents
+                enc["position_ids"], enc["use_cache"] = position_ids(enc["input_ids"]), True
             out = model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,

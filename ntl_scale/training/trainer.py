@@ -150,6 +150,8 @@ class Trainer:
             self.check_one_token_per_digit()
         self.build_data()
         self.build_engine(vocab_size)
+        if cfg.data.position_coupling:
+            self.check_position_ids_reach_the_model()
         self.order = self.make_order()
         self.heldout = self.build_heldout()
         self.write_partition()
@@ -157,14 +159,37 @@ class Trainer:
             self.load()
 
     def check_one_token_per_digit(self) -> None:
-        """Position coupling gives every digit token a place value: each number token must be one digit."""
-        tokens = self.vocab.tokens
-        wide = [t for t in tokens or () if sum(c.isdigit() for c in t) != 1]
-        if tokens is None or wide:
+        """Position coupling gives every digit token a place value: every token that holds a digit must be
+        one digit and a number token of the table."""
+        numbers = set(self.vocab.ids.tolist())
+        digits_in = {t: sum(c.isdigit() for c in t) for t in self.tokenizer.get_vocab()}
+        wide = sorted(
+            t for t, i in self.tokenizer.get_vocab().items() if digits_in[t] and (i not in numbers or digits_in[t] != 1)
+        )
+        if wide:
             raise ValueError(
                 f"data.position_coupling=true needs a tokenizer with one token per digit; {self.cfg.model.tokenizer!r} "
-                f"has number tokens {wide[:5]!r}{' ...' if len(wide) > 5 else ''}: use a digit-level tokenizer "
-                "(builtin:char, or one that splits numbers into digits)"
+                f"has {len(wide)} other tokens with digits ({', '.join(map(repr, wide[:5]))}"
+                f"{', ...' if len(wide) > 5 else ''}): use a digit-level tokenizer (builtin:char, or one that "
+                "splits numbers into single digits)"
+            )
+
+    def check_position_ids_reach_the_model(self) -> None:
+        """Position coupling passes ``position_ids``: the model must take them, and (absolute position
+        tables) have a row for the largest id, ``data.position_offset + data.max_length``."""
+        import inspect
+
+        if "position_ids" not in inspect.signature(self.model.forward).parameters:
+            raise ValueError(
+                f"data.position_coupling=true passes position_ids, and {type(self.model).__name__}.forward takes "
+                "none: use a model that does (Llama-style rotary models, GPT-2, ...)"
+            )
+        config, largest = self.model.config, self.cfg.data.position_offset + self.cfg.data.max_length
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if limit is not None and largest >= limit:
+            raise ValueError(
+                f"data.position_coupling=true: ids reach data.position_offset + data.max_length = {largest}, and the "
+                f"model has {limit} positions; lower data.position_offset or raise the model's position count"
             )
 
     def coupled_positions(
@@ -179,8 +204,13 @@ class Trainer:
         if labels is None:
             return coupled_position_ids(digits)
         offset = None
-        if training and self.cfg.data.position_offset:  # the torch RNG is in every checkpoint
-            offset = torch.randint(0, self.cfg.data.position_offset + 1, (input_ids.shape[0],)).to(input_ids.device)
+        if training and self.cfg.data.position_offset:
+            # a function of the seed, the data position and the data-parallel rank: tensor-parallel ranks
+            # agree, a resumed run draws the same offsets, and no other random stream moves
+            seed = (self.cfg.train.seed * 1_000_003 + self.order.position) * 4099 + self.dp_rank
+            generator = torch.Generator().manual_seed(seed)
+            offset = torch.randint(0, self.cfg.data.position_offset + 1, (input_ids.shape[0],), generator=generator)
+            offset = offset.to(input_ids.device)
         return training_position_ids(digits, labels, offset)
 
     def build_data(self) -> None:
@@ -348,7 +378,8 @@ class Trainer:
         """A host micro-batch on the device, with ``data.position_coupling``'s position ids (made there)."""
         batch = to_device(host, self.device)
         if self.cfg.data.position_coupling:
-            batch["position_ids"] = self.coupled_positions(batch["input_ids"], batch["labels"], training=training)
+            ids = self.coupled_positions(batch["input_ids"], batch["labels"], training=training)
+            batch["position_ids"] = ids.masked_fill(batch["attention_mask"] == 0, 0)  # padding: 0, not counted on
         return batch
 
     def targets_of(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -596,18 +627,25 @@ class Trainer:
                 self.vocab.save(os.path.join(out, "number_vocab.json"))
 
     def read_state(self) -> str:
-        """The ``state`` of ``status.json`` as rank 0 reads it (every rank gets the same answer); a run
-        without one (written before status files) counts as ``finished``."""
-        state: list[Any] = ["finished"]
+        """The ``state`` of ``status.json`` (``running``, ``stopped``, ``finished``) as rank 0 reads it;
+        every rank gets the same answer, or the same error. A run without one (written before status
+        files) counts as ``finished``."""
+        state: list[Any] = ["finished", None]
         path = os.path.join(self.cfg.run_dir, "status.json")
         if self.rank == 0 and os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                state[0] = json.load(f).get("state")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    state[0] = json.load(f)["state"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                state[1] = f"{path} is unreadable ({exc!r}); delete it to let the run finish or train on"
         dist.broadcast_object_list(state, src=0)
+        if state[1] is not None:
+            raise ValueError(state[1])
         return str(state[0])
 
     def write_status(self, state: str, step: int) -> None:
-        """``status.json``: ``finished`` or ``stopped`` (checkpointed early on a signal); batch scripts read it."""
+        """``status.json``: ``running``, ``stopped`` (checkpointed early on a signal) or ``finished``; batch
+        scripts read it, and a run started again after its last step finishes only an unfinished one."""
         if self.rank == 0:
             path = os.path.join(self.cfg.run_dir, "status.json")
             with open(f"{path}.tmp", "w") as f:
@@ -647,7 +685,13 @@ class Trainer:
         from .data import PACKED_SOURCES
 
         packed = cfg.data.source in PACKED_SOURCES
-        if self.start_step >= steps and self.read_state() == "finished":  # started again: say so, change nothing
+        state = self.read_state() if self.start_step >= steps else "running"
+        if self.start_step > steps and state != "finished":
+            raise ValueError(
+                f"{cfg.run_dir} has a checkpoint at step {self.start_step}, past train.steps={steps}, and was not "
+                f"finished ({state}): set train.steps={self.start_step} to finish it, or more to train on"
+            )
+        if state == "finished":  # started again after it finished: say so, change nothing
             if self.rank == 0:
                 print(
                     f"{cfg.run_dir} already finished: its checkpoint is at step {self.start_step} of train.steps="
@@ -664,6 +708,7 @@ class Trainer:
                 heldout = self.evaluate_heldout(per_sequence=self.sequences_path)
                 self.final_heldout = {k.removeprefix("eval/"): v for k, v in heldout.items()}
             return self.complete(self.start_step, save=False)
+        self.write_status("running", self.start_step)  # a crash from here on leaves the run unfinished
         for step in range(self.start_step + 1, steps + 1):
             row = self.train_step(step)
             every = cfg.train.eval_every

@@ -33,6 +33,24 @@ if os.environ.get("NTL_TEST_SIGNAL_AT_STEP"):
         return row
 
     Trainer.train_step = signalled_step
+# NTL_TEST_RECORD_POSITIONS=path: rank 0 writes every training micro-batch's rows (input_ids, labels,
+# attention_mask, position_ids) as JSON lines, as the model gets them.
+if os.environ.get("NTL_TEST_RECORD_POSITIONS"):
+    import json
+
+    from ntl_scale.training.trainer import Trainer
+
+    record_path, device_batch = os.environ["NTL_TEST_RECORD_POSITIONS"], Trainer.device_batch
+
+    def recorded_batch(self, host, *, training):
+        batch = device_batch(self, host, training=training)
+        if training and self.rank == 0:
+            keys = ("input_ids", "labels", "attention_mask", "position_ids")
+            with open(record_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({k: batch[k].tolist() for k in keys if k in batch}) + "\n")
+        return batch
+
+    Trainer.device_batch = recorded_batch
 arguments = sys.argv[1:]
 script = next(a for a in arguments if a.endswith(".py"))
 arguments.remove(script)

@@ -57,13 +57,14 @@ def test_guard_raises_on_use_and_allows_a_device_move():
 # ---- 2. the trainer under the guard ----------------------------------------------------------------------
 
 
-def _guarded_train(run_dir: Path, *overrides: str, nproc: int = 2, script: Path = ROOT / "launch" / "train.py"):
+def _guarded_train(run_dir: Path, *overrides: str, nproc: int = 2, script: Path = ROOT / "launch" / "train.py",
+                   env: dict | None = None):  # fmt: skip
     port = str(free_port())
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", port]
     shims = [str(ROOT / "tests" / "helpers" / "host_guard.py"), str(ROOT / "tests" / "helpers" / "ds_launch.py")]
     cmd = [*launcher, *shims, str(script), f"run_dir={run_dir}", *overrides]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
-           "NTL_HOST_GUARD_REPORT": str(run_dir.parent / f"{run_dir.name}_guard")}  # fmt: skip
+           "NTL_HOST_GUARD_REPORT": str(run_dir.parent / f"{run_dir.name}_guard"), **(env or {})}  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -71,9 +72,10 @@ COMMON = ("train.steps=2", "train.log_every=1", "tracking.wandb=disabled", "trac
           "data.eval_examples=8", "eval.max_new_tokens=2", "train.eval_every=1")  # fmt: skip
 PATHS = {
     "logits": ("train.micro_batch_size=4", "train.gradient_accumulation_steps=2"),
-    # with coupled position ids (data.position_coupling): made on the host with every batch
+    # with coupled position ids (data.position_coupling), made on the device for every batch
     "chunked": ("train.micro_batch_size=4", "train.chunked_loss=true", "train.loss_chunk_tokens=16",
-                "data.reverse_answers=true", "data.position_coupling=true", "data.position_offset=3"),
+                "data.kinds=[add]", "data.negative_share=0", "data.reverse_answers=true", "data.position_coupling=true",
+                "data.position_offset=3"),
     "tp": ("--config", str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"), "train.micro_batch_size=4"),
     # packed text (collate_packed, position_ids for document isolation, held-out text batches)
     "packed": ("--config", str(ROOT / "configs" / "train" / "tiny_pretrain_cpu.yaml"), "train.seq_length=32",
@@ -94,7 +96,8 @@ def test_no_host_tensor_reaches_the_model_or_a_collective(tmp_path, path):
         corpus = tmp_path / "numbers.jsonl"
         corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts(60)))
         overrides = (*overrides, f"data.train_path={corpus}")
-    out = _guarded_train(run, *COMMON, *overrides)
+    env = {"NTL_TEST_RECORD_POSITIONS": str(tmp_path / "positions.jsonl")} if path == "chunked" else {}
+    out = _guarded_train(run, *COMMON, *overrides, env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
     assert "HostTensorError" not in text
@@ -107,18 +110,63 @@ def test_no_host_tensor_reaches_the_model_or_a_collective(tmp_path, path):
         coupled = path == "chunked"
         assert abs(rows[-1]["eval/ce"] - _heldout_ce(run / "hf_model", coupled)) <= 1e-5 * rows[-1]["eval/ce"]
         assert rows[-1]["eval/ppl"] == pytest.approx(math.exp(rows[-1]["eval/ce"]), rel=1e-12)
-        if coupled:  # and the greedy answers were generated with the coupled ids too
-            assert (run / "predictions_extrapolate.jsonl").is_file()
+        if coupled:
+            _training_ids_are_coupled(run / "hf_model", tmp_path / "positions.jsonl", offsets=range(4))
+            _greedy_answers_follow_the_coupled_ids(run / "hf_model", run / "predictions_extrapolate.jsonl")
 
 
-def _text_position_ids(question: str, answer: str) -> list[int]:
+def _text_position_ids(question: str, answer: str, offset: int = 0) -> list[int]:
     """Coupled position ids read off the text (character tokens): in ``question + " "`` the i-th digit of
-    an n-digit run has n - i, other characters 0; the answer's k-th character and then EOS have k + 1."""
+    an n-digit run has offset + n - i, the final space offset, other characters 0; the answer's k-th
+    character and then EOS have offset + k + 1."""
     prompt = question + " "
     ids = [0] * len(prompt)
     for run in re.finditer(r"\d+", prompt):
-        ids[run.start() : run.end()] = range(len(run.group()), 0, -1)
-    return ids + list(range(1, len(answer) + 2))
+        ids[run.start() : run.end()] = range(offset + len(run.group()), offset, -1)
+    ids[-1] = offset
+    return ids + list(range(offset + 1, offset + len(answer) + 2))
+
+
+def _training_ids_are_coupled(model_dir: Path, record: Path, offsets: range) -> None:
+    """Every training row the model got has the ids read off its text, shifted by an offset in
+    ``offsets`` (padding 0), and the offsets vary."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    seen = set()
+    rows = 0
+    for line in record.read_text().splitlines():
+        batch = json.loads(line)
+        for ids, labels, mask, positions in zip(batch["input_ids"], batch["labels"], batch["attention_mask"],
+                                                batch["position_ids"]):  # fmt: skip
+            start, length = next(i for i, t in enumerate(labels) if t != -100), sum(mask)
+            text = tokenizer.convert_ids_to_tokens(ids[:length])
+            question, answer = "".join(text[: start - 1]), "".join(text[start : length - 1])  # less " " and EOS
+            offset = positions[start - 1]
+            assert offset in offsets, positions
+            assert positions == [*_text_position_ids(question, answer, offset), *[0] * (len(ids) - length)]
+            seen.add(offset)
+            rows += 1
+    assert rows >= 8 and len(seen) >= 2, (rows, seen)
+
+
+def _greedy_answers_follow_the_coupled_ids(model_dir: Path, predictions: Path) -> None:
+    """The generated answers are the exported model's arg-max continuations under the coupled ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in predictions.read_text().splitlines()]
+    assert len(rows) == 8
+    for row in rows:
+        prompt, generated = row["question"] + " ", row["generated"]
+        ids = tokenizer(prompt + generated, add_special_tokens=False)["input_ids"]
+        positions = _text_position_ids(row["question"], generated)[: len(ids)]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           position_ids=torch.tensor([positions])).logits[0]  # fmt: skip
+        picks = logits[len(prompt) - 1 : len(ids) - 1].argmax(-1).tolist()
+        assert picks == ids[len(prompt) :], row
 
 
 def _heldout_ce(model_dir: Path, coupled: bool = False) -> float:
@@ -132,14 +180,16 @@ def _heldout_ce(model_dir: Path, coupled: bool = False) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).double().eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    examples = next(iter(eval_sets(DataConfig(eval_examples=8, reverse_answers=coupled)).values()))
+    task = {"kinds": ["add"], "negative_share": 0.0, "reverse_answers": True} if coupled else {}
+    examples = next(iter(eval_sets(DataConfig(eval_examples=8, **task)).values()))
     inputs, labels = encode_pairs(tokenizer, [e.question for e in examples], [e.answer for e in examples])
     total, count = 0.0, 0
     with torch.no_grad():
         for e, ids, lab in zip(examples, inputs, labels):
             positions = torch.tensor([_text_position_ids(e.question, e.answer)]) if coupled else None
             assert positions is None or positions.shape[1] == len(ids)
-            logits = model(torch.tensor([ids]), position_ids=positions).logits[0, :-1]
+            mask = torch.ones(1, len(ids), dtype=torch.long)  # explicit: no mask can mean packed documents to HF
+            logits = model(torch.tensor([ids]), attention_mask=mask, position_ids=positions).logits[0, :-1]
             target = torch.tensor(lab[1:])
             total += float(torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
             count += int((target != -100).sum())

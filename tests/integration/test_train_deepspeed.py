@@ -146,7 +146,8 @@ def test_resume_continues_the_same_curve(tmp_path, uninterrupted):
 def test_a_signal_at_the_last_step_is_finished_on_restart(tmp_path):
     """A stop signal during the last step checkpoints and stops (status ``stopped``, nothing exported);
     started again, the run exports and evaluates without training, and its answers are those of the
-    same run uninterrupted."""
+    same run uninterrupted. So does a run that died after its last checkpoint (status ``running``); one
+    whose checkpoint is past ``train.steps`` is refused."""
     common = ("train.steps=3", "train.micro_batch_size=4", "data.eval_examples=8", "eval.max_new_tokens=4",
               "tracking.wandb=disabled", "tracking.plot=false",
               f"model.architecture={ARCHITECTURES['causal']}")  # fmt: skip
@@ -168,6 +169,15 @@ def test_a_signal_at_the_last_step_is_finished_on_restart(tmp_path):
     assert (parted / "hf_model" / "config.json").is_file()
     third = _train(parted, *common, nproc=1)  # and now it is finished
     assert "already finished: its checkpoint is at step 3 of train.steps=3" in third.stdout
+    # a run that died after its last checkpoint (status still "running", as written when training starts)
+    (parted / "status.json").write_text(json.dumps({"state": "running", "step": 0}))
+    (parted / "eval.json").unlink()
+    past = _train(parted, *common[1:], "train.steps=2", nproc=1, check=False)  # fewer steps than its checkpoint
+    assert past.returncode != 0
+    assert "has a checkpoint at step 3, past train.steps=2, and was not finished (running)" in past.stdout + past.stderr
+    fourth = _train(parted, *common, nproc=1)
+    assert "every step is done (checkpoint at step 3); exporting and evaluating" in fourth.stdout
+    assert json.loads((parted / "eval.json").read_text()) == json.loads((whole / "eval.json").read_text())
 
 
 @pytest.mark.parametrize("kind", ["causal", "seq2seq"])

@@ -43,8 +43,18 @@ def char():
 
 
 def _examples(count: int, seed: int):
-    config = ArithmeticConfig(kinds=("add", "add_sub", "add_sub_multiple"), train_digits=3, reverse_answers=True)
+    """Sums and products (answers never negative: what data.position_coupling accepts)."""
+    config = ArithmeticConfig(kinds=("add", "mul"), train_digits=3, negative_share=0.0, reverse_answers=True)
     return generate(count, "train", seed=seed, config=config) + generate(count, "extrapolate", seed=seed, config=config)
+
+
+def _places(text: str) -> list[int | None]:
+    """Each character's place value in its number (1 = units) when numbers are written as usual."""
+    places: list[int | None] = [None] * len(text)
+    for run in re.finditer(r"\d+", text):
+        for i in range(len(run.group())):
+            places[run.start() + i] = len(run.group()) - i
+    return places
 
 
 @pytest.mark.parametrize("offsets", [False, True])
@@ -62,6 +72,16 @@ def test_training_ids_match_the_text(char, offsets):
         # right padding continues the count (masked out of attention and loss)
         padding = ids.shape[1] - len(expected)
         assert ids[row, len(expected) :].tolist() == [expected[-1] + 1 + k for k in range(padding)]
+        # the coupling itself: the answer digit of each place (reversed answer) has the id of the operand
+        # digits of that place, and no other token of the row has it
+        prompt, answer = e.question + " ", e.answer
+        question_places = _places(prompt)
+        for k, _ in enumerate(answer):
+            place, token_id = k + 1, int(ids[row, len(prompt) + k])
+            same = [i for i, p in enumerate(question_places) if p == place]
+            assert all(int(ids[row, i]) == token_id for i in same), (e, place)
+            others = [i for i, p in enumerate(question_places) if p != place]
+            assert all(int(ids[row, i]) != token_id for i in others), (e, place)
 
 
 def test_prompt_ids_match_the_text_under_left_padding(char):
@@ -92,8 +112,60 @@ def test_config_refusals():
         DataConfig(position_offset=4, reverse_answers=True)
     with pytest.raises(ValueError, match=re.escape("data.position_offset=-1")):
         DataConfig(position_offset=-1, position_coupling=True, reverse_answers=True)
+    coupled = {"position_coupling": True, "reverse_answers": True, "kinds": ["add"], "negative_share": 0.0}
     with pytest.raises(ValueError, match=re.escape("model.kind=causal")):
-        RunConfig(model=ModelConfig(kind="seq2seq"), data=DataConfig(position_coupling=True, reverse_answers=True))
+        RunConfig(model=ModelConfig(kind="seq2seq"), data=DataConfig(**coupled))
+    with pytest.raises(ValueError, match=re.escape("use model.attn_implementation=sdpa or eager")):
+        RunConfig(model=ModelConfig(attn_implementation="flash_attention_2"), data=DataConfig(**coupled))
+    # a negative answer starts with its sign, which would take the units' position
+    with pytest.raises(ValueError, match=re.escape("data.kinds=['add', 'add_sub']")):
+        DataConfig(**{**coupled, "kinds": ["add", "add_sub"]})
+    with pytest.raises(ValueError, match=re.escape("data.negative_share=0.2")):
+        DataConfig(**{**coupled, "negative_share": 0.2})
+    DataConfig(**{**coupled, "kinds": ["add", "mul"]})  # answers never negative: accepted
+
+
+def _trainer_part(tokenizer, **data):
+    """The Trainer's set-up checks, on the parts they read (no engine needed)."""
+    from types import SimpleNamespace
+
+    from ntl_scale.training.trainer import Trainer
+
+    cfg = RunConfig(data=DataConfig(position_coupling=True, reverse_answers=True, kinds=["add"], negative_share=0.0,
+                                    **data))  # fmt: skip
+    vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=len(tokenizer))
+    return Trainer, SimpleNamespace(cfg=cfg, tokenizer=tokenizer, vocab=vocab)
+
+
+def test_tokenizers_with_multi_digit_tokens_are_refused(char):
+    from tests.helpers import tokenizers
+
+    trainer, part = _trainer_part(char[0])
+    trainer.check_one_token_per_digit(part)  # one character per token: accepted
+    trainer, part = _trainer_part(tokenizers.llama3_style_bpe())  # 1-3 digit groups
+    with pytest.raises(ValueError, match="needs a tokenizer with one token per digit"):
+        trainer.check_one_token_per_digit(part)
+    digit_tokens = [t for t in part.tokenizer.get_vocab() if any(c.isdigit() for c in t)]
+    assert any(len([c for c in t if c.isdigit()]) > 1 for t in digit_tokens)  # the refusal's reason exists
+
+
+def test_models_without_room_for_the_ids_are_refused(char):
+    trainer, part = _trainer_part(char[0], position_offset=40, max_length=32)
+    config = transformers.GPT2Config(vocab_size=len(char[0]), n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    part.model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(ValueError, match=re.escape("ids reach data.position_offset + data.max_length = 72")):
+        trainer.check_position_ids_reach_the_model(part)
+    part.cfg.data.position_offset = 3
+    trainer.check_position_ids_reach_the_model(part)
+
+    class NoPositions(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return input_ids
+
+    part.model = NoPositions()
+    part.model.config = config
+    with pytest.raises(ValueError, match=re.escape("NoPositions.forward takes none")):
+        trainer.check_position_ids_reach_the_model(part)
 
 
 def test_generation_continues_the_training_ids(char, tmp_path):
