@@ -162,10 +162,8 @@ class Trainer:
         """Position coupling gives every digit token a place value: every token that holds a digit must be
         one digit and a number token of the table."""
         numbers = set(self.vocab.ids.tolist())
-        digits_in = {t: sum(c.isdigit() for c in t) for t in self.tokenizer.get_vocab()}
-        wide = sorted(
-            t for t, i in self.tokenizer.get_vocab().items() if digits_in[t] and (i not in numbers or digits_in[t] != 1)
-        )
+        digits_in = {(t, i): sum(c.isdigit() for c in t) for t, i in self.tokenizer.get_vocab().items()}
+        wide = sorted(t for (t, i), n in digits_in.items() if n and (i not in numbers or n != 1))
         if wide:
             raise ValueError(
                 f"data.position_coupling=true needs a tokenizer with one token per digit; {self.cfg.model.tokenizer!r} "
