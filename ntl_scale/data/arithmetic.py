@@ -8,21 +8,37 @@ The generator makes three kinds of question, each answered by one integer:
 * ``add_sub_multiple``: ``Calculate 12 + -7 - 30 + 4.`` (3 to 5 terms)
 * ``mul``: ``What is 37 times 12?``
 
-Splits follow the DeepMind convention: ``interpolate`` draws operands from the training range
-(but never an exact training question: questions are deduplicated against the training split),
-``extrapolate`` uses operands with more digits than training ever saw.
+Splits follow the DeepMind convention: ``interpolate`` draws operands from the training range but
+never a question any training split can hold, ``extrapolate`` uses operands with more digits than
+training ever saw. The first two are disjoint by construction, whatever their sizes and seeds: a fixed
+hash of the question text (:func:`is_held_out`) reserves one question in :data:`HELD_OUT_BUCKETS` for
+``interpolate``, and ``train`` never draws those.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 from dataclasses import dataclass, replace
 
-__all__ = ["KINDS", "SPLITS", "ArithmeticConfig", "Example", "generate", "reverse_digits"]
+__all__ = [
+    "HELD_OUT_BUCKETS",
+    "KINDS",
+    "SPLITS",
+    "ArithmeticConfig",
+    "Example",
+    "generate",
+    "is_held_out",
+    "reverse_digits",
+]
 
 KINDS = ("add", "add_sub", "add_sub_multiple", "mul")
 SPLITS = ("train", "interpolate", "extrapolate")
+HELD_OUT_BUCKETS = 10
+"""One question text in this many is reserved for ``interpolate`` (:func:`is_held_out`)."""
+# A draw that finds no new question this many times in a row means the question space is used up.
+_STALL_DRAWS = 100_000
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,18 @@ def reverse_digits(text: str) -> str:
     """Every run of digits in ``text`` reversed (signs and other characters stay): the answer format of
     ``reverse_answers`` and its inverse (``reverse_digits(reverse_digits(t)) == t``)."""
     return re.sub(r"\d+", lambda m: m.group(0)[::-1], text)
+
+
+def is_held_out(question: str) -> bool:
+    """Whether ``question`` belongs to the held-out (``interpolate``) pool: a fixed hash of its text,
+    the same for every seed, process and Python version (``blake2b``, not the salted ``hash``)."""
+    digest = hashlib.blake2b(question.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % HELD_OUT_BUCKETS == 0
+
+
+def _in_split(question: str, split: str) -> bool:
+    # extrapolate operands are longer than any train/interpolate operand: disjoint without the hash
+    return split == "extrapolate" or is_held_out(question) == (split == "interpolate")
 
 
 def _operand(rng: random.Random, low_digits: int, high_digits: int, negative_share: float) -> int:
@@ -128,17 +156,21 @@ def generate(
     else:
         low, high, mul_high = 1, config.train_digits, config.mul_digits
     seen: set[str] = set()
-    if split == "interpolate":  # never repeat a training question
-        seen = {e.question for e in generate(count, "train", seed=seed, config=config)}
     out: list[Example] = []
-    attempts = 0
+    misses = 0
     while len(out) < count:
-        attempts += 1
-        if attempts > 50 * count + 1000:
-            raise ValueError(f"could not draw {count} distinct {split} questions; widen the digit ranges")
         example = _make(rng, config.kinds[len(out) % len(config.kinds)], low, high, mul_high, config.negative_share)
-        if example.question in seen:
+        if example.question in seen or not _in_split(example.question, split):
+            misses += 1
+            if misses >= _STALL_DRAWS:
+                raise ValueError(
+                    f"could not draw {count} distinct {split} questions of kinds {config.kinds} with "
+                    f"{low}-{high} digit operands: {len(out)} found, then {_STALL_DRAWS} draws in a row gave "
+                    "none new (the question space is used up); ask for fewer examples "
+                    "(data.train_examples / data.eval_examples) or widen the digit ranges (data.train_digits)"
+                )
             continue
+        misses = 0
         seen.add(example.question)
         out.append(replace(example, answer=reverse_digits(example.answer)) if config.reverse_answers else example)
     rng.shuffle(out)

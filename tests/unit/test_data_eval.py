@@ -64,6 +64,37 @@ def test_seeded_and_split_properties():
     assert min(longest(e.question) for e in extrapolate) > config.train_digits
 
 
+@pytest.mark.parametrize(
+    "config,train_count",
+    [
+        # the tiny default (make run) and the CPU study presets: 2-digit additions, 8000 training questions
+        (ArithmeticConfig(kinds=("add",), train_digits=2, extrapolate_digits=4, negative_share=0.0), 8000),
+        (ArithmeticConfig(), 20000),  # the default mix at 100 times the evaluation size
+    ],
+)
+def test_interpolate_never_holds_a_question_of_any_training_set(config, train_count):
+    """The whole training set (not only its first ``eval_examples`` questions), of any size and any seed,
+    shares no question with the interpolate split: checked by set intersection of the generated texts."""
+    interpolate = generate(200, "interpolate", seed=0, config=config)
+    held_out = {e.question for e in interpolate}
+    assert len(held_out) == 200
+    for seed in (0, 1):
+        train = {e.question for e in generate(train_count, "train", seed=seed, config=config)}
+        assert len(train) == train_count
+        assert not train & held_out, f"{len(train & held_out)} of 200 held-out questions are training questions"
+    # operands still from the training range: the same digits, not a different distribution
+    digits = [len(n) for e in interpolate for n in re.findall(r"\d+", e.question)]
+    assert max(digits) <= config.train_digits
+
+
+def test_a_used_up_question_space_is_refused_naming_the_counts():
+    """2-digit additions without negatives: 10,000 distinct questions exist (9,000-odd outside the
+    held-out pool), so 20,000 distinct training questions cannot be drawn: a clear error, not a hang."""
+    config = ArithmeticConfig(kinds=("add",), train_digits=2, extrapolate_digits=4, negative_share=0.0)
+    with pytest.raises(ValueError, match=r"could not draw 20000 distinct train questions.*data.train_examples"):
+        generate(20000, "train", seed=0, config=config)
+
+
 def test_generator_errors():
     with pytest.raises(ValueError, match="unknown split 'dev'"):
         generate(3, "dev")
