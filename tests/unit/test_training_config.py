@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -229,3 +230,48 @@ def test_study_presets_resolve_for_every_arm(preset):
         assert cfg.train.seed == 1
         configs[arm] = cfg.to_dict()
     assert len({json.dumps(c, sort_keys=True) for c in configs.values()}) == len(configs)  # no two arms alike
+
+
+TRAIN_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "train").glob("*.yaml"))
+
+
+def _shipped_data() -> list[tuple[str, Any]]:
+    """The distinct data sections of every shipped run config and every study preset's arms, each named by
+    the runs that use it (arms of one preset usually share one)."""
+    import json
+
+    import yaml
+
+    runs = [(p.name, p, []) for p in TRAIN_CONFIGS]
+    for preset in STUDY_PRESETS:
+        spec = yaml.safe_load(preset.read_text())
+        for arm, overrides in spec["arms"].items():
+            base = preset.parents[2] / spec["base_config"]
+            runs.append((f"{preset.name}:{arm}", base, [*spec.get("overrides", []), *overrides]))
+    distinct: dict[str, tuple[list[str], Any]] = {}
+    for name, base, overrides in runs:
+        data = load_config(str(base), overrides).data
+        distinct.setdefault(json.dumps(data.__dict__, sort_keys=True, default=str), ([], data))[0].append(name)
+    return [(",".join(names), data) for names, data in distinct.values()]
+
+
+@pytest.mark.parametrize("names,data", _shipped_data(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_shipped_config_and_preset_builds_its_generated_data(names, data):
+    """Every shipped config and every study arm on the arithmetic generator draws its training set and
+    both evaluation splits at full size (a preset asking for more distinct questions than its task has
+    fails here, not hours into a study), and the interpolate split shares no question with the training
+    set (set intersection of the texts). File sources read the user's corpus or a prepared one: the
+    pretraining configs take steps in test_pretrain_configs, the CI study presets run end to end in
+    test_docs_and_study, and the DeepMind generator is run in test_deepmind_data."""
+    from ntl_scale.training.data import _task, eval_sets
+
+    if data.source != "arithmetic":
+        pytest.skip(f"data.source={data.source!r} reads files (see the docstring)")
+    train = ntl_scale.data.generate(data.train_examples, "train", seed=data.seed, config=_task(data))
+    splits = eval_sets(data)
+    assert len({e.question for e in train}) == data.train_examples
+    assert {s: len(v) for s, v in splits.items()} == {
+        "interpolate": data.eval_examples,
+        "extrapolate": data.eval_examples,
+    }
+    assert not {e.question for e in train} & {e.question for e in splits["interpolate"]}
