@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .arithmetic import Example
@@ -101,16 +102,27 @@ class ShardedOrder:
         self.num_examples, self.micro_batch_size = num_examples, micro_batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.position = 0
+        self._cached_epoch: int | None = None  # the epoch whose permutation _cached_order holds
+        self._cached_order = np.empty(0, dtype=np.int64)
 
     def _epoch(self, epoch: int) -> list[int]:
+        """The seeded permutation of epoch ``epoch``: ``random.Random(f"{seed}/{epoch}")`` shuffles
+        ``range(num_examples)``."""
         order = list(range(self.num_examples))
         random.Random(f"{self.seed}/{epoch}").shuffle(order)
         return order
 
     def next_indices(self) -> list[int]:
-        """This rank's example indices of the next micro-batch."""
+        """This rank's example indices of the next micro-batch.
+
+        The epoch's permutation is built once and kept (8 bytes an example) until the position moves to
+        another epoch, so a draw costs the micro-batch, not the corpus; ``position`` stays the whole state.
+        """
         per_epoch = self.num_examples // self.per_step * self.per_step
         epoch, offset = divmod(self.position, per_epoch)
+        if self._cached_epoch != epoch:
+            self._cached_order = np.asarray(self._epoch(epoch), dtype=np.int64)
+            self._cached_epoch = epoch
         start = offset + self.rank * self.micro_batch_size
         self.position += self.micro_batch_size * self.world_size
-        return self._epoch(epoch)[start : start + self.micro_batch_size]
+        return self._cached_order[start : start + self.micro_batch_size].tolist()
