@@ -12,7 +12,8 @@ Splits follow the DeepMind convention: ``interpolate`` draws operands from the t
 never a question any training split can hold, ``extrapolate`` uses operands with more digits than
 training ever saw. The first two are disjoint by construction, whatever their sizes and seeds: a fixed
 hash of the question text (:func:`is_held_out`) reserves one question in :data:`HELD_OUT_BUCKETS` for
-``interpolate``, and ``train`` never draws those.
+``interpolate``, and ``train`` never draws those. A sum or product of two operands is hashed with its
+operands in a fixed order, so ``What is 57 + 68?`` is held out together with ``What is 68 + 57?``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ HELD_OUT_BUCKETS = 10
 """One question text in this many is reserved for ``interpolate`` (:func:`is_held_out`)."""
 # A draw that finds no new question this many times in a row means the question space is used up.
 _STALL_DRAWS = 100_000
+_TWO_OPERANDS = re.compile(r"What is (\S+) (\+|times) (\S+)\?")
 
 
 @dataclass(frozen=True)
@@ -90,10 +92,20 @@ def reverse_digits(text: str) -> str:
     return re.sub(r"\d+", lambda m: m.group(0)[::-1], text)
 
 
+def _commutative_key(question: str) -> str:
+    # a + b and b + a (a times b and b times a) ask the same thing: one key, so one side of the split
+    match = _TWO_OPERANDS.fullmatch(question)
+    if not match:
+        return question
+    a, op, b = match.groups()
+    return f"What is {min(a, b)} {op} {max(a, b)}?"
+
+
 def is_held_out(question: str) -> bool:
-    """Whether ``question`` belongs to the held-out (``interpolate``) pool: a fixed hash of its text,
-    the same for every seed, process and Python version (``blake2b``, not the salted ``hash``)."""
-    digest = hashlib.blake2b(question.encode("utf-8"), digest_size=8).digest()
+    """Whether ``question`` belongs to the held-out (``interpolate``) pool: a fixed hash of its text
+    (operands of a two-term sum or product in a fixed order), the same for every seed, process and
+    Python version (``blake2b``, not the salted ``hash``)."""
+    digest = hashlib.blake2b(_commutative_key(question).encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % HELD_OUT_BUCKETS == 0
 
 

@@ -74,7 +74,8 @@ def test_seeded_and_split_properties():
 )
 def test_interpolate_never_holds_a_question_of_any_training_set(config, train_count):
     """The whole training set (not only its first ``eval_examples`` questions), of any size and any seed,
-    shares no question with the interpolate split: checked by set intersection of the generated texts."""
+    shares no question with the interpolate split, nor a sum or product with the operands swapped:
+    checked by set intersection of the generated texts (swaps written out here by hand)."""
     interpolate = generate(200, "interpolate", seed=0, config=config)
     held_out = {e.question for e in interpolate}
     assert len(held_out) == 200
@@ -82,6 +83,8 @@ def test_interpolate_never_holds_a_question_of_any_training_set(config, train_co
         train = {e.question for e in generate(train_count, "train", seed=seed, config=config)}
         assert len(train) == train_count
         assert not train & held_out, f"{len(train & held_out)} of 200 held-out questions are training questions"
+        swapped = {re.sub(r"^What is (\S+) (\+|times) (\S+)\?$", r"What is \3 \2 \1?", q) for q in held_out}
+        assert not train & swapped, f"{len(train & swapped)} held-out questions are training questions swapped"
     # operands still from the training range: the same digits, not a different distribution
     digits = [len(n) for e in interpolate for n in re.findall(r"\d+", e.question)]
     assert max(digits) <= config.train_digits
