@@ -14,10 +14,12 @@ in registers:
   (``S * exp(m_local - m)``) and does the same two all-reduces as the PyTorch path, MAX of
   ``[m, mN]`` and SUM of ``[S, z_y, SN, A]``.
 * :func:`softmax_grad_`: ``out[t, j] = coef_t * exp(z_tj - m_t) / S_t - label_coef_t [j = y_t]``,
-  then ``out[t, cols] += extra[t]`` on the number columns. With ``coef = g_ce - g_mass * mass``,
-  ``label_coef = g_ce`` and ``extra = g_mass pi_N + g_expect p (a - expect)`` this is the gradient
-  of the logits (:meth:`ShardMath.grad_chunk`); with ``coef = 1`` and nothing else it is the
-  softmax the chunked op multiplies by the weight. ``out`` may be the logits themselves (in place).
+  then ``out[t, cols] = number_grad[t]`` on the number columns (stored, not added: their whole
+  gradient, computed in fp32, is rounded to ``out``'s dtype once; adding to a value already rounded
+  to bf16 rounded twice). With ``coef = g_ce - g_mass * mass``, ``label_coef = g_ce`` and
+  ``number_grad = (coef + g_mass) pi_N + g_expect p (a - expect) - g_ce [N = y]`` this is the
+  gradient of the logits (:meth:`ShardMath.grad_chunk`); with ``coef = 1`` and nothing else it is
+  the softmax the chunked op multiplies by the weight. ``out`` may be the logits themselves (in place).
 
 Opt-in: used only after :func:`set_triton_kernels(True) <set_triton_kernels>`, where the logits are on
 a CUDA device and Triton imports (:func:`enabled`). They are off by default until they have run on a
@@ -137,8 +139,8 @@ def _kernels() -> tuple[Any, Any]:
     def grad_kernel(
         z_ptr, stride_zt, stride_zv, g_ptr, stride_gt, stride_gv, V,
         max_ptr, total_ptr, coef_ptr, label_coef_ptr, target_ptr,
-        cols_ptr, K, extra_ptr, stride_et, stride_ek,
-        ACC: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        cols_ptr, K, num_ptr, stride_nt, stride_nk,
+        ACC: tl.constexpr, HAS_NUMBERS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * stride_zt
@@ -154,16 +156,18 @@ def _kernels() -> tuple[Any, Any]:
             g = scale * tl.exp(z - m)
             g = tl.where(offs == target, g - label_coef, g)
             tl.store(g_row + offs * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
-        if HAS_EXTRA:
-            # the number columns were written above by other threads of this program: wait for them
+        if HAS_NUMBERS:
+            # The number columns get their whole gradient, computed in fp32 beforehand, rounded to the
+            # output dtype once: it replaces (never adds to) the value written above, which read back
+            # from a half-precision ``out`` would be rounded twice. Other threads of this program wrote
+            # those columns above: wait for them, so that this store is the last one.
             tl.debug_barrier()
             for start in range(0, K, BLOCK_K):
                 kofs = start + tl.arange(0, BLOCK_K)
                 kmask = kofs < K
                 cols = tl.load(cols_ptr + kofs, mask=kmask, other=0)
-                extra = tl.load(extra_ptr + row * stride_et + kofs * stride_ek, mask=kmask, other=0.0).to(ACC)
-                current = tl.load(g_row + cols * stride_gv, mask=kmask, other=0.0).to(ACC)
-                tl.store(g_row + cols * stride_gv, (current + extra).to(g_ptr.dtype.element_ty), mask=kmask)
+                value = tl.load(num_ptr + row * stride_nt + kofs * stride_nk, mask=kmask, other=0.0)
+                tl.store(g_row + cols * stride_gv, value.to(g_ptr.dtype.element_ty), mask=kmask)
 
     return stats_kernel, grad_kernel
 
@@ -268,11 +272,11 @@ def softmax_grad_(
     label_coef: torch.Tensor | None = None,
     target: torch.Tensor | None = None,
     number_cols: torch.Tensor | None = None,
-    extra: torch.Tensor | None = None,
+    number_grad: torch.Tensor | None = None,
     *,
     block_v: int | None = None,
 ) -> torch.Tensor:
-    """Writes ``coef * softmax - label_coef * onehot(target)`` (+ ``extra`` on ``number_cols``) into ``out``.
+    """Writes ``coef * softmax - label_coef * onehot(target)`` into ``out``, and ``number_grad`` on ``number_cols``.
 
     Args:
         logits: ``[T, V_local]``.
@@ -281,7 +285,9 @@ def softmax_grad_(
         coef: per-token factor of the softmax ``[T]``.
         label_coef: subtracted at the label's column ``[T]`` (None: nothing).
         target: the label's local column, or -1 where this shard does not own it, int64 ``[T]``.
-        number_cols, extra: ``[K]`` columns and ``[T, K]`` values added to them (None: nothing).
+        number_cols, number_grad: ``[K]`` columns and the ``[T, K]`` values (fp32/fp64) stored there
+            *instead of* the softmax term: the whole gradient of those columns, computed in fp32 and
+            rounded to ``out``'s dtype once (None: nothing).
         block_v: columns per block (see :func:`shard_stats`).
 
     Returns:
@@ -295,18 +301,18 @@ def softmax_grad_(
     if label_coef is None or target is None:
         label_coef = torch.zeros(num_tokens, dtype=coef.dtype, device=device)
         target = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
-    has_extra = number_cols is not None and extra is not None and number_cols.numel() > 0
-    if has_extra:
-        assert number_cols is not None and extra is not None
-        cols, k, ext = number_cols.contiguous(), number_cols.numel(), extra
+    has_numbers = number_cols is not None and number_grad is not None and number_cols.numel() > 0
+    if has_numbers:
+        assert number_cols is not None and number_grad is not None
+        cols, k, values = number_cols.contiguous(), number_cols.numel(), number_grad
     else:
-        cols, k, ext = torch.zeros(1, dtype=torch.int64, device=device), 0, coef.view(-1, 1)
+        cols, k, values = torch.zeros(1, dtype=torch.int64, device=device), 0, coef.view(-1, 1)
     block_v = block_v or _block_v(width)
     grad_kernel[(num_tokens,)](
         logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), width,
         row_max.contiguous(), total.contiguous(), coef.contiguous(), label_coef.contiguous(), target.contiguous(),
-        cols, k, ext, ext.stride(0), ext.stride(1),
-        ACC=_acc(logits.dtype), HAS_EXTRA=has_extra, BLOCK_V=block_v, BLOCK_K=_block_k(k),
+        cols, k, values, values.stride(0), values.stride(1),
+        ACC=_acc(logits.dtype), HAS_NUMBERS=has_numbers, BLOCK_V=block_v, BLOCK_K=_block_k(k),
         num_warps=_warps(block_v),
     )  # fmt: skip
     return out
@@ -383,8 +389,11 @@ def logits_grad_(
         number_exp = number_exp_of(logits, cols, number_max)
     probs = number_exp / torch.where(number_total == 0, 1, number_total).unsqueeze(1)  # p, over N only
     pi_numbers = number_exp * (torch.exp(safe_max - max_all) / total).unsqueeze(1)  # the full softmax on N
-    extra = g_mass.unsqueeze(1) * pi_numbers
-    extra += g_expect.unsqueeze(1) * probs * (inputs.a_table - expect.unsqueeze(1))
     coef = g_ce - g_mass * mass
     target = local_target(inputs, logits.shape[1])
-    return softmax_grad_(logits, out, max_all, total, coef, g_ce, target, cols, extra, block_v=block_v)
+    # The number columns' whole gradient in fp32 (fp64 for fp64 logits), the kernel stores it once:
+    # coef pi_k (CE and the mass's dense part) + g_mass pi_k + g_expect p_k (a_k - expect) - g_ce [k = y]
+    number_grad = (coef + g_mass).unsqueeze(1) * pi_numbers
+    number_grad += g_expect.unsqueeze(1) * probs * (inputs.a_table - expect.unsqueeze(1))
+    number_grad -= torch.where(cols.unsqueeze(0) == target.unsqueeze(1), g_ce.unsqueeze(1), 0)
+    return softmax_grad_(logits, out, max_all, total, coef, g_ce, target, cols, number_grad, block_v=block_v)
