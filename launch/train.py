@@ -18,7 +18,6 @@ import contextlib
 import io
 import os
 import signal
-import socket
 import sys
 import warnings
 
@@ -32,12 +31,16 @@ from ntl_scale.training.trainer import Trainer, check_inputs
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """The process group (NCCL on GPUs, gloo on the CPU) and this rank's device, from DeepSpeed's
-    accelerator. Single-process runs get a one-rank world (DeepSpeed would otherwise ask for mpi4py)."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    accelerator.
+
+    Launched processes (deepspeed, torchrun, Slurm's srun) meet at their launcher's rendezvous
+    (``MASTER_ADDR``/``MASTER_PORT``). A process started without a launcher (no ``RANK``) is a
+    one-rank world on an in-process store: it opens no port, so single-process runs started side by
+    side (``experiments/study.py``) cannot race for one; DeepSpeed adopts that group (without it,
+    DeepSpeed would look for MPI and ask for mpi4py)."""
+    alone = "RANK" not in os.environ
+    if alone:  # DeepSpeed's engine reads LOCAL_RANK; nothing reads MASTER_ADDR/MASTER_PORT here
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores: N ranks x all cores each runs 3-4x slower
@@ -48,12 +51,15 @@ def init_distributed() -> tuple[int, int, torch.device]:
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
-    backend = accelerator.communication_backend_name()  # nccl on NVIDIA and AMD GPUs
-    if accelerator.device_name() != "cpu":  # before any collective: NCCL binds each rank to its own GPU
+    on_cpu = accelerator.device_name() == "cpu"
+    backend = "gloo" if on_cpu else accelerator.communication_backend_name()  # nccl on NVIDIA and AMD GPUs
+    if not on_cpu:  # before any collective: NCCL binds each rank to its own GPU
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if alone:  # a HashStore lives in this process: no TCPStore, no port picked ahead of its use
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):  # DeepSpeed's CPU backend prints "... built successfully" per rank
-        deepspeed.init_distributed(dist_backend="gloo" if accelerator.device_name() == "cpu" else backend)
+        deepspeed.init_distributed(dist_backend=backend)  # adopts an initialised group as it is
     for line in printed.getvalue().splitlines():
         if not (line.startswith("DeepSpeed ") and line.endswith(" built successfully")):
             print(line, flush=True)
