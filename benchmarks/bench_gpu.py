@@ -39,23 +39,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ntl_scale
+from ntl_scale.training.flops import peak_tflops_for_name  # dense bf16 peak by device name (data sheets)
 
-# Dense bf16 peak, TFLOP/s (vendor data sheets, without sparsity), by device-name substring; first match wins.
-BF16_PEAK_TFLOPS = [
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),
-    ("H200", 989.0),
-    ("GH200", 989.0),
-    ("H800", 989.0),
-    ("B200", 2250.0),
-    ("B100", 1750.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-    ("A10G", 70.0),
-]
 NTL_WEIGHT = 0.3
 DIGIT_IDS = range(10)  # the benchmark tokenizer's digits: ids 0-9, as in benchmarks/common.word_level_tokenizer
 
@@ -363,10 +348,6 @@ def write_markdown(path: str, lines: list[str]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def device_peak_tflops(name: str) -> float | None:
-    return next((peak for key, peak in BF16_PEAK_TFLOPS if key in name), None)
-
-
 def _ints(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",") if v]
@@ -463,7 +444,7 @@ def main(argv=None) -> int:
     selected = [r for r in ROWS if args.rows == "all" or r.key in args.rows.split(",")]
     if device == "cuda":
         name = torch.cuda.get_device_name(0)
-        peak = device_peak_tflops(name)
+        peak = peak_tflops_for_name(name)
     else:
         name, peak = "CPU (dry run: timings are not measurements)", None
     try:

@@ -1,16 +1,27 @@
-"""Model FLOPs per token, achieved TFLOP/s and model FLOPs utilisation (MFU).
+"""Model FLOPs of a trained micro-batch, achieved TFLOP/s and model FLOPs utilisation (MFU).
 
 FLOPs per trained token (forward + backward), the formula of PaLM (Chowdhery et al. 2022, appendix B)
 and Megatron-LM (Narayanan et al. 2021, eq. 3, per token)::
 
-    6 * N + 12 * n_layer * hidden * seq_len
+    6 * N + 12 * n_layer * width * seq_len
 
 ``N`` counts the parameters that take part in a matrix multiply: every parameter except the input
-embedding tables (token and position lookups cost no FLOPs); a tied output layer is counted once,
-as the output layer. The second term is the attention scores and their weighted sum
-(``Q K^T`` and ``A V``: 2 x 2 x seq_len x hidden per layer per token forward, x 3 for the backward),
-at the batch's padded sequence length. Activation recomputation is not counted (model FLOPs, not
-hardware FLOPs). For encoder-decoder models (T5) only ``6 * N`` is counted.
+embedding tables (token, position and T5's relative-position lookups cost no FLOPs); a tied output
+layer is counted once, as the output layer. The second term is the attention scores and their
+weighted sum (``Q K^T`` and ``A V``: 2 x 2 x seq_len x width per layer per token forward, x 3 for the
+backward; ``width`` = heads x head size, the hidden size unless the config sets ``head_dim``), at the
+batch's padded sequence length. Activation recomputation is not counted (model FLOPs, not hardware
+FLOPs). ``N`` is the whole model's, counted before DeepSpeed AutoTP splits the layers (the trainer
+builds the counter first) and with ZeRO-3-partitioned parameters counted whole.
+
+Encoder-decoder models (T5, BART): the encoder's parameters act on the encoder (input) tokens, the
+decoder's and the output layer's on the decoder tokens, except the cross-attention key and value
+projections, which act on the encoder's output (once per decoder layer, on each encoder token)::
+
+    enc_tokens * (6 * (N_enc + N_cross_kv) + 12 * enc_layers * width * enc_len)
+    + dec_tokens * (6 * N_dec + 12 * dec_layers * width * (dec_len + enc_len))
+
+(decoder self-attention over ``dec_len`` keys, cross-attention over ``enc_len``).
 
 MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s (:data:`PEAK_TFLOPS`, or
 ``train.peak_tflops``). On a CPU without a configured peak it is not reported.
@@ -18,92 +29,184 @@ MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s (:d
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["PEAK_TFLOPS", "FlopsCounter", "peak_tflops_of"]
+__all__ = ["PEAK_TFLOPS", "FlopsCounter", "peak_tflops_for_name", "peak_tflops_of"]
 
-# Dense bf16 tensor-core peak per device in TFLOP/s (vendor data sheets; no sparsity). The first name
-# that occurs in the device name wins, so the more specific ones come first.
+# Dense bf16 tensor-core peak per device in TFLOP/s, no sparsity. NVIDIA data sheets print BF16 "with
+# sparsity", twice the dense figure: H100 SXM 1,979 / PCIe 1,513 / NVL 1,671; H200 SXM 1,979 / NVL
+# 1,671; H800 SXM 1,979 / PCIe 1,513; GH200 1,979; L40S 733; L40 362.1; L4 242; A10 250. Dense figures
+# of the data sheets: A100/A800 312; HGX B200 and B100 2.25 and 1.75 PFLOPS per GPU; AMD Instinct
+# MI300X 1,307.4, MI250X 383. A10G (AWS, no NVIDIA data sheet): as commonly quoted.
+# A key matches when each of its words is a whole word of the device name as torch.cuda.get_device_name
+# reports it ("NVIDIA H100 80GB HBM3", "NVIDIA L40S", "NVIDIA H200 NVL"): "L4" does not match
+# "NVIDIA L40", nor "H200" "NVIDIA GH200 480GB". The first match wins, so a form factor (PCIe, NVL)
+# comes before the plain name, which is the SXM part.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("GH200", 989.0),
-    ("H200", 989.0),
+    ("H200 NVL", 835.0),
+    ("H200", 989.0),  # SXM
     ("H100 PCIe", 756.0),
     ("H100 NVL", 835.0),
-    ("H100", 989.0),  # SXM
-    ("H800", 989.0),
+    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H800 PCIe", 756.0),
+    ("H800", 989.0),  # SXM
     ("B200", 2250.0),
+    ("B100", 1750.0),
     ("A100", 312.0),
     ("A800", 312.0),
     ("L40S", 362.0),
-    ("A10G", 70.0),
+    ("L40", 181.0),
     ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
     ("MI300X", 1307.0),
     ("MI250X", 383.0),
 )
+
+_WORD = re.compile(r"[A-Z0-9]+")
+
+# The cross-attention block of an encoder-decoder model (T5's ``EncDecAttention``, the ``encoder_attn``
+# of BART, mBART, Marian, Pegasus) and its key and value projections, which read the encoder's output.
+_CROSS_ATTENTION = {"EncDecAttention", "encoder_attn"}
+_KEY_VALUE = {"k", "v", "k_proj", "v_proj"}
+
+
+def peak_tflops_for_name(name: str) -> float | None:
+    """The table's peak for a device name as ``torch.cuda.get_device_name`` reports it, or None."""
+    words = set(_WORD.findall(name.upper()))
+    return next((peak for key, peak in PEAK_TFLOPS if set(key.upper().split()) <= words), None)
 
 
 def peak_tflops_of(device: torch.device) -> float | None:
     """The table's peak for a CUDA/ROCm device, or None (CPU, or a device not in the table)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+    return peak_tflops_for_name(torch.cuda.get_device_name(device))
 
 
 def _count(param: Any) -> int:
     return int(getattr(param, "ds_numel", param.numel()))  # ZeRO-3: the whole parameter, not this rank's part
 
 
+def _output_weight(model: torch.nn.Module) -> Any:
+    getter: Any = getattr(model, "get_output_embeddings", None)
+    output = getter() if callable(getter) else None
+    return getattr(output, "weight", None) if output is not None else None
+
+
+def _matmul_params(model: torch.nn.Module) -> dict[int, Any]:
+    """The parameters that enter a matrix multiply, by id: all but the input lookup tables."""
+    params = {id(p): p for p in model.parameters()}
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    lookups.discard(id(_output_weight(model)))  # tied: the table is also the output layer's matmul
+    return {k: p for k, p in params.items() if k not in lookups}
+
+
+def _attention_width(config: Any, hidden: int) -> int:
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "d_kv", None)  # T5: d_kv
+    if isinstance(heads, int) and isinstance(head_dim, int) and heads > 0 and head_dim > 0:
+        return heads * head_dim
+    return hidden
+
+
 @dataclass
 class FlopsCounter:
-    """Model FLOPs of a trained token, and the rates of a stretch of training.
+    """Model FLOPs of trained micro-batches, and the rates of a stretch of training.
 
     Attributes:
-        matmul_params: ``N`` of the formula above.
-        layers, hidden: for the attention term (0 = left out).
+        matmul_params: ``N``, every matrix-multiply parameter of the whole (unsplit) model.
+        layers, width: the attention term of the decoder (causal: of the model); 0 = left out.
         peak_tflops: per-device peak, or None (MFU not reported).
+        encoder_params: seq2seq: the part of ``N`` that acts on encoder tokens (the encoder's and the
+            cross-attention key/value projections); 0 for a causal model.
+        encoder_layers: seq2seq: the encoder's layers, for its self-attention term.
+        kind: ``causal`` or ``seq2seq`` (``model.kind``): how :meth:`of_batch` reads a micro-batch.
     """
 
     matmul_params: int
     layers: int
-    hidden: int
+    width: int
     peak_tflops: float | None
+    encoder_params: int = 0
+    encoder_layers: int = 0
+    kind: str = "causal"
 
     @classmethod
     def for_model(
         cls, model: torch.nn.Module, *, kind: str = "causal", device: torch.device, peak_tflops: float | None = None
     ) -> FlopsCounter:
-        """Counts a Hugging Face model's parameters (ZeRO-3-partitioned ones whole)."""
-        params = {id(p): p for p in model.parameters()}
-        total = sum(_count(p) for p in params.values())
-        lookups = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-        getter: Any = getattr(model, "get_output_embeddings", None)
-        output = getter() if callable(getter) else None
-        if output is not None and getattr(output, "weight", None) is not None:
-            lookups.pop(id(output.weight), None)  # tied: the table is also the output layer's matmul
-        matmul = total - sum(_count(p) for k, p in lookups.items() if k in params)
+        """Counts a Hugging Face model's parameters (ZeRO-3-partitioned ones whole).
+
+        Build it from the whole model: before DeepSpeed AutoTP splits the layers, whose parameters are
+        then a rank's slice.
+        """
+        if kind not in ("causal", "seq2seq"):
+            raise ValueError(f"FlopsCounter kind={kind!r}: expected 'causal' or 'seq2seq'; pass the run's model.kind")
+        matmul = _matmul_params(model)
+        total = sum(_count(p) for p in matmul.values())
         config = getattr(model, "config", None)
-        layers = int(getattr(config, "num_hidden_layers", 0) or 0) if kind == "causal" else 0
-        hidden = int(getattr(config, "hidden_size", 0) or 0) if kind == "causal" else 0
+        hidden = int(getattr(config, "hidden_size", 0) or 0)
+        width = _attention_width(config, hidden)
         peak = peak_tflops if peak_tflops is not None else peak_tflops_of(device)
-        return cls(matmul, layers, hidden, peak)
+        if kind == "causal":
+            return cls(total, int(getattr(config, "num_hidden_layers", 0) or 0), width, peak)
+        get_encoder: Any = getattr(model, "get_encoder", None)
+        encoder = get_encoder() if callable(get_encoder) and getattr(config, "is_encoder_decoder", False) else None
+        if (
+            not isinstance(encoder, torch.nn.Module)
+            or encoder is model
+            or encoder is getattr(model, "base_model", None)
+        ):
+            raise ValueError(
+                f"{type(model).__name__} is not an encoder-decoder model: kind='seq2seq' expects one (T5, BART); "
+                "use kind='causal' for a decoder-only model"
+            )
+        on_encoder = {id(p) for p in encoder.parameters()}
+        for name, module in model.named_modules():
+            parts = name.split(".")
+            if parts[-1] in _KEY_VALUE and _CROSS_ATTENTION & set(parts[:-1]):
+                on_encoder.update(id(p) for p in module.parameters())
+        on_encoder.discard(id(_output_weight(model)))  # a table tied to the output layer: on decoder tokens
+        encoder_params = sum(_count(p) for k, p in matmul.items() if k in on_encoder)
+        encoder_layers = int(getattr(config, "num_layers", 0) or getattr(config, "encoder_layers", 0) or 0)
+        decoder_layers = int(getattr(config, "num_decoder_layers", 0) or getattr(config, "decoder_layers", 0) or 0)
+        return cls(total, decoder_layers or encoder_layers, width, peak, encoder_params, encoder_layers, "seq2seq")
 
-    def per_token(self, seq_len: int) -> float:
-        """Forward + backward model FLOPs of one token in a sequence of ``seq_len``."""
-        return 6.0 * self.matmul_params + 12.0 * self.layers * self.hidden * seq_len
+    def flops(self, tokens: Any, seq_len: int, *, encoder_tokens: Any = 0, encoder_len: int = 0) -> Any:
+        """Forward + backward model FLOPs of ``tokens`` tokens in sequences padded to ``seq_len``.
 
-    def rates(self, tokens: int, seconds: float, devices: int, *, seq_len: int | None) -> dict[str, Any]:
+        Seq2seq: ``tokens``/``seq_len`` are the decoder's, ``encoder_tokens``/``encoder_len`` the
+        encoder's. Token counts may be tensors (the result is then one, with no host synchronisation).
+        """
+        decoder = 6.0 * (self.matmul_params - self.encoder_params) + 12.0 * self.layers * self.width * (
+            seq_len + encoder_len
+        )
+        encoder = 6.0 * self.encoder_params + 12.0 * self.encoder_layers * self.width * encoder_len
+        return tokens * decoder + encoder_tokens * encoder
+
+    def of_batch(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Model FLOPs of training on one device micro-batch (its tokens, not its padding), a device tensor."""
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        read = mask.sum() if mask is not None else torch.tensor(ids.numel(), device=ids.device)
+        if self.kind == "causal":
+            return self.flops(read.double(), ids.shape[-1])
+        labels = batch["labels"]
+        decoded = (labels != -100).sum().double()
+        return self.flops(decoded, labels.shape[-1], encoder_tokens=read.double(), encoder_len=ids.shape[-1])
+
+    def rates(self, tokens: int, flops: float, seconds: float, devices: int) -> dict[str, Any]:
         """``tokens_per_s_per_device``, ``tflops`` (model TFLOP/s per device) and ``mfu`` (None without a peak).
 
-        ``tokens`` is every token of the stretch over all ranks; ``seq_len`` None reuses the last one given.
+        ``tokens`` and ``flops`` are a stretch's tokens and model FLOPs over all ranks (each once, not
+        once per tensor-parallel rank).
         """
-        if seq_len is not None:
-            self._seq_len = seq_len
         seconds = max(seconds, 1e-9)
-        per_device = tokens / seconds / devices
-        tflops = per_device * self.per_token(getattr(self, "_seq_len", 0)) / 1e12
+        tflops = flops / seconds / devices / 1e12
         mfu = tflops / self.peak_tflops if self.peak_tflops else None
-        return {"tokens_per_s_per_device": per_device, "tflops": tflops, "mfu": mfu}
+        return {"tokens_per_s_per_device": tokens / seconds / devices, "tflops": tflops, "mfu": mfu}

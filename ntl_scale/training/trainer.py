@@ -271,6 +271,9 @@ class Trainer:
             from ..integrations.hf import ChunkedLossCausalLM
 
             trained = ChunkedLossCausalLM(self.model, self.vocab, ntl_options(cfg.ntl), cfg.train.loss_chunk_tokens)
+        # counted from the whole model, before AutoTP leaves each rank a slice of the layers
+        self.flops = FlopsCounter.for_model(self.model, kind=cfg.model.kind, device=self.device,
+                                            peak_tflops=cfg.train.peak_tflops)  # fmt: skip
         if tp > 1 and cfg.model.kind != "causal":
             raise ValueError(
                 f"train.tensor_parallel_size={tp} supports model.kind=causal (a vocabulary-parallel lm_head); "
@@ -307,8 +310,6 @@ class Trainer:
         self.tp_group, self.vocab_start = (
             (self.shard.group, self.shard.start) if self.shard is not None else (None, None)
         )
-        self.flops = FlopsCounter.for_model(self.model, kind=cfg.model.kind, device=self.device,
-                                            peak_tflops=cfg.train.peak_tflops)  # fmt: skip
 
     def write_partition(self) -> None:
         """``zero_rank{r}.json``: how much of the model this rank holds, its place in the layout."""
@@ -445,7 +446,7 @@ class Trainer:
         data_s = time.perf_counter() - step_start
         targets = [self.targets_of(b) for b in batches]
         counts = global_counts(targets, self.vocab, None if dp == 1 else self.dp_group, ntl_options(cfg.ntl))
-        totals = torch.zeros(6, dtype=torch.float64, device=self.device)  # + [ce, ntl, tokens, numbers, hits, read]
+        totals = torch.zeros(7, dtype=torch.float64, device=self.device)  # ce ntl tokens numbers hits read flops
         for batch, target in zip(batches, targets):
             terms = self.forward_terms(batch, target)
             loss, stats = loss_from_terms(terms, target, cfg.ntl, counts=counts, scale=ga * dp)
@@ -453,8 +454,9 @@ class Trainer:
             self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             totals[:5] += stats
             totals[5] += self.tokens_read(batch, cfg.model.kind)
+            totals[6] += self.flops.of_batch(batch)
         dist.all_reduce(totals, group=self.dp_group)  # TP ranks hold the same sums: DP only
-        ce_sum, ntl_sum, tokens, numbers, hits, read = totals.cpu().tolist()
+        ce_sum, ntl_sum, tokens, numbers, hits, read, flops = totals.cpu().tolist()
         seconds = time.perf_counter() - step_start  # data, forward, backward, optimizer, logging reduce
         row: dict[str, Any] = {
             "step": step,
@@ -467,12 +469,9 @@ class Trainer:
             "time_s": seconds,
             "data_s": data_s,
         }
-        row.update(self.flops.rates(int(read), seconds, self.world, seq_len=self._seq_len(batches)))
+        row["flops"] = flops  # model FLOPs of the step, all ranks (each token once)
+        row.update(self.flops.rates(int(read), flops, seconds, self.world))
         return row
-
-    @staticmethod
-    def _seq_len(batches: list[dict[str, torch.Tensor]]) -> int:
-        return max(int(b["input_ids"].shape[-1]) for b in batches)
 
     def stop_requested(self) -> int:
         """The largest signal any rank received (0: none); every rank agrees."""
@@ -583,6 +582,7 @@ class Trainer:
         interval = self._interval
         interval["tokens"] += row["tokens"]
         interval["seconds"] += row["time_s"]
+        interval["flops"] += row["flops"]
         interval["steps"] += 1
         if self.rank != 0:
             return
@@ -593,8 +593,8 @@ class Trainer:
         if step % self.cfg.train.log_every == 0 or step == steps:
             elapsed = time.time() - self._clock
             eta = (steps - step) * elapsed / (step - self.start_step)
-            rates = self.flops.rates(int(interval["tokens"]), float(interval["seconds"]), self.world,
-                                     seq_len=None)  # fmt: skip
+            rates = self.flops.rates(int(interval["tokens"]), float(interval["flops"]), float(interval["seconds"]),
+                                     self.world)  # fmt: skip
             mfu = f"MFU {rates['mfu']:.1%}" if rates.get("mfu") is not None else "MFU n/a"
             evals = f"  eval ppl {row['eval/ppl']:.3f}" if "eval/ppl" in row else ""
             print(

@@ -1,12 +1,12 @@
-"""The Trainer's DeepSpeed-independent parts (ntl_scale/training/{flops,build,trainer}.py, steps.py's bf16).
+"""The Trainer's DeepSpeed-independent parts (ntl_scale/training/{build,trainer}.py, steps.py's bf16).
+
+Model FLOPs, rates and MFU are tested in tests/unit/test_flops.py.
 
 Sections:
-1. Model FLOPs per token against a hand count from the config (GPT-2 with a tied output layer, Llama
-   untied); rates and MFU; no peak on the CPU.
-2. bf16 default: ``train.bf16: null`` follows the accelerator; an explicit value must agree with the JSON.
-3. Model settings: attention implementation and activation checkpointing reach the model; a
+1. bf16 default: ``train.bf16: null`` follows the accelerator; an explicit value must agree with the JSON.
+2. Model settings: attention implementation and activation checkpointing reach the model; a
    missing ``flash_attn`` is a clear error.
-4. Held-out batches: every data-parallel rank gets the same number, no example twice; ``to_device``.
+3. Held-out batches: every data-parallel rank gets the same number, no example twice; ``to_device``.
 """
 
 from __future__ import annotations
@@ -15,48 +15,12 @@ import pytest
 import torch
 
 from ntl_scale.training.config import ModelConfig, TrainConfig
-from ntl_scale.training.flops import FlopsCounter, peak_tflops_of
 from ntl_scale.training.steps import resolve_deepspeed_config
 
 transformers = pytest.importorskip("transformers")
 
 
-# ---- 1. FLOPs ---------------------------------------------------------------------------------------------
-
-
-def test_flops_count_matmul_parameters_of_a_tied_gpt2():
-    h, layers, vocab, positions = 32, 3, 50, 64
-    config = transformers.GPT2Config(n_embd=h, n_layer=layers, n_head=4, vocab_size=vocab, n_positions=positions)
-    model = transformers.GPT2LMHeadModel(config)
-    counter = FlopsCounter.for_model(model, device=torch.device("cpu"))
-    # per block: qkv 3h^2 + 3h, out h^2 + h, mlp 4h^2 + 4h and 4h^2 + h, two layer norms 4h; final norm 2h;
-    # the token table counted once as the (tied) output layer; the position table is a lookup
-    want = layers * (12 * h * h + 13 * h) + 2 * h + vocab * h
-    assert counter.matmul_params == want
-    assert (counter.layers, counter.hidden, counter.peak_tflops) == (layers, h, None)
-    assert counter.per_token(16) == 6 * want + 12 * layers * h * 16
-
-
-def test_flops_count_leaves_out_an_untied_input_embedding():
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=40, tie_word_embeddings=False)  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
-    counter = FlopsCounter.for_model(model, device=torch.device("cpu"), peak_tflops=100.0)
-    total = sum(p.numel() for p in model.parameters())
-    assert counter.matmul_params == total - 40 * 32  # the output layer stays, the input table goes
-    rates = counter.rates(tokens=4000, seconds=2.0, devices=2, seq_len=8)
-    assert rates["tokens_per_s_per_device"] == 1000.0
-    assert rates["tflops"] == pytest.approx(1000.0 * counter.per_token(8) / 1e12)
-    assert rates["mfu"] == pytest.approx(rates["tflops"] / 100.0)
-
-
-def test_no_peak_on_the_cpu():
-    assert peak_tflops_of(torch.device("cpu")) is None
-    with pytest.raises(ValueError, match=r"train\.peak_tflops"):
-        TrainConfig(peak_tflops=0)
-
-
-# ---- 2. bf16 default --------------------------------------------------------------------------------------
+# ---- 1. bf16 default --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -75,7 +39,7 @@ def test_bf16_contradiction_is_an_error():
         resolve_deepspeed_config({"bf16": {"enabled": True}}, TrainConfig(bf16=False), 1)
 
 
-# ---- 3. model settings ------------------------------------------------------------------------------------
+# ---- 2. model settings ------------------------------------------------------------------------------------
 
 
 def test_attention_and_checkpointing_reach_the_model():
@@ -108,7 +72,7 @@ def test_flash_attention_without_the_package_is_a_clear_error(monkeypatch):
         build.check_attn_implementation("flash_attention_2")
 
 
-# ---- 4. held-out batches ----------------------------------------------------------------------------------
+# ---- 3. held-out batches ----------------------------------------------------------------------------------
 
 
 def test_heldout_batches_are_dealt_evenly_over_ranks():
