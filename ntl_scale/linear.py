@@ -33,6 +33,13 @@ Peak extra memory: ``C x V_local`` (one chunk of logits, plus a cast copy for ha
 half-precision product buffer while the forward runs), instead of ``T x V`` logits and their
 gradient. See ``docs/memory_efficient.md``.
 
+Only what the requested gradients need is built (decided in :func:`linear_ce_ntl`: grad mode on and
+the tensor requiring a gradient). Without any (``torch.no_grad()``, ``inference_mode``, or neither
+``hidden`` nor ``weight`` requiring one: evaluation) a chunk is ``z = h W^T`` and its statistics:
+``2 T V H`` matmul FLOPs instead of ``3x`` that, no ``P_h``, no ``G_W`` and no product buffer, the
+same all-reduces. With a gradient for one of them only (a frozen output layer) only its dense part
+(``P_h`` or ``G_W``) is built: two matmuls per chunk.
+
 Under tensor parallelism ``weight`` is the local vocab shard ``[V/tp, H]`` and ``hidden`` the full
 (sequence-gathered) hidden states; the returned gradient of ``hidden`` is this shard's part, to be
 summed over the TP group by the caller's layer, as Megatron's ``ColumnParallelLinear`` does with
@@ -97,7 +104,13 @@ class _FusedLinearCENTL(torch.autograd.Function):
         chunk_tokens: int | None,
         token_weights: torch.Tensor,
         proportional: bool = False,
+        needs: tuple[bool, bool] = (True, True),
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # needs: whether the gradient of hidden / of weight will be asked for (grad mode on and the
+        # tensor requiring it; decided by the caller: inside forward grad mode is always off). What no
+        # one needs is not built: under no_grad (evaluation) a chunk is its logits matmul and the
+        # statistics only, the forward FLOPs 2 T V H instead of 3x that, no [V, H] accumulator.
+        need_h, need_w = needs
         cdt = compute_dtype(hidden.dtype)
         num_tokens, width = hidden.shape[0], weight.shape[0]
         distributed = group_size(tp_group) > 1
@@ -121,26 +134,32 @@ class _FusedLinearCENTL(torch.autograd.Function):
             if distributed:
                 dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
         else:
-            dense_h = torch.empty(num_tokens, hidden.shape[1], dtype=cdt, device=hidden.device)
-            # The weight gradient sums over every token: it accumulates in fp32 (fp64 for fp64), never in
-            # a half dtype (fp16 overflowed at 8k tokens, bf16 lost precision with the chunk count).
-            dense_w = torch.zeros(width, hidden.shape[1], dtype=cdt, device=weight.device)
-        product = _product_buffer(weight, cdt) if need_full else None
+            if need_h:
+                dense_h = torch.empty(num_tokens, hidden.shape[1], dtype=cdt, device=hidden.device)
+            if need_w:
+                # The weight gradient sums over every token: it accumulates in fp32 (fp64 for fp64), never
+                # in a half dtype (fp16 overflowed at 8k tokens, bf16 lost precision with the chunk count).
+                dense_w = torch.zeros(width, hidden.shape[1], dtype=cdt, device=weight.device)
+        product = _product_buffer(weight, cdt) if need_full and need_w else None
         fast = need_full and triton_ce_ntl.enabled(hidden)
         for sl in rows if need_full else []:
-            assert dense_h is not None and dense_w is not None
             logits = hidden[sl] @ weight.t()
             if fast:  # Triton (ntl_scale/kernels): one pass for the statistics, one writing the softmax in place
                 number_logits[sl] = logits.index_select(1, cols).to(cdt)
                 max_all, maxes[sl, 1], sums[sl] = triton_ce_ntl.fused_stats(logits, inputs.rows(sl), tp_group)
                 maxes[sl, 0] = max_all
                 number_exp[sl] = torch.exp(number_logits[sl] - ShardMath.safe_number_max(maxes[sl, 1]).unsqueeze(1))
+                if dense_h is None and dense_w is None:  # no gradient wanted: the statistics are all
+                    del logits
+                    continue
                 probs = triton_ce_ntl.softmax_grad_(logits, logits, max_all, sums[sl, 0], torch.ones_like(max_all))
-                dense_h[sl] = probs @ weight
-                # the token weights and the mean's power of two scale the chunk's [C, H] rows, not [C, V]
-                span = _mean_span(sl) if product is not None else 1
-                scaled = (hidden[sl].to(cdt) * (token_weights[sl] * (1.0 / span)).unsqueeze(1)).to(hidden.dtype)
-                _accumulate(dense_w, probs, scaled, product, span)
+                if dense_h is not None:
+                    dense_h[sl] = probs @ weight
+                if dense_w is not None:
+                    # the token weights and the mean's power of two scale the chunk's [C, H] rows, not [C, V]
+                    span = _mean_span(sl) if product is not None else 1
+                    scaled = (hidden[sl].to(cdt) * (token_weights[sl] * (1.0 / span)).unsqueeze(1)).to(hidden.dtype)
+                    _accumulate(dense_w, probs, scaled, product, span)
                 del logits, probs
                 continue
             work = logits if logits.dtype == cdt else logits.to(cdt)
@@ -155,13 +174,18 @@ class _FusedLinearCENTL(torch.autograd.Function):
             )
             if distributed:
                 dist.all_reduce(sums[sl], op=dist.ReduceOp.SUM, group=tp_group)
+            if dense_h is None and dense_w is None:  # no gradient wanted: the statistics are all
+                del logits, work
+                continue
             work.mul_(sums[sl, 0].reciprocal().unsqueeze(1))
-            dense_h[sl] = _matmul_dtype(work, weight) @ weight
-            # sum_t w_t pi_t h_t^T of the chunk, as a mean over a power of two >= its length in half
-            # precision (no fp16 overflow, whatever the chunk's length) and added back in fp32
-            span = _mean_span(sl) if product is not None else 1
-            work.mul_((token_weights[sl] * (1.0 / span)).unsqueeze(1))
-            _accumulate(dense_w, work, hidden[sl], product, span)
+            if dense_h is not None:
+                dense_h[sl] = _matmul_dtype(work, weight) @ weight
+            if dense_w is not None:
+                # sum_t w_t pi_t h_t^T of the chunk, as a mean over a power of two >= its length in half
+                # precision (no fp16 overflow, whatever the chunk's length) and added back in fp32
+                span = _mean_span(sl) if product is not None else 1
+                work.mul_((token_weights[sl] * (1.0 / span)).unsqueeze(1))
+                _accumulate(dense_w, work, hidden[sl], product, span)
             del logits, work
         if check_finite:
             _raise_if_not_finite(maxes, sums, need_full)
@@ -169,6 +193,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         ce, expect, mass, hit = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, need_full)
         ctx.mark_non_differentiable(hit)
         ctx.inputs, ctx.need_full, ctx.rows, ctx.proportional = inputs, need_full, rows, proportional
+        ctx.needs = needs
         ctx.save_for_backward(
             hidden, weight, token_weights, maxes[:, 0], number_max, sums[:, 0], number_exp, sums[:, 2], expect, mass
         )
@@ -190,31 +215,39 @@ class _FusedLinearCENTL(torch.autograd.Function):
         saved = {"number_exp": number_exp, "number_total": number_total, "expect": expect}
         cols = inputs.number_cols
         number_coef = ShardMath.number_grad(slice(None), saved, inputs, g_expect)  # [T, K]
+        need_h, need_w = ctx.needs
+        nones = (None,) * 8
         if not ctx.need_full:
-            grad_h = number_coef @ weight.index_select(0, cols).to(cdt)
-            grad_w = torch.zeros_like(weight)
-            grad_w.index_add_(0, cols, (number_coef.t() @ hidden.to(cdt)).to(weight.dtype))
-            return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None, None, None
+            grad_h = grad_w = None
+            if need_h:
+                grad_h = (number_coef @ weight.index_select(0, cols).to(cdt)).to(hidden.dtype)
+            if need_w:
+                grad_w = torch.zeros_like(weight)
+                grad_w.index_add_(0, cols, (number_coef.t() @ hidden.to(cdt)).to(weight.dtype))
+            return grad_h, grad_w, *nones
 
         # number columns of the full softmax: pi_N = exp(z_N - max) / S
         pi_numbers = number_exp * (torch.exp(number_max - max_all) / total).unsqueeze(1)
         number_coef = number_coef + g_mass.unsqueeze(1) * pi_numbers
         u = g_ce - g_mass * mass
-        grad_h = dense_h.mul_(u.unsqueeze(1))  # pi_t W, per token: exact for any upstream gradient
-        scale = _scale_of(u, token_weights) if ctx.proportional else _common_scale(u, token_weights)
-        if scale is not None:  # the weight gradient was built in the forward for these token weights
-            grad_w = dense_w.mul_(scale)
-        else:  # any other upstream gradient: recompute the logits chunk by chunk with the true u
-            # (u carries the caller's normaliser, as the materialised path's logit gradient does)
-            grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device)
-            product = _product_buffer(weight, cdt)
-            for sl in ctx.rows:
-                logits = hidden[sl] @ weight.t()
-                work = logits if logits.dtype == cdt else logits.to(cdt)
-                work.sub_(max_all[sl].unsqueeze(1)).exp_().mul_((u[sl] / total[sl]).unsqueeze(1))
-                _accumulate(grad_w, work, hidden[sl], product, 1)
-                del logits, work
-            del product
+        # pi_t W, per token: exact for any upstream gradient
+        grad_h = dense_h.mul_(u.unsqueeze(1)) if dense_h is not None else None
+        grad_w = None
+        if need_w:
+            scale = _scale_of(u, token_weights) if ctx.proportional else _common_scale(u, token_weights)
+            if scale is not None:  # the weight gradient was built in the forward for these token weights
+                grad_w = dense_w.mul_(scale)
+            else:  # any other upstream gradient: recompute the logits chunk by chunk with the true u
+                # (u carries the caller's normaliser, as the materialised path's logit gradient does)
+                grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device)
+                product = _product_buffer(weight, cdt)
+                for sl in ctx.rows:
+                    logits = hidden[sl] @ weight.t()
+                    work = logits if logits.dtype == cdt else logits.to(cdt)
+                    work.sub_(max_all[sl].unsqueeze(1)).exp_().mul_((u[sl] / total[sl]).unsqueeze(1))
+                    _accumulate(grad_w, work, hidden[sl], product, 1)
+                    del logits, work
+                del product
         del dense_h, dense_w
         # the label column (-g_ce e_y, for labels in this shard) and the number columns, chunk by
         # chunk so that no [T, H] temporary is made
@@ -225,13 +258,19 @@ class _FusedLinearCENTL(torch.autograd.Function):
         label_coef_all = torch.where(owned, -g_ce, torch.zeros_like(g_ce)).unsqueeze(1)
         for sl in ctx.rows:
             label_coef, index = label_coef_all[sl], label_index[sl]
-            rows_h = grad_h[sl]
-            rows_h.add_(label_coef * weight.index_select(0, index).to(cdt))
-            grad_w.index_add_(0, index, label_coef * hidden[sl].to(cdt))
-            rows_h.add_(number_coef[sl] @ number_weight)
-            grad_w.index_add_(0, cols, number_coef[sl].t() @ hidden[sl].to(cdt))
+            if grad_h is not None:
+                rows_h = grad_h[sl]
+                rows_h.add_(label_coef * weight.index_select(0, index).to(cdt))
+                rows_h.add_(number_coef[sl] @ number_weight)
+            if grad_w is not None:
+                grad_w.index_add_(0, index, label_coef * hidden[sl].to(cdt))
+                grad_w.index_add_(0, cols, number_coef[sl].t() @ hidden[sl].to(cdt))
         # one rounding to the weight's dtype, at the end (grad_w is the fp32/fp64 accumulator)
-        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None, None, None
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            *nones,
+        )
 
 
 def _product_buffer(weight: torch.Tensor, cdt: torch.dtype) -> torch.Tensor | None:
@@ -382,6 +421,8 @@ def linear_ce_ntl(
         chunk_tokens,
         weights,
         proportional_grad,
+        # what the backward will ask for; inside the Function's forward grad mode is always off
+        (torch.is_grad_enabled() and hidden.requires_grad, torch.is_grad_enabled() and weight.requires_grad),
     )
     return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options)
 

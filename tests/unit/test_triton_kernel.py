@@ -15,7 +15,7 @@ float64 computations written out here with plain torch ops:
    out of place, bf16; NTL-WAS, and MSE with reweighing) and ``linear_ce_with_ntl`` (uneven chunks)
    against the float64 reference of ``tests/helpers/reference.py``, loss and gradients; bf16 and
    fp16 logits gradients rounded once (in half-ulps of the float64 gradient), the kernel and the
-   PyTorch path alike.
+   PyTorch path alike; the chunked op without gradients launches the statistics kernel only.
 5. Selection: ``enabled`` is False on the CPU and after ``set_triton_kernels(False)``.
 """
 
@@ -424,6 +424,22 @@ def test_linear_ce_with_ntl_uses_the_kernels_and_matches_float64(kernels_on_cpu,
         atol = (1e-5 if dtype == torch.float32 else 2e-2) * scale
         torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=atol)
     assert kernels_on_cpu["stats"] == 3 and kernels_on_cpu["grad"] == 3  # one of each per chunk
+
+
+def test_linear_ce_with_ntl_without_gradients_launches_the_statistics_only(kernels_on_cpu):
+    """Issue 29, item 8, on the kernel path: under ``no_grad`` no chunk writes its softmax (that feeds
+    only the gradient matmuls); the loss is the float64 reference's and the with-gradient call's."""
+    import ntl_scale
+
+    vocab, labels, hidden, weight = _op_problem(torch.float32)
+    want = _op_reference(hidden.double() @ weight.double().t(), labels, vocab)
+    h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
+    with torch.no_grad():
+        got = ntl_scale.linear_ce_with_ntl(h, w, labels.to(DEVICE), vocab, chunk_tokens=4).loss  # 3 chunks
+    assert kernels_on_cpu["stats"] == 3 and kernels_on_cpu["grad"] == 0
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-6)
+    with_grad = ntl_scale.linear_ce_with_ntl(h, w, labels.to(DEVICE), vocab, chunk_tokens=4).loss
+    assert torch.equal(with_grad.detach(), got) and kernels_on_cpu["grad"] == 3
 
 
 def _half_ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
