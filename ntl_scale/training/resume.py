@@ -9,20 +9,36 @@ tensor-parallel ranks) and the global batch. :func:`plan_resume` compares it wit
   ``"checkpoint": {"load_universal": true}``, which re-partitions the ZeRO optimizer state and the
   AutoTP weight shards for the new layout;
 - another global batch: refused before any step (the run would not continue the same curve).
+
+Each rank also writes its random generators next to its shards (:func:`save_rng`, ``rng_rank{r}.pt``
+in the checkpoint's folder): the CPU generator, every device generator of the accelerator (CUDA's draw
+the dropout masks on GPUs), Python's and NumPy's. :func:`load_rng` restores them on the same layout;
+on another layout, or from a checkpoint written before these files, the CPU generator takes the client
+state's (rank 0's under ZeRO 1 and 2) and the device generators keep their seed from ``train.seed``, as
+before.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
-__all__ = ["Layout", "plan_resume", "read_layout", "to_universal", "write_layout"]
+import numpy as np
+import torch
+
+__all__ = [
+    "Layout", "load_rng", "plan_resume", "read_layout", "restore_rng", "rng_state", "save_rng", "to_universal",
+    "write_layout",
+]  # fmt: skip
 
 LAYOUT_FILE = "layout.json"
+RNG_FILE = "rng_rank{rank}.pt"
 
 
 @dataclass(frozen=True)
@@ -116,3 +132,74 @@ def to_universal(ckpt_dir: str, workers: int = 1) -> str:
         f.write(universal)
     os.replace(os.path.join(ckpt_dir, "latest_universal.tmp"), os.path.join(ckpt_dir, "latest_universal"))
     return universal
+
+
+def _device_generators(accelerator: Any) -> int:
+    """How many device generators ``accelerator`` has of its own (DeepSpeed's CPU accelerator: none, its
+    generator is the CPU generator)."""
+    return 0 if accelerator.device_name() == "cpu" else int(accelerator.device_count())
+
+
+def rng_state(accelerator: Any) -> dict[str, Any]:
+    """This process's random generators: the CPU generator, each device generator of ``accelerator``
+    (DeepSpeed's ``get_accelerator()``; by device index), Python's ``random`` and NumPy's global
+    generator. Plain types and tensors only (``torch.load(weights_only=True)`` reads them back)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {
+        "cpu": torch.get_rng_state(),
+        "device_name": accelerator.device_name(),
+        "device": [accelerator.get_rng_state(i).cpu() for i in range(_device_generators(accelerator))],
+        "python": random.getstate(),
+        "numpy": [kind, np.asarray(keys, dtype=np.uint32).tolist(), int(pos), int(has_gauss), float(cached)],
+    }
+
+
+def restore_rng(state: dict[str, Any], accelerator: Any) -> str | None:
+    """Sets every generator :func:`rng_state` recorded. Returns a note for the log when the device
+    generators do not match (another kind or number of devices: those present and saved are set)."""
+    torch.set_rng_state(state["cpu"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    saved, now = state["device"], _device_generators(accelerator)
+    for index in range(min(len(saved), now)):
+        accelerator.set_rng_state(saved[index], index)
+    if len(saved) == now and (now == 0 or state["device_name"] == accelerator.device_name()):
+        return None
+    return (
+        f"the checkpoint holds {len(saved)} {state['device_name']} generator state(s), this process has {now} "
+        f"{accelerator.device_name()} device generator(s): the first {min(len(saved), now)} were restored, "
+        "dropout there, if the model has it, does not continue the interrupted run's masks"
+    )
+
+
+def save_rng(tag_dir: str, rank: int, accelerator: Any) -> None:
+    """Writes this rank's :func:`rng_state` to ``tag_dir/rng_rank{rank}.pt`` (atomically: a crash leaves
+    no partial file under that name). Call it before the checkpoint is named ``latest``."""
+    os.makedirs(tag_dir, exist_ok=True)
+    path = os.path.join(tag_dir, RNG_FILE.format(rank=rank))
+    torch.save(rng_state(accelerator), f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
+
+
+def load_rng(tag_dir: str, rank: int, accelerator: Any, *, cpu_state: torch.Tensor, same_layout: bool) -> str | None:
+    """Restores this rank's generators from the checkpoint in ``tag_dir``; returns a note for the log
+    when the resumed run's random draws are not exactly the interrupted run's.
+
+    - Same layout and ``rng_rank{rank}.pt`` present: every generator as :func:`save_rng` wrote it.
+    - Another layout (the ranks take other parts of each batch, so their draws cannot continue), or a
+      checkpoint written before per-rank states: as before them, the CPU generator is set to
+      ``cpu_state`` (the client state's: rank 0's under ZeRO 1 and 2, each rank's own under ZeRO-3) and
+      the device generators keep their seed from ``train.seed``.
+    """
+    path = os.path.join(tag_dir, RNG_FILE.format(rank=rank))
+    if same_layout and os.path.isfile(path):
+        return restore_rng(torch.load(path, weights_only=True), accelerator)
+    torch.set_rng_state(cpu_state)
+    why = "has no per-rank generator states (an older version wrote it)" if same_layout else "is of another layout"
+    return (
+        f"{tag_dir} {why}: the CPU generator takes the client state's and the device generators restart "
+        "from train.seed: dropout, if the model has it, draws other masks than the interrupted run would have "
+        "(the data order is exact)"
+    )

@@ -35,7 +35,7 @@ from ..number_vocab import NumberVocab, pad_vocab_size
 from .build import build_model, build_tokenizer, model_vocab_size
 from .config import RunConfig
 from .flops import FlopsCounter
-from .resume import Layout, plan_resume, read_layout, to_universal, write_layout
+from .resume import Layout, load_rng, plan_resume, read_layout, save_rng, to_universal, write_layout
 from .steps import global_counts, loss_from_terms, ntl_options, resolve_deepspeed_config, shift_for_causal
 from .tracking import Tracker, plot_curves
 
@@ -341,8 +341,12 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------------------------
 
     def save(self, step: int) -> None:
-        """DeepSpeed checkpoint ``step{step}`` with the data position and the RNG; ``latest`` moves last."""
+        """DeepSpeed checkpoint ``step{step}`` with the data position and the RNG (each rank's generators in
+        ``rng_rank{rank}.pt``); ``latest`` moves last."""
+        import deepspeed
+
         client = {"step": step, "examples_consumed": self.order.position, "rng": torch.get_rng_state()}
+        save_rng(os.path.join(self.ckpt_dir, f"step{step}"), self.rank, deepspeed.get_accelerator())
         self.engine.save_checkpoint(self.ckpt_dir, tag=f"step{step}", client_state=client, save_latest=False)
         dist.barrier()  # every rank's shard is on disk before "latest" points at it
         if self.rank == 0:  # a crash before this line leaves "latest" at the previous, complete checkpoint
@@ -361,9 +365,12 @@ class Trainer:
                 "finish it with that version or start a new run_dir"
             )
         self.start_step, self.order.position = client["step"], client["examples_consumed"]
-        torch.set_rng_state(client["rng"])
+        import deepspeed
+
+        note = load_rng(os.path.join(self.ckpt_dir, f"step{self.start_step}"), self.rank, deepspeed.get_accelerator(),
+                        cpu_state=client["rng"], same_layout=self.resume == "same")  # fmt: skip
         if self.rank == 0:
-            print(f"resumed from step {self.start_step}", flush=True)
+            print(f"resumed from step {self.start_step}" + (f" ({note})" if note else ""), flush=True)
 
     # ---- the step -------------------------------------------------------------------------------------
 
