@@ -34,7 +34,7 @@ def run_variant(name: str, batch: int, seq: int, vocab_size: int, hidden: int) -
     import torch
 
     import ntl_scale
-    from ntl_scale.integrations.hf_loss import apply_ntl
+    from ntl_scale.integrations.hf import apply_ntl
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     model = tiny_llama(vocab_size, hidden, seq)

@@ -27,8 +27,7 @@ import transformers
 
 import ntl_scale
 from ntl_scale.data import generate
-from ntl_scale.integrations.hf import ntl_trainer_class, number_vocab_from_pretrained
-from ntl_scale.integrations.hf_loss import apply_ntl
+from ntl_scale.integrations.hf import apply_ntl, ntl_trainer_class, number_vocab_from_pretrained
 
 
 def load_model(path: str | None) -> tuple:

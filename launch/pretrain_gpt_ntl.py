@@ -11,7 +11,7 @@ points of ``megatron.training`` are wrapped for this process only:
 
 * the argument parser gets the ``--ntl-*`` group (``parse_and_validate_args`` since core 0.18, or
   ``pretrain``'s ``extra_args_provider`` before);
-* ``pretrain`` gets ``forward_step`` wrapped by :class:`ntl_scale.integrations.megatron_lm.NTLForwardStep`,
+* ``pretrain`` gets ``forward_step`` wrapped by :class:`ntl_scale.integrations.megatron.lm.NTLForwardStep`,
   which makes the model compute CE + NTL where it computes CE and adds ``ntl loss`` and
   ``number accuracy`` to the report;
 * ``evaluate`` hands ``lm loss`` to Megatron's printer (value and perplexity, as before) and prints
@@ -90,7 +90,7 @@ def make_ntl_step(forward_step, margs, ps):
     """The release's ``forward_step`` when NTL is off, else an ``NTLForwardStep`` around it."""
     import torch
 
-    from ntl_scale.integrations import megatron_lm
+    from ntl_scale.integrations.megatron import lm as megatron_lm
 
     settings = ntl_megatron.NTLSettings.from_args(margs)
     if not settings.enabled:

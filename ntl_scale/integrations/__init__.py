@@ -1,6 +1,20 @@
-"""Thin adapters to training frameworks. Each imports its framework lazily, on first use.
+"""Adapters to training frameworks: one package per framework, one module per route.
 
-- ``ntl_scale.integrations.hf``: Hugging Face tokenizers and the causal-LM label convention.
-- ``ntl_scale.integrations.megatron``: ``--ntl-*`` flags, ``loss_func`` / ``forward_step``, the
-  model-side mixin and global normalisation for Megatron.
+Nothing is imported here; each module imports only torch, and its framework on first use.
+
+| module | framework: entry |
+|---|---|
+| `hf.loss` | Hugging Face: CE + NTL as `model.loss_function` (`apply_ntl`, `remove_ntl`) |
+| `hf.chunked` | Hugging Face: the loss from the hidden states, no logits (`apply_ntl(chunked=True)`) |
+| `hf.trainer` | Hugging Face `Trainer` / TRL `SFTTrainer`: `ntl_trainer_class` |
+| `hf.vocab` | Hugging Face checkpoints: `number_vocab_from_pretrained` |
+| `megatron.args` | Megatron, both routes: the `--ntl-*` flags, `NTLSettings`, `build_number_vocab` |
+| `megatron.lm` | Megatron-LM `pretrain_gpt.py` via `launch/pretrain_gpt_ntl.py`: `NTLForwardStep` |
+| `megatron.core` | `megatron.core` alone, your own loop: `make_loss_func`, `make_forward_step` |
+| `megatron.terms` | Megatron, both routes: per-token terms in Megatron's layouts |
+| `deepspeed.autotp` | DeepSpeed AutoTP (`launch/train.py`, tensor parallel): the vocabulary-sharded head |
+
+``ntl_scale.integrations.hf``, ``.megatron`` and ``.deepspeed`` re-export their modules' names.
+Deprecated aliases, kept for one release: ``hf_loss`` (now ``hf.loss``), ``hf_chunked``
+(``hf.chunked``), ``megatron_lm`` (``megatron.lm``), ``deepspeed_tp`` (``deepspeed.autotp``).
 """

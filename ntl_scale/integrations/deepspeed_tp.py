@@ -1,123 +1,20 @@
-"""DeepSpeed AutoTP with a vocabulary-parallel output layer: where NTL finds the shard, group and range.
+"""Deprecated alias of :mod:`ntl_scale.integrations.deepspeed.autotp` (kept for one release).
 
-With ``"tensor_parallel": {"autotp_size": N, "vocab_parallel_lm_head": true}`` DeepSpeed (0.18+)
-replaces a Hugging Face model's ``lm_head`` by a ``VocabParallelLinear``: each rank of a TP group
-holds rows ``[vocab_start_index, vocab_end_index)`` of the weight (uneven when N does not divide the
-vocabulary) and its output stays sharded. CE + NTL then runs on those local logits with ntl_scale's
-fused op over the layer's own group (two all-reduces per token, as Megatron's CE), or from the
-hidden states with :func:`install_chunked_head`. DeepSpeed's own vocab-parallel CE, which it installs
-as ``model.loss_function``, is not called (the entry computes its loss itself).
-
-With ZeRO stage 3 (DeepSpeed >= 0.19.4) each rank's TP shard is further partitioned over the
-data-parallel ranks and gathered by ZeRO's hooks around each module's forward, the output layer's
-included, so the same functions apply: the head's ``forward`` replaced by :func:`install_chunked_head`
-still runs inside those hooks (its weight is whole on entry), and :func:`gathered_weights` expects
-ZeRO's ``GatheredParameters`` to have gathered the data-parallel partitions first.
-
-``deepspeed`` is imported on first use.
+Moved to ``ntl_scale.integrations.deepspeed.autotp`` (also importable from
+``ntl_scale.integrations.deepspeed``): ``HeadShard``, ``head_shard``, ``full_logits``,
+``gathered_weights``; renamed there: ``install_chunked_head`` is ``install_vocab_parallel_loss_head``.
 """
 
-from __future__ import annotations
+import warnings
 
-import contextlib
-import types
-from collections.abc import Iterator
-from typing import Any, NamedTuple
-
-import torch
-
-from ..linear import linear_ce_ntl
-from ..losses import NTLOptions
-from ..number_vocab import NumberVocab
+from .deepspeed.autotp import HeadShard, full_logits, gathered_weights, head_shard
+from .deepspeed.autotp import install_vocab_parallel_loss_head as install_chunked_head
 
 __all__ = ["HeadShard", "full_logits", "gathered_weights", "head_shard", "install_chunked_head"]
 
-
-class HeadShard(NamedTuple):
-    """This rank's part of a vocabulary-parallel output layer."""
-
-    head: torch.nn.Module
-    group: Any
-    start: int
-    end: int
-
-
-def head_shard(model: torch.nn.Module) -> HeadShard | None:
-    """The vocabulary-parallel output layer DeepSpeed installed, or None (no AutoTP, or a gathered head)."""
-    heads = [m for m in model.modules() if getattr(m, "is_vocab_parallel_lm_head", False)]
-    if not heads:
-        return None
-    if len(heads) > 1:
-        raise ValueError(f"found {len(heads)} vocabulary-parallel output layers; expected one")
-    head: Any = heads[0]
-    return HeadShard(head, head.mp_group, int(head.vocab_start_index), int(head.vocab_end_index))
-
-
-def install_chunked_head(
-    shard: HeadShard, vocab: NumberVocab, options: NTLOptions, chunk_tokens: int | None = None
-) -> None:
-    """``head(hidden, targets)`` returns per-token (CE, NTL, number mask, hit) from this rank's weight rows.
-
-    The hidden states enter through DeepSpeed's column-parallel input op (identity forward, TP
-    all-reduce of their gradient in the backward), so the hidden-state gradient is the sum of every
-    shard's part; the weight gradient stays local. ``head(hidden)`` is the layer's own forward.
-    """
-    from deepspeed.module_inject.layers import ColumnParallel
-
-    head = shard.head
-
-    def forward(layer: Any, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
-        if targets is None:
-            return type(layer).forward(layer, hidden)
-        hidden = ColumnParallel.apply(layer.mp_group, hidden)
-        terms = linear_ce_ntl(
-            hidden, layer.weight, targets, vocab, options, tp_group=layer.mp_group, chunk_tokens=chunk_tokens,
-            vocab_start=shard.start, proportional_grad=not options.reweigh,  # CE summed over valid targets
-        )  # fmt: skip
-        return tuple(terms)
-
-    head.forward = types.MethodType(forward, head)
-
-
-@contextlib.contextmanager
-def full_logits(shard: HeadShard | None) -> Iterator[None]:
-    """The head gathers its output to the whole vocabulary inside (generation needs every column)."""
-    if shard is None:
-        yield
-        return
-    head: Any = shard.head
-    previous = head.gather_output
-    head.gather_output = True
-    try:
-        yield
-    finally:
-        head.gather_output = previous
-
-
-@contextlib.contextmanager
-def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
-    """Every tensor-parallel layer holds its whole weight inside (to export a plain checkpoint).
-
-    A weight shared by two layers (tied embeddings: AutoTP's vocabulary-parallel embedding holds the
-    output layer's shard) is gathered once. Under ZeRO-3, enter
-    ``deepspeed.zero.GatheredParameters(list(model.parameters()))`` first (outside
-    this context): AutoTP's gather joins the TP shards of whole data-parallel partitions, and a
-    partitioned weight (an empty placeholder) is refused with a ValueError.
-    """
-    from deepspeed.module_inject.layers import GatherReplacedLayerParams, TensorParallel_Layer
-
-    seen: set[int] = set()  # a tied embedding shares the output layer's shard: gather that weight once
-    with contextlib.ExitStack() as stack:
-        for module in model.modules():
-            if isinstance(module, TensorParallel_Layer):
-                params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
-                seen.update(id(p) for p in params)
-                if not params:
-                    continue
-                if any(hasattr(p, "ds_id") and p.ds_status.name != "AVAILABLE" for p in params):
-                    raise ValueError(
-                        f"{type(module).__name__} holds a ZeRO-3 partitioned weight; enter "
-                        "deepspeed.zero.GatheredParameters(list(model.parameters())) before gathered_weights(model)"
-                    )
-                stack.enter_context(GatherReplacedLayerParams(params, module))
-        yield
+warnings.warn(
+    "ntl_scale.integrations.deepspeed_tp is deprecated; import from ntl_scale.integrations.deepspeed "
+    "(install_chunked_head is now install_vocab_parallel_loss_head)",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -26,7 +26,7 @@ def main() -> None:
     import transformers
 
     import ntl_scale
-    from ntl_scale.integrations.hf_loss import apply_ntl
+    from ntl_scale.integrations.hf import apply_ntl
 
     out = sys.argv[1]
     dist.init_process_group("gloo")

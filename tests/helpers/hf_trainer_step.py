@@ -90,7 +90,7 @@ def step(out: str, micro: int, accumulation: int, kind: str) -> None:
         logits = model(input_ids=whole["input_ids"], attention_mask=whole["attention_mask"]).logits
     reference = hf.causal_lm_ce_with_ntl(logits, whole["labels"], vocab, ntl_weight=0.3)
     if chunked:
-        from ntl_scale.integrations.hf_loss import apply_ntl
+        from ntl_scale.integrations.hf import apply_ntl
 
         apply_ntl(model, vocab, ntl_weight=0.3, chunked=True, chunk_tokens=32)
     common = dict(

@@ -40,8 +40,8 @@ def _worker(ctx: WorkerContext) -> None:
     from megatron.core import parallel_state
 
     import ntl_scale
-    from ntl_scale.integrations import megatron_lm
     from ntl_scale.integrations.megatron import NTLSettings
+    from ntl_scale.integrations.megatron import lm as megatron_lm
     from tests.helpers.megatron_cpu import patch_for_cpu, tiny_gpt
     from tests.helpers.reference import naive_per_token
 

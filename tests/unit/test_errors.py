@@ -78,14 +78,14 @@ CHUNKED_ENTRIES = {
     "linear_ce_with_ntl": lambda c: ntl_scale.linear_ce_with_ntl(
         torch.zeros(1, 4, 3), torch.zeros(16, 3), LABELS, VOCAB, chunk_tokens=c
     ),
-    "hf_chunked.install_chunked_head": lambda c: _install_chunked_head(c),
+    "hf.chunked.install_linear_loss_head": lambda c: _install_linear_loss_head(c),
 }
 
 
-def _install_chunked_head(chunk_tokens):
-    from ntl_scale.integrations.hf_chunked import install_chunked_head
+def _install_linear_loss_head(chunk_tokens):
+    from ntl_scale.integrations.hf.chunked import install_linear_loss_head
 
-    install_chunked_head(torch.nn.Linear(3, 16, bias=False), VOCAB, ntl_scale.NTLOptions(), chunk_tokens)
+    install_linear_loss_head(torch.nn.Linear(3, 16, bias=False), VOCAB, ntl_scale.NTLOptions(), chunk_tokens)
 
 
 @pytest.mark.parametrize("value", [-512, -1, 0, 2.5, True, "512"])

@@ -1,4 +1,4 @@
-"""NTL as a Hugging Face ``loss_function`` (``ntl_scale.integrations.hf_loss``) on a tiny GPT-2 built offline.
+"""NTL as a Hugging Face ``loss_function`` (``ntl_scale.integrations.hf.loss``) on a tiny GPT-2 built offline.
 
 Sections:
 1. ``NTLCausalLMLoss`` against the naive reference (``tests/helpers/reference.py``) for each meaning of
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ntl_scale
-from ntl_scale.integrations.hf_loss import NTLCausalLMLoss, apply_ntl, remove_ntl
+from ntl_scale.integrations.hf import NTLCausalLMLoss, apply_ntl, remove_ntl
 from tests.helpers import tokenizers as tk
 from tests.helpers.data import text_labels
 from tests.helpers.reference import naive_per_token
@@ -167,7 +167,7 @@ def test_chunked_training_loss_equals_the_logits_path(setup, kind):
 
 
 def test_chunked_refuses_what_it_cannot_reproduce(setup):
-    from ntl_scale.integrations.hf_chunked import check_head
+    from ntl_scale.integrations.hf.chunked import check_head
 
     _, vocab, _ = setup
     common = dict(vocab_size=vocab.vocab_size, head_dim=8, **TINY)

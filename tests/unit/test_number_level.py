@@ -61,7 +61,7 @@ def test_direct_calls_refuse_a_table_of_other_tokens(table):
         ntl_scale.linear_ce_with_ntl(torch.randn(1, 2, 8), torch.randn(V, 8), labels, vocab, loss="number")
     with pytest.raises(ValueError, match=match):
         ntl_scale.ntl_positions(labels, vocab, ntl_scale.NTLOptions(loss="number"))
-    from ntl_scale.integrations.hf_loss import NTLCausalLMLoss
+    from ntl_scale.integrations.hf import NTLCausalLMLoss
 
     with pytest.raises(ValueError, match=match):
         NTLCausalLMLoss(vocab, 0.3, ntl_scale.NTLOptions(loss="number"))

@@ -1,16 +1,16 @@
-"""Megatron adapter: NTL from a few flags in an existing Megatron pretraining config.
+"""Megatron route for a ``megatron.core`` training loop of your own: ``loss_func`` and ``forward_step``.
 
-Pieces, each usable alone (Megatron is imported lazily, only where a Megatron object is needed):
+For Megatron-LM's ``pretrain_gpt.py`` use :mod:`ntl_scale.integrations.megatron.lm` (through
+``launch/pretrain_gpt_ntl.py``) instead. Pieces, each usable alone (Megatron is imported lazily, only
+where a Megatron object is needed); the flags and settings are in :mod:`.args`:
 
-* :func:`add_ntl_args`: the ``--ntl-*`` argument group, for Megatron's ``extra_args_provider``;
-* :class:`NTLSettings`: the validated settings (``NTLSettings.from_args(args)``);
-* :func:`build_number_vocab`: the number table for Megatron's tokenizer (``inv_vocab``) and padded
-  vocabulary, or loaded from a saved JSON table;
 * :func:`make_loss_func`: a ``loss_func`` with Megatron's contract ``(loss, num_tokens, report)``
   that computes CE + NTL from the vocab-sharded logits with the fused op (no extra collective) and
   reports ``lm loss``, ``ntl loss`` and ``number accuracy`` as ``[sum, count]`` pairs;
 * :class:`GlobalCounts`: the token and number-token counts of the whole global batch, computed once
-  per step from the labels of all micro-batches (for ``--ntl-normalization global``).
+  per step from the labels of all micro-batches (for ``--ntl-normalization global``);
+* :func:`make_forward_step`: a ``forward_step(data_iterator, model)`` with both;
+* :class:`NTLLanguageModelMixin`: NTL inside the model's ``compute_language_model_loss`` (MTP heads).
 
 Normalisation (``docs/megatron.md``): Megatron divides what ``loss_func`` returns by the
 ``num_tokens`` it returns and by the number of micro-batches (or, with
@@ -26,214 +26,26 @@ denominator, so it is pre-scaled here:
 
 from __future__ import annotations
 
-import argparse
 import functools
-import math
-import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..linear import linear_ce_ntl
-from ..losses import LOSS_KINDS, NTLOptions, PerTokenTerms, check_number_level_table, ntl_counts, per_token_ce_ntl
-from ..number_vocab import NumberVocab
+from ...losses import NTLOptions, ntl_counts, per_token_ce_ntl
+from ...number_vocab import NumberVocab
+from .args import NTLSettings
+from .terms import output_layer_terms, sequence_first_terms
 
 __all__ = [
-    "NORMALIZATIONS",
     "GlobalCounts",
     "NTLLanguageModelMixin",
-    "NTLSettings",
-    "add_ntl_args",
-    "build_number_vocab",
     "count_targets",
     "make_forward_step",
     "make_loss_func",
-    "output_layer_terms",
     "plain_loss_func",
 ]
-
-NORMALIZATIONS = ("micro-batch", "global")
-VOCAB_RULES = ("digits", "multi-digit")
-
-
-@dataclass(frozen=True)
-class NTLSettings:
-    """NTL settings of a Megatron run.
-
-    Attributes:
-        weight: weight of the NTL term; 0 turns NTL off (the plain Megatron loss, bit for bit).
-        loss: ``was``, ``mse``, ``mae``, ``huber`` or ``number``.
-        number_vocab: ``digits`` (the ten digit tokens), ``multi-digit``, or the path of a table
-            saved with ``NumberVocab.save``.
-        reweigh: reweigh by the probability mass on number tokens.
-        squash_factor: NTL-WAS distance squashing (> 1), or None.
-        huber_delta: the Huber threshold.
-        normalization: ``micro-batch`` or ``global`` (see the module docstring).
-        chunked: compute CE + NTL from the hidden states and the output weight in token chunks,
-            never materialising the logits (``--ntl-chunked``).
-        chunk_tokens: tokens per chunk of the chunked route; None = the op's default.
-    """
-
-    weight: float = 0.0
-    loss: str = "was"
-    number_vocab: str = "digits"
-    reweigh: bool = False
-    squash_factor: float | None = None
-    huber_delta: float = 1.0
-    normalization: str = "micro-batch"
-    chunked: bool = False
-    chunk_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight) or self.weight < 0:
-            raise ValueError(
-                f"--ntl-weight must be a finite number >= 0 (0 = off, 0.3 in the paper), got {self.weight!r}"
-            )
-        if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"--ntl-normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
-        if not self.number_vocab:
-            raise ValueError("--ntl-number-vocab must be 'digits', 'multi-digit' or the path of a saved table")
-        if self.chunk_tokens is not None and (not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1):
-            raise ValueError(f"--ntl-chunk-tokens must be a positive integer, got {self.chunk_tokens!r}")
-        self.options()  # validates loss, squash factor and Huber delta with the library's own checks
-        if self.loss == "number" and self.number_vocab == "multi-digit":
-            raise ValueError(
-                "--ntl-loss number assembles numbers from single-digit tokens and cannot read a multi-digit table "
-                "(a token worth 123 would count as one digit); use --ntl-number-vocab digits (a digit table), or a "
-                "token-level --ntl-loss (was, mse, mae, huber) with --ntl-number-vocab multi-digit"
-            )
-
-    @property
-    def enabled(self) -> bool:
-        """Whether NTL contributes to the loss."""
-        return self.weight > 0
-
-    def options(self) -> NTLOptions:
-        """The library's :class:`~ntl_scale.NTLOptions` for these settings."""
-        return NTLOptions(
-            loss=self.loss, squash_factor=self.squash_factor, reweigh=self.reweigh, huber_delta=self.huber_delta
-        )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> NTLSettings:
-        """Reads the ``--ntl-*`` arguments of a parsed Megatron namespace."""
-        return cls(
-            weight=args.ntl_weight,
-            loss=args.ntl_loss,
-            number_vocab=args.ntl_number_vocab,
-            reweigh=args.ntl_reweigh,
-            squash_factor=args.ntl_squash_factor,
-            huber_delta=args.ntl_huber_delta,
-            normalization=args.ntl_normalization,
-            chunked=getattr(args, "ntl_chunked", False),
-            chunk_tokens=getattr(args, "ntl_chunk_tokens", None),
-        )
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _squash(text: str) -> float:
-    value = _non_negative_float(text)
-    if value <= 1:
-        raise argparse.ArgumentTypeError(f"the squash factor must be > 1, got {text!r}")
-    return value
-
-
-def add_ntl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Adds the ``--ntl-*`` group; pass it as (or call it from) Megatron's ``extra_args_provider``.
-
-    Args:
-        parser: Megatron's argument parser.
-
-    Returns:
-        The same parser.
-    """
-    group = parser.add_argument_group("number token loss (ntl_scale)")
-    group.add_argument(
-        "--ntl-weight", type=_non_negative_float, default=0.0, help="weight of NTL; 0 (default) = off, 0.3 in the paper"
-    )
-    group.add_argument("--ntl-loss", choices=LOSS_KINDS, default="was", help="NTL variant (default: was)")
-    group.add_argument(
-        "--ntl-number-vocab",
-        default="digits",
-        help="'digits' (default), 'multi-digit', or the path of a table saved with NumberVocab.save",
-    )
-    group.add_argument("--ntl-reweigh", action="store_true", help="reweigh by the number-token probability mass")
-    group.add_argument("--ntl-squash-factor", type=_squash, default=None, help="NTL-WAS distance squashing (> 1)")
-    group.add_argument("--ntl-huber-delta", type=_non_negative_float, default=1.0, help="Huber threshold")
-    group.add_argument(
-        "--ntl-normalization",
-        choices=NORMALIZATIONS,
-        default="micro-batch",
-        help="NTL mean per micro-batch (paper) or over the global batch (split-invariant)",
-    )
-    group.add_argument(
-        "--ntl-chunked",
-        action="store_true",
-        help="CE + NTL from the hidden states in token chunks, never materialising the logits",
-    )
-    group.add_argument("--ntl-chunk-tokens", type=_positive_int, default=None, help="tokens per chunk of --ntl-chunked")
-    return parser
-
-
-def build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size: int) -> NumberVocab:
-    """The number table for a Megatron run.
-
-    Args:
-        settings: the NTL settings.
-        tokenizer: Megatron's tokenizer (anything ``NumberVocab.from_tokenizer`` accepts, e.g. one
-            with ``inv_vocab``); unused when ``number_vocab`` is a path.
-        padded_vocab_size: Megatron's ``args.padded_vocab_size`` (the logits' global width).
-
-    Returns:
-        The table, sized to the padded vocabulary.
-    """
-    vocab = _build_number_vocab(settings, tokenizer, padded_vocab_size)
-    if settings.loss == "number":
-        check_number_level_table(vocab)  # a saved table of other tokens, refused before the first step
-    return vocab
-
-
-def _build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size: int) -> NumberVocab:
-    rule = settings.number_vocab
-    if rule in VOCAB_RULES:
-        try:
-            return NumberVocab.from_tokenizer(tokenizer, vocab_size=padded_vocab_size, digit_level=rule == "digits")
-        except (NotImplementedError, TypeError) as e:
-            # NullTokenizer and similar raise NotImplementedError from inv_vocab.
-            raise ValueError(
-                f"--ntl-number-vocab {rule!r} reads the number tokens from the tokenizer, but "
-                f"{type(tokenizer).__name__} has no token table ({type(e).__name__}: {e}). Pass "
-                "--ntl-number-vocab PATH with a table saved by `python -m ntl_scale.save_number_vocab "
-                "TOKENIZER --out PATH` or NumberVocab.from_tokenizer(...).save(PATH)"
-            ) from None
-    if not os.path.isfile(rule):
-        raise ValueError(
-            f"--ntl-number-vocab {rule!r} is neither one of {VOCAB_RULES} nor an existing file; "
-            "build a table with NumberVocab.from_tokenizer(...).save(path)"
-        )
-    return NumberVocab.load(rule, vocab_size=padded_vocab_size)
 
 
 def count_targets(
@@ -523,105 +335,3 @@ class NTLLanguageModelMixin:
             return terms.ce
         scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
         return terms.ce + settings.weight * terms.ntl * scale
-
-
-def _pieces(seq: int, pieces: int) -> tuple[int, int]:
-    """The ``[pieces, seq / pieces]`` split of a local sequence (context-parallel slices)."""
-    if pieces > 1 and seq % pieces:
-        raise ValueError(
-            f"the local sequence of {seq} tokens does not split into {pieces} context-parallel slices; "
-            "the sequence length must be divisible by 2 x the context-parallel size, as Megatron requires"
-        )
-    return (pieces, seq // pieces)
-
-
-def sequence_first_terms(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    vocab: NumberVocab,
-    options: NTLOptions,
-    *,
-    pieces: int = 1,
-    **kwargs: Any,
-) -> PerTokenTerms:
-    """:func:`per_token_ce_ntl` of Megatron's ``[s, b, V/tp]`` logits for ``[b, s]`` labels; terms ``[b, s]``.
-
-    Costs what Megatron's own ``vocab_parallel_cross_entropy`` costs in ``compute_language_model_loss``:
-
-    - the logits are read in the layout the output layer wrote them (a ``[b, s]`` view of them would
-      be copied whole by the op's flattening); the labels and the per-token terms are transposed
-      instead. Number-level NTL assembles numbers along each sequence and so takes the ``[b, s]``
-      layout (that copy included);
-    - fp32/fp64 logits are overwritten with the softmax and then the gradient (``inplace``), as
-      Megatron's CE overwrites them in the same place: they are not read after the loss. Half-precision
-      logits go through the op's fp32 chunk buffer instead.
-
-    ``pieces``: number-level NTL only: the local sequence is this many slices of the global one that are
-    not neighbours (context parallelism: Megatron's load-balanced split gives each rank 2), so no number
-    is assembled across their seam (:func:`ntl_scale.ntl_positions` counts the same way).
-    """
-    inplace = logits.dtype in (torch.float32, torch.float64)
-    if options.loss == "number":
-        b, s = labels.shape
-        split = _pieces(s, pieces)
-        terms = per_token_ce_ntl(
-            logits.transpose(0, 1).unflatten(1, split), labels.unflatten(1, split), vocab, options,
-            inplace=inplace, **kwargs,
-        )  # fmt: skip
-        return PerTokenTerms(*(t.reshape(b, s) for t in terms))
-    terms = per_token_ce_ntl(logits, labels.t(), vocab, options, inplace=inplace, **kwargs)
-    return PerTokenTerms(*(t.t().contiguous() for t in terms))  # Megatron's loss_func views them flat
-
-
-def output_layer_terms(
-    layer: Any,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    vocab: NumberVocab,
-    options: NTLOptions,
-    tp_group: dist.ProcessGroup | None,
-    *,
-    chunk_tokens: int | None = None,
-    check_finite: bool = False,
-    pieces: int = 1,
-) -> PerTokenTerms:
-    """Per-token CE + NTL of Megatron's (column-parallel) output layer applied to ``hidden``, without the logits.
-
-    Args:
-        layer: the model's ``output_layer`` (its ``sequence_parallel`` flag decides the input path).
-        hidden: final hidden states ``[s(/tp), b, H]`` (sequence-split under sequence parallel).
-        weight: the layer's weight shard ``[V/tp, H]`` (or the shared embedding when tied).
-        labels: ``[b, s]``.
-        vocab: the number table; options: the NTL variant; tp_group: the output layer's TP group.
-        chunk_tokens: tokens per chunk; check_finite: raise on non-finite logits.
-        pieces: number-level NTL: slices of the local sequence that are not neighbours (see
-            :func:`sequence_first_terms`).
-
-    Returns:
-        :class:`~ntl_scale.PerTokenTerms` shaped ``[b, s]``.
-    """
-    from megatron.core import tensor_parallel
-
-    # What ColumnParallelLinear does with its input: all-reduce (or reduce-scatter under sequence
-    # parallel) of the input gradient over the TP group in the backward. Megatron's reductions need a
-    # contiguous gradient, so the [s, b] -> [b, s] transpose happens before them.
-    sequence_parallel = getattr(layer, "sequence_parallel", False)
-    if sequence_parallel:
-        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=tp_group)
-    hidden = hidden.transpose(0, 1).contiguous()
-    if not sequence_parallel and tp_group is not None and dist.get_world_size(tp_group) > 1:
-        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
-    b, s = labels.shape
-    split = _pieces(s, pieces if options.loss == "number" else 1)
-    terms = linear_ce_ntl(
-        hidden.unflatten(1, split),
-        weight,
-        labels.unflatten(1, split),
-        vocab,
-        options,
-        tp_group=tp_group,
-        check_finite=check_finite,
-        chunk_tokens=chunk_tokens,
-    )
-    return PerTokenTerms(*(t.reshape(b, s) for t in terms))

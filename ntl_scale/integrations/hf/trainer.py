@@ -1,93 +1,24 @@
-"""Hugging Face adapter: number tables from local checkpoints and the causal-LM label shift.
+"""Hugging Face route 3: a ``Trainer`` (or TRL ``SFTTrainer``) subclass with NTL and exact step normalisation.
 
-``transformers`` is imported on first use; without it the functions raise an ImportError that
-names the extra to install (``pip install 'ntl_scale[hf]'``).
+:func:`ntl_trainer_class` installs :class:`~ntl_scale.integrations.hf.loss.NTLCausalLMLoss` as the
+Trainer's ``compute_loss_func`` (or takes the model's ``apply_ntl(chunked=True)`` loss) and counts the
+NTL positions of each optimizer step beside the Trainer's token count (:func:`count_step_numbers`).
+
+``transformers`` is imported on first use; without it :func:`ntl_trainer_class` raises an ImportError
+that names the extra to install (``pip install 'ntl_scale[hf]'``).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from .._optional import require
-from ..losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl, ntl_counts
-from ..number_vocab import NumberVocab
+from ..._optional import require
+from ...losses import NTLOptions, ntl_counts
+from ...number_vocab import NumberVocab
 
-__all__ = [
-    "ChunkedLossCausalLM",
-    "causal_lm_ce_with_ntl",
-    "count_step_numbers",
-    "ntl_trainer_class",
-    "number_vocab_from_pretrained",
-    "shift_labels",
-]
-
-
-def number_vocab_from_pretrained(
-    path: str | os.PathLike[str],
-    *,
-    vocab_size: int | None = None,
-    digit_level: bool = True,
-    prefixed: bool = False,
-) -> NumberVocab:
-    """Builds the number table of a local Hugging Face checkpoint or tokenizer directory.
-
-    The model's (possibly padded) vocabulary size is read from its ``config.json`` when the
-    directory has one, so the table matches the logits (e.g. Qwen: 151936 columns, 151665 tokens).
-
-    Args:
-        path: a local directory with the tokenizer files (and optionally ``config.json``).
-        vocab_size: override the model vocabulary size.
-        digit_level: exactly the ten ASCII digits (True) or multi-digit literals (False).
-        prefixed: include word-prefixed digits (``▁3``, ``Ġ3``, ``##3``).
-
-    Returns:
-        The table.
-    """
-    transformers = require("transformers", "hf", "ntl_scale.integrations.hf")
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ValueError(
-            f"number_vocab_from_pretrained: {path!r} is not a local directory; ntl_scale never downloads. "
-            "Save the tokenizer first (tokenizer.save_pretrained(dir)) and pass that directory."
-        )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    if vocab_size is None and os.path.isfile(os.path.join(path, "config.json")):
-        config = transformers.AutoConfig.from_pretrained(path)
-        vocab_size = getattr(config, "vocab_size", None)
-    if vocab_size is not None:
-        vocab_size = max(int(vocab_size), len(tokenizer))
-    return NumberVocab.from_tokenizer(tokenizer, vocab_size=vocab_size, digit_level=digit_level, prefixed=prefixed)
-
-
-def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Next-token labels of a causal LM: ``labels[..., 1:]`` padded with ``ignore_index`` at the end.
-
-    Hugging Face causal LMs take unshifted ``labels`` and shift inside the model; with this the
-    logits at position ``t`` pair with ``shifted[t]`` without slicing (and copying) the logits.
-    """
-    pad = torch.full((*labels.shape[:-1], 1), ignore_index, dtype=labels.dtype, device=labels.device)
-    return torch.cat([labels[..., 1:], pad], dim=-1)
-
-
-def causal_lm_ce_with_ntl(
-    logits: torch.Tensor, labels: torch.Tensor, vocab: NumberVocab, *, ignore_index: int = -100, **options: Any
-) -> CENTLOutput:
-    """:func:`ntl_scale.ce_with_ntl` with Hugging Face causal-LM label semantics (unshifted labels).
-
-    Args:
-        logits: ``[batch, seq, V]`` model output.
-        labels: ``[batch, seq]`` the ``labels`` a Hugging Face causal LM takes (not shifted).
-        vocab: the number-token table.
-        ignore_index: label value to ignore (also fills the shifted-out last position).
-        **options: forwarded to :func:`ntl_scale.ce_with_ntl`.
-
-    Returns:
-        The :class:`ntl_scale.CENTLOutput`.
-    """
-    return ce_with_ntl(logits, shift_labels(labels, ignore_index), vocab, ignore_index=ignore_index, **options)
+__all__ = ["count_step_numbers", "ntl_trainer_class"]
 
 
 def count_step_numbers(loss: Any, samples: list[dict]) -> torch.Tensor:
@@ -95,7 +26,7 @@ def count_step_numbers(loss: Any, samples: list[dict]) -> torch.Tensor:
 
     What NTL's denominator counts (:func:`ntl_scale.ntl_positions`: number-token targets, or one per
     number for ``loss="number"``), of the targets the loss sees: a collator's ``shift_labels``, or the
-    labels shifted as ``loss`` (an :class:`~ntl_scale.integrations.hf_loss.NTLCausalLMLoss`) shifts them.
+    labels shifted as ``loss`` (an :class:`~ntl_scale.integrations.hf.loss.NTLCausalLMLoss`) shifts them.
     """
     options = loss.options
     numbers = torch.zeros((), dtype=torch.float64)
@@ -139,7 +70,7 @@ def ntl_trainer_class(base: Any = None) -> Any:
         (the means over all processes since the previous log).
     """
     transformers = require("transformers", "hf", "ntl_scale.integrations.hf.ntl_trainer_class")
-    from .hf_loss import NTLCausalLMLoss, installed_loss, is_chunked
+    from .loss import NTLCausalLMLoss, installed_loss, is_chunked
 
     parent = base or transformers.Trainer
 
@@ -216,61 +147,3 @@ def ntl_trainer_class(base: Any = None) -> Any:
             super().log(logs, *args, **kwargs)
 
     return NTLTrainer
-
-
-class ChunkedLossCausalLM(torch.nn.Module):
-    """A Hugging Face causal LM whose training forward returns per-token CE and NTL, never the logits.
-
-    ``forward(input_ids, attention_mask, targets)`` runs the decoder to its final hidden states and
-    calls the output layer with the targets; that layer's forward is replaced by
-    :func:`ntl_scale.linear_ce_ntl`, so the ``[tokens, vocab]`` logits are never materialised.
-    Called without targets (generation, ``model.generate``) the output layer returns logits as before.
-
-    The loss runs inside the output layer's own forward, so DeepSpeed ZeRO-3 gathers its partitioned
-    weight there and again for the backward, as for any layer; pass this module to
-    ``deepspeed.initialize``. Granite's ``logits_scaling`` is applied to the hidden states (the map is
-    linear); models with a non-linear logit transform (Gemma's soft-capping) are refused.
-
-    Args:
-        model: a ``*ForCausalLM`` with a bias-free linear output layer.
-        vocab: the number-token table.
-        options: the NTL variant.
-        chunk_tokens: tokens per chunk (default: about 2**26 logits per chunk).
-    """
-
-    def __init__(
-        self, model: Any, vocab: NumberVocab, options: NTLOptions | None = None, chunk_tokens: int | None = None
-    ) -> None:
-        super().__init__()
-        from .hf_chunked import install_chunked_head, linear_head, logit_multiplier
-
-        self.model: Any = model
-        self.multiplier = logit_multiplier(model)
-        install_chunked_head(linear_head(model), vocab, options or NTLOptions(), chunk_tokens)
-
-    @property
-    def loss_function(self) -> Any:
-        """The wrapped model's ``loss_function`` hook (DeepSpeed AutoTP sets it on the module it is given)."""
-        return self.model.loss_function
-
-    @loss_function.setter
-    def loss_function(self, value: Any) -> None:
-        self.model.loss_function = value
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        targets: torch.Tensor | None = None,
-        **decoder_kwargs: Any,
-    ) -> PerTokenTerms:
-        """Per-token terms for next-token ``targets`` aligned with ``input_ids`` (already shifted);
-        ``decoder_kwargs`` (``position_ids``, ``use_cache``) go to the decoder."""
-        if targets is None:
-            raise ValueError("ChunkedLossCausalLM.forward needs targets; call .model for logits or generation")
-        from .hf_chunked import hidden_state_terms
-
-        terms, _ = hidden_state_terms(
-            self.model, self.multiplier, targets, input_ids=input_ids, attention_mask=attention_mask, **decoder_kwargs
-        )
-        return terms

@@ -1,0 +1,268 @@
+"""Hugging Face route 2: CE + NTL from a causal LM's final hidden states; the training forward builds no logits.
+
+:func:`ntl_scale.integrations.hf.apply_ntl` with ``chunked=True`` installs this on a model
+(:func:`install_linear_loss_head` on its output layer, :func:`chunked_forward` as its forward);
+:class:`ChunkedLossCausalLM` wraps a model for ``launch/train.py``'s own loop. In training mode
+with labels, the model's forward runs its decoder (``model.base_model``) to the final hidden states
+and calls the output layer with the targets; that layer's forward computes the per-token CE and NTL
+chunk by chunk (:func:`ntl_scale.linear_ce_ntl`), so the ``[tokens, vocab]`` logits never exist.
+Everything else (evaluation, ``generate``, a call without labels) is the model's own forward.
+
+The loss is computed inside the output layer's ``forward``, so DeepSpeed ZeRO-3 gathers the
+partitioned weight there (and again for the backward) as for any layer.
+
+What the model does between its last hidden state and its logits must be reproducible on the hidden
+states: known conventions are Granite's ``logits_scaling`` (divides the logits), Cohere's
+``logit_scale`` and Falcon-H1's ``lm_head_multiplier`` (multiply them), all linear. Soft-capped logits (Gemma 2/3
+``final_logit_softcapping``) are refused. When the weights are materialised, :func:`check_head`
+compares the model's own logits with ``head(hidden) * multiplier`` on a few tokens and refuses any
+other transform (an unknown multiplier, a bias, a custom head).
+"""
+
+from __future__ import annotations
+
+import numbers
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ...linear import linear_ce_ntl
+from ...losses import NTLOptions, PerTokenTerms
+from ...number_vocab import NumberVocab
+from ...parallel import check_chunk_tokens
+
+__all__ = [
+    "ChunkedLossCausalLM",
+    "check_head",
+    "chunked_forward",
+    "install_linear_loss_head",
+    "linear_head",
+    "logit_multiplier",
+    "remove_linear_loss_head",
+]
+
+
+def _text_config(model: Any) -> Any:
+    config = model.config
+    return getattr(config, "text_config", None) or config
+
+
+def logit_multiplier(model: Any) -> float:
+    """The factor a model applies to ``head(hidden)`` to get its logits; refuses non-linear transforms.
+
+    Raises:
+        ValueError: soft-capped logits, or a scaling attribute that is not a number.
+    """
+    config = _text_config(model)
+    capping = getattr(config, "final_logit_softcapping", None)
+    if capping:
+        raise ValueError(
+            f"{type(model).__name__} soft-caps its logits (final_logit_softcapping={capping}), a non-linear map the "
+            "hidden-state loss cannot reproduce; use the logits path (apply_ntl(model, vocab) without chunked=True, "
+            "or train.chunked_loss=false)"
+        )
+    multiplier = 1.0
+    for name, invert in (("logits_scaling", True), ("logit_scale", False), ("lm_head_multiplier", False)):
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if not isinstance(value, numbers.Real) or value == 0:
+            raise ValueError(f"{type(model).__name__}: config.{name}={value!r} is not a non-zero number")
+        multiplier = multiplier / float(value) if invert else multiplier * float(value)
+    return multiplier
+
+
+def _materialised(module: torch.nn.Module) -> bool:
+    """Real weights here (not on the meta device, not partitioned by DeepSpeed ZeRO-3)."""
+    return all(p.device.type != "meta" and p.numel() > 0 and not hasattr(p, "ds_id") for p in module.parameters())
+
+
+@torch.no_grad()
+def check_head(model: Any, multiplier: float, head: torch.nn.Linear) -> bool:
+    """Refuses a model whose logits are not ``head(last hidden state) * multiplier``.
+
+    Runs the model and its decoder on four tokens (eval mode, restored after). Skipped (returns False)
+    when the weights are not materialised here, e.g. partitioned by ZeRO-3 before ``deepspeed.initialize``.
+    """
+    if not _materialised(model):
+        return False
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        ids = torch.arange(4, device=device).reshape(1, 4) % max(int(getattr(model.config, "vocab_size", 4) or 4), 1)
+        logits = model(input_ids=ids, use_cache=False).logits
+        hidden = model.base_model(input_ids=ids, use_cache=False)[0]
+        rebuilt = F.linear(hidden * multiplier if multiplier != 1.0 else hidden, head.weight)
+    finally:
+        model.train(was_training)
+    if logits.shape != rebuilt.shape or not torch.allclose(logits.float(), rebuilt.float(), rtol=1e-3, atol=1e-4):
+        raise ValueError(
+            f"{type(model).__name__}'s logits are not its output layer applied to the final hidden states (times "
+            f"{multiplier:g}): it transforms them in a way the hidden-state loss does not know. Use the logits path "
+            "(apply_ntl(model, vocab) without chunked=True) and open an issue naming the model."
+        )
+    return True
+
+
+def linear_head(model: Any) -> torch.nn.Linear:
+    """The model's output layer; refuses anything but a bias-free ``nn.Linear``."""
+    head = model.get_output_embeddings()
+    if type(getattr(head, "weight", None)).__name__ == "DTensor":
+        raise ValueError(
+            f"{type(model).__name__} is split by Hugging Face tensor parallelism (tp_plan): its output layer holds a "
+            "DTensor, which the hidden-state loss does not take. Use the logits path (apply_ntl(model, vocab) "
+            "without chunked=True), which works under tp_plan, or ntl_scale's vocab-parallel ops in your own loop"
+        )
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        raise ValueError(
+            f"the hidden-state loss needs a bias-free nn.Linear output layer, {type(model).__name__} has "
+            f"{type(head).__name__}{' with a bias' if isinstance(head, torch.nn.Linear) else ''}; use the logits path"
+        )
+    return head
+
+
+def install_linear_loss_head(
+    head: torch.nn.Linear, vocab: NumberVocab, options: NTLOptions, chunk_tokens: int | None = None
+) -> None:
+    """Makes a whole (unsharded) ``nn.Linear`` output layer compute the loss: ``head(hidden, targets)``
+    returns the per-token (CE, NTL, number mask, hit) chunk by chunk; ``head(hidden)`` is unchanged.
+
+    Undone by :func:`remove_linear_loss_head`. For DeepSpeed AutoTP's vocabulary shard see
+    :func:`ntl_scale.integrations.deepspeed.install_vocab_parallel_loss_head`.
+    """
+    check_chunk_tokens(chunk_tokens)  # refused when installed, not at the first training step
+
+    def head_forward(layer: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        if targets is None:
+            return F.linear(hidden, layer.weight)
+        # the callers (apply_ntl's forward, ChunkedLossCausalLM with launch/train.py) sum CE over the valid
+        # targets, so the backward may reuse the forward's weight gradient without a host-side check
+        terms = linear_ce_ntl(
+            hidden,
+            layer.weight,
+            targets,
+            vocab,
+            options,
+            chunk_tokens=chunk_tokens,
+            proportional_grad=not options.reweigh,
+        )
+        return tuple(terms)  # a plain tuple: ZeRO-3 hooks walk it to re-gather for the backward
+
+    head.forward = types.MethodType(head_forward, head)  # type: ignore[method-assign]
+
+
+def remove_linear_loss_head(head: torch.nn.Module) -> None:
+    """Gives the output layer its class's ``forward`` back."""
+    head.__dict__.pop("forward", None)
+
+
+def hidden_state_terms(model: Any, multiplier: float, targets: torch.Tensor, **decoder_kwargs: Any) -> tuple:
+    """Runs the decoder and the loss-computing head: ``(PerTokenTerms, decoder outputs)``."""
+    out = model.base_model(**decoder_kwargs)
+    hidden = out[0]
+    if multiplier != 1.0:
+        hidden = hidden * multiplier
+    return PerTokenTerms(*model.get_output_embeddings()(hidden, targets)), out
+
+
+def chunked_forward(original: Callable, loss: Any, multiplier: float) -> Callable:
+    """The forward :func:`apply_ntl` installs: the hidden-state loss in training with labels, else ``original``."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    # transformers 5.24 renamed the output's past_key_values to cache (the old name is deprecated there)
+    cache = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
+    def forward(
+        self: Any,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
+        num_items_in_batch: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        if not self.training or (labels is None and shift_labels is None):
+            if labels is not None:
+                kwargs["labels"] = labels
+            if shift_labels is not None:
+                kwargs["shift_labels"] = shift_labels
+            if num_items_in_batch is not None:
+                kwargs["num_items_in_batch"] = num_items_in_batch
+            return original(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        ignore_index = kwargs.pop("ignore_index", loss.options.ignore_index)
+        kwargs.pop("logits_to_keep", None)
+        kwargs.pop("return_dict", None)
+        targets = shift_labels if shift_labels is not None else loss.targets(labels, ignore_index)
+        if input_ids is not None:
+            targets = targets.to(input_ids.device)
+        terms, out = hidden_state_terms(
+            self, multiplier, targets, input_ids=input_ids, attention_mask=attention_mask, **kwargs
+        )
+        value = loss.reduce(terms, targets, num_items_in_batch, ignore_index)
+        return CausalLMOutputWithPast(
+            loss=value,
+            logits=None,
+            hidden_states=getattr(out, "hidden_states", None),
+            attentions=getattr(out, "attentions", None),
+            **{cache: getattr(out, cache, None)},
+        )
+
+    return forward
+
+
+class ChunkedLossCausalLM(torch.nn.Module):
+    """A Hugging Face causal LM whose training forward returns per-token CE and NTL, never the logits.
+
+    ``forward(input_ids, attention_mask, targets)`` runs the decoder to its final hidden states and
+    calls the output layer with the targets; that layer's forward is replaced by
+    :func:`ntl_scale.linear_ce_ntl`, so the ``[tokens, vocab]`` logits are never materialised.
+    Called without targets (generation, ``model.generate``) the output layer returns logits as before.
+
+    The loss runs inside the output layer's own forward, so DeepSpeed ZeRO-3 gathers its partitioned
+    weight there and again for the backward, as for any layer; pass this module to
+    ``deepspeed.initialize``. Granite's ``logits_scaling`` is applied to the hidden states (the map is
+    linear); models with a non-linear logit transform (Gemma's soft-capping) are refused.
+
+    Args:
+        model: a ``*ForCausalLM`` with a bias-free linear output layer.
+        vocab: the number-token table.
+        options: the NTL variant.
+        chunk_tokens: tokens per chunk (default: about 2**26 logits per chunk).
+    """
+
+    def __init__(
+        self, model: Any, vocab: NumberVocab, options: NTLOptions | None = None, chunk_tokens: int | None = None
+    ) -> None:
+        super().__init__()
+        self.model: Any = model
+        self.multiplier = logit_multiplier(model)
+        install_linear_loss_head(linear_head(model), vocab, options or NTLOptions(), chunk_tokens)
+
+    @property
+    def loss_function(self) -> Any:
+        """The wrapped model's ``loss_function`` hook (DeepSpeed AutoTP sets it on the module it is given)."""
+        return self.model.loss_function
+
+    @loss_function.setter
+    def loss_function(self, value: Any) -> None:
+        self.model.loss_function = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        **decoder_kwargs: Any,
+    ) -> PerTokenTerms:
+        """Per-token terms for next-token ``targets`` aligned with ``input_ids`` (already shifted);
+        ``decoder_kwargs`` (``position_ids``, ``use_cache``) go to the decoder."""
+        if targets is None:
+            raise ValueError("ChunkedLossCausalLM.forward needs targets; call .model for logits or generation")
+        terms, _ = hidden_state_terms(
+            self.model, self.multiplier, targets, input_ids=input_ids, attention_mask=attention_mask, **decoder_kwargs
+        )
+        return terms

@@ -1,0 +1,282 @@
+"""Hugging Face route 1: NTL as the model's ``loss_function``: one line for ``Trainer``, TRL and custom loops.
+
+Hugging Face causal LMs compute their loss with ``self.loss_function(logits=..., labels=...,
+vocab_size=..., num_items_in_batch=..., shift_labels=..., **kwargs)``. :class:`NTLCausalLMLoss` has
+that signature and returns ``CE + weight * NTL``; :func:`apply_ntl` installs it on a model
+(opt-in, idempotent, reversible with :func:`remove_ntl`)::
+
+    from ntl_scale.integrations.hf import apply_ntl
+    apply_ntl(model, number_vocab, ntl_weight=0.3)     # model(..., labels=...).loss is now CE + 0.3 NTL
+
+Normalisation follows Hugging Face's, by what ``num_items_in_batch`` carries:
+
+* ``None``: the batch means, CE over label tokens and NTL over number-token labels;
+* a ``[tokens, numbers]`` pair (what ``ntl_trainer_class`` counts for the whole optimizer step, across
+  accumulation and devices, exactly as ``Trainer`` counts tokens): CE ``sum / tokens`` and NTL
+  ``sum / numbers``: the accumulation and device split does not change the gradient;
+* a scalar token count (a plain ``Trainer``): CE ``sum / tokens``, exact; the number-token count of
+  the step is unknown, so this micro-batch's NTL mean is weighted by its share of the step's tokens
+  (``ntl_sum / local_numbers * local_tokens / tokens``), which equals the step's NTL mean when number
+  tokens are spread evenly. Use ``ntl_trainer_class`` for the exact count.
+
+Logits scaling that models apply before the loss (Granite's ``logits_scaling``) reaches the loss as
+it is; soft-capped logits are reproduced too (the loss sees the model's own logits). The terms of
+the last calls are kept (:attr:`NTLCausalLMLoss.totals`) for logging.
+
+For a custom loop on the logits, :func:`causal_lm_ce_with_ntl` is :func:`ntl_scale.ce_with_ntl` with
+the causal-LM label convention (:func:`shift_labels`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ...losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl, check_number_level_table, per_token_ce_ntl
+from ...number_vocab import NumberVocab
+
+__all__ = [
+    "NTLCausalLMLoss",
+    "apply_ntl",
+    "causal_lm_ce_with_ntl",
+    "installed_loss",
+    "is_chunked",
+    "remove_ntl",
+    "shift_labels",
+]
+
+_MARK = "_ntl_scale_loss"
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Next-token labels of a causal LM: ``labels[..., 1:]`` padded with ``ignore_index`` at the end.
+
+    Hugging Face causal LMs take unshifted ``labels`` and shift inside the model; with this the
+    logits at position ``t`` pair with ``shifted[t]`` without slicing (and copying) the logits.
+    """
+    pad = torch.full((*labels.shape[:-1], 1), ignore_index, dtype=labels.dtype, device=labels.device)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def causal_lm_ce_with_ntl(
+    logits: torch.Tensor, labels: torch.Tensor, vocab: NumberVocab, *, ignore_index: int = -100, **options: Any
+) -> CENTLOutput:
+    """:func:`ntl_scale.ce_with_ntl` with Hugging Face causal-LM label semantics (unshifted labels).
+
+    Args:
+        logits: ``[batch, seq, V]`` model output.
+        labels: ``[batch, seq]`` the ``labels`` a Hugging Face causal LM takes (not shifted).
+        vocab: the number-token table.
+        ignore_index: label value to ignore (also fills the shifted-out last position).
+        **options: forwarded to :func:`ntl_scale.ce_with_ntl`.
+
+    Returns:
+        The :class:`ntl_scale.CENTLOutput`.
+    """
+    return ce_with_ntl(logits, shift_labels(labels, ignore_index), vocab, ignore_index=ignore_index, **options)
+
+
+class NTLCausalLMLoss:
+    """``CE + weight * NTL`` with the signature of Hugging Face's ``ForCausalLMLoss``.
+
+    Args:
+        vocab: the number table (over the model's vocabulary).
+        ntl_weight: weight of the NTL term (0.3 in the paper).
+        options: the NTL variant (default NTL-WAS).
+        causal: shift the labels as causal LMs do (False for labels already aligned with the logits,
+            e.g. encoder-decoder models).
+    """
+
+    def __init__(
+        self, vocab: NumberVocab, ntl_weight: float = 0.3, options: NTLOptions | None = None, *, causal: bool = True
+    ) -> None:
+        if not isinstance(vocab, NumberVocab):
+            raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
+        if not isinstance(ntl_weight, (int, float)) or ntl_weight < 0:
+            raise ValueError(f"ntl_weight must be a number >= 0 (0.3 in the paper), got {ntl_weight!r}")
+        self.vocab, self.ntl_weight = vocab, float(ntl_weight)
+        self.options = options or NTLOptions()
+        if self.options.loss == "number":
+            check_number_level_table(vocab)  # refused when the loss is built, not at the first step
+        self.causal = causal
+        # Detached running sums since the last reset: ce_sum, tokens, ntl_sum, numbers.
+        self.totals = torch.zeros(4, dtype=torch.float64)
+
+    def targets(self, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        """The labels each logit position predicts (shifted for causal LMs)."""
+        if not self.causal:
+            return labels
+        return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        vocab_size: int | None = None,
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if shift_labels is None:
+            if labels is None:
+                raise ValueError("NTLCausalLMLoss needs labels or shift_labels")
+            shift_labels = self.targets(labels, ignore_index)
+        targets = shift_labels.to(logits.device)
+        options = self.options
+        if options.ignore_index != ignore_index:
+            options = dataclasses.replace(options, ignore_index=ignore_index)
+        if vocab_size is not None and logits.shape[-1] != vocab_size:
+            raise ValueError(f"logits have {logits.shape[-1]} columns but vocab_size is {vocab_size}")
+        return self.reduce(
+            per_token_ce_ntl(logits, targets, self.vocab, options), targets, num_items_in_batch, ignore_index
+        )
+
+    def reduce(
+        self, terms: PerTokenTerms, targets: torch.Tensor, num_items_in_batch: Any = None, ignore_index: int = -100
+    ) -> torch.Tensor:
+        """``CE + weight * NTL`` from per-token terms, normalised by what ``num_items_in_batch`` carries."""
+        valid = (targets != ignore_index).to(terms.ce.dtype)
+        numbers = terms.number_mask.to(terms.ce.dtype)
+        ce_sum, ntl_sum = (terms.ce * valid).sum(), (terms.ntl * numbers).sum()
+        local_tokens, local_numbers = valid.sum(), numbers.sum()
+        step = torch.stack([ce_sum, local_tokens, ntl_sum, local_numbers]).detach().to(torch.float64)
+        if self.totals.device != step.device:  # kept where the loss runs: logging reads it, training never syncs
+            self.totals = self.totals.to(step.device)
+        self.totals += step
+        counts = num_items_in_batch
+        if counts is None:
+            ce = ce_sum / local_tokens.clamp_min(1)
+            ntl = ntl_sum / local_numbers.clamp_min(1)
+        elif torch.is_tensor(counts) and counts.numel() == 2:
+            tokens, step_numbers = counts.reshape(2).to(ce_sum.device, ce_sum.dtype)
+            ce = ce_sum / tokens.clamp_min(1)
+            ntl = ntl_sum / step_numbers.clamp_min(1)
+        else:
+            tokens = torch.as_tensor(counts, dtype=ce_sum.dtype, device=ce_sum.device).reshape(())
+            ce = ce_sum / tokens
+            ntl = ntl_sum / local_numbers.clamp_min(1) * (local_tokens / tokens)
+        return ce + self.ntl_weight * ntl
+
+    def pop_means(self, reduce: Any = None) -> dict[str, float]:
+        """``{"ce": ..., "ntl": ...}`` means since the last call, then resets.
+
+        Args:
+            reduce: sums the 4 running totals across processes (e.g. ``accelerator.reduce(t, "sum")``, a
+                collective every process must call); None: this process's batches only.
+        """
+        totals = self.totals if reduce is None else reduce(self.totals.clone())
+        ce_sum, tokens, ntl_sum, numbers = totals.tolist()  # the one host read, at logging
+        self.totals.zero_()
+        return {"ce": ce_sum / max(tokens, 1.0), "ntl": ntl_sum / max(numbers, 1.0)}
+
+
+def apply_ntl(
+    model: Any,
+    number_vocab: NumberVocab,
+    *,
+    ntl_weight: float = 0.3,
+    options: NTLOptions | None = None,
+    chunked: bool = False,
+    chunk_tokens: int | None = None,
+    check: bool = True,
+) -> NTLCausalLMLoss:
+    """Makes a Hugging Face causal LM's loss ``CE + ntl_weight * NTL``; idempotent, undone by :func:`remove_ntl`.
+
+    Sets ``model.loss_function`` (the hook every ``*ForCausalLM.forward`` calls with its logits and
+    labels). With ``chunked=True`` the training forward with labels computes the loss from the final
+    hidden states instead and never builds the logits (:mod:`ntl_scale.integrations.hf.chunked`);
+    its ``outputs.logits`` is then None. Evaluation, ``generate`` and calls without labels are the
+    model's own forward. A second call returns the installed loss (and refuses different settings).
+
+    Args:
+        model: a ``transformers`` causal LM (``PreTrainedModel`` with a ``loss_function``).
+        number_vocab: the number table over the model's vocabulary (``model.config.vocab_size``).
+        ntl_weight: the NTL weight.
+        options: the NTL variant.
+        chunked: the hidden-state loss in training (bias-free linear head; Granite's ``logits_scaling``
+            and Cohere's ``logit_scale`` are applied; soft-capped logits are refused).
+        chunk_tokens: tokens per chunk of the hidden-state loss (default: about 2**26 logits per chunk).
+        check: with ``chunked``, compare the model's own logits with the hidden-state reconstruction on
+            four tokens and refuse a model whose head does something else (skipped when the weights
+            are not materialised, e.g. partitioned by ZeRO-3).
+
+    Returns:
+        The installed :class:`NTLCausalLMLoss` (its ``pop_means()`` gives CE and NTL for logging).
+    """
+    if not hasattr(type(model), "loss_function"):
+        raise TypeError(
+            f"apply_ntl needs a Hugging Face model with a loss_function hook (transformers >= 4.46 causal LMs), "
+            f"got {type(model).__name__}"
+        )
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if size is not None and number_vocab.vocab_size is not None and number_vocab.vocab_size > size:
+        raise ValueError(
+            f"the number table covers {number_vocab.vocab_size} ids but the model has vocab_size={size}; build it "
+            "with NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)"
+        )
+    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be a positive int (or None for the default), got {chunk_tokens!r}")
+    installed = model.__dict__.get(_MARK)
+    if installed is not None:
+        loss = installed["loss"]
+        same = loss.vocab == number_vocab and loss.ntl_weight == float(ntl_weight)
+        same = same and installed["chunked"] == (chunk_tokens if chunked else False)
+        if not same or loss.options != (options or NTLOptions()):
+            raise ValueError("apply_ntl was already called on this model with other settings; call remove_ntl first")
+        return loss
+    loss = NTLCausalLMLoss(number_vocab, ntl_weight, options)
+    if chunked:
+        import types
+
+        from . import chunked as hidden
+
+        multiplier = hidden.logit_multiplier(model)
+        head = hidden.linear_head(model)
+        if check:
+            hidden.check_head(model, multiplier, head)
+        hidden.install_linear_loss_head(head, number_vocab, loss.options, chunk_tokens)
+        own_forward = model.__dict__.get("forward")  # another patch's instance forward, restored by remove_ntl
+        model.forward = types.MethodType(hidden.chunked_forward(model.forward, loss, multiplier), model)
+    record = {
+        "loss": loss,
+        "previous": model.__dict__.get("_loss_function"),
+        "chunked": chunk_tokens if chunked else False,
+        "forward": own_forward if chunked else None,
+    }
+    model.loss_function = loss
+    model.__dict__[_MARK] = record
+    return loss
+
+
+def installed_loss(model: Any) -> NTLCausalLMLoss | None:
+    """The loss :func:`apply_ntl` installed on ``model`` (None if it was not)."""
+    record = model.__dict__.get(_MARK)
+    return None if record is None else record["loss"]
+
+
+def is_chunked(model: Any) -> bool:
+    """Whether ``model`` trains with the hidden-state loss of ``apply_ntl(..., chunked=True)``."""
+    record = model.__dict__.get(_MARK)
+    return record is not None and record["chunked"] is not False
+
+
+def remove_ntl(model: Any) -> bool:
+    """Undoes :func:`apply_ntl` (the model's own forward and ``loss_function``); returns whether it was installed."""
+    record = model.__dict__.pop(_MARK, None)
+    if record is None:
+        return False
+    if record["previous"] is None:
+        model.__dict__.pop("_loss_function", None)
+    else:
+        model.__dict__["_loss_function"] = record["previous"]
+    if record["chunked"] is not False:
+        from .chunked import remove_linear_loss_head
+
+        model.__dict__.pop("forward", None)
+        if record["forward"] is not None:
+            model.__dict__["forward"] = record["forward"]
+        remove_linear_loss_head(model.get_output_embeddings())
+    return True

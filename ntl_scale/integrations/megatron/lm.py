@@ -1,0 +1,545 @@
+"""Megatron-LM route (``pretrain_gpt.py``, via ``launch/pretrain_gpt_ntl.py``): NTL inside its ``GPTModel``.
+
+The model computes CE + NTL wherever it computes CE; :class:`NTLForwardStep` wraps Megatron-LM's own
+``forward_step``. For a ``megatron.core`` loop of your own see :mod:`ntl_scale.integrations.megatron.core`.
+
+Megatron's ``GPTModel`` turns logits into a per-token loss in one method,
+``compute_language_model_loss(labels, logits)``, for the main head and for every multi-token
+prediction (MTP) head. :func:`apply_ntl` replaces that method on one model instance (opt-in,
+idempotent, reversible with :func:`remove_ntl`), so everything around it stays Megatron's own:
+``get_batch`` and its packed-sequence parameters, ``loss_func`` with its NaN/Inf and spiky-loss
+checks, MTP rolling and logging, the schedules and their normalisation.
+
+The per-token tensor handed back to Megatron has the **value** of the cross entropy (so ``lm loss``
+and the MTP losses log exactly what they log without NTL) and the **gradient** of
+
+    a * CE + weight * b * NTL
+
+where ``a`` and ``b`` carry the normalisation (:class:`MicroBatchScale`). The trick is
+``ce + (x - x.detach())`` with ``x = (a - 1) * ce + weight * b * ntl``: ``x - x.detach()`` is exactly
+0 when ``x`` is finite and NaN when it is not, so Megatron's NaN/Inf checks on the loss still see a
+non-finite NTL. The NTL sums of the main head (``ntl loss``, ``number accuracy``) are kept for the
+caller's ``loss_func`` report (:meth:`GPTModelNTL.pop_stats`).
+
+With ``chunked=True`` the output layer hands its input through and the loss is computed from the
+hidden states and the (vocab-parallel) output weight with :func:`ntl_scale.linear_ce_ntl`, never
+materialising the logits. MuP output scaling (``--use-mup``) multiplies the logits by a constant,
+which the chunked route receives as scaled hidden states (``(c h) W^T = c (h W^T)``), so it is exact.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...losses import PerTokenTerms, ntl_counts
+from ...number_vocab import NumberVocab
+from .args import NTLSettings
+from .terms import output_layer_terms, sequence_first_terms
+
+__all__ = [
+    "GPTModelNTL",
+    "MicroBatchScale",
+    "NTLForwardStep",
+    "NTLStats",
+    "StepGroups",
+    "apply_ntl",
+    "find_language_model",
+    "remove_ntl",
+]
+
+_ATTR = "_ntl_scale_hook"
+
+
+@dataclass(frozen=True)
+class MicroBatchScale:
+    """The gradient weights of one micro-batch's main head under global normalisation.
+
+    Megatron divides what ``loss_func`` returns by its ``num_tokens`` ``n`` (at least 1) and by the
+    number of micro-batches ``m``, and DDP averages over the ``r`` data x context parallel ranks; with
+    ``--calculate-per-token-loss`` it instead divides the summed gradients by the global token count.
+    For ``CE_sum / T + weight * NTL_sum / K`` over the global batch (``T`` tokens, ``K`` number
+    tokens) the per-token weights are ``a = n m r / T`` and ``b = n m r / K``, or ``a = 1`` and
+    ``b = T / K`` with per-token loss. ``n`` is only known inside the model, so the scale keeps the
+    factors and :meth:`weights` finishes them.
+
+    Attributes:
+        tokens: ``T``, the loss-mask weight of the global batch.
+        numbers: ``K``, the loss-mask weight of its NTL positions (:func:`ntl_scale.ntl_positions`:
+            number-token labels, or one per number for ``--ntl-loss number``).
+        microbatches: ``m``.
+        dp_cp_size: ``r``.
+        per_token_loss: Megatron's ``--calculate-per-token-loss``.
+    """
+
+    tokens: torch.Tensor
+    numbers: torch.Tensor
+    microbatches: int
+    dp_cp_size: int
+    per_token_loss: bool
+
+    def weights(self, local_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a, b)`` for a micro-batch whose loss mask sums to ``local_tokens``."""
+        tokens, numbers = self.tokens.clamp_min(1), self.numbers.clamp_min(1)
+        if self.per_token_loss:
+            return torch.ones_like(tokens), tokens / numbers
+        undo = local_tokens.clamp_min(1) * (self.microbatches * self.dp_cp_size)
+        return undo / tokens, undo / numbers
+
+
+@dataclass(frozen=True)
+class NTLStats:
+    """The main head's NTL sums of one micro-batch (detached): ``[sum, count]`` material for reports."""
+
+    ntl_sum: torch.Tensor
+    numbers: torch.Tensor
+    hits: torch.Tensor
+
+
+def find_language_model(model: Any) -> Any:
+    """The ``GPTModel`` inside Megatron's wrappers (DDP, Float16Module, ...)."""
+    seen = model
+    for _ in range(16):
+        if hasattr(seen, "compute_language_model_loss"):
+            return seen
+        if not hasattr(seen, "module"):
+            break
+        seen = seen.module
+    raise TypeError(
+        f"NTL needs a Megatron model with compute_language_model_loss (megatron.core GPTModel), found "
+        f"{type(model).__name__} without one; --use-legacy-models and custom models are not supported"
+    )
+
+
+class GPTModelNTL:
+    """The NTL state installed on one ``GPTModel`` by :func:`apply_ntl`; see the module docstring.
+
+    Per micro-batch, the caller may set :attr:`scale` (global normalisation) before the forward and
+    takes the main head's sums with :meth:`pop_stats` after it.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        settings: NTLSettings,
+        vocab: NumberVocab,
+        tp_group: dist.ProcessGroup | None,
+        cp_group: dist.ProcessGroup | None,
+        chunk_tokens: int | None,
+    ) -> None:
+        self.model: Any = model  # a megatron.core GPTModel (typed loosely: Megatron is imported lazily)
+        self.settings, self.vocab = settings, vocab
+        self.tp_group, self.cp_group = tp_group, cp_group
+        self.chunked, self.chunk_tokens = settings.chunked, chunk_tokens
+        self.options = settings.options()
+        self.scale: MicroBatchScale | None = None
+        self._stats: NTLStats | None = None
+        self._call: dict | None = None  # labels, loss mask, packed-seq params and MTP count of one forward
+        self._originals: dict[str, Any] = {}
+
+    # -- installation -------------------------------------------------------------------------
+    def install(self) -> None:
+        model = self.model
+        for name in ("forward", "compute_language_model_loss"):
+            self._originals[name] = model.__dict__.get(name)
+        original_forward = model.forward
+        original_loss = model.compute_language_model_loss
+
+        def forward(*args, **kwargs):
+            labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
+            packed = kwargs.get("packed_seq_params", args[6] if len(args) > 6 else None)
+            self._call = {"labels": labels, "loss_mask": kwargs.get("loss_mask"), "packed": packed, "mtp": 0}
+            try:
+                return original_forward(*args, **kwargs)
+            finally:
+                self._call = None
+
+        def compute_language_model_loss(_model, labels, logits):
+            if self._call is None or labels is None:
+                return original_loss(labels, logits)
+            return self._loss(labels, logits)
+
+        model.forward = forward
+        model.compute_language_model_loss = types.MethodType(compute_language_model_loss, model)
+        if self.chunked:
+            layer = model.output_layer
+            self._originals["output_layer.forward"] = layer.__dict__.get("forward")
+            original_head = layer.forward
+
+            def head(hidden_states, weight=None, runtime_gather_output=None, **kwargs):
+                if self._call is None or self._call["labels"] is None:
+                    return original_head(
+                        hidden_states, weight=weight, runtime_gather_output=runtime_gather_output, **kwargs
+                    )
+                self._call["weight"] = weight  # the shared embedding when the model ties them
+                return hidden_states, None  # compute_language_model_loss applies the layer, chunk by chunk
+
+            layer.forward = head
+        setattr(model, _ATTR, self)
+
+    def uninstall(self) -> None:
+        model = self.model
+        targets = {"forward": model, "compute_language_model_loss": model}
+        if "output_layer.forward" in self._originals:
+            targets["output_layer.forward"] = model.output_layer
+        for key, target in targets.items():
+            name = key.split(".")[-1]
+            original = self._originals.get(key)
+            if original is None:
+                target.__dict__.pop(name, None)
+            else:
+                target.__dict__[name] = original
+        model.__dict__.pop(_ATTR, None)
+
+    # -- per micro-batch ----------------------------------------------------------------------
+    def pop_stats(self) -> NTLStats | None:
+        """The main head's sums of the last forward (None when it computed no loss)."""
+        stats, self._stats = self._stats, None
+        return stats
+
+    def _mask_of_head(self, labels: torch.Tensor, mtp_index: int) -> torch.Tensor:
+        """The loss mask of the main head (0) or of MTP head ``mtp_index``, rolled as Megatron rolls it."""
+        call = self._call
+        assert call is not None
+        mask = call["loss_mask"]
+        mask = torch.ones_like(labels, dtype=torch.float32) if mask is None else mask.to(torch.float32)
+        if mtp_index:
+            from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+            for _ in range(mtp_index):
+                mask, _ = roll_tensor(
+                    mask, shifts=-1, dims=-1, cp_group=self.cp_group, packed_seq_params=call["packed"]
+                )
+        return mask
+
+    def _pieces(self) -> int:
+        """Number-level NTL under context parallelism: the local sequence is 2 slices of the global one
+        that are not neighbours (Megatron's load-balanced split); no number is assembled across them."""
+        cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        if cp == 1 or self.options.loss != "number":
+            return 1
+        if self._call is not None and self._call.get("packed") is not None:
+            raise ValueError(
+                "--ntl-loss number with context parallelism and packed sequences is not supported: each rank's "
+                "slices of a packed sequence follow its documents, which NTL's step counts cannot see. Use a "
+                "token-level --ntl-loss, or unpacked sequences, or --context-parallel-size 1"
+            )
+        return 2
+
+    def _terms(self, labels: torch.Tensor, logits_or_hidden: torch.Tensor) -> PerTokenTerms:
+        # Megatron's NaN/Inf checks judge the loss, so non-finite logits must reach them as a NaN
+        # loss instead of raising here (check_finite=False).
+        pieces = self._pieces()
+        if not self.chunked:
+            width = logits_or_hidden.shape[-1]
+            tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+            if width * tp < self.vocab.vocab_size:
+                raise ValueError(
+                    f"the output layer returned {width} columns x TP {tp}, fewer than the padded vocabulary "
+                    f"{self.vocab.vocab_size}: NTL needs vocab-sharded logits (parallel_output=True)"
+                )
+            return sequence_first_terms(
+                logits_or_hidden,
+                labels,
+                self.vocab,
+                self.options,
+                tp_group=self.tp_group,
+                check_finite=False,
+                pieces=pieces,
+            )
+        return self._chunked_terms(labels, logits_or_hidden, pieces)
+
+    def _chunked_terms(self, labels: torch.Tensor, hidden: torch.Tensor, pieces: int = 1) -> PerTokenTerms:
+        """Terms from hidden states ``[s(/tp), b, H]`` and the output weight, without the logits."""
+        layer = self.model.output_layer
+        shared = self._call.get("weight") if self._call else None
+        return output_layer_terms(
+            layer,
+            hidden,
+            shared if shared is not None else layer.weight,
+            labels,
+            self.vocab,
+            self.options,
+            self.tp_group,
+            chunk_tokens=self.chunk_tokens,
+            check_finite=False,
+            pieces=pieces,
+        )
+
+    def _loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        call = self._call
+        assert call is not None
+        main = labels is call["labels"] or not getattr(self.model.config, "mtp_num_layers", None)
+        if not main:
+            call["mtp"] += 1  # MTP heads run before the main head, in order (both supported releases)
+        terms = self._terms(labels, logits)
+        mask = self._mask_of_head(labels, 0 if main else call["mtp"]).to(terms.ce.dtype)
+        numbers = terms.number_mask.to(mask.dtype) * mask
+        local_tokens, local_numbers = mask.sum(), numbers.sum()
+        if main and self.scale is not None and torch.is_grad_enabled():
+            a, b = self.scale.weights(local_tokens)
+        else:
+            # The micro-batch mean of NTL over number tokens, beside Megatron's token mean of CE (and
+            # Megatron's own per-head normalisation of MTP losses).
+            a, b = torch.ones_like(local_tokens), local_tokens.clamp_min(1) / local_numbers.clamp_min(1)
+        ce = terms.ce
+        extra = (a - 1) * ce + (self.settings.weight * b) * (terms.ntl * terms.number_mask)
+        if main:
+            self._stats = NTLStats(
+                ntl_sum=(terms.ntl * numbers).sum().detach(),
+                numbers=local_numbers.detach(),
+                hits=(terms.hit.to(mask.dtype) * numbers).sum().detach(),
+            )
+        return ce + (extra - extra.detach())
+
+
+def apply_ntl(
+    model: Any,
+    settings: NTLSettings,
+    vocab: NumberVocab,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    cp_group: dist.ProcessGroup | None = None,
+    chunk_tokens: int | None = None,
+) -> GPTModelNTL:
+    """Makes one Megatron ``GPTModel`` (or a wrapper of it) compute CE + NTL; idempotent.
+
+    Args:
+        model: the ``GPTModel`` or a Megatron wrapper around it (DDP, Float16Module).
+        settings: the NTL settings (``settings.chunked`` selects the hidden-state route).
+        vocab: the number table over the padded vocabulary.
+        tp_group: the tensor-parallel group of the output layer.
+        cp_group: the context-parallel group (MTP heads roll their loss mask across it).
+        chunk_tokens: tokens per chunk of the chunked route (default: the op's own).
+
+    Returns:
+        The installed :class:`GPTModelNTL` (the same object on a second call).
+    """
+    core = find_language_model(model)
+    existing = getattr(core, _ATTR, None)
+    if existing is not None:
+        return existing
+    config = getattr(core, "config", None)
+    if settings.chunked and getattr(config, "mtp_num_layers", None):
+        from megatron.core.transformer import multi_token_prediction as mtp
+
+        if hasattr(mtp, "_compute_mtp_acceptance_counts"):
+            raise ValueError(
+                "--ntl-chunked with multi-token prediction is not supported on this Megatron release: its MTP "
+                "heads compute acceptance metrics from full logits, which the chunked route never builds. "
+                "Drop --ntl-chunked (MTP heads then get NTL from their logits) or --mtp-num-layers."
+            )
+    hook = GPTModelNTL(core, settings, vocab, tp_group, cp_group, chunk_tokens)
+    hook.install()
+    return hook
+
+
+def remove_ntl(model: Any) -> bool:
+    """Undoes :func:`apply_ntl` on a model; returns whether anything was installed."""
+    core = find_language_model(model)
+    hook = getattr(core, _ATTR, None)
+    if hook is None:
+        return False
+    hook.uninstall()
+    return True
+
+
+class _Replay:
+    """The data iterator of one rank with the step's prefetched micro-batches in front."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.buffer: list[Any] = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.buffer:
+            return self.buffer.pop(0)
+        return next(self.source)
+
+
+@dataclass
+class StepGroups:
+    """What the step bookkeeping of :class:`NTLForwardStep` needs from Megatron's parallel state.
+
+    Attributes:
+        tp_group: tensor-parallel group of the output layer.
+        cp_group: context-parallel group (MTP heads roll their loss masks across it).
+        count_group: the group whose ranks share one step's counts: tensor x data x context
+            parallel ranks of a pipeline stage (``get_tensor_and_data_parallel_group(True)``).
+        dp_cp_size: data x context parallel size (DDP averages gradients over it).
+        reads_data: whether this rank pulls micro-batches from its data iterator (Megatron's
+            ``get_batch`` reads on tensor-parallel rank 0 and broadcasts to the others).
+        counts_data: whether this rank's micro-batches enter the counts (context-parallel ranks of
+            one data-parallel replica read the same micro-batch: only one of them counts it).
+        device: where the counts are reduced (the GPU with NCCL, the CPU with gloo).
+    """
+
+    tp_group: dist.ProcessGroup | None
+    cp_group: dist.ProcessGroup | None
+    count_group: dist.ProcessGroup | None
+    dp_cp_size: int
+    reads_data: bool
+    counts_data: bool
+    device: torch.device | str = "cpu"
+
+
+class NTLForwardStep:
+    """Wraps a Megatron ``forward_step(data_iterator, model, *args, **kwargs)`` to train with NTL.
+
+    Megatron's own ``forward_step`` runs unchanged (its ``get_batch``, packed sequences, the model
+    call and its ``loss_func`` with the NaN/Inf and spiky-loss checks); this wrapper
+
+    * installs :func:`apply_ntl` on each model chunk on its first call;
+    * on the last pipeline stage, at the first micro-batch of every training step, pulls the step's
+      micro-batches from the data iterator, counts their tokens and number tokens from
+      ``labels`` and ``loss_mask`` and reduces the counts with one SUM all-reduce of two numbers over
+      ``groups.count_group``; Megatron's ``get_batch`` then reads the same micro-batches from a
+      replaying iterator. The counts give global normalisation (``--ntl-normalization global``) and
+      a defined ``ntl loss`` in steps without number tokens. Evaluation (no gradient) pulls nothing;
+    * adds ``ntl loss`` and ``number accuracy`` (``[sum, count]`` pairs, reduced like ``lm loss``)
+      to the report of ``loss_func``.
+
+    Args:
+        forward_step: Megatron's ``forward_step``.
+        settings: the NTL settings (enabled).
+        vocab: the number table over the padded vocabulary.
+        groups: the parallel layout (:class:`StepGroups`).
+        num_microbatches: the training step's micro-batch count, read at each step's start
+            (Megatron's ``get_num_microbatches``, which follows batch-size ramp-up).
+        per_token_loss: Megatron's ``--calculate-per-token-loss``.
+    """
+
+    def __init__(
+        self,
+        forward_step: Any,
+        settings: NTLSettings,
+        vocab: NumberVocab,
+        groups: StepGroups,
+        num_microbatches: Any,
+        per_token_loss: bool,
+    ) -> None:
+        if not settings.enabled:
+            raise ValueError("NTLForwardStep needs NTL on (--ntl-weight > 0); call forward_step itself otherwise")
+        self.forward_step, self.settings, self.vocab, self.groups = forward_step, settings, vocab, groups
+        self.num_microbatches, self.per_token_loss = num_microbatches, per_token_loss
+        self._replays: dict[int, _Replay] = {}
+        self._left: dict[int, int] = {}  # micro-batches left in the current step, per model chunk
+        self._scale: dict[int, MicroBatchScale] = {}  # the current step's counts, per model chunk
+
+    def __call__(self, data_iterator: Any, model: Any, *args: Any, **kwargs: Any):
+        if kwargs.get("return_schedule_plan"):
+            raise ValueError(
+                "NTL does not support schedule plans (--overlap-moe-expert-parallel-comm): the model's "
+                "forward runs outside forward_step there. Turn that option off to train with NTL."
+            )
+        hook = apply_ntl(
+            model,
+            self.settings,
+            self.vocab,
+            tp_group=self.groups.tp_group,
+            cp_group=self.groups.cp_group,
+            chunk_tokens=self.settings.chunk_tokens,
+        )
+        key = id(hook)
+        step: MicroBatchScale | None = None
+        if getattr(hook.model, "post_process", True) and torch.is_grad_enabled():
+            data_iterator, step = self._step(key, data_iterator)
+        elif self._left.get(key):
+            raise RuntimeError(
+                f"an evaluation pass started while {self._left[key]} micro-batches of a training step were "
+                "still pending; NTL's step bookkeeping would mix them"
+            )
+        hook.scale = step if self.settings.normalization == "global" else None
+        output, loss_func = self.forward_step(data_iterator, model, *args, **kwargs)
+        stats = hook.pop_stats()
+        if stats is None or loss_func is None:
+            return output, loss_func
+        numbers_in_step = step.numbers if step is not None else None
+        return output, _ReportNTL(loss_func, stats, numbers_in_step)
+
+    def _step(self, key: int, data_iterator: Any) -> tuple[Any, MicroBatchScale]:
+        """Counts a training step on its first micro-batch (prefetch, count, reduce).
+
+        Returns the iterator for Megatron's ``get_batch`` and the step's counts.
+        """
+        replay = self._replays.get(key)
+        if replay is None or (data_iterator is not None and replay.source is not data_iterator):
+            if self._left.get(key):
+                raise RuntimeError("the data iterator changed in the middle of a training step")
+            replay = self._replays[key] = _Replay(data_iterator)
+        if not self._left.get(key):
+            if replay.buffer:
+                raise RuntimeError(
+                    f"{len(replay.buffer)} prefetched micro-batches were not consumed by the last step: "
+                    "this Megatron release reads its data differently from what NTL's step bookkeeping expects"
+                )
+            m = self.num_microbatches() if callable(self.num_microbatches) else int(self.num_microbatches)
+            counts = torch.zeros(2, dtype=torch.float64)
+            if self.groups.reads_data and data_iterator is not None:
+                replay.buffer = [next(data_iterator) for _ in range(m)]
+                if self.groups.counts_data:
+                    for item in replay.buffer:
+                        counts += self._count(item)
+            counts = counts.to(self.groups.device)
+            group = self.groups.count_group
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(counts, group=group)
+            self._left[key] = m
+            self._scale[key] = MicroBatchScale(
+                tokens=counts[0].float(),
+                numbers=counts[1].float(),
+                microbatches=m,
+                dp_cp_size=self.groups.dp_cp_size,
+                per_token_loss=self.per_token_loss,
+            )
+        self._left[key] -= 1
+        return (replay if replay.source is not None else data_iterator), self._scale[key]
+
+    def _count(self, item: Any) -> torch.Tensor:
+        if not isinstance(item, dict) or "labels" not in item or "loss_mask" not in item:
+            kind = sorted(item) if isinstance(item, dict) else type(item).__name__
+            raise ValueError(
+                f"NTL counts each step's tokens from the 'labels' and 'loss_mask' of the data iterator's "
+                f"micro-batches, which here are {kind}; use a Megatron GPT dataset (GPTDataset, MockGPTDataset, "
+                "SFTDataset) or one that yields those keys"
+            )
+        # The full sequences, as one context rank reads them: under context parallelism number-level NTL cuts
+        # numbers at the borders of the 2 x CP slices the ranks hold (GPTModelNTL._pieces), and so does the count.
+        cp = dist.get_world_size(self.groups.cp_group) if self.groups.cp_group is not None else 1
+        pieces = 2 * cp if cp > 1 and self.settings.loss == "number" else 1
+        return ntl_counts(
+            item["labels"], self.vocab, self.settings.options(), loss_mask=item["loss_mask"], pieces=pieces
+        )
+
+
+class _ReportNTL:
+    """``loss_func`` plus ``ntl loss`` and ``number accuracy`` in its report."""
+
+    def __init__(self, loss_func: Any, stats: NTLStats, numbers_in_step: torch.Tensor | None) -> None:
+        self.loss_func, self.stats, self.numbers_in_step = loss_func, stats, numbers_in_step
+
+    def __call__(self, output_tensor: Any, *args: Any, **kwargs: Any):
+        outputs = self.loss_func(output_tensor, *args, **kwargs)
+        if kwargs.get("non_loss_data") or not (isinstance(outputs, tuple) and len(outputs) == 3):
+            return outputs
+        loss, num_tokens, report = outputs
+        s = self.stats
+        ntl = torch.stack([s.ntl_sum, s.numbers])
+        hits = torch.stack([s.hits, s.numbers])
+        if self.numbers_in_step is not None:
+            # A step without number tokens reports [0, 1]: Megatron's sum / count is then 0, not 0 / 0
+            # (a NaN that would poison the whole log interval). No host sync: a device-side select.
+            empty = (self.numbers_in_step == 0).to(ntl.device)
+            zero_one = torch.stack([torch.zeros_like(s.ntl_sum), torch.ones_like(s.numbers)])
+            ntl, hits = torch.where(empty, zero_one, ntl), torch.where(empty, zero_one, hits)
+        report = dict(report)
+        report["ntl loss"] = ntl.float()
+        report["number accuracy"] = hits.float()
+        return loss, num_tokens, report

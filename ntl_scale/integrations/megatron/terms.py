@@ -1,0 +1,123 @@
+"""Megatron (both routes): per-token CE + NTL in Megatron's layouts, from the logits or the hidden states.
+
+* :func:`sequence_first_terms`: the terms of the vocab-sharded ``[s, b, V/tp]`` logits for ``[b, s]`` labels;
+* :func:`output_layer_terms`: the terms of the (column-parallel) output layer applied to the final
+  hidden states, chunk by chunk, without the logits.
+
+``megatron.core`` is imported on first use (by :func:`output_layer_terms`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...linear import linear_ce_ntl
+from ...losses import NTLOptions, PerTokenTerms, per_token_ce_ntl
+from ...number_vocab import NumberVocab
+
+__all__ = ["output_layer_terms", "sequence_first_terms"]
+
+
+def _pieces(seq: int, pieces: int) -> tuple[int, int]:
+    """The ``[pieces, seq / pieces]`` split of a local sequence (context-parallel slices)."""
+    if pieces > 1 and seq % pieces:
+        raise ValueError(
+            f"the local sequence of {seq} tokens does not split into {pieces} context-parallel slices; "
+            "the sequence length must be divisible by 2 x the context-parallel size, as Megatron requires"
+        )
+    return (pieces, seq // pieces)
+
+
+def sequence_first_terms(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions,
+    *,
+    pieces: int = 1,
+    **kwargs: Any,
+) -> PerTokenTerms:
+    """:func:`per_token_ce_ntl` of Megatron's ``[s, b, V/tp]`` logits for ``[b, s]`` labels; terms ``[b, s]``.
+
+    Costs what Megatron's own ``vocab_parallel_cross_entropy`` costs in ``compute_language_model_loss``:
+
+    - the logits are read in the layout the output layer wrote them (a ``[b, s]`` view of them would
+      be copied whole by the op's flattening); the labels and the per-token terms are transposed
+      instead. Number-level NTL assembles numbers along each sequence and so takes the ``[b, s]``
+      layout (that copy included);
+    - fp32/fp64 logits are overwritten with the softmax and then the gradient (``inplace``), as
+      Megatron's CE overwrites them in the same place: they are not read after the loss. Half-precision
+      logits go through the op's fp32 chunk buffer instead.
+
+    ``pieces``: number-level NTL only: the local sequence is this many slices of the global one that are
+    not neighbours (context parallelism: Megatron's load-balanced split gives each rank 2), so no number
+    is assembled across their seam (:func:`ntl_scale.ntl_positions` counts the same way).
+    """
+    inplace = logits.dtype in (torch.float32, torch.float64)
+    if options.loss == "number":
+        b, s = labels.shape
+        split = _pieces(s, pieces)
+        terms = per_token_ce_ntl(
+            logits.transpose(0, 1).unflatten(1, split), labels.unflatten(1, split), vocab, options,
+            inplace=inplace, **kwargs,
+        )  # fmt: skip
+        return PerTokenTerms(*(t.reshape(b, s) for t in terms))
+    terms = per_token_ce_ntl(logits, labels.t(), vocab, options, inplace=inplace, **kwargs)
+    return PerTokenTerms(*(t.t().contiguous() for t in terms))  # Megatron's loss_func views them flat
+
+
+def output_layer_terms(
+    layer: Any,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions,
+    tp_group: dist.ProcessGroup | None,
+    *,
+    chunk_tokens: int | None = None,
+    check_finite: bool = False,
+    pieces: int = 1,
+) -> PerTokenTerms:
+    """Per-token CE + NTL of Megatron's (column-parallel) output layer applied to ``hidden``, without the logits.
+
+    Args:
+        layer: the model's ``output_layer`` (its ``sequence_parallel`` flag decides the input path).
+        hidden: final hidden states ``[s(/tp), b, H]`` (sequence-split under sequence parallel).
+        weight: the layer's weight shard ``[V/tp, H]`` (or the shared embedding when tied).
+        labels: ``[b, s]``.
+        vocab: the number table; options: the NTL variant; tp_group: the output layer's TP group.
+        chunk_tokens: tokens per chunk; check_finite: raise on non-finite logits.
+        pieces: number-level NTL: slices of the local sequence that are not neighbours (see
+            :func:`sequence_first_terms`).
+
+    Returns:
+        :class:`~ntl_scale.PerTokenTerms` shaped ``[b, s]``.
+    """
+    from megatron.core import tensor_parallel
+
+    # What ColumnParallelLinear does with its input: all-reduce (or reduce-scatter under sequence
+    # parallel) of the input gradient over the TP group in the backward. Megatron's reductions need a
+    # contiguous gradient, so the [s, b] -> [b, s] transpose happens before them.
+    sequence_parallel = getattr(layer, "sequence_parallel", False)
+    if sequence_parallel:
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=tp_group)
+    hidden = hidden.transpose(0, 1).contiguous()
+    if not sequence_parallel and tp_group is not None and dist.get_world_size(tp_group) > 1:
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+    b, s = labels.shape
+    split = _pieces(s, pieces if options.loss == "number" else 1)
+    terms = linear_ce_ntl(
+        hidden.unflatten(1, split),
+        weight,
+        labels.unflatten(1, split),
+        vocab,
+        options,
+        tp_group=tp_group,
+        check_finite=check_finite,
+        chunk_tokens=chunk_tokens,
+    )
+    return PerTokenTerms(*(t.reshape(b, s) for t in terms))
