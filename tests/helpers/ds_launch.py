@@ -38,9 +38,9 @@ if os.environ.get("NTL_TEST_SIGNAL_AT_STEP"):
 if os.environ.get("NTL_TEST_RECORD_POSITIONS"):
     import json
 
-    from ntl_scale.training.trainer import Trainer
+    from ntl_scale.training.inputs import Inputs
 
-    record_path, device_batch = os.environ["NTL_TEST_RECORD_POSITIONS"], Trainer.device_batch
+    record_path, device_batch = os.environ["NTL_TEST_RECORD_POSITIONS"], Inputs.device_batch
 
     def recorded_batch(self, host, *, training):
         batch = device_batch(self, host, training=training)
@@ -50,7 +50,7 @@ if os.environ.get("NTL_TEST_RECORD_POSITIONS"):
                 f.write(json.dumps({k: batch[k].tolist() for k in keys if k in batch}) + "\n")
         return batch
 
-    Trainer.device_batch = recorded_batch
+    Inputs.device_batch = recorded_batch
 arguments = sys.argv[1:]
 script = next(a for a in arguments if a.endswith(".py"))
 arguments.remove(script)

@@ -114,9 +114,12 @@ FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange")
 
 
 def _loop_files() -> set[str]:
-    """The files of the training loop whose host-created tensors are guarded (the entry and the trainer)."""
+    """The files of the training loop whose host-created tensors are guarded (the entry, the trainer and
+    its components)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    files = {os.path.join(root, "ntl_scale", "training", f) for f in ("trainer.py", "steps.py")}
+    loop = ("trainer.py", "steps.py", "engine.py", "inputs.py", "evaluator.py", "metrics.py", "checkpoint.py",
+            "collectives.py")  # fmt: skip
+    files = {os.path.join(root, "ntl_scale", "training", f) for f in loop}
     files |= {os.path.abspath(a) for a in sys.argv[1:] if a.endswith(".py")}  # the entry script (e.g. train.py)
     return files
 

@@ -126,15 +126,19 @@ def test_config_refusals():
 
 
 def _trainer_part(tokenizer, **data):
-    """The Trainer's set-up checks, on the parts they read (no engine needed)."""
+    """The Trainer's set-up checks (ntl_scale/training/inputs.py), on the parts they read (no engine needed)."""
     from types import SimpleNamespace
 
-    from ntl_scale.training.trainer import Trainer
+    from ntl_scale.training import inputs
 
     cfg = RunConfig(data=DataConfig(position_coupling=True, reverse_answers=True, kinds=["add"], negative_share=0.0,
                                     **data))  # fmt: skip
     vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=len(tokenizer))
-    return Trainer, SimpleNamespace(cfg=cfg, tokenizer=tokenizer, vocab=vocab)
+    checks = SimpleNamespace(
+        check_one_token_per_digit=lambda part: inputs.check_one_token_per_digit(part.tokenizer, part.vocab, "tok"),
+        check_position_ids_reach_the_model=lambda part: inputs.check_position_ids(part.model, part.cfg.data),
+    )
+    return checks, SimpleNamespace(cfg=cfg, tokenizer=tokenizer, vocab=vocab)
 
 
 def test_tokenizers_with_multi_digit_tokens_are_refused(char):

@@ -1,4 +1,4 @@
-"""A resumed run continues every random generator of every rank: ``Trainer.save`` / ``Trainer.load``.
+"""A resumed run continues every random generator of every rank: ``Checkpointer.save`` / ``.load``.
 
 DeepSpeed's engine is replaced by a stand-in that, like DeepSpeed under ZeRO stages 1 and 2, stores the
 client state from rank 0 only (the data-parallel writer), and the accelerator by ``FakeAccelerator``
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,8 +25,8 @@ deepspeed = pytest.importorskip("deepspeed")
 
 from deepspeed.accelerator import real_accelerator  # noqa: E402
 
-from ntl_scale.training import trainer as trainer_module  # noqa: E402
-from ntl_scale.training.config import RunConfig  # noqa: E402
+from ntl_scale.training import collectives  # noqa: E402
+from ntl_scale.training.checkpoint import Checkpointer  # noqa: E402
 from ntl_scale.training.resume import Layout  # noqa: E402
 
 SEED = 1234  # train.seed: what every restarted process seeds its generators with
@@ -51,13 +50,13 @@ class CheckpointEngine:
         return path, torch.load(path, weights_only=True)
 
 
-def _trainer(run_dir, rank: int, world: int, resume: str | None = None):
-    trainer = trainer_module.Trainer(RunConfig(run_dir=str(run_dir)), rank=rank, world_size=world, device="cpu")
-    trainer.engine = CheckpointEngine(rank)
-    trainer.order = SimpleNamespace(position=48)
-    trainer.layout = Layout(world, 1, 16)
-    trainer.resume = resume
-    return trainer
+POSITION = 48  # the data position stored with the checkpoint
+
+
+def _checkpointer(run_dir, rank: int, world: int, resume: str | None = None) -> Checkpointer:
+    checkpointer = Checkpointer(str(run_dir), Layout(world, 1, 16), save_every=0, rank=rank, device=torch.device("cpu"))
+    checkpointer.resume = resume  # what plan() decides (a universal resume would convert here first)
+    return checkpointer
 
 
 def _process(seed: int) -> None:
@@ -79,7 +78,7 @@ def _draws(accelerator: FakeAccelerator) -> dict:
 
 @pytest.fixture
 def no_barrier(monkeypatch):
-    monkeypatch.setattr(trainer_module.dist, "barrier", lambda *args, **kwargs: None)
+    monkeypatch.setattr(collectives.dist, "barrier", lambda *args, **kwargs: None)
 
 
 def _use(monkeypatch, accelerator) -> None:
@@ -99,7 +98,7 @@ def _save_two_ranks(run_dir, monkeypatch) -> dict[int, dict]:
             accelerator.draw(device, n=5 + 3 * rank + device)  # dropout masks of this rank's own sizes
         states = [accelerator.get_rng_state(i).clone() for i in range(2)]
         cpu = torch.get_rng_state().clone()
-        _trainer(run_dir, rank, 2).save(3)
+        _checkpointer(run_dir, rank, 2).save(CheckpointEngine(rank), 3, POSITION)
         saved[rank] = {"device": states, "cpu": cpu, "next": _draws(accelerator)}
     return saved
 
@@ -111,9 +110,8 @@ def test_each_rank_resumes_every_generator_it_saved(tmp_path, monkeypatch, no_ba
         restarted = FakeAccelerator(2, seed=SEED)  # a new process: its devices seeded from train.seed
         _use(monkeypatch, restarted)
         _process(SEED)
-        trainer = _trainer(tmp_path, rank, 2, resume="same")
-        trainer.load()
-        assert trainer.start_step == 3 and trainer.order.position == 48
+        assert _checkpointer(tmp_path, rank, 2).plan() == "same"  # the layout the checkpoint records
+        assert _checkpointer(tmp_path, rank, 2, resume="same").load(CheckpointEngine(rank)) == (3, POSITION)
         for device in range(2):
             assert torch.equal(restarted.get_rng_state(device), saved[rank]["device"][device]), (rank, device)
         assert torch.equal(torch.get_rng_state(), saved[rank]["cpu"]), rank
@@ -132,14 +130,12 @@ def test_a_checkpoint_without_generator_files_loads_as_before(tmp_path, monkeypa
     restarted, seeded = FakeAccelerator(2, seed=SEED), FakeAccelerator(2, seed=SEED)
     _use(monkeypatch, restarted)
     _process(SEED)
-    trainer = _trainer(tmp_path, 1, 2, resume="same")
-    trainer.load()
-    assert trainer.start_step == 3
+    assert _checkpointer(tmp_path, 1, 2).plan() == "same"  # no recorded layout (older run): as written
+    assert _checkpointer(tmp_path, 1, 2, resume="same").load(CheckpointEngine(1)) == (3, 48)
     assert torch.equal(torch.get_rng_state(), cpu)
     for device in range(2):
         assert torch.equal(restarted.get_rng_state(device), seeded.get_rng_state(device))
-    trainer = _trainer(tmp_path, 0, 2, resume="same")
-    trainer.load()
+    _checkpointer(tmp_path, 0, 2, resume="same").load(CheckpointEngine(0))
     out = capsys.readouterr().out
     assert "resumed from step 3" in out and "has no per-rank generator states" in out
     assert "device generators restart from train.seed" in out
@@ -151,8 +147,7 @@ def test_another_layout_restores_the_cpu_generator_of_rank_0_only(tmp_path, monk
     restarted, seeded = FakeAccelerator(2, seed=SEED), FakeAccelerator(2, seed=SEED)
     _use(monkeypatch, restarted)
     _process(SEED)
-    trainer = _trainer(tmp_path, 0, 1, resume="universal")
-    trainer.load()
+    _checkpointer(tmp_path, 0, 1, resume="universal").load(CheckpointEngine(0))
     assert torch.equal(torch.get_rng_state(), saved[0]["cpu"])
     for device in range(2):
         assert torch.equal(restarted.get_rng_state(device), seeded.get_rng_state(device))

@@ -1,0 +1,123 @@
+"""What a run derives from its config and from where it runs, kept apart from the config.
+
+The run config (``run_dir/config.json``) stays as the user gave it: ``train.bf16: null`` stays auto,
+``train.gradient_accumulation_steps`` stays what was written when ``train.global_batch_size`` derives
+the accumulation. What the run makes of it on this machine, this number of ranks and this checkpoint
+directory is a :class:`Resolved` record, saved beside the config as ``run_dir/resolved.json``:
+
+- the world: all ranks, tensor-parallel and data-parallel ranks (``world = tp x dp``);
+- the gradient-accumulation steps and the global batch (``micro_batch_size x accumulation x dp``);
+- bf16 on or off (auto: on for an accelerator with bf16, off on the CPU);
+- the DeepSpeed config as handed to ``deepspeed.initialize`` (``"auto"`` values filled by
+  :func:`~ntl_scale.training.steps.resolve_deepspeed_config`; ``checkpoint.load_universal`` when the
+  run resumes on another layout);
+- how the run starts: from step 0, or resuming its checkpoint as written or re-partitioned.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import TrainConfig
+from .resume import Layout
+from .steps import resolve_deepspeed_config
+
+__all__ = ["RESOLVED_FILE", "Resolved", "accelerator_has_bf16", "resolve_run"]
+
+RESOLVED_FILE = "resolved.json"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The values a run resolved; ``run_dir/resolved.json``."""
+
+    world_size: int
+    """All ranks (``tensor_parallel x data_parallel``)."""
+    tensor_parallel: int
+    """Ranks that share each layer (DeepSpeed AutoTP; ``train.tensor_parallel_size``)."""
+    data_parallel: int
+    """Ranks that read different micro-batches."""
+    gradient_accumulation_steps: int
+    """Micro-batches per optimizer step on each data-parallel rank."""
+    global_batch: int
+    """Sequences per optimizer step over all data-parallel ranks."""
+    bf16: bool
+    """bf16 mixed precision (the DeepSpeed config's ``bf16.enabled``)."""
+    deepspeed: dict[str, Any]
+    """The DeepSpeed config handed to ``deepspeed.initialize``."""
+    resume: str | None = None
+    """``None`` (from step 0), ``"same"`` (the checkpoint as written) or ``"universal"`` (re-partitioned
+    for another layout); see :func:`~ntl_scale.training.resume.plan_resume`."""
+
+    @property
+    def layout(self) -> Layout:
+        """How the run is split, as recorded next to its checkpoints."""
+        return Layout(self.data_parallel, self.tensor_parallel, self.global_batch)
+
+    def resuming(self, plan: str | None) -> Resolved:
+        """This record for a run that resumes as ``plan`` says (``"universal"``: DeepSpeed loads the
+        re-partitioned copy, ``checkpoint.load_universal``)."""
+        deepspeed = copy.deepcopy(self.deepspeed)
+        if plan == "universal":
+            deepspeed.setdefault("checkpoint", {})["load_universal"] = True
+        return dataclasses.replace(self, deepspeed=deepspeed, resume=plan)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str) -> None:
+        """Writes the record as JSON, atomically."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+
+
+def accelerator_has_bf16(device: torch.device) -> bool:
+    """What ``train.bf16: null`` (auto) means on ``device``: True on an accelerator that supports bf16
+    (DeepSpeed's ``get_accelerator().is_bf16_supported()``), False on the CPU."""
+    if device.type == "cpu":
+        return False
+    import deepspeed
+
+    return bool(deepspeed.get_accelerator().is_bf16_supported())
+
+
+def resolve_run(train: TrainConfig, world_size: int, *, bf16_default: bool) -> Resolved:
+    """Resolves the DeepSpeed JSON ``train.deepspeed_config`` for ``world_size`` ranks; ``train`` is read,
+    never changed.
+
+    Args:
+        train: the training section of the run config.
+        world_size: all ranks (data x tensor parallel).
+        bf16_default: what ``train.bf16: null`` means here (:func:`accelerator_has_bf16`).
+
+    Returns:
+        The resolved record (``resume`` None: the checkpoint plan comes after).
+
+    Raises:
+        ValueError: a DeepSpeed value that contradicts the run config, or a tensor-parallel size that does
+            not divide the world (from :func:`~ntl_scale.training.steps.resolve_deepspeed_config`).
+    """
+    with open(train.deepspeed_config) as f:
+        deepspeed = resolve_deepspeed_config(json.load(f), train, world_size, bf16_default=bf16_default)
+    tp = train.tensor_parallel_size
+    dp = world_size // tp
+    accumulation = int(deepspeed["gradient_accumulation_steps"])
+    return Resolved(
+        world_size=world_size,
+        tensor_parallel=tp,
+        data_parallel=dp,
+        gradient_accumulation_steps=accumulation,
+        global_batch=train.micro_batch_size * accumulation * dp,
+        bf16=bool(deepspeed.get("bf16", {}).get("enabled", False)),
+        deepspeed=deepspeed,
+    )
