@@ -5,17 +5,15 @@ global token counts are :func:`ntl_scale.training.steps.global_counts`; DeepSpee
 own gradient and parameter collectives). Each helper takes its process group or this rank's number
 explicitly; tensors it creates are on ``device`` (NCCL reduces device tensors only).
 
-=============================  ============================  ===================================
-helper                         collective                    used for
-=============================  ============================  ===================================
-:func:`sum_over`               SUM all-reduce over a group   a step's logging sums; held-out sums
-:func:`largest_over_ranks`     MAX all-reduce, all ranks     the stop signal every rank obeys
-:func:`rank_zero_first`        barrier                       rank 0 fills a cache the others read
-:func:`on_rank_zero`           broadcast of a flag           work of rank 0 that may fail
-:func:`from_rank_zero`         broadcast of an object        what rank 0 read from a file
-:func:`gathered`               all-gather of objects         per-rank rows written by rank 0
-:func:`barrier`                barrier                       every rank's checkpoint shard is written
-=============================  ============================  ===================================
+| helper | collective | used for |
+|---|---|---|
+| `sum_over` | SUM all-reduce over a group | a step's logging sums; held-out sums |
+| `largest_over_ranks` | MAX all-reduce over all ranks | the stop signal every rank obeys |
+| `rank_zero_first` | barrier | rank 0 fills a cache the others then read |
+| `on_rank_zero` | broadcast of a failure flag | work of rank 0 that may fail (checkpoint conversion) |
+| `from_rank_zero` | broadcast of an object | what rank 0 read from a file (`status.json`) |
+| `gathered` | all-gather of objects | per-rank rows that rank 0 writes |
+| `barrier` | barrier | every rank's checkpoint shard is on disk |
 """
 
 from __future__ import annotations

@@ -5,17 +5,14 @@
 calls the steps with held-out evaluation and checkpoints on schedule (a signal checkpoints and stops)
 and :meth:`~Trainer.complete` ends the run (export, generation evaluation, status).
 
-=====================================  ==============================  =====================================
-component                              config section                  what it does
-=====================================  ==============================  =====================================
-:class:`~.resolved.Resolved`           ``train`` + the world           DeepSpeed config, accumulation, layout,
-                                                                       bf16: ``resolved.json``
-:class:`~.checkpoint.Checkpointer`     ``run_dir``, ``train``          checkpoints, resume, ``status.json``
-:class:`~.inputs.Inputs`               ``data``, ``model``             tokenizer, number table, micro-batches
-:class:`~.engine.Engine`               ``model``, ``train``, ``ntl``   the model under DeepSpeed, forward terms
-:class:`~.evaluator.Evaluator`         ``eval``, ``data``              held-out loss, generation evaluation
-:class:`~.metrics.MetricsLogger`       ``tracking``                    ``metrics.jsonl``, wandb, progress line
-=====================================  ==============================  =====================================
+| component | config section | what it does |
+|---|---|---|
+| `resolved.Resolved` | `train` and the world | DeepSpeed config, accumulation, layout, bf16: `resolved.json` |
+| `checkpoint.Checkpointer` | `run_dir`, `train.save_every` | checkpoints, resume plan, `status.json` |
+| `inputs.Inputs` | `data`, `model` | tokenizer, number table, micro-batches on the device |
+| `engine.Engine` | `model`, `train`, `ntl` | the model under DeepSpeed, per-token terms, export |
+| `evaluator.Evaluator` | `eval`, `data` | held-out loss and perplexity, generation evaluation |
+| `metrics.MetricsLogger` | `tracking` | `metrics.jsonl`, wandb, the progress line, `eval.json` |
 
 The run config is never changed: what the run derives from it is the :class:`~.resolved.Resolved`
 record, saved beside ``config.json``. Distributed is initialised by the caller (``launch/train.py``);

@@ -2,7 +2,8 @@
 
 Sections:
 1. A short run: parameters are partitioned (each rank holds about half), the loss decreases, the
-   evaluation and checkpoints are written, the resolved config is saved.
+   evaluation and checkpoints are written, the config is saved as given and the resolved values
+   (accumulation, layout, bf16, the DeepSpeed config) beside it.
 2. Resume: stop after k steps, run again to the end, on the same or on another number of processes
    (DeepSpeed universal checkpoints); the losses after k equal the uninterrupted run.
 3. Gradient accumulation: 4 x 1, 2 x 2 and 1 x 4 micro-batch splits of the same global batch give
@@ -70,7 +71,19 @@ def test_short_zero3_run(tmp_path):
     assert set(results) == {"interpolate", "extrapolate"} and results["interpolate"]["count"] == 8
     assert len((run / "predictions_interpolate.jsonl").read_text().splitlines()) == 8
     assert (run / "checkpoints" / "latest").read_text().strip() == "step30"
-    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 30
+    # the config as given (bf16 stays auto); what the run derived is beside it, in resolved.json
+    from ntl_scale.training.config import load_config
+
+    assert json.loads((run / "config.json").read_text()) == load_config(None, [f"run_dir={run}", *SHORT]).to_dict()
+    resolved = json.loads((run / "resolved.json").read_text())
+    micro = 16  # train.micro_batch_size's default; accumulation 1 on 2 data-parallel ranks, fp32 on the CPU
+    assert {k: resolved[k] for k in ("world_size", "tensor_parallel", "data_parallel", "gradient_accumulation_steps",
+                                     "global_batch", "bf16", "resume")} == {
+        "world_size": 2, "tensor_parallel": 1, "data_parallel": 2, "gradient_accumulation_steps": 1,
+        "global_batch": micro * 2, "bf16": False, "resume": None}  # fmt: skip
+    ds = resolved["deepspeed"]
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]) == (micro * 2, micro)
+    assert ds["bf16"] == {"enabled": False} and ds["gradient_accumulation_steps"] == 1
     assert "step 30/30" in out.stdout
     assert (run / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     assert list((run / "wandb").glob("offline-run-*")), "wandb logs offline by default"
