@@ -54,9 +54,12 @@ class Engine:
         ds: the DeepSpeed engine (forward, backward, optimizer, checkpoints).
         device: the engine's device.
         shard: AutoTP's vocabulary shard of the output layer (None without tensor parallelism).
-        tp_group, vocab_start: the shard's group and first vocabulary id (None without).
-        tp, dp: tensor-parallel and data-parallel ranks.
-        dp_group, dp_rank: the data-parallel group and this rank's place in it.
+        tp_group: the shard's tensor-parallel group (None without).
+        vocab_start: the shard's first vocabulary id (None without).
+        tp: tensor-parallel ranks.
+        dp: data-parallel ranks.
+        dp_group: the data-parallel group (the world without tensor parallelism).
+        dp_rank: this rank's place in it.
         flops: the model's FLOPs counter.
     """
 
@@ -93,7 +96,9 @@ class Engine:
             train: the train section (``seed``, ``chunked_loss``, ``loss_chunk_tokens``, ``peak_tflops``).
             options: the run's NTL variant.
             resolved: the run's resolved values (the DeepSpeed config, tensor- and data-parallel ranks).
-            tokenizer, vocab, vocab_size: the tokenizer, the number table, the model's vocabulary size.
+            tokenizer: the run's tokenizer (saved with the model).
+            vocab: the number table.
+            vocab_size: the model's vocabulary size.
             rank: this process's global rank.
             device: this rank's device before the engine exists (the FLOPs counter's).
         """

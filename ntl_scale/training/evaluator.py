@@ -84,7 +84,8 @@ class Evaluator:
         batches: this rank's held-out micro-batches (:func:`heldout_micro_batches`).
         eval_splits: the generation-evaluation splits.
         weight: ``ntl.weight`` (``eval/loss`` = CE + weight x NTL).
-        rank, world_size: this process's global rank, all ranks.
+        rank: this process's global rank (rank 0 writes the files).
+        world_size: all ranks (generation is synchronised when there are several).
     """
 
     def __init__(self, evaluation: EvalConfig, data: DataConfig, run_dir: str, *, engine: Engine, inputs: Inputs,

@@ -99,10 +99,12 @@ class Inputs:
         train_set: the tokenised training set of :func:`load_data`.
         tokenizer: its pad token pads question/answer micro-batches.
         vocab: the number table (coupled positions mark its digits).
-        micro_batch_size, accumulation: sequences per micro-batch, micro-batches per step.
+        micro_batch_size: sequences per micro-batch.
+        accumulation: micro-batches per optimizer step.
         seed: ``train.seed`` (with the data position and the data-parallel rank, it draws the offsets).
         rank: this process's global rank.
-        dp_rank, dp: this rank's place among the data-parallel ranks, their number.
+        dp_rank: this rank's place among the data-parallel ranks.
+        dp: the number of data-parallel ranks.
         device: the engine's device.
     """
 

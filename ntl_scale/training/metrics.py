@@ -47,9 +47,11 @@ class MetricsLogger:
     Args:
         tracking: the tracking section (``wandb``, ``project``, ``plot``).
         run_dir: where ``metrics.jsonl``, ``eval.json`` and ``loss_curves.png`` go.
-        steps, log_every: ``train.steps`` and ``train.log_every``.
+        steps: ``train.steps``.
+        log_every: ``train.log_every``, steps between progress lines.
         flops: the model's FLOPs counter (TFLOP/s and MFU of each row).
-        rank, world_size: this process's global rank (rank 0 writes), all ranks (devices).
+        rank: this process's global rank (rank 0 writes).
+        world_size: all ranks (devices, for the rates per device).
     """
 
     def __init__(self, tracking: TrackingConfig, run_dir: str, *, steps: int, log_every: int, flops: FlopsCounter,
