@@ -180,38 +180,34 @@ def ce_plus_ntloss(x: Inputs) -> Step:
     return _on_logits(x, loss_fn)
 
 
-def _with_kernels(step: Step, on: bool) -> Step:
-    """The step with ntl_scale's Triton kernels on or off (the PyTorch code), for the forward and backward."""
-    from ntl_scale.kernels.triton_ce_ntl import set_triton_kernels
-
-    def wrapped():
-        previous = set_triton_kernels(on)
-        try:
-            return step()
-        finally:
-            set_triton_kernels(previous)
-
-    return wrapped
+def _impl(x: Inputs, kernels: bool) -> str:
+    """``triton`` for the kernel rows on a GPU (the PyTorch code while compiled); ``torch`` otherwise (and
+    for a ``--dry-run`` on the CPU, where the kernels cannot run)."""
+    return "triton" if kernels and x.labels.is_cuda else "torch"
 
 
 def _ours_logits(x: Inputs, compiled: bool, kernels: bool = True) -> Step:
+    """``ce_with_ntl`` with the Triton kernels or without (:func:`_impl`)."""
+    impl = _impl(x, kernels)
+
     def fn(z, y):
-        out = ntl_scale.ce_with_ntl(z, y, x.vocab, ntl_weight=NTL_WEIGHT)
+        out = ntl_scale.ce_with_ntl(z, y, x.vocab, ntl_weight=NTL_WEIGHT, impl=impl)
         return out.loss, out.ce
 
     fn = torch.compile(fn) if compiled else fn
-    step = _on_logits(x, lambda z: fn(z, x.labels))
-    return _with_kernels(step, kernels)
+    return _on_logits(x, lambda z: fn(z, x.labels))
 
 
 def _ours_chunked(x: Inputs, compiled: bool, kernels: bool = True) -> Step:
+    """``linear_ce_with_ntl`` with the Triton kernels or without (:func:`_impl`)."""
+    impl = _impl(x, kernels)
+
     def fn(h, w, y):
-        out = ntl_scale.linear_ce_with_ntl(h, w, y, x.vocab, ntl_weight=NTL_WEIGHT)
+        out = ntl_scale.linear_ce_with_ntl(h, w, y, x.vocab, ntl_weight=NTL_WEIGHT, impl=impl)
         return out.loss, out.ce
 
     fn = torch.compile(fn) if compiled else fn
-    step = _on_hidden(x, lambda: fn(x.hidden, x.weight, x.labels))
-    return _with_kernels(step, kernels)
+    return _on_hidden(x, lambda: fn(x.hidden, x.weight, x.labels))
 
 
 CUTEDSL = {"LIGER_KERNEL_IMPL": "cutedsl"}

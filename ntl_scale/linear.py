@@ -51,30 +51,25 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._validation import check_float_level, check_inputs, check_ntl_weight, check_reduction, check_weights
 from .kernels import triton_ce_ntl
-from .losses import (
-    CENTLOutput,
-    NTLOptions,
-    PerTokenTerms,
-    _check_inputs,
-    _check_ntl_weight,
-    _check_reduction,
-    _check_weights,
-    _combine,
-    _shard_inputs,
-    shard_start,
-    terms_from_stats,
-)
 from .number_vocab import NumberVocab
+from .options import NTLOptions
 from .parallel import (
     ShardInputs,
     ShardMath,
     _raise_if_not_finite,
+    all_reduce_max,
+    all_reduce_sums,
     check_chunk_tokens,
     compute_dtype,
     group_rank,
     group_size,
+    kernel_shard_stats,
+    use_triton,
 )
+from .reductions import CENTLOutput, combine_terms
+from .terms import PerTokenTerms, shard_inputs, shard_start, terms_from_stats
 
 __all__ = ["linear_ce_ntl", "linear_ce_with_ntl"]
 
@@ -105,6 +100,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         token_weights: torch.Tensor,
         proportional: bool = False,
         needs: tuple[bool, bool] = (True, True),
+        kernels: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         # needs: whether the gradient of hidden / of weight will be asked for (grad mode on and the
         # tensor requiring it; decided by the caller: inside forward grad mode is always off). What no
@@ -113,7 +109,6 @@ class _FusedLinearCENTL(torch.autograd.Function):
         need_h, need_w = needs
         cdt = compute_dtype(hidden.dtype)
         num_tokens, width = hidden.shape[0], weight.shape[0]
-        distributed = group_size(tp_group) > 1
         cols = inputs.number_cols
         if need_full:  # filled chunk by chunk from the chunk's logits: one matmul, one source of truth
             number_logits = torch.empty(num_tokens, cols.numel(), dtype=cdt, device=hidden.device)
@@ -126,13 +121,11 @@ class _FusedLinearCENTL(torch.autograd.Function):
         dense_h = dense_w = None
         if not need_full:  # NTL alone reads only the number columns: no pass over the vocabulary
             maxes[:, 1] = number_logits.max(dim=-1).values if cols.numel() else float("-inf")
-            if distributed:
-                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
+            all_reduce_max(maxes, tp_group)
             number_exp = torch.exp(number_logits - ShardMath.safe_number_max(maxes[:, 1]).unsqueeze(1))
             sums[:, 2] = number_exp.sum(dim=-1)
             sums[:, 3] = (number_exp * inputs.a_table).sum(dim=-1)
-            if distributed:
-                dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+            all_reduce_sums(sums, tp_group)
         else:
             if need_h:
                 dense_h = torch.empty(num_tokens, hidden.shape[1], dtype=cdt, device=hidden.device)
@@ -141,12 +134,12 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 # in a half dtype (fp16 overflowed at 8k tokens, bf16 lost precision with the chunk count).
                 dense_w = torch.zeros(width, hidden.shape[1], dtype=cdt, device=weight.device)
         product = _product_buffer(weight, cdt) if need_full and need_w else None
-        fast = need_full and triton_ce_ntl.enabled(hidden)
+        fast = need_full and kernels
         for sl in rows if need_full else []:
             logits = hidden[sl] @ weight.t()
             if fast:  # Triton (ntl_scale/kernels): one pass for the statistics, one writing the softmax in place
                 number_logits[sl] = logits.index_select(1, cols).to(cdt)
-                max_all, maxes[sl, 1], sums[sl] = triton_ce_ntl.fused_stats(logits, inputs.rows(sl), tp_group)
+                max_all, maxes[sl, 1], sums[sl] = kernel_shard_stats(logits, inputs.rows(sl), tp_group)
                 maxes[sl, 0] = max_all
                 number_exp[sl] = torch.exp(number_logits[sl] - ShardMath.safe_number_max(maxes[sl, 1]).unsqueeze(1))
                 if dense_h is None and dense_w is None:  # no gradient wanted: the statistics are all
@@ -165,15 +158,13 @@ class _FusedLinearCENTL(torch.autograd.Function):
             work = logits if logits.dtype == cdt else logits.to(cdt)
             number_logits[sl] = work.index_select(1, cols)
             maxes[sl] = ShardMath.local_max(work, number_logits[sl], [slice(None)], True)
-            if distributed:
-                dist.all_reduce(maxes[sl], op=dist.ReduceOp.MAX, group=tp_group)
+            all_reduce_max(maxes[sl], tp_group)
             number_max = ShardMath.safe_number_max(maxes[sl, 1])
             # in place: work becomes exp(z - max), then the softmax pi
             sums[sl], number_exp[sl] = ShardMath.local_sums(
                 work, number_logits[sl], inputs.rows(sl), maxes[sl, 0], number_max, [slice(None)], True, True
             )
-            if distributed:
-                dist.all_reduce(sums[sl], op=dist.ReduceOp.SUM, group=tp_group)
+            all_reduce_sums(sums[sl], tp_group)
             if dense_h is None and dense_w is None:  # no gradient wanted: the statistics are all
                 del logits, work
                 continue
@@ -216,7 +207,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         cols = inputs.number_cols
         number_coef = ShardMath.number_grad(slice(None), saved, inputs, g_expect)  # [T, K]
         need_h, need_w = ctx.needs
-        nones = (None,) * 8
+        nones = (None,) * 9
         if not ctx.need_full:
             grad_h = grad_w = None
             if need_h:
@@ -376,7 +367,8 @@ def linear_ce_ntl(
             ``[V/tp, H]`` with ``tp_group``. A bias-free output layer, as in GPT/Llama/Granite.
         labels: token ids ``[...]`` (``options.ignore_index`` to skip).
         vocab: the number-token table.
-        options: the NTL variant (default: NTL-WAS).
+        options: the NTL variant (default: NTL-WAS); ``options.impl`` picks the code of each chunk's
+            statistics and softmax (``auto``, ``torch`` or ``triton``; ``docs/kernels.md``).
         tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
             The gradient of ``hidden`` is then this shard's part (see the module docs).
         check_finite: raise when the logits hold NaN/Inf (one host sync; default off, NaN reaches the loss).
@@ -401,15 +393,15 @@ def linear_ce_ntl(
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     # the checks of the logits path, on a shape-only (meta) stand-in for the logits
     stand_in = torch.empty(*hidden.shape[:-1], weight.shape[0], dtype=hidden.dtype, device="meta")
-    _check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start, source="the output weight's first dimension")
-    if options.loss == "number" and options.float_level and vocab.decimal_point_id is None:
-        raise ValueError("float_level=True needs the '.' token id; the number table has no decimal_point_id")
+    check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start, source="the output weight's first dimension")
+    check_float_level(vocab, options)
     check_chunk_tokens(chunk_tokens)
+    kernels = use_triton(options.impl, hidden)
     shape, width = labels.shape, weight.shape[0]
     dtype = compute_dtype(hidden.dtype)
     flat_labels = labels.reshape(-1)
-    inputs, row = _shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
-    weights = _check_weights(token_weights, labels, dtype)
+    inputs, row = shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
+    weights = check_weights(token_weights, labels, dtype)
     weights = inputs.valid.to(dtype) if weights is None else weights.reshape(-1) * inputs.valid
     ce, expect, mass, hit = _FusedLinearCENTL.apply(
         hidden.reshape(-1, hidden.shape[-1]),
@@ -423,6 +415,7 @@ def linear_ce_ntl(
         proportional_grad,
         # what the backward will ask for; inside the Function's forward grad mode is always off
         (torch.is_grad_enabled() and hidden.requires_grad, torch.is_grad_enabled() and weight.requires_grad),
+        kernels,
     )
     return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options)
 
@@ -445,15 +438,17 @@ def linear_ce_with_ntl(
     tp_group: dist.ProcessGroup | None = None,
     check_finite: bool = False,
     chunk_tokens: int | None = None,
+    impl: str = "auto",
 ) -> CENTLOutput:
     """:func:`ntl_scale.ce_with_ntl` from hidden states and the output weight, without the logits.
 
     ``hidden [..., H]`` and ``weight [V, H]`` (or its TP shard) replace ``logits``; every other
-    argument means what it means there. Returns a :class:`ntl_scale.CENTLOutput`.
+    argument means what it means there (``impl``: ``"auto"``, ``"torch"`` or ``"triton"``, the code of
+    each chunk's statistics and softmax). Returns a :class:`ntl_scale.CENTLOutput`.
     """
-    _check_reduction(reduction)
-    _check_ntl_weight(ntl_weight)
-    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index)
+    check_reduction(reduction)
+    check_ntl_weight(ntl_weight)
+    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index, impl)
     terms = linear_ce_ntl(
         hidden,
         weight,
@@ -466,4 +461,4 @@ def linear_ce_with_ntl(
         token_weights=loss_weights,
         proportional_grad=reduction in ("mean", "sum") and not reweigh,
     )
-    return _combine(terms, labels, vocab, options, ntl_weight, loss_weights, reduction)
+    return combine_terms(terms, labels, vocab, options, ntl_weight, loss_weights, reduction)

@@ -14,8 +14,12 @@ the same two collectives Megatron's fused cross entropy uses for CE alone. The b
 collective: every gradient is a local expression of the local logits and those reduced scalars
 (the input-gradient reduction happens in the output layer's own backward).
 
-The per-shard steps are plain functions in :class:`ShardMath`; :class:`_FusedCENTL` only adds the
-two all-reduces; ``tp_group=None`` (or a group of size 1) is the same code without collectives.
+The per-shard steps are plain functions in :class:`ShardMath` (PyTorch) and in
+:mod:`ntl_scale.kernels.triton_ce_ntl` (Triton; :func:`use_triton` picks one per call from ``impl``).
+The TP collectives of the loss are written here only, behind two helpers: :func:`all_reduce_max`
+(``[T, 2]``) and :func:`all_reduce_sums` (``[T, 4]``), used by :class:`_FusedCENTL`, by the chunked op
+(:mod:`ntl_scale.linear`) and around the Triton statistics (:func:`kernel_shard_stats`).
+``tp_group=None`` (or a group of size 1) is the same code without collectives.
 """
 
 from __future__ import annotations
@@ -27,8 +31,18 @@ import torch
 import torch.distributed as dist
 
 from .kernels import triton_ce_ntl
+from .options import check_impl
 
-__all__ = ["ShardMath", "check_chunk_tokens", "fused_shard_stats"]
+__all__ = [
+    "ShardInputs",
+    "ShardMath",
+    "all_reduce_max",
+    "all_reduce_sums",
+    "check_chunk_tokens",
+    "fused_shard_stats",
+    "kernel_shard_stats",
+    "use_triton",
+]
 
 # Temporaries of one chunk hold at most this many elements (64 MiB in fp32): the forward and the
 # backward walk over the logits in token chunks so that no full-size fp32 copy is made.
@@ -89,6 +103,100 @@ class ShardInputs:
         local_label = self.labels[rows] - self.start
         owned = self.valid[rows] & (local_label >= 0) & (local_label < width)
         return owned, local_label.clamp(0, width - 1)
+
+    def local_target(self, width: int) -> torch.Tensor:
+        """The label's local column per token, -1 where this shard does not own it or the label is ignored
+        (the Triton kernels' ``target``)."""
+        owned, column = self.owned_targets(slice(None), width)
+        return torch.where(owned, column, torch.full_like(column, -1))
+
+
+# ---------------------------------------------------------------------------------- the TP collectives
+
+
+def all_reduce_max(maxes: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The forward's first collective: MAX all-reduce, in place, of ``[T, 2]`` = ``[max z, max z_N]``.
+
+    Over ``tp_group``; nothing on one device (None or a group of size 1). Returns ``maxes``.
+    """
+    if group_size(tp_group) > 1:
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
+    return maxes
+
+
+def all_reduce_sums(sums: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The forward's second collective: SUM all-reduce, in place, of ``[T, 4]`` = ``[S, z_y, S_N, A]``.
+
+    The partial sums must be relative to the global maxima (after :func:`all_reduce_max`). Over
+    ``tp_group``; nothing on one device. Returns ``sums``.
+    """
+    if group_size(tp_group) > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+    return sums
+
+
+def combine_kernel_stats(
+    local: torch.Tensor, tp_group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global ``max [T]``, number max ``[T]`` (-inf kept) and sums ``[T, 4]`` from the kernel's local statistics.
+
+    ``local`` is :func:`~ntl_scale.kernels.triton_ce_ntl.shard_stats`'s ``[T, 6]``; the same two
+    all-reduces as the PyTorch path: MAX of ``[T, 2]``, then SUM of ``[T, 4]``.
+    """
+    maxes = all_reduce_max(local[:, [0, 3]].clone(), tp_group)
+    sums = all_reduce_sums(triton_ce_ntl.global_sums(local, maxes), tp_group)
+    return maxes[:, 0], maxes[:, 1], sums
+
+
+def kernel_shard_stats(
+    logits: torch.Tensor,
+    inputs: ShardInputs,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``max [T]``, number max ``[T]`` (-inf kept) and ``sums [T, 4]`` of a logits shard, with the Triton kernel.
+
+    What :meth:`ShardMath.local_max` and :meth:`ShardMath.local_sums` compute with the two
+    all-reduces, in one pass over the logits; ``ShardMath.finalize`` turns them into the terms.
+    """
+    local = triton_ce_ntl.shard_stats(
+        logits, inputs.local_target(logits.shape[1]), inputs.number_cols, inputs.a_table, block_v=block_v
+    )
+    return combine_kernel_stats(local, tp_group)
+
+
+def use_triton(impl: str, tensor: torch.Tensor) -> bool:
+    """Whether an op called with ``impl`` runs the Triton kernels on ``tensor``: the per-call kernel choice.
+
+    ``"torch"``: never. ``"auto"``: where :func:`ntl_scale.kernels.triton_ce_ntl.enabled` says (nowhere
+    until the kernels have passed the GPU suite). ``"triton"``: always, except while ``torch.compile``
+    traces (Inductor compiles the PyTorch code into its own fused kernels).
+
+    Raises:
+        ValueError: ``impl`` is not one of ``auto``, ``torch``, ``triton``; or ``impl="triton"`` for a
+            tensor the kernels cannot run on (not on CUDA, outside Triton's interpreter).
+        ImportError: ``impl="triton"`` without ``triton`` installed.
+    """
+    check_impl(impl)
+    if impl == "torch":
+        return False
+    if impl == "auto":
+        return triton_ce_ntl.enabled(tensor)
+    if torch.compiler.is_compiling():
+        return False
+    if not triton_ce_ntl.triton_available():
+        raise ImportError(
+            "impl='triton' needs the optional dependency 'triton', which is not installed. Install it with: "
+            "pip install triton (or pass impl='auto' or 'torch' for the PyTorch code)"
+        )
+    if not triton_ce_ntl.runs_on(tensor):
+        raise ValueError(
+            f"impl='triton' runs Triton kernels, which need CUDA tensors, but the logits are on {tensor.device}; "
+            "pass impl='auto' or 'torch' for the PyTorch code on this device (tests run the kernels on the CPU "
+            "under Triton's interpreter, TRITON_INTERPRET=1 before triton is imported)"
+        )
+    return True
 
 
 class ShardMath:
@@ -240,30 +348,27 @@ class _FusedCENTL(torch.autograd.Function):
         check_finite: bool,
         tp_group: dist.ProcessGroup | None,
         chunk_tokens: int | None,
+        kernels: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         cdt = compute_dtype(logits.dtype)
         rows = ShardMath.chunk_rows(logits.shape[0], logits.shape[1], chunk_tokens)
         number_logits = logits.index_select(1, inputs.number_cols).to(cdt)
-        distributed = group_size(tp_group) > 1
 
-        fast = need_full and triton_ce_ntl.enabled(logits)
+        fast = need_full and kernels
         if fast:  # Triton (ntl_scale/kernels): the statistics in one pass, the same two all-reduces
-            max_all, raw_number_max, sums = triton_ce_ntl.fused_stats(logits, inputs, tp_group)
+            max_all, raw_number_max, sums = kernel_shard_stats(logits, inputs, tp_group)
             maxes = torch.stack((max_all, raw_number_max), dim=1)
             number_max = ShardMath.safe_number_max(raw_number_max)
             number_exp = torch.exp(number_logits - number_max.unsqueeze(1))
         else:
-            maxes = ShardMath.local_max(logits, number_logits, rows, need_full)
-            if distributed:
-                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
+            maxes = all_reduce_max(ShardMath.local_max(logits, number_logits, rows, need_full), tp_group)
             max_all = maxes[:, 0]
             number_max = ShardMath.safe_number_max(maxes[:, 1])
 
             sums, number_exp = ShardMath.local_sums(
                 logits, number_logits, inputs, max_all, number_max, rows, need_full, inplace
             )
-            if distributed:
-                dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+            all_reduce_sums(sums, tp_group)
         if check_finite:
             _raise_if_not_finite(maxes, sums, need_full)
         ce, expect, mass, hit = ShardMath.finalize(max_all, sums, number_max, inputs.valid, need_full)
@@ -293,11 +398,14 @@ class _FusedCENTL(torch.autograd.Function):
             out = torch.zeros_like(logits)
             number_grad = ShardMath.number_grad(slice(None), saved, ctx.inputs, grads[1])
             out.index_add_(1, ctx.inputs.number_cols, number_grad.to(out.dtype))
-            return out, None, None, None, None, None, None
+            return out, None, None, None, None, None, None, None
         if ctx.fast:  # Triton: one pass writes the gradient (over the logits, which it left intact, in place)
             out = logits if ctx.inplace else torch.empty_like(logits)
+            inputs = ctx.inputs
+            shard = (inputs.local_target(logits.shape[1]), inputs.number_cols, inputs.a_table)
             args = (max_all, total, ctx.number_max, number_total, expect, mass, grads, number_exp)
-            return triton_ce_ntl.logits_grad_(logits, out, ctx.inputs, *args), None, None, None, None, None, None
+            out = triton_ce_ntl.logits_grad_(logits, out, *shard, *args)
+            return out, None, None, None, None, None, None, None
         cdt = expect.dtype
         # In place: the saved buffer holds exp(z - max) and becomes the gradient. Otherwise a new
         # gradient buffer; half-precision logits go through one reused fp32 chunk buffer.
@@ -312,7 +420,7 @@ class _FusedCENTL(torch.autograd.Function):
             ShardMath.grad_chunk(work, sl, saved, ctx.inputs, grads)
             if buffer is not None:
                 out[sl].copy_(work)
-        return out, None, None, None, None, None, None
+        return out, None, None, None, None, None, None, None
 
 
 def _raise_if_not_finite(maxes: torch.Tensor, sums: torch.Tensor, need_full: bool) -> None:
@@ -341,6 +449,7 @@ def fused_shard_stats(
     check_finite: bool = False,
     tp_group: dist.ProcessGroup | None = None,
     chunk_tokens: int | None = None,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token ``(ce, expect, mass)`` of a ``[T, V_local]`` logits shard; differentiable.
 
@@ -355,6 +464,8 @@ def fused_shard_stats(
         check_finite: raise when logits hold NaN/Inf (one host sync); default off: NaN propagates.
         tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
         chunk_tokens: tokens per chunk of the temporaries (default: a 64 MiB budget).
+        impl: ``"auto"``, ``"torch"`` or ``"triton"``: the code of the statistics and the gradient
+            (:func:`use_triton`); the NTL-only path (``need_full=False``) is PyTorch code always.
 
     Returns:
         ``ce``, ``expect``, ``mass``, each ``[T]`` in the compute dtype, and the bool ``hit`` (the
@@ -362,4 +473,5 @@ def fused_shard_stats(
         TP rank.
     """
     check_chunk_tokens(chunk_tokens)
-    return _FusedCENTL.apply(logits, inputs, need_full, inplace, check_finite, tp_group, chunk_tokens)
+    kernels = use_triton(impl, logits)
+    return _FusedCENTL.apply(logits, inputs, need_full, inplace, check_finite, tp_group, chunk_tokens, kernels)

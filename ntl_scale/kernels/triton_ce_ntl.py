@@ -10,9 +10,10 @@ in registers:
   label), and over the number columns ``N`` the local max ``mN``, ``SN = sum_{k in N} exp(z_k - mN)``
   and ``A = sum_{k in N} exp(z_k - mN) a_k`` (``a_k`` per token: the distance ``d(v_k, t)`` for
   NTL-WAS or the value ``v_k``; ``docs/math.md``). The statistics are relative to the *local*
-  maxima, so a shard needs no second pass after the MAX all-reduce: :func:`combine` rescales them
-  (``S * exp(m_local - m)``) and does the same two all-reduces as the PyTorch path, MAX of
-  ``[m, mN]`` and SUM of ``[S, z_y, SN, A]``.
+  maxima, so a shard needs no second pass after the MAX all-reduce of ``[m, mN]``:
+  :func:`global_sums` rescales them (``S * exp(m_local - m)``) before the SUM all-reduce of
+  ``[S, z_y, SN, A]``. Both all-reduces are :mod:`ntl_scale.parallel`'s, the same two as on the
+  PyTorch path; this module holds the per-shard math only and communicates nothing.
 * :func:`softmax_grad_`: ``out[t, j] = coef_t * exp(z_tj - m_t) / S_t - label_coef_t [j = y_t]``,
   then ``out[t, cols] = number_grad[t]`` on the number columns (stored, not added: their whole
   gradient, computed in fp32, is rounded to ``out``'s dtype once; adding to a value already rounded
@@ -21,8 +22,9 @@ in registers:
   gradient of the logits (:meth:`ShardMath.grad_chunk`); with ``coef = 1`` and nothing else it is
   the softmax the chunked op multiplies by the weight. ``out`` may be the logits themselves (in place).
 
-Opt-in: used only after :func:`set_triton_kernels(True) <set_triton_kernels>`, where the logits are on
-a CUDA device and Triton imports (:func:`enabled`). They are off by default until they have run on a
+Chosen per call: ``impl="triton"`` on the ops (``ntl.impl`` / ``--ntl-impl``) takes them where they
+can run (:func:`runs_on`: CUDA tensors, or any tensor under Triton's interpreter); ``impl="auto"``,
+the default, takes them only where :func:`enabled` says so, which is nowhere until they have run on a
 GPU: so far they were tested only under Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set
 before Triton is imported; ``docs/kernels.md``).
 """
@@ -30,34 +32,41 @@ before Triton is imported; ``docs/kernels.md``).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any
 
 import torch
-import torch.distributed as dist
-
-if TYPE_CHECKING:  # parallel.py imports this module: no import cycle at run time
-    from ..parallel import ShardInputs
 
 __all__ = [
-    "combine",
     "enabled",
-    "fused_stats",
+    "global_sums",
     "logits_grad_",
     "number_exp_of",
+    "runs_on",
     "set_triton_kernels",
     "shard_stats",
     "softmax_grad_",
     "triton_available",
 ]
 
-_ENABLED = False  # opt-in until the GPU suite (make gpu-check) has run them on a GPU
+# Whether impl="auto" takes the kernels on CUDA: not until the GPU suite (make gpu-check) has run them
+# on a GPU. Only the deprecated set_triton_kernels changes it.
+_ENABLED = False
 
 
 def set_triton_kernels(enabled: bool) -> bool:
-    """Turns the Triton kernels on or off (the default) for this process; returns the previous setting.
+    """Deprecated: choose the code per call with ``impl="triton"`` (``ntl.impl``, ``--ntl-impl``) instead.
 
-    Off, every op runs its PyTorch code on every device (to compare, or to rule the kernels out).
+    Makes ``impl="auto"`` take the Triton kernels on CUDA tensors in this process (True) or not (False,
+    the default); returns the previous setting. An explicit ``impl="torch"`` or ``impl="triton"`` is
+    not affected. Kept for one release.
     """
+    warnings.warn(
+        "set_triton_kernels is deprecated and will be removed in the next release: pass impl='triton' (or "
+        "impl='torch') to the loss call instead (ntl.impl in a run config, --ntl-impl for Megatron)",
+        FutureWarning,
+        stacklevel=2,
+    )
     global _ENABLED
     if not isinstance(enabled, bool):
         raise TypeError(f"set_triton_kernels takes True or False, got {enabled!r}")
@@ -76,11 +85,24 @@ def triton_available() -> bool:
 
 
 def enabled(tensor: torch.Tensor) -> bool:
-    """Whether the ops use these kernels for ``tensor``: turned on, on CUDA, with Triton.
+    """Whether ``impl="auto"`` takes these kernels for ``tensor``: nowhere by default (see the module docs).
 
     Never while ``torch.compile`` traces: Inductor generates its own fused kernels from the PyTorch code.
     """
     return _ENABLED and tensor.is_cuda and not torch.compiler.is_compiling() and triton_available()
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1`` before it was imported)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; earlier releases have no interpreter switch to read
+    return bool(knobs is not None and knobs.runtime.interpret)
+
+
+def runs_on(tensor: torch.Tensor) -> bool:
+    """Whether the kernels can run on ``tensor``'s device: CUDA, or any device under Triton's interpreter."""
+    return triton_available() and (tensor.is_cuda or interpreting())
 
 
 @functools.lru_cache(maxsize=1)
@@ -235,18 +257,18 @@ def shard_stats(
     return out
 
 
-def combine(
-    local: torch.Tensor, tp_group: dist.ProcessGroup | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Global ``max [T]``, number max ``[T]`` (-inf kept) and sums ``[T, 4]`` = ``S, z_y, SN, A``.
+def global_sums(local: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
+    """This shard's ``[T, 4]`` sums ``S, z_y, SN, A`` relative to the global maxima, for the SUM all-reduce.
 
-    The sums are relative to the global maxima, as :meth:`ShardMath.local_sums` computes them after
-    the MAX all-reduce; over ``tp_group`` (None: one device, no collective) this is one MAX
-    all-reduce of ``[T, 2]`` and one SUM all-reduce of ``[T, 4]``.
+    Args:
+        local: :func:`shard_stats`'s ``[T, 6]`` (``m, S, z_y, mN, SN, A`` relative to the local maxima).
+        maxes: ``[T, 2]``: the global max and number max (``m``, ``mN`` after the MAX all-reduce; on one
+            device the local ones).
+
+    Returns:
+        ``[T, 4]``, contiguous: what :meth:`ntl_scale.parallel.ShardMath.local_sums` computes after the
+        MAX all-reduce, so the SUM all-reduce adds the same terms on both paths.
     """
-    maxes = local[:, [0, 3]].clone()
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
 
     def rescale(local_max: torch.Tensor, global_max: torch.Tensor) -> torch.Tensor:
         # exp(local - global); a shard whose columns are all -inf (or none) contributes 0. NaN and +inf
@@ -255,12 +277,9 @@ def combine(
         return torch.where(local_max == float("-inf"), torch.zeros_like(local_max), torch.exp(local_max - safe))
 
     full, number = rescale(local[:, 0], maxes[:, 0]), rescale(local[:, 3], maxes[:, 1])
-    sums = torch.stack(
+    return torch.stack(
         (local[:, 1] * full, local[:, 2], local[:, 4] * number, local[:, 5] * number), dim=1
     ).contiguous()
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
-    return maxes[:, 0], maxes[:, 1], sums
 
 
 def softmax_grad_(
@@ -318,30 +337,7 @@ def softmax_grad_(
     return out
 
 
-# ------------------------------------------------------------------ the fused op's two phases
-
-
-def local_target(inputs: ShardInputs, width: int) -> torch.Tensor:
-    """The label's local column per token, -1 where this shard does not own it or the label is ignored."""
-    owned, column = inputs.owned_targets(slice(None), width)
-    return torch.where(owned, column, torch.full_like(column, -1))
-
-
-def fused_stats(
-    logits: torch.Tensor,
-    inputs: ShardInputs,
-    tp_group: dist.ProcessGroup | None = None,
-    *,
-    block_v: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``max [T]``, number max ``[T]`` (-inf kept) and ``sums [T, 4]`` of a logits shard, reduced over ``tp_group``.
-
-    What :meth:`ShardMath.local_max` and :meth:`ShardMath.local_sums` compute with their two
-    all-reduces, in one pass over the logits; ``ShardMath.finalize`` turns them into the terms.
-    """
-    target = local_target(inputs, logits.shape[1])
-    local = shard_stats(logits, target, inputs.number_cols, inputs.a_table, block_v=block_v)
-    return combine(local, tp_group)
+# ------------------------------------------------------------------ the fused op's backward
 
 
 def number_exp_of(logits: torch.Tensor, number_cols: torch.Tensor, number_max: torch.Tensor) -> torch.Tensor:
@@ -354,7 +350,9 @@ def number_exp_of(logits: torch.Tensor, number_cols: torch.Tensor, number_max: t
 def logits_grad_(
     logits: torch.Tensor,
     out: torch.Tensor,
-    inputs: ShardInputs,
+    target: torch.Tensor,
+    number_cols: torch.Tensor,
+    a_table: torch.Tensor,
     max_all: torch.Tensor,
     total: torch.Tensor,
     number_max: torch.Tensor,
@@ -371,8 +369,11 @@ def logits_grad_(
     Args:
         logits, out: ``[T, V_local]``; ``out`` may be ``logits`` (in place: the number columns are
             read before the kernel writes).
-        inputs: the shard's inputs (labels, number columns, ``a`` table).
-        max_all, total: the global max and ``S`` per token (:func:`fused_stats`).
+        target: the label's local column, or -1 where this shard does not own it (or it is ignored),
+            int64 ``[T]``.
+        number_cols: local columns of the number tokens ``[K]``.
+        a_table: ``a_k`` per token and number column ``[T, K]``.
+        max_all, total: the global max and ``S`` per token (after the all-reduces).
         number_max, number_total: the global number-column max (-inf read as 0) and ``SN``.
         expect, mass: the forward's terms (``ShardMath.finalize``).
         grads: ``(g_ce, g_expect, g_mass)`` per token, ``g_ce`` already 0 at ignored labels.
@@ -383,17 +384,15 @@ def logits_grad_(
         ``out``.
     """
     g_ce, g_expect, g_mass = grads
-    cols = inputs.number_cols
     safe_max = torch.where(number_max == float("-inf"), torch.zeros_like(number_max), number_max)
     if number_exp is None:
-        number_exp = number_exp_of(logits, cols, number_max)
+        number_exp = number_exp_of(logits, number_cols, number_max)
     probs = number_exp / torch.where(number_total == 0, 1, number_total).unsqueeze(1)  # p, over N only
     pi_numbers = number_exp * (torch.exp(safe_max - max_all) / total).unsqueeze(1)  # the full softmax on N
     coef = g_ce - g_mass * mass
-    target = local_target(inputs, logits.shape[1])
     # The number columns' whole gradient in fp32 (fp64 for fp64 logits), the kernel stores it once:
     # coef pi_k (CE and the mass's dense part) + g_mass pi_k + g_expect p_k (a_k - expect) - g_ce [k = y]
     number_grad = (coef + g_mass).unsqueeze(1) * pi_numbers
-    number_grad += g_expect.unsqueeze(1) * probs * (inputs.a_table - expect.unsqueeze(1))
-    number_grad -= torch.where(cols.unsqueeze(0) == target.unsqueeze(1), g_ce.unsqueeze(1), 0)
-    return softmax_grad_(logits, out, max_all, total, coef, g_ce, target, cols, number_grad, block_v=block_v)
+    number_grad += g_expect.unsqueeze(1) * probs * (a_table - expect.unsqueeze(1))
+    number_grad -= torch.where(number_cols.unsqueeze(0) == target.unsqueeze(1), g_ce.unsqueeze(1), 0)
+    return softmax_grad_(logits, out, max_all, total, coef, g_ce, target, number_cols, number_grad, block_v=block_v)

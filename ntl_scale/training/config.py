@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..options import NTLRunOptions
+
 __all__ = [
     "DataConfig",
     "EvalConfig",
@@ -64,33 +66,13 @@ class ModelConfig:
 
 
 @dataclass
-class NTLConfig:
-    """Number Token Loss settings."""
+class NTLConfig(NTLRunOptions):
+    """Number Token Loss settings: the ``ntl`` section, the run-level option spec itself.
 
-    weight: float = 0.3
-    """Weight of NTL in ``CE + weight * NTL``; 0 trains with CE alone."""
-    loss: str = "was"
-    """``was``, ``mse``, ``mae``, ``huber`` or ``number``."""
-    reweigh: bool = False
-    """Reweigh by the probability mass on number tokens."""
-    squash_factor: float | None = None
-    """NTL-WAS distance squashing (> 1)."""
-    digit_level: bool = True
-    """Number table of the ten digits (True) or of multi-digit tokens (False)."""
-    normalization: str = "global"
-    """``global`` (sum / count of the whole global batch) or ``micro-batch`` (mean per micro-batch)."""
-
-    def __post_init__(self) -> None:
-        if self.weight < 0:
-            raise ValueError(f"ntl.weight must be >= 0, got {self.weight}")
-        if self.normalization not in ("global", "micro-batch"):
-            raise ValueError(f"ntl.normalization must be 'global' or 'micro-batch', got {self.normalization!r}")
-        if self.loss == "number" and not self.digit_level:
-            raise ValueError(
-                "ntl.loss=number assembles numbers from single-digit tokens and cannot read the multi-digit table "
-                "of ntl.digit_level=false (a token worth 123 would count as one digit); set ntl.digit_level=true, "
-                "or use a token-level ntl.loss (was, mse, mae, huber) with the multi-digit table"
-            )
+    Its keys are the fields of :class:`ntl_scale.options.NTLRunOptions` (``ntl.weight``, ``ntl.loss``,
+    ``ntl.reweigh``, ``ntl.squash_factor``, ``ntl.digit_level``, ``ntl.normalization``,
+    ``ntl.huber_delta``, ``ntl.float_level``, ``ntl.impl``), documented and validated there once.
+    """
 
 
 @dataclass

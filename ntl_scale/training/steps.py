@@ -152,8 +152,8 @@ def micro_batch_loss(
 
 
 def ntl_options(ntl: NTLConfig) -> NTLOptions:
-    """The loss variant of a run config."""
-    return NTLOptions(loss=ntl.loss, squash_factor=ntl.squash_factor, reweigh=ntl.reweigh)
+    """The loss variant of a run config, and its ``impl`` (:meth:`ntl_scale.options.NTLRunOptions.options`)."""
+    return ntl.options()
 
 
 def loss_from_terms(

@@ -6,8 +6,8 @@
    synchronisation raises.
 3. A CUDA graph captures a forward + backward of ``ce_with_ntl`` and replays it with new values; the
    same for the chunked op ``linear_ce_with_ntl``.
-4. The Triton kernels (``ntl_scale/kernels``, opt-in: ``set_triton_kernels(True)``) against the PyTorch code
-   (``set_triton_kernels(False)``), both ops, fp32 and bf16, at a vocabulary that spans many blocks.
+4. The Triton kernels (``ntl_scale/kernels``, ``impl="triton"``) against the PyTorch code
+   (``impl="torch"``), both ops, fp32 and bf16, at a vocabulary that spans many blocks.
 """
 
 from __future__ import annotations
@@ -164,16 +164,13 @@ def test_triton_kernels_match_the_pytorch_code(dtype):
     weight = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(dtype)
     results = {}
     for use_kernels in (True, False):
-        previous = triton_ce_ntl.set_triton_kernels(use_kernels)
-        try:
-            z, h, w = (t.detach().clone().requires_grad_() for t in (logits, hidden, weight))
-            fused = ntl_scale.ce_with_ntl(z, labels, vocab, loss="mse", reweigh=True).loss
-            fused.backward()
-            chunked = ntl_scale.linear_ce_with_ntl(h, w, labels, vocab, chunk_tokens=96).loss
-            chunked.backward()
-            results[use_kernels] = (fused.detach(), z.grad, chunked.detach(), h.grad, w.grad)
-        finally:
-            triton_ce_ntl.set_triton_kernels(previous)
+        impl = "triton" if use_kernels else "torch"
+        z, h, w = (t.detach().clone().requires_grad_() for t in (logits, hidden, weight))
+        fused = ntl_scale.ce_with_ntl(z, labels, vocab, loss="mse", reweigh=True, impl=impl).loss
+        fused.backward()
+        chunked = ntl_scale.linear_ce_with_ntl(h, w, labels, vocab, chunk_tokens=96, impl=impl).loss
+        chunked.backward()
+        results[use_kernels] = (fused.detach(), z.grad, chunked.detach(), h.grad, w.grad)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for got, want in zip(results[True], results[False]):
         scale = float(want.double().abs().max()) or 1.0

@@ -88,3 +88,45 @@ def test_no_group_means_no_collective(recorder):
     out = ntl_scale.ce_with_ntl(full, labels, vocab)
     out.loss.backward()
     assert calls == []
+
+
+@pytest.mark.parametrize("need_ce", [True, False])
+def test_chunked_op_two_all_reduces_per_chunk_backward_none(recorder, need_ce):
+    """``linear_ce_ntl``: the same MAX/SUM pair per chunk of tokens (once when only the number columns
+    are read), on the passed group; none in the backward."""
+    calls, group = recorder
+    vocab, labels, _ = _inputs()
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    weight = torch.randn(16, 8, requires_grad=True)  # this rank's 16 of 32 rows
+    terms = ntl_scale.linear_ce_ntl(hidden, weight, labels, vocab, tp_group=group, chunk_tokens=4, need_ce=need_ce)
+    chunks = [(4, 2), (4, 2), (2, 2)] if need_ce else [(10, 2)]
+    assert [c["op"] for c in calls] == [dist.ReduceOp.MAX, dist.ReduceOp.SUM] * len(chunks)
+    assert [c["shape"] for c in calls[::2]] == chunks and all(c["group"] is group for c in calls)
+    forward_calls = len(calls)
+    (terms.ce.sum() + terms.ntl.sum()).backward()
+    assert len(calls) == forward_calls
+
+
+def test_collectives_are_written_in_parallel_py_only():
+    """Issue 30: the TP all-reduces of the loss are called in ``parallel.py`` only (its named helpers), not
+    in the other modules of the loss path; ``kernels/`` holds per-shard math: no collective and no import
+    of ``parallel.py`` (no import cycle). (Step counts, ``normalization.py``, have their own all-reduce.)"""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(ntl_scale.__file__).parent
+    loss_path = ["options.py", "_validation.py", "parallel.py", "terms.py", "reductions.py", "losses.py", "linear.py",
+                 "number_level.py", "number_vocab.py"]  # fmt: skip
+    callers = {}
+    for path in [*(root / name for name in loss_path), *root.glob("kernels/*.py")]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and "reduce" in node.func.attr:
+                if node.func.attr in ("all_reduce", "reduce", "reduce_scatter", "all_reduce_coalesced"):
+                    callers.setdefault(path.name, []).append(node.lineno)
+            if path.parent.name == "kernels" and isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                names += [a.name for a in node.names]
+                assert not any("parallel" in n or "distributed" in n for n in names), (path.name, names)
+    assert set(callers) == {"parallel.py"}, callers
+    assert len(callers["parallel.py"]) == 2  # all_reduce_max and all_reduce_sums

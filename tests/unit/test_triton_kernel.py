@@ -11,12 +11,14 @@ float64 computations written out here with plain torch ops:
 3. Gradients: the kernel's in-place logits gradient for arbitrary upstream gradients of ``ce``,
    ``expect`` and ``mass`` against float64 autograd, per shard; uneven token chunks; a shard that
    owns no label; no number targets.
-4. The ops with the kernels (the kernel path forced for CPU tensors): ``ce_with_ntl`` (fp32 in and
-   out of place, bf16; NTL-WAS, and MSE with reweighing) and ``linear_ce_with_ntl`` (uneven chunks)
+4. The ops with the kernels (``impl="triton"``, which the interpreter runs on CPU tensors): ``ce_with_ntl``
+   (fp32 in and out of place, bf16; NTL-WAS, and MSE with reweighing) and ``linear_ce_with_ntl`` (uneven chunks)
    against the float64 reference of ``tests/helpers/reference.py``, loss and gradients; bf16 and
    fp16 logits gradients rounded once (in half-ulps of the float64 gradient), the kernel and the
    PyTorch path alike; the chunked op without gradients launches the statistics kernel only.
-5. Selection: ``enabled`` is False on the CPU and after ``set_triton_kernels(False)``.
+5. Selection per call: ``impl="torch"`` launches no kernel and ``impl="triton"`` does, call after call in
+   one process; ``impl="auto"`` takes them nowhere by default; ``impl="triton"`` where they cannot run
+   is refused; the deprecated ``set_triton_kernels`` warns and still steers ``auto``.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def test_interpreter_tests_in_their_own_process():
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
 
 from ntl_scale.kernels import triton_ce_ntl as tk  # noqa: E402
-from ntl_scale.parallel import ShardInputs, ShardMath  # noqa: E402
+from ntl_scale.parallel import ShardInputs, ShardMath, combine_kernel_stats  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +124,7 @@ def test_stats_match_float64(dtype, start, width):
     logits, labels, ids, a = _problem(dtype=dtype)
     inputs = _inputs(labels, ids, a, start, width)
     shard = logits[:, start : start + width].to(DEVICE)  # a strided view: the row stride is V
-    target = tk.local_target(inputs, width)
+    target = inputs.local_target(width)
     got = tk.shard_stats(shard, target, inputs.number_cols, inputs.a_table, block_v=32).double().cpu()
     a32 = a.float().double()  # the kernel reads the fp32 table
     want = _reference_stats(logits.double(), labels, ids, a32, start, width)
@@ -133,7 +135,7 @@ def test_stats_float64_logits_stay_float64():
     logits, labels, ids, a = _problem(dtype=torch.float64)
     inputs = _inputs(labels, ids, a, 0, 203)
     inputs.a_table = inputs.a_table.double()
-    got = tk.shard_stats(logits.to(DEVICE), tk.local_target(inputs, 203), inputs.number_cols, inputs.a_table)
+    got = tk.shard_stats(logits.to(DEVICE), inputs.local_target(203), inputs.number_cols, inputs.a_table)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got.cpu(), _reference_stats(logits, labels, ids, a.float().double(), 0, 203))
 
@@ -144,10 +146,8 @@ def test_nan_logits_give_nan_sums():
     logits[2, 50] = float("nan")  # not a number column
     logits[4, 64] = float("nan")  # a number column
     inputs = _inputs(labels, ids, a, 0, 203)
-    got = tk.shard_stats(
-        logits.to(DEVICE), tk.local_target(inputs, 203), inputs.number_cols, inputs.a_table, block_v=32
-    )
-    _, _, sums = tk.combine(got)
+    got = tk.shard_stats(logits.to(DEVICE), inputs.local_target(203), inputs.number_cols, inputs.a_table, block_v=32)
+    _, _, sums = combine_kernel_stats(got, None)
     assert torch.isnan(sums[2, 0]) and torch.isnan(sums[4, 0]) and torch.isnan(sums[4, 2])
     finite = [0, 1, 3, 5, 6, 7, 8]
     assert torch.isfinite(sums[finite]).all() and not torch.isnan(sums[2, 2])
@@ -179,8 +179,8 @@ def _run_ranks(fn, ranks):
         results[rank] = fn(rank)
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(tk.dist, "all_reduce", all_reduce)
-    patch.setattr(tk.dist, "get_world_size", lambda group=None: ranks)
+    patch.setattr(torch.distributed, "all_reduce", all_reduce)
+    patch.setattr(torch.distributed, "get_world_size", lambda group=None: ranks)
     try:
         threads = [threading.Thread(target=worker, args=(r,)) for r in range(ranks)]
         for t in threads:
@@ -198,10 +198,10 @@ def test_tp_shards_combine_to_the_full_softmax():
     bounds = [(0, 64), (64, 76), (140, 63)]
     inputs = [_inputs(labels, ids, a, s, w) for s, w in bounds]
     local = [
-        tk.shard_stats(logits[:, s : s + w].to(DEVICE), tk.local_target(i, w), i.number_cols, i.a_table, block_v=16)
+        tk.shard_stats(logits[:, s : s + w].to(DEVICE), i.local_target(w), i.number_cols, i.a_table, block_v=16)
         for (s, w), i in zip(bounds, inputs)
     ]  # kernels first, one at a time (the interpreter is not thread-safe); only the collectives in threads
-    results, calls = _run_ranks(lambda r: tk.combine(local[r], tp_group=object()), 3)
+    results, calls = _run_ranks(lambda r: combine_kernel_stats(local[r], object()), 3)
     assert calls.count(torch.distributed.ReduceOp.MAX) == 3 and calls.count(torch.distributed.ReduceOp.SUM) == 3
     z = logits.double()
     m = z.max(1).values
@@ -246,13 +246,13 @@ def _kernel_grad(logits, labels, ids, a, bounds, grads, *, inplace, rows=None):
     inputs = [_inputs(labels, ids, a, s, w) for s, w in bounds]
     shards = [logits[:, s : s + w].contiguous().to(DEVICE) for s, w in bounds]
     local = [
-        tk.shard_stats(x, tk.local_target(i, x.shape[1]), i.number_cols, i.a_table, block_v=32)
+        tk.shard_stats(x, i.local_target(x.shape[1]), i.number_cols, i.a_table, block_v=32)
         for x, i in zip(shards, inputs)
     ]
     if len(bounds) == 1:
-        combined = {0: tk.combine(local[0])}
+        combined = {0: combine_kernel_stats(local[0], None)}
     else:
-        combined, _ = _run_ranks(lambda r: tk.combine(local[r], tp_group=object()), len(bounds))
+        combined, _ = _run_ranks(lambda r: combine_kernel_stats(local[r], object()), len(bounds))
     outs, terms = [], None
     for r, (x, i) in enumerate(zip(shards, inputs)):
         max_all, number_max, sums = combined[r]
@@ -265,8 +265,10 @@ def _kernel_grad(logits, labels, ids, a, bounds, grads, *, inplace, rows=None):
         out = x if inplace else torch.empty_like(x)
         for sl in rows or [slice(None)]:  # token chunks, as the chunked op calls it
             saved = tk.number_exp_of(x[sl], i.number_cols, number_max[sl]) if sl.start else None  # both ways
+            rows_in = i.rows(sl)
             part = tk.logits_grad_(
-                x[sl], out[sl], i.rows(sl), max_all[sl], sums[sl, 0], number_max[sl], sums[sl, 2], expect[sl],
+                x[sl], out[sl], rows_in.local_target(x.shape[1]), rows_in.number_cols, rows_in.a_table,
+                max_all[sl], sums[sl, 0], number_max[sl], sums[sl, 2], expect[sl],
                 mass[sl], tuple(t[sl] for t in g), saved, block_v=32,
             )  # fmt: skip
         outs.append(out)
@@ -344,7 +346,8 @@ def test_a_wrong_gradient_is_caught():
 
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
-    """The ops take the kernel path for CPU tensors too (interpreter); counts the kernel launches."""
+    """Counts the kernel launches (the ops take the kernels with ``impl="triton"``: the interpreter runs them
+    on CPU tensors)."""
     calls = {"stats": 0, "grad": 0}
     stats, grad = tk.shard_stats, tk.softmax_grad_
 
@@ -356,8 +359,6 @@ def kernels_on_cpu(monkeypatch):
         calls["grad"] += 1
         return grad(*args, **kwargs)
 
-    monkeypatch.setattr(tk, "_ENABLED", True)
-    monkeypatch.setattr(tk, "enabled", lambda tensor: tk._ENABLED and not torch.compiler.is_compiling())
     monkeypatch.setattr(tk, "shard_stats", counted_stats)
     monkeypatch.setattr(tk, "softmax_grad_", counted_grad)
     return calls
@@ -397,7 +398,7 @@ def test_ce_with_ntl_uses_the_kernels_and_matches_float64(kernels_on_cpu, dtype,
     for inplace in (False, True) if dtype == torch.float32 else (False,):
         z = logits.to(DEVICE, copy=True).requires_grad_()
         work = z * 1 if inplace else z  # inplace needs a non-leaf buffer it may overwrite
-        got = ntl_scale.ce_with_ntl(work, labels.to(DEVICE), vocab, inplace=inplace, **options).loss
+        got = ntl_scale.ce_with_ntl(work, labels.to(DEVICE), vocab, inplace=inplace, impl="triton", **options).loss
         got.backward()
         torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-6)
         atol = 1e-6 if dtype == torch.float32 else 1e-2 * float(x64.grad.abs().max())
@@ -415,7 +416,7 @@ def test_linear_ce_with_ntl_uses_the_kernels_and_matches_float64(kernels_on_cpu,
     want = _op_reference(h64 @ w64.t(), labels, vocab)
     want.backward()
     h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
-    got = ntl_scale.linear_ce_with_ntl(h, w, labels.to(DEVICE), vocab, chunk_tokens=4).loss  # chunks 4, 4, 3
+    got = ntl_scale.linear_ce_with_ntl(h, w, labels.to(DEVICE), vocab, chunk_tokens=4, impl="triton").loss  # 4, 4, 3
     got.backward()
     rtol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double().cpu(), want, rtol=rtol, atol=1e-6)
@@ -435,10 +436,10 @@ def test_linear_ce_with_ntl_without_gradients_launches_the_statistics_only(kerne
     want = _op_reference(hidden.double() @ weight.double().t(), labels, vocab)
     h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
     with torch.no_grad():
-        got = ntl_scale.linear_ce_with_ntl(h, w, labels.to(DEVICE), vocab, chunk_tokens=4).loss  # 3 chunks
+        got = ntl_scale.linear_ce_with_ntl(h, w, labels.to(DEVICE), vocab, chunk_tokens=4, impl="triton").loss
     assert kernels_on_cpu["stats"] == 3 and kernels_on_cpu["grad"] == 0
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-6)
-    with_grad = ntl_scale.linear_ce_with_ntl(h, w, labels.to(DEVICE), vocab, chunk_tokens=4).loss
+    with_grad = ntl_scale.linear_ce_with_ntl(h, w, labels.to(DEVICE), vocab, chunk_tokens=4, impl="triton").loss
     assert torch.equal(with_grad.detach(), got) and kernels_on_cpu["grad"] == 3
 
 
@@ -485,12 +486,9 @@ def test_half_precision_gradient_is_rounded_once(kernels_on_cpu, dtype, options)
     want = x64.grad
     bounds = {}
     for use_kernels in (True, False):
-        previous = tk.set_triton_kernels(use_kernels)
-        try:
-            z = logits.to(DEVICE, copy=True).requires_grad_()
-            ntl_scale.ce_with_ntl(z, labels.to(DEVICE), vocab, **options).loss.backward()
-        finally:
-            tk.set_triton_kernels(previous)
+        z = logits.to(DEVICE, copy=True).requires_grad_()
+        impl = "triton" if use_kernels else "torch"
+        ntl_scale.ce_with_ntl(z, labels.to(DEVICE), vocab, impl=impl, **options).loss.backward()
         assert z.grad.dtype == dtype
         bounds[use_kernels] = float(_half_ulps(z.grad.cpu(), want, dtype).max())
     one_rounding = 2 if INTERPRETED and dtype == torch.bfloat16 else 1
@@ -502,19 +500,62 @@ def test_half_precision_gradient_is_rounded_once(kernels_on_cpu, dtype, options)
 # ------------------------------------------------------------------------- 5. selection
 
 
-def test_enabled_only_on_cuda_and_switchable():
-    assert tk._ENABLED is False  # opt-in until the kernels have run on a GPU
-    previous = tk.set_triton_kernels(True)
+def test_impl_is_chosen_per_call(kernels_on_cpu):
+    """No process-wide state: ``torch`` and ``triton`` alternate call by call, each with its own code, and
+    the two agree (float32: to rounding)."""
+    import ntl_scale
+
+    vocab, labels, hidden, weight = _op_problem(torch.float32)
+    logits = (hidden @ weight.t()).to(DEVICE)
+    losses = {}
+    for impl in ("torch", "triton", "torch", "triton"):
+        before = dict(kernels_on_cpu)
+        z = logits.clone().requires_grad_()
+        losses[impl] = ntl_scale.ce_with_ntl(z, labels.to(DEVICE), vocab, impl=impl).loss
+        losses[impl].backward()
+        launched = kernels_on_cpu["stats"] - before["stats"], kernels_on_cpu["grad"] - before["grad"]
+        assert launched == ((1, 1) if impl == "triton" else (0, 0)), (impl, launched)
+    torch.testing.assert_close(losses["triton"], losses["torch"], rtol=1e-6, atol=1e-6)
+    options = ntl_scale.NTLOptions(impl="triton")
+    before = kernels_on_cpu["stats"]
+    ntl_scale.per_token_ce_ntl(logits, labels.to(DEVICE), vocab, options)
+    ntl_scale.CEWithNTL(vocab, impl="triton")(logits, labels.to(DEVICE))
+    assert kernels_on_cpu["stats"] == before + 2
+
+
+def test_auto_takes_the_kernels_nowhere_by_default(kernels_on_cpu):
+    import ntl_scale
+
+    assert tk._ENABLED is False  # auto: the PyTorch code until the kernels have passed the GPU suite
+    assert tk.enabled(torch.zeros(1)) is False
+    vocab, labels, hidden, weight = _op_problem(torch.float32)
+    ntl_scale.ce_with_ntl((hidden @ weight.t()).to(DEVICE), labels.to(DEVICE), vocab)
+    ntl_scale.linear_ce_with_ntl(hidden.to(DEVICE), weight.to(DEVICE), labels.to(DEVICE), vocab, impl="auto")
+    assert kernels_on_cpu == {"stats": 0, "grad": 0}
+
+
+def test_triton_where_the_kernels_cannot_run_is_refused(monkeypatch):
+    """Outside the interpreter a CPU tensor cannot take the kernels: a ValueError naming the device and the fix."""
+    import ntl_scale
+
+    monkeypatch.setattr(tk, "interpreting", lambda: False)
+    vocab, labels, hidden, weight = _op_problem(torch.float32)
+    with pytest.raises(ValueError, match=r"impl='triton' .* CUDA tensors, but the logits are on cpu.*impl='auto'"):
+        ntl_scale.ce_with_ntl(hidden @ weight.t(), labels, vocab, impl="triton")
+    with pytest.raises(ValueError, match=r"impl='triton' .* on cpu"):
+        ntl_scale.linear_ce_with_ntl(hidden, weight, labels, vocab, impl="triton")
+
+
+def test_deprecated_switch_warns_and_still_steers_auto():
+    with pytest.warns(FutureWarning, match="impl='triton'"):
+        previous = tk.set_triton_kernels(True)
     try:
         assert previous is False
-        assert tk.enabled(torch.zeros(1)) is False  # CPU tensors never take the kernel path in the ops
+        assert tk._ENABLED is True
+        assert tk.enabled(torch.zeros(1)) is False  # CPU tensors never take the kernels under auto
     finally:
-        tk.set_triton_kernels(previous)
-    previous = tk.set_triton_kernels(False)
-    try:
-        if torch.cuda.is_available():
-            assert tk.enabled(torch.zeros(1, device="cuda")) is False
-    finally:
-        tk.set_triton_kernels(previous)
-    with pytest.raises(TypeError, match="True or False"):
+        with pytest.warns(FutureWarning):
+            tk.set_triton_kernels(previous)
+    assert tk._ENABLED is False
+    with pytest.warns(FutureWarning), pytest.raises(TypeError, match="True or False"):
         tk.set_triton_kernels("no")  # type: ignore[arg-type]

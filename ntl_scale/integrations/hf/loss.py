@@ -195,7 +195,8 @@ def apply_ntl(
         model: a ``transformers`` causal LM (``PreTrainedModel`` with a ``loss_function``).
         number_vocab: the number table over the model's vocabulary (``model.config.vocab_size``).
         ntl_weight: the NTL weight.
-        options: the NTL variant.
+        options: the NTL variant and ``impl`` (:class:`ntl_scale.NTLOptions`; the option spec,
+            :mod:`ntl_scale.options`, lists how the other front ends spell each).
         chunked: the hidden-state loss in training (bias-free linear head; Granite's ``logits_scaling``
             and Cohere's ``logit_scale`` are applied; soft-capped logits are refused).
         chunk_tokens: tokens per chunk of the hidden-state loss (default: about 2**26 logits per chunk).

@@ -1,6 +1,8 @@
 """Megatron (both routes): the ``--ntl-*`` flags, the validated :class:`NTLSettings` and the number table.
 
-* :func:`add_ntl_args`: the ``--ntl-*`` argument group, for Megatron's ``extra_args_provider``;
+* :func:`add_ntl_args`: the ``--ntl-*`` argument group, for Megatron's ``extra_args_provider``, built
+  from the option spec (:func:`ntl_scale.options.option_fields`): one flag per option, the same
+  names, choices and meanings as the YAML keys, and the defaults the spec declares for Megatron;
 * :class:`NTLSettings`: the validated settings (``NTLSettings.from_args(args)``);
 * :func:`build_number_vocab`: the number table for Megatron's tokenizer (``inv_vocab``) and padded
   vocabulary, or loaded from a saved JSON table.
@@ -16,12 +18,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ...losses import LOSS_KINDS, NTLOptions, check_number_level_table
+from ...losses import NTLOptions, check_number_level_table
 from ...number_vocab import NumberVocab
+from ...options import NORMALIZATIONS, OptionField, option_fields, surface_default, surface_name
 
 __all__ = ["NORMALIZATIONS", "VOCAB_RULES", "NTLSettings", "add_ntl_args", "build_number_vocab"]
 
-NORMALIZATIONS = ("micro-batch", "global")
 VOCAB_RULES = ("digits", "multi-digit")
 
 
@@ -41,6 +43,12 @@ class NTLSettings:
         chunked: compute CE + NTL from the hidden states and the output weight in token chunks,
             never materialising the logits (``--ntl-chunked``).
         chunk_tokens: tokens per chunk of the chunked route; None = the op's default.
+        float_level: ``number`` only: a decimal point between digits joins one number.
+        impl: ``auto``, ``torch`` or ``triton``: which code computes the loss (``--ntl-impl``).
+
+    The meaning of each is :mod:`ntl_scale.options`'s; the defaults are the spec's for Megatron
+    (``weight`` 0 and ``normalization`` ``micro-batch``: adding the flags changes nothing until
+    ``--ntl-weight`` is given).
     """
 
     weight: float = 0.0
@@ -52,6 +60,8 @@ class NTLSettings:
     normalization: str = "micro-batch"
     chunked: bool = False
     chunk_tokens: int | None = None
+    float_level: bool = False
+    impl: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight) or self.weight < 0:
@@ -64,7 +74,7 @@ class NTLSettings:
             raise ValueError("--ntl-number-vocab must be 'digits', 'multi-digit' or the path of a saved table")
         if self.chunk_tokens is not None and (not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1):
             raise ValueError(f"--ntl-chunk-tokens must be a positive integer, got {self.chunk_tokens!r}")
-        self.options()  # validates loss, squash factor and Huber delta with the library's own checks
+        self.options()  # validates the variant and impl with the library's own checks
         if self.loss == "number" and self.number_vocab == "multi-digit":
             raise ValueError(
                 "--ntl-loss number assembles numbers from single-digit tokens and cannot read a multi-digit table "
@@ -80,23 +90,36 @@ class NTLSettings:
     def options(self) -> NTLOptions:
         """The library's :class:`~ntl_scale.NTLOptions` for these settings."""
         return NTLOptions(
-            loss=self.loss, squash_factor=self.squash_factor, reweigh=self.reweigh, huber_delta=self.huber_delta
+            loss=self.loss,
+            squash_factor=self.squash_factor,
+            reweigh=self.reweigh,
+            huber_delta=self.huber_delta,
+            float_level=self.float_level,
+            impl=self.impl,
         )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> NTLSettings:
-        """Reads the ``--ntl-*`` arguments of a parsed Megatron namespace."""
-        return cls(
-            weight=args.ntl_weight,
-            loss=args.ntl_loss,
-            number_vocab=args.ntl_number_vocab,
-            reweigh=args.ntl_reweigh,
-            squash_factor=args.ntl_squash_factor,
-            huber_delta=args.ntl_huber_delta,
-            normalization=args.ntl_normalization,
-            chunked=getattr(args, "ntl_chunked", False),
-            chunk_tokens=getattr(args, "ntl_chunk_tokens", None),
-        )
+        """Reads the ``--ntl-*`` arguments of a parsed Megatron namespace (:func:`add_ntl_args`).
+
+        ``--ntl-weight`` must be there; a flag a hand-made parser lacks takes its default.
+        """
+        values = {"weight": args.ntl_weight}
+        for option in option_fields():
+            dest = _dest(option)
+            values.setdefault(_field(option), getattr(args, dest, surface_default(option.name, "megatron")))
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _dest(option: OptionField) -> str:
+    """The namespace attribute of an option's flag (``--ntl-number-vocab`` -> ``ntl_number_vocab``)."""
+    flag = str(surface_name(option.name, "megatron"))  # every option has one (tests/unit/test_options_surfaces.py)
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _field(option: OptionField) -> str:
+    """The :class:`NTLSettings` field of an option: its name, but ``number_vocab`` for ``digit_level``."""
+    return "number_vocab" if option.name == "digit_level" else option.name
 
 
 def _non_negative_float(text: str) -> float:
@@ -126,6 +149,27 @@ def _squash(text: str) -> float:
     return value
 
 
+# How a flag parses its text, where not by its choices or as a switch.
+_PARSERS = {"weight": _non_negative_float, "squash_factor": _squash, "huber_delta": _non_negative_float,
+            "chunk_tokens": _positive_int}  # fmt: skip
+# Help where the spec's text does not fit a flag (another default, another spelling).
+_HELP = {
+    "weight": "weight of NTL; 0 (default) = off, 0.3 in the paper",
+    "digit_level": "'digits' (default), 'multi-digit', or the path of a table saved with NumberVocab.save",
+    "normalization": "NTL mean per micro-batch (default, the paper's) or over the global batch (split-invariant)",
+}
+
+
+def _help(option: OptionField) -> str:
+    """The spec's first sentence of ``option``'s documentation, without markup, and the default."""
+    if option.name in _HELP:
+        return _HELP[option.name]
+    text = " ".join(option.doc.replace("``", "").split())
+    first = text.split(". ")[0].rstrip(".")
+    default = surface_default(option.name, "megatron")
+    return first if isinstance(default, bool) or default is None else f"{first} (default: {default})"
+
+
 def add_ntl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the ``--ntl-*`` group; pass it as (or call it from) Megatron's ``extra_args_provider``.
 
@@ -136,30 +180,20 @@ def add_ntl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         The same parser.
     """
     group = parser.add_argument_group("number token loss (ntl_scale)")
-    group.add_argument(
-        "--ntl-weight", type=_non_negative_float, default=0.0, help="weight of NTL; 0 (default) = off, 0.3 in the paper"
-    )
-    group.add_argument("--ntl-loss", choices=LOSS_KINDS, default="was", help="NTL variant (default: was)")
-    group.add_argument(
-        "--ntl-number-vocab",
-        default="digits",
-        help="'digits' (default), 'multi-digit', or the path of a table saved with NumberVocab.save",
-    )
-    group.add_argument("--ntl-reweigh", action="store_true", help="reweigh by the number-token probability mass")
-    group.add_argument("--ntl-squash-factor", type=_squash, default=None, help="NTL-WAS distance squashing (> 1)")
-    group.add_argument("--ntl-huber-delta", type=_non_negative_float, default=1.0, help="Huber threshold")
-    group.add_argument(
-        "--ntl-normalization",
-        choices=NORMALIZATIONS,
-        default="micro-batch",
-        help="NTL mean per micro-batch (paper) or over the global batch (split-invariant)",
-    )
-    group.add_argument(
-        "--ntl-chunked",
-        action="store_true",
-        help="CE + NTL from the hidden states in token chunks, never materialising the logits",
-    )
-    group.add_argument("--ntl-chunk-tokens", type=_positive_int, default=None, help="tokens per chunk of --ntl-chunked")
+    weight_first = sorted(option_fields(), key=lambda option: option.name != "weight")
+    for option in weight_first:
+        flag = str(surface_name(option.name, "megatron"))
+        default = surface_default(option.name, "megatron")
+        kwargs: dict[str, Any] = {"default": default, "help": _help(option)}
+        if option.name == "digit_level":
+            pass  # --ntl-number-vocab: a rule or a path (VOCAB_RULES), checked when the table is built
+        elif option.type == "bool":
+            kwargs["action"] = "store_true"  # every boolean option defaults to False
+        elif option.choices is not None:
+            kwargs["choices"] = option.choices
+        else:
+            kwargs["type"] = _PARSERS[option.name]
+        group.add_argument(flag, **kwargs)
     return parser
 
 

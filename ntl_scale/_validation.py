@@ -1,0 +1,207 @@
+"""Checks of user input to the losses: shapes, dtypes, label ids, the logits' width, weights, options.
+
+Each check raises a ValueError (TypeError for a wrong type) that names the value, what was expected
+and the fix. Checks of device values (label ids, loss weights) go through
+:func:`ntl_scale._checks.device_check`: no host synchronisation unless ``set_debug_checks(True)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import device_check
+from .number_vocab import NumberVocab
+from .options import REDUCTIONS, NTLOptions
+
+__all__ = [
+    "check_float_level",
+    "check_inputs",
+    "check_ntl_weight",
+    "check_number_level_table",
+    "check_reduction",
+    "check_weights",
+    "check_width",
+]
+
+
+def check_inputs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions,
+    tp_size: int,
+    vocab_start: int | None = None,
+    source: str = "the logits' last dimension",
+) -> int:
+    """Validates user input; returns the global vocabulary size (the table's ``vocab_size``).
+
+    The logits' width is checked against the table (:func:`check_width`); ``source`` names what
+    holds the columns in the messages (the chunked op passes the output weight's rows).
+    """
+    if not isinstance(vocab, NumberVocab):
+        raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
+    if not isinstance(logits, torch.Tensor) or not torch.is_floating_point(logits):
+        kind = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise TypeError(f"logits must be a floating-point tensor (fp32/bf16/fp16/fp64), got {kind}")
+    if not isinstance(labels, torch.Tensor) or labels.dtype in (torch.bool,) or labels.is_floating_point():
+        kind = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise TypeError(f"labels must be an integer tensor of token ids (torch.long), got {kind}")
+    if labels.is_complex():
+        raise TypeError(f"labels must be an integer tensor of token ids (torch.long), got {labels.dtype}")
+    if logits.dim() < 2:
+        raise ValueError(f"logits must have shape [..., vocab] with at least 2 dims, got {tuple(logits.shape)}")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab dim "
+            f"{tuple(logits.shape[:-1])}; shift labels and logits to the same length first"
+        )
+    global_vocab = check_width(logits.shape[-1], vocab, tp_size, vocab_start, source)
+    if labels.numel():
+        bad = (labels != options.ignore_index) & ((labels < 0) | (labels >= global_vocab))
+
+        def error() -> ValueError:
+            value = int(labels[bad].flatten()[0])
+            return ValueError(
+                f"label id {value} is outside [0, {global_vocab}) and is not ignore_index="
+                f"{options.ignore_index}; mask padding with ignore_index or pass the right ignore_index"
+            )
+
+        device_check(~bad.any(), error, f"a label id is outside [0, {global_vocab}) and is not ignore_index")
+    return global_vocab
+
+
+def check_width(width: int, vocab: NumberVocab, tp_size: int, vocab_start: int | None, source: str) -> int:
+    """Refuses logits whose width is neither the table's ``vocab_size`` nor, under TP, its shard's.
+
+    A shape check (host values, no sync). Wider logits would add columns the table never knew to
+    the softmax (CE, the number-token mass of ``reweigh``); narrower ones would lose columns. Without
+    ``vocab_start`` the shard is Megatron's even split, ``vocab_size / tp`` columns; with it (an uneven
+    split) ``[vocab_start, vocab_start + width)`` must lie inside the vocabulary, and on one device
+    cover it. Returns the global vocabulary size.
+    """
+    size = vocab.vocab_size
+    fix = (
+        "build the number table for the model's output size, e.g. NumberVocab.from_tokenizer(tokenizer, "
+        "vocab_size=model.config.vocab_size) (Megatron: its padded vocabulary, ntl_scale.pad_vocab_size), "
+        "or vocab.with_vocab_size(N)"
+    )
+    if vocab_start is not None:
+        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+            raise ValueError(
+                f"vocab_start must be an integer >= 0 (this shard's first vocabulary id), got {vocab_start!r}"
+            )
+        if vocab_start + width > size:
+            raise ValueError(
+                f"the shard [{vocab_start}, {vocab_start + width}) ({source} {width} from vocab_start={vocab_start}) "
+                f"reaches past the vocabulary of {size} (the number table's vocab_size); {fix}"
+            )
+        if tp_size == 1 and (vocab_start, width) != (0, size):
+            raise ValueError(
+                f"without a tensor-parallel group the columns must cover the number table's whole vocabulary "
+                f"[0, {size}), got [{vocab_start}, {vocab_start + width}) ({source} {width}, vocab_start="
+                f"{vocab_start}); pass tp_group for a shard, or {fix}"
+            )
+        return size
+    if tp_size == 1:
+        if width != size:
+            raise ValueError(
+                f"{source} is {width} but the number table was built for vocab_size={size}; they must be equal "
+                f"(the softmax runs over every column). Fix: {fix}, here N={width}"
+            )
+        return size
+    if size % tp_size:
+        raise ValueError(
+            f"the number table's vocab_size {size} is not divisible by tp={tp_size}, so its even shards are "
+            f"undefined ({source} is {width}); build the table with the padded vocabulary "
+            f"(ntl_scale.pad_vocab_size({size}, tp_size={tp_size})), or pass vocab_start for an uneven split"
+        )
+    if width != size // tp_size:
+        raise ValueError(
+            f"{source} is {width} on this rank but the number table's vocab_size={size} over tp={tp_size} gives "
+            f"{size // tp_size} per rank; they must be equal. Fix: {fix}, here N={width * tp_size}; for an "
+            "uneven split pass vocab_start"
+        )
+    return size
+
+
+def check_weights(loss_weights: torch.Tensor | None, labels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``loss_weights`` shaped like the labels, finite and >= 0, cast to ``dtype`` on the labels' device (or None)."""
+    if loss_weights is None:
+        return None
+    if not isinstance(loss_weights, torch.Tensor):
+        raise TypeError(f"loss_weights must be a tensor shaped like labels, got {type(loss_weights).__name__}")
+    if tuple(loss_weights.shape) != tuple(labels.shape):
+        raise ValueError(
+            f"loss_weights shape {tuple(loss_weights.shape)} must equal the labels shape {tuple(labels.shape)}"
+        )
+    weights = loss_weights.to(device=labels.device, dtype=dtype)
+    if weights.numel():
+        bad = ~torch.isfinite(weights) | (weights < 0)
+
+        def error() -> ValueError:
+            value = weights[bad].flatten()[0].item()
+            return ValueError(f"loss_weights must be finite and >= 0, found {value}; use 0 to mask a position")
+
+        device_check(~bad.any(), error, "loss_weights must be finite and >= 0")
+    return weights
+
+
+def check_reduction(reduction: str) -> None:
+    """Refuses a reduction that is not one of ``REDUCTIONS``."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")
+
+
+def check_ntl_weight(ntl_weight: float) -> None:
+    """Refuses an NTL weight that is not a number >= 0."""
+    if isinstance(ntl_weight, bool) or not isinstance(ntl_weight, (int, float)) or ntl_weight < 0:
+        raise ValueError(f"ntl_weight must be a number >= 0, got {ntl_weight!r}")
+
+
+def check_number_level_table(vocab: NumberVocab) -> None:
+    """Refuses a number table that number-level NTL (``loss="number"``) cannot read.
+
+    Number-level NTL rebuilds a number from a run of digit labels, one decimal digit per position; a
+    token worth ``123`` or ``-4`` or ``0.5``, or a digit with a word prefix (``"▁3"``, which starts a
+    new word), would be weighted as one digit and assemble a wrong number. The table must therefore
+    hold single digits only: at most the ten values 0-9, each once, and (when the table knows its
+    token strings) each token exactly one ASCII digit, as ``NumberVocab.from_tokenizer(tokenizer,
+    digit_level=True)`` builds it.
+
+    Raises:
+        ValueError: naming the offending entry and the fix.
+    """
+    cached = getattr(vocab, "_ntl_digit_table_ok", None)
+    if cached is True:
+        return
+    problem = None
+    tokens = vocab.tokens
+    if len(vocab) > 10:
+        problem = f"it has {len(vocab)} number tokens (a digit table has at most the ten digits 0-9)"
+    else:
+        values = vocab.values.tolist()
+        for i, value in enumerate(values):
+            token = None if tokens is None else tokens[i]
+            shown = f"{token!r} (value {value:g})" if token is not None else f"value {value:g}"
+            if value not in range(10):
+                problem = f"its token {shown} is not a single digit 0-9"
+            elif values.count(value) > 1:
+                problem = f"the digit {value:g} appears {values.count(value)} times (e.g. {shown})"
+            elif token is not None and not (len(token) == 1 and token in "0123456789"):
+                problem = f"its token {shown} is not exactly one ASCII digit (a prefixed or multi-character token)"
+            if problem:
+                break
+    if problem is not None:
+        raise ValueError(
+            f'loss="number" assembles numbers from single-digit tokens, but the number table cannot be read so: '
+            f"{problem}. Build a digit table with NumberVocab.from_tokenizer(tokenizer, digit_level=True) "
+            "(Megatron: --ntl-number-vocab digits; train config: ntl.digit_level=true), or use a token-level "
+            'loss ("was", "mse", "mae", "huber") with this table'
+        )
+    object.__setattr__(vocab, "_ntl_digit_table_ok", True)  # the table is immutable: check it once
+
+
+def check_float_level(vocab: NumberVocab, options: NTLOptions) -> None:
+    """Refuses ``float_level=True`` with a number table that does not know the ``'.'`` token."""
+    if options.loss == "number" and options.float_level and vocab.decimal_point_id is None:
+        raise ValueError("float_level=True needs the '.' token id; the number table has no decimal_point_id")

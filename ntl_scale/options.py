@@ -1,0 +1,380 @@
+"""The NTL option spec: every option once, with its type, default and meaning.
+
+Two dataclasses hold the options, each field documented once (the attribute docstring under it):
+
+* :class:`NTLOptions`: what one loss call computes (the variant: ``loss``, ``squash_factor``,
+  ``reweigh``, ``huber_delta``, ``float_level``), which labels it ignores, and which code computes it
+  (``impl``); frozen, passed to :func:`ntl_scale.per_token_ce_ntl`, :func:`ntl_scale.linear_ce_ntl`
+  and every integration.
+* :class:`NTLRunOptions`: the options of a training run beside the variant: the NTL ``weight``, the
+  number table (``digit_level``), the ``normalization``, and the chunked route (``chunked``,
+  ``chunk_tokens``).
+
+Every front end is built from or checked against these two (:func:`option_fields` lists them for a
+new front end, such as a torchtitan ``BaseLoss.Config``; :func:`surface_name` and
+:func:`surface_default` say how each front end spells an option and which defaults differ there, and
+why):
+
+========================  ===============================  ===============================  ============================
+option                    YAML (``launch/train.py``)       Megatron (both routes)           ``apply_ntl`` (Hugging Face)
+========================  ===============================  ===============================  ============================
+``loss`` ... ``impl``     ``ntl.<name>``                   ``--ntl-<name>``                 ``options=NTLOptions(...)``
+``weight``                ``ntl.weight``                   ``--ntl-weight`` (default 0)     ``ntl_weight``
+``digit_level``           ``ntl.digit_level``              ``--ntl-number-vocab``           a ``NumberVocab`` argument
+``normalization``         ``ntl.normalization``            ``--ntl-normalization``          ``num_items_in_batch``
+                                                           (default ``micro-batch``)
+``chunked``               ``train.chunked_loss``           ``--ntl-chunked``                ``chunked``
+``chunk_tokens``          ``train.loss_chunk_tokens``      ``--ntl-chunk-tokens``           ``chunk_tokens``
+========================  ===============================  ===============================  ============================
+
+``tests/unit/test_options_surfaces.py`` introspects each front end (the YAML dataclass, the argparse
+parser, ``apply_ntl``'s signature) and fails when an option is missing there or has another default
+than this module declares.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import itertools
+import textwrap
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .number_vocab import NumberVocab
+
+__all__ = [
+    "IMPLS",
+    "LOSS_KINDS",
+    "NORMALIZATIONS",
+    "REDUCTIONS",
+    "SURFACES",
+    "NTLOptions",
+    "NTLRunOptions",
+    "OptionField",
+    "check_impl",
+    "option_fields",
+    "surface_default",
+    "surface_name",
+]
+
+LOSS_KINDS = ("was", "mse", "mae", "huber", "number")
+"""The NTL variants: Wasserstein-1 (the paper's default), the point losses of the expected value, and
+number-level symmetric MAPE."""
+NORMALIZATIONS = ("global", "micro-batch")
+"""How a step's loss is normalised: sum over the global batch / its global count, or a mean per micro-batch."""
+REDUCTIONS = ("mean", "sum", "none")
+"""How the loss functions reduce per-token terms: a weighted mean, a sum, or none (per token)."""
+IMPLS = ("auto", "torch", "triton")
+"""Which code computes the fused CE + NTL statistics (``docs/kernels.md``)."""
+
+
+def check_impl(impl: object) -> str:
+    """Returns ``impl`` when it is one of :data:`IMPLS`; otherwise a ValueError naming it and the choices."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(
+            f"unknown impl {impl!r}; expected one of {', '.join(map(repr, IMPLS))}: 'auto' (the default: the "
+            "PyTorch code, until the Triton kernels have passed the GPU suite), 'torch' (always the PyTorch code) "
+            "or 'triton' (the Triton kernels; CUDA tensors, triton installed)"
+        )
+    return impl
+
+
+@dataclass(frozen=True)
+class NTLOptions:
+    """Which NTL variant one loss call computes, and with which code.
+
+    ``NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index)`` positionally,
+    as before ``impl`` was added; invalid values raise a ValueError (TypeError for a wrong type)
+    naming the value and the fix.
+    """
+
+    loss: str = "was"
+    """``was`` (Wasserstein-1 between the number-token distribution and the label, the paper's
+    default), ``mse``, ``mae``, ``huber`` (point loss of the expected value) or ``number``
+    (number-level symmetric MAPE of whole numbers rebuilt from digit tokens; needs a digit table)."""
+    squash_factor: float | None = None
+    """``was`` only: map the nonzero distances onto ``[1, squash_factor]`` (> 1); None: ``|v_k - t|``."""
+    reweigh: bool = False
+    """Scale NTL by the probability mass on number tokens and charge the rest ``1.01 * max loss``
+    (the reference's default; not used in the paper)."""
+    huber_delta: float = 1.0
+    """``huber`` only: the threshold between the quadratic and the linear part (> 0)."""
+    float_level: bool = False
+    """``number`` only: a decimal point between two digits joins them into one number."""
+    ignore_index: int = -100
+    """The label value that carries no loss (a per-call argument: run configs mask with -100)."""
+    impl: str = "auto"
+    """Which code computes the fused statistics: ``auto`` (the PyTorch code today; the Triton kernels
+    on CUDA once they have passed the GPU suite), ``torch``, or ``triton`` (CUDA tensors, ``triton``
+    installed; the PyTorch code while ``torch.compile`` traces). The numbers agree to rounding."""
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSS_KINDS:
+            raise ValueError(f"unknown NTL loss {self.loss!r}; expected one of {LOSS_KINDS}")
+        if self.squash_factor is not None:
+            if self.loss != "was":
+                raise ValueError(f"squash_factor applies to loss='was' only, got loss={self.loss!r}")
+            if isinstance(self.squash_factor, bool) or not isinstance(self.squash_factor, (int, float)):
+                raise TypeError(f"squash_factor must be a number > 1 or None, got {self.squash_factor!r}")
+            if not self.squash_factor > 1:
+                raise ValueError(
+                    f"squash_factor must be > 1 (1 would turn NTL-WAS into cross entropy), got {self.squash_factor}"
+                )
+        if not isinstance(self.huber_delta, (int, float)) or not self.huber_delta > 0:
+            raise ValueError(f"huber_delta must be a number > 0, got {self.huber_delta!r}")
+        if self.float_level and self.loss != "number":
+            raise ValueError(f"float_level applies to loss='number' only, got loss={self.loss!r}")
+        if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        check_impl(self.impl)
+
+    def point_loss(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Element-wise loss between an expected value and its target (mse/mae/huber)."""
+        if self.loss == "mse":
+            return (pred - target).square()
+        if self.loss == "mae":
+            return (pred - target).abs()
+        return F.huber_loss(pred, target, reduction="none", delta=float(self.huber_delta))
+
+    def max_loss(self, vocab: NumberVocab) -> torch.Tensor:
+        """The largest value the per-token loss can take (the reweighing constant's base).
+
+        A 0-dim float64 CPU tensor (usable with tensors on any device, like a Python number): no
+        host read, so ``torch.compile`` traces it without a graph break.
+        """
+        if self.loss == "number":
+            return torch.ones((), dtype=torch.float64)
+        if self.loss == "was":
+            return vocab.distance_table(self.squash_factor).max().double()
+        low, high = vocab.values.min(), vocab.values.max()
+        return torch.maximum(self.point_loss(low, high).abs(), self.point_loss(high, low).abs()).double()
+
+
+@dataclass
+class NTLRunOptions:
+    """The NTL options of a training run: the variant of :class:`NTLOptions` and the run-level choices.
+
+    The ``ntl`` section of ``launch/train.py``'s config is this class
+    (:class:`ntl_scale.training.config.NTLConfig`); Megatron's ``--ntl-*`` flags and ``apply_ntl``'s
+    arguments are built from or checked against it. The variant fields mean what they mean in
+    :class:`NTLOptions` (their defaults are checked to agree); ``chunked`` and ``chunk_tokens`` are
+    listed by :func:`option_fields` but live in the ``train`` section of a run config
+    (``train.chunked_loss``, ``train.loss_chunk_tokens``), so they are not fields here.
+    """
+
+    weight: float = 0.3
+    """Weight of NTL in ``CE + weight * NTL`` (0.3 in the paper); 0 trains with CE alone."""
+    loss: str = "was"
+    """The NTL variant: ``was``, ``mse``, ``mae``, ``huber`` or ``number`` (:attr:`NTLOptions.loss`)."""
+    reweigh: bool = False
+    """Reweigh by the probability mass on number tokens (:attr:`NTLOptions.reweigh`)."""
+    squash_factor: float | None = None
+    """NTL-WAS distance squashing (> 1) (:attr:`NTLOptions.squash_factor`)."""
+    digit_level: bool = True
+    """Number table of the ten digits (True) or of multi-digit tokens (False); ``loss=number`` needs digits."""
+    normalization: str = "global"
+    """``global`` (sum / count of the whole global batch) or ``micro-batch`` (mean per micro-batch)."""
+    huber_delta: float = 1.0
+    """The Huber threshold (> 0) (:attr:`NTLOptions.huber_delta`)."""
+    float_level: bool = False
+    """``loss=number``: a decimal point between digits joins one number (:attr:`NTLOptions.float_level`)."""
+    impl: str = "auto"
+    """``auto``, ``torch`` or ``triton``: which code computes the loss (:attr:`NTLOptions.impl`)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not self.weight >= 0:
+            raise ValueError(f"ntl.weight must be a number >= 0 (0.3 in the paper, 0 = CE alone), got {self.weight!r}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"ntl.normalization must be 'global' or 'micro-batch', got {self.normalization!r}")
+        if self.loss == "number" and not self.digit_level:
+            raise ValueError(
+                "ntl.loss=number assembles numbers from single-digit tokens and cannot read the multi-digit table "
+                "of ntl.digit_level=false (a token worth 123 would count as one digit); set ntl.digit_level=true, "
+                "or use a token-level ntl.loss (was, mse, mae, huber) with the multi-digit table"
+            )
+        self.options()  # the variant, with the library's own checks
+
+    def options(self, ignore_index: int = -100) -> NTLOptions:
+        """The :class:`NTLOptions` of this run (the variant and ``impl``)."""
+        return NTLOptions(
+            loss=self.loss,
+            squash_factor=self.squash_factor,
+            reweigh=self.reweigh,
+            huber_delta=self.huber_delta,
+            float_level=self.float_level,
+            ignore_index=ignore_index,
+            impl=self.impl,
+        )
+
+
+# ---------------------------------------------------------------------------------- the spec
+
+
+@dataclass(frozen=True)
+class OptionField:
+    """One option of the spec (:func:`option_fields`).
+
+    Attributes:
+        name: the option's name (the field name in :class:`NTLOptions` / :class:`NTLRunOptions`).
+        type: its annotation as written (``"float | None"``).
+        default: its default.
+        doc: its attribute docstring.
+        choices: the allowed strings, for options that take one of a few (else None).
+        level: ``variant`` (an :class:`NTLOptions` field), ``run`` (an :class:`NTLRunOptions` field) or
+            ``route`` (the chunked route: ``chunked``, ``chunk_tokens``).
+    """
+
+    name: str
+    type: str
+    default: Any
+    doc: str
+    choices: tuple[str, ...] | None
+    level: str
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {"loss": LOSS_KINDS, "normalization": NORMALIZATIONS, "impl": IMPLS}
+
+# The chunked route: how the logits are obtained, not what the loss is, so not a field of the YAML
+# ``ntl`` section (a run config spells them train.chunked_loss / train.loss_chunk_tokens).
+_ROUTE = (
+    OptionField(
+        "chunked",
+        "bool",
+        False,
+        "CE + NTL from the final hidden states and the output weight in token chunks, never materialising "
+        "the [tokens, vocab] logits (ntl_scale.linear_ce_ntl).",
+        None,
+        "route",
+    ),
+    OptionField(
+        "chunk_tokens",
+        "int | None",
+        None,
+        "Tokens per chunk of the chunked loss (None: about 2**26 logits per chunk).",
+        None,
+        "route",
+    ),
+)
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass (a string literal right under a field), by field name."""
+    node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    if not isinstance(node, ast.ClassDef):
+        raise TypeError(f"attribute_docs takes a class, got {cls!r}")
+    body = node.body
+    docs = {}
+    for field, after in itertools.pairwise(body):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[field.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+@functools.lru_cache(maxsize=1)
+def option_fields() -> tuple[OptionField, ...]:
+    """Every NTL option a front end exposes, with its type, default, documentation and choices.
+
+    The variant fields of :class:`NTLOptions` (without ``ignore_index``, a per-call argument), then
+    the run-level fields of :class:`NTLRunOptions` (``weight``, ``digit_level``, ``normalization``),
+    then the chunked route (``chunked``, ``chunk_tokens``). The hook for a new front end: a torchtitan
+    ``BaseLoss.Config``, a CLI, a config schema can be generated from this list.
+    """
+    fields: list[OptionField] = []
+    for cls, level in ((NTLOptions, "variant"), (NTLRunOptions, "run")):
+        docs = attribute_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "ignore_index" or any(o.name == f.name for o in fields):
+                continue
+            fields.append(OptionField(f.name, str(f.type), f.default, docs[f.name], _CHOICES.get(f.name), level))
+    return (*fields, *_ROUTE)
+
+
+def option_field(name: str) -> OptionField:
+    """The :class:`OptionField` called ``name`` (ValueError naming the known options otherwise)."""
+    for option in option_fields():
+        if option.name == name:
+            return option
+    raise ValueError(f"unknown NTL option {name!r}; the options are {[o.name for o in option_fields()]}")
+
+
+# ---------------------------------------------------------------------------------- the front ends
+
+SURFACES = ("yaml", "megatron", "hf")
+"""The front ends: ``yaml`` (``launch/train.py``'s run config), ``megatron`` (the ``--ntl-*`` flags of
+both Megatron routes), ``hf`` (``apply_ntl``: its keyword arguments, the variant in ``options=``)."""
+
+# How a front end spells an option where its rule (yaml: ntl.<name>; megatron: --ntl-<name with
+# dashes>; hf: options.<name> for the variant, <name> otherwise) does not give it. None: the option
+# is not an argument of that front end, for the reason given.
+_SPELLING: dict[str, dict[str, tuple[str | None, str]]] = {
+    "yaml": {
+        "chunked": ("train.chunked_loss", "the chunked route is a train-section choice"),
+        "chunk_tokens": ("train.loss_chunk_tokens", "the chunked route is a train-section choice"),
+    },
+    "megatron": {
+        "digit_level": ("--ntl-number-vocab", "digits | multi-digit | the path of a saved table"),
+    },
+    "hf": {
+        "weight": ("ntl_weight", "apply_ntl(model, vocab, ntl_weight=...)"),
+        "digit_level": (None, "apply_ntl takes the NumberVocab itself (NumberVocab.from_tokenizer(digit_level=...))"),
+        "normalization": (None, "Hugging Face normalises by what num_items_in_batch carries (ntl_trainer_class)"),
+    },
+}
+
+# Defaults that differ on a front end, in that front end's spelling, and why.
+_DEFAULTS: dict[str, dict[str, tuple[Any, str]]] = {
+    "megatron": {
+        "weight": (0.0, "adding the flags leaves a Megatron run unchanged until --ntl-weight is given"),
+        "normalization": ("micro-batch", "Megatron averages each micro-batch's loss by default"),
+        "digit_level": ("digits", "--ntl-number-vocab digits is digit_level=True"),
+    },
+}
+
+
+def _check_surface(surface: str) -> None:
+    if surface not in SURFACES:
+        raise ValueError(f"unknown front end {surface!r}; expected one of {SURFACES}")
+
+
+def surface_name(name: str, surface: str) -> str | None:
+    """How ``surface`` spells the option ``name`` (``ntl.loss``, ``--ntl-loss``, ``options.loss``), or None.
+
+    None means the front end takes no such argument; :func:`surface_reason` says why.
+    """
+    _check_surface(surface)
+    option = option_field(name)
+    if name in _SPELLING.get(surface, {}):
+        return _SPELLING[surface][name][0]
+    if surface == "yaml":
+        return f"ntl.{name}"
+    if surface == "megatron":
+        return "--ntl-" + name.replace("_", "-")
+    return f"options.{name}" if option.level == "variant" else name
+
+
+def surface_reason(name: str, surface: str) -> str:
+    """Why ``surface`` spells ``name`` or defaults it otherwise than the rule ('' where it follows the rule)."""
+    _check_surface(surface)
+    reasons = [r for table in (_SPELLING, _DEFAULTS) for n, (_, r) in table.get(surface, {}).items() if n == name]
+    return "; ".join(reasons)
+
+
+def surface_default(name: str, surface: str) -> Any:
+    """The default of option ``name`` on ``surface``, in its spelling: the spec's, except where declared."""
+    _check_surface(surface)
+    if name in _DEFAULTS.get(surface, {}):
+        return _DEFAULTS[surface][name][0]
+    return option_field(name).default

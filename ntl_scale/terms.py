@@ -1,0 +1,272 @@
+"""Per-token CE and NTL: the layer between the fused op and the reductions.
+
+:func:`ntl_scale.parallel.fused_shard_stats` gives three per-token statistics of a logits shard
+(``ce``, ``expect``, ``mass``; ``docs/math.md``); :func:`terms_from_stats` turns them into per-token
+CE and the NTL variant of :class:`~ntl_scale.options.NTLOptions`. Point losses, reweighing and
+number-level assembly act on ``[T]`` vectors here, so they cost nothing next to the vocabulary-wide
+softmax. :func:`ntl_positions` is the one definition of the positions that carry NTL (what every
+mean of NTL divides by).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ._validation import check_float_level, check_inputs, check_number_level_table, check_width
+from .number_level import assemble_numbers, number_starts, symmetric_mape
+from .number_vocab import NumberVocab
+from .options import NTLOptions
+from .parallel import ShardInputs, check_chunk_tokens, compute_dtype, fused_shard_stats, group_rank, group_size
+
+__all__ = [
+    "NumberPrediction",
+    "PerTokenTerms",
+    "ntl_counts",
+    "ntl_positions",
+    "per_token_ce_ntl",
+    "predict_numbers",
+    "shard_inputs",
+    "shard_start",
+    "terms_from_stats",
+]
+
+# Reweighing replaces the loss on mass outside the number tokens by this factor of the largest
+# possible loss, so such predictions always cost more than the worst number (as the reference).
+_REWEIGH_MARGIN = 1.01
+
+
+class PerTokenTerms(NamedTuple):
+    """Per-token outputs of :func:`per_token_ce_ntl`, each shaped like the labels.
+
+    Attributes:
+        ce: cross entropy (0 where ignored).
+        ntl: NTL (0 where ``number_mask`` is False).
+        number_mask: positions that carry NTL.
+        hit: the label is the arg-max over the whole vocabulary (for token accuracy; False when
+            CE was not computed).
+    """
+
+    ce: torch.Tensor
+    ntl: torch.Tensor
+    number_mask: torch.Tensor
+    hit: torch.Tensor
+
+
+def per_token_ce_ntl(
+    logits_shard: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions | None = None,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    inplace: bool = False,
+    check_finite: bool = False,
+    chunk_tokens: int | None = None,
+    need_ce: bool = True,
+    vocab_start: int | None = None,
+) -> PerTokenTerms:
+    """:func:`ntl_scale.vocab_parallel_ce_ntl` with the variant as one :class:`NTLOptions`, plus the arg-max hit.
+
+    The form for integrations. ``need_ce=False`` skips the full-vocabulary softmax when neither CE
+    nor reweighing needs it (``ce`` and ``hit`` are then 0). ``vocab_start``: see
+    :func:`ntl_scale.vocab_parallel_ce_ntl`. ``options.impl`` picks the code of the fused op
+    (``auto``, ``torch`` or ``triton``; ``docs/kernels.md``).
+    """
+    options = NTLOptions() if options is None else options
+    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+    check_inputs(logits_shard, labels, vocab, options, tp_size, vocab_start)
+    check_chunk_tokens(chunk_tokens)
+    if inplace and logits_shard.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"inplace=True reuses the logits buffer for fp32 math and needs float32/float64 logits, "
+            f"got {logits_shard.dtype}; use inplace=False for half-precision logits"
+        )
+    check_float_level(vocab, options)
+    shape = labels.shape
+    width = logits_shard.shape[-1]
+    dtype = compute_dtype(logits_shard.dtype)
+    flat_labels = labels.reshape(-1)
+    inputs, row = shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
+    need_full = need_ce or options.reweigh
+    ce, expect, mass, hit = fused_shard_stats(
+        logits_shard.reshape(-1, width),
+        inputs,
+        need_full=need_full,
+        inplace=inplace,
+        check_finite=check_finite,
+        tp_group=tp_group,
+        chunk_tokens=chunk_tokens,
+        impl=options.impl,
+    )
+    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options)
+
+
+def terms_from_stats(
+    ce: torch.Tensor,
+    expect: torch.Tensor,
+    mass: torch.Tensor,
+    hit: torch.Tensor,
+    inputs: ShardInputs,
+    row: torch.Tensor,
+    shape: torch.Size,
+    vocab: NumberVocab,
+    options: NTLOptions,
+) -> PerTokenTerms:
+    """Per-token CE and the NTL variant from the fused per-token statistics (logits or hidden states)."""
+    loss, reweigh, dtype = options.loss, options.reweigh, ce.dtype
+    is_number = row >= 0
+    zero = torch.zeros((), dtype=dtype, device=ce.device)
+    if loss == "number":
+        check_number_level_table(vocab)
+        sequences = shape[-1] if len(shape) else 1
+        digits = is_number.view(-1, sequences)
+        dots = None
+        if options.float_level:
+            dots = (inputs.valid & (inputs.labels == vocab.decimal_point_id)).view(-1, sequences)
+        # Target digits in float64: the assembled target numbers are exact whatever the logits' dtype.
+        targets = vocab.values.to(device=ce.device, dtype=torch.float64)[row.clamp_min(0)]
+        pred, target, starts = assemble_numbers(expect.view(-1, sequences), targets.view(-1, sequences), digits, dots)
+        mask = starts.reshape(-1)
+        ntl = symmetric_mape(pred.reshape(-1), target.reshape(-1)).to(dtype)
+    elif loss == "was":
+        mask, ntl = is_number, expect
+    else:
+        mask = is_number
+        targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
+        ntl = options.point_loss(expect, targets)
+    if reweigh:
+        penalty = _REWEIGH_MARGIN * options.max_loss(vocab)
+        ntl = ntl * mass + penalty * (1 - mass)
+    ntl = torch.where(mask, ntl, zero)
+    return PerTokenTerms(ce.view(shape), ntl.view(shape), mask.view(shape), hit.view(shape))
+
+
+def shard_start(vocab_start: int | None, tp_rank: int, width: int) -> int:
+    """The global id of a shard's first column: ``vocab_start``, or Megatron's even split ``rank * width``."""
+    return tp_rank * width if vocab_start is None else vocab_start
+
+
+def shard_inputs(
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions,
+    start: int,
+    width: int,
+    dtype: torch.dtype,
+) -> tuple[ShardInputs, torch.Tensor]:
+    """Resolves labels and the table to this shard; returns the inputs and the label table index."""
+    device = labels.device
+    valid = labels != options.ignore_index
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+    row = torch.where(valid, vocab.index_of_id(device)[safe_labels], -1)
+    table_index = vocab.shard_tensor(start, start + width, "table_index", device)
+    local_ids = vocab.shard_tensor(start, start + width, "local_ids", device)
+    if options.loss == "was":
+        distances = vocab.distance_table_on(options.squash_factor, device, dtype)[:, table_index]
+        a_table = torch.where((row >= 0).unsqueeze(1), distances[row.clamp_min(0)], 0)
+    else:
+        values = vocab.shard_tensor(start, start + width, "values", device).to(dtype)
+        a_table = values.unsqueeze(0).expand(labels.numel(), -1)
+    return ShardInputs(safe_labels, valid, local_ids, a_table, start), row
+
+
+def ntl_positions(
+    labels: torch.Tensor, vocab: NumberVocab, options: NTLOptions | None = None, *, pieces: int = 1
+) -> torch.Tensor:
+    """The label positions that carry an NTL term: what NTL's mean divides by (its denominator).
+
+    The one definition every reduction and every integration counts with: for the token-level
+    variants (``was``, ``mse``, ``mae``, ``huber``), every non-ignored label that is a number token;
+    for ``loss="number"``, one position per number, the first digit of each maximal run of digit
+    labels along the last axis (with ``float_level`` a decimal point between two digits joins them).
+    :func:`per_token_ce_ntl` returns the same mask as ``number_mask``.
+
+    Args:
+        labels: token ids ``[...]`` (for ``loss="number"`` the last axis is the sequence).
+        vocab: the number table.
+        options: the NTL variant (default NTL-WAS); its ``ignore_index`` marks positions without loss.
+        pieces: ``loss="number"`` only: numbers are cut at the borders of this many equal slices of the
+            sequence, as under context parallelism, where each rank assembles numbers from its own
+            slice (Megatron's load-balanced split: ``2 x`` the context-parallel size).
+
+    Returns:
+        bool ``[...]``, on the labels' device; no host synchronisation.
+    """
+    options = NTLOptions() if options is None else options
+    valid = labels != options.ignore_index
+    is_number = valid & vocab.number_mask(labels)
+    if options.loss != "number":
+        return is_number
+    check_number_level_table(vocab)
+    dots = None
+    if options.float_level:
+        check_float_level(vocab, options)
+        dots = valid & (labels == vocab.decimal_point_id)
+    if labels.dim() == 0:
+        return is_number
+    return number_starts(is_number, dots, pieces=pieces)
+
+
+def ntl_counts(
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions | None = None,
+    *,
+    loss_mask: torch.Tensor | None = None,
+    pieces: int = 1,
+) -> torch.Tensor:
+    """``[tokens, NTL positions]`` of some labels, float64 ``[2]`` on their device: the step-count material.
+
+    ``tokens`` is the loss-mask weight of the labels (default: the non-ignored labels) and ``NTL
+    positions`` the loss-mask weight of :func:`ntl_positions`. Summed over a step's micro-batches and
+    ranks they are the denominators of global normalisation, for every variant.
+    """
+    options = NTLOptions() if options is None else options
+    positions = ntl_positions(labels, vocab, options, pieces=pieces).to(torch.float64)
+    if loss_mask is None:
+        weight = (labels != options.ignore_index).to(torch.float64)
+    else:
+        weight = loss_mask.to(device=labels.device, dtype=torch.float64)
+    return torch.stack([weight.sum(), (weight * positions).sum()])
+
+
+class NumberPrediction(NamedTuple):
+    """Per-position outputs of :func:`predict_numbers`, each shaped like the logits without the vocab dim.
+
+    Attributes:
+        value: the expected number value ``sum_k p_k v_k`` under the number-token distribution.
+        mass: the probability mass the full softmax puts on number tokens.
+    """
+
+    value: torch.Tensor
+    mass: torch.Tensor
+
+
+def predict_numbers(logits: torch.Tensor, vocab: NumberVocab) -> NumberPrediction:
+    """The expected number value and the number-token mass at every position (for evaluation and logs).
+
+    The same quantities as ``ntloss``'s ``predict_numbers``: the value is the dot product of the
+    softmax over the number-token columns with their values, the mass the full softmax's sum over
+    those columns. Computed in fp32 (fp64 for fp64 logits), without gradient tracking of its own.
+
+    Args:
+        logits: ``[..., V]`` full-vocabulary logits, ``V`` the table's ``vocab_size`` (gather TP shards first).
+        vocab: the number-token table.
+
+    Returns:
+        :class:`NumberPrediction` ``(value, mass)``, each ``[...]``.
+    """
+    if not isinstance(vocab, NumberVocab):
+        raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
+    if not isinstance(logits, torch.Tensor) or not torch.is_floating_point(logits) or logits.dim() < 1:
+        raise TypeError("logits must be a floating-point tensor [..., vocab]")
+    check_width(logits.shape[-1], vocab, 1, None, "the logits' last dimension")  # full logits: gather TP shards
+    z = logits.to(compute_dtype(logits.dtype))
+    ids = vocab.ids.to(z.device)
+    number_logits = z.index_select(-1, ids)
+    value = (torch.softmax(number_logits, dim=-1) * vocab.values.to(z.device, z.dtype)).sum(-1)
+    mass = torch.exp(torch.logsumexp(number_logits, dim=-1) - torch.logsumexp(z, dim=-1))
+    return NumberPrediction(value, mass)

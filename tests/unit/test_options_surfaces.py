@@ -1,0 +1,225 @@
+"""One NTL option spec (``ntl_scale/options.py``), checked on every front end.
+
+Each front end is introspected, not the spec's own tables:
+
+1. The spec: every option documented, the run-level variant fields with the same defaults as
+   ``NTLOptions``, the choices of ``loss``/``normalization``/``impl`` the ones the library accepts.
+2. YAML (``launch/train.py``): the fields and defaults of the ``NTLConfig`` dataclass (and of
+   ``TrainConfig`` for the chunked route); ``ntl.huber_delta``, ``ntl.float_level``, ``ntl.impl``
+   reach the loss options.
+3. Megatron (both routes): the actions of the parser ``add_ntl_args`` builds (flags, defaults,
+   choices); ``NTLSettings.from_args`` carries every option into ``NTLOptions``.
+4. Hugging Face: ``apply_ntl``'s signature and the defaults of ``NTLOptions()`` its ``options`` means.
+5. Config files: every ``ntl.*`` key of the study presets and train configs, and every ``ntl-*`` key of
+   the Megatron configs, is an option of its front end; every train config and preset arm loads.
+
+A test fails when an option is missing from a front end, when a front end has a key the spec does not
+know, or when a default differs from the one the spec declares for that front end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import inspect
+import os
+
+import pytest
+import yaml
+
+import ntl_scale
+from ntl_scale.options import (
+    IMPLS,
+    LOSS_KINDS,
+    NORMALIZATIONS,
+    NTLOptions,
+    NTLRunOptions,
+    option_fields,
+    surface_default,
+    surface_name,
+    surface_reason,
+)
+from ntl_scale.training.config import NTLConfig, TrainConfig, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NAMES = [option.name for option in option_fields()]
+
+# ------------------------------------------------------------------------------------ 1. the spec
+
+
+def test_every_option_is_documented_and_typed():
+    assert len(set(NAMES)) == len(NAMES)
+    for option in option_fields():
+        assert len(option.doc) > 20, option.name
+        assert option.type and option.level in ("variant", "run", "route"), option
+    assert {"loss", "squash_factor", "reweigh", "huber_delta", "float_level", "impl", "weight", "digit_level",
+            "normalization", "chunked", "chunk_tokens"} == set(NAMES)  # fmt: skip
+
+
+def test_run_options_repeat_the_variant_with_its_defaults():
+    """``NTLRunOptions`` (the YAML section) holds the variant fields of ``NTLOptions``: same defaults."""
+    variant = {f.name: f.default for f in dataclasses.fields(NTLOptions) if f.name != "ignore_index"}
+    run = {f.name: f.default for f in dataclasses.fields(NTLRunOptions)}
+    assert {name: run.get(name, "missing") for name in variant} == variant
+    assert NTLRunOptions().options() == NTLOptions()
+
+
+def test_choices_are_what_the_library_accepts():
+    by_name = {option.name: option for option in option_fields()}
+    assert by_name["loss"].choices == LOSS_KINDS == ntl_scale.LOSS_KINDS
+    assert by_name["impl"].choices == IMPLS
+    assert by_name["normalization"].choices == NORMALIZATIONS
+    for kind in LOSS_KINDS:
+        NTLOptions(loss=kind)
+    for impl in IMPLS:
+        NTLOptions(impl=impl)
+    with pytest.raises(ValueError, match=r"unknown impl 'cuda'; expected one of 'auto', 'torch', 'triton'"):
+        NTLOptions(impl="cuda")
+
+
+# ------------------------------------------------------------------------------------ 2. YAML
+
+
+def _yaml_fields() -> dict[str, object]:
+    fields = {f"ntl.{f.name}": f.default for f in dataclasses.fields(NTLConfig)}
+    fields.update({f"train.{f.name}": f.default for f in dataclasses.fields(TrainConfig)})
+    return fields
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_yaml_has_every_option_with_its_default(name):
+    key = surface_name(name, "yaml")
+    fields = _yaml_fields()
+    assert key in fields, f"{name} is not a run-config key ({key}): {surface_reason(name, 'yaml')}"
+    assert fields[key] == surface_default(name, "yaml"), key
+
+
+def test_yaml_ntl_section_has_no_key_outside_the_spec():
+    spelled = {surface_name(name, "yaml") for name in NAMES}
+    assert {f"ntl.{f.name}" for f in dataclasses.fields(NTLConfig)} <= spelled
+
+
+def test_new_yaml_keys_reach_the_loss_options():
+    """Issue 30: ``ntl.huber_delta=2.0`` and ``ntl.float_level=true`` were refused as unknown keys."""
+    from ntl_scale.training.steps import ntl_options
+
+    cfg = load_config(None, ["ntl.loss=huber", "ntl.huber_delta=2.0", "ntl.impl=torch"])
+    assert ntl_options(cfg.ntl) == NTLOptions(loss="huber", huber_delta=2.0, impl="torch")
+    cfg = load_config(None, ["ntl.loss=number", "ntl.float_level=true"])
+    assert ntl_options(cfg.ntl) == NTLOptions(loss="number", float_level=True)
+    with pytest.raises(ValueError, match=r"unknown impl 'gpu'"):
+        load_config(None, ["ntl.impl=gpu"])
+    with pytest.raises(ValueError, match=r"float_level applies to loss='number' only"):
+        load_config(None, ["ntl.float_level=true"])
+
+
+# ------------------------------------------------------------------------------------ 3. Megatron
+
+
+def _megatron_actions() -> dict[str, argparse.Action]:
+    from ntl_scale.integrations.megatron import add_ntl_args
+
+    parser = add_ntl_args(argparse.ArgumentParser())
+    return {flag: action for action in parser._actions for flag in action.option_strings if flag.startswith("--ntl")}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_megatron_has_every_option_with_its_default(name):
+    flag = surface_name(name, "megatron")
+    actions = _megatron_actions()
+    assert flag in actions, f"{name}: no {flag} flag"
+    assert actions[flag].default == surface_default(name, "megatron"), flag
+    option = next(o for o in option_fields() if o.name == name)
+    if option.choices is not None:
+        assert tuple(actions[flag].choices) == option.choices, flag
+
+
+def test_megatron_has_no_flag_outside_the_spec():
+    assert set(_megatron_actions()) == {surface_name(name, "megatron") for name in NAMES}
+
+
+def test_megatron_settings_carry_every_option():
+    from ntl_scale.integrations.megatron import NTLSettings, add_ntl_args
+
+    parser = add_ntl_args(argparse.ArgumentParser())
+    settings = NTLSettings.from_args(parser.parse_args([]))
+    assert {f.name: f.default for f in dataclasses.fields(NTLSettings)} == dataclasses.asdict(settings)
+    args = ["--ntl-weight", "0.3", "--ntl-loss", "number", "--ntl-float-level", "--ntl-impl", "torch",
+            "--ntl-normalization", "global", "--ntl-chunked", "--ntl-chunk-tokens", "64"]  # fmt: skip
+    settings = NTLSettings.from_args(parser.parse_args(args))
+    assert settings.options() == NTLOptions(loss="number", float_level=True, impl="torch")
+    assert (settings.weight, settings.normalization) == (0.3, "global")
+    assert (settings.chunked, settings.chunk_tokens) == (True, 64)
+    settings = NTLSettings.from_args(parser.parse_args(["--ntl-loss", "huber", "--ntl-huber-delta", "2.5"]))
+    assert settings.options() == NTLOptions(loss="huber", huber_delta=2.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ntl-impl", "cuda"])
+
+
+# ------------------------------------------------------------------------------------ 4. Hugging Face
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_apply_ntl_takes_every_option_with_its_default(name):
+    from ntl_scale.integrations.hf import apply_ntl
+
+    spelled = surface_name(name, "hf")
+    if spelled is None:
+        assert surface_reason(name, "hf"), f"{name}: not an apply_ntl argument, and the spec gives no reason"
+        return
+    parameters = inspect.signature(apply_ntl).parameters
+    if spelled.startswith("options."):
+        assert parameters["options"].default is None  # None means NTLOptions()
+        default = getattr(NTLOptions(), spelled.split(".", 1)[1])
+    else:
+        assert spelled in parameters, f"apply_ntl has no {spelled} argument"
+        default = parameters[spelled].default
+    assert default == surface_default(name, "hf"), name
+
+
+# ------------------------------------------------------------------------------------ 5. config files
+
+
+def _preset_overrides() -> list[tuple[str, list[str]]]:
+    found = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "study", "*.yaml"))):
+        with open(path, encoding="utf-8") as f:
+            preset = yaml.safe_load(f)
+        for arm, overrides in preset.get("arms", {}).items():
+            found.append((f"{os.path.basename(path)}:{arm}", [*preset.get("overrides", []), *overrides]))
+    return found
+
+
+def test_study_presets_and_train_configs_use_spec_keys():
+    known = {f"ntl.{f.name}" for f in dataclasses.fields(NTLConfig)}
+    used = set()
+    for _, overrides in _preset_overrides():
+        used |= {item.split("=", 1)[0] for item in overrides if item.startswith("ntl.")}
+    for path in glob.glob(os.path.join(ROOT, "configs", "train", "*.yaml")):
+        with open(path, encoding="utf-8") as f:
+            used |= {f"ntl.{key}" for key in (yaml.safe_load(f).get("ntl") or {})}
+    assert used and used <= known, used - known
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "train", "*.yaml"))))
+def test_every_train_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg.ntl, NTLConfig)
+
+
+def test_every_study_arm_loads():
+    for where, overrides in _preset_overrides():
+        preset = os.path.join(ROOT, "configs", "study", where.split(":")[0])
+        with open(preset, encoding="utf-8") as f:
+            base = os.path.join(ROOT, yaml.safe_load(f)["base_config"])
+        load_config(base, overrides)  # raises on an unknown or invalid key
+
+
+def test_megatron_configs_use_spec_flags():
+    flags = {surface_name(name, "megatron") for name in NAMES}
+    used = set()
+    for path in glob.glob(os.path.join(ROOT, "configs", "megatron", "*.yaml")):
+        with open(path, encoding="utf-8") as f:
+            used |= {f"--{key}" for key in (yaml.safe_load(f).get("megatron_args") or {}) if key.startswith("ntl-")}
+    assert used and used <= flags, used - flags
