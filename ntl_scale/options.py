@@ -1,31 +1,30 @@
 """The NTL option spec: every option once, with its type, default and meaning.
 
-Two dataclasses hold the options, each field documented once (the attribute docstring under it):
+Each field is documented once, by the attribute docstring under it:
 
 * :class:`NTLOptions`: what one loss call computes (the variant: ``loss``, ``squash_factor``,
   ``reweigh``, ``huber_delta``, ``float_level``), which labels it ignores, and which code computes it
   (``impl``); frozen, passed to :func:`ntl_scale.per_token_ce_ntl`, :func:`ntl_scale.linear_ce_ntl`
   and every integration.
-* :class:`NTLRunOptions`: the options of a training run beside the variant: the NTL ``weight``, the
-  number table (``digit_level``), the ``normalization``, and the chunked route (``chunked``,
-  ``chunk_tokens``).
+* :class:`NTLRunOptions`: the options of a training run: the variant again (its defaults are checked
+  to be :class:`NTLOptions`'s) and the NTL ``weight``, the number table (``digit_level``) and the
+  ``normalization``; the ``ntl`` section of a run config is this class.
+* The chunked route (``chunked``, ``chunk_tokens``): how the logits are obtained, listed by
+  :func:`option_fields` (a run config keeps them in its ``train`` section).
 
-Every front end is built from or checked against these two (:func:`option_fields` lists them for a
+Every front end is built from or checked against these (:func:`option_fields` lists them for a
 new front end, such as a torchtitan ``BaseLoss.Config``; :func:`surface_name` and
 :func:`surface_default` say how each front end spells an option and which defaults differ there, and
 why):
 
-========================  ===============================  ===============================  ============================
-option                    YAML (``launch/train.py``)       Megatron (both routes)           ``apply_ntl`` (Hugging Face)
-========================  ===============================  ===============================  ============================
-``loss`` ... ``impl``     ``ntl.<name>``                   ``--ntl-<name>``                 ``options=NTLOptions(...)``
-``weight``                ``ntl.weight``                   ``--ntl-weight`` (default 0)     ``ntl_weight``
-``digit_level``           ``ntl.digit_level``              ``--ntl-number-vocab``           a ``NumberVocab`` argument
-``normalization``         ``ntl.normalization``            ``--ntl-normalization``          ``num_items_in_batch``
-                                                           (default ``micro-batch``)
-``chunked``               ``train.chunked_loss``           ``--ntl-chunked``                ``chunked``
-``chunk_tokens``          ``train.loss_chunk_tokens``      ``--ntl-chunk-tokens``           ``chunk_tokens``
-========================  ===============================  ===============================  ============================
+| option | YAML (``launch/train.py``) | Megatron (both routes) | ``apply_ntl`` (Hugging Face) |
+|---|---|---|---|
+| ``loss`` ... ``impl`` (the variant) | ``ntl.<name>`` | ``--ntl-<name>`` | ``options=NTLOptions(...)`` |
+| ``weight`` | ``ntl.weight`` | ``--ntl-weight`` (default 0: off) | ``ntl_weight`` |
+| ``digit_level`` | ``ntl.digit_level`` | ``--ntl-number-vocab`` | the ``NumberVocab`` argument |
+| ``normalization`` | ``ntl.normalization`` | ``--ntl-normalization`` (``micro-batch``) | ``num_items_in_batch`` |
+| ``chunked`` | ``train.chunked_loss`` | ``--ntl-chunked`` | ``chunked`` |
+| ``chunk_tokens`` | ``train.loss_chunk_tokens`` | ``--ntl-chunk-tokens`` | ``chunk_tokens`` |
 
 ``tests/unit/test_options_surfaces.py`` introspects each front end (the YAML dataclass, the argparse
 parser, ``apply_ntl``'s signature) and fails when an option is missing there or has another default
@@ -59,9 +58,11 @@ __all__ = [
     "NTLRunOptions",
     "OptionField",
     "check_impl",
+    "option_field",
     "option_fields",
     "surface_default",
     "surface_name",
+    "surface_reason",
 ]
 
 LOSS_KINDS = ("was", "mse", "mae", "huber", "number")
@@ -265,8 +266,15 @@ _ROUTE = (
 
 
 def attribute_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass (a string literal right under a field), by field name."""
-    node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    """The attribute docstrings of a dataclass (a string literal right under a field), by field name.
+
+    Empty where the source is not available (a frozen application without ``.py`` files).
+    """
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    node = ast.parse(textwrap.dedent(source)).body[0]
     if not isinstance(node, ast.ClassDef):
         raise TypeError(f"attribute_docs takes a class, got {cls!r}")
     body = node.body
@@ -298,7 +306,8 @@ def option_fields() -> tuple[OptionField, ...]:
         for f in dataclasses.fields(cls):
             if f.name == "ignore_index" or any(o.name == f.name for o in fields):
                 continue
-            fields.append(OptionField(f.name, str(f.type), f.default, docs[f.name], _CHOICES.get(f.name), level))
+            doc = docs.get(f.name, "")
+            fields.append(OptionField(f.name, str(f.type), f.default, doc, _CHOICES.get(f.name), level))
     return (*fields, *_ROUTE)
 
 

@@ -132,3 +132,28 @@ def test_vocab_start_without_a_group_must_cover_the_vocabulary():
     with pytest.raises(ValueError, match=r"without a tensor-parallel group .*\[0, 16\), got \[4, 16\)"):
         ntl_scale.vocab_parallel_ce_ntl(torch.zeros(1, 4, 12), LABELS, VOCAB, vocab_start=4)
     ntl_scale.vocab_parallel_ce_ntl(LOGITS, LABELS, VOCAB, vocab_start=0)  # the whole vocabulary: fine
+
+
+HIDDEN, WEIGHT = torch.zeros(1, 4, 8), torch.zeros(16, 8)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda impl: ntl_scale.ce_with_ntl(LOGITS, LABELS, VOCAB, impl=impl),
+        lambda impl: ntl_scale.vocab_parallel_ce_ntl(LOGITS, LABELS, VOCAB, impl=impl),
+        lambda impl: ntl_scale.number_token_loss(LOGITS, LABELS, VOCAB, impl=impl),
+        lambda impl: ntl_scale.linear_ce_with_ntl(HIDDEN, WEIGHT, LABELS, VOCAB, impl=impl),
+        lambda impl: ntl_scale.linear_ce_ntl(HIDDEN, WEIGHT, LABELS, VOCAB, ntl_scale.NTLOptions(impl=impl)),
+        lambda impl: ntl_scale.CEWithNTL(VOCAB, impl=impl),
+        lambda impl: ntl_scale.NumberTokenLoss(VOCAB, impl=impl),
+    ],
+    ids=["ce_with_ntl", "vocab_parallel_ce_ntl", "number_token_loss", "linear_ce_with_ntl", "linear_ce_ntl",
+         "CEWithNTL", "NumberTokenLoss"],
+)  # fmt: skip
+def test_impl_is_chosen_per_call_and_a_bad_one_is_named(call):
+    """Issue 30: ``impl`` on every entry; a bad value names itself and the three choices."""
+    with pytest.raises(ValueError, match=r"unknown impl 'cuda'; expected one of 'auto', 'torch', 'triton'"):
+        call("cuda")
+    for impl in ("auto", "torch"):  # the PyTorch code on the CPU, the same numbers
+        call(impl)
