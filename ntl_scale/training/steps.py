@@ -1,5 +1,9 @@
 """The pieces of a CE + NTL training step that do not depend on DeepSpeed: config resolution,
-global token counts, and the per-micro-batch loss with exact global normalisation."""
+global token counts, and the per-micro-batch loss with exact global normalisation.
+
+The counts and the normalisations are :mod:`ntl_scale.normalization`'s; what is DeepSpeed's own here is
+the rescale (``scale``: the engine divides the loss by the accumulation steps and averages the
+gradients over the data-parallel ranks) and the counts read on the host once per step."""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..losses import NTLOptions, PerTokenTerms, ntl_counts, per_token_ce_ntl
+from ..losses import NTLOptions, PerTokenTerms, per_token_ce_ntl
+from ..normalization import micro_batch_sums, objective, step_counts
 from ..number_vocab import NumberVocab
 from .config import NTLConfig, TrainConfig
 
@@ -111,18 +116,12 @@ def global_counts(
 ) -> tuple[float, float]:
     """Target tokens and NTL positions of a whole step: all micro-batches, all DP ranks (``group``).
 
-    NTL positions are :func:`ntl_scale.ntl_positions` of ``options`` (the run's :func:`ntl_options`):
-    number-token targets, or one per number for ``loss="number"``; None counts number-token targets.
-
-    One SUM all-reduce of two numbers over ``group``; computed from the labels before the forward, on
-    the labels' device (NCCL reduces device tensors only).
+    :func:`ntl_scale.normalization.step_counts` (NTL positions of ``options``, the run's
+    :func:`ntl_options`; None counts number-token targets), read on the host: one SUM all-reduce of two
+    numbers over ``group``, computed from the labels before the forward, on the labels' device (NCCL
+    reduces device tensors only).
     """
-    counts = torch.zeros(2, dtype=torch.float64, device=targets[0].device if targets else None)
-    for t in targets:
-        counts[0] += (t != -100).sum()
-        counts[1] += ntl_counts(t, vocab, options)[1]
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(counts, group=group)
+    counts = step_counts(targets, vocab, options, group=group)
     return float(counts[0]), float(counts[1])
 
 
@@ -166,21 +165,20 @@ def loss_from_terms(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`micro_batch_loss` from per-token terms (of the logits or of the chunked loss).
 
+    :func:`ntl_scale.normalization.objective` of the micro-batch's sums, over the step's ``counts``
+    (``global``, times ``scale``) or the micro-batch's own (``micro-batch``).
+
     Returns the loss and its logging sums ``[ce_sum, ntl_sum, tokens, numbers, hits]`` as one float64
     tensor on the loss's device: nothing is read on the host here, so a training step queues its
     micro-batches without waiting for the device; the caller adds them up and reads them once per step.
     """
-    valid = targets != -100
-    ce_sum = (terms.ce * valid).sum()
-    ntl_sum = terms.ntl.sum()
-    tokens, numbers = valid.sum(), terms.number_mask.sum()
+    sums = micro_batch_sums(terms, targets != -100)
     if ntl.normalization == "global":
         if counts is None:
             raise ValueError("ntl.normalization=global needs the step's global counts")
-        loss = (ce_sum / max(counts[0], 1.0) + ntl.weight * ntl_sum / max(counts[1], 1.0)) * scale
+        loss = objective(sums, counts, ntl.weight) * scale
     else:
-        loss = ce_sum / tokens.clamp_min(1) + ntl.weight * ntl_sum / numbers.clamp_min(1)
-    hits = (terms.hit & terms.number_mask).sum()
-    stats = torch.stack([ce_sum.detach().double(), ntl_sum.detach().double(), tokens.double(), numbers.double(),
-                         hits.double()])  # fmt: skip
+        loss = objective(sums, (sums.tokens, sums.numbers), ntl.weight)
+    stats = torch.stack([sums.ce.detach().double(), sums.ntl.detach().double(), sums.tokens.double(),
+                         sums.numbers.double(), sums.hits.double()])  # fmt: skip
     return loss, stats

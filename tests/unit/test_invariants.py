@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import ntl_scale
+from ntl_scale import normalization as ntl_normalization
 from ntl_scale.integrations import megatron as ntl_megatron
 from ntl_scale.integrations.hf import NTLCausalLMLoss, count_step_numbers
 from ntl_scale.integrations.megatron import lm as megatron_lm
@@ -159,8 +160,8 @@ class _StandInGPT:
 
 
 class _SummingDist:
-    """Stands in for ``torch.distributed`` in the hook's step count: the 'all-reduce' over ``dp`` ranks
-    adds the other ranks' counts, which the test hands over."""
+    """Stands in for ``torch.distributed`` in the hook's step count (``ntl_scale.normalization.step_counts``):
+    the 'all-reduce' over ``dp`` ranks adds the other ranks' counts, which the test hands over."""
 
     def __init__(self, world: int, others: torch.Tensor) -> None:
         self.world, self.others = world, others
@@ -200,7 +201,7 @@ def _megatron_lm(vocab, labels, logits, variant, normalization, micro=1, dp=1, m
     for r, rank in enumerate(ranks):
         others = sum(local_counts(q) for i, q in enumerate(ranks) if i != r) if dp > 1 else torch.zeros(2)
         if monkeypatch is not None:
-            monkeypatch.setattr(megatron_lm, "dist", _SummingDist(dp, others))
+            monkeypatch.setattr(ntl_normalization, "dist", _SummingDist(dp, others))
         groups = megatron_lm.StepGroups(
             tp_group=None, cp_group=None, count_group=object() if dp > 1 else None, dp_cp_size=dp,
             reads_data=True, counts_data=True,

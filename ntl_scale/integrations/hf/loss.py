@@ -8,7 +8,8 @@ that signature and returns ``CE + weight * NTL``; :func:`apply_ntl` installs it 
     from ntl_scale.integrations.hf import apply_ntl
     apply_ntl(model, number_vocab, ntl_weight=0.3)     # model(..., labels=...).loss is now CE + 0.3 NTL
 
-Normalisation follows Hugging Face's, by what ``num_items_in_batch`` carries:
+Normalisation (``docs/normalization.md``; the sums and means are :mod:`ntl_scale.normalization`'s)
+follows Hugging Face's, by what ``num_items_in_batch`` carries:
 
 * ``None``: the batch means, CE over label tokens and NTL over number-token labels;
 * a ``[tokens, numbers]`` pair (what ``ntl_trainer_class`` counts for the whole optimizer step, across
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from ...losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl, check_number_level_table, per_token_ce_ntl
+from ...normalization import means, micro_batch_sums
 from ...number_vocab import NumberVocab
 
 __all__ = [
@@ -138,26 +140,21 @@ class NTLCausalLMLoss:
         self, terms: PerTokenTerms, targets: torch.Tensor, num_items_in_batch: Any = None, ignore_index: int = -100
     ) -> torch.Tensor:
         """``CE + weight * NTL`` from per-token terms, normalised by what ``num_items_in_batch`` carries."""
-        valid = (targets != ignore_index).to(terms.ce.dtype)
-        numbers = terms.number_mask.to(terms.ce.dtype)
-        ce_sum, ntl_sum = (terms.ce * valid).sum(), (terms.ntl * numbers).sum()
-        local_tokens, local_numbers = valid.sum(), numbers.sum()
-        step = torch.stack([ce_sum, local_tokens, ntl_sum, local_numbers]).detach().to(torch.float64)
+        sums = micro_batch_sums(terms, targets != ignore_index)
+        step = torch.stack([sums.ce, sums.tokens, sums.ntl, sums.numbers]).detach().to(torch.float64)
         if self.totals.device != step.device:  # kept where the loss runs: logging reads it, training never syncs
             self.totals = self.totals.to(step.device)
         self.totals += step
         counts = num_items_in_batch
-        if counts is None:
-            ce = ce_sum / local_tokens.clamp_min(1)
-            ntl = ntl_sum / local_numbers.clamp_min(1)
-        elif torch.is_tensor(counts) and counts.numel() == 2:
-            tokens, step_numbers = counts.reshape(2).to(ce_sum.device, ce_sum.dtype)
-            ce = ce_sum / tokens.clamp_min(1)
-            ntl = ntl_sum / step_numbers.clamp_min(1)
-        else:
-            tokens = torch.as_tensor(counts, dtype=ce_sum.dtype, device=ce_sum.device).reshape(())
-            ce = ce_sum / tokens
-            ntl = ntl_sum / local_numbers.clamp_min(1) * (local_tokens / tokens)
+        if counts is None:  # the micro-batch normalisation
+            ce, ntl = means(sums, (sums.tokens, sums.numbers))
+        elif torch.is_tensor(counts) and counts.numel() == 2:  # the global one, over ntl_trainer_class's counts
+            tokens, step_numbers = counts.reshape(2).to(sums.ce.device, sums.ce.dtype)
+            ce, ntl = means(sums, (tokens, step_numbers))
+        else:  # Trainer's token count alone: this micro-batch's NTL mean weighted by its share of the tokens
+            tokens = torch.as_tensor(counts, dtype=sums.ce.dtype, device=sums.ce.device).reshape(())
+            ce = sums.ce / tokens
+            ntl = sums.ntl / sums.numbers.clamp_min(1) * (sums.tokens / tokens)
         return ce + self.ntl_weight * ntl
 
     def pop_means(self, reduce: Any = None) -> dict[str, float]:

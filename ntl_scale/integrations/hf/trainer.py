@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ..._optional import require
-from ...losses import NTLOptions, ntl_counts
+from ...losses import NTLOptions
+from ...normalization import step_counts
 from ...number_vocab import NumberVocab
 
 __all__ = ["count_step_numbers", "ntl_trainer_class"]
@@ -27,14 +28,15 @@ def count_step_numbers(loss: Any, samples: list[dict]) -> torch.Tensor:
     What NTL's denominator counts (:func:`ntl_scale.ntl_positions`: number-token targets, or one per
     number for ``loss="number"``), of the targets the loss sees: a collator's ``shift_labels``, or the
     labels shifted as ``loss`` (an :class:`~ntl_scale.integrations.hf.loss.NTLCausalLMLoss`) shifts them.
+    :func:`ntl_scale.normalization.step_counts` without its collective: ``Trainer`` counts the tokens
+    and gathers the counts across processes itself.
     """
     options = loss.options
-    numbers = torch.zeros((), dtype=torch.float64)
+    targets = []
     for batch in samples:
         shifted = batch.get("shift_labels")
-        targets = shifted if shifted is not None else loss.targets(batch["labels"], options.ignore_index)
-        numbers += ntl_counts(targets.cpu(), loss.vocab, options)[1]
-    return numbers
+        targets.append(shifted if shifted is not None else loss.targets(batch["labels"], options.ignore_index))
+    return step_counts([t.cpu() for t in targets], loss.vocab, options, device="cpu")[1]
 
 
 def ntl_trainer_class(base: Any = None) -> Any:

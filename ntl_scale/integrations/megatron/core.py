@@ -12,10 +12,10 @@ where a Megatron object is needed); the flags and settings are in :mod:`.args`:
 * :func:`make_forward_step`: a ``forward_step(data_iterator, model)`` with both;
 * :class:`NTLLanguageModelMixin`: NTL inside the model's ``compute_language_model_loss`` (MTP heads).
 
-Normalisation (``docs/megatron.md``): Megatron divides what ``loss_func`` returns by the
-``num_tokens`` it returns and by the number of micro-batches (or, with
-``--calculate-per-token-loss``, the gradients by the global token count). The NTL term has its own
-denominator, so it is pre-scaled here:
+Normalisation (``docs/normalization.md``; the counts, sums and ``L`` are :mod:`ntl_scale.normalization`'s):
+Megatron divides what ``loss_func`` returns by the ``num_tokens`` it returns and by the number of
+micro-batches (or, with ``--calculate-per-token-loss``, the gradients by the global token count). The
+NTL term has its own denominator, so it is pre-scaled here (Megatron's rescale):
 
 * ``micro-batch`` (the paper's semantics): NTL is the mean over the number tokens of each
   micro-batch, added to that micro-batch's mean CE;
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ...losses import NTLOptions, ntl_counts, per_token_ce_ntl
+from ...normalization import micro_batch_sums, objective, step_counts
 from ...number_vocab import NumberVocab
 from .args import NTLSettings
 from .terms import output_layer_terms, sequence_first_terms
@@ -62,7 +63,7 @@ class GlobalCounts:
 
     Call :meth:`set_step` with the ``(labels, loss_mask)`` of all micro-batches of the step that
     this rank sees (before the first forward); one SUM all-reduce over ``group`` (data x context
-    parallel) makes them global.
+    parallel) makes them global (:func:`ntl_scale.normalization.step_counts`).
 
     Args:
         vocab: the number table.
@@ -81,9 +82,8 @@ class GlobalCounts:
         """Counts the labels of one step's micro-batches and reduces the counts across ``group``."""
         if not batches:
             raise ValueError("GlobalCounts.set_step needs the (labels, loss_mask) of at least one micro-batch")
-        counts = torch.stack([count_targets(labels, mask, self.vocab, self.options) for labels, mask in batches]).sum(0)
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(counts, group=self.group)
+        labels, masks = [b[0] for b in batches], [b[1] for b in batches]
+        counts = step_counts(labels, self.vocab, self.options, loss_masks=masks, group=self.group)
         self.tokens, self.numbers = counts[0], counts[1]
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,13 +133,8 @@ def make_loss_func(
 
     def loss_func(labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor):
         terms = per_token_ce_ntl(logits, labels, vocab, options, tp_group=tp_group, inplace=inplace)
-        mask = loss_mask.to(terms.ce.dtype)
-        numbers = terms.number_mask.to(mask.dtype) * mask
-        ce_sum = (terms.ce * mask).sum()
-        ntl_sum = (terms.ntl * mask).sum()
-        num_tokens = mask.sum()
-        num_numbers = numbers.sum()
-        hits = (terms.hit.to(mask.dtype) * numbers).sum()
+        sums = micro_batch_sums(terms, loss_mask)
+        ce_sum, ntl_sum, num_tokens, num_numbers, hits = sums
         if settings.normalization == "micro-batch":
             # The schedule divides by num_tokens: NTL enters as this micro-batch's number-token mean.
             loss = ce_sum + settings.weight * ntl_sum / num_numbers.clamp_min(1) * num_tokens.clamp_min(1)
@@ -152,9 +147,7 @@ def make_loss_func(
                 # Undo the schedule's division by num_tokens and micro-batches and DDP's mean over DP.
                 m = num_microbatches() if callable(num_microbatches) else num_microbatches
                 undo = num_tokens.clamp_min(1) * m * data_parallel_size
-                loss = undo * (
-                    ce_sum / tokens_global.clamp_min(1) + settings.weight * ntl_sum / numbers_global.clamp_min(1)
-                )
+                loss = undo * objective(sums, (tokens_global, numbers_global), settings.weight)
         report = {
             "lm loss": torch.stack([ce_sum, num_tokens]).detach(),
             "ntl loss": torch.stack([ntl_sum, num_numbers]).detach(),

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...losses import PerTokenTerms, ntl_counts
+from ...losses import PerTokenTerms
+from ...normalization import micro_batch_sums, step_counts
 from ...number_vocab import NumberVocab
 from .args import NTLSettings
 from .terms import output_layer_terms, sequence_first_terms
@@ -57,7 +58,8 @@ _ATTR = "_ntl_scale_hook"
 
 @dataclass(frozen=True)
 class MicroBatchScale:
-    """The gradient weights of one micro-batch's main head under global normalisation.
+    """The gradient weights of one micro-batch's main head under global normalisation: Megatron's
+    rescale of :mod:`ntl_scale.normalization`'s ``L`` (``docs/normalization.md``).
 
     Megatron divides what ``loss_func`` returns by its ``num_tokens`` ``n`` (at least 1) and by the
     number of micro-batches ``m``, and DDP averages over the ``r`` data x context parallel ranks; with
@@ -277,9 +279,8 @@ class GPTModelNTL:
         if not main:
             call["mtp"] += 1  # MTP heads run before the main head, in order (both supported releases)
         terms = self._terms(labels, logits)
-        mask = self._mask_of_head(labels, 0 if main else call["mtp"]).to(terms.ce.dtype)
-        numbers = terms.number_mask.to(mask.dtype) * mask
-        local_tokens, local_numbers = mask.sum(), numbers.sum()
+        sums = micro_batch_sums(terms, self._mask_of_head(labels, 0 if main else call["mtp"]))
+        local_tokens, local_numbers = sums.tokens, sums.numbers
         if main and self.scale is not None and torch.is_grad_enabled():
             a, b = self.scale.weights(local_tokens)
         else:
@@ -289,11 +290,7 @@ class GPTModelNTL:
         ce = terms.ce
         extra = (a - 1) * ce + (self.settings.weight * b) * (terms.ntl * terms.number_mask)
         if main:
-            self._stats = NTLStats(
-                ntl_sum=(terms.ntl * numbers).sum().detach(),
-                numbers=local_numbers.detach(),
-                hits=(terms.hit.to(mask.dtype) * numbers).sum().detach(),
-            )
+            self._stats = NTLStats(ntl_sum=sums.ntl.detach(), numbers=local_numbers.detach(), hits=sums.hits.detach())
         return ce + (extra - extra.detach())
 
 
@@ -481,16 +478,24 @@ class NTLForwardStep:
                     "this Megatron release reads its data differently from what NTL's step bookkeeping expects"
                 )
             m = self.num_microbatches() if callable(self.num_microbatches) else int(self.num_microbatches)
-            counts = torch.zeros(2, dtype=torch.float64)
+            counted: list[dict] = []
             if self.groups.reads_data and data_iterator is not None:
                 replay.buffer = [next(data_iterator) for _ in range(m)]
                 if self.groups.counts_data:
-                    for item in replay.buffer:
-                        counts += self._count(item)
-            counts = counts.to(self.groups.device)
-            group = self.groups.count_group
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(counts, group=group)
+                    counted = [self._checked(item) for item in replay.buffer]
+            # The full sequences, as one context rank reads them: under context parallelism number-level NTL
+            # cuts numbers at the borders of the 2 x CP slices the ranks hold (GPTModelNTL._pieces), and so
+            # does the count.
+            cp = dist.get_world_size(self.groups.cp_group) if self.groups.cp_group is not None else 1
+            counts = step_counts(
+                [item["labels"] for item in counted],
+                self.vocab,
+                self.settings.options(),
+                loss_masks=[item["loss_mask"] for item in counted],
+                pieces=2 * cp if cp > 1 and self.settings.loss == "number" else 1,
+                group=self.groups.count_group,
+                device=self.groups.device,
+            )
             self._left[key] = m
             self._scale[key] = MicroBatchScale(
                 tokens=counts[0].float(),
@@ -502,7 +507,9 @@ class NTLForwardStep:
         self._left[key] -= 1
         return (replay if replay.source is not None else data_iterator), self._scale[key]
 
-    def _count(self, item: Any) -> torch.Tensor:
+    @staticmethod
+    def _checked(item: Any) -> dict:
+        """A micro-batch of the data iterator, refused unless it has the labels and loss mask to count."""
         if not isinstance(item, dict) or "labels" not in item or "loss_mask" not in item:
             kind = sorted(item) if isinstance(item, dict) else type(item).__name__
             raise ValueError(
@@ -510,13 +517,7 @@ class NTLForwardStep:
                 f"micro-batches, which here are {kind}; use a Megatron GPT dataset (GPTDataset, MockGPTDataset, "
                 "SFTDataset) or one that yields those keys"
             )
-        # The full sequences, as one context rank reads them: under context parallelism number-level NTL cuts
-        # numbers at the borders of the 2 x CP slices the ranks hold (GPTModelNTL._pieces), and so does the count.
-        cp = dist.get_world_size(self.groups.cp_group) if self.groups.cp_group is not None else 1
-        pieces = 2 * cp if cp > 1 and self.settings.loss == "number" else 1
-        return ntl_counts(
-            item["labels"], self.vocab, self.settings.options(), loss_mask=item["loss_mask"], pieces=pieces
-        )
+        return item
 
 
 class _ReportNTL:

@@ -1,0 +1,163 @@
+"""Normalisation of CE + NTL over a training step: the counts and the two normalisations, defined once.
+
+Over one optimizer step's global batch (all micro-batches of all accumulation steps on all data- and
+context-parallel ranks), with per-token terms ``CE_t``, ``NTL_t`` and loss weights ``m_t`` (1 for a
+target that counts, 0 for an ignored one, or Megatron's ``loss_mask``)::
+
+    L = sum_t m_t CE_t / max(N, 1)  +  w * sum_t m_t NTL_t / max(K, 1)
+
+    N = sum_t m_t                 (the tokens)
+    K = sum_t m_t [t in P]        (the NTL positions P: ntl_scale.ntl_positions, number-token targets,
+                                   or one position per number for loss="number")
+
+* ``global``: ``N`` and ``K`` are the step's counts (:func:`step_counts`: counted from the labels before
+  the first forward, the two reduced together by one SUM all-reduce). Splitting the step into
+  micro-batches, accumulation steps and ranks then changes neither ``L`` nor its gradient.
+* ``micro-batch`` (the paper's and ``ntloss``'s semantics): ``N`` and ``K`` of each micro-batch
+  (:attr:`MicroBatchSums.tokens`, :attr:`MicroBatchSums.numbers`); ``L`` is that micro-batch's mean CE
+  plus ``w`` times its mean NTL, and the engine averages the micro-batch losses.
+
+Each integration takes its sums from :func:`micro_batch_sums`, its step counts from
+:func:`step_counts` and ``L`` from :func:`objective` (or the two means from :func:`means`), and keeps
+only its framework's own rescale (``docs/normalization.md`` has the table): DeepSpeed multiplies ``L``
+by accumulation steps x DP size, which its engine divides by again; Megatron divides what ``loss_func``
+returns by its ``num_tokens`` (so NTL is pre-scaled); Hugging Face ``Trainer`` hands the step's token
+count in as ``num_items_in_batch``.
+
+Nothing here reads a value on the host; :func:`step_counts` is the only collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .losses import NTLOptions, PerTokenTerms, ntl_counts
+from .number_vocab import NumberVocab
+
+__all__ = ["MicroBatchSums", "means", "micro_batch_sums", "objective", "step_counts"]
+
+Count = TypeVar("Count", float, torch.Tensor)
+
+
+class MicroBatchSums(NamedTuple):
+    """The sums of one micro-batch that every normalisation is built from (0-d tensors, dtype of CE).
+
+    Attributes:
+        ce: ``sum_t m_t CE_t`` (differentiable).
+        ntl: ``sum_t m_t NTL_t`` over the NTL positions (differentiable; ``NTL_t`` is 0 elsewhere).
+        tokens: ``N`` of the micro-batch, ``sum_t m_t``.
+        numbers: ``K`` of the micro-batch, ``sum_t m_t`` over the NTL positions.
+        hits: ``sum_t m_t`` over the NTL positions whose arg-max is the target (number accuracy).
+    """
+
+    ce: torch.Tensor
+    ntl: torch.Tensor
+    tokens: torch.Tensor
+    numbers: torch.Tensor
+    hits: torch.Tensor
+
+
+def micro_batch_sums(terms: PerTokenTerms, mask: torch.Tensor) -> MicroBatchSums:
+    """Sums the per-token terms of one micro-batch with loss weights ``mask``.
+
+    Args:
+        terms: per-token CE, NTL, NTL positions (``number_mask``) and arg-max hits
+            (:func:`ntl_scale.per_token_ce_ntl`, :func:`ntl_scale.linear_ce_ntl`).
+        mask: the loss weight ``m_t`` of each position, shaped like the terms: bool (the targets
+            that are not ignored) or float (Megatron's ``loss_mask``).
+
+    Returns:
+        The :class:`MicroBatchSums`; no host read.
+    """
+    weight = mask.to(terms.ce.dtype)
+    numbers = terms.number_mask.to(weight.dtype) * weight
+    return MicroBatchSums(
+        ce=(terms.ce * weight).sum(),
+        ntl=(terms.ntl * numbers).sum(),
+        tokens=weight.sum(),
+        numbers=numbers.sum(),
+        hits=(terms.hit.to(weight.dtype) * numbers).sum(),
+    )
+
+
+def step_counts(
+    labels: Sequence[torch.Tensor],
+    vocab: NumberVocab,
+    options: NTLOptions | None = None,
+    *,
+    loss_masks: Sequence[torch.Tensor] | None = None,
+    pieces: int = 1,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``[N, K]`` of one step: the tokens and NTL positions of these micro-batches, summed over ``group``.
+
+    Each micro-batch is counted with :func:`ntl_scale.ntl_counts` (the loss-mask weight of its labels
+    and of their :func:`ntl_scale.ntl_positions`), the counts are added here and then summed over the
+    ranks of ``group`` with **one SUM all-reduce of both numbers together**. Computed from the labels,
+    so before the step's first forward.
+
+    Args:
+        labels: the targets of every micro-batch of the step that this rank sees (may be empty: a rank
+            that reads no data still joins the all-reduce with zeros).
+        vocab: the number table.
+        options: the NTL variant (what ``K`` counts); None: number-token targets.
+        loss_masks: one loss mask per micro-batch (Megatron); None: the targets that are not
+            ``options.ignore_index``.
+        pieces: ``loss="number"`` under context parallelism: numbers are cut at the borders of this
+            many slices of each sequence (:func:`ntl_scale.ntl_positions`).
+        group: the ranks whose micro-batches make up the step (data x context parallel); None or a
+            group of one: no collective.
+        device: where the counts are reduced (NCCL reduces device tensors only); None: the labels'
+            device.
+
+    Returns:
+        float64 ``[2]``: ``[N, K]`` of the whole step.
+    """
+    if loss_masks is not None and len(loss_masks) != len(labels):
+        raise ValueError(
+            f"step_counts: {len(loss_masks)} loss masks for {len(labels)} micro-batches; pass one per micro-batch"
+        )
+    counts = torch.zeros(2, dtype=torch.float64, device=labels[0].device if len(labels) else device)
+    for i, targets in enumerate(labels):
+        mask = None if loss_masks is None else loss_masks[i]
+        counts += ntl_counts(targets, vocab, options, loss_mask=mask, pieces=pieces)
+    if device is not None:
+        counts = counts.to(device)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    return counts
+
+
+def _at_least_one(count: Count) -> Count:
+    return count.clamp_min(1) if isinstance(count, torch.Tensor) else max(count, 1.0)
+
+
+def objective(sums: MicroBatchSums, counts: tuple[Count, Count], weight: float) -> torch.Tensor:
+    """``L = sum CE / max(N, 1) + weight * sum NTL / max(K, 1)`` of one micro-batch's sums.
+
+    Args:
+        sums: the micro-batch's :class:`MicroBatchSums`.
+        counts: ``(N, K)``: the step's :func:`step_counts` for ``global``, or
+            ``(sums.tokens, sums.numbers)`` for ``micro-batch``; tensors or host floats.
+        weight: the NTL weight ``w``.
+
+    Returns:
+        The micro-batch's part of ``L`` (summed over the step's micro-batches for ``global``).
+    """
+    tokens, numbers = counts
+    return sums.ce / _at_least_one(tokens) + weight * sums.ntl / _at_least_one(numbers)
+
+
+def means(sums: MicroBatchSums, counts: tuple[Count, Count]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two normalised terms ``(sum CE / max(N, 1), sum NTL / max(K, 1))``, before the weight.
+
+    ``ce + w * ntl`` of them is :func:`objective` with the weight applied after the division (the
+    Hugging Face loss's order; the values agree to the last bit of the product's rounding).
+    """
+    tokens, numbers = counts
+    return sums.ce / _at_least_one(tokens), sums.ntl / _at_least_one(numbers)
