@@ -11,7 +11,7 @@ import torch
 
 from ._checks import device_check
 from .number_vocab import NumberVocab
-from .options import REDUCTIONS, NTLOptions
+from .options import REDUCTIONS, NTLOptions, check_ntl_weight
 
 __all__ = [
     "check_float_level",
@@ -150,12 +150,6 @@ def check_reduction(reduction: str) -> None:
     """Refuses a reduction that is not one of ``REDUCTIONS``."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")
-
-
-def check_ntl_weight(ntl_weight: float) -> None:
-    """Refuses an NTL weight that is not a number >= 0."""
-    if isinstance(ntl_weight, bool) or not isinstance(ntl_weight, (int, float)) or ntl_weight < 0:
-        raise ValueError(f"ntl_weight must be a number >= 0, got {ntl_weight!r}")
 
 
 def check_number_level_table(vocab: NumberVocab) -> None:

@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import math
 import textwrap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,7 @@ __all__ = [
     "NTLRunOptions",
     "OptionField",
     "check_impl",
+    "check_ntl_weight",
     "option_field",
     "option_fields",
     "surface_default",
@@ -85,6 +87,14 @@ def check_impl(impl: object) -> str:
             "or 'triton' (the Triton kernels; CUDA tensors, triton installed)"
         )
     return impl
+
+
+def check_ntl_weight(weight: object, name: str = "ntl_weight") -> float:
+    """The NTL weight as a float, or a ``ValueError`` naming ``name`` (the spelling of the front end that
+    passed it: ``ntl_weight``, ``ntl.weight``, ``--ntl-weight``). A finite number >= 0; not a bool."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or not weight >= 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (0.3 in the paper, 0 = CE alone), got {weight!r}")
+    return float(weight)
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,11 @@ class NTLOptions:
                 )
         if not isinstance(self.huber_delta, (int, float)) or not self.huber_delta > 0:
             raise ValueError(f"huber_delta must be a number > 0, got {self.huber_delta!r}")
+        if self.huber_delta != 1.0 and self.loss != "huber":  # ignored otherwise: say so, like squash_factor
+            raise ValueError(
+                f"huber_delta={self.huber_delta!r} applies to loss='huber' only, got loss={self.loss!r}; "
+                "drop it or set the loss to 'huber'"
+            )
         if self.float_level and self.loss != "number":
             raise ValueError(f"float_level applies to loss='number' only, got loss={self.loss!r}")
         if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
@@ -190,8 +205,7 @@ class NTLRunOptions:
     """``auto``, ``torch`` or ``triton``: which code computes the loss (:attr:`NTLOptions.impl`)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not self.weight >= 0:
-            raise ValueError(f"ntl.weight must be a number >= 0 (0.3 in the paper, 0 = CE alone), got {self.weight!r}")
+        check_ntl_weight(self.weight, "ntl.weight")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"ntl.normalization must be 'global' or 'micro-batch', got {self.normalization!r}")
         if self.loss == "number" and not self.digit_level:

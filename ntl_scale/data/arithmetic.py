@@ -179,7 +179,8 @@ def generate(
                     f"could not draw {count} distinct {split} questions of kinds {config.kinds} with "
                     f"{low}-{high} digit operands: {len(out)} found, then {_STALL_DRAWS} draws in a row gave "
                     "none new (the question space is used up); ask for fewer examples "
-                    "(data.train_examples / data.eval_examples) or widen the digit ranges (data.train_digits)"
+                    "(data.train_examples / data.eval_examples) or widen the digit ranges "
+                    f"({'data.extrapolate_digits' if split == 'extrapolate' else 'data.train_digits'})"
                 )
             continue
         misses = 0

@@ -42,7 +42,7 @@ def _call(**overrides):
         (dict(squash_factor=3.0, loss="mse"), ValueError, "squash_factor applies to loss='was' only"),
         (dict(float_level=True), ValueError, "float_level applies to loss='number' only"),
         (dict(huber_delta=0.0, loss="huber"), ValueError, "huber_delta must be a number > 0"),
-        (dict(ntl_weight=-0.3), ValueError, "ntl_weight must be a number >= 0, got -0.3"),
+        (dict(ntl_weight=-0.3), ValueError, "ntl_weight must be a finite number >= 0 .*, got -0.3"),
         (dict(vocab={"3": 3}), TypeError, "vocab must be an ntl_scale.NumberVocab"),
         (dict(logits=torch.zeros(1, 4, 16, dtype=torch.bfloat16), inplace=True), ValueError, "inplace=True .*bfloat16"),
     ],

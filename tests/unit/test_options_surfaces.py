@@ -223,3 +223,31 @@ def test_megatron_configs_use_spec_flags():
         with open(path, encoding="utf-8") as f:
             used |= {f"--{key}" for key in (yaml.safe_load(f).get("megatron_args") or {}) if key.startswith("ntl-")}
     assert used and used <= flags, used - flags
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -0.3, True])
+def test_every_front_end_refuses_the_same_bad_weights(weight):
+    """One weight check for every front end: the functional API, the YAML section, Megatron's flags and
+    the Hugging Face loss refuse NaN, inf, negative and bool weights alike, each naming its spelling."""
+    from ntl_scale.integrations.hf.loss import NTLCausalLMLoss
+    from ntl_scale.integrations.megatron import NTLSettings
+
+    vocab = ntl_scale.NumberVocab.from_id_to_token({i: str(i) for i in range(10)}, vocab_size=12)
+    import torch
+
+    logits, labels = torch.zeros(2, 12), torch.tensor([3, 11])
+    attempts = {
+        "ntl_weight": lambda: ntl_scale.ce_with_ntl(logits, labels, vocab, ntl_weight=weight),
+        "ntl.weight": lambda: NTLConfig(weight=weight),
+        "--ntl-weight": lambda: NTLSettings(weight=weight),
+        "ntl_weight ": lambda: NTLCausalLMLoss(vocab, weight),
+    }
+    for name, attempt in attempts.items():
+        with pytest.raises(ValueError, match=f"{name.strip()} must be a finite number >= 0"):
+            attempt()
+
+
+def test_an_ignored_huber_delta_is_refused():
+    with pytest.raises(ValueError, match=r"huber_delta=2\.0 applies to loss='huber' only"):
+        load_config(None, ["ntl.huber_delta=2.0", "ntl.loss=was"])
+    assert load_config(None, ["ntl.huber_delta=2.0", "ntl.loss=huber"]).ntl.huber_delta == 2.0

@@ -236,8 +236,8 @@ TRAIN_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "train
 
 
 def _shipped_data() -> list[tuple[str, Any]]:
-    """The distinct data sections of every shipped run config and every study preset's arms, each named by
-    the runs that use it (arms of one preset usually share one)."""
+    """The distinct (data, model, eval) sections of every shipped run config and every study preset's
+    arms, each named by the runs that use it (arms of one preset usually share one)."""
     import json
 
     import yaml
@@ -250,28 +250,46 @@ def _shipped_data() -> list[tuple[str, Any]]:
             runs.append((f"{preset.name}:{arm}", base, [*spec.get("overrides", []), *overrides]))
     distinct: dict[str, tuple[list[str], Any]] = {}
     for name, base, overrides in runs:
-        data = load_config(str(base), overrides).data
-        distinct.setdefault(json.dumps(data.__dict__, sort_keys=True, default=str), ([], data))[0].append(name)
-    return [(",".join(names), data) for names, data in distinct.values()]
+        cfg = load_config(str(base), overrides)
+        key = json.dumps([cfg.data.__dict__, cfg.model.__dict__, cfg.eval.__dict__], sort_keys=True, default=str)
+        distinct.setdefault(key, ([], cfg))[0].append(name)
+    return [(",".join(names), cfg) for names, cfg in distinct.values()]
 
 
-@pytest.mark.parametrize("names,data", _shipped_data(), ids=lambda v: v if isinstance(v, str) else "")
-def test_every_shipped_config_and_preset_builds_its_generated_data(names, data):
-    """Every shipped config and every study arm on the arithmetic generator draws its training set and
-    both evaluation splits at full size (a preset asking for more distinct questions than its task has
-    fails here, not hours into a study), and the interpolate split shares no question with the training
-    set (set intersection of the texts). File sources read the user's corpus or a prepared one: the
-    pretraining configs take steps in test_pretrain_configs, the CI study presets run end to end in
-    test_docs_and_study, and the DeepMind generator is run in test_deepmind_data."""
+@pytest.mark.parametrize("names,cfg", _shipped_data(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_shipped_config_and_preset_builds_its_generated_data(names, cfg):
+    """Every shipped config and every study arm on the arithmetic generator draws its training set and both
+    evaluation splits at full size (a preset asking for more distinct questions than its task has fails here,
+    not hours into a study); the interpolate split shares no question with the training set, nor a sum or
+    product with its operands swapped (set intersection of the texts, swaps written out here); with the
+    character tokenizer, every evaluation prompt plus ``eval.max_new_tokens`` fits the model's positions (else
+    generation would index past the position table at the end of a run). File sources read the user's corpus or
+    a prepared one: the pretraining configs take steps in test_pretrain_configs, the CI study presets run end to
+    end in test_docs_and_study, and the DeepMind generator is run in test_deepmind_data."""
+    import re
+
     from ntl_scale.training.data import _task, eval_sets
+    from ntl_scale.training.tokenizer import build_char_tokenizer
 
+    data = cfg.data
     if data.source != "arithmetic":
         pytest.skip(f"data.source={data.source!r} reads files (see the docstring)")
     train = ntl_scale.data.generate(data.train_examples, "train", seed=data.seed, config=_task(data))
     splits = eval_sets(data)
-    assert len({e.question for e in train}) == data.train_examples
+    questions = {e.question for e in train}
+    assert len(questions) == data.train_examples
     assert {s: len(v) for s, v in splits.items()} == {
         "interpolate": data.eval_examples,
         "extrapolate": data.eval_examples,
     }
-    assert not {e.question for e in train} & {e.question for e in splits["interpolate"]}
+    held_out = {e.question for e in splits["interpolate"]}
+    swapped = {re.sub(r"^What is (\S+) (\+|times) (\S+)\?$", r"What is \3 \2 \1?", q) for q in held_out}
+    assert not questions & held_out and not questions & swapped
+    if cfg.model.tokenizer != "builtin:char":
+        return  # a Hugging Face tokenizer of the user's (not here offline)
+    arch = cfg.model.architecture or {}
+    positions = arch.get("n_positions") or arch.get("max_position_embeddings")
+    tokenizer = build_char_tokenizer()
+    longest_prompt = max(len(tokenizer(e.question + " ")["input_ids"]) for v in splits.values() for e in v)
+    if positions:
+        assert longest_prompt + cfg.eval.max_new_tokens <= positions, (longest_prompt, cfg.eval.max_new_tokens)

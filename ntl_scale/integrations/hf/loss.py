@@ -38,6 +38,7 @@ import torch
 from ...losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl, check_number_level_table, per_token_ce_ntl
 from ...normalization import means, micro_batch_sums
 from ...number_vocab import NumberVocab
+from ...options import check_ntl_weight
 
 __all__ = [
     "NTLCausalLMLoss",
@@ -96,9 +97,7 @@ class NTLCausalLMLoss:
     ) -> None:
         if not isinstance(vocab, NumberVocab):
             raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
-        if not isinstance(ntl_weight, (int, float)) or ntl_weight < 0:
-            raise ValueError(f"ntl_weight must be a number >= 0 (0.3 in the paper), got {ntl_weight!r}")
-        self.vocab, self.ntl_weight = vocab, float(ntl_weight)
+        self.vocab, self.ntl_weight = vocab, check_ntl_weight(ntl_weight)
         self.options = options or NTLOptions()
         if self.options.loss == "number":
             check_number_level_table(vocab)  # refused when the loss is built, not at the first step

@@ -20,7 +20,7 @@ from typing import Any
 
 from ...losses import NTLOptions, check_number_level_table
 from ...number_vocab import NumberVocab
-from ...options import NORMALIZATIONS, OptionField, option_fields, surface_default, surface_name
+from ...options import NORMALIZATIONS, OptionField, check_ntl_weight, option_fields, surface_default, surface_name
 
 __all__ = ["NORMALIZATIONS", "VOCAB_RULES", "NTLSettings", "add_ntl_args", "build_number_vocab"]
 
@@ -64,10 +64,7 @@ class NTLSettings:
     impl: str = "auto"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight) or self.weight < 0:
-            raise ValueError(
-                f"--ntl-weight must be a finite number >= 0 (0 = off, 0.3 in the paper), got {self.weight!r}"
-            )
+        check_ntl_weight(self.weight, "--ntl-weight")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"--ntl-normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if not self.number_vocab:
