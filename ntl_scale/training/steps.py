@@ -13,12 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..losses import NTLOptions, PerTokenTerms, per_token_ce_ntl
+from ..losses import NTLOptions, PerTokenTerms
 from ..normalization import micro_batch_sums, objective, step_counts
 from ..number_vocab import NumberVocab
 from .config import NTLConfig, TrainConfig
 
-__all__ = ["global_counts", "micro_batch_loss", "resolve_deepspeed_config", "shift_for_causal"]
+__all__ = ["global_counts", "loss_from_terms", "resolve_deepspeed_config", "shift_for_causal"]
 
 
 def resolve_deepspeed_config(
@@ -125,31 +125,6 @@ def global_counts(
     return float(counts[0]), float(counts[1])
 
 
-def micro_batch_loss(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    vocab: NumberVocab,
-    ntl: NTLConfig,
-    *,
-    counts: tuple[float, float] | None,
-    scale: float = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_start: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss to back-propagate for one micro-batch, and its logging sums (see :func:`loss_from_terms`).
-
-    ``logits`` may be a vocabulary shard (``tp_group``, its first id ``vocab_start``): the fused op
-    then runs on the shard with two all-reduces over ``tp_group`` per call.
-
-    ``global`` normalisation: ``(sum CE / N + w * sum NTL / K) * scale`` with ``N``, ``K`` the step's
-    global counts; ``scale`` undoes the engine's own averaging (gradient-accumulation steps x DP
-    size), so the optimizer sees exactly ``sum over the global batch / global count``.
-    ``micro-batch``: ``mean CE + w * mean NTL`` of this micro-batch (the engine averages those).
-    """
-    terms = per_token_ce_ntl(logits, targets, vocab, ntl_options(ntl), tp_group=tp_group, vocab_start=vocab_start)
-    return loss_from_terms(terms, targets, ntl, counts=counts, scale=scale)
-
-
 def ntl_options(ntl: NTLConfig) -> NTLOptions:
     """The loss variant of a run config, and its ``impl`` (:meth:`ntl_scale.options.NTLRunOptions.options`)."""
     return ntl.options()
@@ -163,7 +138,13 @@ def loss_from_terms(
     counts: tuple[float, float] | None,
     scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`micro_batch_loss` from per-token terms (of the logits or of the chunked loss).
+    """The loss to back-propagate for one micro-batch, and its logging sums, from its per-token terms (of
+    the logits, of a vocabulary shard, or of the chunked loss: :meth:`ntl_scale.training.engine.Engine.forward_terms`).
+
+    ``global`` normalisation: ``(sum CE / N + w * sum NTL / K) * scale`` with ``N``, ``K`` the step's
+    global counts; ``scale`` undoes the engine's own averaging (gradient-accumulation steps x DP
+    size), so the optimizer sees exactly ``sum over the global batch / global count``.
+    ``micro-batch``: ``mean CE + w * mean NTL`` of this micro-batch (the engine averages those).
 
     :func:`ntl_scale.normalization.objective` of the micro-batch's sums, over the step's ``counts``
     (``global``, times ``scale``) or the micro-batch's own (``micro-batch``).

@@ -111,7 +111,9 @@ def _deepspeed(vocab, labels, logits, variant, normalization, micro=1, dp=1):
     value, grad = 0.0, torch.zeros_like(leaf)
     for rank in ranks:
         for p in rank:
-            loss, _ = steps.micro_batch_loss(leaf[p], labels[p], vocab, cfg, counts=counts, scale=micro * dp)
+            # the trainer's composition: per-token terms (Engine.terms_of_logits), then loss_from_terms
+            terms = ntl_scale.per_token_ce_ntl(leaf[p], labels[p], vocab, steps.ntl_options(cfg))
+            loss, _ = steps.loss_from_terms(terms, labels[p], cfg, counts=counts, scale=micro * dp)
             objective = loss / (micro * dp)  # DeepSpeed divides by accumulation steps, DDP averages over DP
             value += float(objective.detach())
             grad += torch.autograd.grad(objective, leaf)[0]
