@@ -346,12 +346,19 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def save(self, path: str) -> None:
-        """Writes the resolved config as JSON (valid YAML), atomically."""
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        """Writes the config as given (no values the run derives: those go to ``resolved.json``) as JSON
+        (valid YAML), atomically."""
+        write_json_atomically(self.to_dict(), path)
+
+
+def write_json_atomically(value: Any, path: str) -> None:
+    """Writes ``value`` as indented JSON to ``path`` through a temporary file and a rename, so a crash
+    leaves the old file or the new one, never half of one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -19,13 +19,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .config import TrainConfig
+from .config import TrainConfig, write_json_atomically
 from .resume import Layout
 from .steps import resolve_deepspeed_config
 
@@ -74,11 +73,7 @@ class Resolved:
 
     def save(self, path: str) -> None:
         """Writes the record as JSON, atomically."""
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        write_json_atomically(self.to_dict(), path)
 
 
 def accelerator_has_bf16(device: torch.device) -> bool:
