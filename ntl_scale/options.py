@@ -65,6 +65,7 @@ __all__ = [
     "surface_default",
     "surface_name",
     "surface_reason",
+    "variant_of",
 ]
 
 LOSS_KINDS = ("was", "mse", "mae", "huber", "number")
@@ -218,15 +219,14 @@ class NTLRunOptions:
 
     def options(self, ignore_index: int = -100) -> NTLOptions:
         """The :class:`NTLOptions` of this run (the variant and ``impl``)."""
-        return NTLOptions(
-            loss=self.loss,
-            squash_factor=self.squash_factor,
-            reweigh=self.reweigh,
-            huber_delta=self.huber_delta,
-            float_level=self.float_level,
-            ignore_index=ignore_index,
-            impl=self.impl,
-        )
+        return variant_of(self, ignore_index)
+
+
+def variant_of(settings: object, ignore_index: int = -100) -> NTLOptions:
+    """The :class:`NTLOptions` of any front end's settings that carry its fields by name (the YAML
+    section, Megatron's ``NTLSettings``), with ``ignore_index`` given: one mapping for every front end."""
+    names = [f.name for f in dataclasses.fields(NTLOptions) if f.name != "ignore_index"]
+    return NTLOptions(**{name: getattr(settings, name) for name in names}, ignore_index=ignore_index)
 
 
 # ---------------------------------------------------------------------------------- the spec

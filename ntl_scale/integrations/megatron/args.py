@@ -20,7 +20,15 @@ from typing import Any
 
 from ...losses import NTLOptions, check_number_level_table
 from ...number_vocab import NumberVocab
-from ...options import NORMALIZATIONS, OptionField, check_ntl_weight, option_fields, surface_default, surface_name
+from ...options import (
+    NORMALIZATIONS,
+    OptionField,
+    check_ntl_weight,
+    option_fields,
+    surface_default,
+    surface_name,
+    variant_of,
+)
 
 __all__ = ["NORMALIZATIONS", "VOCAB_RULES", "NTLSettings", "add_ntl_args", "build_number_vocab"]
 
@@ -86,14 +94,7 @@ class NTLSettings:
 
     def options(self) -> NTLOptions:
         """The library's :class:`~ntl_scale.NTLOptions` for these settings."""
-        return NTLOptions(
-            loss=self.loss,
-            squash_factor=self.squash_factor,
-            reweigh=self.reweigh,
-            huber_delta=self.huber_delta,
-            float_level=self.float_level,
-            impl=self.impl,
-        )
+        return variant_of(self)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> NTLSettings:
