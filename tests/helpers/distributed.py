@@ -4,6 +4,10 @@
 the data x tensor layout (TP groups of consecutive ranks, Megatron's convention), calls
 ``fn(ctx, *args)`` in each and raises in the parent if any worker failed, with the worker's traceback.
 ``fn`` must be a module-level function (spawned children import it).
+
+``run_ranks_in_threads(fn, ranks)`` is the cheap in-process variant for the loss's own collectives:
+one thread per rank, ``torch.distributed.all_reduce`` replaced by an in-memory MAX/SUM that records
+each call.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import threading
 import traceback
 from dataclasses import dataclass
 
@@ -82,3 +87,44 @@ def run_workers(world_size: int, tp_size: int, fn, *args, timeout: float = 300.0
             reports = sorted(os.listdir(error_dir))
             details = "\n".join(open(os.path.join(error_dir, r)).read() for r in reports)
             raise AssertionError(f"distributed worker failed:\n{details or e}") from None
+
+
+def run_ranks_in_threads(fn, ranks: int) -> tuple[dict[int, object], dict[int, list]]:
+    """``fn(rank)`` in one thread per rank, with ``torch.distributed.all_reduce`` replaced by an in-memory
+    reduction (MAX or SUM over the ranks' tensors) and ``get_world_size`` / ``get_rank`` answering for
+    the thread. Returns each rank's result and each rank's all-reduce calls as ``(op, shape)``."""
+    import pytest
+
+    barrier = threading.Barrier(ranks)
+    slots: dict[int, torch.Tensor] = {}
+    local = threading.local()
+    calls: dict[int, list] = {r: [] for r in range(ranks)}
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls[local.rank].append((op, tuple(tensor.shape)))
+        slots[local.rank] = tensor.clone()
+        barrier.wait()
+        stacked = torch.stack([slots[r] for r in range(ranks)])
+        reduced = stacked.amax(0) if op == dist.ReduceOp.MAX else stacked.sum(0)
+        barrier.wait()
+        tensor.copy_(reduced)
+
+    results: dict[int, object] = {}
+
+    def worker(rank: int) -> None:
+        local.rank = rank
+        results[rank] = fn(rank)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(dist, "all_reduce", all_reduce)
+    patch.setattr(dist, "get_world_size", lambda group=None: ranks)
+    patch.setattr(dist, "get_rank", lambda group=None: local.rank)
+    try:
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        patch.undo()
+    return results, calls

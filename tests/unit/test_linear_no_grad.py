@@ -16,8 +16,6 @@ are the same with and without gradients.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import ntl_scale
 from ntl_scale.linear import linear_ce_with_ntl
+from tests.helpers.distributed import run_ranks_in_threads
 from tests.helpers.reference import naive_per_token, naive_reduce
 
 TOKENS, VOCAB, HIDDEN, CHUNK = 24, 202, 48, 8  # TOKENS < HIDDEN: a [T, V] buffer is flagged as well
@@ -167,44 +166,6 @@ def test_a_frozen_input_with_a_per_token_upstream_gradient():
 # --------------------------------------------------------------------------- tensor parallelism
 
 
-def _run_ranks(fn, ranks):
-    """``fn(rank)`` in one thread per rank; ``dist`` replaced by an in-memory all-reduce that records
-    each call's operation and shape."""
-    barrier = threading.Barrier(ranks)
-    slots: dict[int, torch.Tensor] = {}
-    local = threading.local()
-    calls: dict[int, list] = {r: [] for r in range(ranks)}
-
-    def all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
-        calls[local.rank].append((str(op), tuple(tensor.shape)))
-        slots[local.rank] = tensor.clone()
-        barrier.wait()
-        stacked = torch.stack([slots[r] for r in range(ranks)])
-        reduced = stacked.amax(0) if op == torch.distributed.ReduceOp.MAX else stacked.sum(0)
-        barrier.wait()
-        tensor.copy_(reduced)
-
-    results: dict[int, object] = {}
-
-    def worker(rank):
-        local.rank = rank
-        results[rank] = fn(rank)
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(torch.distributed, "all_reduce", all_reduce)
-    patch.setattr(torch.distributed, "get_world_size", lambda group=None: ranks)
-    patch.setattr(torch.distributed, "get_rank", lambda group=None: local.rank)
-    try:
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(ranks)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        patch.undo()
-    return results, calls
-
-
 def test_tensor_parallel_keeps_the_collectives():
     """Two vocab shards: the same all-reduces (operation and shape, per chunk) with and without
     gradients; the loss equals the float64 full-logit reference and the with-gradient loss."""
@@ -218,8 +179,8 @@ def test_tensor_parallel_keeps_the_collectives():
             loss = linear_ce_with_ntl(h, w, labels, vocab, tp_group=group, chunk_tokens=CHUNK).loss
         return loss.detach()
 
-    without, calls_without = _run_ranks(lambda r: rank_loss(r, False), 2)
-    with_grad, calls_with = _run_ranks(lambda r: rank_loss(r, True), 2)
+    without, calls_without = run_ranks_in_threads(lambda r: rank_loss(r, False), 2)
+    with_grad, calls_with = run_ranks_in_threads(lambda r: rank_loss(r, True), 2)
     want, _, _ = _reference(hidden, weight, labels, vocab)
     for rank in range(2):
         assert calls_without[rank] == calls_with[rank] and len(calls_with[rank]) == 2 * (TOKENS // CHUNK)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 
 import pytest
 import torch
@@ -57,6 +56,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 from ntl_scale.kernels import triton_ce_ntl as tk  # noqa: E402
 from ntl_scale.parallel import ShardInputs, ShardMath, combine_kernel_stats  # noqa: E402
+from tests.helpers.distributed import run_ranks_in_threads  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -156,42 +156,6 @@ def test_nan_logits_give_nan_sums():
 # ------------------------------------------------------------------------- 2. tensor parallel
 
 
-def _run_ranks(fn, ranks):
-    """Runs ``fn(rank)`` in one thread per rank with ``dist`` collectives replaced by an in-memory reduction."""
-    barrier = threading.Barrier(ranks)
-    slots: dict[int, torch.Tensor] = {}
-    local = threading.local()
-    calls = []
-
-    def all_reduce(tensor, op=None, group=None):
-        calls.append(op)
-        slots[local.rank] = tensor.clone()
-        barrier.wait()
-        stacked = torch.stack([slots[r] for r in range(ranks)])
-        reduced = stacked.amax(0) if op == torch.distributed.ReduceOp.MAX else stacked.sum(0)
-        barrier.wait()
-        tensor.copy_(reduced)
-
-    results: dict[int, object] = {}
-
-    def worker(rank):
-        local.rank = rank
-        results[rank] = fn(rank)
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(torch.distributed, "all_reduce", all_reduce)
-    patch.setattr(torch.distributed, "get_world_size", lambda group=None: ranks)
-    try:
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(ranks)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        patch.undo()
-    return results, calls
-
-
 def test_tp_shards_combine_to_the_full_softmax():
     """Uneven split 203 = 64 + 76 + 63; the number ids straddle the borders (64, 65; 130)."""
     logits, labels, ids, a = _problem()
@@ -201,8 +165,9 @@ def test_tp_shards_combine_to_the_full_softmax():
         tk.shard_stats(logits[:, s : s + w].to(DEVICE), i.local_target(w), i.number_cols, i.a_table, block_v=16)
         for (s, w), i in zip(bounds, inputs)
     ]  # kernels first, one at a time (the interpreter is not thread-safe); only the collectives in threads
-    results, calls = _run_ranks(lambda r: combine_kernel_stats(local[r], object()), 3)
-    assert calls.count(torch.distributed.ReduceOp.MAX) == 3 and calls.count(torch.distributed.ReduceOp.SUM) == 3
+    results, calls = run_ranks_in_threads(lambda r: combine_kernel_stats(local[r], object()), 3)
+    ops = [op for rank in calls.values() for op, _ in rank]
+    assert ops.count(torch.distributed.ReduceOp.MAX) == 3 and ops.count(torch.distributed.ReduceOp.SUM) == 3
     z = logits.double()
     m = z.max(1).values
     zn = z[:, ids]
@@ -252,7 +217,7 @@ def _kernel_grad(logits, labels, ids, a, bounds, grads, *, inplace, rows=None):
     if len(bounds) == 1:
         combined = {0: combine_kernel_stats(local[0], None)}
     else:
-        combined, _ = _run_ranks(lambda r: combine_kernel_stats(local[r], object()), len(bounds))
+        combined, _ = run_ranks_in_threads(lambda r: combine_kernel_stats(local[r], object()), len(bounds))
     outs, terms = [], None
     for r, (x, i) in enumerate(zip(shards, inputs)):
         max_all, number_max, sums = combined[r]
