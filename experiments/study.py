@@ -22,7 +22,10 @@ where it stopped). Then ``OUT`` gets:
   exact-match accuracy, MAE, log-MAE and R^2 on the interpolation and extrapolation splits, every
   seed's numbers, and paired tests of each arm against the baseline (see :func:`paired_tests`);
 * ``loss_curves.png``: CE and NTL per step (mean over seeds) for each arm;
-* ``error_by_digits.png``: accuracy and MAE by the number of digits of the true answer;
+* ``verdict.png``: every seed of each arm and the arm's mean with its 95 % t-interval, per headline
+  metric (:mod:`figures`, from ``results.json``);
+* ``error_by_digits.png``: accuracy and MAE by the number of digits of the true answer (an accuracy
+  panel that is zero for every arm is left out);
 * ``digit_offsets.png``: where wrong digits land relative to the true digit (predicted - true,
   aligned from the last digit), per arm.
 """
@@ -45,6 +48,9 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/figures.py
+
+import figures  # noqa: E402
 
 from ntl_scale.eval.numbers import extract_number  # noqa: E402
 from ntl_scale.training.evaluate import HELDOUT_COLUMNS, heldout_metrics  # noqa: E402
@@ -462,6 +468,22 @@ def _predictions(dirs: list[str], split: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _by_digits(runs: dict[str, list[str]], split: str) -> dict[str, dict[int, list[tuple[bool, float]]]]:
+    """Per arm: digits of the true answer -> (right, |error|) of every question of ``split`` over the seeds."""
+    out: dict[str, dict[int, list[tuple[bool, float]]]] = {}
+    for arm, dirs in runs.items():
+        by_digits: dict[int, list[tuple[bool, float]]] = out.setdefault(arm, {})
+        for row in _predictions(dirs, split):
+            truth = extract_number(row["answer"])
+            if truth is None or truth != int(truth):  # answers by digits: whole numbers only
+                continue
+            digits = len(str(abs(int(truth))))
+            pred = row["parsed"]
+            error = abs(pred - truth) if pred is not None else math.nan
+            by_digits.setdefault(digits, []).append((pred is not None and pred == truth, error))
+    return out
+
+
 def plots(runs: dict[str, list[str]], out: str) -> list[str]:
     """Writes the three PNGs; returns their paths."""
     import matplotlib
@@ -492,18 +514,14 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
                    if os.path.isfile(os.path.join(first, f"predictions_{s}.jsonl")))  # fmt: skip
     if not splits:
         return written
+    by_split = {split: _by_digits(runs, split) for split in splits}
+    # a split whose accuracy is zero for every arm and digit count (a model that never extrapolates)
+    # keeps only its error row: an all-zero accuracy panel carries no information
+    informative = {split: any(ok for cells in by_split[split].values() for rows in cells.values() for ok, _ in rows)
+                   for split in splits}  # fmt: skip
     fig, axes = plt.subplots(2, len(splits), figsize=(11, 7), squeeze=False)
     for col, split in enumerate(splits):
-        for arm, dirs in runs.items():
-            by_digits: dict[int, list[tuple[bool, float]]] = {}
-            for row in _predictions(dirs, split):
-                truth = extract_number(row["answer"])
-                if truth is None or truth != int(truth):  # answers by digits: whole numbers only
-                    continue
-                digits = len(str(abs(int(truth))))
-                pred = row["parsed"]
-                error = abs(pred - truth) if pred is not None else math.nan
-                by_digits.setdefault(digits, []).append((pred is not None and pred == truth, error))
+        for arm, by_digits in by_split[split].items():
             xs = sorted(by_digits)
             accuracy = [statistics.fmean(ok for ok, _ in by_digits[x]) for x in xs]
             mae = [statistics.fmean([e for _, e in by_digits[x] if math.isfinite(e)] or [math.nan]) for x in xs]
@@ -512,6 +530,8 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
         axes[0][col].set_title(f"{split}: exact-match accuracy")
         axes[1][col].set_title(f"{split}: mean absolute error")
         axes[1][col].set_yscale("log")
+        if not informative[split]:
+            axes[0][col].set_visible(False)
         for ax in (axes[0][col], axes[1][col]):
             ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
             ax.set_xlabel("digits in the true answer")
@@ -576,6 +596,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text + "\n")
     pngs = plots(runs, out)
+    verdict = figures.verdict_figure(summary, os.path.join(out, "verdict.png"), title=os.path.basename(args.preset))
+    pngs += [verdict] if verdict else []
     print(text)
     print(f"[study] {time.time() - start:.0f} s; results and plots in {out}: {', '.join(map(os.path.basename, pngs))}")
     return table

@@ -152,6 +152,7 @@ def test_pretrain_study_preset_end_to_end(tmp_path):
     forward pass over the held-out sequences (CE split by label kind, arg-max hits, the expected digit)."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("matplotlib")
+    import numpy as np
     import torch
     import torch.nn.functional as F
     import transformers
@@ -268,3 +269,59 @@ def test_pretrain_study_preset_end_to_end(tmp_path):
         if len(nonzero) > 1:
             assert wilcoxon["p"] == pytest.approx(float(stats.wilcoxon(nonzero).pvalue), rel=1e-3)
     assert "**heldout** (held-out text" in (out / "results.md").read_text()
+    assert (out / "verdict.png").read_bytes()[:4] == b"\x89PNG"
+
+    # the size sweep on top (experiments/size_sweep.py): this study is one size (its results file), a
+    # narrower model on the same corpus the other (run by the sweep); every difference, interval and
+    # the trend are recomputed here from the two results files
+    sweep = {
+        "baseline": "CE",
+        "arms": ["CE + NTL-WAS"],
+        "sizes": [
+            {"label": "h32", "preset": str(tmp_path / "preset.yaml"), "out": str(tmp_path / "h32"),
+             "overrides": ["model.architecture.hidden_size=32", "model.architecture.intermediate_size=64"]},
+            {"label": "h64", "preset": str(tmp_path / "preset.yaml"), "results": str(out / "results.json")},
+        ],
+    }  # fmt: skip
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    command = [sys.executable, "experiments/size_sweep.py", "--sweep", str(tmp_path / "sweep.yaml"),
+               "--out", str(tmp_path / "sweep")]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1500,
+                            env={**os.environ, "DS_ACCELERATOR": "cpu"})  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert (tmp_path / "sweep" / "size_sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "h32" / "verdict.png").is_file()
+    keys = {
+        "prose_text_ppl": ("heldout:prose", "text_ppl", True),
+        "number_token_mae": ("heldout", "number_token_mae", True),
+        "question_acc": ("questions", "accuracy", False),
+    }
+    parameters = []
+    for row, path in zip(table["sizes"], (tmp_path / "h32" / "results.json", out / "results.json")):
+        results = json.loads(Path(path).read_text())["results"]
+        hidden = 32 if row["label"] == "h32" else 64
+        # Llama blocks without the embedding table: attention 4 h^2, MLP 3 h * 2h, two norms per layer, final norm
+        layers = 2  # the CI preset's model.architecture.num_hidden_layers
+        assert row["parameters"] == layers * (4 * hidden**2 + 3 * hidden * 2 * hidden + 2 * hidden) + hidden
+        parameters.append(row["parameters"])
+        for key, (split, metric, relative) in keys.items():
+            arm, ce = (results[a][split][metric]["seeds"] for a in ("CE + NTL-WAS", "CE"))
+            scale = 100 / (sum(ce) / len(ce)) if relative else 100
+            expected = [(x - y) * scale for x, y in zip(arm, ce)]
+            cell = row["differences"]["CE + NTL-WAS"][key]
+            assert cell["seeds"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+            mean = sum(expected) / len(expected)
+            sd = (sum((d - mean) ** 2 for d in expected) / (len(expected) - 1)) ** 0.5
+            half = stats.t.ppf(0.975, len(expected) - 1) * sd / len(expected) ** 0.5
+            assert (cell["low"], cell["high"]) == pytest.approx((mean - half, mean + half), rel=1e-9, abs=1e-12)
+    for key in keys:
+        xs = [math.log10(p) for p, row in zip(parameters, table["sizes"])
+              for _ in row["differences"]["CE + NTL-WAS"][key]["seeds"]]  # fmt: skip
+        ys = [d for row in table["sizes"] for d in row["differences"]["CE + NTL-WAS"][key]["seeds"]]
+        trend = table["trend"]["CE + NTL-WAS"][key]
+        if len(set(ys)) > 1:
+            slope = float(np.polyfit(xs, ys, 1)[0])
+            assert trend["slope"] == pytest.approx(slope, rel=1e-6, abs=1e-9)
+        else:
+            assert trend["verdict"] == "no difference at any size"

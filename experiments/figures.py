@@ -1,0 +1,191 @@
+"""Figures of the study verdicts, made from a study's ``results.json`` (never from the tables).
+
+    python experiments/figures.py docs/img/study_pretrain_cpu_results.json   # -> ..._verdict.png beside it
+    python experiments/figures.py docs/img/study_*_results.json              # every study of docs/results.md
+
+One figure per study: a panel per headline metric, each arm a column, every seed a point, the arm's
+mean with its 95 % t-interval over the seeds (``mean +- t(0.975, n - 1) * sd / sqrt(n)``), the
+baseline's mean as a dashed line, and the seed-level paired t-test against the baseline (from the
+results' ``paired_tests``) under each arm. A panel in which every value is zero (the extrapolation
+accuracy of a model that never extrapolates) carries no information and is left out.
+``experiments/study.py`` calls :func:`verdict_figure` after each study; ``experiments/size_sweep.py``
+draws the size sweep with :func:`sweep_figure`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+# (split, metric, label): the headline metrics, in the order the verdicts of docs/results.md use them.
+PANELS: tuple[tuple[str, str, str], ...] = (
+    ("interpolate", "accuracy", "held-out questions: accuracy"),
+    ("interpolate", "mae", "held-out questions: MAE"),
+    ("extrapolate", "accuracy", "longer numbers: accuracy"),
+    ("extrapolate", "mae", "longer numbers: MAE"),
+    ("heldout:prose", "text_ppl", "prose: text perplexity"),
+    ("heldout", "number_token_mae", "number tokens: MAE of the expected digit"),
+    ("heldout", "number_token_acc", "number tokens: accuracy"),
+    ("questions", "accuracy", "held-out questions: accuracy"),
+)
+
+
+def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): the mean and its two-sided t-interval over ``values`` (n >= 2; n = 1: no width)."""
+    from scipy import stats
+
+    clean = [float(v) for v in values if v is not None and math.isfinite(v)]
+    if not clean:
+        return math.nan, math.nan, math.nan
+    mean = statistics.fmean(clean)
+    if len(clean) < 2:
+        return mean, mean, mean
+    half = float(stats.t.ppf(0.5 + level / 2, len(clean) - 1)) * statistics.stdev(clean) / math.sqrt(len(clean))
+    return mean, mean - half, mean + half
+
+
+def _seeds(results: dict[str, Any], arm: str, split: str, metric: str) -> list[float]:
+    values = results.get(arm, {}).get(split, {}).get(metric, {}).get("seeds", [])
+    return [float(v) for v in values if v is not None and math.isfinite(v)]
+
+
+def panels_of(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The headline panels present in ``summary`` that carry information (some value is non-zero)."""
+    results = summary["results"]
+    out = []
+    for split, metric, label in PANELS:
+        values = [v for arm in results for v in _seeds(results, arm, split, metric)]
+        if values and any(v != 0 for v in values):
+            out.append((split, metric, label))
+    return out
+
+
+def _p_label(p: float | None) -> str:
+    if p is None or not math.isfinite(p):
+        return ""
+    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+
+
+def verdict_figure(summary: dict[str, Any], path: str, title: str | None = None) -> str | None:
+    """Draws the study's verdict figure to ``path`` (PNG); returns the path, or None with no panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = panels_of(summary)
+    if not panels:
+        return None
+    results, tests = summary["results"], summary.get("paired_tests", {})
+    baseline = summary.get("preset", {}).get("baseline") or next(iter(results))
+    arms = list(results)
+    columns = min(len(panels), 2)
+    rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.6 * columns, 3.6 * rows), squeeze=False)
+    for ax, (split, metric, label) in zip(axes.flat, panels):
+        for x, arm in enumerate(arms):
+            values = _seeds(results, arm, split, metric)
+            if not values:
+                continue
+            jitter = [(i - (len(values) - 1) / 2) * 0.04 for i in range(len(values))]
+            ax.scatter([x - 0.12 + j for j in jitter], values, s=14, color="0.45", zorder=2)
+            mean, low, high = t_interval(values)
+            ax.errorbar([x + 0.12], [mean], yerr=[[mean - low], [high - mean]], fmt="o", color=f"C{x}",
+                        capsize=4, markersize=7, zorder=3)  # fmt: skip
+            if arm == baseline:
+                ax.axhline(mean, color=f"C{x}", linestyle="--", linewidth=1, zorder=1)
+        ax.set_xticks(range(len(arms)))
+        ax.set_xticklabels(
+            [arm + ("" if arm == baseline else "\n" + _p_label(
+                tests.get(arm, {}).get(split, {}).get(metric, {}).get("p_seed_t"))) for arm in arms],
+            fontsize=7,
+            rotation=20,
+            ha="right",
+        )  # fmt: skip
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    seeds = len(summary.get("preset", {}).get("seeds", [])) or "?"
+    fig.suptitle(
+        (title or "") + f"  (grey: each seed; colour: mean, 95 % t-interval over {seeds} seeds; "
+        f"p: seed-level paired t-test against {baseline})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def sweep_figure(sweep: dict[str, Any], path: str) -> str:
+    """Draws the size sweep: per headline difference (arm minus CE, paired by seed), every seed's
+    difference as a point and the mean with its 95 % t-interval at each size, parameters on a log axis,
+    with the fitted trend over log10(parameters) (``sweep["trend"]``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = sweep["metrics"]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 3.8), squeeze=False)
+    for ax, (key, spec) in zip(axes[0], metrics.items()):
+        for k, arm in enumerate(sweep["arms"]):
+            xs, means, lows, highs = [], [], [], []
+            for size in sweep["sizes"]:
+                cell = size["differences"].get(arm, {}).get(key)
+                if not cell:
+                    continue
+                shift = 1 + 0.04 * (k - (len(sweep["arms"]) - 1) / 2)
+                ax.scatter([size["parameters"] * shift] * len(cell["seeds"]), cell["seeds"], s=12, color="0.5")
+                xs.append(size["parameters"] * shift)
+                means.append(cell["mean"])
+                lows.append(cell["mean"] - cell["low"])
+                highs.append(cell["high"] - cell["mean"])
+            ax.errorbar(xs, means, yerr=[lows, highs], fmt="o-", color=f"C{k + 1}", capsize=4, label=arm)
+            trend = sweep.get("trend", {}).get(arm, {}).get(key)
+            if trend and xs:
+                grid = [min(xs), max(xs)]
+                ax.plot(grid, [trend["intercept"] + trend["slope"] * math.log10(g) for g in grid],
+                        linestyle=":", color=f"C{k + 1}", linewidth=1)  # fmt: skip
+        ax.axhline(0, color="0.3", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters (without the embedding table)")
+        ax.set_title(spec["label"], fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("arm minus CE, paired by seed: points = seeds; mean and 95 % t-interval; dotted: fitted trend",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", help="a study's results.json (docs/img/study_*_results.json)")
+    parser.add_argument("--out", default=None, help="folder of the PNGs (default: beside each results file)")
+    args = parser.parse_args(argv)
+    written = []
+    for path in args.results:
+        with open(path) as f:
+            summary = json.load(f)
+        if "results" not in summary:
+            raise SystemExit(f"{path}: not a study's results.json (no 'results' key); expected the output of "
+                             "experiments/study.py")  # fmt: skip
+        stem = os.path.basename(path).removesuffix(".json").removesuffix("_results")
+        target = os.path.join(args.out or os.path.dirname(path) or ".", f"{stem}_verdict.png")
+        if verdict_figure(summary, target, title=stem) is not None:
+            written.append(target)
+            print(target)
+    return written
+
+
+if __name__ == "__main__":
+    main()
