@@ -10,8 +10,12 @@
 A preset names the base run config, the arms (overrides on top of it: the loss), the seeds (model
 init; the data is the same seeded arithmetic for every arm and seed) and the shared overrides (the
 budget); optionally ``prepare`` (commands run once first, e.g. generating the DeepMind data),
-``parallel`` (runs at once, the cores shared between them), ``baseline`` (the arm the others are
-tested against; default the first) and ``heldout_groups`` (a pretraining corpus: name -> [first, stop)
+``parallel`` (runs at once, the cores shared between them), ``entry`` (the training script, default
+launch/train.py; experiments/train_baselines.py adds the ``baseline.*`` overrides of DEL and the
+digit-only NTL-WAS), ``baseline`` (the arm the others are tested against; default the first),
+``also_against`` (arms every other arm is also paired against, e.g. ``[CE + NTL-WAS]``:
+``paired_tests_against`` in results.json, a section each in results.md) and ``heldout_groups`` (a
+pretraining corpus: name -> [first, stop)
 held-out sequence indices, each tabulated and tested as split ``heldout:<name>``; or the path of a
 corpus manifest of experiments/pretrain_corpus.py, whose ``heldout.groups`` are its prose and number
 documents, checked against each run's held-out sequences). Each run
@@ -82,6 +86,11 @@ def load_preset(path: str) -> dict[str, Any]:
     for key, kind in required.items():
         if not isinstance(preset, dict) or not isinstance(preset.get(key), kind):
             raise SystemExit(f"{path}: expected '{key}' ({kind.__name__}) at the top level")
+    if not os.path.isfile(os.path.join(ROOT, preset.get("entry", "launch/train.py"))):
+        raise SystemExit(f"{path}: entry {preset['entry']!r} is not a file of the repository (e.g. launch/train.py)")
+    against = preset.get("also_against", [])
+    if not isinstance(against, list) or any(a not in preset["arms"] or a == preset.get("baseline") for a in against):
+        raise SystemExit(f"{path}: also_against must list arms other than the baseline, got {against!r}")
     if preset.get("launcher", "python") not in ("python", "deepspeed"):
         raise SystemExit(f"{path}: launcher must be 'python' or 'deepspeed', got {preset['launcher']!r}")
     return preset
@@ -114,7 +123,8 @@ def slug(name: str) -> str:
 def train_command(preset: dict[str, Any], run_dir: str, arm: list[str], seed: int) -> list[str]:
     """The launch/train.py command of one run."""
     overrides = [*preset.get("overrides", []), *arm, f"train.seed={seed}", f"run_dir={run_dir}"]
-    entry = [os.path.join(ROOT, "launch", "train.py"), "--config", os.path.join(ROOT, preset["base_config"])]
+    script = os.path.join(ROOT, preset.get("entry", "launch/train.py"))  # e.g. experiments/train_baselines.py
+    entry = [script, "--config", os.path.join(ROOT, preset["base_config"])]
     if preset.get("launcher", "python") == "python":
         return [sys.executable, *entry, *overrides]
     with socket.socket() as s:
@@ -589,10 +599,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if baseline not in preset["arms"]:
         raise SystemExit(f"{args.preset}: baseline {baseline!r} is not one of the arms {list(preset['arms'])}")
     tests = paired_tests(runs, table, baseline, groups) if len(preset["seeds"]) > 0 else {}
+    against = {}  # also_against: the arms other than both baselines, paired against a second arm
+    for other in preset.get("also_against", []):
+        tested = {arm: dirs for arm, dirs in runs.items() if arm not in (baseline, other)}
+        against[other] = paired_tests({other: runs[other], **tested}, table, other, groups) if tested else {}
     with open(os.path.join(out, "results.json"), "w") as f:
         summary = {"preset": preset, "results": table, "paired_tests": tests, "seconds": time.time() - start}
+        if against:
+            summary["paired_tests_against"] = against
         json.dump(summary, f, indent=2)
     text = markdown(table, args.preset, preset["seeds"], tests, baseline)
+    for other, other_tests in against.items():
+        subset = {arm: table[arm] for arm in (other, *other_tests)}
+        text += f"\n\n**Paired against {other}**\n\n" + markdown(
+            subset, args.preset, preset["seeds"], other_tests, other
+        )
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text + "\n")
     pngs = plots(runs, out)
