@@ -44,9 +44,18 @@ Under tensor parallelism ``weight`` is the local vocab shard ``[V/tp, H]`` and `
 (sequence-gathered) hidden states; the returned gradient of ``hidden`` is this shard's part, to be
 summed over the TP group by the caller's layer, as Megatron's ``ColumnParallelLinear`` does with
 ``copy_to_tensor_model_parallel_region`` (or the sequence-parallel gather) on its input.
+
+``weight`` may be a ``DTensor`` split on its rows (``Shard(0)``: a vocabulary-parallel output layer,
+uneven splits included) or replicated: its group and offset replace ``tp_group`` and ``vocab_start``
+(:func:`ntl_scale.parallel.dtensor_vocab_shard`); the gradient reaches it as a DTensor with its
+placements. ``hidden`` is then a plain tensor (the same on every rank of the split; its gradient is
+this shard's part, as above) or a replicated DTensor on the weight's mesh, whose gradient is returned
+as ``Partial`` over the split's mesh dimension, so DTensor sums it when it is redistributed.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,11 +74,13 @@ from .parallel import (
     compute_dtype,
     group_rank,
     group_size,
+    is_dtensor,
     kernel_shard_stats,
+    resolve_vocab_shard,
     use_triton,
 )
 from .reductions import CENTLOutput, combine_terms
-from .terms import PerTokenTerms, shard_inputs, shard_start, terms_from_stats
+from .terms import PerTokenTerms, check_plain_labels, shard_inputs, shard_start, terms_from_stats
 
 __all__ = ["linear_ce_ntl", "linear_ce_with_ntl"]
 
@@ -341,6 +352,24 @@ def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
         raise ValueError(f"hidden is on {hidden.device} and weight on {weight.device}; put both on one device")
 
 
+def _local_hidden(hidden: Any, weight: Any) -> torch.Tensor:
+    """``hidden`` for a DTensor ``weight``: a plain tensor as it is, a replicated DTensor as its local tensor
+    whose gradient is ``Partial`` where the weight is sharded (each shard gives its part of the sum)."""
+    if not is_dtensor(hidden):
+        return hidden
+    from torch.distributed.tensor import Partial, Replicate
+
+    placements = tuple(hidden.placements)
+    if hidden.device_mesh != weight.device_mesh or any(not isinstance(p, Replicate) for p in placements):
+        raise ValueError(
+            f"hidden is a DTensor with placements {placements} on {hidden.device_mesh}; with a DTensor weight it "
+            f"must be replicated on the weight's mesh {weight.device_mesh} (hidden.redistribute(placements="
+            "[Replicate()])), or pass a plain tensor"
+        )
+    grad = [Replicate() if isinstance(p, Replicate) else Partial() for p in weight.placements]
+    return hidden.to_local(grad_placements=grad)
+
+
 def linear_ce_ntl(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -389,6 +418,19 @@ def linear_ce_ntl(
         :class:`ntl_scale.PerTokenTerms` shaped like ``labels``.
     """
     options = NTLOptions() if options is None else options
+    if is_dtensor(weight):
+        if not isinstance(vocab, NumberVocab):
+            raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
+        hidden = _local_hidden(hidden, weight)
+        weight, tp_group, vocab_start = resolve_vocab_shard(
+            weight, vocab.vocab_size, tp_group, vocab_start, dim=0, name="weight"
+        )
+    elif is_dtensor(hidden):
+        raise ValueError(
+            "hidden is a DTensor but weight is a plain tensor; pass both as DTensors (weight Shard(0) or "
+            "Replicate, hidden Replicate) or both as local tensors (hidden.to_local(), with tp_group)"
+        )
+    check_plain_labels(labels)
     _check_linear(hidden, weight, labels)
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     # the checks of the logits path, on a shape-only (meta) stand-in for the logits

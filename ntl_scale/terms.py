@@ -19,7 +19,16 @@ from ._validation import check_float_level, check_inputs, check_number_level_tab
 from .number_level import assemble_numbers, number_starts, symmetric_mape
 from .number_vocab import NumberVocab
 from .options import NTLOptions
-from .parallel import ShardInputs, check_chunk_tokens, compute_dtype, fused_shard_stats, group_rank, group_size
+from .parallel import (
+    ShardInputs,
+    check_chunk_tokens,
+    compute_dtype,
+    fused_shard_stats,
+    group_rank,
+    group_size,
+    is_dtensor,
+    resolve_vocab_shard,
+)
 
 __all__ = [
     "NumberPrediction",
@@ -74,8 +83,16 @@ def per_token_ce_ntl(
     nor reweighing needs it (``ce`` and ``hit`` are then 0). ``vocab_start``: see
     :func:`ntl_scale.vocab_parallel_ce_ntl`. ``options.impl`` picks the code of the fused op
     (``auto``, ``torch`` or ``triton``; ``docs/kernels.md``).
+
+    ``logits_shard`` may be a ``DTensor`` split on the vocabulary (``Shard(-1)``, uneven splits
+    included) or replicated; its process group and offset replace ``tp_group`` and ``vocab_start``
+    (:func:`ntl_scale.parallel.dtensor_vocab_shard`). The labels stay a plain tensor, the same on
+    every rank of that group; the outputs are plain tensors.
     """
     options = NTLOptions() if options is None else options
+    if isinstance(vocab, NumberVocab):
+        logits_shard, tp_group, vocab_start = resolve_vocab_shard(logits_shard, vocab.vocab_size, tp_group, vocab_start)
+    check_plain_labels(labels)
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     check_inputs(logits_shard, labels, vocab, options, tp_size, vocab_start)
     check_chunk_tokens(chunk_tokens)
@@ -102,6 +119,16 @@ def per_token_ce_ntl(
         impl=options.impl,
     )
     return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options)
+
+
+def check_plain_labels(labels: object) -> None:
+    """Refuses DTensor labels: the losses take the labels as a plain tensor, the same on every rank."""
+    if is_dtensor(labels):
+        raise ValueError(
+            f"labels is a DTensor (placements {tuple(getattr(labels, 'placements', ()))}); the losses take the "
+            "labels as a plain tensor, the same on every rank of the vocabulary split: pass labels.full_tensor() (or "
+            "labels.to_local() if replicated)"
+        )
 
 
 def terms_from_stats(
