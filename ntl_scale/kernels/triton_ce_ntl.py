@@ -240,21 +240,35 @@ def shard_stats(
         ``SN = sum_N exp(z_k - mN)``, ``A = sum_N exp(z_k - mN) a_k``.
     """
     stats_kernel, _ = _kernels()
-    num_tokens, width = logits.shape
-    k = number_cols.numel()
+    num_tokens = logits.shape[0]
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     out = torch.empty(num_tokens, 6, dtype=cdt, device=logits.device)
     if num_tokens == 0:
         return out
-    a = a_table if k else torch.zeros(num_tokens, 1, dtype=cdt, device=logits.device)
+    args, meta = _stats_arguments(logits, target, number_cols, a_table, out, block_v)
+    stats_kernel[(num_tokens,)](*args, **meta)
+    return out
+
+
+def _stats_arguments(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    number_cols: torch.Tensor,
+    a_table: torch.Tensor,
+    out: torch.Tensor,
+    block_v: int | None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The statistics kernel's arguments and meta-parameters (``benchmarks/triton_aot.py`` compiles from them)."""
+    num_tokens, width = logits.shape
+    k = number_cols.numel()
+    a = a_table if k else torch.zeros(num_tokens, 1, dtype=out.dtype, device=logits.device)
     block_v = block_v or _block_v(width)
-    stats_kernel[(num_tokens,)](
+    args = (
         logits, logits.stride(0), logits.stride(1), width,
         target.contiguous(), number_cols.contiguous(), k, a, a.stride(0), a.stride(1),
         out,
-        ACC=_acc(logits.dtype), BLOCK_V=block_v, BLOCK_K=_block_k(k), num_warps=_warps(block_v),
     )  # fmt: skip
-    return out
+    return args, {"ACC": _acc(logits.dtype), "BLOCK_V": block_v, "BLOCK_K": _block_k(k), "num_warps": _warps(block_v)}
 
 
 def global_sums(local: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
@@ -313,9 +327,29 @@ def softmax_grad_(
         ``out``.
     """
     _, grad_kernel = _kernels()
-    num_tokens, width = logits.shape
-    if num_tokens == 0:
+    if logits.shape[0] == 0:
         return out
+    args, meta = _grad_arguments(
+        logits, out, row_max, total, coef, label_coef, target, number_cols, number_grad, block_v
+    )
+    grad_kernel[(logits.shape[0],)](*args, **meta)
+    return out
+
+
+def _grad_arguments(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    row_max: torch.Tensor,
+    total: torch.Tensor,
+    coef: torch.Tensor,
+    label_coef: torch.Tensor | None,
+    target: torch.Tensor | None,
+    number_cols: torch.Tensor | None,
+    number_grad: torch.Tensor | None,
+    block_v: int | None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The gradient kernel's arguments and meta-parameters (``benchmarks/triton_aot.py`` compiles from them)."""
+    num_tokens, width = logits.shape
     device = logits.device
     if label_coef is None or target is None:
         label_coef = torch.zeros(num_tokens, dtype=coef.dtype, device=device)
@@ -327,14 +361,19 @@ def softmax_grad_(
     else:
         cols, k, values = torch.zeros(1, dtype=torch.int64, device=device), 0, coef.view(-1, 1)
     block_v = block_v or _block_v(width)
-    grad_kernel[(num_tokens,)](
+    args = (
         logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), width,
         row_max.contiguous(), total.contiguous(), coef.contiguous(), label_coef.contiguous(), target.contiguous(),
         cols, k, values, values.stride(0), values.stride(1),
-        ACC=_acc(logits.dtype), HAS_NUMBERS=has_numbers, BLOCK_V=block_v, BLOCK_K=_block_k(k),
-        num_warps=_warps(block_v),
     )  # fmt: skip
-    return out
+    meta = {
+        "ACC": _acc(logits.dtype),
+        "HAS_NUMBERS": has_numbers,
+        "BLOCK_V": block_v,
+        "BLOCK_K": _block_k(k),
+        "num_warps": _warps(block_v),
+    }
+    return args, meta
 
 
 # ------------------------------------------------------------------ the fused op's backward

@@ -1,0 +1,130 @@
+"""The Triton kernels compiled ahead of time for sm_80, sm_90 and sm_100 with no GPU (``benchmarks/triton_aot.py``).
+
+One process of its own (``TRITON_INTERPRET`` unset, a fresh cache directory) compiles every kernel,
+dtype and block configuration the launchers can pick for the three architectures, through the
+``ptxas`` bundled in the triton wheel; this file checks the records it writes:
+
+1. Coverage: every ``BLOCK_V`` and ``BLOCK_K`` the launchers pick for widths met in practice
+   (vocabulary shards 1 to 10**6 columns, 0 to 5000 number columns) was compiled, for every kernel,
+   dtype and architecture.
+2. Every compile succeeded, with zero spill stores and loads and no stack frame (ptxas -v), registers
+   equal in ptxas's report and ``cuobjdump --dump-resource-usage`` (two tools), a PTX ``.target`` of
+   the architecture and a cubin; at least one block fits an SM.
+3. The occupancy rule against cases worked out by hand from the CUDA Occupancy Calculator's rules
+   (registers per warp rounded up to 256, 1 KiB reserved shared memory per block).
+4. A kernel that spills fails: the largest fp64 configuration under a 24-register cap
+   (``--plant-spill``) is reported and the script exits 1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "triton_aot.py"
+_spec = importlib.util.spec_from_file_location("triton_aot", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+aot = sys.modules["triton_aot"] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up
+_spec.loader.exec_module(aot)
+
+
+def _run(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    # TRITON_INTERPRET (set by test_triton_kernel.py in a whole-suite session) would make triton.jit
+    # return interpreted functions that cannot be compiled; TRITON_CACHE_DIR points at an empty folder.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp / "cache")
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT
+    )
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("aot")
+    out = _run("--json", str(tmp / "aot.json"), tmp=tmp)
+    assert (tmp / "aot.json").exists(), out.stdout[-3000:] + out.stderr[-5000:]
+    return json.loads((tmp / "aot.json").read_text())["records"]
+
+
+# ------------------------------------------------------------------ 1. coverage
+
+
+def test_every_block_the_launchers_pick_is_compiled(records):
+    from ntl_scale.kernels import triton_ce_ntl as tk
+
+    widths = [1, 15, 16, 17, 100, 1000, 4095, 4097, 8000, 32000, 50257, 64128, 128256, 262144, 10**6]
+    numbers = [0, 1, 10, 11, 50, 100, 129, 1000, 5000]
+    picked_v = {tk._block_v(w) for w in widths}
+    picked_k = {tk._block_k(k) for k in numbers}
+    for arch in ("sm_80", "sm_90", "sm_100"):
+        for kernel in ("stats", "grad"):
+            for dtype in ("float32", "bfloat16", "float16"):
+                mine = [r for r in records if (r["arch"], r["kernel"], r["dtype"]) == (arch, kernel, dtype)]
+                assert picked_v <= {r["block_v"] for r in mine}, (arch, kernel, dtype)
+                assert picked_k <= {r["block_k"] for r in mine}, (arch, kernel, dtype)
+                assert {r["warps"] for r in mine} == {tk._warps(v) for v in picked_v}
+                assert any(r["width"] % 16 for r in mine)  # a vocabulary without the divisibility hint
+            grad = [r for r in records if (r["arch"], r["kernel"]) == (arch, "grad")]
+            assert {r["numbers"] > 0 for r in grad} == {True, False}  # HAS_NUMBERS both ways
+            assert any(r["dtype"] == "float64" for r in records if (r["arch"], r["kernel"]) == (arch, kernel))
+
+
+# ------------------------------------------------------------------ 2. every compile clean
+
+
+def test_compiles_without_spills_for_every_architecture(records):
+    assert len(records) == 3 * len(aot.configs())
+    for r in records:
+        where = {k: r[k] for k in ("kernel", "dtype", "block_v", "block_k", "width", "numbers", "arch")}
+        assert "error" not in r, (where, r.get("error"))
+        assert (r["spill_stores"], r["spill_loads"], r["stack"]) == (0, 0, 0), where
+        assert r["cuobjdump"]["local"] == 0 and r["cuobjdump"]["stack"] == 0, where
+        assert r["cuobjdump"]["regs"] == r["regs"] and 0 < r["regs"] <= 255, where
+        assert r["ptx_target"] in (r["arch"], r["arch"] + "a"), where  # sm_90 and sm_100 compile as sm_90a, sm_100a
+        assert r["cubin_bytes"] > 0 and r["num_warps"] == r["warps"], where
+        assert r["blocks_per_sm"] >= 1, where
+    assert aot.problems(records) == []
+
+
+# ------------------------------------------------------------------ 3. occupancy
+
+
+@pytest.mark.parametrize(
+    ("arch", "regs", "smem", "warps", "blocks", "limiter"),
+    [
+        # 32 regs x 32 threads = 1024 per warp: 64 warps fit by registers; 16-warp blocks: 4 (the warp limit first)
+        (1, 32, 0, 16, 4, "warps"),
+        # 64 regs -> 2048 per warp -> 32 warps by registers -> two 16-warp blocks
+        (1, 64, 0, 16, 2, "registers"),
+        # 255 regs -> 8160, rounded up to 8192 per warp -> 8 warps -> two 4-warp blocks
+        (0, 255, 0, 4, 2, "registers"),
+        # 100 KiB + 1 KiB reserved per block: one block in an A100's 164 KiB, two in an H100's 228 KiB
+        (0, 32, 100 * 1024, 4, 1, "shared memory"),
+        (1, 32, 100 * 1024, 4, 2, "shared memory"),
+        # one-warp blocks of few registers: the 32-block limit
+        (2, 16, 0, 1, 32, "blocks"),
+    ],
+)
+def test_occupancy_rule(arch, regs, smem, warps, blocks, limiter):
+    got = aot.occupancy(aot.ARCHS[arch], regs, smem, warps)
+    assert (got["blocks_per_sm"], got["warps_per_sm"]) == (blocks, blocks * warps)
+    assert got["limiter"] == limiter
+
+
+# ------------------------------------------------------------------ 4. a spill fails
+
+
+def test_a_spilling_kernel_fails(tmp_path):
+    out = _run("--plant-spill", tmp=tmp_path)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "spills" in out.stderr and "sm_90" in out.stderr
