@@ -1,0 +1,276 @@
+"""A GPU cost model (a model, not a measurement) of CE and CE + NTL, forward + backward, per code path.
+
+    python benchmarks/cost_model.py --markdown                  # the tables of docs/benchmarks.md
+    python benchmarks/cost_model.py --tokens 8192 --vocab 128256 --hidden 4096 --numbers 1110
+
+Counts the bytes each kernel of a path reads and writes in HBM and its FLOPs, from what the code
+does (``ntl_scale/kernels/triton_ce_ntl.py``, ``ntl_scale/parallel.py``, ``ntl_scale/linear.py``
+with ``impl="triton"``), and turns them into H100 SXM times with a roofline per kernel:
+``time = sum over kernels of max(bytes / bandwidth, FLOPs / matmul peak)`` (kernels run one after
+the other; within one, memory and math overlap). Also given: the whole path's
+``max(sum bytes / bandwidth, sum FLOPs / peak)``, the bound if everything overlapped. Assumptions,
+each a lower bound on traffic: a GEMM reads each operand once and writes its output once (tiles
+re-read from L2, not HBM); a kernel's per-token scalars count; launch latency, the all-reduces
+(tensor parallelism) and the caches are not modelled. Paths, the output layer ``[V, H]`` included in
+each so that they compare with the fused linear-CE kernels:
+
+* ``ce_logits``: CE alone on materialised logits, the floor of any CE-only logits kernel (Liger's
+  and QuACK's CE, Megatron's in place): the logits GEMM, one read of the logits in the forward, one
+  read and one in-place write in the backward, the two gradient GEMMs.
+* ``ce_ntl_logits``: ``ce_with_ntl(..., impl="triton", inplace=True)``: the statistics kernel reads
+  the logits once, the gradient kernel reads them once and writes the gradient in place; NTL adds the
+  ``K`` number columns (their gather, ``exp(z_N - mN)``, the ``[T, K]`` gradient terms).
+* ``ce_chunked`` / ``ce_ntl_chunked``: ``linear_ce_with_ntl(..., impl="triton")`` without / with the
+  NTL terms: per chunk of ``C = 2**26 // V`` tokens the logits GEMM, the statistics kernel, the
+  softmax written in place, ``P_h = pi W`` (fp32 out), and ``G_W += (w pi)^T h`` with the fp32
+  ``[V, H]`` accumulator read and written in the GEMM's epilogue; the backward scales ``P_h`` and
+  ``G_W`` and adds the label and number columns (``O(T K H)``).
+* ``linear_ce_on_chip``: a fused linear CE that never writes the logits (CCE's design): the three
+  GEMMs' operands and outputs only; the floor of every path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: H100 SXM5 (80 GB HBM3): memory bandwidth and dense bf16 tensor-core throughput (no sparsity).
+#: Source: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column: 3.35 TB/s; 1,979 TFLOPS bf16 with
+#: sparsity, so 989 TFLOP/s dense).
+H100_BANDWIDTH = 3.35e12  # bytes / s
+H100_BF16_FLOPS = 989e12  # FLOP / s
+
+CHUNK_ELEMENTS = 1 << 26  # ntl_scale/linear.py's _CHUNK_ELEMENTS: logits elements per chunk
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Tokens ``T``, vocabulary ``V``, hidden ``H``, number tokens ``K``; element size of the logits
+    and parameters (bf16: 2); fp32 (4) for per-token statistics, accumulators and the NTL terms."""
+
+    tokens: int
+    vocab: int
+    hidden: int
+    numbers: int
+    elem: int = 2
+    f32: int = 4
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    bytes: float
+    flops: float = 0.0
+
+    def seconds(self, bandwidth: float = H100_BANDWIDTH, peak: float = H100_BF16_FLOPS) -> float:
+        return max(self.bytes / bandwidth, self.flops / peak)
+
+
+def gemm(name: str, m: int, n: int, k: int, read: float, write: float) -> Kernel:
+    """A ``[m, k] x [k, n]`` GEMM: ``2 m n k`` FLOPs; ``read`` and ``write`` in bytes."""
+    return Kernel(name, read + write, 2.0 * m * n * k)
+
+
+def _output_layer(s: Shape, grad_in_place: bool = True) -> list[Kernel]:
+    """The materialised paths' three GEMMs: z = h W^T, dh = dz W, dW = dz^T h (bf16 in and out)."""
+    t, v, h, e = s.tokens, s.vocab, s.hidden, s.elem
+    return [
+        gemm("logits = h W^T", t, v, h, read=e * (t * h + v * h), write=e * t * v),
+        gemm("dh = dz W", t, h, v, read=e * (t * v + v * h), write=e * t * h),
+        gemm("dW = dz^T h", v, h, t, read=e * (t * v + t * h), write=e * v * h),
+    ]
+
+
+def _ntl_terms(s: Shape, tokens: int) -> list[Kernel]:
+    """What NTL adds over ``tokens`` tokens besides the passes it shares with CE (``[T, K]`` work)."""
+    t, k, e, f = tokens, s.numbers, s.elem, s.f32
+    return [
+        # a_table (|v_k - t| per token, fp32) built and read by the statistics kernel; the number
+        # columns gathered (index_select) and exp(z_N - mN) kept for the backward
+        Kernel("NTL: a_table, number columns, exp(z_N - mN)", f * t * k * 3 + e * t * k + f * t * k * 2),
+        # backward: p, pi_N, (a - expect), the [T, K] gradient, each read/written once in fp32
+        Kernel("NTL: [T, K] gradient terms", f * t * k * 8),
+    ]
+
+
+def ce_logits(s: Shape) -> list[Kernel]:
+    t, v, e, f = s.tokens, s.vocab, s.elem, s.f32
+    return [
+        *_output_layer(s)[:1],
+        Kernel("CE forward: read logits", e * t * v + f * t * 3),
+        Kernel("CE backward: read logits, write gradient in place", 2 * e * t * v + f * t * 3),
+        *_output_layer(s)[1:],
+    ]
+
+
+def ce_ntl_logits(s: Shape) -> list[Kernel]:
+    t, v, e, f, k = s.tokens, s.vocab, s.elem, s.f32, s.numbers
+    return [
+        *_output_layer(s)[:1],
+        # stats_kernel: the row once, the label logit, the K number columns and a_k; [T, 6] out
+        Kernel("stats kernel: read logits (+ K columns, a_k)", e * t * v + e * t * k + f * t * k + f * t * 7),
+        *_ntl_terms(s, t),
+        # grad_kernel: the row read once, the gradient written in place; K columns stored from fp32
+        Kernel("grad kernel: read logits, write gradient", 2 * e * t * v + f * t * (5 + k) + e * t * k),
+        *_output_layer(s)[1:],
+    ]
+
+
+def chunk_rows(s: Shape, chunk_tokens: int | None = None) -> list[int]:
+    """Chunk lengths as ``ShardMath.chunk_rows`` makes them (default ``2**26 // V`` tokens)."""
+    step = chunk_tokens or max(1, CHUNK_ELEMENTS // max(s.vocab, 1))
+    return [min(step, s.tokens - i) for i in range(0, s.tokens, step)]
+
+
+def _chunked(s: Shape, ntl: bool, chunk_tokens: int | None = None) -> list[Kernel]:
+    v, h, e, f, k = s.vocab, s.hidden, s.elem, s.f32, s.numbers
+    out = [Kernel("G_W = 0 (fp32 [V, H])", f * v * h)]
+    for c in chunk_rows(s, chunk_tokens):
+        out += [
+            gemm("chunk: z = h W^T", c, v, h, read=e * (c * h + v * h), write=e * c * v),
+            Kernel("chunk: stats kernel", e * c * v + (e * c * k + f * c * k if ntl else 0) + f * c * 7),
+            Kernel("chunk: softmax written in place", 2 * e * c * v + f * c * 3),
+            # P_h[sl] = pi W: bf16 GEMM, its output copied into the fp32 P_h
+            gemm("chunk: P_h = pi W", c, h, v, read=e * (c * v + v * h), write=e * c * h),
+            Kernel("chunk: P_h rows to fp32; w h rows", e * c * h + f * c * h + 2 * e * c * h),
+            # fp32-output GEMM adding into the accumulator in its epilogue: G_W read and written
+            gemm("chunk: G_W += (w pi)^T h", v, h, c, read=e * (c * v + c * h) + f * v * h, write=f * v * h),
+        ]
+    t = s.tokens
+    out += [
+        Kernel("backward: grad_h = u P_h; grad_W = s G_W", 2 * f * t * h + 2 * f * v * h),
+        Kernel("backward: label column rows (index_select, index_add)", e * t * h + 2 * f * t * h * 2),
+        Kernel("backward: to bf16 (grad_h, grad_W)", f * t * h + e * t * h + f * v * h + e * v * h),
+    ]
+    if ntl:
+        out += _ntl_terms(s, t)
+        out += [
+            gemm("backward: number columns dh += c_N W_N", t, h, k, read=f * (t * k + k * h), write=f * t * h),
+            gemm("backward: number columns dW_N += c_N^T h", k, h, t, read=f * t * k + e * t * h, write=f * k * h),
+        ]
+    return out
+
+
+def ce_chunked(s: Shape, chunk_tokens: int | None = None) -> list[Kernel]:
+    return _chunked(s, False, chunk_tokens)
+
+
+def ce_ntl_chunked(s: Shape, chunk_tokens: int | None = None) -> list[Kernel]:
+    return _chunked(s, True, chunk_tokens)
+
+
+def linear_ce_on_chip(s: Shape) -> list[Kernel]:
+    t, v, h, e = s.tokens, s.vocab, s.hidden, s.elem
+    return [
+        gemm("forward: z = h W^T on chip, LSE", t, v, h, read=e * (t * h + v * h), write=4 * t),
+        gemm("backward: dh (z recomputed on chip)", t, h, v, read=e * (t * h + v * h), write=e * t * h),
+        gemm("backward: dW (z recomputed on chip)", v, h, t, read=e * (t * h + v * h), write=e * v * h),
+    ]
+
+
+PATHS: dict[str, tuple[str, Callable[[Shape], list[Kernel]]]] = {
+    "ce_logits": ("CE alone, logits materialised (floor of CE-only logits kernels)", ce_logits),
+    "ce_ntl_logits": ("CE + NTL fused on logits (ours, Triton, in place)", ce_ntl_logits),
+    "ce_chunked": ("CE alone, chunked from hidden states (our chunking, no NTL)", ce_chunked),
+    "ce_ntl_chunked": ("CE + NTL chunked from hidden states (ours, Triton)", ce_ntl_chunked),
+    "linear_ce_on_chip": ("fused linear CE, logits never in HBM (CCE's design; floor)", linear_ce_on_chip),
+}
+
+
+@dataclass(frozen=True)
+class Cost:
+    bytes: float
+    flops: float
+    seconds: float  #: sum over kernels of each kernel's roofline
+    overlapped: float  #: max(total bytes / bandwidth, total FLOPs / peak)
+    kernels: int
+
+
+def cost(kernels: list[Kernel], bandwidth: float = H100_BANDWIDTH, peak: float = H100_BF16_FLOPS) -> Cost:
+    total_bytes = sum(k.bytes for k in kernels)
+    total_flops = sum(k.flops for k in kernels)
+    return Cost(
+        total_bytes,
+        total_flops,
+        sum(k.seconds(bandwidth, peak) for k in kernels),
+        max(total_bytes / bandwidth, total_flops / peak),
+        len(kernels),
+    )
+
+
+def chunk_table(s: Shape) -> str:
+    """The chunked CE + NTL's modelled time against the chunk length, as a ratio to CE alone on logits."""
+    base = cost(ce_logits(s)).seconds
+    default = chunk_rows(s)[0]
+    lines = [
+        "| chunk tokens | logits per chunk (MiB) | H100 time (ms) | x CE alone (logits) |",
+        "|---:|---:|---:|---:|",
+    ]
+    for c in sorted({default, 1024, 2048, 4096, s.tokens}):
+        seconds = cost(ce_ntl_chunked(s, c)).seconds
+        mark = " (default)" if c == default else ""
+        lines.append(f"| {c}{mark} | {c * s.vocab * s.elem / 2**20:.0f} | {seconds * 1e3:.2f} | {seconds / base:.3f} |")
+    return "\n".join(lines)
+
+
+def markdown(s: Shape) -> str:
+    base = cost(ce_logits(s))
+    lines = [
+        f"T x V x H = {s.tokens} x {s.vocab} x {s.hidden}, K = {s.numbers} number tokens, {s.elem}-byte "
+        "(bf16) logits and parameters; forward + backward, the output layer included",
+        "",
+        "| path (model) | kernels | HBM bytes (GB) | FLOPs (TFLOP) | H100 time, per-kernel roofline (ms) "
+        "| all overlapped (ms) | x CE alone (logits) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for _key, (label, fn) in PATHS.items():
+        c = cost(fn(s))
+        lines.append(
+            f"| {label} | {c.kernels} | {c.bytes / 1e9:.2f} | {c.flops / 1e12:.2f} | {c.seconds * 1e3:.2f} "
+            f"| {c.overlapped * 1e3:.2f} | {c.seconds / base.seconds:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def breakdown(kernels: list[Kernel]) -> str:
+    """Per-kernel-name sums: bytes, FLOPs and roofline time."""
+    sums: dict[str, list[float]] = {}
+    for k in kernels:
+        row = sums.setdefault(k.name, [0.0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += k.bytes
+        row[2] += k.flops
+        row[3] += k.seconds()
+    lines = ["| kernel | count | GB | TFLOP | ms | bound |", "|---|---:|---:|---:|---:|---|"]
+    for name, (n, b, fl, sec) in sums.items():
+        bound = "memory" if b / H100_BANDWIDTH >= fl / H100_BF16_FLOPS else "math"
+        lines.append(f"| {name} | {n:.0f} | {b / 1e9:.3f} | {fl / 1e12:.2f} | {sec * 1e3:.3f} | {bound} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--numbers", type=int, nargs="+", default=[10, 1110], help="number tokens K (10: digits)")
+    parser.add_argument("--markdown", action="store_true", help="also the per-kernel breakdown of the chunked path")
+    args = parser.parse_args(argv)
+    for k in args.numbers:
+        s = Shape(args.tokens, args.vocab, args.hidden, k)
+        print(markdown(s))
+        print()
+    s = Shape(args.tokens, args.vocab, args.hidden, args.numbers[-1])
+    print(f"Chunked CE + NTL against the chunk length, K = {s.numbers}:\n")
+    print(chunk_table(s))
+    print()
+    if args.markdown:
+        print(f"Chunked CE + NTL, K = {s.numbers}, default chunks, per kernel:\n")
+        print(breakdown(ce_ntl_chunked(s)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
