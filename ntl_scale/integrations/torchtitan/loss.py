@@ -1,0 +1,307 @@
+"""CE + NTL as a torchtitan loss (``BaseLoss``), on full logits, plain vocabulary shards or DTensors.
+
+torchtitan calls a loss as ``loss(pred, labels, global_valid_tokens)`` and back-propagates what it
+returns; :class:`NTLLoss` returns, for the logits it is given (the whole micro-batch, or one sequence
+chunk inside torchtitan's ``ChunkedLossWrapper``)::
+
+    loss = sum_t CE_t / global_valid_tokens + weight * sum_t NTL_t / max(K, 1)
+
+``global_valid_tokens`` is torchtitan's own count (non-ignored labels of the step's global batch,
+reduced over the batch mesh once per step), so the CE part is torchtitan's ``CrossEntropyLoss``
+(``sum / global_valid_tokens``). ``K`` is the step's global count of NTL positions
+(:func:`ntl_scale.ntl_positions`: number-token labels; one per number for ``loss="number"``), which
+:class:`~ntl_scale.integrations.torchtitan.NTLTrainer` counts from the labels before the step's first
+forward and hands in with :meth:`NTLLoss.begin_step`: **one extra SUM all-reduce of one float64 per
+optimizer step** over the batch mesh (``ntl_scale.normalization.step_counts``), beside torchtitan's own
+all-reduce of ``global_valid_tokens``. Summed over chunks, micro-batches and data-parallel ranks the
+loss is ``CE + weight * NTL`` of the whole step, however the step is split.
+
+The vocabulary split is found the way torchtitan's own CE finds it:
+
+* plain local shards (``parallelism.spmd_backend="spmd_types"``, torchtitan's default): when the
+  current SPMD mesh has a ``tp`` axis of size > 1, the group is ``current_spmd_mesh().get_group("tp")``
+  and rank ``r`` holds columns ``[min(V, r*c), min(V, (r+1)*c))`` with ``c = ceil(V / tp)``
+  (``_LossParallelCrossEntropy``'s split); ``V`` is the number table's ``vocab_size``;
+* ``DTensor`` logits (``partial_dtensor``): ``Shard(-1)`` (or replicated), group and offset from the
+  placement (:func:`ntl_scale.parallel.dtensor_vocab_shard`);
+* otherwise full logits.
+
+The fused CE + NTL adds no collective to a vocabulary-parallel CE: one MAX and one SUM all-reduce on the
+TP group per call (torchtitan's own vocab-parallel CE issues three), none in the backward.
+
+Without ``global_valid_tokens`` (torchtitan's validator) the loss is the CE **sum**, so the logged
+validation loss is CE, comparable across NTL weights.
+
+Metrics (returned per call, named by torchtitan's rule so ``ChunkedLossWrapper`` sums them over
+chunks, and accumulated over the step for :class:`NTLTrainer`'s log): ``loss_metrics/ce_mean``,
+``loss_metrics/ntl_mean`` and ``loss_metrics/number_accuracy_mean`` (the share of NTL positions whose
+label is the arg-max over the whole vocabulary), each this call's part of the step's global value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import spmd_types as spmd
+import torch
+import torch.distributed as dist
+from torchtitan.components.loss import BaseLoss
+from torchtitan.config import CompileConfig
+from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
+from torchtitan.distributed.utils import get_spmd_backend
+from torchtitan.tools.logging import logger
+
+from ...normalization import micro_batch_sums
+from ...number_vocab import NumberVocab
+from ...options import NTLOptions, check_ntl_weight, option_field, variant_of
+from ...terms import per_token_ce_ntl
+
+__all__ = ["METRICS", "NOT_CONFIG_FIELDS", "NTLLoss", "number_table"]
+
+METRICS = ("loss_metrics/ce_mean", "loss_metrics/ntl_mean", "loss_metrics/number_accuracy_mean")
+"""The metric names: torchtitan's rule (a ``_mean`` suffix) makes ``ChunkedLossWrapper`` add the chunks'
+parts, which are already divided by the step's global counts."""
+
+NOT_CONFIG_FIELDS = {
+    "chunked": "torchtitan's ChunkedLossWrapper is the chunked route: ChunkedLossWrapper.Config(loss_fn="
+    "NTLLoss.Config(...), num_chunks=...) (the registry's configs do this)",
+    "normalization": "torchtitan normalises by the step's global counts (global_valid_tokens, and K for NTL); "
+    "there is no micro-batch mean in torchtitan",
+}
+"""Options of :func:`ntl_scale.options.option_fields` that are not fields of :class:`NTLLoss.Config`, and why."""
+
+
+def _default(name: str) -> Any:
+    return option_field(name).default
+
+
+class NTLLoss(BaseLoss):
+    """``CE + weight * NTL`` for torchtitan (see the module docstring for the normalisation and the split).
+
+    Build it from :class:`NTLLoss.Config` (``config.build()``), as torchtitan builds ``Trainer.Config.loss``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseLoss.Config):
+        """The NTL options of :mod:`ntl_scale.options` (``option_fields()``; defaults taken from there), the
+        number table's source and the model's vocabulary size."""
+
+        weight: float = _default("weight")
+        """Weight of NTL in ``CE + weight * NTL`` (0.3 in the paper); 0 trains with CE alone."""
+        loss: str = _default("loss")
+        """The NTL variant: ``was``, ``mse``, ``mae``, ``huber`` or ``number``."""
+        squash_factor: float | None = _default("squash_factor")
+        """``was`` only: map nonzero distances onto ``[1, squash_factor]`` (> 1); None: ``|v_k - t|``."""
+        reweigh: bool = _default("reweigh")
+        """Scale NTL by the probability mass on number tokens (the reference's default; off in the paper)."""
+        huber_delta: float = _default("huber_delta")
+        """``huber`` only: the threshold (> 0)."""
+        float_level: bool = _default("float_level")
+        """``number`` only: a decimal point between digits joins one number."""
+        impl: str = _default("impl")
+        """``auto``, ``torch`` or ``triton``: which code computes the fused statistics."""
+        digit_level: bool = _default("digit_level")
+        """Number table of the ten digits (True) or of multi-digit tokens such as Llama 3's ``123`` (False)."""
+        chunk_tokens: int | None = _default("chunk_tokens")
+        """Tokens per chunk of the loss's temporaries (None: about 64 MiB of fp32 per chunk)."""
+        number_vocab: str | None = None
+        """A number table saved with ``NumberVocab.save`` / ``python -m ntl_scale.save_number_vocab`` (JSON)."""
+        tokenizer_path: str | None = None
+        """Without ``number_vocab``: a tokenizer directory (``tokenizer.json``) to build the table from; None
+        under :class:`NTLTrainer`: the run's ``hf_assets_path``."""
+        vocab_size: int | None = None
+        """The model's (padded) vocabulary size, the logits' global width; None under :class:`NTLTrainer`: the
+        model's."""
+
+        def __post_init__(self) -> None:
+            check_ntl_weight(self.weight, "loss.weight")
+            self.options()
+            if self.chunk_tokens is not None and (isinstance(self.chunk_tokens, bool) or self.chunk_tokens < 1):
+                raise ValueError(f"loss.chunk_tokens must be a positive int or None, got {self.chunk_tokens!r}")
+            if self.loss == "number" and not self.digit_level:
+                raise ValueError(
+                    "loss.loss=number assembles numbers from single-digit tokens and cannot read a multi-digit "
+                    "table; set loss.digit_level=true, or a token-level loss (was, mse, mae, huber)"
+                )
+
+        def options(self) -> NTLOptions:
+            """The :class:`~ntl_scale.NTLOptions` of this config (the variant and ``impl``)."""
+            return variant_of(self)
+
+    def __init__(self, config: Config, *, compile_config: CompileConfig | None = None) -> None:
+        if compile_config is not None and compile_config.enable and "loss" in compile_config.components:
+            logger.warning("NTLLoss is not compiled: 'loss' in compile.components is ignored for it")
+        self.config = config
+        self.options = config.options()
+        self.vocab = number_table(config)
+        self.weight = float(config.weight)
+        self._numbers: torch.Tensor | None = None
+        self._metrics: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------------------- the step
+
+    def begin_step(self, ntl_positions: torch.Tensor | float) -> None:
+        """Starts an optimizer step: ``ntl_positions`` is the step's global count ``K`` of NTL positions.
+
+        :class:`NTLTrainer` calls this with ``step_counts(...)[1]`` (one SUM all-reduce over the batch
+        mesh); a custom loop must do the same before the step's first forward. Resets the step's metrics.
+        """
+        self._numbers = torch.as_tensor(ntl_positions, dtype=torch.float64)
+        self._metrics = None
+
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        """This rank's parts of the step's metrics (:data:`METRICS`), summed over the step's calls.
+
+        Sum them over the loss mesh (data x context parallel) for the global values; 0 before any call.
+        """
+        values = torch.zeros(len(METRICS), dtype=torch.float64) if self._metrics is None else self._metrics
+        return dict(zip(METRICS, values.unbind()))
+
+    # ---------------------------------------------------------------------------- the call
+
+    def __call__(
+        self,
+        pred: torch.Tensor,
+        labels: torch.Tensor,
+        global_valid_tokens: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The scaled loss of these logits and its metrics (torchtitan's loss protocol).
+
+        Args:
+            pred: logits ``[batch, seq, V]``: full, this rank's plain vocabulary shard (under the
+                ``spmd_types`` tp mesh) or a DTensor sharded ``Shard(-1)``.
+            labels: ``[batch, seq]`` token ids, plain, the same on every TP rank; -100 is ignored.
+            global_valid_tokens: torchtitan's count of the step's non-ignored labels; None (validation):
+                return the CE sum.
+            **kwargs: torchtitan's extra loss inputs (``positions``), unused.
+        """
+        del kwargs
+        is_type_checking = spmd.is_type_checking()
+        with spmd.no_typecheck():
+            logits, tp_group, vocab_start = self._vocab_shard(pred, labels)
+            terms = per_token_ce_ntl(
+                logits,
+                labels,
+                self.vocab,
+                self.options,
+                tp_group=tp_group,
+                vocab_start=vocab_start,
+                chunk_tokens=self.config.chunk_tokens,
+            )
+            sums = micro_batch_sums(terms, labels != self.options.ignore_index)
+            if global_valid_tokens is None:
+                return sums.ce, {}
+            numbers = self._step_numbers().to(device=sums.ntl.device, dtype=sums.ntl.dtype).clamp_min(1)
+            ce = sums.ce / global_valid_tokens
+            ntl = sums.ntl / numbers
+            loss = ce + self.weight * ntl
+            metrics = torch.stack([ce.detach(), ntl.detach(), sums.hits.detach() / numbers]).double()
+            self._metrics = metrics if self._metrics is None else self._metrics + metrics
+            if is_type_checking:
+                spmd.assert_type(loss, {"dp": spmd.P, "cp": spmd.P, "tp": spmd.I})
+        return loss, dict(zip(METRICS, (ce.detach(), ntl.detach(), sums.hits.detach() / numbers)))
+
+    def _step_numbers(self) -> torch.Tensor:
+        if self._numbers is None:
+            raise ValueError(
+                "NTLLoss got global_valid_tokens but no step count of NTL positions: NTL is normalised by the "
+                "step's global count K, which NTLTrainer sets before each step. Use "
+                "ntl_scale.integrations.torchtitan.NTLTrainer.Config as the trainer config (every config of "
+                "ntl_scale.integrations.torchtitan.config_registry does), or call loss.begin_step(K) in your loop"
+            )
+        return self._numbers
+
+    def _vocab_shard(
+        self, pred: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, dist.ProcessGroup | None, int | None]:
+        """``(logits, tp_group, vocab_start)`` as torchtitan's CE finds them (see the module docstring)."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(labels, DTensor):
+            raise ValueError(
+                f"NTLLoss got DTensor labels (placements {tuple(labels.placements)}): "
+                "parallelism.spmd_backend='full_dtensor' is not supported; use 'spmd_types' (torchtitan's "
+                "default, plain vocabulary shards) or 'partial_dtensor' (DTensor logits, plain labels)"
+            )
+        if isinstance(pred, DTensor):
+            return pred, None, None  # the group and offset come from the placement (per_token_ce_ntl)
+        vocab_size = self.vocab.vocab_size
+        width = pred.shape[-1]
+        if get_spmd_backend() == "spmd_types" and spmd_mesh_size("tp") > 1:
+            mesh = current_spmd_mesh()
+            assert mesh is not None  # spmd_mesh_size > 1 implies a mesh
+            group = mesh.get_group("tp")
+            tp, rank = dist.get_world_size(group), dist.get_rank(group)
+            chunk = -(-vocab_size // tp)
+            start = min(vocab_size, chunk * rank)
+            expected = min(vocab_size, start + chunk) - start
+            if width != expected:
+                raise ValueError(self._width_error(width, f"this rank's shard of {expected} (rank {rank} of tp {tp})"))
+            return pred, group, start
+        if width != vocab_size:
+            raise ValueError(self._width_error(width, f"the full vocabulary of {vocab_size} (no tensor parallelism)"))
+        return pred, None, None
+
+    def _width_error(self, width: int, expected: str) -> str:
+        return (
+            f"NTLLoss: the logits have {width} vocabulary columns, but the number table (vocab_size "
+            f"{self.vocab.vocab_size}) expects {expected}; the table must describe the model's whole (padded) "
+            "vocabulary, not a shard: set loss.vocab_size to the model's vocabulary size (NTLTrainer fills it "
+            "from the model) or save the table with that vocab_size"
+        )
+
+
+def number_table(config: NTLLoss.Config) -> NumberVocab:
+    """The number table of ``config``: its saved JSON (``number_vocab``) or its tokenizer (``tokenizer_path``).
+
+    The table's ``vocab_size`` is the model's (``config.vocab_size``); a saved table of another size is a
+    ValueError naming both sizes and the fix.
+    """
+    if config.number_vocab is not None:
+        table = NumberVocab.load(config.number_vocab)
+        if config.vocab_size is not None and table.vocab_size != config.vocab_size:
+            raise ValueError(
+                f"loss.number_vocab {config.number_vocab!r} was saved for a vocabulary of {table.vocab_size}, but "
+                f"the model's is {config.vocab_size} (loss.vocab_size); save the table for the model's padded size "
+                f"(NumberVocab.from_tokenizer(tok, vocab_size={config.vocab_size}).save(path)) or use "
+                "loss.tokenizer_path"
+            )
+        return table
+    if config.tokenizer_path is None:
+        raise ValueError(
+            "NTLLoss needs a number table: set loss.number_vocab (a saved NumberVocab JSON) or "
+            "loss.tokenizer_path (a tokenizer directory with tokenizer.json; NTLTrainer uses hf_assets_path)"
+        )
+    from tokenizers import Tokenizer
+
+    path = config.tokenizer_path
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(
+            f"loss.tokenizer_path {path!r} has no tokenizer.json (ntl_scale never downloads); point it at the "
+            "directory torchtitan loads the tokenizer from (hf_assets_path), or set loss.number_vocab"
+        )
+    tokenizer = Tokenizer.from_file(file)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if config.vocab_size is not None and size > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer {file!r} has {size} tokens, more than the model's vocabulary of {config.vocab_size} "
+            "(loss.vocab_size); use the model's tokenizer or a model with a larger vocabulary"
+        )
+    return NumberVocab.from_tokenizer(
+        _VocabView(tokenizer), vocab_size=config.vocab_size or size, digit_level=config.digit_level
+    )
+
+
+@dataclasses.dataclass
+class _VocabView:
+    """``get_vocab()`` of a ``tokenizers.Tokenizer`` with its added tokens (what ``NumberVocab`` reads)."""
+
+    tokenizer: Any
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.tokenizer.get_vocab(with_added_tokens=True))
