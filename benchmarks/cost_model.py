@@ -215,18 +215,30 @@ def chunk_table(s: Shape) -> str:
     return "\n".join(lines)
 
 
-def markdown(s: Shape) -> str:
-    base = cost(ce_logits(s))
+def bandwidth_needed(s: Shape, ratio: float = 1.1, reference: float = H100_BANDWIDTH) -> float:
+    """The HBM bandwidth (bytes/s) the fused CE + NTL's two kernels on logits must sustain for the path to
+    be within ``ratio`` of CE alone on logits whose CE passes run at ``reference`` (all GEMMs as modelled)."""
+    ce = ce_logits(s)
+    budget = ratio * cost(ce, reference).seconds
+    ours = ce_ntl_logits(s)
+    kernels = [k for k in ours if "kernel" in k.name]
+    rest = cost([k for k in ours if "kernel" not in k.name]).seconds
+    return sum(k.bytes for k in kernels) / (budget - rest)
+
+
+def markdown(s: Shape, bandwidth: float = H100_BANDWIDTH, peak: float = H100_BF16_FLOPS) -> str:
+    base = cost(ce_logits(s), bandwidth, peak)
     lines = [
         f"T x V x H = {s.tokens} x {s.vocab} x {s.hidden}, K = {s.numbers} number tokens, {s.elem}-byte "
         "(bf16) logits and parameters; forward + backward, the output layer included",
         "",
-        "| path (model) | kernels | HBM bytes (GB) | FLOPs (TFLOP) | H100 time, per-kernel roofline (ms) "
+        f"| path (model) | kernels | HBM bytes (GB) | FLOPs (TFLOP) | time at {bandwidth / 1e12:.2f} TB/s and "
+        f"{peak / 1e12:.0f} TFLOP/s, per-kernel roofline (ms) "
         "| all overlapped (ms) | x CE alone (logits) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for _key, (label, fn) in PATHS.items():
-        c = cost(fn(s))
+        c = cost(fn(s), bandwidth, peak)
         lines.append(
             f"| {label} | {c.kernels} | {c.bytes / 1e9:.2f} | {c.flops / 1e12:.2f} | {c.seconds * 1e3:.2f} "
             f"| {c.overlapped * 1e3:.2f} | {c.seconds / base.seconds:.3f} |"
@@ -257,11 +269,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--numbers", type=int, nargs="+", default=[10, 1110], help="number tokens K (10: digits)")
     parser.add_argument("--markdown", action="store_true", help="also the per-kernel breakdown of the chunked path")
+    parser.add_argument("--bandwidth", type=float, default=H100_BANDWIDTH, help="bytes/s (default: H100 SXM)")
+    parser.add_argument("--peak", type=float, default=H100_BF16_FLOPS, help="dense bf16 FLOP/s (default: H100 SXM)")
     args = parser.parse_args(argv)
     for k in args.numbers:
         s = Shape(args.tokens, args.vocab, args.hidden, k)
-        print(markdown(s))
+        print(markdown(s, args.bandwidth, args.peak))
         print()
+        if (args.bandwidth, args.peak) == (H100_BANDWIDTH, H100_BF16_FLOPS):
+            for reference in (H100_BANDWIDTH, 3.0e12):
+                need = bandwidth_needed(s, 1.1, reference)
+                print(
+                    f"Within 1.1x of CE alone whose logits passes run at {reference / 1e12:.2f} TB/s: our two "
+                    f"kernels on logits must sustain {need / 1e12:.2f} TB/s ({need / H100_BANDWIDTH:.0%} of 3.35 TB/s)."
+                )
+            print()
     s = Shape(args.tokens, args.vocab, args.hidden, args.numbers[-1])
     print(f"Chunked CE + NTL against the chunk length, K = {s.numbers}:\n")
     print(chunk_table(s))
