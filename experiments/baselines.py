@@ -9,19 +9,19 @@ where that source leaves it open. ``docs/results.md`` ("DEL baseline (implementa
 Notation per position ``t`` with a digit target ``y`` in 0..9: ``z`` = the logits of the ten digit
 tokens "0".."9" (raw logits, not log-probabilities), ``p = softmax(z)`` over those ten only.
 
-* **DEL** (Digit Entropy Loss, arXiv 2605.20369; their ``DEL``, lines 516-598)::
+* **DEL** (Digit Entropy Loss, arXiv 2605.20369; their ``DEL``, lines 516-591; added to CE at lines 610-633)::
 
       DEL_t = w_t * (1/10) * sum_k BCEwithLogits(z_k, [k == y]) * p_k
       BCEwithLogits(z, 1) = softplus(-z),  BCEwithLogits(z, 0) = softplus(z)
 
   ``p`` is not detached (their ``probs_digit``, line 572, carries gradient). The place weight ``w_t``
-  (their ``generate_place``, lines 355-383): a number is a run of consecutive digit and ``"."``
+  (their ``generate_place``, lines 355-386): a number is a run of consecutive digit and ``"."``
   targets; an integer-part digit ``k`` places from the right of its integer part (units ``k = 1``)
   gets ``w = 2k`` (they form ``1.02^(k-1)``, take ``log_1.02`` of it, add 1 and double: lines 372,
   376, 382, so the weight is linear in the place, not ``1.02^place``); the ``m``-th digit after the
   first point gets ``w = 1.02^-(m+1)``; a run whose first token is the point counts as an integer
   (their ``ind > 0`` test). Points carry no term.
-* **NTL-WAS over the digit logits** (their ``NTL_WAS``, lines 424-446)::
+* **NTL-WAS over the digit logits** (their ``NTL_WAS``, lines 424-445)::
 
       WAS_t = sum_k p_k * |k - y|
 
@@ -58,7 +58,7 @@ class BaselineTerm(NamedTuple):
     """Per-token values of a baseline term and the positions that carry it, each shaped like the labels.
 
     Attributes:
-        value: the term (0 where ``mask`` is False), float32, differentiable.
+        value: the term (0 where ``mask`` is False), float32 (float64 for float64 logits), differentiable.
         mask: the positions whose target is a digit token.
     """
 
@@ -104,8 +104,10 @@ def _next_at_or_after(flag: torch.Tensor) -> torch.Tensor:
     return marked.flip(-1).cummin(-1).values.flip(-1)
 
 
-def place_weights(labels: torch.Tensor, ids: torch.Tensor, point_id: int | None) -> torch.Tensor:
-    """DEL's place weight of each digit target (0 elsewhere), float32 ``[B, T]``.
+def place_weights(
+    labels: torch.Tensor, ids: torch.Tensor, point_id: int | None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """DEL's place weight of each digit target (0 elsewhere), ``[B, T]`` of ``dtype``.
 
     Numbers are runs of digit and point targets within one row; any other target (an ignored one
     included) ends a run. See the module docstring for the weights.
@@ -127,10 +129,15 @@ def place_weights(labels: torch.Tensor, ids: torch.Tensor, point_id: int | None)
     has_point = (first_point < run_end) & (first_point > run_start)  # a point after the run's first token
     integer = is_digit & (~has_point | (pos < first_point))
     fraction = is_digit & has_point & (pos > first_point)
-    place = torch.where(has_point, first_point - pos, run_end - pos).float()  # units: 1
-    after_point = (pos - first_point).float()  # m: 1 for the first digit after the point
+    place = torch.where(has_point, first_point - pos, run_end - pos).to(dtype)  # units: 1
+    after_point = (pos - first_point).to(dtype)  # m: 1 for the first digit after the point
     weights = torch.where(integer, 2.0 * place, torch.zeros_like(place))
     return torch.where(fraction, PLACE_BASE ** -(after_point + 1.0), weights)
+
+
+def _upcast(z: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits in float32 (as their code: ``outputs.logits.float()``, line 593); float64 stays."""
+    return z if z.dtype == torch.float64 else z.float()
 
 
 def del_term(logits: torch.Tensor, labels: torch.Tensor, vocab: NumberVocab) -> BaselineTerm:
@@ -142,10 +149,10 @@ def del_term(logits: torch.Tensor, labels: torch.Tensor, vocab: NumberVocab) -> 
     """
     ids = digit_ids(vocab).to(logits.device)
     mask, digit = _digit_targets(labels, ids)
-    z = logits.float()[..., ids]
+    z = _upcast(logits[..., ids])
     target = F.one_hot(digit, 10).to(z.dtype)
     bce = F.binary_cross_entropy_with_logits(z, target, reduction="none")
-    value = (bce * z.softmax(-1)).mean(-1) * place_weights(labels, ids, vocab.decimal_point_id)
+    value = (bce * z.softmax(-1)).mean(-1) * place_weights(labels, ids, vocab.decimal_point_id, z.dtype)
     return BaselineTerm(torch.where(mask, value, torch.zeros_like(value)), mask)
 
 
@@ -158,7 +165,7 @@ def digit_was_term(logits: torch.Tensor, labels: torch.Tensor, vocab: NumberVoca
     """
     ids = digit_ids(vocab).to(logits.device)
     mask, digit = _digit_targets(labels, ids)
-    z = logits.float()[..., ids]
+    z = _upcast(logits[..., ids])
     values = torch.arange(10, device=z.device, dtype=z.dtype)
     value = (z.softmax(-1) * (values - digit.unsqueeze(-1).to(z.dtype)).abs()).sum(-1)
     return BaselineTerm(torch.where(mask, value, torch.zeros_like(value)), mask)

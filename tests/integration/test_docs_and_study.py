@@ -6,7 +6,9 @@
    answers ``--help``; the commands themselves are run elsewhere in the suite (the README's two, the
    DeepSpeed, Megatron and Slurm jobs, the benchmarks' code paths, the study below).
 3. The CI-sized study preset end to end: 2 seeds x 3 arms through launch/train.py, the results
-   table (one row per arm, both splits, mean +- std) and the three plots.
+   table (one row per arm, both splits, mean +- std) and the three plots; then its DEL preset
+   (configs/study/del_ci.yaml) on the same folder: two more arms through experiments/train_baselines.py
+   and the paired tests against CE + NTL-WAS.
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ def test_docs_commands_name_real_files_and_scripts_answer_help():
     assert "experiments/study.py" in checked and "benchmarks/bench_linear.py" in checked
 
 
-def _study(out: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "experiments/study.py", "--preset", "configs/study/ci.yaml", "--out", str(out)]
+def _study(out: Path, preset: str = "configs/study/ci.yaml") -> subprocess.CompletedProcess:
+    command = [sys.executable, "experiments/study.py", "--preset", preset, "--out", str(out)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
 
@@ -140,6 +142,39 @@ def test_ci_study_preset_end_to_end(tmp_path):
     # a second call finds every run done and only re-tabulates
     again = _study(out)
     assert again.returncode == 0 and again.stdout.count("already done") == 6
+    _check_del_preset(out)
+
+
+def _check_del_preset(out: Path) -> None:
+    """configs/study/del_ci.yaml on ci.yaml's folder: its CE and CE + NTL-WAS runs are reused, CE + DEL and
+    the digit-only NTL-WAS train through experiments/train_baselines.py (each logged objective is CE plus the
+    weighted term), and the other arms are also paired against CE + NTL-WAS (counted from the predictions)."""
+    result = _study(out, "configs/study/del_ci.yaml")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("already done") == 4
+    summary = json.loads((out / "results.json").read_text())
+    assert set(summary["results"]) == {"CE", "CE + NTL-WAS", "CE + DEL", "CE + NTL-WAS (digits only)"}
+    assert set(summary["paired_tests"]) == {"CE + NTL-WAS", "CE + DEL", "CE + NTL-WAS (digits only)"}
+    against = summary["paired_tests_against"]["CE + NTL-WAS"]
+    assert set(against) == {"CE + DEL", "CE + NTL-WAS (digits only)"}
+    arms = [("CE + DEL", "ce_del", "del", 0.01)]
+    arms.append(("CE + NTL-WAS (digits only)", "ce_ntl_was_digits_only", "digit_was", 0.3))
+    for arm, folder, loss, weight in arms:
+        only_arm = only_was = 0
+        for seed in (0, 1):
+            run = out / folder / f"seed{seed}"
+            assert json.loads((run / "baseline.json").read_text()) == {"loss": loss, "weight": weight}
+            assert json.loads((run / "config.json").read_text())["ntl"]["weight"] == 0
+            for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):
+                assert row["baseline"] > 0 and row["objective"] == pytest.approx(row["ce"] + weight * row["baseline"])
+            mine = (run / "predictions_interpolate.jsonl").read_text().splitlines()
+            base = (out / "ce_ntl_was" / f"seed{seed}" / "predictions_interpolate.jsonl").read_text().splitlines()
+            for a, b in zip(map(json.loads, mine), map(json.loads, base)):
+                right_a, right_b = a["parsed"] == float(a["answer"]), b["parsed"] == float(b["answer"])
+                only_arm, only_was = only_arm + (right_a and not right_b), only_was + (right_b and not right_a)
+        mcnemar = against[arm]["interpolate"]["accuracy"]["mcnemar"]
+        assert (mcnemar["only_arm_right"], mcnemar["only_baseline_right"]) == (only_arm, only_was)
+    assert "**Paired against CE + NTL-WAS**" in (out / "results.md").read_text()
 
 
 def test_pretrain_study_preset_end_to_end(tmp_path):
