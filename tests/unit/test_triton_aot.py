@@ -28,7 +28,11 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
+_jit = pytest.importorskip("triton.runtime.jit")
+if not hasattr(triton, "knobs") or not hasattr(_jit.JITFunction, "_pack_args"):  # the AOT path of triton 3.9
+    pytest.skip(f"ahead-of-time compiling needs triton >= 3.9 (knobs, JITFunction._pack_args); this is "
+                f"{triton.__version__}: pip install 'triton>=3.9'", allow_module_level=True)  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "triton_aot.py"
