@@ -7,6 +7,7 @@
    and per chunk, as many chunks as the op makes), the output weight, the fp32 ``[V, H]`` accumulator
    of the chunked op, recorded with a dispatch mode while the op runs.
 3. The roofline arithmetic on hand-worked numbers (a memory-bound and a math-bound kernel).
+4. docs/benchmarks.md holds the script's tables at 8192 x 128256 x 4096 (a model change updates the docs).
 """
 
 from __future__ import annotations
@@ -142,3 +143,17 @@ def test_roofline_per_kernel():
     assert abs(memory_bound.seconds() - 1e-3) < 1e-12 and abs(math_bound.seconds() - 1e-3) < 1e-12
     both = cm.cost([memory_bound, math_bound])
     assert abs(both.seconds - 2e-3) < 1e-12 and abs(both.overlapped - 1e-3) < 1e-9
+
+
+# ------------------------------------------------------------------ 4. the docs hold the model's output
+
+
+def test_docs_hold_the_model_output():
+    """docs/benchmarks.md's cost-model tables are this script's output at the documented shape."""
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    shape = cm.Shape(8192, 128256, 4096, 10)
+    tables = [cm.markdown(shape), cm.chunk_table(cm.Shape(8192, 128256, 4096, 1110))]
+    tables.append(cm.breakdown(cm.ce_ntl_chunked(cm.Shape(8192, 128256, 4096, 1110))))
+    for line in "\n".join(tables).splitlines():
+        if line.startswith("|"):
+            assert line in docs, f"docs/benchmarks.md lacks (run benchmarks/cost_model.py --markdown): {line}"
