@@ -2,17 +2,19 @@
 
     torchrun --nproc_per_node N tests/helpers/hf_trainer_step.py OUT.pt MICRO ACCUMULATION KIND [OUT.pt ...]
 
-KIND is ``trainer``, ``zero3`` or ``sft``, optionally with ``-chunked``. Each group of four arguments
+KIND is ``trainer``, ``zero3``, ``fsdp2`` or ``sft``, optionally with ``-chunked``. Each group of four arguments
 is one step, from a new model and a new trainer; several steps run one after another in the same
 processes (the accelerate and DeepSpeed state of the previous step reset), which saves the start-up
 of a launch per step.
 
 A tiny GPT-2 (built from a config, seed 0) takes one SGD step (lr 0.1, no clipping) on the same four
 arithmetic examples whatever the split: ``MICRO`` per device x ``ACCUMULATION`` steps x N devices = 4.
-``zero3`` runs the ``Trainer`` under DeepSpeed ZeRO-3 (set ``DS_ACCELERATOR=cpu``); a ``-chunked``
+``zero3`` runs the ``Trainer`` under DeepSpeed ZeRO-3 (set ``DS_ACCELERATOR=cpu``), ``fsdp2`` under accelerate's
+FSDP2 (``fsdp_config={"version": 2}``; on CPU with the test-only :mod:`tests.helpers.fsdp2_cpu`); a ``-chunked``
 suffix installs ``apply_ntl(model, vocab, chunked=True)`` first (the loss from the hidden states). Rank 0 saves the
 updated weights, the step's logs and, before the step, the reference CE and NTL of the whole batch
-from ``ntl_scale.ce_with_ntl`` on the model's logits. Test only.
+from ``ntl_scale.ce_with_ntl`` on the model's logits, and (``fsdp2``) the weights one plain SGD step on the whole
+batch gives in this process (float64 autograd through the naive reference of ``tests/helpers/reference.py``). Test only.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def main() -> None:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda *args, **kwargs: None
     from accelerate import PartialState
 
+    if any(kind.startswith("fsdp2") for kind in steps[3::4]):
+        from tests.helpers.fsdp2_cpu import fsdp_on_cpu
+
+        fsdp_on_cpu()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         PartialState(backend="gloo")  # Trainer on CPU: gloo, set up before TrainingArguments
     for i in range(0, len(steps), 4):
@@ -89,6 +95,7 @@ def step(out: str, micro: int, accumulation: int, kind: str) -> None:
     with torch.no_grad():
         logits = model(input_ids=whole["input_ids"], attention_mask=whole["attention_mask"]).logits
     reference = hf.causal_lm_ce_with_ntl(logits, whole["labels"], vocab, ntl_weight=0.3)
+    expected = expected_step(model, whole, vocab) if kind.startswith("fsdp2") else None
     if chunked:
         from ntl_scale.integrations.hf import apply_ntl
 
@@ -127,6 +134,9 @@ def step(out: str, micro: int, accumulation: int, kind: str) -> None:
                 "gradient_clipping": "auto",
                 "zero_allow_untested_optimizer": True,
             }
+        if kind == "fsdp2":  # accelerate's FSDP2: fully_shard per GPT2Block, on the output layer and the root
+            common["fsdp"] = "full_shard"
+            common["fsdp_config"] = {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}
         args = transformers.TrainingArguments(**common)
         trainer_class = hf.ntl_trainer_class()
         extra = {"train_dataset": rows}
@@ -138,6 +148,8 @@ def step(out: str, micro: int, accumulation: int, kind: str) -> None:
 
         with deepspeed.zero.GatheredParameters(parameters):
             weights = torch.cat([p.detach().flatten().clone() for p in parameters])
+    elif kind == "fsdp2":  # FSDP2 parameters are DTensor shards: gather them (a collective on every rank)
+        weights = torch.cat([p.detach().full_tensor().flatten() for p in parameters])
     else:
         weights = torch.cat([p.detach().flatten() for p in parameters])
     if trainer.args.process_index == 0:
@@ -146,9 +158,28 @@ def step(out: str, micro: int, accumulation: int, kind: str) -> None:
                 "weights": weights,
                 "logs": trainer.state.log_history,
                 "reference": {"ce": float(reference.ce), "ntl": float(reference.ntl)},
+                "expected": expected,
             },
             out,
         )
+
+
+def expected_step(model, whole: dict, vocab) -> torch.Tensor:
+    """The weights after one SGD step (lr 0.1) on the whole batch, in one process: float64 autograd on a copy
+    through the naive reference (CE over the step's tokens + 0.3 NTL over its number tokens), flattened
+    like ``model.parameters()``."""
+    import copy
+
+    from tests.helpers.reference import naive_per_token
+
+    twin = copy.deepcopy(model).double()
+    logits = twin(input_ids=whole["input_ids"], attention_mask=whole["attention_mask"]).logits
+    labels = whole["labels"]
+    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+    ce, ntl, mask = naive_per_token(logits, targets, vocab)
+    loss = ce.sum() / (targets != -100).sum() + 0.3 * ntl.sum() / mask.sum()
+    loss.backward()
+    return torch.cat([(p.detach() - 0.1 * p.grad).flatten() for p in twin.parameters()]).float()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,11 @@ chunk by chunk (:func:`ntl_scale.linear_ce_ntl`), so the ``[tokens, vocab]`` log
 Everything else (evaluation, ``generate``, a call without labels) is the model's own forward.
 
 The loss is computed inside the output layer's ``forward``, so DeepSpeed ZeRO-3 gathers the
-partitioned weight there (and again for the backward) as for any layer.
+partitioned weight there (and again for the backward) as for any layer. Under torch's FSDP2
+(``fully_shard``; accelerate's ``fsdp_version: 2``) the output layer's weight is a ``Shard(0)`` DTensor
+between steps and the whole weight inside the model's forward (FSDP2's pre-forward hook gathers it):
+the loss sees the whole weight, and its gradient goes to FSDP2's reduce-scatter as any layer's.
+:func:`apply_ntl` may be called before or after the model is sharded.
 
 What the model does between its last hidden state and its logits must be reproducible on the hidden
 states: known conventions are Granite's ``logits_scaling`` (divides the logits), Cohere's
@@ -32,7 +36,7 @@ import torch.nn.functional as F
 from ...linear import linear_ce_ntl
 from ...losses import NTLOptions, PerTokenTerms
 from ...number_vocab import NumberVocab
-from ...parallel import check_chunk_tokens
+from ...parallel import check_chunk_tokens, is_dtensor
 
 __all__ = [
     "ChunkedLossCausalLM",
@@ -76,8 +80,21 @@ def logit_multiplier(model: Any) -> float:
 
 
 def _materialised(module: torch.nn.Module) -> bool:
-    """Real weights here (not on the meta device, not partitioned by DeepSpeed ZeRO-3)."""
-    return all(p.device.type != "meta" and p.numel() > 0 and not hasattr(p, "ds_id") for p in module.parameters())
+    """Real weights here (not on the meta device, not partitioned by DeepSpeed ZeRO-3 or sharded by FSDP2)."""
+    return all(
+        p.device.type != "meta" and p.numel() > 0 and not hasattr(p, "ds_id") and not is_dtensor(p)
+        for p in module.parameters()
+    )
+
+
+def _fully_sharded(model: Any) -> bool:
+    """``model`` is sharded by torch's FSDP2 (``fully_shard``, accelerate's ``fsdp_version=2``): its forward
+    gathers its parameters, the output layer's included, before the layers run."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 @torch.no_grad()
@@ -111,7 +128,7 @@ def check_head(model: Any, multiplier: float, head: torch.nn.Linear) -> bool:
 def linear_head(model: Any) -> torch.nn.Linear:
     """The model's output layer; refuses anything but a bias-free ``nn.Linear``."""
     head = model.get_output_embeddings()
-    if type(getattr(head, "weight", None)).__name__ == "DTensor":
+    if is_dtensor(getattr(head, "weight", None)) and not _fully_sharded(model):
         raise ValueError(
             f"{type(model).__name__} is split by Hugging Face tensor parallelism (tp_plan): its output layer holds a "
             "DTensor, which the hidden-state loss does not take. Use the logits path (apply_ntl(model, vocab) "
@@ -139,6 +156,14 @@ def install_linear_loss_head(
     def head_forward(layer: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         if targets is None:
             return F.linear(hidden, layer.weight)
+        if is_dtensor(layer.weight):
+            # FSDP2 shards the weight on dim 0 like a vocabulary split, but over data-parallel ranks that hold
+            # other tokens: inside the model's forward it is gathered whole; a sharded one here is a misuse
+            raise ValueError(
+                "the output layer's weight is a DTensor shard here (FSDP2 gathers it only inside the model's "
+                "forward); compute the loss through the model's forward (model(input_ids, labels=...)), not by "
+                "calling the output layer directly"
+            )
         # the callers (apply_ntl's forward, ChunkedLossCausalLM with launch/train.py) sum CE over the valid
         # targets, so the backward may reuse the forward's weight gradient without a host-side check
         terms = linear_ce_ntl(
