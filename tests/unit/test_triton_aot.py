@@ -14,6 +14,7 @@ dtype and block configuration the launchers can pick for the three architectures
    (registers per warp rounded up to 256, 1 KiB reserved shared memory per block).
 4. A kernel that spills fails: the largest fp64 configuration under a 24-register cap
    (``--plant-spill``) is reported and the script exits 1.
+5. docs/kernels.md holds this run's table (registers, shared memory, occupancy) and the limits.
 """
 
 from __future__ import annotations
@@ -132,3 +133,12 @@ def test_a_spilling_kernel_fails(tmp_path):
     out = _run("--plant-spill", tmp=tmp_path)
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
     assert "spills" in out.stderr and "sm_90" in out.stderr
+
+
+# ------------------------------------------------------------------ 5. the docs hold this output
+
+
+def test_docs_hold_the_compile_table(records):
+    docs = (ROOT / "docs" / "kernels.md").read_text()
+    for line in (aot.markdown(records) + "\n" + aot.limits_markdown()).splitlines():
+        assert line in docs, f"docs/kernels.md lacks (run benchmarks/triton_aot.py --markdown): {line}"
