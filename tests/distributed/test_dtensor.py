@@ -15,7 +15,8 @@ One launch of 2 processes runs every section (torch 2.13's DTensor and ``loss_pa
    reference on ``hidden @ W.T``, for every variant.
 4. Bad input: logits sharded on another dim, ``Partial`` logits, a number table for the shard's width or
    another size, ``tp_group`` with a DTensor, DTensor labels, a split that leaves a rank empty, a weight
-   sharded on its hidden dim: ValueErrors naming the value and the fix.
+   sharded on its hidden dim, the Hugging Face chunked head called outside an FSDP2 model's forward:
+   ValueErrors naming the value and the fix.
 """
 
 from __future__ import annotations
@@ -234,6 +235,18 @@ def _check_errors(ctx: WorkerContext) -> None:
     hidden = torch.randn(*labels.shape, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"weight is a DTensor .* Shard\(dim=1\) .* another dimension"):
         ntl_scale.linear_ce_with_ntl(hidden, weight, labels, vocab)
+
+    # the Hugging Face chunked head of an FSDP2 model called on its own: its weight is the FSDP shard
+    # (Shard(0) over ranks holding other tokens, not a vocabulary split), refused
+    from torch.distributed.fsdp import fully_shard
+
+    from ntl_scale.integrations.hf.chunked import install_linear_loss_head
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, VOCAB, bias=False, dtype=torch.float64))
+    fully_shard(model, mesh=mesh)
+    install_linear_loss_head(model[0], vocab, ntl_scale.NTLOptions())
+    with pytest.raises(ValueError, match="FSDP2 gathers it only inside the model's forward"):
+        model[0](hidden, labels)
 
 
 def _check_all(ctx: WorkerContext) -> None:
