@@ -20,8 +20,8 @@ The step's objective, exactly normalised over the step like CE and NTL (``docs/n
 one number before the forwards). Each metrics row keeps ``ce``, ``ntl`` (the run's NTL variant; at
 ``ntl.weight=0`` logged only) and ``number_acc``, and adds ``baseline`` (``sum term / D``) and
 ``objective`` (``L``). The term needs the full logits: the chunked loss and tensor parallelism are
-refused. The held-out loss and the generation evaluation are those of launch/train.py (CE and NTL).
-The settings are written to ``run_dir/baseline.json``.
+refused, and so is ``ntl.normalization=micro-batch``. The held-out loss and the generation evaluation
+are those of launch/train.py (CE and NTL). The settings are written to ``run_dir/baseline.json``.
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ class BaselineTrainer(Trainer):
     baseline: ClassVar[dict[str, Any]] = {}
 
     def setup(self) -> None:
+        if self.cfg.ntl.normalization != "global":
+            raise ValueError(
+                f"baseline.loss={self.baseline['loss']} normalises its term over the step's digit targets: set "
+                f"ntl.normalization=global (got {self.cfg.ntl.normalization!r}) so that CE and NTL are too"
+            )
         super().setup()
         if self.engine.chunked or self.engine.tp > 1:
             raise ValueError(
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launch)
     if settings is not None:  # this module's copy of launch/train.py only: the file and its users are unchanged
-        launch.Trainer = type("BaselineTrainer", (BaselineTrainer,), {"baseline": settings})
+        launch.Trainer = type("BaselineTrainer", (BaselineTrainer,), {"baseline": settings})  # type: ignore[attr-defined]
     return launch.main(rest)
 
 

@@ -185,6 +185,16 @@ def test_split_overrides():
             tb.split_overrides(bad)
 
 
+def test_the_term_needs_global_normalisation():
+    from ntl_scale.training.config import load_config
+
+    tb = _load("train_baselines")
+    cfg = load_config(str(ROOT / "configs/train/tiny_cpu.yaml"), ["ntl.normalization=micro-batch"])
+    trainer = type("T", (tb.BaselineTrainer,), {"baseline": {"loss": "del", "weight": 0.01}})
+    with pytest.raises(ValueError, match=r"set ntl.normalization=global \(got 'micro-batch'\)"):
+        trainer(cfg, rank=0, world_size=1, device="cpu").setup()
+
+
 def _run(script: str, run_dir: Path, *extra: str) -> list[dict]:
     overrides = ["ntl.weight=0", f"run_dir={run_dir}", "train.steps=3", "train.log_every=3", "train.micro_batch_size=8",
                  "data.train_examples=64", "data.eval_examples=4", "eval.max_new_tokens=4", "tracking.wandb=disabled",
