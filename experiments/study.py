@@ -6,6 +6,7 @@
     python experiments/study.py --preset configs/study/ablation_weight.yaml   # NTL weight 0.3 / 0.8 / 2.0
     python experiments/study.py --preset configs/study/ablation_loss.yaml     # MSE, MAE, Huber, WAS
     python experiments/study.py --preset configs/study/deepmind.yaml          # the DeepMind arithmetic data
+    python experiments/study.py --preset configs/study/del_8seeds.yaml --out runs/study-cpu   # DEL vs NTL, 8 seeds
 
 A preset names the base run config, the arms (overrides on top of it: the loss), the seeds (model
 init; the data is the same seeded arithmetic for every arm and seed) and the shared overrides (the
