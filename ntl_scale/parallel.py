@@ -130,7 +130,8 @@ def dtensor_vocab_shard(tensor: Any, *, dim: int = -1, name: str = "logits") -> 
 
     Raises:
         ValueError: a ``Partial`` placement (unreduced sums); a ``Shard`` of another dimension; the
-            vocabulary split over more than one mesh dimension or strided (``_StridedShard``); each
+            vocabulary split over more than one mesh dimension or strided (``_StridedShard``); a split
+            that leaves a rank without a column (known on every rank, so all raise together); each
             message names the placement and the fix.
     """
     from torch.distributed.tensor import Partial, Replicate, Shard
