@@ -13,6 +13,7 @@ Nothing is imported here; each module imports only torch, and its framework on f
 | `megatron.core` | `megatron.core` alone, your own loop: `make_loss_func`, `make_forward_step` |
 | `megatron.terms` | Megatron, both routes: per-token terms in Megatron's layouts |
 | `deepspeed.autotp` | DeepSpeed AutoTP (`launch/train.py`, tensor parallel): the vocabulary-sharded head |
+| `torchtitan` | torchtitan (0.3.0): `NTLLoss` (a `BaseLoss`), `NTLTrainer`, `config_registry` for `--module` |
 
 ``ntl_scale.integrations.hf``, ``.megatron`` and ``.deepspeed`` re-export their modules' names.
 Deprecated aliases, kept for one release: ``hf_loss`` (now ``hf.loss``), ``hf_chunked``

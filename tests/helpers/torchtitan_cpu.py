@@ -140,7 +140,8 @@ if __name__ == "__main__":
     main()
 
 
-if __name__ != "__main__":  # imported by torchtitan's --override.imports (after main() patched the device)
+if __name__ != "__main__":  # imported by torchtitan's --override.imports, or by torchtitan_step.py
+    patch_for_cpu()  # before torchtitan is imported: it reads the device type at import
     from torchtitan.config.override import override as _override
     from torchtitan.models.common.attention import FlexAttention as _FlexAttention
 

@@ -1,0 +1,132 @@
+"""``NTLLoss`` on vocabulary shards at TP 2 over gloo: torchtitan's plain shards and DTensor ``Shard(-1)``.
+
+One spawned job (2 ranks, one TP group) checks, with an uneven vocabulary (37 over 2: 19 + 18, the
+split torchtitan's ``_LossParallelCrossEntropy`` uses and DTensor's):
+
+1. plain local shards under torchtitan's ``spmd_types`` backend and a ``tp`` mesh
+   (``set_current_spmd_mesh``), the group and offset found as torchtitan's CE finds them: loss and the
+   shard's logit gradient equal the float64 full-logit reference; at weight 0 the loss equals
+   torchtitan's own vocab-parallel ``CrossEntropyLoss`` on the same shards; inside torchtitan's
+   ``ChunkedLossWrapper`` with a row-sharded ``lm_head`` the hidden-state and weight-shard gradients
+   equal the reference's;
+2. ``DTensor`` logits ``Shard(-1)`` (torchtitan's ``partial_dtensor`` backend): the same loss and
+   gradient;
+3. errors naming the value and the fix: a DTensor sharded on another dimension, a plain shard of the
+   wrong width (a table for another vocabulary).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import reference
+from tests.helpers.distributed import WorkerContext, run_workers
+
+pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 (scripts/setup.sh --dev)")
+
+pytestmark = pytest.mark.distributed
+
+V, WEIGHT = 37, 0.3
+
+
+def _table(path: str):  # type: ignore[no-untyped-def]
+    from ntl_scale import NumberVocab
+
+    NumberVocab(list(range(3, 13)), list(range(10)), V, tokens=[str(d) for d in range(10)]).save(path)
+    return path
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 8, 6, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, 6, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (2, 8), generator=g)
+    labels[:, ::2] = torch.randint(3, 13, (2, 4), generator=g)
+    labels[1, 3] = -100
+    logits = hidden @ weight.T
+    return hidden, weight, logits, labels
+
+
+def _reference(hidden, weight, labels, vocab):  # type: ignore[no-untyped-def]
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    z = h @ w.T
+    z.retain_grad()
+    ce, ntl, mask = reference.naive_per_token(z, labels, vocab)
+    loss = ce.sum() / (labels != -100).sum() + WEIGHT * ntl.sum() / mask.sum()
+    loss.backward()
+    return loss.detach(), z.grad, h.grad, w.grad, mask.sum()
+
+
+def _check(ctx: WorkerContext, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    from ntl_scale.integrations.torchtitan import NTLLoss
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    start, end = (0, 19) if ctx.tp_rank == 0 else (19, V)
+    hidden, weight, logits, labels = _inputs()
+    tokens = (labels != -100).sum()
+    config = NTLLoss.Config(number_vocab=path, vocab_size=V, weight=WEIGHT)
+    loss_fn = config.build()
+    expected, z_grad, h_grad, w_grad, numbers = _reference(hidden, weight, labels, loss_fn.vocab)
+    loss_fn.begin_step(numbers)
+
+    # 1. plain shards under spmd_types
+    set_spmd_backend("spmd_types")
+    with set_current_spmd_mesh(mesh):
+        shard = logits[..., start:end].clone().requires_grad_(True)
+        loss, _ = loss_fn(shard, labels, tokens)
+        loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(shard.grad, z_grad[..., start:end], rtol=1e-10, atol=1e-12)
+
+        zero = NTLLoss.Config(number_vocab=path, vocab_size=V, weight=0.0).build()
+        zero.begin_step(numbers)
+        theirs = CrossEntropyLoss.Config(global_vocab_size=V).build()
+        shard32 = logits[..., start:end].float()
+        torch.testing.assert_close(
+            zero(shard32, labels, tokens)[0], theirs(shard32, labels, tokens)[0], rtol=2e-7, atol=0
+        )
+
+        wrapper = ChunkedLossWrapper.Config(num_chunks=4, loss_fn=config).build()
+        head = torch.nn.Linear(6, end - start, bias=False).double()
+        with torch.no_grad():
+            head.weight.copy_(weight[start:end])
+        wrapper.set_lm_head(head)
+        wrapper.loss_fn.begin_step(numbers)
+        h = hidden.clone().requires_grad_(True)
+        loss, _ = wrapper(h, labels, tokens)
+        loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+        # A TP lm_head's backward sums the hidden-state gradient over the shards; this plain Linear does not.
+        torch.distributed.all_reduce(h.grad, group=ctx.tp_group)
+        torch.testing.assert_close(h.grad, h_grad, rtol=1e-6, atol=1e-7)  # accumulated in float32 by torchtitan
+        torch.testing.assert_close(head.weight.grad, w_grad[start:end], rtol=1e-10, atol=1e-12)
+
+        with pytest.raises(ValueError, match=r"logits have 17 vocabulary columns.*shard of 1[89]"):
+            loss_fn(logits[..., :17], labels, tokens)  # neither shard's width: refused before any collective
+
+    # 2. DTensor Shard(-1) under partial_dtensor
+    set_spmd_backend("partial_dtensor")
+    local = logits[..., start:end].clone().requires_grad_(True)
+    dlogits = DTensor.from_local(
+        local, mesh, [Shard(2)], run_check=False, shape=logits.shape, stride=logits.stride()
+    )  # uneven: 19 + 18
+    loss, _ = loss_fn(dlogits, labels, tokens)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(local.grad, z_grad[..., start:end], rtol=1e-10, atol=1e-12)
+
+    # 3. a DTensor sharded on the batch
+    by_batch = DTensor.from_local(logits[ctx.tp_rank : ctx.tp_rank + 1], mesh, [Shard(0)], run_check=False)
+    with pytest.raises(ValueError, match=r"Shard\(dim=0\).*another dimension than the vocabulary"):
+        loss_fn(by_batch, labels, tokens)
+
+
+def test_plain_and_dtensor_vocabulary_shards(tmp_path) -> None:
+    run_workers(2, 2, _check, _table(str(tmp_path / "numbers.json")))

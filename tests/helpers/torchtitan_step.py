@@ -1,0 +1,101 @@
+"""Runs torchtitan trainers on CPU over gloo and records what the tests compare. Test only.
+
+    torchrun --nproc_per_node 2 tests/helpers/torchtitan_step.py OUT_DIR TAG <torchtitan.train arguments>
+
+The run is built with torchtitan's own ``ConfigManager`` and ``config.build()`` (torchtitan's ``Trainer``
+or ntl_scale's ``NTLTrainer``) and trained with its own ``train_step`` for ``--training.steps`` steps.
+One run per launch: a second trainer in the same processes (after ``destroy_process_group``) hangs in
+its first collective. Each rank writes ``OUT_DIR/<TAG>.rank<r>.pt`` with:
+
+* ``losses``: the ``global_avg_loss`` torchtitan logs at every step;
+* ``logged``: every metrics dict given to torchtitan's metric loggers (NTLTrainer's ce / ntl / accuracy);
+* at step 1: ``hidden`` (the input of ``lm_head``, the chunks in order), ``labels`` (this rank's
+  micro-batch), and, gathered from their DTensor shards, the ``lm_head`` weight and its gradient as the
+  optimizer receives it (after torchtitan's clipping: runs pass a large ``--training.max_norm``).
+
+The CPU patches of :mod:`tests.helpers.torchtitan_cpu` are applied first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)  # this folder's tokenizers.py would shadow the tokenizers package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+
+from tests.helpers.torchtitan_cpu import patch_for_cpu
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def run(tag: str, args: list[str], out: str) -> None:
+    from torchtitan.config import ConfigManager
+
+    config = ConfigManager().parse_args(args)
+    trainer = config.build()
+    record: dict = {"losses": [], "logged": [], "hidden": []}
+    lm_head = trainer.model_parts[0].lm_head
+
+    def keep_hidden(module, inputs):  # type: ignore[no-untyped-def]
+        if trainer.step == 1:
+            record["hidden"].append(_full(inputs[0]))
+
+    hook = lm_head.register_forward_pre_hook(keep_hidden)
+    log, metric_log, optimizer_step = (
+        trainer.metrics_processor.log,
+        trainer.metrics_processor.logger.log,
+        trainer.optimizers.step,
+    )
+
+    def log_loss(step, global_avg_loss, *a, **k):  # type: ignore[no-untyped-def]
+        record["losses"].append(float(global_avg_loss))
+        return log(step, global_avg_loss, *a, **k)
+
+    def log_metrics(metrics, step):  # type: ignore[no-untyped-def]
+        record["logged"].append({k: float(v) for k, v in metrics.items() if "loss" in k})
+        return metric_log(metrics, step)
+
+    def step_optimizer(*a, **k):  # type: ignore[no-untyped-def]
+        if trainer.step == 1:
+            record["weight"] = _full(lm_head.weight)
+            record["grad"] = _full(lm_head.weight.grad)
+        return optimizer_step(*a, **k)
+
+    trainer.metrics_processor.log = log_loss
+    trainer.metrics_processor.logger.log = log_metrics
+    trainer.optimizers.step = step_optimizer
+
+    def labels_of(batches):  # type: ignore[no-untyped-def]
+        for inputs, labels in batches:
+            if trainer.step == 1:
+                record.setdefault("labels", []).append(labels.clone())
+            yield inputs, labels
+
+    data = labels_of(trainer.batch_generator(trainer.dataloader))
+    while trainer.step < config.training.steps:
+        trainer.step += 1
+        trainer.train_step(data)
+    hook.remove()
+    record["hidden"] = torch.cat(record["hidden"], dim=1)
+    record["labels"] = torch.cat(record["labels"], dim=0)
+    rank = torch.distributed.get_rank()
+    torch.save(record, os.path.join(out, f"{tag}.rank{rank}.pt"))
+    trainer.close()
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    patch_for_cpu()
+    run(sys.argv[2], sys.argv[3:], sys.argv[1])
+
+
+if __name__ == "__main__":
+    main()

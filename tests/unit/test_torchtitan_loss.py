@@ -1,0 +1,210 @@
+"""``ntl_scale.integrations.torchtitan`` in one process: the config, every variant, the wrapper, the errors.
+
+Sections:
+1. ``NTLLoss.Config`` has every option of ``ntl_scale.options.option_fields()`` (with the spec's default)
+   or says why not (``NOT_CONFIG_FIELDS``); bad values are refused naming the key.
+2. Every variant on full logits, as torchtitan calls a loss (``sum / global_valid_tokens`` for CE, the
+   step's count for NTL): loss and logit gradient equal the float64 reference
+   (``tests/helpers/reference.py``); at weight 0 torchtitan's own ``CrossEntropyLoss``;
+   inside torchtitan's ``ChunkedLossWrapper`` (4 chunks) the hidden-state and ``lm_head``
+   gradients equal the reference's; without ``global_valid_tokens`` (torchtitan's validator) the CE sum.
+3. Errors that name the value and the fix: a number table for another vocabulary (saved JSON; logits of
+   another width), no step count, a chunk count that does not divide the sequence, no tokenizer.
+4. The registry's configs: the debug model's and the Llama-3.2-3B shape's NTL settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 (scripts/setup.sh --dev)")
+
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+from ntl_scale import NumberVocab
+from ntl_scale.integrations.torchtitan import NTLLoss, NTLTrainer, config_registry
+from ntl_scale.integrations.torchtitan.loss import METRICS, NOT_CONFIG_FIELDS
+from ntl_scale.integrations.torchtitan.trainer import _check_chunks
+from ntl_scale.options import option_fields
+from tests.helpers import reference
+
+V = 37  # vocabulary: ids 3..12 are the digits 0..9, 13 a decimal point
+DIGITS = list(range(3, 13))
+
+
+@pytest.fixture()
+def table(tmp_path) -> str:
+    path = tmp_path / "numbers.json"
+    tokens = [str(d) for d in range(10)]
+    NumberVocab(DIGITS, list(range(10)), V, tokens=tokens, decimal_point_id=13).save(path)
+    return str(path)
+
+
+def _batch(seed: int = 0, batch: int = 2, seq: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, seq, V, generator=g, dtype=torch.float64) * 2
+    labels = torch.randint(0, V, (batch, seq), generator=g)
+    labels[:, ::3] = torch.randint(3, 13, (batch, (seq + 2) // 3), generator=g)  # many digits
+    labels[0, 1] = -100
+    return logits, labels
+
+
+def _reference(logits, labels, vocab, weight, **variant):  # type: ignore[no-untyped-def]
+    z = logits.detach().double().requires_grad_(True)
+    ce, ntl, mask = reference.naive_per_token(z, labels, vocab, **variant)
+    loss = ce.sum() / (labels != -100).sum() + weight * ntl.sum() / mask.sum().clamp_min(1)
+    loss.backward()
+    return loss.detach(), z.grad, mask.sum()
+
+
+# ---------------------------------------------------------------------------------- 1. the config
+
+
+def test_config_has_every_option_of_the_spec_with_its_default() -> None:
+    fields = {f.name: f for f in dataclasses.fields(NTLLoss.Config)}
+    for option in option_fields():
+        if option.name in NOT_CONFIG_FIELDS:
+            assert option.name not in fields and NOT_CONFIG_FIELDS[option.name]
+            continue
+        assert option.name in fields, f"option {option.name!r} missing from NTLLoss.Config"
+        assert fields[option.name].default == option.default, option.name
+    assert set(NOT_CONFIG_FIELDS) <= {o.name for o in option_fields()}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"weight": -1.0}, "loss.weight"),
+        ({"loss": "cosine"}, "cosine"),
+        ({"loss": "mse", "squash_factor": 10.0}, "squash_factor"),
+        ({"loss": "number", "digit_level": False}, "digit_level"),
+        ({"chunk_tokens": 0}, "chunk_tokens"),
+    ],
+)
+def test_bad_config_values_are_refused_by_name(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        NTLLoss.Config(**kwargs)
+
+
+# ---------------------------------------------------------------------------------- 2. the numbers
+
+VARIANTS = [
+    {},
+    {"loss": "mse"},
+    {"loss": "mae"},
+    {"loss": "huber", "huber_delta": 0.5},
+    {"loss": "was", "squash_factor": 4.0},
+    {"loss": "was", "reweigh": True},
+    {"loss": "number"},
+    {"loss": "number", "float_level": True},
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "was")
+def test_every_variant_equals_the_float64_reference(table: str, variant: dict) -> None:
+    loss_fn = NTLLoss.Config(number_vocab=table, vocab_size=V, weight=0.3, **variant).build()
+    logits, labels = _batch()
+    expected, grad, numbers = _reference(logits, labels, loss_fn.vocab, 0.3, **variant)
+    loss_fn.begin_step(numbers)
+    z = logits.clone().requires_grad_(True)
+    loss, metrics = loss_fn(z, labels, (labels != -100).sum())
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(z.grad, grad, rtol=1e-10, atol=1e-12)
+    assert set(metrics) == set(METRICS)
+
+
+def test_weight_zero_is_torchtitans_cross_entropy(table: str) -> None:
+    logits, labels = _batch(seed=1)
+    logits = logits.float()
+    tokens = (labels != -100).sum()
+    ours = NTLLoss.Config(number_vocab=table, vocab_size=V, weight=0.0).build()
+    ours.begin_step(1)
+    theirs = CrossEntropyLoss.Config(global_vocab_size=V).build()
+    torch.testing.assert_close(ours(logits, labels, tokens)[0], theirs(logits, labels, tokens)[0], rtol=2e-7, atol=0)
+
+
+def test_chunked_wrapper_gradients_equal_the_reference(table: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 8, 6, generator=g, dtype=torch.float64)
+    head = torch.nn.Linear(6, V, bias=False).double()
+    _, labels = _batch(seed=2)
+    wrapper = ChunkedLossWrapper.Config(num_chunks=4, loss_fn=NTLLoss.Config(number_vocab=table, vocab_size=V)).build()
+    wrapper.set_lm_head(head)
+    # reference: logits of the whole sequence in float64
+    w = head.weight.detach().clone().requires_grad_(True)
+    h = hidden.clone().requires_grad_(True)
+    ce, ntl, mask = reference.naive_per_token(h @ w.T, labels, wrapper.loss_fn.vocab)
+    expected = ce.sum() / (labels != -100).sum() + 0.3 * ntl.sum() / mask.sum()
+    expected.backward()
+    wrapper.loss_fn.begin_step(mask.sum())
+    h2 = hidden.clone().requires_grad_(True)
+    loss, metrics = wrapper(h2, labels, (labels != -100).sum())
+    loss.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    # torchtitan's GradAccumulator collects the hidden-state gradient in float32
+    torch.testing.assert_close(h2.grad, h.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(head.weight.grad, w.grad, rtol=1e-10, atol=1e-12)
+    step = wrapper.loss_fn.step_metrics()  # the chunks' parts add up to the step's means
+    torch.testing.assert_close(step["loss_metrics/ce_mean"], (ce.sum() / (labels != -100).sum()).detach())
+    torch.testing.assert_close(metrics["loss_metrics/ntl_mean"], (ntl.sum() / mask.sum()).detach())
+
+
+def test_without_global_valid_tokens_the_loss_is_the_ce_sum(table: str) -> None:
+    loss_fn = NTLLoss.Config(number_vocab=table, vocab_size=V).build()
+    logits, labels = _batch(seed=3)
+    ce, _, _ = reference.naive_per_token(logits, labels, loss_fn.vocab)
+    torch.testing.assert_close(loss_fn(logits, labels)[0], ce.sum(), rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------- 3. errors
+
+
+def test_a_table_of_another_vocabulary_is_refused(table: str) -> None:
+    with pytest.raises(ValueError, match=r"saved for a vocabulary of 37.*model's is 64.*vocab_size=64"):
+        NTLLoss.Config(number_vocab=table, vocab_size=64).build()
+    loss_fn = NTLLoss.Config(number_vocab=table, vocab_size=V).build()
+    loss_fn.begin_step(1)
+    logits, labels = _batch()
+    with pytest.raises(ValueError, match=r"logits have 19 vocabulary columns.*vocab_size 37.*loss.vocab_size"):
+        loss_fn(logits[..., :19], labels, torch.tensor(10))
+
+
+def test_no_step_count_names_ntl_trainer(table: str) -> None:
+    loss_fn = NTLLoss.Config(number_vocab=table, vocab_size=V).build()
+    logits, labels = _batch()
+    with pytest.raises(ValueError, match="NTLTrainer"):
+        loss_fn(logits, labels, torch.tensor(10))
+
+
+def test_chunk_count_that_does_not_divide_the_sequence() -> None:
+    config = config_registry.llama3_debugmodel_ntl()
+    config.training.seq_len = 96
+    config.loss.num_chunks = 5
+    with pytest.raises(ValueError, match=r"num_chunks=5 does not divide.*96 tokens.*--loss.num_chunks"):
+        _check_chunks(config)
+    config.loss.num_chunks = 4
+    _check_chunks(config)
+
+
+def test_no_tokenizer_file(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
+        NTLLoss.Config(tokenizer_path=str(tmp_path), vocab_size=V).build()
+
+
+# ---------------------------------------------------------------------------------- 4. the registry
+
+
+def test_registry_configs() -> None:
+    debug = config_registry.llama3_debugmodel_ntl()
+    assert isinstance(debug, NTLTrainer.Config) and isinstance(debug.loss, ChunkedLossWrapper.Config)
+    assert debug.loss.loss_fn.weight == 0.3 and debug.loss.loss_fn.vocab_size == 2048
+    assert isinstance(config_registry.llama3_debugmodel_ntl_logits().loss, NTLLoss.Config)
+    big = config_registry.llama3_3b_ntl()
+    model = big.model_spec.model
+    assert (model.dim, len(model.layers), model.vocab_size) == (3072, 28, 128256)
+    ntl = big.loss.loss_fn
+    assert (ntl.digit_level, ntl.squash_factor, ntl.vocab_size) == (False, 10.0, 128256)
