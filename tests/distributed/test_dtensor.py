@@ -13,7 +13,9 @@ One launch of 2 processes runs every section (torch 2.13's DTensor and ``loss_pa
 3. ``linear_ce_with_ntl`` with a ``Shard(0)`` weight DTensor (uneven rows) and a plain or replicated
    DTensor hidden: loss, weight gradient and hidden gradient (summed over the group) equal the float64
    reference on ``hidden @ W.T``, for every variant.
-4. Bad input: logits sharded on another dim, ``Partial`` logits, a number table for the shard's width or
+4. NTL-WAS and NTL-MSE on DTensor logits of a WordPiece tokenizer's vocabulary equal the reference
+   package ``ntloss`` on the full logits, loss and gradient (where ``ntloss`` is installed).
+5. Bad input: logits sharded on another dim, ``Partial`` logits, a number table for the shard's width or
    another size, ``tp_group`` with a DTensor, DTensor labels, a split that leaves a rank empty, a weight
    sharded on its hidden dim, the Hugging Face chunked head called outside an FSDP2 model's forward:
    ValueErrors naming the value and the fix.
@@ -249,8 +251,44 @@ def _check_errors(ctx: WorkerContext) -> None:
         model[0](hidden, labels)
 
 
+def _check_ntloss(ctx: WorkerContext) -> None:
+    """NTL on DTensor logits against the reference package ``ntloss`` on the full logits (where installed)."""
+    import importlib.util
+    import warnings
+
+    if importlib.util.find_spec("ntloss") is None:
+        return
+    import ntloss
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.helpers import tokenizers as tk
+
+    mesh = init_device_mesh("cpu", (2,))
+    tokenizer = tk.wordpiece_fast()
+    vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer)
+    labels = random_labels(vocab, (3, 16), vocab.vocab_size, seed=40)
+    full = random_logits((*labels.shape, vocab.vocab_size), seed=41)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        references = {
+            "was": ntloss.NTLoss(tokenizer, digit_level=True, reweigh=False),
+            "mse": ntloss.NTLossDotProduct(tokenizer, digit_level=True, reweigh=False, loss_function=F.mse_loss),
+        }
+    for loss, reference in references.items():
+        ours = distribute_tensor(full.clone(), mesh, [Shard(-1)]).requires_grad_()
+        got = ntl_scale.number_token_loss(ours, labels, vocab, loss=loss, reweigh=False)
+        theirs = full.clone().requires_grad_()
+        want = reference(theirs, labels)
+        got.backward()
+        want.backward()
+        _close(got, want, f"ntloss {loss} (vocabulary {vocab.vocab_size} over 2 ranks)")
+        _close(ours.grad.full_tensor(), theirs.grad, f"ntloss {loss} grad")
+
+
 def _check_all(ctx: WorkerContext) -> None:
     torch.set_default_dtype(torch.float32)
+    _check_ntloss(ctx)
     _check_logits(ctx)
     _check_loss_parallel(ctx)
     _check_linear(ctx)
