@@ -12,7 +12,8 @@ One launch of 2 processes runs every section (torch 2.13's DTensor and ``loss_pa
    DTensor logits, loss and gradient.
 3. ``linear_ce_with_ntl`` with a ``Shard(0)`` weight DTensor (uneven rows) and a plain or replicated
    DTensor hidden: loss, weight gradient and hidden gradient (summed over the group) equal the float64
-   reference on ``hidden @ W.T``, for every variant.
+   reference on ``hidden @ W.T``, for every variant. An output layer split by torch's own
+   ``parallelize_module(..., ColwiseParallel(use_local_output=False))`` feeding ``ce_with_ntl``: the same.
 4. NTL-WAS and NTL-MSE on DTensor logits of a WordPiece tokenizer's vocabulary equal the reference
    package ``ntloss`` on the full logits, loss and gradient (where ``ntloss`` is installed).
 5. Bad input: logits sharded on another dim, ``Partial`` logits, a number table for the shard's width or
@@ -206,6 +207,35 @@ def _check_linear(ctx: WorkerContext) -> None:
         _close(w2.grad.full_tensor(), w_ref.grad, f"{what} weight grad (replicated hidden)")
 
 
+def _check_colwise_parallel(ctx: WorkerContext) -> None:
+    """An output layer split by torch's own ``ColwiseParallel`` (DTensor logits out): loss and gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2,))
+    vocab = _vocab()
+    labels, _, _, _ = _inputs(seed=50)
+    g = torch.Generator().manual_seed(51)
+    hidden = torch.randn(*labels.shape, 5, generator=g, dtype=torch.float64)
+    head = torch.nn.Linear(5, VOCAB, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(VOCAB, 5, generator=g, dtype=torch.float64))
+    w_ref = head.weight.detach().clone().requires_grad_()
+    h_ref = hidden.clone().requires_grad_()
+    ce_t, ntl_t, mask_t = naive_per_token(h_ref @ w_ref.T, labels, vocab)
+    (ce_t.sum() / (labels != -100).sum() + 0.3 * ntl_t.sum() / mask_t.sum()).backward()
+
+    parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
+    h = hidden.clone().requires_grad_()
+    logits = head(h)
+    assert ntl_scale.parallel.is_dtensor(logits) and logits.to_local().shape[-1] == (7, 6)[ctx.rank]
+    out = ntl_scale.ce_with_ntl(logits, labels, vocab, ntl_weight=0.3)
+    out.loss.backward()
+    _close(out.ce, ce_t.sum() / (labels != -100).sum(), "ColwiseParallel ce")
+    _close(head.weight.grad.full_tensor(), w_ref.grad, "ColwiseParallel weight grad")
+    _close(h.grad, h_ref.grad, "ColwiseParallel hidden grad (summed by ColwiseParallel's input layout)")
+
+
 def _check_errors(ctx: WorkerContext) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -292,6 +322,7 @@ def _check_all(ctx: WorkerContext) -> None:
     _check_logits(ctx)
     _check_loss_parallel(ctx)
     _check_linear(ctx)
+    _check_colwise_parallel(ctx)
     _check_errors(ctx)
 
 
