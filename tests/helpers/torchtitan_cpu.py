@@ -129,6 +129,41 @@ def _local_sdpa() -> type:
     return LocalSDPA
 
 
+def small_llama3(cfg: object, dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2) -> object:
+    """torchtitan override (``--override.imports``): a llama3 model config at reduced width and depth.
+
+    Only sizes shrink (width, depth, heads, FFN); the vocabulary, weight tying, RoPE (theta, Llama 3
+    scaling) and the initialisation scheme stay, as ``tests/integration/test_pretrain_configs.py`` shrinks
+    the DeepSpeed 2B-3B configs. The attention is :func:`sdpa_attention`'s (built here: one override).
+    """
+    from torchtitan.models import llama3
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+
+    vocab = cfg.vocab_size  # type: ignore[attr-defined]
+    layers = llama3._build_llama3_layers(
+        fuse_qkv=True,
+        n_layers=n_layers,
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=64, ffn_dim_multiplier=1.0),
+        rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=131072, theta=500000, scaling="llama"),
+        attn_backend="flex",
+    )
+    for layer in layers:
+        layer.attention.inner_attention = _local_sdpa().Config()
+    # In place: torchtitan's Trainer holds the model config object before it applies overrides.
+    for name, value in {
+        "dim": dim,
+        "tok_embeddings": Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
+        "norm": RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        "lm_head": Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
+        "layers": layers,
+    }.items():
+        setattr(cfg, name, value)
+    return cfg
+
+
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     patch_for_cpu()
@@ -148,3 +183,6 @@ if __name__ != "__main__":  # imported by torchtitan's --override.imports, or by
     sdpa_attention = _override(target=_FlexAttention.Config, description="CPU tests: SDPA instead of Flex")(
         sdpa_attention
     )
+    from torchtitan.models.llama3.model import Llama3Model as _Llama3Model
+
+    small_llama3 = _override(target=_Llama3Model.Config, description="CPU tests: reduced width and depth")(small_llama3)

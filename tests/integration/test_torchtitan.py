@@ -12,6 +12,9 @@ Sections:
 2. NTL at 0.3: the step-1 loss, the ``lm_head`` gradient and the logged ``ce`` / ``ntl`` equal a
    one-process float64 computation from the gathered hidden states, labels and weight
    (``tests/helpers/reference.py``: full-vocabulary softmax, global counts of the step).
+3. ``llama3_3b_ntl`` (the Llama-3.2-3B shape, Llama 3's multi-digit number table) steps at reduced
+   width and depth (``tests.helpers.torchtitan_cpu.small_llama3``: vocabulary, tying and RoPE kept), in
+   one process with torchtitan's default ``spmd_backend``: the logged loss is ``ce + 0.3 * ntl`` and falls.
 """
 
 from __future__ import annotations
@@ -35,9 +38,16 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 WEIGHT = 0.3
+# partial_dtensor: torch 2.13's FSDP2 cannot shard spmd_types' plain parameters (docs/torchtitan.md)
+MULTI = [
+    "--override.imports",
+    "tests.helpers.torchtitan_cpu.sdpa_attention",
+    "--parallelism.spmd_backend",
+    "partial_dtensor",
+]
 LAYOUTS = {
-    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
-    "tp2": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
+    "fsdp2": [*MULTI, "--parallelism.data_parallel_shard_degree", "2"],
+    "tp2": [*MULTI, "--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
 }
 
 
@@ -48,33 +58,47 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
     root = tmp_path_factory.mktemp("torchtitan_assets")
     tokenizers.byte_level_bpe().save_pretrained(root / "tokenizer")
+    tokenizers.llama3_style_bpe().save_pretrained(root / "llama3_tokenizer")  # 1-3 digit number tokens
     (root / "data").mkdir()
     with open(root / "data" / "train.jsonl", "w") as f:
         for line in tokenizers.corpus(400):
             f.write(json.dumps({"text": line}) + "\n")
-    return {"tokenizer": str(root / "tokenizer"), "data": str(root / "data"), "out": str(root)}
+    return {
+        "tokenizer": str(root / "tokenizer"),
+        "llama3_tokenizer": str(root / "llama3_tokenizer"),
+        "data": str(root / "data"),
+        "out": str(root),
+    }
 
 
-def _launch(assets: dict[str, str], tag: str, module: str, config: str, extra: list[str]) -> list[dict]:
+def _launch(
+    assets: dict[str, str],
+    tag: str,
+    module: str,
+    config: str,
+    extra: list[str],
+    *,
+    nproc: int = 2,
+    tokenizer: str = "tokenizer",
+) -> list[dict]:
     args = [
         "--module", module, "--config", config,
-        "--hf_assets_path", assets["tokenizer"], "--dataloader.dataset_path", assets["data"],
+        "--hf_assets_path", assets[tokenizer], "--dataloader.dataset_path", assets["data"],
         "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", str(STEPS),
         "--training.disable_cuda_graphs", "--validator.no-enable", "--checkpoint.no-enable",
         "--training.mixed_precision_param", "float32", "--training.max_norm", "1e9", "--debug.seed", "7",
-        "--override.imports", "tests.helpers.torchtitan_cpu.sdpa_attention",
-        "--parallelism.spmd_backend", "partial_dtensor", "--loss.num-chunks", "4",
-        *extra, "activation-checkpoint:none",
+        "--loss.num-chunks", "4", *extra, "activation-checkpoint:none",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port]
     helper = str(ROOT / "tests" / "helpers" / "torchtitan_step.py")
     proc = subprocess.run(
         [*cmd, helper, assets["out"], tag, *args], env=env, capture_output=True, text=True, timeout=400, cwd=ROOT
     )
     if proc.returncode:
         raise AssertionError(f"torchtitan run {tag} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return [torch.load(Path(assets["out"]) / f"{tag}.rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(Path(assets["out"]) / f"{tag}.rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -141,3 +165,21 @@ def test_ntl_loss_and_gradient_equal_float64_reference(runs: dict) -> None:
     )
     assert 0 <= logged["loss_metrics/number_accuracy_mean"] <= 1
     assert runs["ntl"][1]["grad"].equal(rank0["grad"])  # gathered: the same full gradient on both ranks
+
+
+# ------------------------------------------------------------------------ 3. the 3B shape, reduced
+
+
+def test_llama3_3b_shape_steps_at_reduced_size(assets: dict[str, str]) -> None:
+    extra = ["--override.imports", "tests.helpers.torchtitan_cpu.small_llama3"]
+    (run,) = _launch(
+        assets, "3b", "ntl_scale.integrations.torchtitan", "llama3_3b_ntl", extra, nproc=1, tokenizer="llama3_tokenizer"
+    )
+    assert run["weight"].shape == (128256, 64)  # the 3B vocabulary, reduced width
+    logged = [m for m in run["logged"] if "loss_metrics/ce_mean" in m]
+    assert len(logged) == len(run["losses"]) == STEPS
+    for loss, metrics in zip(run["losses"], logged):
+        combined = metrics["loss_metrics/ce_mean"] + WEIGHT * metrics["loss_metrics/ntl_mean"]
+        assert metrics["loss_metrics/ntl_mean"] > 0
+        assert abs(loss - combined) <= 1e-5 * loss
+    assert run["losses"][-1] < run["losses"][0]
