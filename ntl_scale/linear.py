@@ -160,10 +160,8 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 if dense_h is not None:
                     dense_h[sl] = probs @ weight
                 if dense_w is not None:
-                    # the token weights and the mean's power of two scale the chunk's [C, H] rows, not [C, V]
                     span = _mean_span(sl) if product is not None else 1
-                    scaled = (hidden[sl].to(cdt) * (token_weights[sl] * (1.0 / span)).unsqueeze(1)).to(hidden.dtype)
-                    _accumulate(dense_w, probs, scaled, product, span)
+                    _accumulate(dense_w, probs, _weighted_rows(hidden[sl], token_weights[sl], span, cdt), product, span)
                 del logits, probs
                 continue
             work = logits if logits.dtype == cdt else logits.to(cdt)
@@ -186,8 +184,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 # sum_t w_t pi_t h_t^T of the chunk, as a mean over a power of two >= its length in half
                 # precision (no fp16 overflow, whatever the chunk's length) and added back in fp32
                 span = _mean_span(sl) if product is not None else 1
-                work.mul_((token_weights[sl] * (1.0 / span)).unsqueeze(1))
-                _accumulate(dense_w, work, hidden[sl], product, span)
+                _accumulate(dense_w, work, _weighted_rows(hidden[sl], token_weights[sl], span, cdt), product, span)
             del logits, work
         if check_finite:
             _raise_if_not_finite(maxes, sums, need_full)
@@ -265,7 +262,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 rows_h.add_(label_coef * weight.index_select(0, index).to(cdt))
                 rows_h.add_(number_coef[sl] @ number_weight)
             if grad_w is not None:
-                grad_w.index_add_(0, index, label_coef * hidden[sl].to(cdt))
+                _add_rows(grad_w, index, label_coef * hidden[sl].to(cdt))
                 grad_w.index_add_(0, cols, number_coef[sl].t() @ hidden[sl].to(cdt))
         # one rounding to the weight's dtype, at the end (grad_w is the fp32/fp64 accumulator)
         return (
@@ -279,6 +276,29 @@ def _product_buffer(weight: torch.Tensor, cdt: torch.dtype) -> torch.Tensor | No
     """A reused ``[V_local, H]`` buffer for one chunk's weight-gradient product in the weight's half
     dtype (the matmul runs at half-precision speed); None when the weight is already fp32/fp64."""
     return None if weight.dtype == cdt else torch.empty_like(weight)
+
+
+def _weighted_rows(rows: torch.Tensor, weights: torch.Tensor, span: int, cdt: torch.dtype) -> torch.Tensor:
+    """``rows * weights / span`` ([C, H], in ``rows``' dtype): the per-token factors of the weight gradient.
+
+    They scale the chunk's ``[C, H]`` hidden rows instead of its ``[C, V]`` softmax (one pass over
+    ``C x V`` fewer). With 0/1 token weights and the power-of-two ``span`` both are exact, so the
+    gradient is bitwise what scaling the softmax gives.
+    """
+    return (rows.to(cdt) * (weights * (1.0 / span)).unsqueeze(1)).to(rows.dtype)
+
+
+def _add_rows(acc: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``acc[index[i]] += values[i]`` in the order of ``i`` (repeated indices accumulate).
+
+    On the CPU ``index_put_(accumulate=True)``: ``index_add_`` there adds row by row through tensor
+    views, 0.2 s for 512 rows of a 32768 x 512 gradient (measured with 2 threads), which was 12 % of
+    the chunked op's step; both add in index order. On GPUs ``index_add_``, as before.
+    """
+    if acc.device.type == "cpu":
+        acc.index_put_((index,), values, accumulate=True)
+    else:
+        acc.index_add_(0, index, values)
 
 
 def _mean_span(sl: slice) -> int:
