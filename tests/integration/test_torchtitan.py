@@ -84,6 +84,7 @@ def _launch(
     args = [
         "--module", module, "--config", config,
         "--hf_assets_path", assets[tokenizer], "--dataloader.dataset_path", assets["data"],
+        "--dump_folder", str(Path(assets["out"]) / f"{tag}_outputs"),
         "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", str(STEPS),
         "--training.disable_cuda_graphs", "--validator.no-enable", "--checkpoint.no-enable",
         "--training.mixed_precision_param", "float32", "--training.max_norm", "1e9", "--debug.seed", "7",
