@@ -63,14 +63,12 @@ class NTLTrainer(Trainer):
 
     def train_step(self, data_iterator: Any) -> None:
         """torchtitan's step, after counting the step's NTL positions; logs ce / ntl / accuracy."""
-        batches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps * self._pp_microbatches())]
+        micro_batches = self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches
+        batches = [next(data_iterator) for _ in range(micro_batches)]
         self.ntl_loss.begin_step(self._step_ntl_positions([labels for _, labels in batches]))
         super().train_step(iter(batches))
         if self.metrics_processor.should_log(self.step):
             self._log_ntl_metrics()
-
-    def _pp_microbatches(self) -> int:
-        return self.num_pipeline_parallel_microbatches
 
     def _step_ntl_positions(self, labels: list[torch.Tensor]) -> torch.Tensor:
         """``K``: the NTL positions of the step's global batch (one all-reduce over the batch mesh)."""
