@@ -49,6 +49,7 @@ __all__ = [
     "check_chunk_tokens",
     "dtensor_vocab_shard",
     "fused_shard_stats",
+    "index_add",
     "is_dtensor",
     "kernel_shard_stats",
     "resolve_vocab_shard",
@@ -63,6 +64,18 @@ _CHUNK_ELEMENTS = 1 << 24
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the loss math: float64 for float64 logits, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def index_add(acc: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``acc.index_add_(dim, index, values)``, with an int32 index on the CPU.
+
+X
+    (measured here with 2 threads: 78 ms vs 0.07 ms for 512 rows of a 32768 x 512 weight gradient,
+    8.4 ms vs 0.6 ms for 10 columns of a 4096 x 32768 logits gradient, the latter a quarter of a pass
+    over those logits); the result is the same, bitwise (indices in order, repeated ones accumulate).
+    GPUs keep the index as given.
+    """
+    acc.index_add_(dim, index.int() if acc.device.type == "cpu" else index, values)
 
 
 def check_chunk_tokens(chunk_tokens: int | None) -> None:
@@ -490,7 +503,7 @@ class ShardMath:
         # -g_ce at each owned label; rows whose label another shard owns add 0 at column 0 (no nonzero() sync)
         column = torch.where(owned, local_label, torch.zeros_like(local_label)).unsqueeze(1)
         work.scatter_add_(1, column, torch.where(owned, -g_ce, torch.zeros_like(g_ce)).unsqueeze(1).to(work.dtype))
-        work.index_add_(1, cols, number_grad)
+        index_add(work, 1, cols, number_grad)
 
 
 class _FusedCENTL(torch.autograd.Function):
@@ -555,7 +568,7 @@ class _FusedCENTL(torch.autograd.Function):
             # Only the number columns carry gradient: no pass over the vocabulary.
             out = torch.zeros_like(logits)
             number_grad = ShardMath.number_grad(slice(None), saved, ctx.inputs, grads[1])
-            out.index_add_(1, ctx.inputs.number_cols, number_grad.to(out.dtype))
+            index_add(out, 1, ctx.inputs.number_cols, number_grad.to(out.dtype))
             return out, None, None, None, None, None, None, None
         if ctx.fast:  # Triton: one pass writes the gradient (over the logits, which it left intact, in place)
             out = logits if ctx.inplace else torch.empty_like(logits)
