@@ -69,7 +69,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def index_add(acc: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor) -> None:
     """``acc.index_add_(dim, index, values)``, with an int32 index on the CPU.
 
-X
+    torch's CPU ``index_add_`` is 14x-1000x slower with an int64 index than with an int32 one
     (measured here with 2 threads: 78 ms vs 0.07 ms for 512 rows of a 32768 x 512 weight gradient,
     8.4 ms vs 0.6 ms for 10 columns of a 4096 x 32768 logits gradient, the latter a quarter of a pass
     over those logits); the result is the same, bitwise (indices in order, repeated ones accumulate).
