@@ -22,17 +22,25 @@ def word_level_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w10")
 
 
-def tiny_llama(vocab_size: int, hidden: int, seq: int):
-    """A seeded 2-layer ``LlamaForCausalLM`` (untied head) in training mode, built from a config."""
+def llama_config(vocab_size: int, hidden: int, seq: int, layers: int = 2, intermediate: int | None = None,
+                 heads: int = 4, kv_heads: int = 2):  # fmt: skip
+    """A ``LlamaConfig`` with an untied head (default: 2 layers, MLP width ``2 * hidden``, 4 heads, 2 KV heads)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=seq, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def tiny_llama(vocab_size: int, hidden: int, seq: int, **shape):
+    """A seeded ``LlamaForCausalLM`` of :func:`llama_config` (``shape``: its layer arguments) in training mode."""
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, tie_word_embeddings=False,
-    )  # fmt: skip
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).train()
+    return transformers.LlamaForCausalLM(llama_config(vocab_size, hidden, seq, **shape)).train()
 
 
 def run_child(cmd: list[str]) -> dict:
