@@ -32,7 +32,7 @@ makes. Ratios are to the fastest CE-only peer of the same configuration (the fas
 for the hidden family; the materialised row is context). The CE values must agree across the rows
 and the TP sizes of a configuration (and ours' losses among themselves): the run fails otherwise.
 
-    python benchmarks/bench_peers.py                    # the full grid (about 15 minutes on 2 cores)
+    python benchmarks/bench_peers.py                    # the full grid (about 25 minutes on 2 shared cores)
     python benchmarks/bench_peers.py --quick            # tiny sizes, every variant but the compiled ones;
                                                         # checks the rows run and agree (no timing claim)
     python benchmarks/bench_peers.py --configs logits:8192x32768:fp32:2 --repeats 5
