@@ -1,7 +1,7 @@
 """The pretraining study over model sizes: does NTL's text cost shrink as the model grows?
 
-    python experiments/size_sweep.py --sweep configs/study/size_sweep.yaml           # runs what is missing
-    python experiments/size_sweep.py --sweep configs/study/size_sweep.yaml --no-run  # tabulates what is there
+    python experiments/size_sweep.py --sweep configs/sweep/size_sweep.yaml           # runs what is missing
+    python experiments/size_sweep.py --sweep configs/sweep/size_sweep.yaml --no-run  # tabulates what is there
 
 A sweep file lists the sizes, each a study preset of ``experiments/study.py`` (same corpus, tokenizer,
 held-out sequences, questions and token budget; only the model differs), optionally with
@@ -168,12 +168,12 @@ def markdown(table: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", default="configs/study/size_sweep.yaml", help="sweep file")
+    parser.add_argument("--sweep", default="configs/sweep/size_sweep.yaml", help="sweep file")
     parser.add_argument("--out", default=None, help="output folder (default: runs/<sweep name>)")
     parser.add_argument("--no-run", action="store_true", help="tabulate the sizes whose results exist; run nothing")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.sweep):
-        raise SystemExit(f"--sweep {args.sweep}: no such file (sweeps: configs/study/size_sweep*.yaml)")
+        raise SystemExit(f"--sweep {args.sweep}: no such file (sweeps: configs/sweep/*.yaml)")
     with open(args.sweep) as f:
         sweep = yaml.safe_load(f)
     for key in ("sizes", "arms"):
