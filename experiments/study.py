@@ -87,8 +87,9 @@ def load_preset(path: str) -> dict[str, Any]:
     for key, kind in required.items():
         if not isinstance(preset, dict) or not isinstance(preset.get(key), kind):
             raise SystemExit(f"{path}: expected '{key}' ({kind.__name__}) at the top level")
-    if not os.path.isfile(os.path.join(ROOT, preset.get("entry", "launch/train.py"))):
-        raise SystemExit(f"{path}: entry {preset['entry']!r} is not a file of the repository (e.g. launch/train.py)")
+    entry = preset.get("entry", "launch/train.py")
+    if not os.path.isfile(os.path.join(ROOT, entry)):
+        raise SystemExit(f"{path}: entry {entry!r} is not a file of the repository (e.g. launch/train.py)")
     against = preset.get("also_against", [])
     if not isinstance(against, list) or any(a not in preset["arms"] or a == preset.get("baseline") for a in against):
         raise SystemExit(f"{path}: also_against must list arms other than the baseline, got {against!r}")

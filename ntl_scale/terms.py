@@ -90,6 +90,11 @@ def per_token_ce_ntl(
     every rank of that group; the outputs are plain tensors.
     """
     options = NTLOptions() if options is None else options
+    if inplace and is_dtensor(logits_shard):
+        raise ValueError(
+            "inplace=True overwrites the logits buffer, which a DTensor's local view cannot give up to autograd; "
+            "use inplace=False, or pass logits.to_local() with tp_group and vocab_start (the plain-shard route)"
+        )
     if isinstance(vocab, NumberVocab):
         logits_shard, tp_group, vocab_start = resolve_vocab_shard(logits_shard, vocab.vocab_size, tp_group, vocab_start)
     check_plain_labels(labels)

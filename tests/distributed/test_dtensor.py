@@ -258,6 +258,8 @@ def _check_errors(ctx: WorkerContext) -> None:
         ntl_scale.vocab_parallel_ce_ntl(sharded, labels, _vocab(16))
     with pytest.raises(ValueError, match=r"carries its process group .* drop them"):
         ntl_scale.vocab_parallel_ce_ntl(sharded, labels, vocab, tp_group=mesh.get_group(0))
+    with pytest.raises(ValueError, match=r"inplace=True overwrites .* logits.to_local\(\) with tp_group"):
+        ntl_scale.ce_with_ntl(sharded, labels, vocab, inplace=True)
     with pytest.raises(ValueError, match=r"labels is a DTensor .*labels.full_tensor"):
         ntl_scale.vocab_parallel_ce_ntl(sharded, distribute_tensor(labels, mesh, [Replicate()]), vocab)
     tiny = distribute_tensor(torch.zeros(2, 1), mesh, [Shard(-1)])  # 1 column over 2 ranks

@@ -208,3 +208,19 @@ def test_registry_configs() -> None:
     assert (model.dim, len(model.layers), model.vocab_size) == (3072, 28, 128256)
     ntl = big.loss.loss_fn
     assert (ntl.digit_level, ntl.squash_factor, ntl.vocab_size) == (False, 10.0, 128256)
+
+
+def test_number_level_loss_is_refused_where_the_sequence_is_cut() -> None:
+    """loss=number assembles whole numbers along the sequence: inside ChunkedLossWrapper (more than one
+    chunk) and under context parallelism a number across a cut would count twice, so both are refused
+    before anything is built (a float64 check of the chunked value showed 4.2487 against 4.1643)."""
+    config = config_registry.llama3_debugmodel_ntl()
+    assert isinstance(config.loss, ChunkedLossWrapper.Config) and config.loss.num_chunks > 1
+    config.loss.loss_fn.loss = "number"
+    with pytest.raises(ValueError, match=r"num_chunks=\d+ pieces.*--loss.num_chunks 1"):
+        NTLTrainer(config)
+    logits_config = config_registry.llama3_debugmodel_ntl_logits()
+    logits_config.loss.loss = "number"
+    logits_config.parallelism.context_parallel_degree = 2
+    with pytest.raises(ValueError, match="context_parallel_degree=2"):
+        NTLTrainer(logits_config)

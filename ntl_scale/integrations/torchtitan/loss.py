@@ -12,7 +12,8 @@ reduced over the batch mesh once per step), so the CE part is torchtitan's ``Cro
 (:func:`ntl_scale.ntl_positions`: number-token labels; one per number for ``loss="number"``), which
 :class:`~ntl_scale.integrations.torchtitan.NTLTrainer` counts from the labels before the step's first
 forward and hands in with :meth:`NTLLoss.begin_step`: **one extra SUM all-reduce of one float64 per
-optimizer step** over the batch mesh (``ntl_scale.normalization.step_counts``), beside torchtitan's own
+optimizer step** over the batch mesh (torchtitan's ``dist_sum_tensor`` of the summed
+:func:`ntl_scale.ntl_counts`), beside torchtitan's own
 all-reduce of ``global_valid_tokens``. Summed over chunks, micro-batches and data-parallel ranks the
 loss is ``CE + weight * NTL`` of the whole step, however the step is split.
 
@@ -146,8 +147,9 @@ class NTLLoss(BaseLoss):
     def begin_step(self, ntl_positions: torch.Tensor | float) -> None:
         """Starts an optimizer step: ``ntl_positions`` is the step's global count ``K`` of NTL positions.
 
-        :class:`NTLTrainer` calls this with ``step_counts(...)[1]`` (one SUM all-reduce over the batch
-        mesh); a custom loop must do the same before the step's first forward. Resets the step's metrics.
+        :class:`NTLTrainer` calls this with the sum of ``ntl_counts(labels, ...)[1]`` over the step's
+        micro-batches, all-reduced over the batch mesh (one SUM all-reduce); a custom loop must do the
+        same before the step's first forward. Resets the step's metrics.
         """
         self._numbers = torch.as_tensor(ntl_positions, dtype=torch.float64)
         self._metrics = None

@@ -51,6 +51,14 @@ class NTLTrainer(Trainer):
                 f"(context_parallel_degree={config.parallelism.context_parallel_degree}); use a token-level loss "
                 "(was, mse, mae, huber) or context_parallel_degree 1"
             )
+        chunks = config.loss.num_chunks if isinstance(config.loss, ChunkedLossWrapper.Config) else 1
+        if chunks > 1 and ntl_config.loss == "number":
+            raise ValueError(
+                f"loss.loss_fn.loss=number assembles whole numbers along the sequence, which ChunkedLossWrapper "
+                f"cuts into loss.num_chunks={chunks} pieces (a number across a cut would count as two); use a "
+                "token-level loss (was, mse, mae, huber), --loss.num_chunks 1, or NTLLoss without the wrapper "
+                "(config_registry.with_ntl(..., chunked=False))"
+            )
         _check_chunks(config)
         if ntl_config.tokenizer_path is None and ntl_config.number_vocab is None:
             ntl_config.tokenizer_path = config.hf_assets_path
