@@ -24,6 +24,7 @@ pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 (scripts/setup.sh --d
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 
+import ntl_scale
 from ntl_scale import NumberVocab
 from ntl_scale.integrations.torchtitan import NTLLoss, NTLTrainer, config_registry
 from ntl_scale.integrations.torchtitan.loss import METRICS, NOT_CONFIG_FIELDS
@@ -210,17 +211,52 @@ def test_registry_configs() -> None:
     assert (ntl.digit_level, ntl.squash_factor, ntl.vocab_size) == (False, 10.0, 128256)
 
 
-def test_number_level_loss_is_refused_where_the_sequence_is_cut() -> None:
-    """loss=number assembles whole numbers along the sequence: inside ChunkedLossWrapper (more than one
-    chunk) and under context parallelism a number across a cut would count twice, so both are refused
-    before anything is built (a float64 check of the chunked value showed 4.2487 against 4.1643)."""
-    config = config_registry.llama3_debugmodel_ntl()
-    assert isinstance(config.loss, ChunkedLossWrapper.Config) and config.loss.num_chunks > 1
-    config.loss.loss_fn.loss = "number"
-    with pytest.raises(ValueError, match=r"num_chunks=\d+ pieces.*--loss.num_chunks 1"):
-        NTLTrainer(config)
-    logits_config = config_registry.llama3_debugmodel_ntl_logits()
-    logits_config.loss.loss = "number"
-    logits_config.parallelism.context_parallel_degree = 2
+def test_number_level_loss_under_context_parallelism_is_refused() -> None:
+    """loss=number assembles whole numbers along the sequence, which context parallelism deals out to
+    ranks in load-balanced pieces: refused before anything is built."""
+    config = config_registry.llama3_debugmodel_ntl_logits()
+    config.loss.loss = "number"
+    config.parallelism.context_parallel_degree = 2
     with pytest.raises(ValueError, match="context_parallel_degree=2"):
-        NTLTrainer(logits_config)
+        NTLTrainer(config)
+
+
+@pytest.mark.parametrize("variant", [{"loss": "number"}, {"loss": "number", "float_level": True}, {}], ids=str)
+def test_number_level_inside_the_chunked_wrapper_cuts_numbers_at_the_chunks(table: str, variant: dict) -> None:
+    """ChunkedLossWrapper hands the loss one chunk of each sequence at a time, so a number across a chunk
+    border is two numbers; the trainer counts K with the same cuts (ntl_pieces = num_chunks). Reference:
+    float64 per chunk, the chunks' sums added, divided by the chunks' total count."""
+    from ntl_scale.integrations.torchtitan.trainer import ntl_pieces
+
+    chunks = 4
+    config = config_registry.llama3_debugmodel_ntl()
+    config.loss.num_chunks = chunks
+    assert ntl_pieces(config) == chunks and ntl_pieces(config_registry.llama3_debugmodel_ntl_logits()) == 1
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 8, 6, generator=g, dtype=torch.float64)
+    head = torch.nn.Linear(6, V, bias=False).double()
+    _, labels = _batch(seed=5)
+    wrapper = ChunkedLossWrapper.Config(
+        num_chunks=chunks, loss_fn=NTLLoss.Config(number_vocab=table, vocab_size=V, **variant)
+    ).build()
+    wrapper.set_lm_head(head)
+    w = head.weight.detach().clone().requires_grad_(True)
+    h = hidden.clone().requires_grad_(True)
+    width = labels.shape[1] // chunks
+    parts = [reference.naive_per_token(h[:, i : i + width] @ w.T, labels[:, i : i + width], wrapper.loss_fn.vocab,
+                                       **variant) for i in range(0, labels.shape[1], width)]  # fmt: skip
+    numbers = sum(mask.sum() for _, _, mask in parts)
+    counted = ntl_scale.ntl_counts(labels, wrapper.loss_fn.vocab, wrapper.loss_fn.options, pieces=chunks)[1]
+    assert float(counted) == float(numbers)
+    expected = (
+        sum(ce.sum() for ce, _, _ in parts) / (labels != -100).sum()
+        + 0.3 * sum(ntl.sum() for _, ntl, _ in parts) / numbers
+    )
+    expected.backward()
+    wrapper.loss_fn.begin_step(counted)
+    h2 = hidden.clone().requires_grad_(True)
+    loss, _ = wrapper(h2, labels, (labels != -100).sum())
+    loss.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h2.grad, h.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(head.weight.grad, w.grad, rtol=1e-10, atol=1e-12)

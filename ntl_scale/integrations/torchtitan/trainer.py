@@ -51,14 +51,6 @@ class NTLTrainer(Trainer):
                 f"(context_parallel_degree={config.parallelism.context_parallel_degree}); use a token-level loss "
                 "(was, mse, mae, huber) or context_parallel_degree 1"
             )
-        chunks = config.loss.num_chunks if isinstance(config.loss, ChunkedLossWrapper.Config) else 1
-        if chunks > 1 and ntl_config.loss == "number":
-            raise ValueError(
-                f"loss.loss_fn.loss=number assembles whole numbers along the sequence, which ChunkedLossWrapper "
-                f"cuts into loss.num_chunks={chunks} pieces (a number across a cut would count as two); use a "
-                "token-level loss (was, mse, mae, huber), --loss.num_chunks 1, or NTLLoss without the wrapper "
-                "(config_registry.with_ntl(..., chunked=False))"
-            )
         _check_chunks(config)
         if ntl_config.tokenizer_path is None and ntl_config.number_vocab is None:
             ntl_config.tokenizer_path = config.hf_assets_path
@@ -68,6 +60,7 @@ class NTLTrainer(Trainer):
         loss = self.loss_fn.loss_fn if isinstance(self.loss_fn, ChunkedLossWrapper) else self.loss_fn
         assert isinstance(loss, NTLLoss)  # _ntl_config checked the config it was built from
         self.ntl_loss = loss
+        self.ntl_pieces = ntl_pieces(config)
 
     def train_step(self, data_iterator: Any) -> None:
         """torchtitan's step, after counting the step's NTL positions; logs ce / ntl / accuracy."""
@@ -82,7 +75,10 @@ class NTLTrainer(Trainer):
         """``K``: the NTL positions of the step's global batch (one all-reduce over the batch mesh)."""
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for targets in labels:
-            local = local + ntl_counts(targets.to(self.device), self.ntl_loss.vocab, self.ntl_loss.options)[1]
+            counts = ntl_counts(
+                targets.to(self.device), self.ntl_loss.vocab, self.ntl_loss.options, pieces=self.ntl_pieces
+            )
+            local = local + counts[1]
         if self.parallel_dims.dp_enabled:
             return dist_utils.dist_sum_tensor(local, self.parallel_dims.get_mesh("batch"))
         return local
@@ -95,6 +91,13 @@ class NTLTrainer(Trainer):
         self.metrics_processor.logger.log(metrics, self.step)
         ce, ntl, accuracy = metrics.values()
         logger.info(f"step: {self.step:2}  ce: {ce:8.5f}  ntl: {ntl:8.5f}  number accuracy: {accuracy:.4f}")
+
+
+def ntl_pieces(config: Trainer.Config) -> int:
+    """The equal pieces ``ChunkedLossWrapper`` cuts each sequence into before the loss sees them (1 without
+    it). ``loss="number"`` assembles numbers within a piece, so a number across a cut is two numbers, in
+    the loss and in the step's count ``K`` alike (as under Megatron's context parallelism)."""
+    return config.loss.num_chunks if isinstance(config.loss, ChunkedLossWrapper.Config) else 1
 
 
 def _check_chunks(config: Trainer.Config) -> None:
