@@ -41,6 +41,7 @@ from ntl_scale.options import (
     surface_reason,
 )
 from ntl_scale.training.config import NTLConfig, TrainConfig, load_config
+from tests.helpers.study_presets import run_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAMES = [option.name for option in option_fields()]
@@ -187,7 +188,8 @@ def _preset_overrides() -> list[tuple[str, list[str]]]:
         with open(path, encoding="utf-8") as f:
             preset = yaml.safe_load(f)
         for arm, overrides in preset.get("arms", {}).items():
-            found.append((f"{os.path.basename(path)}:{arm}", [*preset.get("overrides", []), *overrides]))
+            run, _ = run_overrides(preset, [*preset.get("overrides", []), *overrides])
+            found.append((f"{os.path.basename(path)}:{arm}", run))
     return found
 
 

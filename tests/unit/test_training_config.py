@@ -18,6 +18,7 @@ from ntl_scale.data import ShardedOrder
 from ntl_scale.training.config import TrainConfig, load_config
 from ntl_scale.training.resume import Layout, plan_resume, write_layout
 from ntl_scale.training.steps import global_counts, resolve_deepspeed_config, shift_for_causal
+from tests.helpers.study_presets import run_overrides
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -214,20 +215,6 @@ def test_global_batch_size_sets_the_accumulation():
 STUDY_PRESETS = sorted((Path(__file__).resolve().parents[2] / "configs" / "study").glob("*.yaml"))
 
 
-def _run_overrides(spec: dict[str, Any], overrides: list[str]) -> tuple[list[str], Any]:
-    """An arm's overrides for load_config, and what its preset's training ``entry`` takes itself (the
-    ``baseline.*`` settings of experiments/train_baselines.py, checked by that script's own parser)."""
-    if spec.get("entry", "launch/train.py") == "launch/train.py":
-        return overrides, None
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / spec["entry"]
-    module_spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.split_overrides(overrides)
-
-
 @pytest.mark.parametrize("preset", STUDY_PRESETS, ids=lambda p: p.name)
 def test_study_presets_resolve_for_every_arm(preset):
     """Every arm of every study preset is a valid run config (its base, the shared overrides, the arm's
@@ -240,7 +227,7 @@ def test_study_presets_resolve_for_every_arm(preset):
     root = preset.parents[2]
     configs = {}
     for arm, overrides in spec["arms"].items():
-        run, extra = _run_overrides(spec, [*spec.get("overrides", []), *overrides, "train.seed=1"])
+        run, extra = run_overrides(spec, [*spec.get("overrides", []), *overrides, "train.seed=1"])
         cfg = load_config(str(root / spec["base_config"]), run)
         assert cfg.train.seed == 1
         configs[arm] = {**cfg.to_dict(), "entry": extra}
@@ -262,7 +249,7 @@ def _shipped_data() -> list[tuple[str, Any]]:
         spec = yaml.safe_load(preset.read_text())
         for arm, overrides in spec["arms"].items():
             base = preset.parents[2] / spec["base_config"]
-            run, _ = _run_overrides(spec, [*spec.get("overrides", []), *overrides])
+            run, _ = run_overrides(spec, [*spec.get("overrides", []), *overrides])
             runs.append((f"{preset.name}:{arm}", base, run))
     distinct: dict[str, tuple[list[str], Any]] = {}
     for name, base, overrides in runs:
