@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.no_run:
                 print(f"[sweep] {entry['label']}: no {path}; left out (--no-run)", flush=True)
                 continue
-            study.main(["--preset", preset_path, "--out", entry["out"]])
+            keep = ["--keep", entry["keep"]] if entry.get("keep") else []  # finished runs kept in the repository
+            study.main(["--preset", preset_path, "--out", entry["out"], *keep])
         if not os.path.isfile(path):
             raise SystemExit(f"[sweep] {entry['label']}: {path} missing; run its preset {entry['preset']}")
         with open(path) as f:

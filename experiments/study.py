@@ -21,7 +21,11 @@ held-out sequence indices, each tabulated and tested as split ``heldout:<name>``
 corpus manifest of experiments/pretrain_corpus.py, whose ``heldout.groups`` are its prose and number
 documents, checked against each run's held-out sequences). Each run
 lands in ``OUT/<arm>/seed<S>/`` (a finished run is not redone, so an interrupted study continues
-where it stopped). Then ``OUT`` gets:
+where it stopped). With ``--keep DIR`` (a folder of the repository, e.g. ``experiments/finished_runs/<study>``),
+the small files of each finished run (:data:`KEPT_FILES`: no checkpoint) are copied to
+``DIR/<arm>/seed<S>/`` as it ends, and a run found there is copied back into ``OUT`` instead of being
+trained: committed with the repository, a study that takes longer than one machine's life continues on
+the next machine. Then ``OUT`` gets:
 
 * ``results.json`` and ``results.md``: mean and spread (sample standard deviation) over seeds of
   exact-match accuracy, MAE, log-MAE and R^2 on the interpolation and extrapolation splits, every
@@ -122,6 +126,36 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
 
 
+KEPT_FILES = ("eval.json", "config.json", "metrics.jsonl", "heldout_sequences.jsonl", "baseline.json")
+"""The files of a finished run that the tables, tests and plots read (besides ``predictions_*.jsonl``)."""
+
+
+def _kept_names(run_dir: str) -> list[str]:
+    names = sorted(os.listdir(run_dir))
+    return [n for n in names if n in KEPT_FILES or (n.startswith("predictions_") and n.endswith(".jsonl"))]
+
+
+def keep_run(run_dir: str, keep_dir: str) -> None:
+    """Copies a finished run's small files (:data:`KEPT_FILES`, ``predictions_*.jsonl``) to ``keep_dir``;
+    ``eval.json`` last, so a copy interrupted half-way is not taken for a finished run."""
+    import shutil
+
+    os.makedirs(keep_dir, exist_ok=True)
+    names = _kept_names(run_dir)
+    if "eval.json" not in names:
+        raise SystemExit(f"{run_dir} has no eval.json: only a finished run is kept")
+    for name in [n for n in names if n != "eval.json"] + ["eval.json"]:
+        shutil.copyfile(os.path.join(run_dir, name), os.path.join(keep_dir, name))
+
+
+def restore_run(keep_dir: str, run_dir: str) -> bool:
+    """Copies a kept run back into ``run_dir`` (``eval.json`` last); False if ``keep_dir`` holds none."""
+    if not os.path.isfile(os.path.join(keep_dir, "eval.json")):
+        return False
+    keep_run(keep_dir, run_dir)
+    return True
+
+
 def train_command(preset: dict[str, Any], run_dir: str, arm: list[str], seed: int) -> list[str]:
     """The launch/train.py command of one run."""
     overrides = [*preset.get("overrides", []), *arm, f"train.seed={seed}", f"run_dir={run_dir}"]
@@ -136,8 +170,9 @@ def train_command(preset: dict[str, Any], run_dir: str, arm: list[str], seed: in
     return [*launcher, "--master_port", str(port), *entry, *overrides]
 
 
-def run_all(preset: dict[str, Any], out: str) -> dict[str, list[str]]:
-    """Trains every (arm, seed), ``parallel`` at a time; returns the run directories per arm."""
+def run_all(preset: dict[str, Any], out: str, keep: str | None = None) -> dict[str, list[str]]:
+    """Trains every (arm, seed), ``parallel`` at a time; returns the run directories per arm. With
+    ``keep``, runs kept there are restored instead of trained and each finished run is kept there."""
     for command in preset.get("prepare", []):
         print(f"[study] prepare: {command}", flush=True)
         if subprocess.call(command, shell=True, cwd=ROOT) != 0:
@@ -148,17 +183,22 @@ def run_all(preset: dict[str, Any], out: str) -> dict[str, list[str]]:
         for arm, overrides in preset["arms"].items():
             run_dir = os.path.join(out, slug(arm), f"seed{seed}")
             runs.setdefault(arm, []).append(run_dir)
+            kept = os.path.join(keep, slug(arm), f"seed{seed}") if keep else None
             if os.path.isfile(os.path.join(run_dir, "eval.json")):
                 print(f"[study] {arm} seed {seed}: already done", flush=True)
+                if kept and not os.path.isfile(os.path.join(kept, "eval.json")):
+                    keep_run(run_dir, kept)
+            elif kept and restore_run(kept, run_dir):
+                print(f"[study] {arm} seed {seed}: restored from {kept}", flush=True)
             else:
-                todo.append((arm, seed, run_dir, list(overrides)))
+                todo.append((arm, seed, run_dir, list(overrides), kept))
     parallel = max(1, int(preset.get("parallel", 1)))
     env = dict(os.environ)
     if parallel > 1 and "OMP_NUM_THREADS" not in env:  # share the cores between the runs
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // parallel))
-    active: list[tuple[subprocess.Popen, Any, str, int, str, float]] = []
+    active: list[tuple[subprocess.Popen, Any, str, int, str, float, str | None]] = []
     failed = []
-    for index, (arm, seed, run_dir, overrides) in enumerate(todo, start=1):
+    for index, (arm, seed, run_dir, overrides, kept) in enumerate(todo, start=1):
         while len(active) >= parallel:
             failed += _reap(active)
         print(f"[study] {index}/{len(todo)} {arm} seed {seed} -> {run_dir}", flush=True)
@@ -167,7 +207,7 @@ def run_all(preset: dict[str, Any], out: str) -> dict[str, list[str]]:
         process = subprocess.Popen(
             train_command(preset, run_dir, overrides, seed), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
         )
-        active.append((process, log, arm, seed, run_dir, time.time()))
+        active.append((process, log, arm, seed, run_dir, time.time(), kept))
     while active:
         failed += _reap(active)
     if failed:
@@ -179,7 +219,7 @@ def _reap(active: list) -> list[str]:
     """Waits for one run of ``active`` to end (removing it); returns its failure, if any."""
     while True:
         for item in list(active):
-            process, log, arm, seed, run_dir, start = item
+            process, log, arm, seed, run_dir, start, kept = item
             code = process.poll()
             if code is None:
                 continue
@@ -188,6 +228,8 @@ def _reap(active: list) -> list[str]:
             if code != 0 or not os.path.isfile(os.path.join(run_dir, "eval.json")):
                 return [f"{arm} seed {seed} (exit {code}; see {run_dir}/train.log)"]
             print(f"[study]    {arm} seed {seed}: {time.time() - start:.0f} s", flush=True)
+            if kept:
+                keep_run(run_dir, kept)
             return []
         time.sleep(1)
 
@@ -582,6 +624,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--preset", default="configs/study/cpu.yaml", help="study preset YAML")
     parser.add_argument("--out", default=None, help="output folder (default: runs/study-<preset name>)")
     parser.add_argument("--parallel", type=int, default=None, help="runs at once (default: the preset's parallel)")
+    parser.add_argument(
+        "--keep",
+        default=None,
+        help="folder that keeps each finished run's small files, and "
+        "from which kept runs are restored instead of trained (e.g. experiments/finished_runs/NAME)",
+    )
     args = parser.parse_args(argv)
     if not os.path.isfile(args.preset):
         raise SystemExit(f"--preset {args.preset}: no such file (presets: configs/study/*.yaml)")
@@ -594,7 +642,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     start = time.time()
     _groups(preset)  # a mapping is checked before any run; a manifest once the corpus is prepared
-    runs = run_all(preset, out)
+    runs = run_all(preset, out, args.keep)
     groups = _groups(preset, runs)
     table = aggregate(runs, groups)
     baseline = preset.get("baseline", next(iter(preset["arms"])))
