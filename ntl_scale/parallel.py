@@ -526,6 +526,11 @@ class _FusedCENTL(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         cdt = compute_dtype(logits.dtype)
         rows = ShardMath.chunk_rows(logits.shape[0], logits.shape[1], chunk_tokens)
+        # The chunks bound the [chunk, V_local] work buffer; in place there is none, so one pass over
+        # the shard (each chunk is a parallel region per op: on a loaded CPU, 8 chunks at 4096 x 32768
+        # cost 2-4x the time of one)
+        whole = [slice(0, logits.shape[0])] if chunk_tokens is None else rows
+        rows = whole if inplace else rows
         number_logits = logits.index_select(1, inputs.number_cols).to(cdt)
 
         fast = need_full and kernels
@@ -548,7 +553,9 @@ class _FusedCENTL(torch.autograd.Function):
         ce, expect, mass, hit = ShardMath.finalize(max_all, sums, number_max, inputs.valid, need_full)
         ctx.mark_non_differentiable(hit)
 
-        ctx.inputs, ctx.need_full, ctx.inplace, ctx.rows = inputs, need_full, inplace, rows
+        # the backward writes its own output buffer: a work buffer only for half-precision logits
+        backward_rows = whole if inplace or cdt == logits.dtype else rows
+        ctx.inputs, ctx.need_full, ctx.inplace, ctx.rows = inputs, need_full, inplace, backward_rows
         ctx.fast, ctx.number_max = fast, number_max
         ctx.save_for_backward(logits, max_all, sums[:, 0], number_exp, sums[:, 2], expect, mass)
         return ce, expect, mass, hit
