@@ -78,6 +78,7 @@ from .parallel import (
     is_dtensor,
     kernel_shard_stats,
     resolve_vocab_shard,
+    shift_into,
     use_triton,
 )
 from .reductions import CENTLOutput, combine_terms
@@ -142,14 +143,19 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 dense_w = torch.zeros(width, hidden.shape[1], dtype=cdt, device=weight.device)
         product = _product_buffer(weight, cdt) if need_full and need_w else None
         fast = need_full and kernels
-        # Reused [chunk, V_local] buffers for the torch path: the logits (in the parameters' dtype) and,
-        # for half-precision parameters, their fp32 copy; the logits buffer then takes the half softmax
-        # that both gradient matmuls read. A fresh allocation per chunk costs a page fault per page on
-        # the CPU (40 ms for a 64 MiB chunk here, about 5 % of the op at 2048 x 32768 x 512).
+        # Reused buffers for the torch path (a fresh allocation per chunk costs a page fault per page on
+        # the CPU: 40 ms for a 64 MiB chunk here, about 5 % of the op at 2048 x 32768 x 512): the chunk's
+        # logits, in the parameters' dtype; for half-precision parameters also an fp32 work buffer of a
+        # quarter of the chunk's rows (half the bytes of the logits buffer, not twice), through which the
+        # softmax is computed in parts, twice: once for the sums, once more after their all-reduce, into
+        # the logits buffer as the half softmax both gradient matmuls read.
         logits_buf = work_buf = None
+        parts_of = 1
         if need_full and not fast:
             logits_buf = ShardMath.chunk_buffer(hidden, rows, hidden.dtype, width)
-            work_buf = None if hidden.dtype == cdt else ShardMath.chunk_buffer(hidden, rows, cdt, width)
+            if hidden.dtype != cdt:
+                parts_of = max(1, -(-logits_buf.shape[0] // 4))
+                work_buf = ShardMath.chunk_buffer(hidden, [slice(0, parts_of)], cdt, width)
         for sl in rows if need_full else []:
             if fast:  # Triton (ntl_scale/kernels): one pass for the statistics, one writing the softmax in place
                 logits = hidden[sl] @ weight.t()
@@ -168,25 +174,32 @@ class _FusedLinearCENTL(torch.autograd.Function):
                     _accumulate(dense_w, probs, _weighted_rows(hidden[sl], token_weights[sl], span, cdt), product, span)
                 del logits, probs
                 continue
-            assert logits_buf is not None  # the torch path allocated it
+            if logits_buf is None:
+                raise RuntimeError("internal: the torch path of the chunked op has no logits buffer")
             logits = torch.mm(hidden[sl], weight.t(), out=logits_buf[: sl.stop - sl.start])
-            work = logits if work_buf is None else work_buf[: sl.stop - sl.start].copy_(logits)
-            number_logits[sl] = work.index_select(1, cols)
-            maxes[sl] = ShardMath.local_max(work, number_logits[sl], [slice(None)], True)
+            number_logits[sl] = logits.index_select(1, cols).to(cdt)
+            # the max of half-precision logits in their dtype: exact, like the max of their fp32 copy
+            maxes[sl] = ShardMath.local_max(logits, number_logits[sl], [slice(None)], True)
             all_reduce_max(maxes[sl], tp_group)
-            number_max = ShardMath.safe_number_max(maxes[sl, 1])
-            # in place: work becomes exp(z - max), then the softmax pi
+            number_max, max_all = ShardMath.safe_number_max(maxes[sl, 1]), maxes[sl, 0]
+            # fp32/fp64: in place, the logits become exp(z - max), then the softmax pi; half precision:
+            # exp(z - max) part by part through the fp32 work buffer, the logits kept for the second pass
+            parts = [slice(None)] if work_buf is None else ShardMath.chunk_rows(logits.shape[0], width, parts_of)
             sums[sl], number_exp[sl] = ShardMath.local_sums(
-                work, number_logits[sl], inputs.rows(sl), maxes[sl, 0], number_max, [slice(None)], True, True
+                logits, number_logits[sl], inputs.rows(sl), max_all, number_max, parts, True, work_buf is None, work_buf
             )
             all_reduce_sums(sums[sl], tp_group)
             if dense_h is None and dense_w is None:  # no gradient wanted: the statistics are all
-                del logits, work
+                del logits
                 continue
-            work.mul_(sums[sl, 0].reciprocal().unsqueeze(1))
-            # the softmax as the matmuls read it: the half-precision parameters' dtype (one rounding, into
-            # the logits buffer, shared by both matmuls), or the fp32/fp64 work itself
-            probs = work if work_buf is None else logits.copy_(work)
+            inv_total = sums[sl, 0].reciprocal().unsqueeze(1)
+            if work_buf is None:
+                logits.mul_(inv_total)
+            else:  # the softmax in the parameters' dtype (one rounding), shared by both matmuls
+                for part in parts:
+                    work = shift_into(logits[part], max_all[part], work_buf[: part.stop - part.start]).exp_()
+                    logits[part].copy_(work.mul_(inv_total[part]))
+            probs = logits
             if dense_h is not None:
                 dense_h[sl] = probs @ weight
             if dense_w is not None:
@@ -194,7 +207,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 # precision (no fp16 overflow, whatever the chunk's length) and added back in fp32
                 span = _mean_span(sl) if product is not None else 1
                 _accumulate(dense_w, probs, _weighted_rows(hidden[sl], token_weights[sl], span, cdt), product, span)
-            del logits, work, probs
+            del logits, probs
         if check_finite:
             _raise_if_not_finite(maxes, sums, need_full)
         number_max = ShardMath.safe_number_max(maxes[:, 1])

@@ -438,10 +438,13 @@ class ShardMath:
         rows: list[slice],
         need_full: bool,
         inplace: bool,
+        buffer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 4]`` partial sums ``[S, z_y, S_N, A]`` of this shard, and the exponentiated numbers.
 
-        With ``inplace`` the logits buffer is overwritten with ``exp(z - max)`` for the backward.
+        With ``inplace`` the logits buffer is overwritten with ``exp(z - max)`` for the backward;
+        otherwise ``exp(z - max)`` goes through ``buffer`` (compute dtype, at least the longest of
+        ``rows``; default: a new one).
         """
         cdt = number_logits.dtype
         num_tokens, width = logits.shape
@@ -452,7 +455,10 @@ class ShardMath:
         if need_full:
             # One reused chunk buffer (or the logits themselves): fresh allocations per chunk would
             # cost a page fault per page on every call.
-            buffer = None if inplace else ShardMath.chunk_buffer(logits, rows, cdt)
+            if inplace:
+                buffer = None
+            elif buffer is None:
+                buffer = ShardMath.chunk_buffer(logits, rows, cdt)
             for sl in rows:
                 chunk = logits[sl]
                 work = chunk if buffer is None else buffer[: chunk.shape[0]]
