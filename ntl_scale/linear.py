@@ -223,6 +223,15 @@ class _FusedLinearCENTL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_ce, g_expect, g_mass, _g_hit):  # type: ignore[override]
+        # autocast off, as in the forward (linear_ce_ntl): a backward called under autocast would
+        # otherwise cast its fp32 products to half precision
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
+            return _FusedLinearCENTL._backward(ctx, g_ce, g_expect, g_mass)
+
+    @staticmethod
+    def _backward(
+        ctx: Any, g_ce: torch.Tensor | None, g_expect: torch.Tensor | None, g_mass: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, token_weights, max_all, number_max, total, number_exp, number_total, expect, mass = (
             ctx.saved_tensors
         )
@@ -361,6 +370,20 @@ def _common_scale(u: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None
     return scale if float((u - scale * weights).abs().max()) <= tolerance else None
 
 
+def _autocast_dtype(hidden: object, weight: object) -> torch.dtype | None:
+    """The autocast dtype when autocast is on for the inputs' device (None otherwise, or for non-tensors,
+    which the checks refuse with their own message)."""
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return None
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def _amp_cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cast autocast applies to a matmul input: fp32/fp16/bf16 to ``dtype``; fp64 is left as it is."""
+    return tensor.to(dtype) if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else tensor
+
+
 def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
     for name, value in (("hidden", hidden), ("weight", weight)):
         if not isinstance(value, torch.Tensor) or not torch.is_floating_point(value):
@@ -448,6 +471,18 @@ def linear_ce_ntl(
         :class:`ntl_scale.PerTokenTerms` shaped like ``labels``.
     """
     options = NTLOptions() if options is None else options
+    amp = _autocast_dtype(hidden, weight)
+    if amp is not None:
+        # Under autocast the op runs as an autocast linear layer would: hidden and weight cast to the
+        # autocast dtype (differentiable casts: fp32 parameters get their gradient through them), then
+        # the half-precision path (fp32 softmax and weight-gradient accumulation) with autocast off
+        # inside, so that every product of a chunk has one dtype whatever the matmul call.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return linear_ce_ntl(
+                _amp_cast(hidden, amp), _amp_cast(weight, amp), labels, vocab, options, tp_group=tp_group,
+                check_finite=check_finite, chunk_tokens=chunk_tokens, need_ce=need_ce, token_weights=token_weights,
+                vocab_start=vocab_start, proportional_grad=proportional_grad,
+            )  # fmt: skip
     if is_dtensor(weight):
         if not isinstance(vocab, NumberVocab):
             raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")

@@ -6,12 +6,15 @@
 2. ``run_all`` with ``keep``: a run kept there is restored into the output folder and not trained (no
    process is started); a run finished in the output folder but not yet kept is kept; the run
    directories returned are the output folder's, as without ``keep``.
-3. A kept copy interrupted before its ``eval.json`` is not taken for a finished run.
+3. A kept copy interrupted before its ``eval.json`` is not taken for a finished run, and ``eval.json``
+   is the last file copied.
+4. A run trained by ``run_all`` (a stand-in process that leaves a finished run) is kept as it ends.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -91,3 +94,38 @@ def test_run_all_restores_kept_runs_and_keeps_finished_ones(tmp_path, monkeypatc
         assert _files(out / arm / "seed0") == SMALL  # restored
         assert _files(keep / arm / "seed1") == SMALL  # kept now
         assert _files(out / arm / "seed1") == {**SMALL, **LARGE}  # the finished run itself untouched
+
+
+def test_a_run_trained_here_is_kept_as_it_ends(tmp_path, monkeypatch):
+    preset = {"base_config": "configs/train/tiny_cpu.yaml", "seeds": [0], "arms": {"CE": []}}
+    out, keep = tmp_path / "out", tmp_path / "keep"
+    started = []
+
+    class FinishedRun:  # a "training" that leaves a finished run in its run_dir and exits 0
+        def __init__(self, command, **kwargs):
+            run_dir = Path(next(a for a in command if a.startswith("run_dir=")).split("=", 1)[1])
+            _finished_run(run_dir)
+            started.append(run_dir)
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(study.subprocess, "Popen", FinishedRun)
+    study.run_all(preset, str(out), str(keep))
+    assert started == [out / "ce" / "seed0"]
+    assert _files(keep / "ce" / "seed0") == SMALL
+
+
+def test_eval_json_is_copied_last(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    _finished_run(run)
+    copied = []
+    real_copy = shutil.copyfile
+
+    def recording_copy(src, dst, *args, **kwargs):
+        copied.append(Path(src).name)
+        return real_copy(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "copyfile", recording_copy)
+    study.keep_run(str(run), str(tmp_path / "kept"))
+    assert sorted(copied) == sorted(SMALL) and copied[-1] == "eval.json"
