@@ -9,6 +9,11 @@ half-precision path with autocast off inside, forward and backward. Sections:
    parameters.
 2. A backward called inside the autocast region gives the same bits as one called outside it.
 3. fp64 inputs are not cast (autocast leaves fp64 alone): the same bits as without autocast.
+4. Under autocast the op is, bit for bit, the op on inputs cast to bf16 by hand (CE-free terms too),
+   and a bf16 hidden with an fp32 weight is accepted as an autocast linear layer accepts it.
+
+The weight gradient reaches an fp32 leaf through the bf16 cast, so it carries one bf16 rounding, as
+``nn.Linear``'s does under autocast.
 """
 
 from __future__ import annotations
@@ -91,3 +96,38 @@ def test_fp64_inputs_are_left_alone():
     without = _run(hidden, weight, labels, vocab, 7, autocast=False)
     for a, b in zip(with_amp, without):
         assert a.dtype == torch.float64 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("need_ce", [True, False])
+def test_autocast_is_the_explicit_cast(need_ce):
+    """Under autocast the op equals, bit for bit, the op on inputs cast to bf16 by hand outside autocast
+    (the gradients reaching the fp32 leaves through the casts); CE-free terms included."""
+    vocab = _vocab()
+    hidden, weight, labels = _inputs()
+
+    def terms(amp: bool):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            a, b = (h, w) if amp else (h.bfloat16(), w.bfloat16())
+            out = ntl_scale.linear_ce_ntl(a, b, labels, vocab, chunk_tokens=7, need_ce=need_ce)
+            (out.ce.sum() + 0.3 * out.ntl.sum()).backward()
+        return out.ce.detach(), out.ntl.detach(), h.grad, w.grad
+
+    for a, b in zip(terms(True), terms(False)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_autocast_accepts_a_bf16_hidden_with_an_fp32_weight():
+    """As an autocast linear layer does: both cast to bf16 (outside autocast the mix is refused)."""
+    vocab = _vocab()
+    hidden, weight, labels = _inputs()
+    h = hidden.bfloat16().requires_grad_()
+    w = weight.clone().requires_grad_()
+    with pytest.raises(TypeError, match="must have the same dtype"):
+        ntl_scale.linear_ce_with_ntl(h, w, labels, vocab)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ntl_scale.linear_ce_with_ntl(h, w, labels, vocab, ntl_weight=0.3, chunk_tokens=7, impl="torch")
+    out.loss.backward()
+    ref_loss, _, _ = _reference(hidden.bfloat16().double(), weight, labels, vocab)
+    assert abs(float(out.loss.detach()) - float(ref_loss)) <= 2.0**-8 * abs(float(ref_loss))
+    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
