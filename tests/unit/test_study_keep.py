@@ -13,19 +13,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("study_keep_under_test", ROOT / "experiments" / "study.py")
-assert _spec is not None and _spec.loader is not None
-study = importlib.util.module_from_spec(_spec)
-sys.modules["study_keep_under_test"] = study
-_spec.loader.exec_module(study)
+study = load_script("experiments/study.py", "study_keep_under_test")
 
 SMALL = {
     "eval.json": '{"interpolate": {"accuracy": 0.5}}',

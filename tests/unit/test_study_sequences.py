@@ -8,21 +8,17 @@ missing file, groups on runs without held-out text, group ranges that are not [f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("study_under_test", ROOT / "experiments" / "study.py")
-assert _spec is not None and _spec.loader is not None
-study = importlib.util.module_from_spec(_spec)
-sys.modules["study_under_test"] = study
-_spec.loader.exec_module(study)
+study = load_script("experiments/study.py", "study_under_test")
 
 stats = pytest.importorskip("scipy.stats")
 
