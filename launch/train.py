@@ -14,9 +14,9 @@ and evaluation by generation.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import io
-import logging
 import os
 import signal
 import sys
@@ -109,8 +109,9 @@ if __name__ == "__main__":
     # interpreter finalisation: a rank of a gloo/DeepSpeed run occasionally aborts in C++ static destructors
     # at exit (SIGABRT, "terminate called without an active exception"; seen in CI on 2026-11-26 on rank 1
     # of an AutoTP run after its last step and evaluation), and the launcher then reports the finished job
-    # as failed and kills its peers. Only the script does this; main() called in-process returns normally.
-    logging.shutdown()
+    # as failed and kills its peers. The Python exit handlers (atexit: logging, trackers, a user's) still run
+    # first; only the script does this, main() called in-process returns normally.
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
