@@ -139,6 +139,8 @@ def tabulate(sweep: dict[str, Any], sizes: list[dict[str, Any]]) -> dict[str, An
 def _cell(cell: dict[str, Any] | None) -> str:
     if not cell:
         return "-"
+    if cell["n"] < 2:  # a size with one seed so far: a difference, no interval and no test
+        return f"{cell['mean']:+.2f} (one seed: no interval, no test)"
     p = cell["p_seed_t"]
     p_text = "n/a" if not math.isfinite(p) else ("< 0.001" if p < 0.001 else f"{p:.3f}")
     return f"{cell['mean']:+.2f} [{cell['low']:+.2f}, {cell['high']:+.2f}], p {p_text}"
