@@ -143,6 +143,12 @@ def sweep_figure(sweep: dict[str, Any], path: str) -> str:
                     continue
                 shift = 1 + 0.04 * (k - (len(sweep["arms"]) - 1) / 2)
                 ax.scatter([size["parameters"] * shift] * len(cell["seeds"]), cell["seeds"], s=12, color="0.5")
+                if not math.isfinite(cell["low"]):  # one seed: a hollow marker, no interval, not on the line
+                    ax.scatter([size["parameters"] * shift], [cell["mean"]], s=40, facecolors="none",
+                               edgecolors=f"C{k + 1}", zorder=3)  # fmt: skip
+                    ax.annotate(f"n={cell.get('n', 1)}", (size["parameters"] * shift, cell["mean"]), fontsize=7,
+                                xytext=(4, 4), textcoords="offset points")  # fmt: skip
+                    continue
                 xs.append(size["parameters"] * shift)
                 means.append(cell["mean"])
                 lows.append(cell["mean"] - cell["low"])

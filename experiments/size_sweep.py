@@ -88,6 +88,8 @@ def difference(results: dict[str, Any], arm: str, baseline: str, key: str) -> di
     scale = 100.0 / statistics.fmean(y for _, y in pairs) if relative else 100.0
     seeds = [(x - y) * scale for x, y in pairs]
     mean, low, high = figures.t_interval(seeds)
+    if len(seeds) < 2:  # one seed: a difference, no interval (not a zero-width one)
+        low = high = math.nan
     p = math.nan
     if len(pairs) > 1 and len(set(seeds)) > 1:
         p = float(stats.ttest_rel([x for x, _ in pairs], [y for _, y in pairs]).pvalue)
@@ -95,7 +97,10 @@ def difference(results: dict[str, Any], arm: str, baseline: str, key: str) -> di
 
 
 def trend(points: list[tuple[float, float]]) -> dict[str, Any] | None:
-    """Least squares of the differences on log10(parameters): slope per 10x with its 95 % t-interval."""
+    """Least squares of the differences on log10(parameters): slope per 10x with its 95 % t-interval.
+
+    No verdict while a size has fewer than 2 seeds: a single seed at the end of the range has the
+    leverage to decide it alone (the slope and its interval are still given)."""
     from scipy import stats
 
     if len({x for x, _ in points}) < 2 or len(points) < 3:
@@ -107,7 +112,10 @@ def trend(points: list[tuple[float, float]]) -> dict[str, Any] | None:
     half = float(stats.t.ppf(0.975, len(points) - 2)) * float(fit.stderr)
     slope = float(fit.slope)
     mean = statistics.fmean(y for _, y in points)
-    if slope - half <= 0 <= slope + half:
+    seeds_per_size = {x: sum(1 for x2, _ in points if x2 == x) for x, _ in points}
+    if min(seeds_per_size.values()) < 2:
+        verdict = "not given: a size has one seed"
+    elif slope - half <= 0 <= slope + half:
         verdict = "cannot be told at this scale"
     else:
         verdict = "shrinks" if (slope < 0) == (mean > 0) else "grows"
@@ -162,8 +170,10 @@ def markdown(table: dict[str, Any]) -> str:
         for key, spec in table["metrics"].items():
             t = table["trend"][arm][key]
             if t:
-                lines.append(f"- {spec['label']}: {t['slope']:+.2f} [{t['low']:+.2f}, {t['high']:+.2f}] "
-                             f"(n = {t['n']}, p = {t['p']:.3f}): **{t['verdict']}**")  # fmt: skip
+                counts = ", ".join(str((row["differences"][arm][key] or {}).get("n", 0)) for row in table["sizes"])
+                fit = f"{t['slope']:+.2f} [{t['low']:+.2f}, {t['high']:+.2f}]"
+                lines.append(f"- {spec['label']}: {fit} (n = {t['n']}: {counts} seeds by size, p = {t['p']:.3f}): "
+                             f"**{t['verdict']}**")  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 

@@ -143,7 +143,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     spec.loader.exec_module(launch)
     if settings is not None:  # this module's copy of launch/train.py only: the file and its users are unchanged
         launch.Trainer = type("BaselineTrainer", (BaselineTrainer,), {"baseline": settings})  # type: ignore[attr-defined]
-    return launch.main(rest)
+    result = launch.main(rest)
+    if argv is None:  # run as the script: it ends as launch/train.py's script does
+        launch.leave_after_a_finished_run()
+    return result
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 The mean, 95 % t-interval and seed-level paired t-test are checked against numbers computed here from
 the definitions (float64, scipy's t quantile and ``ttest_rel``); a size with one seed so far states its
-difference without an interval or a test, instead of a zero-width interval.
+difference without an interval or a test (not a zero-width interval), in the table, the JSON and the
+figure; the trend's slope is numpy's least-squares line, and no verdict is given while a size has one seed.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 
+import numpy as np
 import pytest
 from scipy import stats
 
@@ -33,13 +35,50 @@ def test_relative_difference_interval_and_test_match_the_definitions():
         (statistics.fmean(diffs), statistics.fmean(diffs) - half, statistics.fmean(diffs) + half), rel=1e-12
     )
     assert cell["p_seed_t"] == pytest.approx(stats.ttest_rel(ntl, ce).pvalue, rel=1e-12)
-    text = sweep._cell(cell)
-    assert text.startswith(f"{statistics.fmean(diffs):+.2f} [") and "p " in text
+    p = stats.ttest_rel(ntl, ce).pvalue
+    mean = statistics.fmean(diffs)
+    assert sweep._cell(cell) == f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}], p {p:.3f}"
+
+
+def test_two_seeds_get_an_interval():
+    cell = sweep.difference(_results([3.30, 3.35], [3.39, 3.41]), "NTL", "CE", "prose_text_ppl")
+    assert cell["n"] == 2 and math.isfinite(cell["low"]) and cell["low"] < cell["mean"] < cell["high"]
+    assert "[" in sweep._cell(cell)
 
 
 def test_one_seed_is_stated_without_an_interval_or_a_test():
     cell = sweep.difference(_results([3.339], [3.391]), "NTL", "CE", "prose_text_ppl")
     assert cell["n"] == 1 and cell["mean"] == pytest.approx((3.391 - 3.339) * 100 / 3.339, rel=1e-12)
+    assert math.isnan(cell["low"]) and math.isnan(cell["high"]) and math.isnan(cell["p_seed_t"])
     text = sweep._cell(cell)
-    assert text == f"{cell['mean']:+.2f} (one seed: no interval, no test)"
-    assert "[" not in text
+    assert "[" not in text and "one seed" in text
+
+
+def _points(last: list[float]) -> list[tuple[float, float]]:
+    return (
+        [(2e5, d) for d in (3.2, 3.9, 3.5, 3.8)] + [(8e5, d) for d in (3.0, 3.3, 2.9, 3.2)] + [(3.4e6, d) for d in last]
+    )
+
+
+def test_trend_is_the_least_squares_line_and_waits_for_a_second_seed():
+    for last, verdict_given in (([1.5], False), ([1.5, 1.7], True)):
+        points = _points(last)
+        slope, intercept = np.polyfit([math.log10(x) for x, _ in points], [y for _, y in points], 1)
+        t = sweep.trend(points)
+        assert (t["slope"], t["intercept"]) == pytest.approx((slope, intercept), rel=1e-10)
+        assert t["low"] < t["slope"] < t["high"] and t["n"] == len(points)
+        assert (t["verdict"] != "not given: a size has one seed") is verdict_given
+
+
+def test_the_figure_draws_a_one_seed_size(tmp_path):
+    sizes = []
+    for parameters, ce, ntl in ((2e5, [4.0, 3.9], [4.1, 4.1]), (3.4e6, [3.339], [3.391])):
+        results: dict = {"CE": {}, "NTL": {}}
+        for split, metric, _, _ in sweep.METRICS.values():  # every headline metric, as a study writes them
+            for arm, seeds in (("CE", ce), ("NTL", ntl)):
+                results[arm].setdefault(split, {})[metric] = {"seeds": seeds}
+        sizes.append({"label": f"{parameters:g}", "parameters": parameters, "results_path": "-", "results": results})
+    table = sweep.tabulate({"arms": ["NTL"], "baseline": "CE"}, sizes)
+    assert math.isnan(table["sizes"][1]["differences"]["NTL"]["prose_text_ppl"]["low"])
+    path = sweep.figures.sweep_figure(table, str(tmp_path / "sweep.png"))
+    assert open(path, "rb").read(4) == b"\x89PNG"
