@@ -27,6 +27,7 @@ architecture, without the (tied) embedding table, whose size is the tokenizer's 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -112,8 +113,7 @@ def trend(points: list[tuple[float, float]]) -> dict[str, Any] | None:
     half = float(stats.t.ppf(0.975, len(points) - 2)) * float(fit.stderr)
     slope = float(fit.slope)
     mean = statistics.fmean(y for _, y in points)
-    seeds_per_size = {x: sum(1 for x2, _ in points if x2 == x) for x, _ in points}
-    if min(seeds_per_size.values()) < 2:
+    if min(collections.Counter(x for x, _ in points).values()) < 2:  # seeds per size
         verdict = "not given: a size has one seed"
     elif slope - half <= 0 <= slope + half:
         verdict = "cannot be told at this scale"

@@ -30,13 +30,10 @@ def test_relative_difference_interval_and_test_match_the_definitions():
     scale = 100.0 / statistics.fmean(ce)
     diffs = [(x - y) * scale for x, y in zip(ntl, ce)]
     half = stats.t.ppf(0.975, 3) * statistics.stdev(diffs) / math.sqrt(4)
+    mean, p = statistics.fmean(diffs), stats.ttest_rel(ntl, ce).pvalue
     assert cell["n"] == 4 and cell["seeds"] == pytest.approx(diffs, rel=1e-12)
-    assert (cell["mean"], cell["low"], cell["high"]) == pytest.approx(
-        (statistics.fmean(diffs), statistics.fmean(diffs) - half, statistics.fmean(diffs) + half), rel=1e-12
-    )
-    assert cell["p_seed_t"] == pytest.approx(stats.ttest_rel(ntl, ce).pvalue, rel=1e-12)
-    p = stats.ttest_rel(ntl, ce).pvalue
-    mean = statistics.fmean(diffs)
+    assert (cell["mean"], cell["low"], cell["high"]) == pytest.approx((mean, mean - half, mean + half), rel=1e-12)
+    assert cell["p_seed_t"] == pytest.approx(p, rel=1e-12)
     assert sweep._cell(cell) == f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}], p {p:.3f}"
 
 
