@@ -14,20 +14,18 @@ and evaluation by generation.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
-import ctypes
 import io
 import os
 import signal
 import sys
-import threading
 import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from launch.finish import leave_after_a_finished_run
 from ntl_scale.training.config import load_config
 from ntl_scale.training.trainer import Trainer, check_inputs
 
@@ -103,31 +101,6 @@ def main(argv: list[str] | None = None) -> dict:
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return result
-
-
-def leave_after_a_finished_run() -> None:
-    """Ends the process of a finished multi-rank run without interpreter finalisation (rank 0 of 1 returns).
-
-    A rank of a 2-process gloo/DeepSpeed run on the CPU once aborted at exit (SIGABRT, "terminate called
-    without an active exception"; CI, 2026-11-26, rank 1 of an AutoTP run) after its last step, its
-    evaluation, the barrier and the group teardown, and the launcher then reported the finished job as
-    failed and killed its peers. The cause is not established (not reproduced in 12 local launches); a
-    likely one is C++ objects of the distributed stack destroyed while the interpreter shuts down. So,
-    once everything is written and the groups are destroyed, the process leaves as a normal exit would
-    but without tearing the interpreter down: non-daemon threads are joined and thread-pool exit hooks
-    run, then the ``atexit`` handlers (logging, trackers, a user's), then C-level and Python output is
-    flushed, then ``os._exit(0)``. Only in a world of more than one rank (``WORLD_SIZE``, set by every
-    launcher), so a one-process run stays an ordinary exit for profilers and debuggers.
-    """
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return
-    threading._shutdown()  # type: ignore[attr-defined]  # the first steps of CPython's own exit
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with contextlib.suppress(Exception):  # printf output of C/C++ code (DeepSpeed's CPU Adam) into a pipe
-        ctypes.CDLL(None).fflush(None)
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -8,17 +8,29 @@ the data x tensor layout (TP groups of consecutive ranks, Megatron's convention)
 ``run_ranks_in_threads(fn, ranks)`` is the cheap in-process variant for the loss's own collectives:
 one thread per rank, ``torch.distributed.all_reduce`` replaced by an in-memory MAX/SUM that records
 each call.
+
+``run_launch(command, timeout=...)`` runs a launcher command (``torchrun``, ``deepspeed``) like
+``subprocess.run(..., capture_output=True, text=True)``, but a launch that outlives its timeout has every
+process of its session sent SIGABRT first (with ``PYTHONFAULTHANDLER=1``, each prints the Python stack of
+every thread: where a hung rank waits), then SIGKILL, and fails the test with the output's tail; no
+orphaned rank keeps a port or a core for the tests after it. The ranks are found as the launcher's
+descendants (``torchrun`` starts each in a session of its own, out of reach of its process group).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
+import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import traceback
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -33,6 +45,57 @@ class WorkerContext:
     dp_rank: int
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
+
+
+def run_launch(
+    command: list[str], *, timeout: float, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True)``; a launch past ``timeout`` fails (see the module)."""
+    env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            tree = _process_tree(proc.pid)  # before any dies: torchrun starts each rank in a session of its own
+            _signal(tree, signal.SIGABRT)  # faulthandler: every thread's Python stack to stderr
+            try:
+                out, err = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                _signal(tree, signal.SIGKILL)
+                out, err = proc.communicate()
+            _signal(tree, signal.SIGKILL)
+            pytest.fail(
+                f"timed out after {timeout:.0f} s, then every process sent SIGABRT (their Python stacks are "
+                f"below): {shlex.join(map(str, command))}\n{(out + err)[-12000:]}"
+            )
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and every process descended from it (Linux ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])  # the name may hold spaces and ")"
+                children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:  # a group leader (a rank): its own children (data loaders) too
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
 
 
 def free_port() -> int:

@@ -184,3 +184,6 @@ def expected_step(model, whole: dict, vocab) -> torch.Tensor:
 
 if __name__ == "__main__":
     main()
+    from launch.finish import leave_after_a_finished_run
+
+    leave_after_a_finished_run()

@@ -20,3 +20,7 @@ patch_for_cpu()
 script, *arguments = sys.argv[1:]
 sys.argv = [script, *arguments]
 runpy.run_path(script, run_name="__main__")
+
+from launch.finish import leave_after_a_finished_run  # noqa: E402
+
+leave_after_a_finished_run()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, run_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 THIRD_PARTY = ROOT.parent / "shared" / "third_party"
@@ -106,7 +106,7 @@ def run(tag: str, script: str | Path, args: list[str], *, nproc: int, workdir: P
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
         str(free_port()), str(HARNESS), str(script), *args,
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=path, env=env, capture_output=True, text=True, timeout=timeout)
+    done = run_launch(command, cwd=path, env=env, timeout=timeout)
     records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
     return Run(done.returncode, done.stdout + done.stderr, records)
 

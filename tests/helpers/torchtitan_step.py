@@ -99,3 +99,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from launch.finish import leave_after_a_finished_run
+
+    leave_after_a_finished_run()

@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, run_launch
 
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
@@ -40,7 +39,7 @@ def test_tensor_parallel_flops_count_the_whole_model(tmp_path):
     cmd = [*launcher, str(SHIM), str(ROOT / "launch" / "train.py"), "--config",
            str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"), *overrides]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run_launch(cmd, cwd=ROOT, env=env, timeout=600)
     assert out.returncode == 0, f"train.py failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert json.loads((run / "zero_rank0.json").read_text())["tp"] == 2

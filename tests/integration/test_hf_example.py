@@ -1,5 +1,8 @@
 """``examples/hf_trainer_ntl.py`` run as a user would: ``torchrun`` over gloo, DeepSpeed ZeRO-3, the chunked loss.
 
+The script runs unchanged under ``tests/helpers/run_then_leave.py``, which only ends its finished
+processes without interpreter finalisation (``launch/finish.py``).
+
 Checks that the documented command trains (the logged CE + NTL falls over 20 steps), really runs
 under DeepSpeed with 2 processes, and that the TRL ``SFTTrainer`` variant logs NTL beside TRL's metrics.
 """
@@ -8,13 +11,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, run_launch
 
 pytestmark = pytest.mark.distributed
 
@@ -24,10 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def _run(tmp_path: Path, processes: int, *flags: str) -> str:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-        str(free_port()), "examples/hf_trainer_ntl.py", "--max-steps", "20", "--output-dir", str(tmp_path), *flags,
+        str(free_port()), "tests/helpers/run_then_leave.py", "examples/hf_trainer_ntl.py",
+        "--max-steps", "20", "--output-dir", str(tmp_path), *flags,
     ]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = run_launch(command, cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     return done.stdout
 

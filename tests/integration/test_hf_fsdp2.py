@@ -18,14 +18,13 @@ refusal of an FSDP plugin undone by the test-only :mod:`tests.helpers.fsdp2_cpu`
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, run_launch
 
 pytestmark = pytest.mark.distributed
 
@@ -44,7 +43,7 @@ def launch(tmp_path_factory) -> Path:
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
         str(ROOT / "tests" / "helpers" / "hf_fsdp2_check.py"), str(out),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    done = run_launch(command, cwd=ROOT, env=dict(os.environ), timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     return out
 

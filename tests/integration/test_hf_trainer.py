@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, run_launch
 
 pytestmark = pytest.mark.distributed
 
@@ -46,7 +45,7 @@ def _steps(tmp_path: Path, devices: int, *steps: tuple[str, int, int]) -> list[d
         str(free_port()), str(ROOT / "tests" / "helpers" / "hf_trainer_step.py"), *args,
     ]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = run_launch(command, cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     return [torch.load(out, weights_only=False) for out in outs]
 
@@ -118,7 +117,7 @@ def test_apply_ntl_under_hugging_face_tensor_parallelism(tmp_path):
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
         str(ROOT / "tests" / "helpers" / "hf_tp_loss.py"), str(out),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = run_launch(command, cwd=ROOT, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     result = torch.load(out, weights_only=False)
     assert result["tp_size"] == 2

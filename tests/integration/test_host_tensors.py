@@ -20,14 +20,13 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, run_launch
 from tests.helpers.host_guard import HostOnly, HostTensorError, _check_collective, host_only
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +64,7 @@ def _guarded_train(run_dir: Path, *overrides: str, nproc: int = 2, script: Path 
     cmd = [*launcher, *shims, str(script), f"run_dir={run_dir}", *overrides]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
            "NTL_HOST_GUARD_REPORT": str(run_dir.parent / f"{run_dir.name}_guard"), **(env or {})}  # fmt: skip
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return run_launch(cmd, cwd=ROOT, env=env, timeout=600)
 
 
 COMMON = ("train.steps=2", "train.log_every=1", "tracking.wandb=disabled", "tracking.plot=false",

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, run_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "tests" / "helpers" / "ds_launch.py"
@@ -120,7 +120,7 @@ def _launch(config: Path, run_dir: Path, overrides: tuple[str, ...]) -> subproce
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port, str(SHIM),
            str(ROOT / "launch" / "train.py"), "--config", str(config), f"run_dir={run_dir}", *overrides]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run_launch(cmd, cwd=ROOT, env=env, timeout=600)
     if out.returncode != 0:
         raise AssertionError(f"{config.name} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
     return out

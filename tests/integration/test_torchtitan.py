@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import pytest
 import torch
 
 from tests.helpers import reference
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, run_launch
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 (scripts/setup.sh --dev)")
 
@@ -94,9 +93,7 @@ def _launch(
     port = str(free_port())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port]
     helper = str(ROOT / "tests" / "helpers" / "torchtitan_step.py")
-    proc = subprocess.run(
-        [*cmd, helper, assets["out"], tag, *args], env=env, capture_output=True, text=True, timeout=400, cwd=ROOT
-    )
+    proc = run_launch([*cmd, helper, assets["out"], tag, *args], env=env, timeout=400, cwd=ROOT)
     if proc.returncode:
         raise AssertionError(f"torchtitan run {tag} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return [torch.load(Path(assets["out"]) / f"{tag}.rank{r}.pt", weights_only=False) for r in range(nproc)]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, run_launch
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.distributed
@@ -43,7 +43,7 @@ def _train(
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", port]
     cmd = [*launcher, str(SHIM), str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", *overrides]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", **(env or {})}
-    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    out = run_launch(cmd, cwd=cwd, env=env, timeout=600)
     if check and out.returncode != 0:
         raise AssertionError(f"train.py failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
     return out
