@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         launch.Trainer = type("BaselineTrainer", (BaselineTrainer,), {"baseline": settings})  # type: ignore[attr-defined]
     result = launch.main(rest)
     if argv is None:  # run as the script: it ends as launch/train.py's script does
-        launch.leave_after_a_finished_run()
+        from launch.finish import leave_after_a_finished_run  # the checkout is on sys.path: train.py put it there
+
+        leave_after_a_finished_run()
     return result
 
 

@@ -22,12 +22,16 @@ import argparse
 import os
 import random
 import signal
+import sys
 import tempfile
 
 import numpy
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout, for launch.finish
+
+from launch.finish import run_then_leave
 from ntl_scale.integrations import megatron as ntl_megatron
 
 
@@ -306,4 +310,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_leave(main)

@@ -32,7 +32,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the ntl_scale checkout, when not pip-installed
 
-from launch.finish import leave_after_a_finished_run  # noqa: E402
+from launch.finish import run_then_leave  # noqa: E402
 from ntl_scale.integrations import megatron as ntl_megatron  # noqa: E402
 
 SUPPORTED = "Megatron-LM core_v0.16.x to core_v0.19.x"
@@ -239,5 +239,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    leave_after_a_finished_run()
+    run_then_leave(main)  # also after Megatron's own exits (--exit-signal-handler, --exit-interval)

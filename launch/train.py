@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launch.finish import leave_after_a_finished_run
+from launch.finish import run_then_leave
 from ntl_scale.training.config import load_config
 from ntl_scale.training.trainer import Trainer, check_inputs
 
@@ -104,5 +104,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    leave_after_a_finished_run()
+    run_then_leave(main)

@@ -52,24 +52,34 @@ def run_launch(
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True)``; a launch past ``timeout`` fails (see the module)."""
     env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
-    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:  # fmt: skip
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=_no_core_files)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = _process_tree(proc.pid)  # before any dies: torchrun starts each rank in a session of its own
+        _signal(tree, signal.SIGABRT)  # faulthandler: every thread's Python stack to stderr
         try:
-            out, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(timeout=20)
         except subprocess.TimeoutExpired:
-            tree = _process_tree(proc.pid)  # before any dies: torchrun starts each rank in a session of its own
-            _signal(tree, signal.SIGABRT)  # faulthandler: every thread's Python stack to stderr
-            try:
-                out, err = proc.communicate(timeout=20)
-            except subprocess.TimeoutExpired:
-                _signal(tree, signal.SIGKILL)
-                out, err = proc.communicate()
             _signal(tree, signal.SIGKILL)
-            pytest.fail(
-                f"timed out after {timeout:.0f} s, then every process sent SIGABRT (their Python stacks are "
-                f"below): {shlex.join(map(str, command))}\n{(out + err)[-12000:]}"
-            )
+            out, err = proc.communicate(timeout=20)
+        _signal(tree, signal.SIGKILL)
+        pytest.fail(
+            f"timed out after {timeout:.0f} s, then every process sent SIGABRT (their Python stacks are "
+            f"below): {shlex.join(map(str, command))}\n{(out + err)[-12000:]}"
+        )
+    except BaseException:  # Ctrl-C or a pytest timeout: the new session is out of the terminal's reach
+        _signal(_process_tree(proc.pid), signal.SIGKILL)
+        raise
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _no_core_files() -> None:
+    """In the launched process, before it runs: SIGABRT writes no core file into the working directory."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def _process_tree(root: int) -> list[int]:

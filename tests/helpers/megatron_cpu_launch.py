@@ -19,8 +19,6 @@ from tests.helpers.megatron_cpu import patch_for_cpu  # noqa: E402
 patch_for_cpu()
 script, *arguments = sys.argv[1:]
 sys.argv = [script, *arguments]
-runpy.run_path(script, run_name="__main__")
+from launch.finish import run_then_leave  # noqa: E402
 
-from launch.finish import leave_after_a_finished_run  # noqa: E402
-
-leave_after_a_finished_run()
+run_then_leave(lambda: runpy.run_path(script, run_name="__main__"))

@@ -265,8 +265,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from launch.finish import leave_after_a_finished_run
+    from launch.finish import run_then_leave
 
-    leave_after_a_finished_run()
+    run_then_leave(main)

@@ -16,10 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, ROOT)
 
-from launch.finish import leave_after_a_finished_run  # noqa: E402
+from launch.finish import run_then_leave  # noqa: E402
 
 script, *arguments = sys.argv[1:]
 sys.argv = [script, *arguments]
 sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` puts the script's folder first
-runpy.run_path(script, run_name="__main__")
-leave_after_a_finished_run()
+run_then_leave(lambda: runpy.run_path(script, run_name="__main__"))

@@ -1,7 +1,8 @@
-"""``examples/hf_trainer_ntl.py`` run as a user would: ``torchrun`` over gloo, DeepSpeed ZeRO-3, the chunked loss.
+"""``examples/hf_trainer_ntl.py`` with a user's arguments: ``torchrun`` over gloo, DeepSpeed ZeRO-3, the chunked loss.
 
-The script runs unchanged under ``tests/helpers/run_then_leave.py``, which only ends its finished
-processes without interpreter finalisation (``launch/finish.py``).
+The script runs unchanged, as ``__main__``, under ``tests/helpers/run_then_leave.py``, which only ends its
+finished processes without interpreter finalisation (``launch/finish.py``): the documented command itself
+ends as a user's script does and can meet the abort at exit that module describes.
 
 Checks that the documented command trains (the logged CE + NTL falls over 20 steps), really runs
 under DeepSpeed with 2 processes, and that the TRL ``SFTTrainer`` variant logs NTL beside TRL's metrics.

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.distributed import run_launch
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.distributed
@@ -27,9 +28,7 @@ def test_main_job_output_is_readable(tmp_path):
     run = tmp_path / "tiny"
     env = {**os.environ, "PYTHON": os.environ.get("PYTHON", "python"), "PYTHONUNBUFFERED": "1"}
     args = ["train.steps=20", "train.log_every=10", "data.eval_examples=8", f"run_dir={run}", "tracking.wandb=disabled"]
-    out = subprocess.run(
-        ["bash", "scripts/run.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
+    out = run_launch(["bash", "scripts/run.sh", *args], cwd=ROOT, env=env, timeout=900)  # 2 DeepSpeed ranks
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert "self-check (fused vs plain PyTorch)" in text and ": OK" in text

@@ -2,9 +2,12 @@
 
 The reference is the interpreter itself: the same script run to an ordinary exit. Both must print the same
 (buffered Python output, a C ``printf`` left in libc's buffer), run the same ``atexit`` handlers in the same
-order, wait for the same non-daemon thread and exit 0. With ``WORLD_SIZE`` 2 the process must not reach
-finalisation (an object's ``__del__`` that runs then, and only then, stays silent); with ``WORLD_SIZE`` 1 it
-must. Under ``torchrun`` with a gloo group still up, both ranks pass the barrier, destroy the group and exit 0.
+order, wait for the same non-daemon thread, leave the same bytes in a file left open and exit 0. With
+``WORLD_SIZE`` 2 the process must not reach finalisation (an object whose ``__del__`` runs then, and only
+then, stays silent); with ``WORLD_SIZE`` 1 it must. ``run_then_leave`` leaves after ``sys.exit(0)`` (as
+Megatron-LM's ``pretrain`` stops) and exits as before on any other status. Under ``torchrun`` with a gloo
+group still up, both ranks meet at the barrier (a rank that arrives late holds the other back), destroy the
+group and exit 0.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ SCRIPT = textwrap.dedent(
     import atexit, ctypes, os, sys, threading, time
     import torch.distributed  # imported ahead: the thread below must outlast the call, not an import
     sys.path.insert(0, {root!r})
-    from launch.finish import leave_after_a_finished_run
+    from launch.finish import leave_after_a_finished_run, run_then_leave
 
     class AtFinalisation:
         def __del__(self, write=os.write):  # bound now: module globals are gone when it runs
@@ -35,6 +38,8 @@ SCRIPT = textwrap.dedent(
     keep = AtFinalisation()  # a module global: destroyed only when the interpreter finalises
     atexit.register(lambda: sys.stdout.write("atexit first-registered\\n"))
     atexit.register(lambda: sys.stdout.write("atexit last-registered\\n"))
+    left_open = open({path!r}, "w")  # never flushed nor closed: finalisation flushes it
+    left_open.write("written, never flushed")
 
     def late():
         time.sleep(1.0)
@@ -43,34 +48,46 @@ SCRIPT = textwrap.dedent(
     threading.Thread(target=late).start()  # non-daemon: an ordinary exit waits for it
     sys.stdout.write("buffered, no newline;")
     ctypes.CDLL(None).printf(b"from C\\n")  # stays in libc's buffer (stdout is a pipe)
-    if {leave}:
+    how = {how!r}
+    if how == "leave":
         leave_after_a_finished_run()
+    elif how.startswith("exit"):
+        run_then_leave(lambda: sys.exit(int(how[4:])))
     """
 )
 
 
-def _run(leave: bool, world_size: str) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, how: str, world_size: str) -> tuple[subprocess.CompletedProcess, str]:
     # PYTHONUNBUFFERED (set on some machines) makes Python and C output unbuffered: the flushes would go untested
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, "WORLD_SIZE": world_size}
-    code = SCRIPT.format(root=str(ROOT), leave=leave)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    path = tmp_path / f"{how}-{world_size}.txt"
+    code = SCRIPT.format(root=str(ROOT), how=how, path=str(path))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    return done, path.read_text() if path.exists() else ""
 
 
-def test_a_multi_rank_process_ends_as_an_ordinary_exit_without_finalising():
-    ordinary = _run(leave=False, world_size="2")
-    left = _run(leave=True, world_size="2")
+@pytest.mark.parametrize("how", ["leave", "exit0"])
+def test_a_multi_rank_process_ends_as_an_ordinary_exit_without_finalising(tmp_path, how):
+    ordinary, ordinary_file = _run(tmp_path, "none", "2")
+    left, left_file = _run(tmp_path, how, "2")
     assert ordinary.returncode == 0 and left.returncode == 0, (ordinary.stderr, left.stderr)
     assert "finalised" in ordinary.stdout  # the control: the script does reach finalisation normally
-    expected = ordinary.stdout.replace("finalised\n", "")
-    assert left.stdout == expected, (left.stdout, ordinary.stdout)
+    assert left.stdout == ordinary.stdout.replace("finalised\n", ""), (left.stdout, ordinary.stdout)
     for line in ("thread done", "atexit last-registered\natexit first-registered", "from C", "buffered, no newline;"):
         assert line in left.stdout, left.stdout
+    assert left_file == ordinary_file == "written, never flushed"
 
 
-def test_a_one_rank_process_returns_and_exits_normally():
-    ordinary = _run(leave=False, world_size="1")
-    one = _run(leave=True, world_size="1")
+def test_a_one_rank_process_returns_and_exits_normally(tmp_path):
+    ordinary, _ = _run(tmp_path, "none", "1")
+    one, _ = _run(tmp_path, "leave", "1")
     assert one.returncode == 0 and one.stdout == ordinary.stdout and "finalised" in one.stdout, one.stdout
+
+
+def test_a_failed_exit_status_is_not_swallowed(tmp_path):
+    failed, written = _run(tmp_path, "exit3", "2")
+    assert failed.returncode == 3 and "finalised" in failed.stdout, (failed.returncode, failed.stdout)
+    assert written == "written, never flushed"
 
 
 @pytest.mark.distributed
@@ -79,17 +96,22 @@ def test_torchrun_ranks_with_a_live_group_meet_destroy_it_and_exit_zero(tmp_path
     script.write_text(
         textwrap.dedent(
             f"""
-            import os, sys
+            import atexit, os, sys, time
             import torch, torch.distributed as dist
             sys.path.insert(0, {str(ROOT)!r})
             from launch.finish import leave_after_a_finished_run
 
             dist.init_process_group("gloo")
-            total = torch.tensor([float(dist.get_rank() + 1)])
+            rank = dist.get_rank()
+            total = torch.tensor([float(rank + 1)])
             dist.all_reduce(total)
             destroy = dist.destroy_process_group
             dist.destroy_process_group = lambda *a, **k: (print("destroyed", flush=True), destroy(*a, **k))
-            print(f"rank {{dist.get_rank()}} sum {{total.item():.0f}}", flush=True)
+            atexit.register(lambda: print(f"rank {{rank}} atexit {{time.time():.3f}}", flush=True))
+            print(f"rank {{rank}} sum {{total.item():.0f}}", flush=True)
+            if rank == 1:
+                time.sleep(3.0)  # the late rank: the barrier holds rank 0 until it arrives
+                print(f"rank 1 arrives {{time.time():.3f}}", flush=True)
             leave_after_a_finished_run()
             print("not reached", flush=True)
             """
@@ -99,8 +121,10 @@ def test_torchrun_ranks_with_a_live_group_meet_destroy_it_and_exit_zero(tmp_path
                str(free_port()), str(script)]  # fmt: skip
     done = run_launch(command, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank")) == [
-        "rank 0 sum 3",
-        "rank 1 sum 3",
-    ]
+    lines = done.stdout.splitlines()
+    assert sorted(line for line in lines if " sum " in line) == ["rank 0 sum 3", "rank 1 sum 3"], done.stdout
     assert done.stdout.count("destroyed") == 2 and "not reached" not in done.stdout, done.stdout
+    stamp = {
+        " ".join(line.split()[:-1]): float(line.split()[-1]) for line in lines if "atexit" in line or "arrives" in line
+    }
+    assert stamp["rank 0 atexit"] >= stamp["rank 1 arrives"], stamp
