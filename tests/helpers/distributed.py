@@ -20,6 +20,7 @@ descendants (``torchrun`` starts each in a session of its own, out of reach of i
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import shlex
 import signal
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import tempfile
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -116,6 +118,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, tp_size: int, port: int, error_dir: str, fn, args) -> None:
+    faulthandler.enable()  # a worker run_workers stops with SIGABRT prints where it waits
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -153,13 +156,25 @@ def run_workers(world_size: int, tp_size: int, fn, *args, timeout: float = 300.0
             join=False,
             start_method="spawn",
         )
+        deadline = time.monotonic() + timeout
         try:
-            while not context.join(timeout=timeout):
-                pass
+            while not context.join(timeout=max(0.1, deadline - time.monotonic())):  # returns as each one ends
+                if time.monotonic() >= deadline:
+                    break
         except Exception as e:
             reports = sorted(os.listdir(error_dir))
             details = "\n".join(open(os.path.join(error_dir, r)).read() for r in reports)
             raise AssertionError(f"distributed worker failed:\n{details or e}") from None
+        else:
+            alive = [p for p in context.processes if p.is_alive()]
+            if alive:
+                for process in alive:  # faulthandler (enabled in each worker) prints its stacks to stderr
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(process.pid, signal.SIGABRT)
+                for process in alive:
+                    process.join(10)
+                    process.kill()
+                raise AssertionError(f"distributed workers did not finish within {timeout:.0f} s (stacks above)")
 
 
 def run_ranks_in_threads(fn, ranks: int) -> tuple[dict[int, object], dict[int, list]]:

@@ -2,7 +2,8 @@
 
 A ``torchrun`` of two ranks that never return: the test must fail after the timeout, the failure must show
 the Python stack of the function each rank waits in (faulthandler on SIGABRT), and no rank may be left
-running. A launch that ends returns its output and exit status as ``subprocess.run`` does.
+running. A launch that ends returns its output and exit status as ``subprocess.run`` does. ``run_workers``
+stops workers that outlive its timeout and fails instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from tests.helpers.distributed import free_port, run_launch
+from tests.helpers.distributed import WorkerContext, free_port, run_launch, run_workers
 
 
 def _alive(marker: str) -> list[str]:
@@ -47,3 +48,15 @@ def test_a_finished_launch_returns_like_subprocess_run():
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert (done.returncode, done.stdout, done.stderr) == (reference.returncode, reference.stdout, reference.stderr)
+
+
+def _waits_forever(ctx: WorkerContext) -> None:
+    while True:
+        time.sleep(1)
+
+
+def test_run_workers_stops_workers_that_outlive_the_timeout():
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="did not finish within 15 s"):
+        run_workers(2, 1, _waits_forever, timeout=15)
+    assert time.monotonic() - started < 60
