@@ -77,7 +77,9 @@ def _flush_open_files() -> None:
     """Flushes every Python file object still open for writing: finalisation would, ``os._exit`` does not."""
     gc.collect()  # unreachable ones are closed (and so flushed) by their finaliser
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
+        # type(obj), not isinstance: isinstance reads obj.__class__, which some objects answer with a
+        # warning (torch.distributed.reduce_op's deprecation notice)
+        if issubclass(type(obj), io.IOBase):
             with contextlib.suppress(Exception):  # closed, detached, read-only or a broken pipe
                 if not obj.closed and obj.writable():
                     obj.flush()
