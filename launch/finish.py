@@ -21,9 +21,9 @@ So the process does not finalise the interpreter. It ends as CPython's exit woul
 non-daemon threads joined (and thread-pool exit hooks), then, if a process group is still up (upstream
 scripts such as Megatron-LM's ``pretrain_gpt.py`` end without destroying theirs), a barrier (no rank
 leaves while a peer still communicates) and ``destroy_process_group``, then the ``atexit`` handlers
-(logging, trackers, the host-tensor guard's report, a user's), then every file object still open for
-writing is flushed (finalisation would have flushed it), then Python's and C's standard output, and
-then ``os._exit(0)``. Errors are untouched: they raise before this and exit non-zero with their
+(logging, trackers, the host-tensor guard's report, a user's; unlike an ordinary exit, the group is
+down while they run), then every file object still open for writing is flushed, then Python's and
+C's standard output, and then ``os._exit(0)``. Errors are untouched: they raise before this and exit non-zero with their
 traceback. A one-process run (``WORLD_SIZE`` unset or 1) returns, so it stays an ordinary exit for
 profilers and debuggers.
 """
@@ -42,14 +42,15 @@ from collections.abc import Callable
 
 
 def run_then_leave(main: Callable[[], object]) -> None:
-    """Runs ``main()``; a finished run (it returns, or raises ``SystemExit`` with status 0 or None, as
-    Megatron-LM's ``pretrain`` does when ``--exit-signal-handler``, ``--exit-interval`` or
-    ``--exit-duration-in-mins`` stops it) then leaves through :func:`leave_after_a_finished_run`; any
-    other exception propagates unchanged."""
+    """Runs ``main()``; a finished run (it returns, or raises ``SystemExit(0)``, as Megatron-LM's
+    ``pretrain`` does when ``--exit-signal-handler``, ``--exit-interval`` or ``--exit-duration-in-mins``
+    stops every rank together) then leaves through :func:`leave_after_a_finished_run`. Anything else
+    propagates unchanged, a bare ``sys.exit()`` included: Megatron-LM's checkpoint loading stops a
+    single rank that way on an error, and that rank must not wait for its peers at a barrier."""
     try:
         main()
     except SystemExit as stop:
-        if stop.code not in (None, 0):
+        if stop.code != 0:
             raise
     leave_after_a_finished_run()
 
@@ -58,10 +59,11 @@ def leave_after_a_finished_run() -> None:
     """Ends the process without finalising the interpreter (see the module); returns in a world of one rank."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
+    # never imported means no group is up; and no import may follow the thread shutdown, which refuses
+    # the atexit hooks that importing torch registers
+    dist = sys.modules.get("torch.distributed")
     threading._shutdown()  # type: ignore[attr-defined]  # the first step of CPython's own exit
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    if dist is not None and dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     atexit._run_exitfuncs()
@@ -74,12 +76,13 @@ def leave_after_a_finished_run() -> None:
 
 
 def _flush_open_files() -> None:
-    """Flushes every Python file object still open for writing: finalisation would, ``os._exit`` does not."""
-    gc.collect()  # unreachable ones are closed (and so flushed) by their finaliser
+    """Flushes every Python file object still open for writing (``gc.get_objects`` lists unreachable ones
+    too, so no collection runs: it would run the destructors this module avoids). Finalisation would
+    close them; a flush is all ``os._exit`` allows, so a compressed writer left open (gzip, lzma) keeps
+    its data but gets no trailer."""
     for obj in gc.get_objects():
-        # type(obj), not isinstance: isinstance reads obj.__class__, which some objects answer with a
-        # warning (torch.distributed.reduce_op's deprecation notice)
-        if issubclass(type(obj), io.IOBase):
-            with contextlib.suppress(Exception):  # closed, detached, read-only or a broken pipe
-                if not obj.closed and obj.writable():
-                    obj.flush()
+        with contextlib.suppress(Exception):  # closed, detached, read-only, a broken pipe, an odd subclass
+            # type(obj), not isinstance: isinstance reads obj.__class__, which some objects answer with a
+            # warning (torch.distributed.reduce_op's deprecation notice)
+            if issubclass(type(obj), io.IOBase) and not obj.closed and obj.writable():
+                obj.flush()

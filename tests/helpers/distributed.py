@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import resource
 import shlex
 import signal
 import socket
@@ -54,34 +55,42 @@ def run_launch(
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True)``; a launch past ``timeout`` fails (see the module)."""
     env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
+    _no_core_files()  # inherited by the launch: the SIGABRT below writes no core file into its directory
     proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=_no_core_files)  # fmt: skip
+                            start_new_session=True)  # fmt: skip
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        tree = _process_tree(proc.pid)  # before any dies: torchrun starts each rank in a session of its own
-        _signal(tree, signal.SIGABRT)  # faulthandler: every thread's Python stack to stderr
-        try:
-            out, err = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            _signal(tree, signal.SIGKILL)
-            out, err = proc.communicate(timeout=20)
-        _signal(tree, signal.SIGKILL)
+        _signal(_process_tree(proc.pid), signal.SIGABRT)  # faulthandler: every thread's Python stack to stderr
+        out, err = _collect(proc)
         pytest.fail(
             f"timed out after {timeout:.0f} s, then every process sent SIGABRT (their Python stacks are "
             f"below): {shlex.join(map(str, command))}\n{(out + err)[-12000:]}"
         )
     except BaseException:  # Ctrl-C or a pytest timeout: the new session is out of the terminal's reach
         _signal(_process_tree(proc.pid), signal.SIGKILL)
+        _collect(proc)
         raise
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
-def _no_core_files() -> None:
-    """In the launched process, before it runs: SIGABRT writes no core file into the working directory."""
-    import resource
+def _collect(proc: subprocess.Popen) -> tuple[str, str]:
+    """The output of a launch being stopped; whatever of it still runs after 20 s is killed, then reaped."""
+    try:
+        return proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        _signal(_process_tree(proc.pid), signal.SIGKILL)  # the tree as it is now: no stale process id
+        try:
+            return proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:  # a process outside the tree holds the pipes
+            proc.kill()
+            proc.wait()
+            return "", "(no output: the launch's pipes stayed open after it was killed)"
 
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+def _no_core_files() -> None:
+    """This process and its children from now on: no core file (the soft limit only; the hard one stays)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
 
 
 def _process_tree(root: int) -> list[int]:
@@ -119,6 +128,7 @@ def free_port() -> int:
 
 def _worker(rank: int, world_size: int, tp_size: int, port: int, error_dir: str, fn, args) -> None:
     faulthandler.enable()  # a worker run_workers stops with SIGABRT prints where it waits
+    _no_core_files()  # and leaves no core file behind
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -174,6 +184,7 @@ def run_workers(world_size: int, tp_size: int, fn, *args, timeout: float = 300.0
                 for process in alive:
                     process.join(10)
                     process.kill()
+                    process.join()
                 raise AssertionError(f"distributed workers did not finish within {timeout:.0f} s (stacks above)")
 
 
