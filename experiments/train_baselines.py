@@ -143,13 +143,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     spec.loader.exec_module(launch)
     if settings is not None:  # this module's copy of launch/train.py only: the file and its users are unchanged
         launch.Trainer = type("BaselineTrainer", (BaselineTrainer,), {"baseline": settings})  # type: ignore[attr-defined]
-    result = launch.main(rest)
-    if argv is None:  # run as the script: it ends as launch/train.py's script does
-        from launch.finish import leave_after_a_finished_run  # the checkout is on sys.path: train.py put it there
-
-        leave_after_a_finished_run()
-    return result
+    return launch.main(rest)
 
 
 if __name__ == "__main__":
-    main()
+    from launch.finish import run_then_leave  # the checkout is on sys.path (above)
+
+    run_then_leave(main)  # ends as launch/train.py's script does

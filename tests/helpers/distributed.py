@@ -11,10 +11,11 @@ each call.
 
 ``run_launch(command, timeout=...)`` runs a launcher command (``torchrun``, ``deepspeed``) like
 ``subprocess.run(..., capture_output=True, text=True)``, but a launch that outlives its timeout has every
-process of its session sent SIGABRT first (with ``PYTHONFAULTHANDLER=1``, each prints the Python stack of
-every thread: where a hung rank waits), then SIGKILL, and fails the test with the output's tail; no
-orphaned rank keeps a port or a core for the tests after it. The ranks are found as the launcher's
-descendants (``torchrun`` starts each in a session of its own, out of reach of its process group).
+process of its tree sent SIGABRT (with ``PYTHONFAULTHANDLER=1``, each prints the Python stack of every
+thread: where a hung rank waits), SIGKILL for whatever still runs 20 s later, and fails the test with the
+output's tail; no orphaned rank keeps a port or a core for the tests after it. The ranks are found as
+the launcher's descendants (``torchrun`` starts each in a session of its own, out of reach of its
+process group).
 """
 
 from __future__ import annotations

@@ -138,7 +138,6 @@ def check_apply_ntl(tied: bool, chunked: bool, after: bool) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    from launch.finish import leave_after_a_finished_run
+    from launch.finish import run_then_leave
 
-    leave_after_a_finished_run()
+    run_then_leave(main)

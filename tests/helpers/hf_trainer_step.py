@@ -183,7 +183,6 @@ def expected_step(model, whole: dict, vocab) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    main()
-    from launch.finish import leave_after_a_finished_run
+    from launch.finish import run_then_leave
 
-    leave_after_a_finished_run()
+    run_then_leave(main)
