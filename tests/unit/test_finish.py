@@ -122,19 +122,22 @@ def test_torchrun_ranks_with_a_live_group_meet_destroy_it_and_exit_zero(tmp_path
             sys.path.insert(0, {str(ROOT)!r})
             from launch.finish import leave_after_a_finished_run
 
+            def say(text):  # one write(2) a line: the ranks share one pipe, and print() may write the newline apart
+                os.write(1, (text + "\\n").encode())
+
             dist.init_process_group("gloo")
             rank = dist.get_rank()
             total = torch.tensor([float(rank + 1)])
             dist.all_reduce(total)
             destroy = dist.destroy_process_group
-            dist.destroy_process_group = lambda *a, **k: (print("destroyed", flush=True), destroy(*a, **k))
-            atexit.register(lambda: print(f"rank {{rank}} atexit {{time.time():.3f}}", flush=True))
-            print(f"rank {{rank}} sum {{total.item():.0f}}", flush=True)
+            dist.destroy_process_group = lambda *a, **k: (say("destroyed"), destroy(*a, **k))
+            atexit.register(lambda: say(f"rank {{rank}} atexit {{time.time():.3f}}"))
+            say(f"rank {{rank}} sum {{total.item():.0f}}")
             if rank == 1:
                 time.sleep(3.0)  # the late rank: the barrier holds rank 0 until it arrives
-                print(f"rank 1 arrives {{time.time():.3f}}", flush=True)
+                say(f"rank 1 arrives {{time.time():.3f}}")
             leave_after_a_finished_run()
-            print("not reached", flush=True)
+            say("not reached")
             """
         )
     )
