@@ -133,8 +133,9 @@ def sweep_figure(sweep: dict[str, Any], path: str) -> str:
     import matplotlib.pyplot as plt
 
     metrics = sweep["metrics"]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 4.2), squeeze=False)
     for ax, (key, spec) in zip(axes[0], metrics.items()):
+        verdicts = []
         for k, arm in enumerate(sweep["arms"]):
             xs, means, lows, highs = [], [], [], []
             for size in sweep["sizes"]:
@@ -159,13 +160,19 @@ def sweep_figure(sweep: dict[str, Any], path: str) -> str:
                 grid = [min(xs), max(xs)]
                 ax.plot(grid, [trend["intercept"] + trend["slope"] * math.log10(g) for g in grid],
                         linestyle=":", color=f"C{k + 1}", linewidth=1)  # fmt: skip
+                verdicts.append(f"{arm}: {trend['slope']:+.2f} [{trend['low']:+.2f}, {trend['high']:+.2f}] "
+                                f"per 10x, {trend['verdict']}")  # fmt: skip
         ax.axhline(0, color="0.3", linewidth=0.8)
         ax.set_xscale("log")
-        ax.set_xlabel("parameters (without the embedding table)")
-        ax.set_title(spec["label"], fontsize=10)
+        sizes = sweep["sizes"]  # ticks at the sizes, named as the tables name them
+        ax.set_xticks([size["parameters"] for size in sizes], [size["label"] for size in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("parameters (without the embedding table; log axis)")
+        ax.set_title(spec["label"] + "".join("\n" + line for line in verdicts), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("arm minus CE, paired by seed: points = seeds; mean and 95 % t-interval; dotted: fitted trend",
+    fig.suptitle("arm minus CE, paired by seed: points = seeds; mean and 95 % t-interval; dotted: fitted trend "
+                 "(its slope per 10x parameters with 95 % interval, and the verdict, above each panel)",
                  fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)

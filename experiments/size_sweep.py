@@ -149,9 +149,11 @@ def _cell(cell: dict[str, Any] | None) -> str:
         return "-"
     if cell["n"] < 2:  # a size with one seed so far: a difference, no interval and no test
         return f"{cell['mean']:+.2f} (one seed: no interval, no test)"
-    p = cell["p_seed_t"]
-    p_text = "n/a" if not math.isfinite(p) else ("< 0.001" if p < 0.001 else f"{p:.3f}")
-    return f"{cell['mean']:+.2f} [{cell['low']:+.2f}, {cell['high']:+.2f}], p {p_text}"
+    return f"{cell['mean']:+.2f} [{cell['low']:+.2f}, {cell['high']:+.2f}], p {_p_text(cell['p_seed_t'])}"
+
+
+def _p_text(p: float) -> str:
+    return "n/a" if not math.isfinite(p) else ("< 0.001" if p < 0.001 else f"= {p:.3f}")
 
 
 def markdown(table: dict[str, Any]) -> str:
@@ -172,7 +174,7 @@ def markdown(table: dict[str, Any]) -> str:
             if t:
                 counts = ", ".join(str((row["differences"][arm][key] or {}).get("n", 0)) for row in table["sizes"])
                 fit = f"{t['slope']:+.2f} [{t['low']:+.2f}, {t['high']:+.2f}]"
-                lines.append(f"- {spec['label']}: {fit} (n = {t['n']}: {counts} seeds by size, p = {t['p']:.3f}): "
+                lines.append(f"- {spec['label']}: {fit} (n = {t['n']}: {counts} seeds by size, p {_p_text(t['p'])}): "
                              f"**{t['verdict']}**")  # fmt: skip
         lines.append("")
     return "\n".join(lines)

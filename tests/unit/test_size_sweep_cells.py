@@ -34,7 +34,7 @@ def test_relative_difference_interval_and_test_match_the_definitions():
     assert cell["n"] == 4 and cell["seeds"] == pytest.approx(diffs, rel=1e-12)
     assert (cell["mean"], cell["low"], cell["high"]) == pytest.approx((mean, mean - half, mean + half), rel=1e-12)
     assert cell["p_seed_t"] == pytest.approx(p, rel=1e-12)
-    assert sweep._cell(cell) == f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}], p {p:.3f}"
+    assert sweep._cell(cell) == f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}], p = {p:.3f}"
 
 
 def test_two_seeds_get_an_interval():
