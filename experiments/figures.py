@@ -133,7 +133,7 @@ def sweep_figure(sweep: dict[str, Any], path: str) -> str:
     import matplotlib.pyplot as plt
 
     metrics = sweep["metrics"]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 4.6), squeeze=False)
     for ax, (key, spec) in zip(axes[0], metrics.items()):
         verdicts = []
         for k, arm in enumerate(sweep["arms"]):
@@ -160,8 +160,8 @@ def sweep_figure(sweep: dict[str, Any], path: str) -> str:
                 grid = [min(xs), max(xs)]
                 ax.plot(grid, [trend["intercept"] + trend["slope"] * math.log10(g) for g in grid],
                         linestyle=":", color=f"C{k + 1}", linewidth=1)  # fmt: skip
-                verdicts.append(f"{arm}: {trend['slope']:+.2f} [{trend['low']:+.2f}, {trend['high']:+.2f}] "
-                                f"per 10x, {trend['verdict']}")  # fmt: skip
+                verdicts += [f"{arm}: {trend['slope']:+.2f} [{trend['low']:+.2f}, {trend['high']:+.2f}] per 10x",
+                             f"{trend['verdict']}"]  # fmt: skip
         ax.axhline(0, color="0.3", linewidth=0.8)
         ax.set_xscale("log")
         sizes = sweep["sizes"]  # ticks at the sizes, named as the tables name them

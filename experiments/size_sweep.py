@@ -112,13 +112,15 @@ def trend(points: list[tuple[float, float]]) -> dict[str, Any] | None:
     fit = stats.linregress([math.log10(x) for x, _ in points], [y for _, y in points])
     half = float(stats.t.ppf(0.975, len(points) - 2)) * float(fit.stderr)
     slope = float(fit.slope)
-    mean = statistics.fmean(y for _, y in points)
+    # the effect's sign is the fitted line's at the smallest size: a pooled mean would flip with how far
+    # an effect that changes sign overshoots, and relabel one and the same slope
+    start = float(fit.intercept) + slope * math.log10(min(x for x, _ in points))
     if min(collections.Counter(x for x, _ in points).values()) < 2:  # seeds per size
         verdict = "not given: a size has one seed"
     elif slope - half <= 0 <= slope + half:
         verdict = "cannot be told at this scale"
     else:
-        verdict = "shrinks" if (slope < 0) == (mean > 0) else "grows"
+        verdict = "shrinks" if (slope < 0) == (start > 0) else "grows"
     return {"slope": slope, "low": slope - half, "high": slope + half, "intercept": float(fit.intercept),
             "p": float(fit.pvalue), "n": len(points), "verdict": verdict}  # fmt: skip
 

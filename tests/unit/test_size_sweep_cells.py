@@ -67,6 +67,19 @@ def test_trend_is_the_least_squares_line_and_waits_for_a_second_seed():
         assert (t["verdict"] != "not given: a size has one seed") is verdict_given
 
 
+def test_trend_verdict_reads_the_effect_at_the_smallest_size():
+    # a gain that starts at +3 and ends below 0: its pooled mean is negative, yet the effect shrinks;
+    # the same points mirrored grow from -3 (a cost that grows), and a flat effect cannot be told
+    falling = [(2e5, d) for d in (3.1, 2.9)] + [(8e5, d) for d in (0.1, -0.1)] + [(3.2e6, d) for d in (-3.9, -4.1)]
+    assert statistics.fmean(d for _, d in falling) < 0
+    assert sweep.trend(falling)["verdict"] == "shrinks"
+    assert sweep.trend([(x, -d) for x, d in falling])["verdict"] == "shrinks"
+    rising = [(x, 7.0 + d) for (x, _), (_, d) in zip(falling, reversed(falling))]  # +3 .. +10: away from zero
+    assert sweep.trend(rising)["verdict"] == "grows"
+    flat = [(x, 2.0 + (0.3 if k % 2 else -0.3)) for k, (x, _) in enumerate(falling)]
+    assert sweep.trend(flat)["verdict"] == "cannot be told at this scale"
+
+
 def test_the_figure_draws_a_one_seed_size(tmp_path):
     sizes = []
     for parameters, ce, ntl in ((2e5, [4.0, 3.9], [4.1, 4.1]), (3.4e6, [3.339], [3.391])):
