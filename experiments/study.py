@@ -126,8 +126,66 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
 
 
-KEPT_FILES = ("eval.json", "config.json", "metrics.jsonl", "heldout_sequences.jsonl", "baseline.json")
-"""The files of a finished run that the tables, tests and plots read (besides ``predictions_*.jsonl``)."""
+KEPT_FILES = ("eval.json", "config.json", "metrics.jsonl", "heldout_sequences.jsonl", "baseline.json", "run.json")
+"""The files of a finished run that the tables, tests and plots read (besides ``predictions_*.jsonl``), and
+its ``run.json`` (:func:`provenance`)."""
+
+
+def provenance(started: float, ended: float, threads: str | None, parallel: int) -> dict[str, Any]:
+    """Where a finished run's numbers come from, written as its ``run.json`` and kept with it: the commit
+    of this checkout (``dirty`` when tracked files differ from it), torch and Python, the machine, the
+    wall time (UTC) and how the machine was shared (threads per run, runs at a time)."""
+    import importlib.metadata
+    import platform
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
+    try:
+        torch_version: str | None = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
+    stamp = lambda t: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))  # noqa: E731
+    return {"commit": commit, "dirty": dirty, "started_utc": stamp(started), "ended_utc": stamp(ended),
+            "seconds": round(ended - started, 1), "torch": torch_version, "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": len(os.sched_getaffinity(0)), "threads_per_run": threads,
+            "runs_at_a_time": parallel}  # fmt: skip
+
+
+def provenance_line(records: dict[str, list[dict[str, Any] | None]]) -> str:
+    """One sentence for ``results.md``: which commits, versions and run times the runs record."""
+    found = [r for runs in records.values() for r in runs if r]
+    total = sum(len(runs) for runs in records.values())
+    if not found:
+        return f"Provenance: none of the {total} runs has a `run.json` (they were kept before it was written)."
+    commits = sorted({(r["commit"] or "unknown")[:7] + (" (with uncommitted changes)" if r["dirty"] else "")
+                      for r in found})  # fmt: skip
+    seconds = [r["seconds"] for r in found]
+    days = sorted({r["started_utc"][:10] for r in found} | {r["ended_utc"][:10] for r in found})
+    return (f"Provenance ({len(found)} of {total} runs have a `run.json`): commit {', '.join(commits)}; torch "
+            f"{', '.join(sorted({str(r['torch']) for r in found}))}; {min(seconds):.0f}-{max(seconds):.0f} s a run; "
+            f"{days[0]}{' to ' + days[-1] if len(days) > 1 else ''} (UTC).")  # fmt: skip
+
+
+def read_provenance(runs: dict[str, list[str]]) -> dict[str, list[dict[str, Any] | None]]:
+    """Each run's ``run.json`` (None where a run has none), per arm in seed order."""
+    records: dict[str, list[dict[str, Any] | None]] = {}
+    for arm, dirs in runs.items():
+        records[arm] = []
+        for run_dir in dirs:
+            path = os.path.join(run_dir, "run.json")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    records[arm].append(json.load(f))
+            else:
+                records[arm].append(None)
+    return records
 
 
 def _kept_names(run_dir: str) -> list[str]:
@@ -200,7 +258,7 @@ def run_all(preset: dict[str, Any], out: str, keep: str | None = None) -> dict[s
     failed = []
     for index, (arm, seed, run_dir, overrides, kept) in enumerate(todo, start=1):
         while len(active) >= parallel:
-            failed += _reap(active)
+            failed += _reap(active, env.get("OMP_NUM_THREADS"), parallel)
         print(f"[study] {index}/{len(todo)} {arm} seed {seed} -> {run_dir}", flush=True)
         os.makedirs(run_dir, exist_ok=True)
         log = open(os.path.join(run_dir, "train.log"), "w")
@@ -209,14 +267,15 @@ def run_all(preset: dict[str, Any], out: str, keep: str | None = None) -> dict[s
         )
         active.append((process, log, arm, seed, run_dir, time.time(), kept))
     while active:
-        failed += _reap(active)
+        failed += _reap(active, env.get("OMP_NUM_THREADS"), parallel)
     if failed:
         raise SystemExit("[study] failed: " + "; ".join(failed))
     return runs
 
 
-def _reap(active: list) -> list[str]:
-    """Waits for one run of ``active`` to end (removing it); returns its failure, if any."""
+def _reap(active: list, threads: str | None = None, parallel: int = 1) -> list[str]:
+    """Waits for one run of ``active`` to end (removing it); returns its failure, if any. A finished run
+    gets its ``run.json`` (:func:`provenance`) before it is kept."""
     while True:
         for item in list(active):
             process, log, arm, seed, run_dir, start, kept = item
@@ -227,7 +286,10 @@ def _reap(active: list) -> list[str]:
             log.close()
             if code != 0 or not os.path.isfile(os.path.join(run_dir, "eval.json")):
                 return [f"{arm} seed {seed} (exit {code}; see {run_dir}/train.log)"]
-            print(f"[study]    {arm} seed {seed}: {time.time() - start:.0f} s", flush=True)
+            ended = time.time()
+            print(f"[study]    {arm} seed {seed}: {ended - start:.0f} s", flush=True)
+            with open(os.path.join(run_dir, "run.json"), "w") as f:
+                json.dump(provenance(start, ended, threads, parallel), f, indent=1)
             if kept:
                 keep_run(run_dir, kept)
             return []
@@ -654,7 +716,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tested = {arm: dirs for arm, dirs in runs.items() if arm not in (baseline, other)}
         against[other] = paired_tests({other: runs[other], **tested}, table, other, groups) if tested else {}
     with open(os.path.join(out, "results.json"), "w") as f:
-        summary = {"preset": preset, "results": table, "paired_tests": tests, "seconds": time.time() - start}
+        records = read_provenance(runs)
+        summary = {"preset": preset, "results": table, "paired_tests": tests, "seconds": time.time() - start,
+                   "runs": records}  # fmt: skip
         if against:
             summary["paired_tests_against"] = against
         json.dump(summary, f, indent=2)
@@ -664,6 +728,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         text += f"\n\n**Paired against {other}**\n\n" + markdown(
             subset, args.preset, preset["seeds"], other_tests, other
         )
+    text += "\n\n" + provenance_line(records)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text + "\n")
     pngs = plots(runs, out)

@@ -123,6 +123,15 @@ def test_ci_study_preset_end_to_end(tmp_path):
         assert config["ntl"]["weight"] == weight and (weight == 0 or config["ntl"]["loss"] == loss)
     table = (out / "results.md").read_text()
     assert table.count("| CE + NTL-WAS |") == 4 and "+-" in table  # 2 splits x (results, paired tests)
+    # every run records where it came from, and results.json gathers those records in seed order
+    records = json.loads((out / "results.json").read_text())["runs"]
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    for arm, folder in (("CE", "ce"), ("CE + NTL-WAS", "ce_ntl_was"), ("CE + NTL-MSE", "ce_ntl_mse")):
+        for seed, record in enumerate(records[arm]):
+            assert record == json.loads((out / folder / f"seed{seed}" / "run.json").read_text())
+            assert record["commit"] == (git.stdout.strip() if git.returncode == 0 else None)
+            assert record["seconds"] > 0 and record["runs_at_a_time"] == 2
+    assert "Provenance (6 of 6 runs have a `run.json`)" in table
     # the paired tests count the questions only one arm got right, from the predictions themselves
     tests = json.loads((out / "results.json").read_text())["paired_tests"]
     assert set(tests) == {"CE + NTL-WAS", "CE + NTL-MSE"}

@@ -8,15 +8,21 @@
    directories returned are the output folder's, as without ``keep``.
 3. A kept copy interrupted before its ``eval.json`` is not taken for a finished run, and ``eval.json``
    is the last file copied.
-4. A run trained by ``run_all`` (a stand-in process that leaves a finished run) is kept as it ends.
+4. A run trained by ``run_all`` (a stand-in process that leaves a finished run) is kept as it ends, with
+   its ``run.json``: the commit and dirty state git reports, torch's version, the wall time by the clock.
 """
 
 from __future__ import annotations
 
+import calendar
+import json
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.scripts import load_script
 
@@ -97,7 +103,14 @@ def test_a_run_trained_here_is_kept_as_it_ends(tmp_path, monkeypatch):
     out, keep = tmp_path / "out", tmp_path / "keep"
     started = []
 
+    real_popen = subprocess.Popen
+
     class FinishedRun:  # a "training" that leaves a finished run in its run_dir and exits 0
+        def __new__(cls, command, **kwargs):  # anything else (git, for run.json) runs for real
+            if any(str(a).startswith("run_dir=") for a in command):
+                return super().__new__(cls)
+            return real_popen(command, **kwargs)
+
         def __init__(self, command, **kwargs):
             run_dir = Path(next(a for a in command if a.startswith("run_dir=")).split("=", 1)[1])
             _finished_run(run_dir)
@@ -107,9 +120,26 @@ def test_a_run_trained_here_is_kept_as_it_ends(tmp_path, monkeypatch):
             return 0
 
     monkeypatch.setattr(study.subprocess, "Popen", FinishedRun)
+    before = time.time()
     study.run_all(preset, str(out), str(keep))
+    after = time.time()
     assert started == [out / "ce" / "seed0"]
-    assert _files(keep / "ce" / "seed0") == SMALL
+    kept = _files(keep / "ce" / "seed0")
+    record = json.loads(kept.pop("run.json"))
+    assert kept == SMALL
+    # its run.json, against git, torch and the clock read here
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert record["commit"] == (git.stdout.strip() if git.returncode == 0 else None)
+    status = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                            capture_output=True, text=True).stdout  # fmt: skip
+    assert record["dirty"] == (bool(status.strip()) if git.returncode == 0 else None)
+    assert record["torch"] == torch.__version__ and 0 <= record["seconds"] <= after - before + 0.1
+    started_at = calendar.timegm(time.strptime(record["started_utc"], "%Y-%m-%dT%H:%M:%SZ"))
+    assert before - 1 <= started_at <= after and record["runs_at_a_time"] == 1
+    line = study.provenance_line(
+        study.read_provenance({"CE": [str(out / "ce" / "seed0")], "CE + NTL": [str(tmp_path)]})
+    )
+    assert line.startswith("Provenance (1 of 2 runs have a `run.json`): commit ") and record["started_utc"][:10] in line
 
 
 def test_eval_json_is_copied_last(tmp_path, monkeypatch):
