@@ -131,31 +131,76 @@ KEPT_FILES = ("eval.json", "config.json", "metrics.jsonl", "heldout_sequences.js
 its ``run.json`` (:func:`provenance`)."""
 
 
-def provenance(started: float, ended: float, threads: str | None, parallel: int) -> dict[str, Any]:
-    """Where a finished run's numbers come from, written as its ``run.json`` and kept with it: the commit
-    of this checkout (``dirty`` when tracked files differ from it), torch and Python, the machine, the
-    wall time (UTC) and how the machine was shared (threads per run, runs at a time)."""
-    import importlib.metadata
-    import platform
+def checkout() -> dict[str, Any]:
+    """The commit of this checkout and whether tracked files differ from it (``dirty``), read as a run
+    starts (what its process loads); both None where ``ROOT`` is not the top of a git checkout or git
+    cannot tell."""
 
     def git(*args: str) -> str | None:
         try:
-            done = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=60)
+            done = subprocess.run(["git", "--no-optional-locks", "-C", ROOT, *args], capture_output=True,
+                                  text=True, timeout=60)  # fmt: skip
         except (OSError, subprocess.SubprocessError):
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or os.path.realpath(top) != os.path.realpath(ROOT):  # none, or a repository around it
+        return {"commit": None, "dirty": None}
     commit = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
-    try:
-        torch_version: str | None = importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        torch_version = None
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+PROVENANCE_KEYS = ("commit", "dirty", "started_utc", "ended_utc", "seconds", "torch", "python", "machine", "cpus",
+                   "threads_per_run", "runs_at_a_time")  # fmt: skip
+
+
+def provenance(source: dict[str, Any], started: float, ended: float, threads: int | None, parallel: int) -> dict:
+    """Where a finished run's numbers come from, written as its ``run.json`` and kept with it: the
+    :func:`checkout` read as it started, torch and Python, the CPU architecture and core count, its start
+    and end (UTC) and wall time, and how the machine was shared: threads per run (``OMP_NUM_THREADS``;
+    None where unset, the trainer's default) and runs at a time."""
+    import platform
+
+    import torch
+
     stamp = lambda t: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))  # noqa: E731
-    return {"commit": commit, "dirty": dirty, "started_utc": stamp(started), "ended_utc": stamp(ended),
-            "seconds": round(ended - started, 1), "torch": torch_version, "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": len(os.sched_getaffinity(0)), "threads_per_run": threads,
-            "runs_at_a_time": parallel}  # fmt: skip
+    return {"commit": source["commit"], "dirty": source["dirty"], "started_utc": stamp(started),
+            "ended_utc": stamp(ended), "seconds": round(ended - started, 1), "torch": torch.__version__,
+            "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": len(os.sched_getaffinity(0)), "threads_per_run": threads, "runs_at_a_time": parallel}  # fmt: skip
+
+
+def write_provenance(run_dir: str, record: dict[str, Any]) -> None:
+    """Writes ``run.json`` whole or not at all (a temporary file, then a rename)."""
+    path = os.path.join(run_dir, "run.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def read_provenance(runs: dict[str, list[str]]) -> dict[str, list[dict[str, Any] | None]]:
+    """Each run's ``run.json`` per arm in seed order; None where a run has none, or one that cannot be read
+    or lacks a field (with a warning: the tables do not depend on it)."""
+    records: dict[str, list[dict[str, Any] | None]] = {}
+    for arm, dirs in runs.items():
+        records[arm] = []
+        for run_dir in dirs:
+            path, record = os.path.join(run_dir, "run.json"), None
+            if os.path.isfile(path):
+                try:
+                    with open(path) as f:
+                        record = json.load(f)
+                    missing = [key for key in PROVENANCE_KEYS if key not in record]
+                    if missing:
+                        raise ValueError(f"no {', '.join(missing)}")
+                except (OSError, ValueError, TypeError) as error:
+                    print(f"[study] warning: {path} is not a run record ({error}); its provenance is left out",
+                          flush=True)  # fmt: skip
+                    record = None
+            records[arm].append(record)
+    return records
 
 
 def provenance_line(records: dict[str, list[dict[str, Any] | None]]) -> str:
@@ -163,7 +208,7 @@ def provenance_line(records: dict[str, list[dict[str, Any] | None]]) -> str:
     found = [r for runs in records.values() for r in runs if r]
     total = sum(len(runs) for runs in records.values())
     if not found:
-        return f"Provenance: none of the {total} runs has a `run.json` (they were kept before it was written)."
+        return f"Provenance: none of the {total} runs has a `run.json` (they finished before study.py wrote one)."
     commits = sorted({(r["commit"] or "unknown")[:7] + (" (with uncommitted changes)" if r["dirty"] else "")
                       for r in found})  # fmt: skip
     seconds = [r["seconds"] for r in found]
@@ -171,21 +216,6 @@ def provenance_line(records: dict[str, list[dict[str, Any] | None]]) -> str:
     return (f"Provenance ({len(found)} of {total} runs have a `run.json`): commit {', '.join(commits)}; torch "
             f"{', '.join(sorted({str(r['torch']) for r in found}))}; {min(seconds):.0f}-{max(seconds):.0f} s a run; "
             f"{days[0]}{' to ' + days[-1] if len(days) > 1 else ''} (UTC).")  # fmt: skip
-
-
-def read_provenance(runs: dict[str, list[str]]) -> dict[str, list[dict[str, Any] | None]]:
-    """Each run's ``run.json`` (None where a run has none), per arm in seed order."""
-    records: dict[str, list[dict[str, Any] | None]] = {}
-    for arm, dirs in runs.items():
-        records[arm] = []
-        for run_dir in dirs:
-            path = os.path.join(run_dir, "run.json")
-            if os.path.isfile(path):
-                with open(path) as f:
-                    records[arm].append(json.load(f))
-            else:
-                records[arm].append(None)
-    return records
 
 
 def _kept_names(run_dir: str) -> list[str]:
@@ -254,31 +284,33 @@ def run_all(preset: dict[str, Any], out: str, keep: str | None = None) -> dict[s
     env = dict(os.environ)
     if parallel > 1 and "OMP_NUM_THREADS" not in env:  # share the cores between the runs
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // parallel))
-    active: list[tuple[subprocess.Popen, Any, str, int, str, float, str | None]] = []
+    active: list[tuple[subprocess.Popen, Any, str, int, str, float, str | None, dict[str, Any]]] = []
+    threads = int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit() else None
     failed = []
     for index, (arm, seed, run_dir, overrides, kept) in enumerate(todo, start=1):
         while len(active) >= parallel:
-            failed += _reap(active, env.get("OMP_NUM_THREADS"), parallel)
+            failed += _reap(active, threads, parallel)
         print(f"[study] {index}/{len(todo)} {arm} seed {seed} -> {run_dir}", flush=True)
         os.makedirs(run_dir, exist_ok=True)
         log = open(os.path.join(run_dir, "train.log"), "w")
+        source = checkout()  # what the run's process loads
         process = subprocess.Popen(
             train_command(preset, run_dir, overrides, seed), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
         )
-        active.append((process, log, arm, seed, run_dir, time.time(), kept))
+        active.append((process, log, arm, seed, run_dir, time.time(), kept, source))
     while active:
-        failed += _reap(active, env.get("OMP_NUM_THREADS"), parallel)
+        failed += _reap(active, threads, parallel)
     if failed:
         raise SystemExit("[study] failed: " + "; ".join(failed))
     return runs
 
 
-def _reap(active: list, threads: str | None = None, parallel: int = 1) -> list[str]:
+def _reap(active: list, threads: int | None = None, parallel: int = 1) -> list[str]:
     """Waits for one run of ``active`` to end (removing it); returns its failure, if any. A finished run
     gets its ``run.json`` (:func:`provenance`) before it is kept."""
     while True:
         for item in list(active):
-            process, log, arm, seed, run_dir, start, kept = item
+            process, log, arm, seed, run_dir, start, kept, source = item
             code = process.poll()
             if code is None:
                 continue
@@ -288,8 +320,7 @@ def _reap(active: list, threads: str | None = None, parallel: int = 1) -> list[s
                 return [f"{arm} seed {seed} (exit {code}; see {run_dir}/train.log)"]
             ended = time.time()
             print(f"[study]    {arm} seed {seed}: {ended - start:.0f} s", flush=True)
-            with open(os.path.join(run_dir, "run.json"), "w") as f:
-                json.dump(provenance(start, ended, threads, parallel), f, indent=1)
+            write_provenance(run_dir, provenance(source, start, ended, threads, parallel))
             if kept:
                 keep_run(run_dir, kept)
             return []
@@ -715,8 +746,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for other in preset.get("also_against", []):
         tested = {arm: dirs for arm, dirs in runs.items() if arm not in (baseline, other)}
         against[other] = paired_tests({other: runs[other], **tested}, table, other, groups) if tested else {}
+    records = read_provenance(runs)
     with open(os.path.join(out, "results.json"), "w") as f:
-        records = read_provenance(runs)
         summary = {"preset": preset, "results": table, "paired_tests": tests, "seconds": time.time() - start,
                    "runs": records}  # fmt: skip
         if against:

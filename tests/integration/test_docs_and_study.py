@@ -127,6 +127,7 @@ def test_ci_study_preset_end_to_end(tmp_path):
     records = json.loads((out / "results.json").read_text())["runs"]
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
     for arm, folder in (("CE", "ce"), ("CE + NTL-WAS", "ce_ntl_was"), ("CE + NTL-MSE", "ce_ntl_mse")):
+        assert len(records[arm]) == 2
         for seed, record in enumerate(records[arm]):
             assert record == json.loads((out / folder / f"seed{seed}" / "run.json").read_text())
             assert record["commit"] == (git.stdout.strip() if git.returncode == 0 else None)

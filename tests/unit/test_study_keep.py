@@ -9,7 +9,10 @@
 3. A kept copy interrupted before its ``eval.json`` is not taken for a finished run, and ``eval.json``
    is the last file copied.
 4. A run trained by ``run_all`` (a stand-in process that leaves a finished run) is kept as it ends, with
-   its ``run.json``: the commit and dirty state git reports, torch's version, the wall time by the clock.
+   its ``run.json``: the checkout read once as it started, torch's version, the wall time by the clock,
+   the threads and runs at a time; ``checkout`` against a real git repository (clean, untracked files,
+   a tracked change, a folder inside another repository, no repository, a failing ``git status``); a
+   record that cannot be read is left out with a warning.
 """
 
 from __future__ import annotations
@@ -102,22 +105,21 @@ def test_a_run_trained_here_is_kept_as_it_ends(tmp_path, monkeypatch):
     preset = {"base_config": "configs/train/tiny_cpu.yaml", "seeds": [0], "arms": {"CE": []}}
     out, keep = tmp_path / "out", tmp_path / "keep"
     started = []
+    checkouts = []  # the checkout is read once, as the run starts: a commit made during the run is not its own
+    monkeypatch.setattr(study, "checkout", lambda: checkouts.append(1) or {"commit": f"read{len(checkouts)}",
+                                                                              "dirty": False})  # fmt: skip
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
 
-    real_popen = subprocess.Popen
-
-    class FinishedRun:  # a "training" that leaves a finished run in its run_dir and exits 0
-        def __new__(cls, command, **kwargs):  # anything else (git, for run.json) runs for real
-            if any(str(a).startswith("run_dir=") for a in command):
-                return super().__new__(cls)
-            return real_popen(command, **kwargs)
-
+    class FinishedRun:  # a "training" that runs for one poll, leaves a finished run in its run_dir, exits 0
         def __init__(self, command, **kwargs):
             run_dir = Path(next(a for a in command if a.startswith("run_dir=")).split("=", 1)[1])
             _finished_run(run_dir)
             started.append(run_dir)
+            self.polls = 0
 
         def poll(self):
-            return 0
+            self.polls += 1
+            return None if self.polls == 1 else 0  # the reaper waits a second in between
 
     monkeypatch.setattr(study.subprocess, "Popen", FinishedRun)
     before = time.time()
@@ -126,20 +128,68 @@ def test_a_run_trained_here_is_kept_as_it_ends(tmp_path, monkeypatch):
     assert started == [out / "ce" / "seed0"]
     kept = _files(keep / "ce" / "seed0")
     record = json.loads(kept.pop("run.json"))
-    assert kept == SMALL
-    # its run.json, against git, torch and the clock read here
-    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
-    assert record["commit"] == (git.stdout.strip() if git.returncode == 0 else None)
-    status = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                            capture_output=True, text=True).stdout  # fmt: skip
-    assert record["dirty"] == (bool(status.strip()) if git.returncode == 0 else None)
-    assert record["torch"] == torch.__version__ and 0 <= record["seconds"] <= after - before + 0.1
-    started_at = calendar.timegm(time.strptime(record["started_utc"], "%Y-%m-%dT%H:%M:%SZ"))
-    assert before - 1 <= started_at <= after and record["runs_at_a_time"] == 1
+    assert kept == SMALL and not (out / "ce" / "seed0" / "run.json.tmp").exists()
+    # its run.json, against torch and the clock read here
+    assert (record["commit"], record["dirty"], len(checkouts)) == ("read1", False, 1)
+    assert record["torch"] == torch.__version__ and (record["threads_per_run"], record["runs_at_a_time"]) == (3, 1)
+    begun, ended = (
+        calendar.timegm(time.strptime(record[k], "%Y-%m-%dT%H:%M:%SZ")) for k in ("started_utc", "ended_utc")
+    )
+    assert before - 1 <= begun <= ended <= after and 1.0 <= record["seconds"] <= after - before + 0.1
+    assert abs((ended - begun) - record["seconds"]) <= 1.0
     line = study.provenance_line(
         study.read_provenance({"CE": [str(out / "ce" / "seed0")], "CE + NTL": [str(tmp_path)]})
     )
-    assert line.startswith("Provenance (1 of 2 runs have a `run.json`): commit ") and record["started_utc"][:10] in line
+    assert line.startswith("Provenance (1 of 2 runs have a `run.json`): commit read1; torch ")
+    assert record["started_utc"][:10] in line
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def test_checkout_reads_commit_and_tracked_changes_of_this_checkout_only(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / "sub").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    (repo / "tracked.py").write_text("a = 1\n")
+    _git(repo, "add", "tracked.py")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(study, "ROOT", str(repo))
+    assert study.checkout() == {"commit": head, "dirty": False}
+    (repo / "untracked.txt").write_text("new kept runs\n")  # untracked files (new runs) are not changes
+    assert study.checkout() == {"commit": head, "dirty": False}
+    (repo / "tracked.py").write_text("a = 2\n")
+    assert study.checkout() == {"commit": head, "dirty": True}
+    monkeypatch.setattr(study, "ROOT", str(repo / "sub"))  # a folder inside someone else's repository
+    assert study.checkout() == {"commit": None, "dirty": None}
+    monkeypatch.setattr(study, "ROOT", str(tmp_path / "plain"))
+    (tmp_path / "plain").mkdir()
+    assert study.checkout() == {"commit": None, "dirty": None}
+    monkeypatch.setattr(study, "ROOT", str(repo))
+    real_run = subprocess.run
+
+    def status_fails(command, **kwargs):
+        if "status" in command:
+            return subprocess.CompletedProcess(command, 128, "", "fatal: index.lock")
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(study.subprocess, "run", status_fails)
+    assert study.checkout() == {"commit": head, "dirty": None}  # unknown, not clean
+
+
+def test_an_unreadable_run_record_is_left_out_with_a_warning(tmp_path, capsys):
+    runs = {}
+    for name, text in (("truncated", '{"commit": "ab'), ("partial", '{"commit": "abc"}'), ("none", None)):
+        (tmp_path / name).mkdir()
+        if text is not None:
+            (tmp_path / name / "run.json").write_text(text)
+        runs[name] = [str(tmp_path / name)]
+    assert study.read_provenance(runs) == {"truncated": [None], "partial": [None], "none": [None]}
+    warned = capsys.readouterr().out
+    assert warned.count("is not a run record") == 2 and "no dirty, started_utc" in warned
+    assert study.provenance_line(study.read_provenance(runs)).startswith("Provenance: none of the 3 runs")
 
 
 def test_eval_json_is_copied_last(tmp_path, monkeypatch):
