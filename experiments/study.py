@@ -639,7 +639,7 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
+    written: list[str] = []
     # loss curves, mean over seeds
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for arm, dirs in runs.items():
