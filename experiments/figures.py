@@ -65,7 +65,8 @@ def panels_of(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     return out
 
 
-def _p_label(p: float | None) -> str:
+def p_label(p: float | None) -> str:
+    """``p = 0.026`` or ``p < 0.001``; empty where there is no p (one seed, no spread)."""
     if p is None or not math.isfinite(p):
         return ""
     return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
@@ -101,7 +102,7 @@ def verdict_figure(summary: dict[str, Any], path: str, title: str | None = None)
                 ax.axhline(mean, color=f"C{x}", linestyle="--", linewidth=1, zorder=1)
         ax.set_xticks(range(len(arms)))
         ax.set_xticklabels(
-            [arm + ("" if arm == baseline else "\n" + _p_label(
+            [arm + ("" if arm == baseline else "\n" + p_label(
                 tests.get(arm, {}).get(split, {}).get(metric, {}).get("p_seed_t"))) for arm in arms],
             fontsize=7,
             rotation=20,

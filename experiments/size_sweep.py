@@ -151,11 +151,9 @@ def _cell(cell: dict[str, Any] | None) -> str:
         return "-"
     if cell["n"] < 2:  # a size with one seed so far: a difference, no interval and no test
         return f"{cell['mean']:+.2f} (one seed: no interval, no test)"
-    return f"{cell['mean']:+.2f} [{cell['low']:+.2f}, {cell['high']:+.2f}], p {_p_text(cell['p_seed_t'])}"
-
-
-def _p_text(p: float) -> str:
-    return "n/a" if not math.isfinite(p) else ("< 0.001" if p < 0.001 else f"= {p:.3f}")
+    return (
+        f"{cell['mean']:+.2f} [{cell['low']:+.2f}, {cell['high']:+.2f}], {figures.p_label(cell['p_seed_t']) or 'p n/a'}"
+    )
 
 
 def markdown(table: dict[str, Any]) -> str:
@@ -176,7 +174,8 @@ def markdown(table: dict[str, Any]) -> str:
             if t:
                 counts = ", ".join(str((row["differences"][arm][key] or {}).get("n", 0)) for row in table["sizes"])
                 fit = f"{t['slope']:+.2f} [{t['low']:+.2f}, {t['high']:+.2f}]"
-                lines.append(f"- {spec['label']}: {fit} (n = {t['n']}: {counts} seeds by size, p {_p_text(t['p'])}): "
+                p = figures.p_label(t["p"]) or "p n/a"
+                lines.append(f"- {spec['label']}: {fit} (n = {t['n']}: {counts} seeds by size, {p}): "
                              f"**{t['verdict']}**")  # fmt: skip
         lines.append("")
     return "\n".join(lines)

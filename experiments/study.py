@@ -305,7 +305,7 @@ def run_all(preset: dict[str, Any], out: str, keep: str | None = None) -> dict[s
     return runs
 
 
-def _reap(active: list, threads: int | None = None, parallel: int = 1) -> list[str]:
+def _reap(active: list, threads: int | None, parallel: int) -> list[str]:
     """Waits for one run of ``active`` to end (removing it); returns its failure, if any. A finished run
     gets its ``run.json`` (:func:`provenance`) before it is kept."""
     while True:
