@@ -85,14 +85,21 @@ if [[ -f "$MEGATRON_ARCHIVE" ]]; then
   # Megatron's dataset helpers, prebuilt for cp312 in the megatron-core wheel of the same release, newer
   # than helpers.cpp: its `make` finds nothing to do (the machine may lack python3-config)
   "$PYTHON" - "$DEST" "$work/$top/megatron/core/datasets" <<'EOF'
-import pathlib, sys, zipfile
+import os, pathlib, sys, zipfile
 wheel = next(pathlib.Path(sys.argv[1]).glob("megatron_core-*.whl"))
+datasets = pathlib.Path(sys.argv[2])
+newer = (datasets / "helpers.cpp").stat().st_mtime + 1  # fixed: the archive's bytes do not depend on today
 with zipfile.ZipFile(wheel) as z:
     for name in z.namelist():
         if name.startswith("megatron/core/datasets/helpers_cpp") and name.endswith(".so"):
-            (pathlib.Path(sys.argv[2]) / pathlib.Path(name).name).write_bytes(z.read(name))
+            (datasets / pathlib.Path(name).name).write_bytes(z.read(name))
+            os.utime(datasets / pathlib.Path(name).name, (newer, newer))
+for folder in (datasets, datasets.parents[2]):  # the files' folder, and the top one tar created today
+    os.utime(folder, (newer, newer))
 EOF
-  tar czf "$DEST/megatron-lm-${MEGATRON_TAG}.tar.gz" -C "$work" "$top"
+  # the same bytes on every build (names sorted, owners and the gzip time dropped): a stable manifest
+  tar cf - --sort=name --owner=0 --group=0 --numeric-owner -C "$work" "$top" |
+    gzip -n >"$DEST/megatron-lm-${MEGATRON_TAG}.tar.gz"
 else
   echo "gpu_wheels: no $MEGATRON_ARCHIVE: the Megatron-LM smoke run will be skipped there"
 fi
