@@ -85,6 +85,23 @@ def metrics_of(split: dict[str, Any]) -> tuple[str, ...]:
     return METRICS if "accuracy" in split else tuple(m for m in HELDOUT_METRICS if m in split)
 
 
+DATA_SEED = "{data_seed}"
+"""Placeholder of a preset's ``prepare`` commands, ``overrides`` and ``heldout_groups`` path, replaced by
+each run's data seed where the preset says ``data_seed: with_seed`` (a corpus built per data seed)."""
+
+
+def data_seeded(preset: dict[str, Any]) -> bool:
+    """Whether the preset varies the data with the seed (``data_seed: with_seed``): each run gets
+    ``data.seed=<seed>`` (the order of the training set) and :data:`DATA_SEED` replaced by its seed (e.g.
+    the corpus's ``--seed``: the training text and the held-out questions and sequences)."""
+    return preset.get("data_seed", "fixed") == "with_seed"
+
+
+def for_seed(text: str, seed: int) -> str:
+    """``text`` with :data:`DATA_SEED` replaced by ``seed``."""
+    return text.replace(DATA_SEED, str(seed))
+
+
 def load_preset(path: str) -> dict[str, Any]:
     """Reads and checks a study preset."""
     with open(path, encoding="utf-8") as f:
@@ -99,6 +116,13 @@ def load_preset(path: str) -> dict[str, Any]:
     against = preset.get("also_against", [])
     if not isinstance(against, list) or any(a not in preset["arms"] or a == preset.get("baseline") for a in against):
         raise SystemExit(f"{path}: also_against must list arms other than the baseline, got {against!r}")
+    if preset.get("data_seed", "fixed") not in ("fixed", "with_seed"):
+        raise SystemExit(f"{path}: data_seed must be 'fixed' (data.seed of the base config in every run) or "
+                         f"'with_seed' (data.seed = the run's seed), got {preset['data_seed']!r}")  # fmt: skip
+    placeholders = [text for text in [*preset.get("prepare", []), *preset.get("overrides", []),
+                                      str(preset.get("heldout_groups", ""))] if DATA_SEED in text]  # fmt: skip
+    if placeholders and preset.get("data_seed", "fixed") != "with_seed":
+        raise SystemExit(f"{path}: {DATA_SEED} in {placeholders[0]!r} needs data_seed: with_seed")
     if preset.get("launcher", "python") not in ("python", "deepspeed"):
         raise SystemExit(f"{path}: launcher must be 'python' or 'deepspeed', got {preset['launcher']!r}")
     return preset
@@ -278,7 +302,9 @@ def restore_run(keep_dir: str, run_dir: str) -> bool:
 
 def train_command(preset: dict[str, Any], run_dir: str, arm: list[str], seed: int) -> list[str]:
     """The launch/train.py command of one run."""
-    overrides = [*preset.get("overrides", []), *arm, f"train.seed={seed}", f"run_dir={run_dir}"]
+    shared = [for_seed(o, seed) for o in preset.get("overrides", [])]
+    data = [f"data.seed={seed}"] if data_seeded(preset) else []
+    overrides = [*shared, *arm, f"train.seed={seed}", *data, f"run_dir={run_dir}"]
     script = os.path.join(ROOT, preset.get("entry", "launch/train.py"))  # e.g. experiments/train_baselines.py
     entry = [script, "--config", os.path.join(ROOT, preset["base_config"])]
     if preset.get("launcher", "python") == "python":
@@ -290,13 +316,19 @@ def train_command(preset: dict[str, Any], run_dir: str, arm: list[str], seed: in
     return [*launcher, "--master_port", str(port), *entry, *overrides]
 
 
-def run_all(preset: dict[str, Any], out: str, keep: str | None = None) -> dict[str, list[str]]:
+def run_all(
+    preset: dict[str, Any], out: str, keep: str | None = None, start_until: float | None = None
+) -> dict[str, list[str]]:
     """Trains every (arm, seed), ``parallel`` at a time; returns the run directories per arm. With
-    ``keep``, runs kept there are restored instead of trained and each finished run is kept there."""
+    ``keep``, runs kept there are restored instead of trained and each finished run is kept there. With
+    ``start_until`` (a time.time()), no run starts after it: the runs started finish, then the study
+    stops (SystemExit), the finished ones kept."""
     for command in preset.get("prepare", []):
-        print(f"[study] prepare: {command}", flush=True)
-        if subprocess.call(command, shell=True, cwd=ROOT) != 0:
-            raise SystemExit(f"[study] prepare step failed: {command}")
+        for seed in preset["seeds"] if DATA_SEED in command else [None]:  # a corpus per data seed
+            text = command if seed is None else for_seed(command, seed)
+            print(f"[study] prepare: {text}", flush=True)
+            if subprocess.call(text, shell=True, cwd=ROOT) != 0:
+                raise SystemExit(f"[study] prepare step failed: {text}")
     runs: dict[str, list[str]] = {}
     todo = []
     for seed in preset["seeds"]:  # seed by seed: a study stopped early has every arm at the same seeds
@@ -322,6 +354,10 @@ def run_all(preset: dict[str, Any], out: str, keep: str | None = None) -> dict[s
     for index, (arm, seed, run_dir, overrides, kept) in enumerate(todo, start=1):
         while len(active) >= parallel:
             failed += _reap(active, threads, parallel)
+        if start_until is not None and time.time() > start_until:
+            failed.append(f"no run started after {time.strftime('%H:%M UTC', time.gmtime(start_until))} "
+                          f"(--start-until): {len(todo) - index + 1} left, from {arm} seed {seed}")  # fmt: skip
+            break
         print(f"[study] {index}/{len(todo)} {arm} seed {seed} -> {run_dir}", flush=True)
         os.makedirs(run_dir, exist_ok=True)
         log = open(os.path.join(run_dir, "train.log"), "w")
@@ -398,19 +434,26 @@ def _groups(preset: dict[str, Any], runs: dict[str, list[str]] | None = None) ->
     if isinstance(groups, str):
         if runs is None:
             return {}
-        path = os.path.join(ROOT, groups) if not os.path.isabs(groups) else groups
-        if not os.path.isfile(path):
-            raise SystemExit(f"heldout_groups: no corpus manifest {path}; give a mapping or the corpus's manifest.json")
-        held = _read_json(path).get("heldout") or {}
+        template, found = groups, {}
         for run in (d for dirs in runs.values() for d in dirs):
             cfg = _read_json(os.path.join(run, "config.json"))
+            path = for_seed(template, cfg["data"]["seed"])  # a corpus per data seed: the run's own manifest
+            path = os.path.join(ROOT, path) if not os.path.isabs(path) else path
+            if not os.path.isfile(path):
+                raise SystemExit(
+                    f"heldout_groups: no corpus manifest {path}; give a mapping or the corpus's manifest.json"
+                )
+            held = _read_json(path).get("heldout") or {}
+            found[path] = held.get("groups") or {}
             got = (cfg["data"]["eval_sequences"], cfg["train"]["seq_length"])
             if got != (held.get("sequences"), held.get("seq_length")):
                 raise SystemExit(
                     f"{run} held out {got[0]} sequences of {got[1]} tokens, but {path} places {held.get('sequences')} "
                     f"of {held.get('seq_length')}; build the corpus with the run's data.eval_sequences and seq_length"
                 )
-        groups = held.get("groups") or {}
+        if len({json.dumps(g, sort_keys=True) for g in found.values()}) > 1:
+            raise SystemExit(f"heldout_groups: the corpora's manifests place different groups: {found}")
+        groups = next(iter(found.values()), {})
     if not isinstance(groups, dict) or not all(
         isinstance(v, list) and len(v) == 2 and all(type(i) is int for i in v) and 0 <= v[0] < v[1]
         for v in groups.values()
@@ -535,18 +578,20 @@ def _sequence_tests(result: dict[str, Any], dirs: list[str], base_dirs: list[str
     from scipy import stats
 
     per_seed = []
-    reference = [r["labels_crc32"] for r in sequence_rows(base_dirs[0])]
-    for run, base in zip(dirs, base_dirs):
+    for run, base in zip(dirs, base_dirs):  # the arm's and the baseline's run of one seed: the same text
+        if [r["labels_crc32"] for r in sequence_rows(run)] != [r["labels_crc32"] for r in sequence_rows(base)]:
+            raise SystemExit(f"{run} and {base} hold out different text; cannot pair their sequences")
         rows, base_rows = sequence_rows(run)[part], sequence_rows(base)[part]
-        for other in (run, base):  # every run of both arms, every seed: the same text, sequence by sequence
-            if [r["labels_crc32"] for r in sequence_rows(other)] != reference:
-                raise SystemExit(f"{other} and {base_dirs[0]} hold out different text; cannot pair their sequences")
         per_seed.append([(sequence_metrics([r]), sequence_metrics([r0])) for r, r0 in zip(rows, base_rows)])
+    texts = {tuple(r["labels_crc32"] for r in sequence_rows(base)) for base in base_dirs}
+    units = list(zip(*per_seed))  # one held-out sequence, every seed
+    if len(texts) > 1:  # a corpus per data seed: sequence i of one seed is not sequence i of another
+        units = [(pair,) for pairs in per_seed for pair in pairs]
     for metric in result:
         if metric not in LOWER_BETTER:
             continue
         diffs = []
-        for pairs in zip(*per_seed):  # one held-out sequence, every seed
+        for pairs in units:
             if all(metric in a and metric in b for a, b in pairs):
                 d = statistics.fmean(a[metric] - b[metric] for a, b in pairs)
                 scale = max(abs(a[metric]) + abs(b[metric]) for a, b in pairs)
@@ -744,6 +789,17 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
     return written
 
 
+def _utc_today(text: str) -> float:
+    """``HH:MM`` (UTC) today as a time.time()."""
+    import calendar
+
+    match = re.fullmatch(r"([01]?\d|2[0-3]):([0-5]\d)", text)
+    if not match:
+        raise SystemExit(f"--start-until {text!r}: expected HH:MM (UTC), e.g. 10:05")
+    day = time.gmtime()
+    return calendar.timegm((day.tm_year, day.tm_mon, day.tm_mday, int(match[1]), int(match[2]), 0, 0, 0, 0))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="configs/study/cpu.yaml", help="study preset YAML")
@@ -755,6 +811,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="folder that keeps each finished run's small files, and "
         "from which kept runs are restored instead of trained (e.g. experiments/finished_runs/NAME)",
     )
+    parser.add_argument("--start-until", default=None, metavar="HH:MM",
+                        help="start no run after this time (UTC, today): the started runs finish, the study stops "
+                             "without tabulating (a machine shared on a schedule)")  # fmt: skip
     args = parser.parse_args(argv)
     if not os.path.isfile(args.preset):
         raise SystemExit(f"--preset {args.preset}: no such file (presets: configs/study/*.yaml)")
@@ -767,7 +826,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     start = time.time()
     _groups(preset)  # a mapping is checked before any run; a manifest once the corpus is prepared
-    runs = run_all(preset, out, args.keep)
+    runs = run_all(preset, out, args.keep, _utc_today(args.start_until) if args.start_until else None)
     groups = _groups(preset, runs)
     table = aggregate(runs, groups)
     baseline = preset.get("baseline", next(iter(preset["arms"])))
