@@ -31,7 +31,9 @@ repository, a study that takes longer than one machine's life continues on the n
 
 * ``results.json`` and ``results.md``: mean and spread (sample standard deviation) over seeds of
   exact-match accuracy, MAE, log-MAE and R^2 on the interpolation and extrapolation splits, every
-  seed's numbers, and paired tests of each arm against the baseline (see :func:`paired_tests`);
+  seed's numbers, the seed-level tests of each arm against the baseline with Holm's adjustment over
+  the study (``seed_tests``: :mod:`seed_stats`; first in ``results.md``) and per split the paired
+  differences with the counts over questions and sequences (see :func:`paired_tests`);
 * ``loss_curves.png``: CE and NTL per step (mean over seeds) for each arm;
 * ``verdict.png``: every seed of each arm and the arm's mean with its 95 % t-interval, per headline
   metric (:mod:`figures`, from ``results.json``);
@@ -62,6 +64,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/figures.py
 
 import figures  # noqa: E402
+import seed_stats  # noqa: E402
 
 from ntl_scale.eval.numbers import extract_number  # noqa: E402
 from ntl_scale.training.evaluate import HELDOUT_COLUMNS, heldout_metrics  # noqa: E402
@@ -316,6 +319,20 @@ def train_command(preset: dict[str, Any], run_dir: str, arm: list[str], seed: in
     return [*launcher, "--master_port", str(port), *entry, *overrides]
 
 
+def prepare(preset: dict[str, Any]) -> list[str]:
+    """Runs the preset's ``prepare`` commands in ``ROOT``, each once, or once per seed where it names
+    :data:`DATA_SEED` (a corpus per data seed); returns the commands run."""
+    done = []
+    for command in preset.get("prepare", []):
+        for seed in preset["seeds"] if DATA_SEED in command else [None]:
+            text = command if seed is None else for_seed(command, seed)
+            print(f"[study] prepare: {text}", flush=True)
+            if subprocess.call(text, shell=True, cwd=ROOT) != 0:
+                raise SystemExit(f"[study] prepare step failed: {text}")
+            done.append(text)
+    return done
+
+
 def run_all(
     preset: dict[str, Any], out: str, keep: str | None = None, start_until: float | None = None
 ) -> dict[str, list[str]]:
@@ -323,12 +340,7 @@ def run_all(
     ``keep``, runs kept there are restored instead of trained and each finished run is kept there. With
     ``start_until`` (a time.time()), no run starts after it: the runs started finish, then the study
     stops (SystemExit), the finished ones kept."""
-    for command in preset.get("prepare", []):
-        for seed in preset["seeds"] if DATA_SEED in command else [None]:  # a corpus per data seed
-            text = command if seed is None else for_seed(command, seed)
-            print(f"[study] prepare: {text}", flush=True)
-            if subprocess.call(text, shell=True, cwd=ROOT) != 0:
-                raise SystemExit(f"[study] prepare step failed: {text}")
+    prepare(preset)
     runs: dict[str, list[str]] = {}
     todo = []
     for seed in preset["seeds"]:  # seed by seed: a study stopped early has every arm at the same seeds
@@ -509,16 +521,16 @@ def _errors(run_dir: str, split: str) -> list[tuple[str, bool, float]]:
 def paired_tests(
     runs: dict[str, list[str]], table: dict[str, Any], baseline: str, groups: dict[str, tuple[int, int]] | None = None
 ) -> dict[str, Any]:
-    """Each arm against ``baseline``, paired (same seed: same init and data; same questions).
+    """Each arm against ``baseline``, paired by seed (same init and data; same questions).
 
-    * per seed: a paired t-test on each metric's per-seed values (n = seeds, so weak with 3 seeds);
-    * per question, pooled over seeds: an exact McNemar test on exact-match accuracy (the binomial
-      test of the discordant pairs) and a Wilcoxon signed-rank test on the absolute errors (an
-      unparseable answer counts as an infinite error, so it ranks worst);
-    * held-out text (splits ``heldout`` and ``heldout:<group>``): see :func:`_sequence_tests`.
+    * per seed, the test of the effect: the mean of the per-seed differences with its 95 % t-interval
+      clipped to the metric's range, the paired t-test and the exact sign-flip test
+      (:func:`seed_stats.seed_test`; Holm's adjustment over the study in ``results.json``'s ``seed_tests``);
+    * per question and per held-out sequence, counts only (descriptive, no test): the questions only one
+      arm got right, how often the arm's answer is the closer one (``closer``), how often its sequence
+      metric is the better one (``sequences``; see :func:`_sequence_tests`). The same questions answered
+      by every seed's models are not independent pairs, so no p is given for them.
     """
-    from scipy import stats
-
     out: dict[str, Any] = {}
     for arm, dirs in runs.items():
         if arm == baseline:
@@ -530,12 +542,8 @@ def paired_tests(
                 if metric not in table[baseline][split]:
                     continue
                 a, b = table[arm][split][metric]["seeds"], table[baseline][split][metric]["seeds"]
-                pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None and math.isfinite(x + y)]
-                diff = [x - y for x, y in pairs]
-                p = math.nan
-                if len(pairs) > 1 and any(d != diff[0] for d in diff):
-                    p = float(stats.ttest_rel([x for x, _ in pairs], [y for _, y in pairs]).pvalue)
-                result[metric] = {"mean_diff": statistics.fmean(diff) if diff else math.nan, "p_seed_t": p}
+                test = seed_stats.seed_test(a, b, metric)
+                result[metric] = {k: test[k] for k in ("n", "mean_diff", "ci95", "p_seed_t", "p_sign_flip")}
             if split == "heldout" or split.startswith("heldout:"):
                 first, stop = (groups or {}).get(split.partition(":")[2], (0, None))
                 _sequence_tests(result, dirs, runs[baseline], slice(first, stop))
@@ -553,30 +561,21 @@ def paired_tests(
                     only_arm += right and not right0
                     only_base += right0 and not right
                     if err != err0:
-                        better.append(err0 - err if math.isfinite(err0 - err) else (1e300 if err < err0 else -1e300))
-            result["accuracy"]["mcnemar"] = {
-                "only_arm_right": only_arm,
-                "only_baseline_right": only_base,
-                "p": float(stats.binomtest(only_arm, only_arm + only_base).pvalue) if only_arm + only_base else 1.0,
-            }
-            result["mae"]["wilcoxon"] = {
-                "n": len(better),
-                "arm_closer": sum(d > 0 for d in better),
-                "p": float(stats.wilcoxon(better).pvalue) if len(better) > 1 else math.nan,
-            }
+                        better.append(err0 - err)
+            result["accuracy"]["questions"] = {"only_arm_right": only_arm, "only_baseline_right": only_base}
+            result["mae"]["closer"] = {"n": len(better), "arm_closer": sum(d > 0 for d in better)}
             out[arm][split] = result
     return out
 
 
 def _sequence_tests(result: dict[str, Any], dirs: list[str], base_dirs: list[str], part: slice) -> None:
     """Per held-out sequence (those of ``part``): each metric's value of the sequence alone, arm minus
-    baseline, averaged over the seeds (the same sequences in every run of both arms: their labels'
-    CRC-32 must match, else the study stops), then a Wilcoxon signed-rank test over the sequences. It
-    is conditional on these trained models (the seed-level t-test is the test of the NTL effect). A
-    sequence without the metric's label kind is left out of that metric. Adds ``wilcoxon`` = {n,
-    arm_better, p} to the metrics of ``result``."""
-    from scipy import stats
-
+    baseline (the arm's and the baseline's run of a seed hold out the same text: their labels' CRC-32
+    must match, else the study stops), averaged over the seeds where every seed holds out the same text,
+    else each (seed, sequence) on its own (a corpus per data seed). Counted, not tested: the sequences
+    answered by the same models are not independent pairs (the seed-level test is the test of the
+    effect). A sequence without the metric's label kind is left out of that metric. Adds ``sequences`` =
+    {n, arm_better} to the metrics of ``result``."""
     per_seed = []
     for run, base in zip(dirs, base_dirs):  # the arm's and the baseline's run of one seed: the same text
         if [r["labels_crc32"] for r in sequence_rows(run)] != [r["labels_crc32"] for r in sequence_rows(base)]:
@@ -597,10 +596,9 @@ def _sequence_tests(result: dict[str, Any], dirs: list[str], base_dirs: list[str
                 scale = max(abs(a[metric]) + abs(b[metric]) for a, b in pairs)
                 diffs.append(d if abs(d) > 1e-12 * scale else 0.0)  # differences that cancel are ties, not 1e-17
         nonzero = [d for d in diffs if d != 0]
-        result[metric]["wilcoxon"] = {
+        result[metric]["sequences"] = {
             "n": len(diffs),
             "arm_better": sum((d < 0) == LOWER_BETTER[metric] for d in nonzero),
-            "p": float(stats.wilcoxon(nonzero).pvalue) if len(nonzero) > 1 else math.nan,
         }
 
 
@@ -629,31 +627,45 @@ def markdown(table: dict[str, Any], preset_path: str, seeds: list[int], tests: d
             acc, mae = splits_of_arm[split]["accuracy"]["seeds"], splits_of_arm[split]["mae"]["seeds"]
             lines.append(f"- {arm}: " + ", ".join(f"{a:.3f} / {e:.3g}" for a, e in zip(acc, mae)))
         if tests:
-            lines += [
-                "",
-                f"Paired against {baseline} ({split}): accuracy by McNemar's exact test over every question of "
-                "every seed, MAE by the Wilcoxon signed-rank test on the absolute errors, and a paired t-test "
-                "over the seeds.",
-                "",
-                "| arm | accuracy diff | right only here / only baseline | McNemar p | t-test p | MAE diff "
-                "| closer / pairs | Wilcoxon p | t-test p |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-            ]
-            for arm, per_split in tests.items():
-                t = per_split[split]
-                if "mcnemar" not in t["accuracy"]:  # no predictions file: per-seed tests only
-                    lines.append(f"| {arm} | {t['accuracy']['mean_diff']:+.3f} | | | {_p(t['accuracy']['p_seed_t'])} "
-                                 f"| {t['mae']['mean_diff']:+.3g} | | | {_p(t['mae']['p_seed_t'])} |")  # fmt: skip
-                    continue
-                mc, wx = t["accuracy"]["mcnemar"], t["mae"]["wilcoxon"]
-                right = f"{mc['only_arm_right']} / {mc['only_baseline_right']}"
-                lines.append(
-                    f"| {arm} | {t['accuracy']['mean_diff']:+.3f} | {right} "
-                    f"| {_p(mc['p'])} | {_p(t['accuracy']['p_seed_t'])} | {t['mae']['mean_diff']:+.3g} "
-                    f"| {wx['arm_closer']} / {wx['n']} | {_p(wx['p'])} | {_p(t['mae']['p_seed_t'])} |"
-                )
+            lines += _tests_markdown(tests, split, baseline, ("accuracy", "mae", "log_mae", "r2"))
         lines.append("")
     return "\n".join(lines)
+
+
+def _interval(t: dict[str, Any]) -> str:
+    low, high = t.get("ci95", [math.nan, math.nan])
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return f"{t['mean_diff']:+.4g}"
+    return f"{t['mean_diff']:+.4g} [{low:+.4g}, {high:+.4g}]"
+
+
+def _tests_markdown(tests: dict[str, Any], split: str, baseline: str, metrics: Any) -> list[str]:
+    """The paired tests of one split: per arm and metric the mean per-seed difference with its 95 %
+    interval (clipped to the metric's range), the seed-level t-test and sign-flip test, and the
+    descriptive counts over questions or sequences (no test: not independent pairs)."""
+    lines = ["", f"Paired against {baseline} ({split}), by seed: the mean of the per-seed differences [95 % "
+             "t-interval, clipped to the metric's range], the paired t-test and the exact sign-flip test over the "
+             "seeds (Holm's adjustment over the study: the seed-level table). Counts over questions or held-out "
+             "sequences of every seed are descriptive: the same models answer them all, so they are not "
+             "independent pairs and get no test ('better': lower perplexity or error, higher accuracy).", "",
+             "| arm | metric | diff [95 % interval] | t-test p | sign-flip p | counts (descriptive) |",
+             "|---|---|---|---:|---:|---|"]  # fmt: skip
+    for arm, per_split in tests.items():
+        for metric in metrics:
+            t = per_split[split].get(metric)
+            if t is None:
+                continue
+            count = ""
+            if "questions" in t:
+                count = f"right only here {t['questions']['only_arm_right']}, only {baseline} " \
+                        f"{t['questions']['only_baseline_right']}"  # fmt: skip
+            elif "closer" in t:
+                count = f"closer in {t['closer']['arm_closer']} of {t['closer']['n']} unequal errors"
+            elif "sequences" in t:
+                count = f"better in {t['sequences']['arm_better']} of {t['sequences']['n']} sequences"
+            lines.append(f"| {arm} | {metric} | {_interval(t)} | {_p(t['p_seed_t'])} | "
+                         f"{_p(t.get('p_sign_flip', math.nan))} | {count} |")  # fmt: skip
+    return lines
 
 
 def _heldout_markdown(table: dict[str, Any], split: str, tests: dict[str, Any], baseline: str) -> list[str]:
@@ -665,21 +677,7 @@ def _heldout_markdown(table: dict[str, Any], split: str, tests: dict[str, Any], 
         cells = [f"{per_split[split][m]['mean']:.4g} +- {per_split[split][m]['std']:.2g}" for m in metrics]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     if tests:
-        lines += [
-            "",
-            f"Paired against {baseline} ({split}): a paired t-test over the seeds (the test of the effect), and "
-            "a Wilcoxon signed-rank test over the held-out sequences of each sequence's difference averaged over "
-            "the seeds (conditional on these runs; 'better' = lower perplexity or error, higher accuracy).",
-            "",
-            "| arm | metric | diff | better / pairs | Wilcoxon p | t-test p |",
-            "|---|---|---:|---:|---:|---:|",
-        ]
-        for arm, per_split in tests.items():
-            for metric, t in per_split[split].items():
-                wx = t.get("wilcoxon")
-                better = f"{wx['arm_better']} / {wx['n']}" if wx else ""
-                lines.append(f"| {arm} | {metric} | {t['mean_diff']:+.4g} | {better} | {_p(wx['p']) if wx else ''} "
-                             f"| {_p(t['p_seed_t'])} |")  # fmt: skip
+        lines += _tests_markdown(tests, split, baseline, metrics)
     return [*lines, ""]
 
 
@@ -843,8 +841,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "runs": records}  # fmt: skip
         if against:
             summary["paired_tests_against"] = against
+        summary["seed_tests"] = seed_stats.seed_tests(summary)  # the study's family, Holm-adjusted
         json.dump(summary, f, indent=2)
-    text = markdown(table, args.preset, preset["seeds"], tests, baseline)
+    text = seed_stats.markdown(summary["seed_tests"]) + "\n\n"
+    text += markdown(table, args.preset, preset["seeds"], tests, baseline)
     for other, other_tests in against.items():
         subset = {arm: table[arm] for arm in (other, *other_tests)}
         text += f"\n\n**Paired against {other}**\n\n" + markdown(
