@@ -18,9 +18,10 @@ import argparse
 import json
 import math
 import os
-import statistics
 from collections.abc import Sequence
 from typing import Any
+
+from seed_stats import RANGES, t_interval
 
 # (split, metric, label): the headline metrics, in the order the verdicts of docs/results.md use them.
 PANELS: tuple[tuple[str, str, str], ...] = (
@@ -33,20 +34,6 @@ PANELS: tuple[tuple[str, str, str], ...] = (
     ("heldout", "number_token_acc", "number tokens: accuracy"),
     ("questions", "accuracy", "held-out questions: accuracy"),
 )
-
-
-def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high): the mean and its two-sided t-interval over ``values`` (n >= 2; n = 1: no width)."""
-    from scipy import stats
-
-    clean = [float(v) for v in values if v is not None and math.isfinite(v)]
-    if not clean:
-        return math.nan, math.nan, math.nan
-    mean = statistics.fmean(clean)
-    if len(clean) < 2:
-        return mean, mean, mean
-    half = float(stats.t.ppf(0.5 + level / 2, len(clean) - 1)) * statistics.stdev(clean) / math.sqrt(len(clean))
-    return mean, mean - half, mean + half
 
 
 def _seeds(results: dict[str, Any], arm: str, split: str, metric: str) -> list[float]:
@@ -89,13 +76,22 @@ def verdict_figure(summary: dict[str, Any], path: str, title: str | None = None)
     rows = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5.6 * columns, 3.6 * rows), squeeze=False)
     for ax, (split, metric, label) in zip(axes.flat, panels):
+        raw = {arm: results.get(arm, {}).get(split, {}).get(metric, {}).get("seeds", []) for arm in arms}
+        seeds = max((len(v) for v in raw.values()), default=0)
+        for seed in range(seeds):  # each seed's runs connected across the arms: the pairing the tests use
+            points = [
+                (x - 0.12 + (seed - (seeds - 1) / 2) * 0.04, raw[arm][seed])
+                for x, arm in enumerate(arms)
+                if seed < len(raw[arm]) and raw[arm][seed] is not None and math.isfinite(raw[arm][seed])
+            ]
+            ax.plot([x for x, _ in points], [y for _, y in points], color="0.6", linewidth=0.7, zorder=1)
         for x, arm in enumerate(arms):
             values = _seeds(results, arm, split, metric)
             if not values:
                 continue
             jitter = [(i - (len(values) - 1) / 2) * 0.04 for i in range(len(values))]
             ax.scatter([x - 0.12 + j for j in jitter], values, s=14, color="0.45", zorder=2)
-            mean, low, high = t_interval(values)
+            mean, low, high = t_interval(values, bounds=RANGES.get(metric, (-math.inf, math.inf)))
             ax.errorbar([x + 0.12], [mean], yerr=[[mean - low], [high - mean]], fmt="o", color=f"C{x}",
                         capsize=4, markersize=7, zorder=3)  # fmt: skip
             if arm == baseline:
@@ -112,10 +108,10 @@ def verdict_figure(summary: dict[str, Any], path: str, title: str | None = None)
         ax.grid(alpha=0.3, axis="y")
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    seeds = len(summary.get("preset", {}).get("seeds", [])) or "?"
+    n_seeds = len(summary.get("preset", {}).get("seeds", [])) or "?"
     fig.suptitle(
-        (title or "") + f"  (grey: each seed; colour: mean, 95 % t-interval over {seeds} seeds; "
-        f"p: seed-level paired t-test against {baseline})",
+        (title or "") + f"  (grey: each seed, its runs connected across the arms; colour: mean, 95 % t-interval "
+        f"over {n_seeds} seeds, clipped to the metric's range; p: seed-level paired t-test against {baseline})",
         fontsize=9,
     )
     fig.tight_layout()
@@ -166,7 +162,9 @@ def sweep_figure(sweep: dict[str, Any], path: str) -> str:
         ax.axhline(0, color="0.3", linewidth=0.8)
         ax.set_xscale("log")
         sizes = sweep["sizes"]  # ticks at the sizes, named as the tables name them
-        ax.set_xticks([size["parameters"] for size in sizes], [size["label"] for size in sizes])
+        ax.set_xticks([size["parameters"] for size in sizes], [size["label"] + (
+            f"\n{size['tokens_per_parameter']:.1f} tok/param" if size.get("tokens_per_parameter") else "")
+            for size in sizes])  # fmt: skip
         ax.minorticks_off()
         ax.set_xlabel("parameters (without the embedding table; log axis)")
         ax.set_title(spec["label"] + "".join("\n" + line for line in verdicts), fontsize=9)
@@ -174,6 +172,61 @@ def sweep_figure(sweep: dict[str, Any], path: str) -> str:
         ax.legend(fontsize=7)
     fig.suptitle("arm minus CE, paired by seed: points = seeds; mean and 95 % t-interval; dotted: fitted trend "
                  "(its slope per 10x parameters with 95 % interval, and the verdict, above each panel)",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def factorial_figure(sweep: dict[str, Any], path: str) -> str:
+    """Draws the size x tokens-per-parameter factorial: per headline difference (arm minus CE, paired by
+    seed), tokens per parameter on a log2 axis, one line per size through its cells' means with their
+    95 % t-intervals, every seed's difference a point, and the fitted slope per doubling of each size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics, rows = sweep["metrics"], sweep["sizes"]
+    sizes = list(dict.fromkeys(row["size"] for row in rows))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 4.8), squeeze=False)
+    for ax, (key, spec) in zip(axes[0], metrics.items()):
+        notes = []
+        for arm in sweep["arms"]:
+            for k, size in enumerate(sizes):
+                cells = sorted((r for r in rows if r["size"] == size), key=lambda r: r["tokens_per_parameter"])
+                xs, means, lows, highs = [], [], [], []
+                shift = 2 ** (0.06 * (k - (len(sizes) - 1) / 2))
+                for row in cells:
+                    cell = row["differences"].get(arm, {}).get(key)
+                    if not cell:
+                        continue
+                    x = row["tokens_per_parameter"] * shift
+                    ax.scatter([x] * len(cell["seeds"]), cell["seeds"], s=10, color=f"C{k}", alpha=0.45)
+                    ax.annotate(f"n={cell['n']}", (x, cell["mean"]), fontsize=6, xytext=(4, -8),
+                                textcoords="offset points")  # fmt: skip
+                    xs.append(x)
+                    means.append(cell["mean"])
+                    lows.append(cell["mean"] - cell["low"] if math.isfinite(cell["low"]) else 0.0)
+                    highs.append(cell["high"] - cell["mean"] if math.isfinite(cell["high"]) else 0.0)
+                if xs:
+                    ax.errorbar(xs, means, yerr=[lows, highs], fmt="o-", color=f"C{k}", capsize=3,
+                                label=f"{size}" + (f" ({arm})" if len(sweep["arms"]) > 1 else ""))  # fmt: skip
+                fit = sweep.get("factorial", {}).get("slopes", {}).get(arm, {}).get(size, {}).get(key)
+                if fit:
+                    notes.append(f"{size}: {fit['slope']:+.2f} [{fit['low']:+.2f}, {fit['high']:+.2f}]/doubling")
+        ax.axhline(0, color="0.3", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        levels = sorted({row["tokens_per_parameter"] for row in rows})
+        ax.set_xticks(levels, [f"{x:.1f}" for x in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("training tokens per parameter (log2 axis)")
+        ax.set_title(spec["label"] + "".join("\n" + n for n in notes), fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("arm minus CE, paired by seed, per size and tokens per parameter: points = seeds; mean and 95 % "
+                 "t-interval (n = seeds); slope of each size per doubling of tokens per parameter above each panel",
                  fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)

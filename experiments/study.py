@@ -333,6 +333,24 @@ def prepare(preset: dict[str, Any]) -> list[str]:
     return done
 
 
+def finished_runs(preset: dict[str, Any], out: str, keep: str | None = None) -> dict[str, list[str]]:
+    """The run directories per arm of the seeds at which every arm has finished (in ``out``, or kept in
+    ``keep`` and restored into ``out``), training nothing; SystemExit if no seed has."""
+    runs: dict[str, list[str]] = {arm: [] for arm in preset["arms"]}
+    for seed in preset["seeds"]:
+        dirs = {arm: os.path.join(out, slug(arm), f"seed{seed}") for arm in preset["arms"]}
+        for arm, run_dir in dirs.items():
+            kept = os.path.join(keep, slug(arm), f"seed{seed}") if keep else None
+            if not os.path.isfile(os.path.join(run_dir, "eval.json")) and kept:
+                restore_run(kept, run_dir)
+        if all(os.path.isfile(os.path.join(d, "eval.json")) for d in dirs.values()):
+            for arm, run_dir in dirs.items():
+                runs[arm].append(run_dir)
+    if not next(iter(runs.values())):
+        raise SystemExit(f"[study] --no-run: no seed of {out} (or {keep}) has every arm finished")
+    return runs
+
+
 def run_all(
     preset: dict[str, Any], out: str, keep: str | None = None, start_until: float | None = None
 ) -> dict[str, list[str]]:
@@ -809,6 +827,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="folder that keeps each finished run's small files, and "
         "from which kept runs are restored instead of trained (e.g. experiments/finished_runs/NAME)",
     )
+    parser.add_argument("--no-run", action="store_true",
+                        help="train nothing: restore the kept runs (--keep) and tabulate the seeds at which every arm "
+                             "has finished (a study under way; results.json's preset lists those seeds)")  # fmt: skip
     parser.add_argument("--start-until", default=None, metavar="HH:MM",
                         help="start no run after this time (UTC, today): the started runs finish, the study stops "
                              "without tabulating (a machine shared on a schedule)")  # fmt: skip
@@ -824,7 +845,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     start = time.time()
     _groups(preset)  # a mapping is checked before any run; a manifest once the corpus is prepared
-    runs = run_all(preset, out, args.keep, _utc_today(args.start_until) if args.start_until else None)
+    if args.no_run:
+        runs = finished_runs(preset, out, args.keep)
+        preset["seeds"] = [int(os.path.basename(d).removeprefix("seed")) for d in next(iter(runs.values()))]
+    else:
+        runs = run_all(preset, out, args.keep, _utc_today(args.start_until) if args.start_until else None)
     groups = _groups(preset, runs)
     table = aggregate(runs, groups)
     baseline = preset.get("baseline", next(iter(preset["arms"])))
