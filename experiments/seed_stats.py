@@ -181,7 +181,10 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     texts = []
     for path in args.results:
         with open(path) as f:
-            summary = json.load(f)
+            raw = f.read()
+        summary = json.loads(raw)
+        second = raw.split("\n", 2)[1] if "\n" in raw else ""
+        indent = len(second) - len(second.lstrip(" ")) or 2  # written back as it was laid out
         if "results" not in summary:
             raise SystemExit(f"{path}: not a study's results.json (no 'results' key)")
         summary["seed_tests"] = seed_tests(summary)
@@ -190,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         texts.append(text)
         if not args.no_write:
             with open(path, "w") as f:
-                json.dump(summary, f, indent=2)
+                f.write(json.dumps(summary, indent=indent) + ("\n" if raw.endswith("\n") else ""))
     return texts
 
 
