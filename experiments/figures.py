@@ -18,9 +18,12 @@ import argparse
 import json
 import math
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/seed_stats.py, loaded by path too
+import seed_stats
 from seed_stats import RANGES, t_interval
 
 # (split, metric, label): the headline metrics, in the order the verdicts of docs/results.md use them.
@@ -57,6 +60,10 @@ def p_label(p: float | None) -> str:
     if p is None or not math.isfinite(p):
         return ""
     return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+
+
+def _holm_label(p: float | None) -> str:
+    return f"\n(Holm {p:.3f})" if p is not None and math.isfinite(p) else ""
 
 
 def verdict_figure(summary: dict[str, Any], path: str, title: str | None = None) -> str | None:
@@ -97,9 +104,11 @@ def verdict_figure(summary: dict[str, Any], path: str, title: str | None = None)
             if arm == baseline:
                 ax.axhline(mean, color=f"C{x}", linestyle="--", linewidth=1, zorder=1)
         ax.set_xticks(range(len(arms)))
+        holm = summary.get("seed_tests", {}).get("tests", {}).get(baseline, {})
         ax.set_xticklabels(
             [arm + ("" if arm == baseline else "\n" + p_label(
-                tests.get(arm, {}).get(split, {}).get(metric, {}).get("p_seed_t"))) for arm in arms],
+                tests.get(arm, {}).get(split, {}).get(metric, {}).get("p_seed_t")) + _holm_label(
+                holm.get(arm, {}).get(split, {}).get(metric, {}).get("p_holm"))) for arm in arms],
             fontsize=7,
             rotation=20,
             ha="right",
@@ -110,8 +119,9 @@ def verdict_figure(summary: dict[str, Any], path: str, title: str | None = None)
         ax.set_visible(False)
     n_seeds = len(summary.get("preset", {}).get("seeds", [])) or "?"
     fig.suptitle(
-        (title or "") + f"  (grey: each seed, its runs connected across the arms; colour: mean, 95 % t-interval "
-        f"over {n_seeds} seeds, clipped to the metric's range; p: seed-level paired t-test against {baseline})",
+        (title or "") + f"\ngrey: each seed, its runs connected across the arms; colour: mean, 95 % t-interval "
+        f"over {n_seeds} seeds, clipped to the metric's range;\np: seed-level paired t-test against {baseline} "
+        "(Holm: adjusted over the study's family, the results file's seed_tests)",
         fontsize=9,
     )
     fig.tight_layout()
@@ -234,10 +244,34 @@ def factorial_figure(sweep: dict[str, Any], path: str) -> str:
     return path
 
 
+def with_arm_from(summary: dict[str, Any], path: str, arm: str) -> dict[str, Any]:
+    """``summary`` with ``arm``'s results and seed-level tests taken from the results file ``path`` (a
+    re-run of that arm beside the same baseline): the baseline's per-seed values must be the same in both
+    files, else SystemExit (the pairing would not hold)."""
+    with open(path) as f:
+        other = json.load(f)
+    baseline = summary.get("preset", {}).get("baseline") or next(iter(summary["results"]))
+    if arm not in other.get("results", {}):
+        raise SystemExit(f"--arm-from {path}: no arm {arm!r}; its arms: {list(other.get('results', {}))}")
+    mine, theirs = summary["results"][baseline], other["results"].get(baseline, {})
+    for split, metrics in mine.items():
+        for metric, cell in metrics.items():
+            if theirs.get(split, {}).get(metric, {}).get("seeds") != cell["seeds"]:
+                raise SystemExit(f"--arm-from {path}: its {baseline} differs on {split} {metric}; the re-run's "
+                                 f"{arm} does not pair with this file's {baseline}")  # fmt: skip
+    merged = {**summary, "results": {**summary["results"], arm: other["results"][arm]}}
+    merged["paired_tests"] = {**summary.get("paired_tests", {}), arm: other.get("paired_tests", {}).get(arm, {})}
+    merged["seed_tests"] = seed_stats.seed_tests(merged)  # the family of the arms drawn
+    return merged
+
+
 def main(argv: Sequence[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", help="a study's results.json (docs/img/study_*_results.json)")
     parser.add_argument("--out", default=None, help="folder of the PNGs (default: beside each results file)")
+    parser.add_argument("--arm-from", nargs=2, action="append", default=[], metavar=("RESULTS", "ARM"),
+                        help="draw ARM from another results.json (a re-run of that arm beside the same baseline, "
+                             "whose baseline seeds must equal these); repeatable")  # fmt: skip
     args = parser.parse_args(argv)
     written = []
     for path in args.results:
@@ -246,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         if "results" not in summary:
             raise SystemExit(f"{path}: not a study's results.json (no 'results' key); expected the output of "
                              "experiments/study.py")  # fmt: skip
+        for other_path, arm in args.arm_from:
+            summary = with_arm_from(summary, other_path, arm)
         stem = os.path.basename(path).removesuffix(".json").removesuffix("_results")
         target = os.path.join(args.out or os.path.dirname(path) or ".", f"{stem}_verdict.png")
         if verdict_figure(summary, target, title=stem) is not None:

@@ -157,8 +157,18 @@ def trend(points: list[tuple[float, float]]) -> dict[str, Any] | None:
         verdict = "cannot be told at this scale"
     else:
         verdict = "shrinks" if (slope < 0) == (start > 0) else "grows"
+    means = None  # the same line through the sizes' means: the sizes, not the seeds, as the replicates
+    by_size = collections.defaultdict(list)
+    for x, y in points:
+        by_size[x].append(y)
+    if len(by_size) >= 3:
+        xs = sorted(by_size)
+        on_means = stats.linregress([math.log10(x) for x in xs], [statistics.fmean(by_size[x]) for x in xs])
+        half_means = float(stats.t.ppf(0.975, len(xs) - 2)) * float(on_means.stderr)
+        means = {"slope": float(on_means.slope), "low": float(on_means.slope) - half_means,
+                 "high": float(on_means.slope) + half_means, "p": float(on_means.pvalue), "n": len(xs)}  # fmt: skip
     return {"slope": slope, "low": slope - half, "high": slope + half, "intercept": float(fit.intercept),
-            "p": float(fit.pvalue), "n": len(points), "verdict": verdict}  # fmt: skip
+            "p": float(fit.pvalue), "n": len(points), "verdict": verdict, "on_size_means": means}  # fmt: skip
 
 
 def slope_per_doubling(points: list[tuple[float, float]]) -> dict[str, Any] | None:
@@ -324,8 +334,14 @@ def markdown(table: dict[str, Any]) -> str:
                 counts = ", ".join(str((row["differences"][arm][key] or {}).get("n", 0)) for row in table["sizes"])
                 fit = f"{t['slope']:+.2f} [{t['low']:+.2f}, {t['high']:+.2f}]"
                 p = figures.p_label(t["p"]) or "p n/a"
+                on_means = t.get("on_size_means")
+                means = ""
+                if on_means:
+                    means = (f"; through the {on_means['n']} size means ({on_means['n'] - 2} degree(s) of freedom): "
+                             f"{on_means['slope']:+.2f} [{on_means['low']:+.2f}, {on_means['high']:+.2f}], "
+                             f"{figures.p_label(on_means['p']) or 'p n/a'}")  # fmt: skip
                 lines.append(f"- {spec['label']}: {fit} (n = {t['n']}: {counts} seeds by size, {p}): "
-                             f"**{t['verdict']}**")  # fmt: skip
+                             f"**{t['verdict']}**{means}")  # fmt: skip
         if table.get("factorial"):
             lines += _factorial_markdown(table, arm)
         lines.append("")

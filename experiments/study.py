@@ -828,8 +828,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "from which kept runs are restored instead of trained (e.g. experiments/finished_runs/NAME)",
     )
     parser.add_argument("--no-run", action="store_true",
-                        help="train nothing: restore the kept runs (--keep) and tabulate the seeds at which every arm "
-                             "has finished (a study under way; results.json's preset lists those seeds)")  # fmt: skip
+                        help="train nothing: run the preset's prepare commands, restore the kept runs (--keep) and "
+                             "tabulate the seeds at which every arm has finished (a study under way; results.json's "
+                             "preset lists those seeds)")  # fmt: skip
     parser.add_argument("--start-until", default=None, metavar="HH:MM",
                         help="start no run after this time (UTC, today): the started runs finish, the study stops "
                              "without tabulating (a machine shared on a schedule)")  # fmt: skip
@@ -846,6 +847,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.time()
     _groups(preset)  # a mapping is checked before any run; a manifest once the corpus is prepared
     if args.no_run:
+        prepare(preset)  # the corpus the held-out groups are read from (deterministic, seconds)
         runs = finished_runs(preset, out, args.keep)
         preset["seeds"] = [int(os.path.basename(d).removeprefix("seed")) for d in next(iter(runs.values()))]
     else:
