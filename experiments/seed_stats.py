@@ -88,12 +88,13 @@ def sign_flip_p(diffs: Sequence[float]) -> float:
     return hits / 2 ** len(d)
 
 
-def holm(pvalues: Mapping[Any, float]) -> dict[Any, float]:
+def holm(pvalues: Mapping[Any, float], family: int | None = None) -> dict[Any, float]:
     """Holm's step-down adjusted p of each finite p (``min(1, max_{j <= i} (m - j + 1) p_(j))``, m the
-    number of finite ps); a NaN p stays NaN and does not count in m."""
+    number of finite ps, or ``family`` where larger: a family declared in advance of which some tests
+    cannot be run yet, their ps taken as the largest); a NaN p stays NaN and does not count in m."""
     finite = sorted(((p, key) for key, p in pvalues.items() if p is not None and math.isfinite(p)),
                     key=lambda item: item[0])  # fmt: skip
-    m, running, out = len(finite), 0.0, {key: math.nan for key in pvalues}
+    m, running, out = max(len(finite), family or 0), 0.0, {key: math.nan for key in pvalues}
     for rank, (p, key) in enumerate(finite):
         running = max(running, min(1.0, (m - rank) * p))
         out[key] = running

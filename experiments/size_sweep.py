@@ -248,8 +248,10 @@ def factorial(sweep: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, An
                     if key in primary:
                         family[(arm, "contrast", item["name"], key)] = got["p"]
         out["slopes"][arm], out["contrasts"][arm] = slopes, contrasts
-    adjusted = seed_stats.holm(family)
-    out["family_size"] = sum(1 for p in family.values() if math.isfinite(p))
+    declared = spec.get("family")  # the family written before the runs; tests not yet possible count in it
+    adjusted = seed_stats.holm(family, declared)
+    out["family_size"] = max(sum(1 for p in family.values() if math.isfinite(p)), declared or 0)
+    out["tests_run"] = sum(1 for p in family.values() if math.isfinite(p))
     for arm in sweep["arms"]:
         for size, by_key in out["slopes"][arm].items():
             for key, fit in by_key.items():
@@ -351,8 +353,9 @@ def markdown(table: dict[str, Any]) -> str:
 def _factorial_markdown(table: dict[str, Any], arm: str) -> list[str]:
     fac, labels = table["factorial"], table["metrics"]
     lines = ["", f"Q1, per size: slope of the per-seed differences on log2(tokens per parameter), per doubling "
-             f"[95 % interval], p, Holm's p over the primary family ({fac['family_size']} tests: "
-             f"{', '.join(fac['primary'])}); reading by the rule written before the runs.", "",
+             f"[95 % interval], p, Holm's p over the primary family ({fac['family_size']} tests declared, "
+             f"{fac.get('tests_run', fac['family_size'])} possible so far; {', '.join(fac['primary'])}); reading "
+             "by the rule written before the runs.", "",
              "| size | difference | levels | points | slope per doubling | p | Holm p | reading |",
              "|---|---|---|---:|---|---:|---:|---|"]  # fmt: skip
     for size, by_key in fac["slopes"].get(arm, {}).items():

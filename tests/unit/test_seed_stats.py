@@ -119,3 +119,13 @@ def test_seed_tests_cover_the_file_and_adjust_over_the_family():
     smallest = min(ps.values(), key=lambda t: t["p_seed_t"])
     assert smallest["p_holm"] == pytest.approx(min(1.0, 6 * raw[0]))
     assert "family of 6 t-tests" in seed_stats.markdown(out)
+
+
+def test_holm_over_a_declared_family_counts_the_tests_not_yet_run():
+    """A family of 8 declared before the runs, 3 of them possible so far: the adjustment is Holm's over 8
+    with the 5 missing ps taken as 1 (the textbook procedure over the padded list, written here)."""
+    ps = [0.004, 0.03, 0.2]
+    padded = _holm_textbook(ps + [1.0] * 5)[:3]
+    got = seed_stats.holm(dict(enumerate(ps)), family=8)
+    assert [got[i] for i in range(3)] == pytest.approx(padded, rel=1e-12)
+    assert got[0] == pytest.approx(8 * 0.004)
