@@ -122,7 +122,19 @@ def test_ci_study_preset_end_to_end(tmp_path):
         config = json.loads((out / arm / "seed0" / "config.json").read_text())
         assert config["ntl"]["weight"] == weight and (weight == 0 or config["ntl"]["loss"] == loss)
     table = (out / "results.md").read_text()
-    assert table.count("| CE + NTL-WAS |") == 4 and "+-" in table  # 2 splits x (results, paired tests)
+    lines = table.splitlines()
+    # 2 splits x (the results row + the paired differences of its 4 metrics), and the seed-level table that
+    # leads: 2 splits x 4 metrics against CE, Holm-adjusted over the study's family (2 arms x 8)
+    assert sum(line.startswith("| CE + NTL-WAS | ") for line in lines) == 2 * (1 + 4) and "+-" in table
+    assert sum(line.startswith("| CE | CE + NTL-WAS | ") for line in lines) == 2 * 4
+    summary = json.loads((out / "results.json").read_text())
+    finite = 0  # the family: every arm x split x metric whose per-seed differences vary (a t-test exists)
+    for arm in ("CE + NTL-WAS", "CE + NTL-MSE"):
+        for split, metrics in summary["results"][arm].items():
+            for metric, cell in metrics.items():
+                diffs = [x - y for x, y in zip(cell["seeds"], summary["results"]["CE"][split][metric]["seeds"])]
+                finite += len(set(diffs)) > 1 and all(math.isfinite(d) for d in diffs)
+    assert lines[0].startswith("Seed-level tests") and f"family of {finite} t-tests" in lines[0]
     # every run records where it came from, and results.json gathers those records in seed order
     records = json.loads((out / "results.json").read_text())["runs"]
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
