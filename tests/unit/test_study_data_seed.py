@@ -91,3 +91,19 @@ def test_start_until_takes_a_clock_time():
     with pytest.raises(SystemExit, match="expected HH:MM"):
         study._utc_today("25:00")
     assert study._utc_today("10:05") % 86400 == 10 * 3600 + 5 * 60
+
+
+def test_no_run_tabulates_only_the_seeds_every_arm_finished(tmp_path):
+    """A study under way: seed 0 done by both arms (one kept in the repository folder, one in the output),
+    seed 1 by CE only; --no-run's runs are seed 0's, the kept one restored, and nothing is trained."""
+    preset = {"seeds": [0, 1], "arms": {"CE": [], "CE + NTL-WAS": []}}
+    keep, out = tmp_path / "keep", tmp_path / "out"
+    for folder, arm, seed in ((keep, "ce", 0), (out, "ce_ntl_was", 0), (keep, "ce", 1)):
+        run = folder / arm / f"seed{seed}"
+        run.mkdir(parents=True)
+        (run / "eval.json").write_text(json.dumps({"questions": {"accuracy": 0.5}}))
+    runs = study.finished_runs(preset, str(out), str(keep))
+    assert runs == {"CE": [str(out / "ce" / "seed0")], "CE + NTL-WAS": [str(out / "ce_ntl_was" / "seed0")]}
+    assert (out / "ce" / "seed0" / "eval.json").is_file()  # restored from the kept folder
+    with pytest.raises(SystemExit, match="no seed"):
+        study.finished_runs({"seeds": [1], "arms": {"CE": [], "CE + NTL-WAS": []}}, str(tmp_path / "x"), str(keep))
