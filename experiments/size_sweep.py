@@ -383,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sweep", default="configs/sweep/size_sweep.yaml", help="sweep file")
     parser.add_argument("--out", default=None, help="output folder (default: runs/<sweep name>)")
     parser.add_argument("--no-run", action="store_true", help="tabulate the sizes whose results exist; run nothing")
+    parser.add_argument("--start-until", default=None, metavar="HH:MM",
+                        help="start no run after this time (UTC, today; as study.py): the sweep stops")  # fmt: skip
     args = parser.parse_args(argv)
     if not os.path.isfile(args.sweep):
         raise SystemExit(f"--sweep {args.sweep}: no such file (sweeps: configs/sweep/*.yaml)")
@@ -416,7 +418,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.no_run:
                 print(f"[sweep] {entry['label']}: no {path}; left out (--no-run)", flush=True)
                 continue
-            study.main(["--preset", preset_path, "--out", entry["out"], *keep])
+            until = ["--start-until", args.start_until] if args.start_until else []
+            study.main(["--preset", preset_path, "--out", entry["out"], *keep, *until])
         if not os.path.isfile(path):
             raise SystemExit(f"[sweep] {entry['label']}: {path} missing; run its preset {entry['preset']}")
         with open(path) as f:
