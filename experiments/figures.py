@@ -214,6 +214,8 @@ def factorial_figure(sweep: dict[str, Any], path: str) -> str:
                         continue
                     x = row["tokens_per_parameter"] * shift
                     ax.scatter([x] * len(cell["seeds"]), cell["seeds"], s=10, color=f"C{k}", alpha=0.45)
+                    if row.get("data_varied") is False:  # one data draw: a hollow ring around the mean
+                        ax.scatter([x], [cell["mean"]], s=110, facecolors="none", edgecolors=f"C{k}", zorder=4)
                     ax.annotate(f"n={cell['n']}", (x, cell["mean"]), fontsize=6, xytext=(4, -8),
                                 textcoords="offset points")  # fmt: skip
                     xs.append(x)
@@ -236,7 +238,8 @@ def factorial_figure(sweep: dict[str, Any], path: str) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("arm minus CE, paired by seed, per size and tokens per parameter: points = seeds; mean and 95 % "
-                 "t-interval (n = seeds); slope of each size per doubling of tokens per parameter above each panel",
+                 "t-interval (n = seeds; ringed: one data draw for every seed, else the data varied with the seed);\n"
+                 "slope of each size per doubling of tokens per parameter above each panel",
                  fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)

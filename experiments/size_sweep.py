@@ -276,6 +276,7 @@ def tabulate(sweep: dict[str, Any], sizes: list[dict[str, Any]]) -> dict[str, An
         rows.append({
             "label": size["label"], "parameters": size["parameters"], "results": size["results_path"],
             "size": size.get("size", size["label"]), "tokens": size.get("tokens"),
+            "data_varied": size.get("data_varied"),
             "tokens_per_parameter": size.get("tokens_per_parameter"),
             "differences": {arm: {key: difference(size["results"], arm, baseline, key) for key in METRICS}
                             for arm in arms},
@@ -320,14 +321,15 @@ def markdown(table: dict[str, Any]) -> str:
             "over seeds, seed-level paired t-test p; exact sign-flip p over the seeds; n = seeds)",
             "",
         ]
-        lines.append("| cell | parameters | tokens per parameter | seeds | "
+        lines.append("| cell | parameters | tokens per parameter | data | seeds | "
                      + " | ".join(spec["label"] for spec in table["metrics"].values()) + " |")  # fmt: skip
-        lines.append("|---|---:|---:|---:|" + "---|" * len(table["metrics"]))
+        lines.append("|---|---:|---:|---|---:|" + "---|" * len(table["metrics"]))
         for row in table["sizes"]:
             cells = [_cell(row["differences"][arm][key]) for key in table["metrics"]]
             seeds = max(((row["differences"][arm][key] or {}).get("n", 0) for key in table["metrics"]), default=0)
-            lines.append(f"| {row['label']} | {row['parameters']:,} | {_tpp(row)} | {seeds} | " + " | ".join(cells)
-                         + " |")  # fmt: skip
+            data = {True: "varied with the seed", False: "one draw"}.get(row.get("data_varied"), "-")
+            head = f"| {row['label']} | {row['parameters']:,} | {_tpp(row)} | {data} | {seeds} | "
+            lines.append(head + " | ".join(cells) + " |")
         if table["trend"].get(arm):
             lines += ["", "Trend over log10(parameters) (slope per 10x parameters [95 % interval]; verdict):", ""]
         for key, spec in table["metrics"].items():
@@ -430,6 +432,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         count = parameters(preset)
         sizes.append({"label": entry["label"], "parameters": count, "results": results, "results_path": path,
                       "size": entry.get("size", entry["label"]), "tokens": tokens(preset),
+                      "data_varied": study.data_seeded(preset),
                       "tokens_per_parameter": tokens(preset) / count})  # fmt: skip
     table = tabulate(sweep, sizes)
     table["seconds"] = time.time() - start
