@@ -368,7 +368,7 @@ def ce_plus_ntloss(x: Inputs) -> Built:
     return Built(_on_logits(x, loss_fn), note="ntloss 0.3 NTLoss (NTL-WAS, reweigh=False) on fp32 logits")
 
 
-_INPLACE = "inplace=True refuses bf16 logits; no model (the model's in-place path is bf16)"
+_INPLACE = "inplace=True refuses bf16 logits: cast to fp32 in the step; no model (the model's path is bf16)"
 _W0 = "; at NTL weight 0 the op still computes the NTL terms (the weight multiplies them)"
 _TRITON = {"setup": ("triton", 15.0), "slowdown": 1.5}  # our two kernels compiled once, shared by the rows
 _COMPILED = {"slowdown": 2.0}  # each compiles its own graph: setup (its key, 60 s)
@@ -378,7 +378,7 @@ _MEGATRON = ("megatron.core", "megatron-core")
 ROWS = [
     # 1. ours, eager
     Row("ours_logits_triton", "ours: ce_with_ntl on logits, Triton", "ours", "ours_logits",
-        ours_logits(True), NTL_WEIGHT, model="ce_ntl_logits", note="model: the in-place path (same bytes)", **_TRITON),
+        ours_logits(True), NTL_WEIGHT, model="ce_ntl_logits", **_TRITON),
     Row("ours_logits_triton_w0", "ours: ce_with_ntl on logits, Triton, NTL weight 0", "ours", "ours_logits",
         ours_logits(True, weight=0.0), 0.0, model="ce_ntl_logits", note=_W0[2:], **_TRITON),
     Row("ours_logits_triton_inplace", "ours: ce_with_ntl on logits cast to fp32, Triton, in place", "ours",
@@ -965,13 +965,19 @@ def _versions() -> str:
 
 
 def _commit(args: argparse.Namespace) -> str:
+    """``--commit``, else ``git rev-parse HEAD``, else the record ``scripts/gpu_prepare.sh`` leaves in
+    ``.gpu_wheels/COMMIT`` before the copy (``.git`` does not travel to the GPU machine)."""
     if args.commit:
         return args.commit
-    try:
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown (no .git)"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown (no git)"
+        if done.returncode == 0 and done.stdout.strip():
+            return done.stdout.strip()
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with open(os.path.join(ROOT, ".gpu_wheels", "COMMIT")) as f:
+            record = json.load(f)
+        return f"{record['commit']}{' (dirty)' if record.get('dirty') else ''} (.gpu_wheels/COMMIT)"
+    return "unknown (no .git, no .gpu_wheels/COMMIT)"
 
 
 def _record(p: Planned, args: argparse.Namespace, ceilings: dict | None) -> dict:
