@@ -50,6 +50,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -79,6 +80,7 @@ SMOKE_DIVISOR, SMOKE_HIDDEN, SMOKE_VOCAB = 128, 32, 512  # --smoke: T / 128 toke
 CHECK_RTOL = 1e-2  # bf16 logits: every correct row lands well inside; a wrong kernel far outside
 FUSED_LIMIT, CHUNKED_LIMIT, ROOFLINE_LIMIT = 1.05, 1.1, 1.3
 INPUTS_S = 5.0  # estimated seconds to make one size's inputs and references
+FALLBACK = r"ignored|fall(s|ing)? (back|through)|reference path"  # a warning that a chunked path was not taken
 
 
 class Skip(Exception):
@@ -687,9 +689,12 @@ def run_row(row: Row, x: Inputs, args: argparse.Namespace, left: float) -> dict:
     try:
         built = row.build(x)
         result = measure(built.step, x, args.warmup, args.iters)
-        result.update(status="measured", note=built.note)
+        result.update(status="measured", note="; ".join(n for n in (row.note, built.note) if n))
         if built.chunked is not None:
             result["chunked"] = built.chunked
+        fallback = [w for w in result["warnings"] if re.search(FALLBACK, w, re.IGNORECASE)]
+        if row.family == "ce_peer" and result.get("chunked", row.chunked) and fallback:  # it ran another path
+            result.update(chunked=False, note=f"{result['note']}; not chunked, it warned: {fallback[0]}")
         return result
     except Skip as e:
         return {"status": "skipped", "reason": str(e)}

@@ -11,6 +11,7 @@
    benchmark only ever reads valid JSON), and a run killed mid-way keeps its finished rows.
 5. ``--smoke``: every row's code runs on the CPU at tiny size (the Triton rows under Triton's interpreter);
    no row fails, and every value agrees with the CE and NTL-WAS computed from the definitions and with ntloss.
+   A chunked peer that warns it took another path (torch's, with label smoothing) is not counted as chunked.
 6. Arguments: bad ones are refused with the reason (exit 2).
 """
 
@@ -321,6 +322,28 @@ def test_smoke_runs_every_row_and_the_values_agree(tmp_path):
     assert by["ours_chunked_torch"]["loss"] > by["ours_chunked_torch"]["ce"]  # NTL adds a positive term
     assert by["ours_logits_torch_w0"]["loss"] == pytest.approx(by["ours_logits_torch_w0"]["ce"])
     assert {v["result"] for v in report["verdicts"]} == {"not measured"}  # CPU timings decide nothing
+
+
+def test_a_chunked_peer_that_falls_back_is_not_counted_as_chunked():
+    """torch's chunked mode warns and takes its reference path with label smoothing: the row records it."""
+    if not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        pytest.skip("this torch has no chunked F.linear_cross_entropy")
+
+    def smoothed(x):
+        options = torch.nn.LinearCrossEntropyOptions()
+        fn = torch.nn.functional.linear_cross_entropy
+        return bg.Built(bg._on_hidden(x, lambda: bg._same(fn(x.hidden, x.weight, x.labels, options=options,
+                                                                label_smoothing=0.1))), chunked=True)  # fmt: skip
+
+    row = bg.Row("torch_smoothed", "torch F.linear_cross_entropy, label smoothing", "peer", "ce_peer", smoothed,
+                 chunked=True)  # fmt: skip
+    x = bg.make_inputs(64, 32, 512, "cpu", None, False)
+    args = bg.parse_args(["--smoke", "--json", "unused", "--warmup", "1", "--iters", "1"])
+    record = bg.run_row(row, x, args, 100.0)
+    assert record["status"] == "measured" and record["chunked"] is False, record
+    assert "not chunked, it warned" in record["note"] and "ignored" in record["note"]
+    plain = bg.run_row(bg.ROW_BY_KEY["torch_linear_ce"], x, args, 100.0)
+    assert plain["chunked"] is True and not plain["warnings"], plain
 
 
 # ------------------------------------------------------------------ 6. arguments
