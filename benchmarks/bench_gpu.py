@@ -1078,7 +1078,8 @@ def run_plan(report: dict, plan: list[Planned], estimates: list[float], args: ar
             rec["wall_s"] = time.monotonic() - t0
             if rec["status"] == "measured":
                 check_values(rec, refs)
-                add_rates(rec, ceilings)
+                if not smoke:  # the model and the ceilings are of the GPU shape, not of the smoke run's
+                    add_rates(rec, ceilings)
         report["elapsed_s"] = time.monotonic() - started
         save(report, args)
         _print_row(rec)

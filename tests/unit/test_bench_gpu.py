@@ -216,6 +216,38 @@ def test_value_check():
         assert wrong["check_ok"] is False, wrong
 
 
+def test_a_measured_report_renders(tmp_path):
+    """The GPU-only paths of the report (rates, ratios, verdict numbers) on a dry run's plan filled with
+    synthetic measurements, so that a typo there cannot cost a GPU run."""
+    ceilings = tmp_path / "ceilings.json"
+    ceilings.write_text(json.dumps({"copy_tbps": 3.0, "matmul_tflops": 800.0, "device": "test card"}))
+    out = tmp_path / "bench.json"
+    assert bg.main(["--dry-run", "--json", str(out), "--ceilings", str(ceilings), "--tokens", "8192"]) == 0
+    report = json.loads(out.read_text())
+    for r in report["rows"]:
+        r.update(status="measured", ms=50.0, peak_mib=1000.0, ce=11.0, loss=11.6, check_ok=True, check="ok",
+                 reason="")  # fmt: skip
+        if r["key"] == "megatron":
+            r["ms"] = 40.0
+        bg.add_rates(r, report["ceilings"])
+    by = {r["key"]: r for r in report["rows"]}
+    stats = by["kernel_stats"]
+    # bytes / time: the statistics kernel reads the bf16 logits once (2 x 8192 x 128256 B) and a little more
+    assert stats["tbps"] == pytest.approx(stats["model"]["bytes"] / 0.05 / 1e12)
+    assert 2 * 8192 * 128256 / 0.05 / 1e12 < stats["tbps"] < 1.1 * 2 * 8192 * 128256 / 0.05 / 1e12
+    assert stats["copy_fraction"] == pytest.approx(stats["tbps"] / 3.0)
+    assert by["ce"]["matmul_fraction"] == pytest.approx(6 * 8192 * 4096 * 128256 / 0.05 / 800e12)
+    assert by["ce"]["measured_over_model"] == pytest.approx(50.0 / by["ce"]["model"]["ms_at_ceilings"])
+    report["verdicts"] = bg.verdicts(report["rows"], report["ceilings"])
+    results = {v["key"]: v for v in report["verdicts"]}
+    assert results["fused_vs_megatron"]["result"] == "fail"  # 50 / 40 = 1.25x
+    assert results["chunked_vs_peers"]["result"] == "pass"  # 50 / 50 at the same peak
+    md = bg.markdown(report)
+    assert "TB/s (" in md and "% of copy" in md and "% of matmul" in md
+    assert "| fused_vs_megatron | 8192 | **fail** | 1.250x (limit 1.05x)" in md
+    assert len(_table(md)) == len(report["rows"])
+
+
 # ------------------------------------------------------------------ 3. the time budget
 
 
@@ -318,6 +350,7 @@ def test_smoke_runs_every_row_and_the_values_agree(tmp_path):
         if r["status"] == "measured" and key != "kernel_grad":
             assert r["check_ok"] is True, (key, r["check"])
             assert math.isfinite(r["ms"]) and r["ms"] > 0
+            assert "measured_over_model" not in r and "tbps" not in r  # CPU timings set against no GPU model
     assert by["ce_ntloss"]["loss"] == pytest.approx(by["ours_logits_triton"]["loss"], rel=5e-3)
     assert by["ours_chunked_torch"]["loss"] > by["ours_chunked_torch"]["ce"]  # NTL adds a positive term
     assert by["ours_logits_torch_w0"]["loss"] == pytest.approx(by["ours_logits_torch_w0"]["ce"])
