@@ -296,7 +296,10 @@ def cce(x: Inputs) -> Built:
 def torch_linear_ce(x: Inputs) -> Built:
     """``F.linear_cross_entropy``: chunked where the installed torch has ``options=``, else its materialised path."""
     if not hasattr(F, "linear_cross_entropy"):
-        raise Skip(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
+        raise Skip(
+            f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy (neither materialised nor "
+            "chunked; torch 2.11's wheel has none)"
+        )
     options_cls = getattr(torch.nn, "LinearCrossEntropyOptions", None)
     if options_cls is None or "options" not in inspect.signature(F.linear_cross_entropy).parameters:
         note = f"materialised (torch {torch.__version__} has no chunked mode)"
