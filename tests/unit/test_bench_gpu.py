@@ -76,6 +76,10 @@ def test_dry_run_layout_and_order(tmp_path):
     assert eager == sorted(eager, key=lambda g: (g[1], g[0] != "ours")), eager
     assert groups[: len(eager)] == eager and {g[0] for g in groups[len(eager) :]} == {"compiled"}
     assert rows[0]["key"] == "ours_logits_triton" and rows[0]["T"] == 8192
+    # a compile is charged at every T (a new shape compiles again); our kernels' compile once, first
+    compiled = [r for r in rows if r["group"] == "compiled" and "not installed" not in r["reason"]]
+    assert compiled and all(r["estimate_s"] >= 45 for r in compiled), compiled
+    assert rows[0]["estimate_s"] > 15 > rows[1]["estimate_s"]
     keys8k = [r["key"] for r in rows if r["T"] == 8192]
     for key in ("ours_logits_triton", "ours_logits_triton_inplace", "ours_logits_torch", "ours_chunked_triton",
                 "ours_chunked_torch", "liger", "cce", "torch_linear_ce", "megatron", "ce", "ce_ntloss",
