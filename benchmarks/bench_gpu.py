@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import importlib
 import importlib.metadata
@@ -76,7 +77,7 @@ SCHEMA = "ntl_scale.bench_gpu/1"
 NTL_WEIGHT = 0.3
 DIGIT_IDS = range(10)  # the benchmark vocabulary's number tokens: ids 0-9 with values 0-9 (K = 10)
 DEFAULT_VOCAB, DEFAULT_HIDDEN = 128256, 4096
-SMOKE_DIVISOR, SMOKE_HIDDEN, SMOKE_VOCAB = 128, 32, 512  # --smoke: T / 128 tokens, H 32, V 512
+SMOKE_DIVISOR, SMOKE_HIDDEN, SMOKE_VOCAB = 128, 32, 512  # --smoke: T / 128 tokens (at least 32), H 32, V 512
 CHECK_RTOL = 1e-2  # bf16 logits: every correct row lands well inside; a wrong kernel far outside
 FUSED_LIMIT, CHUNKED_LIMIT, ROOFLINE_LIMIT = 1.05, 1.1, 1.3
 INPUTS_S = 5.0  # estimated seconds to make one size's inputs and references
@@ -359,12 +360,18 @@ def materialised_ce(compiled: bool):
     return build
 
 
-def ce_plus_ntloss(x: Inputs) -> Built:
+@functools.lru_cache(maxsize=2)
+def _ntloss(vocab_size: int) -> Any:
+    """``ntloss.NTLoss`` over the benchmark's word-level tokenizer (built once per vocabulary: seconds at 128k)."""
     module = _import("ntloss", "ntloss")
     from benchmarks.common import word_level_tokenizer
 
     with contextlib.redirect_stderr(open(os.devnull, "w")):  # ntloss logs its table through loguru
-        ntl = module.NTLoss(word_level_tokenizer(x.weight.shape[0]), vocab_size=x.weight.shape[0], reweigh=False)
+        return module.NTLoss(word_level_tokenizer(vocab_size), vocab_size=vocab_size, reweigh=False)
+
+
+def ce_plus_ntloss(x: Inputs) -> Built:
+    ntl = _ntloss(x.weight.shape[0])
 
     def loss_fn(z):
         ce = F.cross_entropy(z.float(), x.labels)
@@ -1006,11 +1013,15 @@ def _commit(args: argparse.Namespace) -> str:
     return "unknown (no .git, no .gpu_wheels/COMMIT)"
 
 
+def smoke_tokens(tokens: int) -> int:
+    return max(32, tokens // SMOKE_DIVISOR)
+
+
 def _record(p: Planned, args: argparse.Namespace, ceilings: dict | None) -> dict:
     """A planned row's record (``--smoke`` runs T / 128 x 512 x 32; the model is of the GPU shape)."""
     r = p.row
     if args.smoke:
-        t_run, h, v = p.tokens // SMOKE_DIVISOR, SMOKE_HIDDEN, SMOKE_VOCAB
+        t_run, h, v = smoke_tokens(p.tokens), SMOKE_HIDDEN, SMOKE_VOCAB
     else:
         t_run, h, v = p.tokens, args.hidden, args.vocab
     return {
@@ -1136,7 +1147,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": _commit(args),
         "command": "python benchmarks/bench_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "ceilings": ceilings, "ceilings_source": ceilings_source,
-        "config": {"tokens": args.tokens, "tokens_run": [t // SMOKE_DIVISOR if args.smoke else t for t in args.tokens],
+        "config": {"tokens": args.tokens, "tokens_run": [smoke_tokens(t) if args.smoke else t for t in args.tokens],
                    "vocab": args.vocab, "hidden": args.hidden, "numbers": len(DIGIT_IDS), "ntl_weight": NTL_WEIGHT,
                    "warmup": args.warmup, "iters": args.iters, "time_budget_s": args.time_budget},
         "status": "running", "elapsed_s": 0.0,
