@@ -866,8 +866,13 @@ def markdown(report: dict) -> str:
         "",
         f"- {report['device']}; {report['versions_line']}",
         f"- {report['date']}; commit {report['commit']}; command: `{report['command']}`",
-        f"- T x V x H = {'/'.join(str(t) for t in c['tokens'])} x {c['vocab']} x {c['hidden']} bf16 (run at "
-        f"{'/'.join(str(t) for t in c['tokens_run'])} tokens), K = 10 digit tokens, NTL-WAS weight {NTL_WEIGHT}, "
+        f"- T x V x H = {'/'.join(str(t) for t in c['tokens'])} x {c['vocab']} x {c['hidden']} bf16"
+        + (
+            f" (smoke run at {'/'.join(str(t) for t in c['tokens_run'])} x {SMOKE_VOCAB} x {SMOKE_HIDDEN})"
+            if report["mode"] == "smoke"
+            else ""
+        )
+        + f", K = 10 digit tokens, NTL-WAS weight {NTL_WEIGHT}, "
         f"forward + backward; median of {c['iters']} after {c['warmup']} warm-up; peak above the inputs",
         f"- {ceilings}",
         f"- time budget {c['time_budget_s']:.0f} s; elapsed {report['elapsed_s']:.0f} s; {report['status']}",
@@ -876,8 +881,8 @@ def markdown(report: dict) -> str:
         "loss | check | status |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|",
     ]
-    best: dict[int, float] = {}
-    for r in report["rows"]:
+    best: dict[int, float] = {}  # the fastest CE-only row per T (GPU runs only: CPU timings are no ratios)
+    for r in report["rows"] if report["mode"] == "gpu" else []:
         if r["family"] in ("megatron", "ce_peer") and r.get("ms") and r.get("check_ok") is not False:
             best[r["T"]] = min(best.get(r["T"], math.inf), r["ms"])
     for i, r in enumerate(report["rows"], 1):

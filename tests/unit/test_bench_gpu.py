@@ -246,7 +246,10 @@ def test_a_measured_report_renders(tmp_path):
     results = {v["key"]: v for v in report["verdicts"]}
     assert results["fused_vs_megatron"]["result"] == "fail"  # 50 / 40 = 1.25x
     assert results["chunked_vs_peers"]["result"] == "pass"  # 50 / 50 at the same peak
+    report["mode"] = "gpu"
     md = bg.markdown(report)
+    cells = {c[1]: c for c in _table(md)}
+    assert cells["F.cross_entropy on logits"][4] == "1.250"  # 50 ms against Megatron's 40, the fastest CE-only
     assert "TB/s (" in md and "% of copy" in md and "% of matmul" in md
     assert "| fused_vs_megatron | 8192 | **fail** | 1.250x (limit 1.05x)" in md
     assert len(_table(md)) == len(report["rows"])
