@@ -38,7 +38,7 @@ bench:
 gpu-check:
 	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
 
-# the wheels and sources a GPU machine without internet needs for gpu-check (.gpu_wheels/, < 64 MiB)
+# the wheels and sources a GPU machine without internet needs for gpu-check (.gpu_wheels/; with the tree <= 40 MiB: scripts/travel_size.py)
 gpu-wheels:
 	PYTHON=$(PYTHON) bash scripts/gpu_wheels.sh
 

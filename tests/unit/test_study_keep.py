@@ -1,8 +1,11 @@
 """experiments/study.py ``--keep``: finished runs kept in a repository folder and restored from it.
 
 1. ``keep_run`` copies exactly the files the tables, tests and plots read (``eval.json``, the config,
-   the metrics, every ``predictions_*.jsonl``, the held-out sequences, the baseline settings), byte for
-   byte, and nothing else (no checkpoint, no log); an unfinished run (no ``eval.json``) is refused.
+   the metrics, every ``predictions_*.jsonl``, the held-out sequences, the baseline settings), every
+   ``*.jsonl`` as ``*.jsonl.xz`` (read back by the ``xz`` program, smaller than the text), and nothing
+   else (no checkpoint, no log); ``restore_run`` gives back the run's files byte for byte, also from a
+   folder kept before the JSON lines were compressed; an unfinished run (no ``eval.json``) is refused.
+   Every run kept in the repository is in the compressed form and holds every step's metrics.
 2. ``run_all`` with ``keep``: a run kept there is restored into the output folder and not trained (no
    process is started); a run finished in the output folder but not yet kept is kept; the run
    directories returned are the output folder's, as without ``keep``.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import calendar
 import json
+import lzma
 import shutil
 import subprocess
 import time
@@ -54,14 +58,52 @@ def _files(path: Path) -> dict[str, str]:
     return {str(p.relative_to(path)): p.read_text() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def test_keep_copies_the_small_files_only(tmp_path):
+def _kept(path: Path) -> dict[str, str]:
+    """A kept folder's files as the run wrote them (``X.jsonl.xz`` read back as ``X.jsonl``); a plain
+    ``*.jsonl`` there fails (not the kept form)."""
+    files = {str(p.relative_to(path)): p for p in sorted(path.rglob("*")) if p.is_file()}
+    assert not [n for n in files if n.endswith(".jsonl")], f"plain JSON lines kept: {sorted(files)}"
+    return {n.removesuffix(".xz"): lzma.decompress(p.read_bytes()).decode() if n.endswith(".xz") else p.read_text()
+            for n, p in files.items()}  # fmt: skip
+
+
+def test_keep_copies_the_small_files_only_with_json_lines_compressed(tmp_path):
     run, kept = tmp_path / "run", tmp_path / "kept"
     _finished_run(run)
+    rows = "".join(json.dumps({"step": i, "ce": 1 / (i + 1), "ntl": 0.5 / (i + 1)}) + "\n" for i in range(2000))
+    (run / "metrics.jsonl").write_text(rows)  # a real run's size: compression must pay
+    small = {**SMALL, "metrics.jsonl": rows}
     study.keep_run(str(run), str(kept))
-    assert _files(kept) == SMALL
+    names = sorted(p.name for p in kept.iterdir())
+    assert names == sorted(n + ".xz" if n.endswith(".jsonl") else n for n in SMALL)
+    for name in (n for n in names if n.endswith(".xz")):  # read back by the xz program, not by lzma
+        text = subprocess.run(["xz", "-dc", str(kept / name)], capture_output=True, check=True).stdout.decode()
+        assert text == small[name.removesuffix(".xz")]
+    assert (kept / "metrics.jsonl.xz").stat().st_size * 4 < len(rows)
     restored = tmp_path / "restored"
     assert study.restore_run(str(kept), str(restored))
-    assert _files(restored) == SMALL
+    assert _files(restored) == small
+
+
+def test_a_run_kept_before_compression_is_restored_as_it_is(tmp_path):
+    old = tmp_path / "old"  # a kept folder of the plain layout (before 2026-11-27)
+    old.mkdir()
+    for name, text in SMALL.items():
+        (old / name).write_text(text)
+    assert study.restore_run(str(old), str(tmp_path / "restored"))
+    assert _files(tmp_path / "restored") == SMALL
+
+
+def test_the_runs_kept_in_the_repository_are_compressed_and_complete():
+    runs = sorted(p.parent for p in (ROOT / "experiments" / "finished_runs").glob("*/*/seed*/eval.json"))
+    assert len(runs) >= 68
+    for run in runs:
+        names = {p.name for p in run.iterdir()}
+        assert not any(n.endswith(".jsonl") for n in names), f"{run}: plain JSON lines ({sorted(names)})"
+        assert {"config.json", "metrics.jsonl.xz"} <= names, run
+        steps = json.loads((run / "config.json").read_text())["train"]["steps"]
+        rows = [json.loads(line) for line in lzma.decompress((run / "metrics.jsonl.xz").read_bytes()).splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, steps + 1)), run  # every step: the loss curves
 
 
 def test_an_unfinished_run_is_not_kept_nor_restored(tmp_path):
@@ -97,7 +139,7 @@ def test_run_all_restores_kept_runs_and_keeps_finished_ones(tmp_path, monkeypatc
     }
     for arm in ("ce", "ce_ntl"):
         assert _files(out / arm / "seed0") == SMALL  # restored
-        assert _files(keep / arm / "seed1") == SMALL  # kept now
+        assert _kept(keep / arm / "seed1") == SMALL  # kept now
         assert _files(out / arm / "seed1") == {**SMALL, **LARGE}  # the finished run itself untouched
 
 
@@ -126,7 +168,7 @@ def test_a_run_trained_here_is_kept_as_it_ends(tmp_path, monkeypatch):
     study.run_all(preset, str(out), str(keep))
     after = time.time()
     assert started == [out / "ce" / "seed0"]
-    kept = _files(keep / "ce" / "seed0")
+    kept = _kept(keep / "ce" / "seed0")
     record = json.loads(kept.pop("run.json"))
     assert kept == SMALL and not (out / "ce" / "seed0" / "run.json.tmp").exists()
     # its run.json, against torch and the clock read here
@@ -195,13 +237,22 @@ def test_an_unreadable_run_record_is_left_out_with_a_warning(tmp_path, capsys):
 def test_eval_json_is_copied_last(tmp_path, monkeypatch):
     run = tmp_path / "run"
     _finished_run(run)
-    copied = []
-    real_copy = shutil.copyfile
+    written = []  # every file that appears under its final name, in order (copied, or renamed into place)
+    real_copy, real_replace = shutil.copyfile, study.os.replace
 
     def recording_copy(src, dst, *args, **kwargs):
-        copied.append(Path(src).name)
+        written.append(Path(dst).name)
         return real_copy(src, dst, *args, **kwargs)
 
+    def recording_replace(src, dst):
+        written.append(Path(dst).name)
+        return real_replace(src, dst)
+
     monkeypatch.setattr(shutil, "copyfile", recording_copy)
+    monkeypatch.setattr(study.os, "replace", recording_replace)
     study.keep_run(str(run), str(tmp_path / "kept"))
-    assert sorted(copied) == sorted(SMALL) and copied[-1] == "eval.json"
+    assert sorted(written) == sorted(n + ".xz" if n.endswith(".jsonl") else n for n in SMALL)
+    assert written[-1] == "eval.json"
+    written.clear()
+    study.restore_run(str(tmp_path / "kept"), str(tmp_path / "restored"))
+    assert sorted(written) == sorted(SMALL) and written[-1] == "eval.json"
