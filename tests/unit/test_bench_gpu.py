@@ -364,6 +364,7 @@ def test_smoke_runs_every_row_and_the_values_agree(tmp_path):
     assert {v["result"] for v in report["verdicts"]} == {"not measured"}  # CPU timings decide nothing
 
 
+@pytest.mark.filterwarnings("ignore:linear_cross_entropy")  # the timed steps after the first warn again
 def test_a_chunked_peer_that_falls_back_is_not_counted_as_chunked():
     """torch's chunked mode warns and takes its reference path with label smoothing: the row records it."""
     if not hasattr(torch.nn, "LinearCrossEntropyOptions"):
