@@ -1173,6 +1173,8 @@ def main(argv: list[str] | None = None) -> int:
     report["elapsed_s"] = time.monotonic() - started
     save(report, args)
     run_plan(report, plan, Estimator(args), args)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # Megatron's one-rank group, set up by run_plan
     report["verdicts"] = verdicts(report["rows"], ceilings, why or None)
     report.update(status="finished", elapsed_s=time.monotonic() - started)
     save(report, args)
