@@ -680,7 +680,8 @@ def compare_with_record(rows: list[dict], record: dict) -> tuple[str, str, float
     worst = 0.0
     for step, w in want.items():
         for key in ("ce", "ntl"):
-            worst = max(worst, abs(got[step][key] - w[key]) / abs(w[key]))
+            diff = abs(got[step][key] - w[key]) / abs(w[key])
+            worst = max(worst, diff) if math.isfinite(diff) else math.inf  # max() would drop a NaN
     ok = worst <= RELATIVE_TOLERANCE  # a NaN compares False
     pairs = "; ".join(f"{s}: ce {got[s]['ce']:.5f}/{want[s]['ce']:.5f}" for s in sorted(want))
     return (
