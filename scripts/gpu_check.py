@@ -525,7 +525,7 @@ def step_correctness(c: Check, limit: float) -> None:
                 "--junitxml",
                 str(c.work / "kernels.xml"),
             ],
-            env={"TRITON_INTERPRET": "0"},
+            env={"TRITON_INTERPRET": "0", "NTL_TRITON_TESTS": "1"},
         )
         jobs = [parity, tests, kernels]
     c.run(jobs, limit)
