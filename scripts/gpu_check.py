@@ -348,7 +348,7 @@ def step_environment(c: Check, wheels: Path) -> None:
             "travel size (scripts/travel_size.py)",
             job_status(job),
             seconds=round(job.seconds, 1),
-            detail=_cell(job.output.strip().splitlines()[-1] if job.output.strip() else "no output", 300),
+            detail=_cell(_compact(job.output), 300),
         )
     elif "travel_size" in commit:
         recorded = commit["travel_size"]
@@ -357,7 +357,7 @@ def step_environment(c: Check, wheels: Path) -> None:
             "check",
             "travel size (recorded by gpu_prepare.sh)",
             recorded.get("status", FAILED),
-            detail=_cell(recorded.get("detail", ""), 300),
+            detail=_cell(_compact(recorded.get("detail", "")), 300),
         )
     else:
         c.add("0", "check", "travel size", NOT_RUN, detail="not available (no scripts/travel_size.py or no record)")
@@ -409,6 +409,15 @@ def step_environment(c: Check, wheels: Path) -> None:
     for row in probe["rows"]:
         name, status = row.pop("name"), row.pop("status")
         c.add("0", "check", name, status, key=name in ("ceilings", "versions", "command -v make g++ nvcc ninja"), **row)
+
+
+def _compact(output: str) -> str:
+    """A JSON document printed by a tool, on one line; else its last line."""
+    text = output.strip()
+    try:
+        return json.dumps(json.loads(text), separators=(",", ":"))
+    except ValueError:
+        return text.splitlines()[-1] if text else "no output"
 
 
 def missing_wheels(wheels: Path) -> list[Path]:
@@ -531,7 +540,8 @@ def step_correctness(c: Check, limit: float) -> None:
     c.run(jobs, limit)
     rows = [json.loads(line) for line in parity_json.read_text().splitlines()] if parity_json.is_file() else []
     for row in rows:
-        c.add("A", "check", row.pop("name"), row.pop("status"), **row)
+        name, status = row.pop("name"), row.pop("status")
+        c.add("A", "check", name, status, key=name.split(" impl=")[0].endswith(" large"), **row)
     c.add(
         "A",
         "check",

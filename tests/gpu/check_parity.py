@@ -130,7 +130,7 @@ def reference_fused(p: Problem, options: dict, grads: list[torch.Tensor]) -> tup
         z64 = p.logits[sl].double().requires_grad_()
         part = _objective(z64, p.labels[sl], p, options, n_valid, n_num)
         part.backward()
-        total += float(part)
+        total += float(part.detach())
         for err, g in zip(errors, grads):
             err.add("logits", g[sl], z64.grad)
         del z64, part
@@ -150,7 +150,7 @@ def reference_chunked(p: Problem, options: dict, grads: list[tuple[torch.Tensor,
         h64 = p.hidden[sl].double().requires_grad_()
         part = _objective(h64 @ w64.t(), p.labels[sl], p, options, n_valid, n_num)
         part.backward()
-        total += float(part)
+        total += float(part.detach())
         for err, (gh, _) in zip(errors, grads):
             err.add("hidden", gh[sl], h64.grad)
         del h64, part
