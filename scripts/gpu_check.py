@@ -316,15 +316,22 @@ def summary(meta: dict, rows: list[dict]) -> str:
 
 
 def read_commit(wheels: Path) -> dict:
+    """The checkout's commit: from git where ``.git`` is here (the dry run), else the record that
+    ``scripts/gpu_prepare.sh`` wrote before the copy (``.git`` does not travel), else unknown."""
     path = wheels / "COMMIT"
+    recorded: dict = {}
     try:
-        return json.loads(path.read_text())
+        recorded = json.loads(path.read_text())
     except (OSError, ValueError):
-        return {
-            "commit": "unknown",
-            "dirty": None,
-            "detail": f"no readable {path} (bash scripts/gpu_prepare.sh writes it)",
-        }
+        pass
+    if (ROOT / ".git").exists():
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
+        if head.returncode == 0 and status.returncode == 0:
+            return {**recorded, "commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()), "source": "git"}
+    if recorded:
+        return {**recorded, "source": str(path)}
+    return {"commit": "unknown", "dirty": None, "detail": f"no readable {path} (bash scripts/gpu_prepare.sh writes it)"}
 
 
 def step_environment(c: Check, wheels: Path) -> None:
@@ -334,8 +341,8 @@ def step_environment(c: Check, wheels: Path) -> None:
         "0",
         "check",
         "commit",
-        STATUS_OK if commit.get("commit") != "unknown" else FAILED,
-        detail=f"{commit.get('commit')} dirty={commit.get('dirty')}"
+        STATUS_OK if commit.get("commit") != "unknown" else NOT_RUN if c.dry_run else FAILED,
+        detail=f"{commit.get('commit')} dirty={commit.get('dirty')} from {commit.get('source', 'nowhere')}"
         + (f" ({commit['detail']})" if "detail" in commit else ""),
     )
     travel = ROOT / "scripts" / "travel_size.py"
