@@ -181,14 +181,17 @@ def test_finite_and_falling():
 
 
 def test_log_lines_are_parsed():
+    # a line of Megatron-LM core_v0.19.0's own log (scripts/megatron_prebuilt_helpers.py under
+    # tests/helpers/megatron_lm_cpu.py with the step's arguments), then one with a NaN NTL
     megatron = (
-        " [2026-11-27 08:00:00] iteration        2/      20 | consumed samples:           16 | elapsed time per "
-        "iteration (ms): 812.3 | learning rate: 1.000000E-03 | global batch size:     8 | lm loss: 4.852030E+00 | "
-        "ntl loss: 3.120000E+00 | number accuracy: 1.000000E-01 | loss scale: 1.0 | grad norm: 2.345 |\n"
-        " [2026-11-27 08:00:01] iteration        4/      20 | lm loss: 4.1E+00 | ntl loss: nan |\n"
+        " [2026-11-27 08:09:59.340864] iteration        2/      20 | consumed samples:           16 | elapsed"
+        " time per iteration (ms): 3013.5 | learning rate: 1.000000E-03 | global batch size:     8 | lm loss:"
+        " 4.806580E+00 | ntl loss: 3.020799E+00 | number accuracy: 0.000000E+00 | loss scale: 1.0 | grad norm:"
+        " 1.712 | number of skipped iterations:   0 | number of nan iterations:   0 |"
+        "\n [2026-11-27 08:10:00] iteration        4/      20 | lm loss: 4.1E+00 | ntl loss: nan |\n"
     )
     first, second = gpu_check.megatron_losses(megatron)
-    assert first == (2, 4.85203, 3.12) and second[:2] == (4, 4.1) and math.isnan(second[2])
+    assert first == (2, 4.80658, 3.020799) and second[:2] == (4, 4.1) and math.isnan(second[2])
     hf = "first log: step 5, loss 4.1000, ce 3.2000, ntl 2.9000\nlast log: step 20, loss 2.0, ce 1.5, ntl 1.6\n"
     assert gpu_check.hf_losses(hf) == [(5, 4.1, 3.2, 2.9), (20, 2.0, 1.5, 1.6)]
 
