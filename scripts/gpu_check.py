@@ -163,14 +163,22 @@ class Check:
             )
             procs.append((job, proc, handle, path, started))
         deadline = time.monotonic() + limit
-        for job, proc, handle, path, started in procs:
-            try:
-                job.rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                job.timed_out = True
-                _kill_group(proc)
-                job.rc = proc.returncode
-            job.seconds = time.monotonic() - started
+        running = list(procs)
+        while running:  # each job's time is its own, also when they run side by side
+            for entry in list(running):
+                job, proc, _, _, started = entry
+                if proc.poll() is not None:
+                    job.rc, job.seconds = proc.returncode, time.monotonic() - started
+                    running.remove(entry)
+            if running and time.monotonic() >= deadline:
+                for job, proc, _, _, started in running:
+                    job.timed_out = True
+                    _kill_group(proc)
+                    job.rc, job.seconds = proc.returncode, time.monotonic() - started
+                running = []
+            time.sleep(0.1 if running else 0)
+        for job, proc, handle, path, _ in procs:
+            _kill_group(proc, signal.SIGKILL)  # what a finished job left running in its group (GPU memory)
             handle.close()
             job.output = path.read_text(errors="replace")
             text = job.output
@@ -189,17 +197,22 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+def _kill_group(proc: subprocess.Popen, first: int = signal.SIGTERM) -> None:
+    """Signals the job's whole process group (``first``, then SIGKILL after 5 s) and reaps the job."""
+    for sig in (first, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
+        except (ProcessLookupError, PermissionError):
+            break
         try:
-            proc.wait(timeout=wait)
-            return
+            proc.wait(timeout=5)
+            if sig == signal.SIGKILL or first == signal.SIGKILL:
+                break
+            time.sleep(0.5)  # the group's other processes may still be stopping: SIGKILL them next
         except subprocess.TimeoutExpired:
             continue
+    if proc.poll() is None:
+        proc.wait()
 
 
 def child_env(work: Path) -> dict[str, str]:
