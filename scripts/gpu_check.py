@@ -314,7 +314,17 @@ def summary(meta: dict, rows: list[dict]) -> str:
             out.append(f"  versions: {_cell(_row_detail(r), 700)}")
             continue
         out.append(f"  {r['status']:9} {r['step']} {_cell(r['name'], 60)}: {_cell(_row_detail(r), 140)}")
-    bad = [r for r in rows if r["kind"] != "step" and r["status"] not in (STATUS_OK,) and r not in key]
+    for r in rows:  # the benchmark's measured and failed rows, one line each
+        if r["kind"] == "bench" and r["status"] != NOT_RUN:
+            out.append(f"  {r['status']:9} {r['step']} {_cell(r['name'], 60)}: {_cell(_row_detail(r), 140)}")
+    not_run: dict[str, int] = {}  # the benchmark's rows not run, counted by the benchmark's own status
+    for r in rows:
+        if r["kind"] == "bench" and r["status"] == NOT_RUN:
+            why = str(r.get("bench", {}).get("status", "not run"))
+            not_run[why] = not_run.get(why, 0) + 1
+    if not_run:
+        out.append("  bench rows not run: " + ", ".join(f"{n} {why}" for why, n in sorted(not_run.items())))
+    bad = [r for r in rows if r["kind"] not in ("step", "bench") and r["status"] not in (STATUS_OK,) and r not in key]
     for r in bad:
         out.append(f"  {r['status']:9} {r['step']} {_cell(r['name'], 60)}: {_cell(_row_detail(r), 140)}")
     out.append(f"files: {meta.get('out', '')}/gpu_check.{{json,md,log}}, summary.txt, ceilings.json, bench.{{json,md}}")
@@ -649,9 +659,10 @@ def step_bench(c: Check, limit: float) -> Job:
     rows = data.get("rows", []) if isinstance(data, dict) else data if isinstance(data, list) else []
     for row in rows:
         if isinstance(row, dict):
-            name = row.get("name") or row.get("row") or row.get("key") or "bench row"
-            status = row.get("status", STATUS_OK)
-            c.add("B", "bench", str(name), str(status), **{k: v for k, v in row.items() if k not in ("name", "status")})
+            name = row.get("name") or row.get("key") or "bench row"
+            if row.get("T"):
+                name = f"{name} @ T={row['T']}"
+            c.add("B", "bench", str(name), bench_row_status(row), detail=bench_row_detail(row), bench=row)
     detail = f"{len(rows)} rows in bench.json; rc {job.rc}" + (" (cut at the limit)" if job.timed_out else "")
     if job.rc and not job.timed_out:
         detail += "; " + _cell(job.output.strip()[-300:], 300)
@@ -674,15 +685,46 @@ def step_verdicts(c: Check) -> str:
         return FAILED
     worst = STATUS_OK
     for v in verdicts:
-        name = str(v.get("name") or v.get("verdict") or "verdict")
-        status = v.get("status")
-        if status is None and "met" in v:
-            status = STATUS_OK if v["met"] else FAILED
-        status = str(status or NOT_RUN)
+        if not isinstance(v, dict):
+            continue
+        name = str(v.get("key") or "verdict") + (f" @ T={v['T']}" if v.get("T") else "")
+        status = VERDICT_STATUS.get(str(v.get("result")), FAILED)
         if status != STATUS_OK:
             worst = FAILED if status == FAILED else worst if worst == FAILED else status
-        c.add("C", "verdict", name, status, **{k: val for k, val in v.items() if k not in ("name", "status")})
+        ratio = v.get("ratio")
+        numbers = f"{ratio:.3f}x (limit {v.get('limit')}x)" if isinstance(ratio, (int, float)) else ""
+        detail = "; ".join(x for x in (str(v.get("result", "")), numbers, str(v.get("reason") or "")) if x)
+        c.add("C", "verdict", name, status, detail=detail, verdict=v)
     return worst
+
+
+# bench_gpu.py's schema (ntl_scale.bench_gpu/1): a verdict's "result" and a row's "status"
+VERDICT_STATUS = {"pass": STATUS_OK, "fail": FAILED, "not measured": NOT_RUN}
+
+
+def bench_row_detail(row: dict) -> str:
+    """One short line of a bench row: its numbers where measured, else the bench's status and reason."""
+    if row.get("status") == "measured":
+        parts = [f"{row['ms']:.2f} ms" if isinstance(row.get("ms"), (int, float)) else "no time"]
+        for key, fmt in (("peak_mib", "{:.0f} MiB"), ("measured_over_model", "{:.2f}x model"), ("tbps", "{:.2f} TB/s")):
+            if isinstance(row.get(key), (int, float)):
+                parts.append(fmt.format(row[key]))
+        if row.get("check_ok") is False:
+            parts.append(f"WRONG VALUE: {row.get('check', '')}")
+        return ", ".join(parts)
+    return f"{row.get('status', '')}: {row.get('reason', '')}".rstrip(": ")
+
+
+def bench_row_status(row: dict) -> str:
+    """A bench row's status in this check's terms: measured and checked -> ok, a failed row or a wrong value ->
+    FAILED, anything else (skipped, time budget, dry run, not reached) NOT RUN (the bench's own word is kept
+    beside it as ``bench_status``)."""
+    status = str(row.get("status", ""))
+    if status == "measured":
+        return STATUS_OK if row.get("check_ok", True) else FAILED
+    if status == "failed":
+        return FAILED
+    return NOT_RUN
 
 
 def _read_json(path: Path) -> object:

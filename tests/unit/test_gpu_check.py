@@ -43,12 +43,6 @@ def _module(name: str, path: Path):
 gpu_check = _module("gpu_check_script", ROOT / "scripts" / "gpu_check.py")
 
 
-def _bench_flags_missing() -> list[str]:
-    """The bench's file contract (--json, --ceilings) once its branch is merged; the flags it lacks until then."""
-    text = (ROOT / "benchmarks" / "bench_gpu.py").read_text()
-    return [flag for flag in ("--json", "--ceilings") if f'"{flag}"' not in text]
-
-
 def _run(args: list[str], work: Path, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_DIR": str(work), "PYTHONWARNINGS": "ignore"}
     cmd = ["bash", str(SCRIPT), *args]
@@ -96,12 +90,18 @@ def test_dry_run_layout_rows_and_summary(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert done.stdout.endswith(summary) and summary.startswith("==== gpu-check summary")
     assert len(summary.encode()) < 10_000
-    missing = _bench_flags_missing()
-    if missing:  # until the benchmark's branch is merged, its step fails on the unknown flags: say which
-        assert "unrecognized arguments" in by_name["benchmarks/bench_gpu.py"]["detail"]
-        pytest.skip(f"benchmarks/bench_gpu.py lacks {', '.join(missing)}: the bench rows and exit 0 are not checked")
     assert done.returncode == 0, summary
-    assert {"bench.json", "bench.md"} <= names and any(r["kind"] == "bench" for r in rows)
+    assert {"bench.json", "bench.md"} <= names
+    bench = json.loads((out / "bench.json").read_text())
+    bench_rows = [r for r in rows if r["kind"] == "bench"]
+    assert len(bench_rows) == len(bench["rows"]) > 0  # every planned row, in the bench's order
+    assert [r["bench"]["key"] for r in bench_rows] == [r["key"] for r in bench["rows"]]
+    assert bench_rows[0]["bench"]["group"] == "ours"  # ours first: a cut run loses the peers, not ours
+    assert all(r["status"] == "NOT RUN" and "dry run" in r["detail"] for r in bench_rows)
+    verdicts = [r for r in rows if r["kind"] == "verdict"]
+    assert len(verdicts) == len(bench["verdicts"]) > 0
+    assert all(r["status"] == "NOT RUN" and r["detail"].startswith("not measured") for r in verdicts)  # never passed
+    assert f"bench rows not run: {len(bench_rows)} not run (dry run)" in summary
     assert seconds < 120
 
 
@@ -258,3 +258,28 @@ def test_megatron_helpers_come_prebuilt_without_make(monkeypatch):
     import megatron.core.datasets.helpers_cpp as helpers
 
     assert hasattr(helpers, "build_sample_idx_int32")
+
+
+def test_the_benchmark_s_rows_and_verdicts_are_read_in_its_own_terms(tmp_path):
+    """bench_gpu.py's schema: a row's status ``measured`` with a wrong value, a verdict's ``result``."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "work").mkdir()
+    c = gpu_check.Check(tmp_path / "out", tmp_path / "work", 100.0, False, [])
+    measured = {"key": "ce", "name": "F.cross_entropy", "T": 8192, "status": "measured", "ms": 3.25, "peak_mib": 900.0}
+    wrong = {**measured, "key": "ours", "name": "ours", "check_ok": False, "check": "loss 1% off"}
+    skipped = {"key": "liger", "name": "Liger", "T": 8192, "status": "skipped", "reason": "not installed"}
+    assert gpu_check.bench_row_status(measured) == "ok" and "3.25 ms, 900 MiB" in gpu_check.bench_row_detail(measured)
+    assert gpu_check.bench_row_status(wrong) == "FAILED" and "WRONG VALUE" in gpu_check.bench_row_detail(wrong)
+    assert gpu_check.bench_row_status(skipped) == "NOT RUN" and "not installed" in gpu_check.bench_row_detail(skipped)
+    verdicts = [
+        {"key": "fused_vs_megatron", "T": 8192, "result": "pass", "ratio": 1.01, "limit": 1.05},
+        {"key": "chunked_vs_peers", "T": 8192, "result": "not measured", "reason": "no chunked peer ran"},
+    ]
+    (c.out / "bench.json").write_text(json.dumps({"rows": [measured], "verdicts": verdicts}))
+    assert gpu_check.step_verdicts(c) == "NOT RUN"  # a verdict not measured is never a pass
+    verdicts.append({"key": "fused_vs_megatron", "T": 16384, "result": "fail", "ratio": 1.2, "limit": 1.05})
+    (c.out / "bench.json").write_text(json.dumps({"rows": [measured], "verdicts": verdicts}))
+    assert gpu_check.step_verdicts(c) == "FAILED"
+    rows = [r for r in c.rows if r["kind"] == "verdict"]
+    assert [r["status"] for r in rows[-3:]] == ["ok", "NOT RUN", "FAILED"]
+    assert rows[-1]["name"] == "fused_vs_megatron @ T=16384" and "1.200x (limit 1.05x)" in rows[-1]["detail"]
