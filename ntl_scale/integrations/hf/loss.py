@@ -38,7 +38,7 @@ import torch
 from ...losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl, check_number_level_table, per_token_ce_ntl
 from ...normalization import means, micro_batch_sums
 from ...number_vocab import NumberVocab
-from ...options import check_ntl_weight
+from ...options import check_ntl_weight, check_option
 
 __all__ = [
     "NTLCausalLMLoss",
@@ -214,8 +214,7 @@ def apply_ntl(
             f"the number table covers {number_vocab.vocab_size} ids but the model has vocab_size={size}; build it "
             "with NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)"
         )
-    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
-        raise ValueError(f"chunk_tokens must be a positive int (or None for the default), got {chunk_tokens!r}")
+    check_option("chunk_tokens", chunk_tokens)
     installed = model.__dict__.get(_MARK)
     if installed is not None:
         loss = installed["loss"]
