@@ -61,6 +61,7 @@ __all__ = [
     "NTLOptions",
     "NTLRunOptions",
     "OptionField",
+    "check_chunk_route",
     "check_chunk_tokens",
     "check_huber_delta",
     "check_impl",
@@ -304,6 +305,17 @@ def variant_of(settings: object, ignore_index: int = -100) -> NTLOptions:
     section, Megatron's ``NTLSettings``), with ``ignore_index`` given: one mapping for every front end."""
     names = [f.name for f in dataclasses.fields(NTLOptions) if f.name != "ignore_index"]
     return NTLOptions(**{name: getattr(settings, name) for name in names}, ignore_index=ignore_index)
+
+
+def check_chunk_route(chunked: object, chunk_tokens: object, surface: str) -> None:
+    """Refuses ``chunk_tokens`` without ``chunked`` (a value no code would read), named as ``surface`` spells
+    them (:func:`surface_name`), like ``squash_factor`` without ``loss="was"``."""
+    if chunk_tokens is not None and not chunked:
+        tokens, route = surface_name("chunk_tokens", surface), surface_name("chunked", surface)
+        raise ValueError(
+            f"{tokens}={chunk_tokens!r} applies to the chunked route only, but {route} is off: turn {route} on "
+            f"or drop {tokens}"
+        )
 
 
 # ---------------------------------------------------------------------------------- the spec

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..options import NTLRunOptions, check_option
+from ..options import NTLRunOptions, check_chunk_route, check_option
 
 __all__ = [
     "DataConfig",
@@ -255,6 +255,7 @@ class TrainConfig:
         if self.eval_every < 0:
             raise ValueError(f"train.eval_every must be >= 0 (0: only at the end), got {self.eval_every}")
         check_option("chunk_tokens", self.loss_chunk_tokens, "train.loss_chunk_tokens")
+        check_chunk_route(self.chunked_loss, self.loss_chunk_tokens, "yaml")  # ignored otherwise: refused
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (1-based): linear warm-up, then the decay."""

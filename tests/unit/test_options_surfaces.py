@@ -369,13 +369,31 @@ def test_valid_values_of_every_numeric_option_still_pass_every_front_end():
     valid = {"weight": 0.5, "squash_factor": 3.0, "huber_delta": 2.0, "chunk_tokens": 7}
     for name, value in valid.items():
         variant = NUMERIC[name]
-        assert getattr(NTLSettings(**{"weight": 0.3, **variant, name: value}), name) == value
+        route = name == "chunk_tokens"  # chunk_tokens applies to the chunked route only
+        settings = {"weight": 0.3, **variant, name: value, **({"chunked": True} if route else {})}
+        assert getattr(NTLSettings(**settings), name) == value
         flag = surface_name(name, "megatron")
-        args = add_ntl_args(argparse.ArgumentParser()).parse_args(
-            ["--ntl-weight=0.3", *[f"--ntl-{k}={v}" for k, v in variant.items()], f"{flag}={value}"]
-        )
+        argv = ["--ntl-weight=0.3", *[f"--ntl-{k}={v}" for k, v in variant.items()], f"{flag}={value}"]
+        args = add_ntl_args(argparse.ArgumentParser()).parse_args(argv + (["--ntl-chunked"] if route else []))
         assert getattr(NTLSettings.from_args(args), name) == value
         yaml_key = surface_name(name, "yaml")
-        cfg = load_config(None, [*[f"ntl.{k}={v}" for k, v in variant.items()], f"{yaml_key}={value}"])
+        overrides = [*[f"ntl.{k}={v}" for k, v in variant.items()], f"{yaml_key}={value}"]
+        cfg = load_config(None, overrides + (["train.chunked_loss=true"] if route else []))
         section, key = yaml_key.split(".")
         assert getattr(getattr(cfg, section), key) == value
+
+
+def test_chunk_tokens_without_the_chunked_route_is_refused_on_every_front_end():
+    """chunk_tokens was read by the chunked route only and ignored without it (YAML, Megatron, apply_ntl)."""
+    from ntl_scale.integrations.hf import apply_ntl
+    from ntl_scale.integrations.megatron import NTLSettings
+
+    vocab = ntl_scale.NumberVocab.from_id_to_token({i: str(i) for i in range(10)}, vocab_size=12)
+    attempts = {
+        "train.loss_chunk_tokens": lambda: load_config(None, ["train.loss_chunk_tokens=64"]),
+        "--ntl-chunk-tokens": lambda: NTLSettings(weight=0.3, chunk_tokens=64),
+        "chunk_tokens": lambda: apply_ntl(_hf_model(12), vocab, chunk_tokens=64),
+    }
+    for spelling, attempt in attempts.items():
+        with pytest.raises(ValueError, match=rf"{spelling}=64 applies to the chunked route only"):
+            attempt()

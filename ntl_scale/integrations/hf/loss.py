@@ -38,7 +38,7 @@ import torch
 from ...losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl, check_number_level_table, per_token_ce_ntl
 from ...normalization import means, micro_batch_sums
 from ...number_vocab import NumberVocab
-from ...options import check_ntl_weight, check_option
+from ...options import check_chunk_route, check_ntl_weight, check_option
 
 __all__ = [
     "NTLCausalLMLoss",
@@ -215,6 +215,7 @@ def apply_ntl(
             "with NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)"
         )
     check_option("chunk_tokens", chunk_tokens)
+    check_chunk_route(chunked, chunk_tokens, "hf")  # the logits path would not read it
     installed = model.__dict__.get(_MARK)
     if installed is not None:
         loss = installed["loss"]

@@ -22,6 +22,7 @@ from ...number_vocab import NumberVocab
 from ...options import (
     NORMALIZATIONS,
     OptionField,
+    check_chunk_route,
     check_numeric_options,
     check_option,
     option_fields,
@@ -73,6 +74,7 @@ class NTLSettings:
 
     def __post_init__(self) -> None:
         check_numeric_options(self, lambda name: surface_name(name, "megatron"))
+        check_chunk_route(self.chunked, self.chunk_tokens, "megatron")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"--ntl-normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if not self.number_vocab:
