@@ -117,10 +117,12 @@ class NTLCausalLMLoss:
         labels: torch.Tensor | None = None,
         vocab_size: int | None = None,
         num_items_in_batch: Any = None,
-        ignore_index: int = -100,
+        ignore_index: int | None = None,
         shift_labels: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
+        if ignore_index is None:  # the caller's value when given, else the options' own (was: always -100)
+            ignore_index = self.options.ignore_index
         if shift_labels is None:
             if labels is None:
                 raise ValueError("NTLCausalLMLoss needs labels or shift_labels")
