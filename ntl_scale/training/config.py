@@ -390,6 +390,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}") from None
         if hint is int and isinstance(value, float) and value != number:
             raise ValueError(f"{where}: expected an integer, got {value!r}")
+        if not math.isfinite(number):  # every numeric key, in one place: inf/nan would reach the run as NaN
+            raise ValueError(f"{where}: expected a finite number, got {value!r}")
         return number
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
