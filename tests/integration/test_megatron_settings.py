@@ -9,7 +9,9 @@ objective written from the definitions (``tests/helpers/reference.py``) on the s
    gradient is the reference's, for every setting, read from the settings (``chunked`` and ``chunk_tokens``
    too: until issue 40 only the variant and the weight were read); ``normalization="global"`` (which this
    route cannot honour) and keywords that contradict the settings are refused; with
-   ``context_parallel_size=2`` number-level NTL cuts numbers at the slice seam (the reference cut the same).
+   ``context_parallel_size=2`` number-level NTL cuts numbers at the slice seam (the reference cut the same);
+   called with ``loss_mask``, ``T`` and ``K`` are the mask's, so Megatron's masked mean is the masked
+   objective (it counted every position).
 2. The Megatron-LM hook (``apply_ntl``): the per-token value is the reference CE, the main head's NTL sums
    are the reference's, the gradient is the reference's micro-batch objective, for every setting;
    ``chunk_tokens`` comes from the settings; ``normalization="global"`` without the step's counts
@@ -113,6 +115,13 @@ def _worker(ctx: WorkerContext) -> None:
                 torch.testing.assert_close(per_token.double(), want.detach(), atol=2e-5, rtol=1e-5, msg=what)
                 per_token.mean().backward()
                 _close_grads(_grads(mixin), _grads(plain), f"mixin {what} cp={cp}")
+                # called with the loss mask, T and K are the mask's: Megatron's masked mean is the masked objective
+                masked = mixin(*inputs, labels=labels, loss_mask=mask).double()
+                numbers_kept = (is_number.double() * mask).sum()
+                want = ce + WEIGHT * ntl * mask.sum() / numbers_kept
+                torch.testing.assert_close(masked, want.detach(), atol=2e-5, rtol=1e-5, msg=f"{what} masked")
+                objective = (ce * mask).sum() / mask.sum() + WEIGHT * (ntl * is_number * mask).sum() / numbers_kept
+                torch.testing.assert_close((masked * mask).sum() / mask.sum(), objective.detach(), atol=1e-6, rtol=1e-6)
             mixin = tiny_gpt(VOCAB, SEQ, tp=1, pp=1, model_class=NTLGPTModel)
             with pytest.raises(ValueError, match=r"normalization='global' \(--ntl-normalization\) cannot be honoured"):
                 mixin.configure_ntl(ntl_megatron.NTLSettings(weight=WEIGHT, normalization="global"), vocab, None)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...losses import NTLOptions, ntl_counts
+from ...losses import NTLOptions, PerTokenTerms, ntl_counts
 from ...normalization import micro_batch_sums, objective, step_counts
 from ...number_vocab import NumberVocab
 from ...options import check_chunk_route, check_option
@@ -315,10 +315,13 @@ class NTLLanguageModelMixin:
         model = NTLGPTModel(config=..., ...)
         model.configure_ntl(settings, vocab, tp_group)
 
-    The per-token loss becomes ``ce_t + weight * ntl_t * T / K`` with ``T`` label positions and
-    ``K`` number positions of the micro-batch, so that Megatron's token mean of it is the mean CE
-    plus ``weight`` times the mean NTL over number tokens (exact when the loss mask keeps every
-    position, as in pretraining without padding).
+    The per-token loss becomes ``ce_t + weight * ntl_t * T / K`` with ``T`` the loss-mask weight of the
+    micro-batch's label positions and ``K`` that of its NTL positions, so that Megatron's masked token
+    mean of it is the mean CE plus ``weight`` times the mean NTL over the number tokens the loss mask
+    keeps. The model sees the loss mask when it is passed to its call (``model(..., labels=labels,
+    loss_mask=loss_mask)``, which ``GPTModel.forward`` takes); without it every position counts (exact
+    when the loss mask keeps every position, as in pretraining without padding). MTP heads, whose labels
+    Megatron rolls, count every position of their labels.
     """
 
     def configure_ntl(
@@ -389,10 +392,23 @@ class NTLLanguageModelMixin:
         labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
         chunked = getattr(self, "_ntl_chunked", (False, None))[0]
         self._ntl_hidden_mode = bool(chunked and labels is not None and getattr(self, "_ntl", (None,))[0] is not None)
+        self._ntl_call = (labels, kwargs.get("loss_mask"))  # the main head's labels and the loss mask, if given
         try:
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._ntl_hidden_mode = False
+            self._ntl_call = (None, None)
+
+    def _ntl_scaled(self, terms: PerTokenTerms, labels: torch.Tensor, settings: NTLSettings) -> torch.Tensor:
+        """``ce + weight * ntl * T / K``: ``T``, ``K`` under the loss mask the model was called with (main head)."""
+        main_labels, mask = getattr(self, "_ntl_call", (None, None))
+        if mask is None or labels is not main_labels:
+            weight = torch.ones_like(terms.ce)
+        else:
+            weight = mask.to(device=terms.ce.device, dtype=terms.ce.dtype).reshape(terms.ce.shape)
+        tokens = weight.sum()
+        numbers = (terms.number_mask.to(weight.dtype) * weight).sum()
+        return terms.ce + settings.weight * terms.ntl * (tokens / numbers.clamp_min(1))
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         settings, vocab, tp_group = getattr(self, "_ntl", (None, None, None))
@@ -402,8 +418,7 @@ class NTLLanguageModelMixin:
             return super().compute_language_model_loss(labels, logits)  # type: ignore[misc]
         pieces = getattr(self, "_ntl_pieces", 1)
         terms = sequence_first_terms(logits, labels, vocab, settings.options(), tp_group=tp_group, pieces=pieces)
-        scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
-        return terms.ce + settings.weight * terms.ntl * scale
+        return self._ntl_scaled(terms, labels, settings)
 
     def _chunked_loss(self, labels, hidden, settings, vocab, tp_group) -> torch.Tensor:
         """Per-token ``ce + weight * ntl * T / K`` from hidden states ``[s(/tp), b, H]``, no logits."""
@@ -416,5 +431,4 @@ class NTLLanguageModelMixin:
         )  # fmt: skip
         if not settings.enabled:
             return terms.ce
-        scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
-        return terms.ce + settings.weight * terms.ntl * scale
+        return self._ntl_scaled(terms, labels, settings)
