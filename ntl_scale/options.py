@@ -26,6 +26,11 @@ why):
 | ``chunked`` | ``train.chunked_loss`` | ``--ntl-chunked`` | ``chunked`` |
 | ``chunk_tokens`` | ``train.loss_chunk_tokens`` | ``--ntl-chunk-tokens`` | ``chunk_tokens`` |
 
+Every numeric option (``weight``, ``squash_factor``, ``huber_delta``, ``chunk_tokens``) is checked once,
+here (:func:`check_option`: finite, in range, the right type), by every front end with its own spelling
+(:func:`check_numeric_options`); ``chunk_tokens`` without ``chunked`` is refused by
+:func:`check_chunk_route`.
+
 ``tests/unit/test_options_surfaces.py`` introspects each front end (the YAML dataclass, the argparse
 parser, ``apply_ntl``'s signature) and fails when an option is missing there or has another default
 than this module declares.
