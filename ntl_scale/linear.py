@@ -48,9 +48,16 @@ summed over the TP group by the caller's layer, as Megatron's ``ColumnParallelLi
 ``weight`` may be a ``DTensor`` split on its rows (``Shard(0)``: a vocabulary-parallel output layer,
 uneven splits included) or replicated: its group and offset replace ``tp_group`` and ``vocab_start``
 (:func:`ntl_scale.parallel.dtensor_vocab_shard`); the gradient reaches it as a DTensor with its
-placements. ``hidden`` is then a plain tensor (the same on every rank of the split; its gradient is
-this shard's part, as above) or a replicated DTensor on the weight's mesh, whose gradient is returned
-as ``Partial`` over the split's mesh dimension, so DTensor sums it when it is redistributed.
+placements. ``hidden`` is then a replicated DTensor on the weight's mesh, which says that the ranks of
+the split hold the same tokens; its gradient is returned as ``Partial`` over the split's mesh dimension,
+so DTensor sums it when it is redistributed. A plain ``hidden`` beside a row-split weight is refused:
+it does not say whether the ranks share the tokens (tensor parallelism) or hold their own (an FSDP2
+``fully_shard`` weight used outside its module's forward is the same ``Shard(0)`` DTensor over
+data-parallel ranks; taking it for a vocabulary split mixed the ranks' tokens, issue 40). For the plain
+route pass ``weight.to_local()`` with ``tp_group`` and ``vocab_start``; for FSDP2 call the loss inside the
+module's forward, or gather the weight with ``weight.redistribute(placements=[Replicate()]).to_local(
+grad_placements=[Partial("avg")])`` (each rank its own tokens, the weight gradient averaged over the
+ranks as FSDP2 averages it). A plain ``hidden`` beside a replicated weight is fine: nothing is split.
 """
 
 from __future__ import annotations
@@ -405,6 +412,39 @@ def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
         raise ValueError(f"hidden is on {hidden.device} and weight on {weight.device}; put both on one device")
 
 
+def _refuse_ambiguous_split(hidden: Any, weight: Any) -> None:
+    """Refuses a sharded DTensor ``weight`` with a plain ``hidden``: nothing says what the split means.
+
+    A ``Shard(0)`` weight is a vocabulary split only if the ranks of that mesh dimension hold the same
+    tokens (tensor parallelism); an FSDP2 (``fully_shard``) parameter used outside its module's forward
+    is the same ``Shard(0)`` DTensor over data-parallel ranks that hold their own tokens, and taking it
+    for a vocabulary split mixes their softmax statistics. A plain tensor carries no placement to tell the
+    two apart (torch's own DTensor ops refuse a plain tensor beside a DTensor for this reason); a DTensor
+    ``hidden`` replicated on the weight's mesh says the tokens are the same, so only that is taken for a
+    vocabulary split.
+    """
+    if is_dtensor(hidden):
+        return
+    from torch.distributed.tensor import Shard
+
+    placements = tuple(weight.placements)
+    if not any(isinstance(p, Shard) and p.dim % max(weight.dim(), 1) == 0 for p in placements):
+        return  # no row split (replicated: the whole weight; other placements: dtensor_vocab_shard's errors)
+    mesh = weight.device_mesh
+    raise ValueError(
+        f"weight is a DTensor with placements {placements} on {mesh} but hidden is a plain tensor, which does not "
+        "say whether the ranks of that mesh hold the same tokens (a vocabulary-parallel output layer under tensor "
+        "parallelism) or their own (an FSDP2 fully_shard parameter used outside its module's forward, sharded over "
+        "data-parallel ranks: taking it for a vocabulary split would mix the ranks' tokens). Tensor parallelism: "
+        "pass hidden as a DTensor replicated on the weight's mesh (DTensor.from_local(hidden, weight.device_mesh, "
+        "[Replicate()] * weight.device_mesh.ndim)), or weight.to_local() with tp_group and vocab_start. FSDP2: call "
+        "the loss inside the sharded module's forward, where FSDP2 has gathered the weight "
+        "(ntl_scale.integrations.hf.ChunkedLossCausalLM does), or gather it with its gradient reduced over the "
+        "data-parallel ranks as FSDP2 reduces it: weight.redistribute(placements=[Replicate()] * "
+        "weight.device_mesh.ndim).to_local(grad_placements=[Partial('avg')] * weight.device_mesh.ndim)"
+    )
+
+
 def _local_hidden(hidden: Any, weight: Any) -> torch.Tensor:
     """``hidden`` for a DTensor ``weight``: a plain tensor as it is, a replicated DTensor as its local tensor
     whose gradient is ``Partial`` where the weight is sharded (each shard gives its part of the sum)."""
@@ -417,7 +457,7 @@ def _local_hidden(hidden: Any, weight: Any) -> torch.Tensor:
         raise ValueError(
             f"hidden is a DTensor with placements {placements} on {hidden.device_mesh}; with a DTensor weight it "
             f"must be replicated on the weight's mesh {weight.device_mesh} (hidden.redistribute(placements="
-            "[Replicate()])), or pass a plain tensor"
+            "[Replicate()])); a plain hidden goes only with a replicated weight or weight.to_local() and tp_group"
         )
     grad = [Replicate() if isinstance(p, Replicate) else Partial() for p in weight.placements]
     return hidden.to_local(grad_placements=grad)
@@ -486,6 +526,7 @@ def linear_ce_ntl(
     if is_dtensor(weight):
         if not isinstance(vocab, NumberVocab):
             raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
+        _refuse_ambiguous_split(hidden, weight)
         hidden = _local_hidden(hidden, weight)
         weight, tp_group, vocab_start = resolve_vocab_shard(
             weight, vocab.vocab_size, tp_group, vocab_start, dim=0, name="weight"

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from .options import check_squash_factor
+
 __all__ = [
     "NumberVocab",
     "VocabShard",
@@ -446,11 +448,7 @@ class NumberVocab:
         diff = (self._values.unsqueeze(0) - self._values.unsqueeze(1)).abs()
         if squash_factor is None:
             return diff
-        if isinstance(squash_factor, bool) or not isinstance(squash_factor, (int, float)) or not squash_factor > 1:
-            raise ValueError(
-                f"squash_factor must be a number > 1 (how much worse the farthest number is than the "
-                f"closest wrong one), got {squash_factor!r}; use None for plain |v_i - v_j|"
-            )
+        check_squash_factor(squash_factor)  # finite and > 1: inf would give 0 * inf = NaN entries
         nonzero = diff.masked_fill(diff == 0, torch.finfo(diff.dtype).max)
         smallest, largest = nonzero.min(), diff.max()
         # branch-free (torch.compile traces it): all distances equal, or none nonzero, keeps |v_i - v_j|

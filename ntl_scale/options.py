@@ -26,6 +26,11 @@ why):
 | ``chunked`` | ``train.chunked_loss`` | ``--ntl-chunked`` | ``chunked`` |
 | ``chunk_tokens`` | ``train.loss_chunk_tokens`` | ``--ntl-chunk-tokens`` | ``chunk_tokens`` |
 
+Every numeric option (``weight``, ``squash_factor``, ``huber_delta``, ``chunk_tokens``) is checked once,
+here (:func:`check_option`: finite, in range, the right type), by every front end with its own spelling
+(:func:`check_numeric_options`); ``chunk_tokens`` without ``chunked`` is refused by
+:func:`check_chunk_route`.
+
 ``tests/unit/test_options_surfaces.py`` introspects each front end (the YAML dataclass, the argparse
 parser, ``apply_ntl``'s signature) and fails when an option is missing there or has another default
 than this module declares.
@@ -39,7 +44,9 @@ import functools
 import inspect
 import itertools
 import math
+import numbers
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,13 +60,20 @@ __all__ = [
     "IMPLS",
     "LOSS_KINDS",
     "NORMALIZATIONS",
+    "NUMERIC_CHECKS",
     "REDUCTIONS",
     "SURFACES",
     "NTLOptions",
     "NTLRunOptions",
     "OptionField",
+    "check_chunk_route",
+    "check_chunk_tokens",
+    "check_huber_delta",
     "check_impl",
     "check_ntl_weight",
+    "check_numeric_options",
+    "check_option",
+    "check_squash_factor",
     "option_field",
     "option_fields",
     "surface_default",
@@ -90,12 +104,85 @@ def check_impl(impl: object) -> str:
     return impl
 
 
+def _is_number(value: object) -> bool:
+    """A real number, not a bool (``True`` is an int to Python, never an option value)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_ntl_weight(weight: object, name: str = "ntl_weight") -> float:
     """The NTL weight as a float, or a ``ValueError`` naming ``name`` (the spelling of the front end that
     passed it: ``ntl_weight``, ``ntl.weight``, ``--ntl-weight``). A finite number >= 0; not a bool."""
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or not weight >= 0:
+    if not _is_number(weight) or not math.isfinite(weight) or not weight >= 0:  # type: ignore[arg-type, operator]
         raise ValueError(f"{name} must be a finite number >= 0 (0.3 in the paper, 0 = CE alone), got {weight!r}")
-    return float(weight)
+    return float(weight)  # type: ignore[arg-type]
+
+
+def check_squash_factor(value: object, name: str = "squash_factor") -> float | None:
+    """``squash_factor`` as a float (or None): a finite number > 1; a ``ValueError`` naming ``name`` otherwise.
+
+    ``inf`` is refused: the squashed distance table would hold ``0 * inf`` (NaN) entries."""
+    if value is None:
+        return None
+    if not _is_number(value) or not math.isfinite(value) or not value > 1:  # type: ignore[arg-type, operator]
+        raise ValueError(
+            f"{name} must be a finite number > 1 (how much worse the farthest number is than the closest wrong one; "
+            f"1 would turn NTL-WAS into cross entropy), got {value!r}; use None for plain |v_i - v_j|"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_huber_delta(value: object, name: str = "huber_delta") -> float:
+    """``huber_delta`` as a float: a finite number > 0; a ``ValueError`` naming ``name`` otherwise."""
+    if not _is_number(value) or not math.isfinite(value) or not value > 0:  # type: ignore[arg-type, operator]
+        raise ValueError(
+            f"{name} must be a finite number > 0 (the Huber loss's threshold between its quadratic and linear "
+            f"parts; 1.0 by default), got {value!r}"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_chunk_tokens(value: object, name: str = "chunk_tokens") -> int | None:
+    """``chunk_tokens`` as an int (or None): a whole number >= 1; a ``ValueError`` naming ``name`` otherwise
+    (0 or less made empty chunks; a float such as 2.5 or ``inf`` is not a token count)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(
+            f"{name} must be a whole number >= 1 (tokens per chunk) or None, got {value!r}; "
+            "pass e.g. chunk_tokens=512, or None for the default budget"
+        )
+    return int(value)
+
+
+NUMERIC_CHECKS = {
+    "weight": check_ntl_weight,
+    "squash_factor": check_squash_factor,
+    "huber_delta": check_huber_delta,
+    "chunk_tokens": check_chunk_tokens,
+}
+"""The one check of every numeric option (finite, in range, the right type), by option name: every front
+end (the Python API, the YAML sections, torchtitan's ``NTLLoss.Config``, Megatron's flags and
+``NTLSettings``, Hugging Face's ``apply_ntl``) calls :func:`check_option` with its own spelling."""
+
+
+def check_option(name: str, value: object, spelling: str | None = None) -> Any:
+    """Checks the numeric option ``name`` (:data:`NUMERIC_CHECKS`); returns it converted (float, int or None).
+
+    Raises:
+        ValueError: naming ``spelling`` (the front end's name of the option; default ``name``), the value
+            and what is expected. Non-finite values (``inf``, ``nan``) are refused for every option.
+    """
+    if name not in NUMERIC_CHECKS:
+        raise ValueError(f"{name!r} is not a numeric NTL option; the numeric options are {sorted(NUMERIC_CHECKS)}")
+    return NUMERIC_CHECKS[name](value, spelling or name)
+
+
+def check_numeric_options(settings: object, spell: Callable[[str], str | None]) -> None:
+    """:func:`check_option` of every numeric option ``settings`` carries (by attribute name), each named as
+    ``spell(name)`` says its front end spells it (``ntl.squash_factor``, ``--ntl-squash-factor``, ...)."""
+    for name in NUMERIC_CHECKS:
+        if hasattr(settings, name):
+            check_option(name, getattr(settings, name), spell(name))
 
 
 @dataclass(frozen=True)
@@ -133,14 +220,10 @@ class NTLOptions:
         if self.squash_factor is not None:
             if self.loss != "was":
                 raise ValueError(f"squash_factor applies to loss='was' only, got loss={self.loss!r}")
-            if isinstance(self.squash_factor, bool) or not isinstance(self.squash_factor, (int, float)):
-                raise TypeError(f"squash_factor must be a number > 1 or None, got {self.squash_factor!r}")
-            if not self.squash_factor > 1:
-                raise ValueError(
-                    f"squash_factor must be > 1 (1 would turn NTL-WAS into cross entropy), got {self.squash_factor}"
-                )
-        if not isinstance(self.huber_delta, (int, float)) or not self.huber_delta > 0:
-            raise ValueError(f"huber_delta must be a number > 0, got {self.huber_delta!r}")
+            if isinstance(self.squash_factor, bool) or not isinstance(self.squash_factor, numbers.Real):
+                raise TypeError(f"squash_factor must be a finite number > 1 or None, got {self.squash_factor!r}")
+            check_squash_factor(self.squash_factor)
+        check_huber_delta(self.huber_delta)
         if self.huber_delta != 1.0 and self.loss != "huber":  # ignored otherwise: say so, like squash_factor
             raise ValueError(
                 f"huber_delta={self.huber_delta!r} applies to loss='huber' only, got loss={self.loss!r}; "
@@ -206,7 +289,7 @@ class NTLRunOptions:
     """``auto``, ``torch`` or ``triton``: which code computes the loss (:attr:`NTLOptions.impl`)."""
 
     def __post_init__(self) -> None:
-        check_ntl_weight(self.weight, "ntl.weight")
+        check_numeric_options(self, lambda name: f"ntl.{name}")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"ntl.normalization must be 'global' or 'micro-batch', got {self.normalization!r}")
         if self.loss == "number" and not self.digit_level:
@@ -227,6 +310,17 @@ def variant_of(settings: object, ignore_index: int = -100) -> NTLOptions:
     section, Megatron's ``NTLSettings``), with ``ignore_index`` given: one mapping for every front end."""
     names = [f.name for f in dataclasses.fields(NTLOptions) if f.name != "ignore_index"]
     return NTLOptions(**{name: getattr(settings, name) for name in names}, ignore_index=ignore_index)
+
+
+def check_chunk_route(chunked: object, chunk_tokens: object, surface: str) -> None:
+    """Refuses ``chunk_tokens`` without ``chunked`` (a value no code would read), named as ``surface`` spells
+    them (:func:`surface_name`), like ``squash_factor`` without ``loss="was"``."""
+    if chunk_tokens is not None and not chunked:
+        tokens, route = surface_name("chunk_tokens", surface), surface_name("chunked", surface)
+        raise ValueError(
+            f"{tokens}={chunk_tokens!r} applies to the chunked route only, but {route} is off: turn {route} on "
+            f"or drop {tokens}"
+        )
 
 
 # ---------------------------------------------------------------------------------- the spec

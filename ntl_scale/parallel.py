@@ -30,7 +30,6 @@ the losses and checks the call.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .kernels import triton_ce_ntl
+from .options import check_chunk_tokens as options_check_chunk_tokens
 from .options import check_impl
 
 __all__ = [
@@ -81,14 +81,9 @@ def index_add(acc: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Te
 
 
 def check_chunk_tokens(chunk_tokens: int | None) -> None:
-    """Refuses a ``chunk_tokens`` that is not None or a whole number >= 1 (0 or less made empty chunks)."""
-    if chunk_tokens is None:
-        return
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, numbers.Integral) or chunk_tokens < 1:
-        raise ValueError(
-            f"chunk_tokens must be a whole number >= 1 (tokens per chunk) or None, got {chunk_tokens!r}; "
-            "pass e.g. chunk_tokens=512, or None for the default budget"
-        )
+    """Refuses a ``chunk_tokens`` that is not None or a whole number >= 1 (the spec's check:
+    :func:`ntl_scale.options.check_chunk_tokens`)."""
+    options_check_chunk_tokens(chunk_tokens)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

@@ -188,3 +188,21 @@ def test_chunked_refuses_what_it_cannot_reproduce(setup):
     )
     with pytest.raises(ValueError, match="bias-free"):
         apply_ntl(gptj, vocab, chunked=True)
+
+
+def test_the_options_ignore_index_is_honoured():
+    """``NTLCausalLMLoss(options=NTLOptions(ignore_index=-1))``: the logits path replaced it by -100 when the
+    caller (a model's ``loss_function`` call) did not pass one (issue 40's sweep: an option read in part)."""
+    from ntl_scale.integrations.hf.loss import NTLCausalLMLoss, shift_labels
+
+    vocab = ntl_scale.NumberVocab.from_id_to_token({i: str(i) for i in range(10)}, vocab_size=14)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 14, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 14, (2, 6), generator=g)
+    labels[:, :2] = -1  # a prompt masked with -1
+    loss = NTLCausalLMLoss(vocab, 0.3, ntl_scale.NTLOptions(ignore_index=-1))
+    want = ntl_scale.ce_with_ntl(logits, shift_labels(labels, -1), vocab, ntl_weight=0.3, ignore_index=-1)
+    torch.testing.assert_close(loss(logits, labels), want.loss)
+    # a caller's explicit ignore_index still wins (a per-call argument, as in Hugging Face's own loss)
+    relabelled = torch.where(labels == -1, -100, labels)
+    torch.testing.assert_close(loss(logits, relabelled, ignore_index=-100), want.loss)

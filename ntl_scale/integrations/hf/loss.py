@@ -38,7 +38,7 @@ import torch
 from ...losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl, check_number_level_table, per_token_ce_ntl
 from ...normalization import means, micro_batch_sums
 from ...number_vocab import NumberVocab
-from ...options import check_ntl_weight
+from ...options import check_chunk_route, check_ntl_weight, check_option
 
 __all__ = [
     "NTLCausalLMLoss",
@@ -117,10 +117,12 @@ class NTLCausalLMLoss:
         labels: torch.Tensor | None = None,
         vocab_size: int | None = None,
         num_items_in_batch: Any = None,
-        ignore_index: int = -100,
+        ignore_index: int | None = None,
         shift_labels: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
+        if ignore_index is None:  # the caller's value when given, else the options' own (was: always -100)
+            ignore_index = self.options.ignore_index
         if shift_labels is None:
             if labels is None:
                 raise ValueError("NTLCausalLMLoss needs labels or shift_labels")
@@ -214,8 +216,8 @@ def apply_ntl(
             f"the number table covers {number_vocab.vocab_size} ids but the model has vocab_size={size}; build it "
             "with NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)"
         )
-    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
-        raise ValueError(f"chunk_tokens must be a positive int (or None for the default), got {chunk_tokens!r}")
+    check_option("chunk_tokens", chunk_tokens)
+    check_chunk_route(chunked, chunk_tokens, "hf")  # the logits path would not read it
     installed = model.__dict__.get(_MARK)
     if installed is not None:
         loss = installed["loss"]

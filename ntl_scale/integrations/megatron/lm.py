@@ -39,8 +39,9 @@ import torch.distributed as dist
 from ...losses import PerTokenTerms
 from ...normalization import micro_batch_sums, step_counts
 from ...number_vocab import NumberVocab
+from ...options import check_chunk_route
 from .args import NTLSettings
-from .terms import output_layer_terms, sequence_first_terms
+from .terms import context_parallel_pieces, output_layer_terms, sequence_first_terms
 
 __all__ = [
     "GPTModelNTL",
@@ -222,7 +223,8 @@ class GPTModelNTL:
         """Number-level NTL under context parallelism: the local sequence is 2 slices of the global one
         that are not neighbours (Megatron's load-balanced split); no number is assembled across them."""
         cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
-        if cp == 1 or self.options.loss != "number":
+        pieces = context_parallel_pieces(cp, self.options)
+        if pieces == 1:
             return 1
         if self._call is not None and self._call.get("packed") is not None:
             raise ValueError(
@@ -230,7 +232,7 @@ class GPTModelNTL:
                 "slices of a packed sequence follow its documents, which NTL's step counts cannot see. Use a "
                 "token-level --ntl-loss, or unpacked sequences, or --context-parallel-size 1"
             )
-        return 2
+        return pieces
 
     def _terms(self, labels: torch.Tensor, logits_or_hidden: torch.Tensor) -> PerTokenTerms:
         # Megatron's NaN/Inf checks judge the loss, so non-finite logits must reach them as a NaN
@@ -281,6 +283,12 @@ class GPTModelNTL:
         terms = self._terms(labels, logits)
         sums = micro_batch_sums(terms, self._mask_of_head(labels, 0 if main else call["mtp"]))
         local_tokens, local_numbers = sums.tokens, sums.numbers
+        if main and self.scale is None and self.settings.normalization == "global" and torch.is_grad_enabled():
+            raise RuntimeError(
+                "--ntl-normalization global needs the step's global counts, which NTLForwardStep sets before each "
+                "training forward (hook.scale); wrap forward_step in NTLForwardStep (launch/pretrain_gpt_ntl.py "
+                "does), or use normalization='micro-batch'"
+            )
         if main and self.scale is not None and torch.is_grad_enabled():
             a, b = self.scale.weights(local_tokens)
         else:
@@ -310,12 +318,25 @@ def apply_ntl(
         settings: the NTL settings (``settings.chunked`` selects the hidden-state route).
         vocab: the number table over the padded vocabulary.
         tp_group: the tensor-parallel group of the output layer.
-        cp_group: the context-parallel group (MTP heads roll their loss mask across it).
-        chunk_tokens: tokens per chunk of the chunked route (default: the op's own).
+        cp_group: the context-parallel group (MTP heads roll their loss mask across it; number-level NTL
+            cuts numbers at its slice borders, :func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`).
+        chunk_tokens: tokens per chunk of the chunked route; None: ``settings.chunk_tokens`` (another value
+            than a set ``settings.chunk_tokens`` is refused, as is a value without ``settings.chunked``).
+
+    ``settings.normalization == "global"`` needs the step's counts, which :class:`NTLForwardStep` sets
+    (``hook.scale``); a training forward without them raises instead of falling back to the micro-batch mean.
 
     Returns:
         The installed :class:`GPTModelNTL` (the same object on a second call).
     """
+    if chunk_tokens is None:
+        chunk_tokens = settings.chunk_tokens
+    elif settings.chunk_tokens is not None and chunk_tokens != settings.chunk_tokens:
+        raise ValueError(
+            f"apply_ntl(chunk_tokens={chunk_tokens!r}) contradicts settings.chunk_tokens={settings.chunk_tokens!r} "
+            "(--ntl-chunk-tokens); pass one of them"
+        )
+    check_chunk_route(settings.chunked, chunk_tokens, "megatron")
     core = find_language_model(model)
     existing = getattr(core, _ATTR, None)
     if existing is not None:
@@ -492,7 +513,7 @@ class NTLForwardStep:
                 self.vocab,
                 self.settings.options(),
                 loss_masks=[item["loss_mask"] for item in counted],
-                pieces=2 * cp if cp > 1 and self.settings.loss == "number" else 1,
+                pieces=context_parallel_pieces(cp, self.settings.options(), whole_sequence=True),
                 group=self.groups.count_group,
                 device=self.groups.device,
             )

@@ -57,7 +57,7 @@ from torchtitan.tools.logging import logger
 
 from ...normalization import micro_batch_sums
 from ...number_vocab import NumberVocab
-from ...options import NTLOptions, check_ntl_weight, option_field, variant_of
+from ...options import NTLOptions, check_numeric_options, option_field, variant_of
 from ...terms import per_token_ce_ntl
 
 __all__ = ["METRICS", "NOT_CONFIG_FIELDS", "NTLLoss", "number_table"]
@@ -118,10 +118,8 @@ class NTLLoss(BaseLoss):
         model's."""
 
         def __post_init__(self) -> None:
-            check_ntl_weight(self.weight, "loss.weight")
+            check_numeric_options(self, lambda name: f"loss.{name}")  # finite, in range: options.py's checks
             self.options()
-            if self.chunk_tokens is not None and (isinstance(self.chunk_tokens, bool) or self.chunk_tokens < 1):
-                raise ValueError(f"loss.chunk_tokens must be a positive int or None, got {self.chunk_tokens!r}")
             if self.loss == "number" and not self.digit_level:
                 raise ValueError(
                     "loss.loss=number assembles numbers from single-digit tokens and cannot read a multi-digit "
