@@ -1,6 +1,6 @@
 """pytest plugin: torchtitan's own loss tests with ntl_scale's ``NTLLoss`` in place of torchtitan's CE. Test only.
 
-    python -m pytest -p tests.helpers.torchtitan_ntl_swap --ntl-weight 0.3 <torchtitan's test files>
+    python -m pytest -p tests.helpers.torchtitan_ntl_swap --ntl-weight 0.3 [--ntl-calls DIR] <torchtitan's test files>
 
 The upstream files run unmodified (``tests/integration/test_torchtitan_upstream.py`` extracts them from
 ``../shared/third_party``). What is swapped, in the test process and in every process torch's
@@ -16,7 +16,10 @@ The number table makes the tokens ``0 .. min(V - 1, 1000) - 1`` numbers (token i
 ``i % 10``; a table needs one token that is not a number, and NTL-WAS keeps a numbers x numbers distance
 table, so not all of a 32000-token vocabulary), and the stand-in hands ``NTLLoss`` torchtitan's
 ``global_valid_tokens`` as the step's NTL count ``K``, so that ``loss = (sum CE + weight * sum NTL) /
-global_valid_tokens`` on every route a test compares (chunked or not, with or without a count). torchtitan's CE protocol returns a **sum** when no
+global_valid_tokens`` on every route a test compares (chunked or not, with or without a count).
+
+With ``--ntl-calls DIR`` every stand-in records each use, one file per process (``DIR/<pid>.tsv``: the test
+and ``built`` or ``called``), so a run can show that the loss it tested was ``NTLLoss``, on every rank. torchtitan's CE protocol returns a **sum** when no
 ``global_valid_tokens`` is given; its stand-in returns ``sum CE + weight * sum NTL`` (``NTLLoss`` with a
 count of 1), except at weight 0, where ``NTLLoss``'s own call without a count (the CE sum) is run.
 """
@@ -24,6 +27,7 @@ count of 1), except at weight 0, where ``NTLLoss``'s own call without a count (t
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -37,10 +41,11 @@ _SWAPPED_NAMES = ("cross_entropy_loss", "_LossParallelCrossEntropy")
 
 def pytest_addoption(parser: Any) -> None:
     parser.addoption("--ntl-weight", type=float, default=0.0, help="NTLLoss weight of the swapped-in loss")
+    parser.addoption("--ntl-calls", default=None, help="a folder where each process records its uses of NTLLoss")
 
 
 def pytest_configure(config: Any) -> None:
-    install(config.getoption("--ntl-weight"))
+    install(config.getoption("--ntl-weight"), config.getoption("--ntl-calls"))
 
 
 def pytest_unconfigure(config: Any) -> None:
@@ -57,8 +62,18 @@ def pytest_collection_modifyitems(items: list[Any]) -> None:
 # ------------------------------------------------------------------------------ the loss
 
 
+def record(event: str) -> None:
+    """Notes a use of the stand-ins under ``--ntl-calls`` (the test: pytest's, or the rank's in a spawned rank)."""
+    folder = _STATE.get("calls")
+    if folder:
+        test = _STATE.get("test") or os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(Path(folder) / f"{os.getpid()}.tsv", "a") as out:
+            out.write(f"{test}\t{event}\n")
+
+
 def number_loss(vocab_size: int) -> Any:
     """The ``NTLLoss`` of this run for ``vocab_size`` tokens (the numbers: the module docstring)."""
+    record("called")
     cache: dict[int, Any] = _STATE["losses"]
     if vocab_size not in cache:
         from torch.utils._python_dispatch import _disable_current_modes
@@ -86,6 +101,7 @@ class NTLAsCrossEntropy:
     def __init__(self, config: Any, *, compile_config: Any = None) -> None:
         del compile_config
         self.global_vocab_size = config.global_vocab_size
+        record("built")
 
     def __call__(
         self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens: Any = None, **kwargs: Any
@@ -137,7 +153,7 @@ _REPLACEMENTS = {"cross_entropy_loss": ntl_cross_entropy_loss, "_LossParallelCro
 # ------------------------------------------------------------------------------ installing it
 
 
-def install(weight: float) -> None:
+def install(weight: float, calls: str | None = None) -> None:
     """Swaps the loss in torchtitan (``CrossEntropyLoss.Config`` builds :class:`NTLAsCrossEntropy`)."""
     import torchtitan.components.loss as tt_loss
     from torch.testing._internal.common_distributed import MultiProcessTestCase
@@ -146,6 +162,7 @@ def install(weight: float) -> None:
         uninstall()
     _STATE.update(
         weight=float(weight),
+        calls=calls,
         losses={},
         dir=tempfile.mkdtemp(prefix="ntl_swap_"),
         owner=tt_loss.CrossEntropyLoss.Config._owner,
@@ -190,15 +207,18 @@ def _spawn_with_swap(original: Any) -> Any:
 
     def start_processes(self: Any, proc: Any) -> None:
         def with_swap(*args: Any, target: Any, **kwargs: Any) -> Any:
-            return proc(*args, target=functools.partial(_child_main, _STATE["weight"], target), **kwargs)
+            run = functools.partial(_child_main, _STATE["weight"], _STATE["calls"], target)
+            return proc(*args, target=run, **kwargs)
 
         original(self, with_swap)
 
     return start_processes
 
 
-def _child_main(weight: float, target: Any, *args: Any, **kwargs: Any) -> Any:
+def _child_main(weight: float, calls: str | None, target: Any, *args: Any, **kwargs: Any) -> Any:
     """A spawned rank: the swap in this process and in the re-imported test module, then torch's own entry."""
-    install(weight)
-    swap_module(sys.modules[target.__self__.__module__])
+    install(weight, calls)
+    module = target.__self__.__module__
+    _STATE["test"] = f"{module}::{target.__self__.__name__}::{args[1]}"  # MultiProcessTestCase._run(rank, test, ...)
+    swap_module(sys.modules[module])
     return target(*args, **kwargs)
