@@ -389,7 +389,6 @@ def shift_into(src: torch.Tensor, shift: torch.Tensor, out: torch.Tensor) -> tor
     return out.copy_(src).sub_(shift.unsqueeze(1))
 
 
-
 class ShardMath:
     """Per-shard steps of the fused op: pure functions, no communication."""
 

@@ -17,11 +17,12 @@ The number table makes the tokens ``0 .. min(V - 1, 1000) - 1`` numbers (token i
 table, so not all of a 32000-token vocabulary), and the stand-in hands ``NTLLoss`` torchtitan's
 ``global_valid_tokens`` as the step's NTL count ``K``, so that ``loss = (sum CE + weight * sum NTL) /
 global_valid_tokens`` on every route a test compares (chunked or not, with or without a count).
+torchtitan's CE protocol returns a **sum** when no ``global_valid_tokens`` is given; its stand-in returns
+``sum CE + weight * sum NTL`` (``NTLLoss`` with a count of 1), except at weight 0, where ``NTLLoss``'s own
+call without a count (the CE sum) is run.
 
-With ``--ntl-calls DIR`` every stand-in records each use, one file per process (``DIR/<pid>.tsv``: the test
-and ``built`` or ``called``), so a run can show that the loss it tested was ``NTLLoss``, on every rank. torchtitan's CE protocol returns a **sum** when no
-``global_valid_tokens`` is given; its stand-in returns ``sum CE + weight * sum NTL`` (``NTLLoss`` with a
-count of 1), except at weight 0, where ``NTLLoss``'s own call without a count (the CE sum) is run.
+With ``--ntl-calls DIR`` every stand-in records each use, one file per process (``DIR/<pid>.tsv``: the
+test and ``built`` or ``called``), so a run can show that the loss it tested was ``NTLLoss``, on every rank.
 """
 
 from __future__ import annotations

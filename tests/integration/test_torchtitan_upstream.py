@@ -1,12 +1,13 @@
 """torchtitan's own loss tests, unmodified, with ntl_scale's ``NTLLoss`` in place of torchtitan's CE.
 
 The files come from ``../shared/third_party/torchtitan-release-0.3-loss-tests.tar.gz`` (torchtitan
-``release/0.3``; ``NTL_SCALE_THIRD_PARTY`` names another folder: ``tests/unit_tests/test_loss.py``, ``test_loss_dtensor.py``, ``test_invalid_loss.py``,
-``test_trainer.py`` and graph_trainer's ``test_chunked_loss.py``), extracted once into the cache. Each
-run is one pytest process over them with the plugin :mod:`tests.helpers.torchtitan_ntl_swap`, which
-swaps the loss in (also in the ranks torch's ``MultiProcessTestCase`` spawns: the 4-rank
-``test_loss_parallel_cross_entropy_parity`` and the 8-rank ``test_loss_dtensor.py`` run at their own
-sizes, over gloo, because their meshes are written for them). A JUnit report says what passed.
+``release/0.3``; ``NTL_SCALE_THIRD_PARTY`` names another folder): ``tests/unit_tests/test_loss.py``,
+``test_loss_dtensor.py``, ``test_invalid_loss.py``, ``test_trainer.py`` and graph_trainer's
+``test_chunked_loss.py``, extracted once into the cache. Each run is one pytest process over them with
+the plugin :mod:`tests.helpers.torchtitan_ntl_swap`, which swaps the loss in, also in the ranks torch's
+``MultiProcessTestCase`` spawns (the 4-rank ``test_loss_parallel_cross_entropy_parity`` and the 8-rank
+``test_loss_dtensor.py`` run at their own sizes over gloo: their meshes are written for them). A JUnit
+report says what passed; each process's record of its ``NTLLoss`` calls, that the loss was ours.
 
 1. weight 0: every test of the five files passes: ``NTLLoss`` is torchtitan's CE there, bit for bit
    (the parity test asks ``torch.equal`` of the loss and the logits' gradients with ``loss_parallel``),
@@ -129,7 +130,9 @@ def check_ntl_ran(callers: dict[str, set[int]], ranks: dict[str, int]) -> None:
     for name in CHUNKED:
         assert callers.get(name), f"{name} never called NTLLoss: {sorted(callers)}"
     for name, size in ranks.items():
-        assert len(callers.get(name, ())) == size, f"{name}: NTLLoss called in {callers.get(name)}, expected {size} ranks"
+        assert len(callers.get(name, ())) == size, (
+            f"{name}: NTLLoss called in {callers.get(name)}, expected {size} ranks"
+        )
 
 
 def test_weight_0_every_upstream_test_passes(tmp_path: Path) -> None:

@@ -25,10 +25,19 @@ The vocabulary split is found the way torchtitan's own CE finds it:
   (``_LossParallelCrossEntropy``'s split); ``V`` is the number table's ``vocab_size``;
 * ``DTensor`` logits (``partial_dtensor``): ``Shard(-1)`` (or replicated), group and offset from the
   placement (:func:`ntl_scale.parallel.dtensor_vocab_shard`);
+* ``DTensor`` logits and labels (``full_dtensor``): as torchtitan's ``_cross_entropy_via_local_map``, the
+  labels placed like the logits with the vocabulary split replaced by ``Replicate``, each rank's tokens
+  computed locally (``local_map``), the loss a DTensor ``Partial`` over the mesh dims that split tokens;
 * otherwise full logits.
 
 The fused CE + NTL adds no collective to a vocabulary-parallel CE: one MAX and one SUM all-reduce on the
 TP group per call (torchtitan's own vocab-parallel CE issues three), none in the backward.
+
+At weight 0 the loss is torchtitan's own CE op on the same inputs (bit for bit, SPMD types included) and
+the NTL metrics come from a forward-only pass of the fused op (its two all-reduces under TP); at weight
+> 0 the fused op's CE is within a few float32 ulps of torchtitan's, not bitwise (``docs/torchtitan.md``).
+Under torchtitan's strict SPMD type checking the loss and the metrics get the types torchtitan gives its
+CE's loss (:data:`LOSS_TYPE`), so ``ChunkedLossWrapper`` can add them.
 
 Without ``global_valid_tokens`` (torchtitan's validator) the loss is the CE **sum**, so the logged
 validation loss is CE, comparable across NTL weights.
@@ -297,7 +306,7 @@ class NTLLoss(BaseLoss):
         return loss, dict(zip(METRICS, values))
 
     def _call_full_dtensor(
-        self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor | None
+        self, pred: torch.Tensor, labels: Any, global_valid_tokens: torch.Tensor | None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """torchtitan's ``full_dtensor`` backend: DTensor logits and labels on one mesh.
 
@@ -358,7 +367,9 @@ class NTLLoss(BaseLoss):
 
         loss = local_map(
             local_loss,
-            out_placements=[Partial() if isinstance(p, Shard) and p.dim != vocab_dim else Replicate() for p in placements],
+            out_placements=[
+                Partial() if isinstance(p, Shard) and p.dim != vocab_dim else Replicate() for p in placements
+            ],
             in_placements=(placements, expected),
             in_grad_placements=(placements, expected),
             device_mesh=mesh,
