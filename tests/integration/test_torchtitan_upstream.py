@@ -135,6 +135,7 @@ def check_ntl_ran(callers: dict[str, set[int]], ranks: dict[str, int]) -> None:
         )
 
 
+@pytest.mark.distributed
 def test_weight_0_every_upstream_test_passes(tmp_path: Path) -> None:
     outcomes, callers = run_upstream(0.0, FILES, tmp_path)
     assert len(outcomes) == PASSED_AT_0, sorted(outcomes)
