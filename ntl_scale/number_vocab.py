@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ._tracing import is_tracing
 from .options import check_squash_factor
 
 __all__ = [
@@ -133,6 +134,12 @@ class VocabShard:
     def size(self) -> int:
         """Number of vocabulary columns in the shard."""
         return self.end - self.start
+
+
+def _keepable(*tensors: torch.Tensor) -> bool:
+    """Whether tensors built for a cache may be kept: not while a graph is traced, whose tensors (fake,
+    functional or proxied, also in a traced call's untraced parts) belong to the trace, not to later calls."""
+    return not is_tracing() and all(type(t) is torch.Tensor for t in tensors)
 
 
 class NumberVocab:
@@ -463,7 +470,8 @@ class NumberVocab:
         tensor = self._device_cache.get(key)
         if tensor is None:
             tensor = build().to(dev)
-            self._device_cache[key] = tensor
+            if _keepable(tensor):
+                self._device_cache[key] = tensor
         return tensor
 
     # ------------------------------------------------------------------ sharding
@@ -511,7 +519,8 @@ class NumberVocab:
                 table_index=torch.arange(first, last),
                 values=self._values[first:last],
             )
-            self._shards[(start, end)] = shard
+            if _keepable(shard.local_ids, shard.table_index, shard.values):
+                self._shards[(start, end)] = shard
         return shard
 
     def shard_tensor(self, start: int, end: int, name: str, device: torch.device | str | None) -> torch.Tensor:

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ._tracing import is_tracing
 from .kernels import triton_ce_ntl
 from .options import check_chunk_tokens as options_check_chunk_tokens
 from .options import check_impl
@@ -374,8 +375,12 @@ def shift_into(src: torch.Tensor, shift: torch.Tensor, out: torch.Tensor) -> tor
     converting ``copy_`` and an fp32 ``sub_`` (38 ms vs 5 ms for 256 x 64128 bf16, one thread); the two
     give the same bits (the bf16 -> fp32 conversion is exact). On a GPU the mixed-dtype ``sub`` is kept, one
     kernel there; that it is the faster there is an expectation, not measured on a GPU.
+    Not while a graph is traced (``make_fx``, which torchtitan's graph trainer runs over the chunked loss,
+    or ``torch.compile``): the trace inlines an autograd Function's forward, and its replay records the
+    ops for autograd, which an ``out=`` op refuses ("functions with out=... arguments don't support
+    automatic differentiation").
     """
-    if src.dtype == out.dtype or src.device.type != "cpu":
+    if (src.dtype == out.dtype or src.device.type != "cpu") and not is_tracing():
         return torch.sub(src, shift.unsqueeze(1), out=out)
     return out.copy_(src).sub_(shift.unsqueeze(1))
 
