@@ -221,7 +221,7 @@ def _kernel_grad(logits, labels, ids, a, bounds, grads, *, inplace, rows=None):
     outs, terms = [], None
     for r, (x, i) in enumerate(zip(shards, inputs)):
         max_all, number_max, sums = combined[r]
-        ce, expect, mass, _ = ShardMath.finalize(
+        ce, expect, mass, _, _ = ShardMath.finalize(
             max_all, sums, ShardMath.safe_number_max(number_max), i.valid, need_full=True
         )
         terms = (ce, expect, mass)
