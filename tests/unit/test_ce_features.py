@@ -185,3 +185,30 @@ def test_megatron_refuses_the_features_when_its_own_ce_runs():
     with pytest.raises(ValueError, match="--ntl-z-loss-weight apply to the NTL loss, which --ntl-weight 0"):
         NTLSettings(weight=0.0, z_loss_weight=1e-4)
     assert NTLSettings(weight=0.3, label_smoothing=0.1).options().label_smoothing == 0.1
+
+
+def test_hf_trainer_refuses_its_own_label_smoothing(tmp_path):
+    """Trainer's LabelSmoother does not run beside a loss function: its factor would be silently ignored."""
+    transformers = pytest.importorskip("transformers")
+    from ntl_scale.integrations.hf import ntl_trainer_class
+
+    config = transformers.GPT2Config(vocab_size=V, n_embd=8, n_layer=1, n_head=2, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    trainer_class = ntl_trainer_class()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), label_smoothing_factor=0.1, use_cpu=True, report_to=[]
+    )
+    with pytest.raises(ValueError, match=r"label_smoothing_factor=0\.1 is not applied"):
+        trainer_class(model=model, args=args, number_vocab=_vocab())
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    smoothed = NTLOptions(label_smoothing=0.1)
+    assert trainer_class(model=model, args=args, number_vocab=_vocab(), ntl_options=smoothed).ntl_loss is not None
+
+
+def test_hf_chunked_route_refuses_soft_capping_when_installed():
+    transformers = pytest.importorskip("transformers")
+    from ntl_scale.integrations.hf import apply_ntl
+
+    config = transformers.GPT2Config(vocab_size=V, n_embd=8, n_layer=1, n_head=2, n_positions=16)
+    with pytest.raises(ValueError, match=r"logit_softcap=30\.0 is not computed by the chunked route"):
+        apply_ntl(transformers.GPT2LMHeadModel(config), _vocab(), options=NTLOptions(logit_softcap=30.0), chunked=True)
