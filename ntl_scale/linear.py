@@ -117,6 +117,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         needs: tuple[bool, bool] = (True, True),
         kernels: bool = False,
         z_weight: float = 0.0,
+        cap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         # needs: whether the gradient of hidden / of weight will be asked for (grad mode on and the
         # tensor requiring it; decided by the caller: inside forward grad mode is always off). What no
@@ -188,6 +189,8 @@ class _FusedLinearCENTL(torch.autograd.Function):
             if logits_buf is None:
                 raise RuntimeError("internal: the torch path of the chunked op has no logits buffer")
             logits = torch.mm(hidden[sl], weight.t(), out=logits_buf[: sl.stop - sl.start])
+            if cap is not None:  # soft-capping, in place: every statistic below is of the capped logits
+                logits.div_(cap).tanh_().mul_(cap)
             number_logits[sl] = logits.index_select(1, cols).to(cdt)
             # the max of half-precision logits in their dtype: exact, like the max of their fp32 copy
             maxes[sl] = ShardMath.local_max(logits, number_logits[sl], [slice(None)], True)
@@ -210,11 +213,16 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 del logits
                 continue
             inv_total = sums[sl, 0].reciprocal().unsqueeze(1)
+            # with soft-capping the dense part of the gradient is pi * (1 - (z'/cap)^2), z' the capped logit
             if work_buf is None:
+                if cap is not None:  # z' = log(exp(z' - max)) + max; a 0 (underflow) gives factor 0, pi 0
+                    logits.mul_(_cap_factor(logits.log().add_(max_all.unsqueeze(1)), cap))
                 logits.mul_(inv_total)
             else:  # the softmax in the parameters' dtype (one rounding), shared by both matmuls
                 for part in parts:
                     work = shift_into(logits[part], max_all[part], work_buf[: part.stop - part.start]).exp_()
+                    if cap is not None:
+                        work.mul_(_cap_factor(logits[part].to(cdt), cap))
                     logits[part].copy_(work.mul_(inv_total[part]))
             probs = logits
             if dense_h is not None:
@@ -233,6 +241,9 @@ class _FusedLinearCENTL(torch.autograd.Function):
         ctx.mark_non_differentiable(hit)
         ctx.set_materialize_grads(False)
         ctx.smoothing = (eps, sums[:, 5]) if smoothing else None
+        ctx.cap = None
+        if cap is not None and need_full:  # the factor 1 - (z'/cap)^2 at the label and the number columns
+            ctx.cap = (cap, _cap_factor(sums[:, 1].clone(), cap), _cap_factor(number_logits.clone(), cap))
         ctx.inputs, ctx.need_full, ctx.rows, ctx.proportional = inputs, need_full, rows, proportional
         ctx.needs = needs
         ctx.save_for_backward(
@@ -270,7 +281,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         cols = inputs.number_cols
         number_coef = ShardMath.number_grad(slice(None), saved, inputs, g_expect)  # [T, K]
         need_h, need_w = ctx.needs
-        nones = (None,) * 10
+        nones = (None,) * 11
         if not ctx.need_full:
             grad_h = grad_w = None
             if need_h:
@@ -283,6 +294,9 @@ class _FusedLinearCENTL(torch.autograd.Function):
         # number columns of the full softmax: pi_N = exp(z_N - max) / S
         pi_numbers = number_exp * (torch.exp(number_max - max_all) / total).unsqueeze(1)
         number_coef = number_coef + g_mass.unsqueeze(1) * pi_numbers
+        cap = None if ctx.cap is None else ctx.cap[0]
+        if ctx.cap is not None:  # the gradient of the capped logits times d z'/dz = 1 - (z'/cap)^2
+            number_coef = number_coef * ctx.cap[2]
         u = g_ce - g_mass * mass
         if g_lse is not None:  # d lse/dz = pi: the z-loss (or any use of lse) adds to pi's coefficient
             u = u + g_lse.to(cdt)
@@ -300,7 +314,13 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 for sl in ctx.rows:
                     logits = hidden[sl] @ weight.t()
                     work = logits if logits.dtype == cdt else logits.to(cdt)
+                    factor = None
+                    if cap is not None:
+                        work.div_(cap).tanh_().mul_(cap)
+                        factor = _cap_factor(work.clone(), cap)
                     work.sub_(max_all[sl].unsqueeze(1)).exp_().mul_((u[sl] / total[sl]).unsqueeze(1))
+                    if factor is not None:
+                        work.mul_(factor)
                     _accumulate(grad_w, work, hidden[sl], product, 1)
                     del logits, work
                 del product
@@ -312,7 +332,8 @@ class _FusedLinearCENTL(torch.autograd.Function):
         # every row, with a zero coefficient where this shard does not own the label: no nonzero() sync
         label_index = torch.where(owned, local_label, torch.zeros_like(local_label))
         eps = 0.0 if ctx.smoothing is None else ctx.smoothing[0]
-        label_coef_all = torch.where(owned, -(1 - eps) * g_ce, torch.zeros_like(g_ce)).unsqueeze(1)
+        label_grad = -(1 - eps) * g_ce if ctx.cap is None else -(1 - eps) * g_ce * ctx.cap[1]
+        label_coef_all = torch.where(owned, label_grad, torch.zeros_like(g_ce)).unsqueeze(1)
         if ctx.smoothing is not None:
             # the uniform part of the smoothed target, -eps/V g_ce on every column: a rank-one term,
             # c_t = eps/V g_ce_t: dh_t -= c_t sum_j W_j, dW_j -= sum_t c_t h_t for every local row j
@@ -336,6 +357,14 @@ class _FusedLinearCENTL(torch.autograd.Function):
             None if grad_w is None else grad_w.to(weight.dtype),
             *nones,
         )
+
+
+def _cap_factor(capped: torch.Tensor, cap: float) -> torch.Tensor:
+    """``1 - (z'/cap)^2`` of capped logits ``z' = cap tanh(z / cap)``, in place of ``capped``: ``d z'/dz``.
+
+    Clamped to ``[0, 1]`` (``z'/cap`` to ``[-1, 1]``), so a ``-inf`` from ``log(0)`` gives 0.
+    """
+    return capped.div_(cap).clamp_(-1, 1).square_().neg_().add_(1)
 
 
 def _product_buffer(weight: torch.Tensor, cdt: torch.dtype) -> torch.Tensor | None:
@@ -572,11 +601,13 @@ def linear_ce_ntl(
     check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start, source="the output weight's first dimension")
     check_float_level(vocab, options)
     check_chunk_tokens(chunk_tokens)
-    if options.logit_softcap is not None:
+    if options.logit_softcap is not None and (options.label_smoothing or not (need_ce or options.reweigh)):
+        # smoothing's uniform term times the cap factor is dense per token (another [T, V] x [V, H] product);
+        # the NTL-only route reads the number columns alone
         raise ValueError(
             f"logit_softcap={options.logit_softcap!r} is not computed by the chunked op (hidden states and the "
-            "output weight) yet; use the logits path (per_token_ce_ntl / ce_with_ntl on capped logits), or leave "
-            "logit_softcap None"
+            "output weight) together with label_smoothing or with need_ce=False; use the logits path "
+            "(per_token_ce_ntl / ce_with_ntl), or drop one of them"
         )
     kernels = use_triton(options.impl, hidden, options.ce_features)
     shape, width = labels.shape, weight.shape[0]
@@ -599,6 +630,7 @@ def linear_ce_ntl(
         (torch.is_grad_enabled() and hidden.requires_grad, torch.is_grad_enabled() and weight.requires_grad),
         kernels,
         options.z_loss_weight,
+        options.logit_softcap,
     )
     return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse)
 

@@ -29,8 +29,11 @@ FEATURES = [
     dict(z_loss_weight=1e-2),
     dict(label_smoothing=0.2, z_loss_weight=3e-2),
     dict(logit_softcap=4.0),
+    dict(logit_softcap=3.0, z_loss_weight=1e-2),
     dict(logit_softcap=3.0, label_smoothing=0.1, z_loss_weight=1e-2),
 ]
+# what the chunked op computes: soft-capping with label smoothing is refused there
+CHUNKED = [f for f in FEATURES if not ("logit_softcap" in f and "label_smoothing" in f)]
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5}
 
 
@@ -111,7 +114,7 @@ def test_label_smoothing_leaves_ntl_on_the_hard_target(loss):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("features", [f for f in FEATURES if "logit_softcap" not in f])
+@pytest.mark.parametrize("features", CHUNKED)
 @pytest.mark.parametrize("proportional", [True, False])
 def test_chunked_op_against_torch_and_the_definitions(features, dtype, proportional):
     gen = torch.Generator().manual_seed(3)
@@ -159,10 +162,12 @@ def test_linear_ce_with_ntl_mean_matches_the_reference():
     _close(weight.grad, w_ref.grad, 1e-12, "weight grad")
 
 
-def test_chunked_op_refuses_soft_capping():
+def test_chunked_op_refuses_soft_capping_with_smoothing_or_ntl_alone():
     h, w = torch.zeros(2, H), torch.zeros(V, H)
-    with pytest.raises(ValueError, match=r"logit_softcap=30\.0 is not computed by the chunked op"):
-        ntl_scale.linear_ce_with_ntl(h, w, torch.tensor([1, 2]), _vocab(), logit_softcap=30.0)
+    with pytest.raises(ValueError, match=r"logit_softcap=30\.0 is not computed by the chunked op .* label_smoothing"):
+        ntl_scale.linear_ce_with_ntl(h, w, torch.tensor([1, 2]), _vocab(), logit_softcap=30.0, label_smoothing=0.1)
+    with pytest.raises(ValueError, match="need_ce=False"):
+        ntl_scale.linear_ce_ntl(h, w, torch.tensor([1, 2]), _vocab(), NTLOptions(logit_softcap=30.0), need_ce=False)
 
 
 # ------------------------------------------------------------------------------------ 4. kernels, surfaces
