@@ -210,10 +210,11 @@ def test_hf_trainer_refuses_its_own_label_smoothing(tmp_path):
     assert trainer_class(model=model, args=args, number_vocab=_vocab(), ntl_options=smoothed).ntl_loss is not None
 
 
-def test_hf_chunked_route_refuses_soft_capping_when_installed():
+def test_hf_chunked_route_refuses_soft_capping_with_smoothing_when_installed():
     transformers = pytest.importorskip("transformers")
     from ntl_scale.integrations.hf import apply_ntl
 
     config = transformers.GPT2Config(vocab_size=V, n_embd=8, n_layer=1, n_head=2, n_positions=16)
-    with pytest.raises(ValueError, match=r"logit_softcap=30\.0 is not computed by the chunked route"):
-        apply_ntl(transformers.GPT2LMHeadModel(config), _vocab(), options=NTLOptions(logit_softcap=30.0), chunked=True)
+    options = NTLOptions(logit_softcap=30.0, label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"logit_softcap=30\.0 with label_smoothing is not computed by the chunked"):
+        apply_ntl(transformers.GPT2LMHeadModel(config), _vocab(), options=options, chunked=True)
