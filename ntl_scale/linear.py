@@ -174,6 +174,8 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 number_logits[sl] = logits.index_select(1, cols).to(cdt)
                 max_all, maxes[sl, 1], sums[sl] = kernel_shard_stats(logits, inputs.rows(sl), tp_group)
                 maxes[sl, 0] = max_all
+                if z_weight:  # the effective weights of CE + z-loss, as on the torch path below
+                    token_weights[sl] = token_weights[sl] * (1 + 2 * z_weight * (torch.log(sums[sl, 0]) + max_all))
                 number_exp[sl] = torch.exp(number_logits[sl] - ShardMath.safe_number_max(maxes[sl, 1]).unsqueeze(1))
                 if dense_h is None and dense_w is None:  # no gradient wanted: the statistics are all
                     del logits

@@ -251,8 +251,8 @@ class NTLOptions:
     """Which code computes the fused statistics: ``auto`` (the PyTorch code today; the Triton kernels
     on CUDA once they have passed the GPU suite), ``torch``, or ``triton`` (CUDA tensors, ``triton``
     installed; the PyTorch code while ``torch.compile`` traces). The numbers agree to rounding.
-    The Triton kernels do not compute the CE features below: ``auto`` then runs the PyTorch code and
-    ``triton`` is refused."""
+    The Triton kernels compute the z-loss of the CE features below, not label smoothing or soft-capping:
+    with those ``auto`` runs the PyTorch code and ``triton`` is refused."""
     z_loss_weight: float = 0.0
     """Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to each token's CE (PaLM, OLMo 2,
     Chameleon; 1e-4 there), on the same positions and weights as CE; 0: off. Exact under tensor

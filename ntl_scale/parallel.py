@@ -41,6 +41,7 @@ from .options import check_chunk_tokens as options_check_chunk_tokens
 from .options import check_impl
 
 __all__ = [
+    "KERNEL_FEATURES",
     "LocalShard",
     "ShardInputs",
     "ShardMath",
@@ -338,22 +339,29 @@ def kernel_shard_stats(
     return combine_kernel_stats(local, tp_group)
 
 
+KERNEL_FEATURES = ("z_loss_weight",)
+"""The CE features the Triton path computes (the z-loss needs only the reduced log-sum-exp and adds to the
+coefficient of the softmax); the others (label smoothing, soft-capping) run the PyTorch code."""
+
+
 def use_triton(impl: str, tensor: torch.Tensor, features: tuple[str, ...] = ()) -> bool:
     """Whether an op called with ``impl`` runs the Triton kernels on ``tensor``: the per-call kernel choice.
 
     ``"torch"``: never. ``"auto"``: where :func:`ntl_scale.kernels.triton_ce_ntl.enabled` says (nowhere
     until the kernels have passed the GPU suite), and never with a CE feature the kernels lack
-    (``features``: :attr:`ntl_scale.options.NTLOptions.ce_features`; the PyTorch code computes those).
+    (``features``: :attr:`ntl_scale.options.NTLOptions.ce_features`, less :data:`KERNEL_FEATURES`; the
+    PyTorch code computes those).
     ``"triton"``: always, except while ``torch.compile`` traces (Inductor compiles the PyTorch code into
     its own fused kernels).
 
     Raises:
         ValueError: ``impl`` is not one of ``auto``, ``torch``, ``triton``; ``impl="triton"`` for a
             tensor the kernels cannot run on (not on CUDA, outside Triton's interpreter), or with a CE
-            feature in ``features`` (z-loss, label smoothing, soft-capping: the kernels lack them).
+            feature in ``features`` the kernels lack (label smoothing, soft-capping).
         ImportError: ``impl="triton"`` without ``triton`` installed.
     """
     check_impl(impl)
+    features = tuple(name for name in features if name not in KERNEL_FEATURES)
     if impl == "torch" or (impl == "auto" and features):
         return False
     if impl == "triton" and features:
@@ -647,20 +655,22 @@ class _FusedCENTL(torch.autograd.Function):
             number_grad = ShardMath.number_grad(slice(None), saved, ctx.inputs, grads[1])
             index_add(out, 1, ctx.inputs.number_cols, number_grad.to(out.dtype))
             return out, None, None, None, None, None, None, None
-        if g_lse is not None:
-            if ctx.fast:
-                raise RuntimeError(
-                    "the per-token lse of the Triton path carries no gradient (the kernels compute the CE and NTL "
-                    "gradients only); pass impl='torch' to differentiate it, or use options.z_loss_weight"
-                )
-            grads = (*grads, g_lse.to(expect.dtype))
+        g_lse = None if g_lse is None else g_lse.to(expect.dtype)
         if ctx.fast:  # Triton: one pass writes the gradient (over the logits, which it left intact, in place)
             out = logits if ctx.inplace else torch.empty_like(logits)
             inputs = ctx.inputs
-            shard = (inputs.local_target(logits.shape[1]), inputs.number_cols, inputs.a_table)
+            target = inputs.local_target(logits.shape[1])
+            if g_lse is not None:  # d lse/dz = pi: the kernel's coefficient of pi is g_ce (+ NTL's terms)
+                grads = (grads[0] + g_lse, grads[1], grads[2])
             args = (max_all, total, ctx.number_max, number_total, expect, mass, grads, number_exp)
-            out = triton_ce_ntl.logits_grad_(logits, out, *shard, *args)
+            out = triton_ce_ntl.logits_grad_(logits, out, target, inputs.number_cols, inputs.a_table, *args)
+            if g_lse is not None:  # ... and it wrote -(g_ce + g_lse) at the label: give g_lse back there
+                owned = target >= 0
+                back = torch.where(owned, g_lse, torch.zeros_like(g_lse)).unsqueeze(1).to(out.dtype)
+                out.scatter_add_(1, target.clamp_min(0).unsqueeze(1), back)
             return out, None, None, None, None, None, None, None
+        if g_lse is not None:
+            grads = (*grads, g_lse)
         cdt = expect.dtype
         # In place: the saved buffer holds exp(z - max) and becomes the gradient. Otherwise a new
         # gradient buffer; half-precision logits go through one reused fp32 chunk buffer.
