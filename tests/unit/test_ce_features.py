@@ -225,3 +225,34 @@ def test_hf_chunked_route_refuses_soft_capping_with_smoothing_when_installed():
     options = NTLOptions(logit_softcap=30.0, label_smoothing=0.1)
     with pytest.raises(ValueError, match=r"logit_softcap=30\.0 with label_smoothing is not computed by the chunked"):
         apply_ntl(transformers.GPT2LMHeadModel(config), _vocab(), options=options, chunked=True)
+
+
+def test_hf_chunked_route_takes_gemmas_own_soft_capping():
+    """Gemma 2's ``final_logit_softcapping`` (refused on the chunked route before): the hidden-state loss caps as
+    the model does; loss and gradients equal CE + 0.3 NTL of the model's own (capped) logits in float64."""
+    transformers = pytest.importorskip("transformers")
+    from ntl_scale.integrations.hf import apply_ntl
+
+    config = transformers.Gemma2Config(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.1, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config).double()
+    ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(1))
+    ids[:, 3:6] = torch.tensor([7, 9, 11])  # number tokens
+    logits = model(input_ids=ids).logits
+    assert float(logits.abs().max()) < 0.1 < float(model.lm_head(model.model(input_ids=ids)[0]).abs().max())
+    shifted, targets = logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1)
+    ntl = ntl_scale.number_token_loss(shifted, targets, _vocab())
+    reference = torch.nn.functional.cross_entropy(shifted, targets) + 0.3 * ntl
+    reference.backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    apply_ntl(model, _vocab(), ntl_weight=0.3, chunked=True)
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    _close(loss, reference, 1e-12, "loss")
+    for name, p in model.named_parameters():
+        _close(p.grad, want[name], 1e-10, name)
