@@ -237,8 +237,10 @@ def ce_with_ntl(
         inplace: reuse the fp32 logits buffer (Megatron-style); logits are garbage afterwards.
         check_finite: raise on NaN/Inf logits (one host sync; default off, NaN reaches the loss).
         impl: ``"auto"``, ``"torch"`` or ``"triton"``: the code of the fused op (see :func:`vocab_parallel_ce_ntl`).
-        z_loss_weight, label_smoothing, logit_softcap: the CE features (:class:`NTLOptions`); the ``ce`` of
-            the output is then the CE term with them (smoothed CE + z-loss), reduced like CE.
+        z_loss_weight: the z-loss ``z_loss_weight * logsumexp(z)**2`` added to CE (:attr:`NTLOptions.z_loss_weight`);
+            the ``ce`` of the output is then the CE term with it, reduced like CE.
+        label_smoothing: CE label smoothing over the whole vocabulary (:attr:`NTLOptions.label_smoothing`).
+        logit_softcap: ``cap * tanh(z / cap)`` before everything (:attr:`NTLOptions.logit_softcap`).
 
     Returns:
         A :class:`CENTLOutput` ``(loss, ce, ntl, num_tokens, num_number_tokens, number_accuracy)``.

@@ -54,8 +54,9 @@ class NTLSettings:
         chunk_tokens: tokens per chunk of the chunked route; None = the op's default.
         float_level: ``number`` only: a decimal point between digits joins one number.
         impl: ``auto``, ``torch`` or ``triton``: which code computes the loss (``--ntl-impl``).
-        z_loss_weight, label_smoothing, logit_softcap: the CE features (``--ntl-z-loss-weight``,
-            ``--ntl-label-smoothing``, ``--ntl-logit-softcap``), computed by our loss.
+        z_loss_weight: the z-loss weight (``--ntl-z-loss-weight``), computed by our loss.
+        label_smoothing: CE label smoothing over the whole vocabulary (``--ntl-label-smoothing``).
+        logit_softcap: soft-capping of the logits (``--ntl-logit-softcap``).
 
     The meaning of each is :mod:`ntl_scale.options`'s; the defaults are the spec's for Megatron
     (``weight`` 0 and ``normalization`` ``micro-batch``: adding the flags changes nothing until
