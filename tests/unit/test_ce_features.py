@@ -8,11 +8,13 @@ Sections:
 2. NTL keeps the hard number target: label smoothing leaves NTL and its gradient unchanged.
 3. The chunked op (``linear_ce_ntl``, ``linear_ce_with_ntl``): the same references on ``hidden @ weight.T``
    for the gradients of both, with the forward-built weight gradient (proportional) and the recomputed
-   one, with loss weights and ``reduction="none"``; soft-capping is refused there with a clear error.
+   one, with loss weights; soft-capping there, refused with label smoothing or NTL alone.
 4. Kernel choice and surfaces: ``impl="triton"`` with label smoothing or soft-capping is refused,
    ``auto`` runs the PyTorch code (the z-loss runs on the kernels: ``tests/unit/test_triton_kernel.py``);
    Megatron refuses the features with ``--ntl-weight 0`` (its own CE would run, without them); Hugging
-   Face's ``label_smoothing_factor`` is refused beside the NTL loss (Trainer would skip it silently).
+   Face's ``label_smoothing_factor`` is refused beside the NTL loss (Trainer would skip it silently); the HF
+   chunked route takes Gemma 2's own soft-capping (against the model's logits in float64); torchtitan's
+   ``NTLLoss`` at weight 0 is torchtitan's ``CrossEntropyLoss`` plus the float64 z-loss.
 """
 
 from __future__ import annotations
@@ -256,3 +258,32 @@ def test_hf_chunked_route_takes_gemmas_own_soft_capping():
     _close(loss, reference, 1e-12, "loss")
     for name, p in model.named_parameters():
         _close(p.grad, want[name], 1e-10, name)
+
+
+def test_torchtitan_loss_at_weight_zero_is_its_cross_entropy_plus_the_z_loss(tmp_path):
+    """torchtitan's ``loss.z_loss_weight`` / ``loss.label_smoothing``: at NTL weight 0 our loss is torchtitan's
+    own ``CrossEntropyLoss`` plus the float64 z-loss; with smoothing torch's smoothed CE (sum / tokens)."""
+    pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 (scripts/setup.sh --dev)")
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    from ntl_scale.integrations.torchtitan import NTLLoss
+
+    path = tmp_path / "numbers.json"
+    _vocab().save(path)
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(2, 5, V, generator=gen, dtype=torch.float64) * 2
+    labels = torch.randint(0, V, (2, 5), generator=gen)
+    labels[0, 1] = -100
+    tokens = (labels != -100).sum()
+    valid = labels != -100
+    theirs = CrossEntropyLoss.Config(global_vocab_size=V).build()(logits, labels, tokens)[0]
+    for features in (dict(z_loss_weight=1e-2), dict(z_loss_weight=1e-2, label_smoothing=0.1)):
+        ours = NTLLoss.Config(number_vocab=str(path), vocab_size=V, weight=0.0, **features).build()
+        ours.begin_step(1)
+        loss = ours(logits, labels, tokens)[0]
+        z_loss = 1e-2 * (torch.logsumexp(logits, -1) ** 2)[valid].sum() / tokens
+        if "label_smoothing" in features:
+            ce, _ = reference_ce_features(logits.reshape(-1, V), labels.reshape(-1), **features)
+            torch.testing.assert_close(loss, ce.sum() / tokens, rtol=1e-12, atol=1e-12)
+        else:
+            torch.testing.assert_close(loss, theirs.double() + z_loss, rtol=1e-6, atol=1e-7)
