@@ -70,10 +70,13 @@ __all__ = [
     "check_chunk_tokens",
     "check_huber_delta",
     "check_impl",
+    "check_label_smoothing",
+    "check_logit_softcap",
     "check_ntl_weight",
     "check_numeric_options",
     "check_option",
     "check_squash_factor",
+    "check_z_loss_weight",
     "option_field",
     "option_fields",
     "surface_default",
@@ -154,11 +157,46 @@ def check_chunk_tokens(value: object, name: str = "chunk_tokens") -> int | None:
     return int(value)
 
 
+def check_z_loss_weight(value: object, name: str = "z_loss_weight") -> float:
+    """``z_loss_weight`` as a float: a finite number >= 0; a ``ValueError`` naming ``name`` otherwise."""
+    if not _is_number(value) or not math.isfinite(value) or not value >= 0:  # type: ignore[arg-type, operator]
+        raise ValueError(
+            f"{name} must be a finite number >= 0 (the weight of the z-loss z_loss_weight * logsumexp(z)**2 added to "
+            f"CE; 1e-4 in PaLM and OLMo 2, 0 = off), got {value!r}"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_label_smoothing(value: object, name: str = "label_smoothing") -> float:
+    """``label_smoothing`` as a float: a finite number in ``[0, 1]``; a ``ValueError`` naming ``name`` otherwise."""
+    if not _is_number(value) or not math.isfinite(value) or not 0 <= value <= 1:  # type: ignore[arg-type, operator]
+        raise ValueError(
+            f"{name} must be a finite number in [0, 1] (the share of the CE target spread uniformly over the whole "
+            f"vocabulary, as torch's F.cross_entropy(label_smoothing=); 0 = off, 0.1 is usual), got {value!r}"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_logit_softcap(value: object, name: str = "logit_softcap") -> float | None:
+    """``logit_softcap`` as a float (or None): a finite number > 0; a ``ValueError`` naming ``name`` otherwise."""
+    if value is None:
+        return None
+    if not _is_number(value) or not math.isfinite(value) or not value > 0:  # type: ignore[arg-type, operator]
+        raise ValueError(
+            f"{name} must be a finite number > 0 (logits become cap * tanh(z / cap); 30.0 in Gemma 2) or None "
+            f"(no capping), got {value!r}"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
 NUMERIC_CHECKS = {
     "weight": check_ntl_weight,
     "squash_factor": check_squash_factor,
     "huber_delta": check_huber_delta,
     "chunk_tokens": check_chunk_tokens,
+    "z_loss_weight": check_z_loss_weight,
+    "label_smoothing": check_label_smoothing,
+    "logit_softcap": check_logit_softcap,
 }
 """The one check of every numeric option (finite, in range, the right type), by option name: every front
 end (the Python API, the YAML sections, torchtitan's ``NTLLoss.Config``, Megatron's flags and
@@ -212,7 +250,20 @@ class NTLOptions:
     impl: str = "auto"
     """Which code computes the fused statistics: ``auto`` (the PyTorch code today; the Triton kernels
     on CUDA once they have passed the GPU suite), ``torch``, or ``triton`` (CUDA tensors, ``triton``
-    installed; the PyTorch code while ``torch.compile`` traces). The numbers agree to rounding."""
+    installed; the PyTorch code while ``torch.compile`` traces). The numbers agree to rounding.
+    The Triton kernels compute the z-loss of the CE features below, not label smoothing or soft-capping:
+    with those ``auto`` runs the PyTorch code and ``triton`` is refused."""
+    z_loss_weight: float = 0.0
+    """Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to each token's CE (PaLM, OLMo 2,
+    Chameleon; 1e-4 there), on the same positions and weights as CE; 0: off. Exact under tensor
+    parallelism (the log-sum-exp is the all-reduced one); the per-token log-sum-exp is returned
+    (``PerTokenTerms.lse``) for logging."""
+    label_smoothing: float = 0.0
+    """CE against ``(1 - eps) * onehot(y) + eps / V`` over the **whole** vocabulary ``V`` (all TP shards),
+    as torch's ``F.cross_entropy(label_smoothing=eps)``; NTL keeps the hard number target. 0: off."""
+    logit_softcap: float | None = None
+    """Soft-capping of the logits, ``cap * tanh(z / cap)`` (Gemma 2: 30.0), before CE, z-loss and NTL
+    (all of them see the capped logits); None: off. Leave None where the model already caps its output."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSS_KINDS:
@@ -234,6 +285,15 @@ class NTLOptions:
         if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
         check_impl(self.impl)
+        check_z_loss_weight(self.z_loss_weight)
+        check_label_smoothing(self.label_smoothing)
+        check_logit_softcap(self.logit_softcap)
+
+    @property
+    def ce_features(self) -> tuple[str, ...]:
+        """The CE features switched on (``z_loss_weight``, ``label_smoothing``, ``logit_softcap``), by name."""
+        on = (self.z_loss_weight != 0, self.label_smoothing != 0, self.logit_softcap is not None)
+        return tuple(name for name, flag in zip(("z_loss_weight", "label_smoothing", "logit_softcap"), on) if flag)
 
     def point_loss(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Element-wise loss between an expected value and its target (mse/mae/huber)."""
@@ -287,6 +347,13 @@ class NTLRunOptions:
     """``loss=number``: a decimal point between digits joins one number (:attr:`NTLOptions.float_level`)."""
     impl: str = "auto"
     """``auto``, ``torch`` or ``triton``: which code computes the loss (:attr:`NTLOptions.impl`)."""
+    z_loss_weight: float = 0.0
+    """z-loss weight: ``z_loss_weight * logsumexp(z)**2`` added to CE (>= 0; 0: off)
+    (:attr:`NTLOptions.z_loss_weight`)."""
+    label_smoothing: float = 0.0
+    """CE label smoothing over the whole vocabulary, in ``[0, 1]`` (:attr:`NTLOptions.label_smoothing`)."""
+    logit_softcap: float | None = None
+    """Logit soft-capping ``cap * tanh(z / cap)`` (> 0; None: off) (:attr:`NTLOptions.logit_softcap`)."""
 
     def __post_init__(self) -> None:
         check_numeric_options(self, lambda name: f"ntl.{name}")

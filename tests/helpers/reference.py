@@ -187,3 +187,18 @@ def dense_per_token(
         ntl = ntl * mass + 1.01 * max_loss * (1 - mass)
     ntl = torch.where(is_number, ntl, torch.zeros_like(ntl))
     return ce, ntl, is_number
+
+
+def reference_ce_features(z, labels, *, label_smoothing=0.0, z_loss_weight=0.0, logit_softcap=None, ignore_index=-100):
+    """Per-token CE term and log-sum-exp of ``[T, V]`` full logits from the definitions, in float64.
+
+    Soft-capping ``c * tanh(z / c)`` first; torch's ``F.cross_entropy(label_smoothing=)`` (the target
+    ``(1 - eps) onehot + eps / V`` over the whole vocabulary); plus the z-loss ``w * logsumexp(z)**2`` on
+    the non-ignored labels. Returns ``(ce_term, lse)``, each ``[T]``.
+    """
+    z = z.to(torch.float64)
+    if logit_softcap is not None:
+        z = logit_softcap * torch.tanh(z / logit_softcap)
+    ce = F.cross_entropy(z, labels, label_smoothing=label_smoothing, reduction="none", ignore_index=ignore_index)
+    lse = torch.logsumexp(z, dim=-1)
+    return ce + torch.where(labels != ignore_index, z_loss_weight * lse**2, 0), lse

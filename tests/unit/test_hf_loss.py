@@ -172,8 +172,12 @@ def test_chunked_refuses_what_it_cannot_reproduce(setup):
     _, vocab, _ = setup
     common = dict(vocab_size=vocab.vocab_size, head_dim=8, **TINY)
     gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, final_logit_softcapping=30.0))
-    with pytest.raises(ValueError, match="soft-caps its logits"):
-        apply_ntl(gemma, vocab, chunked=True)
+    # soft-capping is the loss's logit_softcap on the chunked route (tests/unit/test_ce_features.py); capping
+    # twice is refused on either route
+    with pytest.raises(ValueError, match="would cap them twice"):
+        apply_ntl(gemma, vocab, chunked=True, options=ntl_scale.NTLOptions(logit_softcap=30.0))
+    with pytest.raises(ValueError, match="would cap them twice"):
+        apply_ntl(gemma, vocab, options=ntl_scale.NTLOptions(logit_softcap=30.0))
     assert "_ntl_scale_loss" not in gemma.__dict__ and "forward" not in gemma.__dict__
     apply_ntl(gemma, vocab)  # the logits path reproduces the soft-capping: it is the model's own logits
     assert remove_ntl(gemma)

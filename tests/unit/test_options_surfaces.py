@@ -55,7 +55,8 @@ def test_every_option_is_documented_and_typed():
         assert len(option.doc) > 20, option.name
         assert option.type and option.level in ("variant", "run", "route"), option
     assert {"loss", "squash_factor", "reweigh", "huber_delta", "float_level", "impl", "weight", "digit_level",
-            "normalization", "chunked", "chunk_tokens"} == set(NAMES)  # fmt: skip
+            "normalization", "chunked", "chunk_tokens", "z_loss_weight", "label_smoothing",
+            "logit_softcap"} == set(NAMES)  # fmt: skip
 
 
 def test_run_options_repeat_the_variant_with_its_defaults():
@@ -266,6 +267,9 @@ NUMERIC = {
     "squash_factor": {"loss": "was"},
     "huber_delta": {"loss": "huber"},
     "chunk_tokens": {},
+    "z_loss_weight": {},
+    "label_smoothing": {},
+    "logit_softcap": {},
 }
 BAD = [float("inf"), float("-inf"), float("nan")]
 
@@ -307,7 +311,7 @@ def _surfaces(name: str, value: float) -> dict[str, object]:
         surfaces[kwarg + " "] = lambda: ntl_scale.linear_ce_with_ntl(
             hidden, weight, labels, vocab, **variant, **{kwarg: value}
         )
-    if name in ("squash_factor", "huber_delta"):
+    if name in ("squash_factor", "huber_delta", "z_loss_weight", "label_smoothing", "logit_softcap"):
         surfaces[name + "  "] = lambda: ntl_scale.NTLOptions(**variant, **{name: value})
     # YAML (launch/train.py): the override text is a YAML scalar, .inf / .nan
     text = {float("inf"): ".inf", float("-inf"): "-.inf"}.get(value, ".nan")
@@ -366,7 +370,10 @@ def test_valid_values_of_every_numeric_option_still_pass_every_front_end():
     """The checks refuse only bad values: a valid non-default value of each is taken as it is."""
     from ntl_scale.integrations.megatron import NTLSettings, add_ntl_args
 
-    valid = {"weight": 0.5, "squash_factor": 3.0, "huber_delta": 2.0, "chunk_tokens": 7}
+    valid = {
+        "weight": 0.5, "squash_factor": 3.0, "huber_delta": 2.0, "chunk_tokens": 7, "z_loss_weight": 1e-4,
+        "label_smoothing": 0.1, "logit_softcap": 30.0,
+    }  # fmt: skip
     for name, value in valid.items():
         variant = NUMERIC[name]
         route = name == "chunk_tokens"  # chunk_tokens applies to the chunked route only

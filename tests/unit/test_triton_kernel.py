@@ -221,7 +221,7 @@ def _kernel_grad(logits, labels, ids, a, bounds, grads, *, inplace, rows=None):
     outs, terms = [], None
     for r, (x, i) in enumerate(zip(shards, inputs)):
         max_all, number_max, sums = combined[r]
-        ce, expect, mass, _ = ShardMath.finalize(
+        ce, expect, mass, _, _ = ShardMath.finalize(
             max_all, sums, ShardMath.safe_number_max(number_max), i.valid, need_full=True
         )
         terms = (ce, expect, mass)
@@ -391,6 +391,46 @@ def test_linear_ce_with_ntl_uses_the_kernels_and_matches_float64(kernels_on_cpu,
         atol = (1e-5 if dtype == torch.float32 else 2e-2) * scale
         torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=atol)
     assert kernels_on_cpu["stats"] == 3 and kernels_on_cpu["grad"] == 3  # one of each per chunk
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_z_loss_on_the_kernels_matches_float64(kernels_on_cpu, inplace):
+    """The z-loss (issue 43, item 2) on the kernel path: the kernels' gradient with the log-sum-exp's
+    gradient added to the softmax's coefficient, the label column given it back; the chunked op's
+    forward-built weight gradient for the effective weights ``1 + 2 w lse``. Against torch's CE plus
+    ``w * logsumexp**2`` in float64, and NTL from the naive reference."""
+    import ntl_scale
+    from tests.helpers.reference import naive_per_token
+
+    vocab, labels, hidden, weight = _op_problem(torch.float32)
+    valid = labels != -100
+
+    def reference(logits64):
+        ce = F.cross_entropy(logits64, labels, reduction="none", ignore_index=-100)
+        z_loss = 0.05 * torch.logsumexp(logits64, -1) ** 2
+        _, ntl, is_number = naive_per_token(logits64, labels, vocab)
+        return (ce + z_loss)[valid].mean() + 0.3 * ntl[is_number].mean()
+
+    x64 = (hidden.double() @ weight.double().t()).requires_grad_()
+    reference(x64).backward()
+    z = (hidden.float() @ weight.float().t()).to(DEVICE, copy=True).requires_grad_()
+    work = z * 1 if inplace else z
+    got = ntl_scale.ce_with_ntl(work, labels.to(DEVICE), vocab, z_loss_weight=0.05, inplace=inplace, impl="triton")
+    got.loss.backward()
+    torch.testing.assert_close(got.loss.double().cpu(), reference(x64.detach()), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(z.grad.double().cpu(), x64.grad, rtol=1e-4, atol=1e-6)
+    if inplace:
+        return
+    h64, w64 = (t.double().requires_grad_() for t in (hidden, weight))
+    reference(h64 @ w64.t()).backward()
+    h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
+    got = ntl_scale.linear_ce_with_ntl(
+        h, w, labels.to(DEVICE), vocab, z_loss_weight=0.05, chunk_tokens=4, impl="triton"
+    )
+    got.loss.backward()
+    for a, b in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=1e-5 * float(b.abs().max()))
+    assert kernels_on_cpu["stats"] > 0 and kernels_on_cpu["grad"] > 0
 
 
 def test_linear_ce_with_ntl_without_gradients_launches_the_statistics_only(kernels_on_cpu):

@@ -227,16 +227,17 @@ def apply_ntl(
             raise ValueError("apply_ntl was already called on this model with other settings; call remove_ntl first")
         return loss
     loss = NTLCausalLMLoss(number_vocab, ntl_weight, options)
+    from . import chunked as hidden
+
+    head_options = hidden.head_options(model, loss.options)  # refuses capping twice, on either path
     if chunked:
         import types
-
-        from . import chunked as hidden
 
         multiplier = hidden.logit_multiplier(model)
         head = hidden.linear_head(model)
         if check:
             hidden.check_head(model, multiplier, head)
-        hidden.install_linear_loss_head(head, number_vocab, loss.options, chunk_tokens)
+        hidden.install_linear_loss_head(head, number_vocab, head_options, chunk_tokens)
         own_forward = model.__dict__.get("forward")  # another patch's instance forward, restored by remove_ntl
         model.forward = types.MethodType(hidden.chunked_forward(model.forward, loss, multiplier), model)
     record = {

@@ -87,6 +87,15 @@ def ntl_trainer_class(base: Any = None) -> Any:
             **kwargs: Any,
         ) -> None:
             super().__init__(*args, **kwargs)
+            if getattr(self.args, "label_smoothing_factor", 0):
+                # Trainer skips its LabelSmoother when a compute_loss_func is given or the model computes the
+                # loss: the factor would be silently ignored
+                raise ValueError(
+                    f"TrainingArguments.label_smoothing_factor={self.args.label_smoothing_factor} is not applied "
+                    "with the NTL loss (Trainer's LabelSmoother does not run beside a loss function); set it to 0 "
+                    "and pass ntl_options=NTLOptions(label_smoothing=...) (smoothing over the whole vocabulary; "
+                    "NTL keeps the hard number target)"
+                )
             self._shift_labels: torch.Tensor | None = None
             installed = installed_loss(self.model) if is_chunked(self.model) else None
             if installed is not None:

@@ -54,6 +54,9 @@ class NTLSettings:
         chunk_tokens: tokens per chunk of the chunked route; None = the op's default.
         float_level: ``number`` only: a decimal point between digits joins one number.
         impl: ``auto``, ``torch`` or ``triton``: which code computes the loss (``--ntl-impl``).
+        z_loss_weight: the z-loss weight (``--ntl-z-loss-weight``), computed by our loss.
+        label_smoothing: CE label smoothing over the whole vocabulary (``--ntl-label-smoothing``).
+        logit_softcap: soft-capping of the logits (``--ntl-logit-softcap``).
 
     The meaning of each is :mod:`ntl_scale.options`'s; the defaults are the spec's for Megatron
     (``weight`` 0 and ``normalization`` ``micro-batch``: adding the flags changes nothing until
@@ -71,6 +74,9 @@ class NTLSettings:
     chunk_tokens: int | None = None
     float_level: bool = False
     impl: str = "auto"
+    z_loss_weight: float = 0.0
+    label_smoothing: float = 0.0
+    logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         check_numeric_options(self, lambda name: surface_name(name, "megatron"))
@@ -79,7 +85,13 @@ class NTLSettings:
             raise ValueError(f"--ntl-normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if not self.number_vocab:
             raise ValueError("--ntl-number-vocab must be 'digits', 'multi-digit' or the path of a saved table")
-        self.options()  # validates the variant and impl with the library's own checks
+        features = self.options().ce_features  # validates the variant and impl with the library's own checks
+        if features and not self.enabled:
+            flags = ", ".join(str(surface_name(name, "megatron")) for name in features)
+            raise ValueError(
+                f"{flags} apply to the NTL loss, which --ntl-weight 0 leaves off (Megatron's own CE runs then, without "
+                "them): give --ntl-weight > 0, or drop those flags"
+            )
         if self.loss == "number" and self.number_vocab == "multi-digit":
             raise ValueError(
                 "--ntl-loss number assembles numbers from single-digit tokens and cannot read a multi-digit table "
@@ -143,7 +155,12 @@ def _number_flag(name: str) -> Any:
 
 
 # How a flag parses its text, where not by its choices or as a switch.
-_PARSERS = {name: _number_flag(name) for name in ("weight", "squash_factor", "huber_delta", "chunk_tokens")}
+_PARSERS = {
+    name: _number_flag(name)
+    for name in (
+        "weight", "squash_factor", "huber_delta", "chunk_tokens", "z_loss_weight", "label_smoothing", "logit_softcap"
+    )
+}  # fmt: skip
 # Help where the spec's text does not fit a flag (another default, another spelling).
 _HELP = {
     "weight": "weight of NTL; 0 (default) = off, 0.3 in the paper",

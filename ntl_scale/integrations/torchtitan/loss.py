@@ -130,6 +130,12 @@ class NTLLoss(BaseLoss):
         """``number`` only: a decimal point between digits joins one number."""
         impl: str = _default("impl")
         """``auto``, ``torch`` or ``triton``: which code computes the fused statistics."""
+        z_loss_weight: float = _default("z_loss_weight")
+        """Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to CE (>= 0; 0: off; 1e-4 in PaLM)."""
+        label_smoothing: float = _default("label_smoothing")
+        """CE label smoothing over the whole vocabulary (all TP shards), in ``[0, 1]``; NTL keeps the hard target."""
+        logit_softcap: float | None = _default("logit_softcap")
+        """Logit soft-capping ``cap * tanh(z / cap)`` before CE, z-loss and NTL (> 0; None: off)."""
         digit_level: bool = _default("digit_level")
         """Number table of the ten digits (True) or of multi-digit tokens such as Llama 3's ``123`` (False)."""
         chunk_tokens: int | None = _default("chunk_tokens")
