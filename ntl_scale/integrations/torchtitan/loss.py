@@ -169,6 +169,10 @@ class NTLLoss(BaseLoss):
         self.options = config.options()
         self.vocab = number_table(config)
         self.weight = float(config.weight)
+        # torchtitan's own CE op computes the loss (bit for bit) only where ours adds nothing to it: NTL at
+        # weight 0 and none of the CE features (z-loss, label smoothing, soft-capping), which it lacks
+        o = self.options
+        self._torchtitan_ce = self.weight == 0 and not (o.z_loss_weight or o.label_smoothing or o.logit_softcap)
         self._numbers: torch.Tensor | None = None
         self._metrics: torch.Tensor | None = None
 
@@ -257,11 +261,11 @@ class NTLLoss(BaseLoss):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss and metrics from the shard ``__call__`` or :meth:`on_shard` found.
 
-        At weight 0 the loss is torchtitan's own CE (``torchtitan_ce``: the same op, so the same bits and
-        SPMD types), and the NTL metrics come from a forward-only pass of the fused op.
+        At weight 0 without CE features the loss is torchtitan's own CE (``torchtitan_ce``: the same op, so
+        the same bits and SPMD types), and the NTL metrics come from a forward-only pass of the fused op.
         """
         is_type_checking = spmd.is_type_checking()
-        ce_sum = torchtitan_ce() if self.weight == 0 else None
+        ce_sum = torchtitan_ce() if self._torchtitan_ce else None
         with spmd.no_typecheck(), torch.set_grad_enabled(torch.is_grad_enabled() and ce_sum is None):
             sums = self._sums(logits, labels, tp_group, vocab_start)
         if ce_sum is None:
@@ -353,7 +357,7 @@ class NTLLoss(BaseLoss):
             vocab_start = int(compute_local_shape_and_global_offset(pred.shape, mesh, placements)[1][vocab_dim])
         if is_dtensor(global_valid_tokens):
             global_valid_tokens = global_valid_tokens.full_tensor()  # type: ignore[union-attr]
-        if self.weight == 0:
+        if self._torchtitan_ce:
             loss = torchtitan_cross_entropy(pred, labels)  # torchtitan's own CE, bit for bit
             if global_valid_tokens is None:
                 return loss, {}
