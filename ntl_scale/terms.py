@@ -114,7 +114,8 @@ def per_token_ce_ntl(
     inputs, row = shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
     need_full = need_ce or options.reweigh
     ce, expect, mass, hit = fused_shard_stats(
-        logits_shard.reshape(-1, width),
+        # NTL alone takes the logits as they are: its gradient comes back in their shape, not through a view
+        logits_shard.reshape(-1, width) if need_full else logits_shard,
         inputs,
         need_full=need_full,
         inplace=inplace,

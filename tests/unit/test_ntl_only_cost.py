@@ -4,7 +4,8 @@ Sections:
 1. Logits: ``number_token_loss`` without reweighing reads the logits once, through the number columns,
    and allocates one logits-sized buffer, the gradient autograd needs (a zero fill and the number
    columns added into it), counted op by op with a ``TorchDispatchMode``; its loss and gradient are
-   the float64 reference's.
+   the float64 reference's. That gradient reaches the logits as a tensor of their shape, not through
+   a view, so that autograd adds another loss's gradient (``F.cross_entropy``'s) into it in place.
 2. Hidden states: the chunked op's NTL-only path makes no ``[T, V]`` tensor at all.
 3. Imports: a first call of each loss in a fresh process does not import ``torch.distributed.tensor``
    (sympy and some 500 modules: 1.4 s and 30-45 MiB of resident memory on the CPU, paid by every
@@ -82,8 +83,8 @@ def test_ntl_alone_reads_the_number_columns_once_and_allocates_only_the_gradient
             loss.backward()
         # one read of the logits (the number columns), then the gradient: a zero fill and the number
         # columns' part added in; nothing else touches a logits-sized tensor
-        assert mode.ops == ["index_select", "zeros_like", "index_add_"], (dtype, mode.ops)
-        assert mode.new == ["zeros_like"], (dtype, mode.new)
+        assert mode.ops == ["index_select", "zeros", "index_add_"], (dtype, mode.ops)
+        assert mode.new == ["zeros"], (dtype, mode.new)
 
         ref_logits = logits.detach().to(torch.float64).requires_grad_()
         _, ntl, mask = naive_per_token(ref_logits, labels, vocab)
@@ -96,6 +97,30 @@ def test_ntl_alone_reads_the_number_columns_once_and_allocates_only_the_gradient
         others = torch.ones(shape[-1], dtype=torch.bool)
         others[numbers] = False
         assert not logits.grad[..., others].any()  # the gradient is the number columns' alone
+
+
+def test_ntl_gradient_reaches_the_logits_without_a_view():
+    # A view between the logits and the loss (reshape to [T, V]) hands autograd a gradient whose base
+    # is still alive: it then adds CE's gradient out of place, one more logits-sized buffer and pass
+    vocab, shape = _vocab(300), (2, 5, 300)
+    labels = random_labels(vocab, shape[:-1], shape[-1], seed=6)
+    logits = random_logits(shape, seed=7, dtype=torch.float32).requires_grad_()
+    loss = ntl_scale.number_token_loss(logits, labels, vocab)
+    nodes, stack = [], [loss.grad_fn]
+    while stack:  # the nodes whose gradient goes straight to the logits
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if getattr(child, "variable", None) is logits:
+                nodes.append(node)
+            else:
+                stack.append(child)
+    assert [type(n).__name__ for n in nodes] == ["_NumberColumnsNTLBackward"], nodes
+    grads = []
+    nodes[0].register_hook(lambda grad_inputs, _: grads.append(grad_inputs[0]))
+    loss.backward()
+    assert grads[0].shape == logits.shape and grads[0]._base is None
 
 
 # ----------------------------------------------------------------------------------- 2. hidden states
