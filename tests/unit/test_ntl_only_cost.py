@@ -3,8 +3,9 @@
 Sections:
 1. Logits: ``number_token_loss`` without reweighing reads the logits once, through the number columns,
    and allocates one logits-sized buffer, the gradient autograd needs (a zero fill and the number
-   columns added into it), counted op by op with a ``TorchDispatchMode``; its loss and gradient are
-   the float64 reference's. That gradient reaches the logits as a tensor of their shape, not through
+   columns added into it), counted op by op with a ``TorchDispatchMode``, for contiguous and shifted
+   (non-contiguous) logits, which are not copied; its loss and gradient are the float64 reference's.
+   That gradient reaches the logits as a tensor of their shape, not through
    a view, so that autograd adds another loss's gradient (``F.cross_entropy``'s) into it in place.
 2. Hidden states: the chunked op's NTL-only path makes no ``[T, V]`` tensor at all.
 3. Imports: a first call of each loss in a fresh process does not import ``torch.distributed.tensor``
@@ -18,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -70,33 +72,37 @@ def _vocab(size: int) -> ntl_scale.NumberVocab:
 # ------------------------------------------------------------------------------------------ 1. logits
 
 
-def test_ntl_alone_reads_the_number_columns_once_and_allocates_only_the_gradient():
+@pytest.mark.parametrize("shifted", [False, True], ids=["contiguous", "shifted"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ntl_alone_reads_the_number_columns_once_and_allocates_only_the_gradient(dtype, shifted):
     vocab, shape = _vocab(700), (3, 40, 700)
     labels = random_labels(vocab, shape[:-1], shape[-1], seed=1)
-    for dtype in (torch.float32, torch.float64):
-        logits = random_logits(shape, seed=2, dtype=dtype).requires_grad_()
-        ntl_scale.number_token_loss(logits, labels, vocab).backward()  # caches (tables on the device) built
-        logits.grad = None
-        mode = _BigTensors(logits.numel() * logits.element_size(), {logits.untyped_storage().data_ptr()})
-        with mode:
-            loss = ntl_scale.number_token_loss(logits, labels, vocab)
-            loss.backward()
-        # one read of the logits (the number columns), then the gradient: a zero fill and the number
-        # columns' part added in; nothing else touches a logits-sized tensor
-        assert mode.ops == ["index_select", "zeros", "index_add_"], (dtype, mode.ops)
-        assert mode.new == ["zeros"], (dtype, mode.new)
+    # shifted: the logits of positions 0..S-2 of a longer sequence, a non-contiguous view (as after the
+    # causal shift), which must not be copied; its slicing's own backward is the caller's
+    full = random_logits((3, 41, 700) if shifted else shape, seed=2, dtype=dtype).requires_grad_()
+    logits = full[:, :-1] if shifted else full
+    ntl_scale.number_token_loss(logits, labels, vocab).backward()  # caches (tables on the device) built
+    full.grad = None
+    mode = _BigTensors(logits.numel() * logits.element_size(), {full.untyped_storage().data_ptr()})
+    with mode:
+        loss = ntl_scale.number_token_loss(logits, labels, vocab)
+        loss.backward()
+    # one read of the logits (the number columns), then the gradient: a zero fill and the number
+    # columns' part added in; nothing else touches a logits-sized tensor
+    caller = ["slice_backward"] if shifted else []
+    assert mode.ops == ["index_select", "zeros", "index_add_", *caller], mode.ops
+    assert mode.new == ["zeros", *caller], mode.new
 
-        ref_logits = logits.detach().to(torch.float64).requires_grad_()
-        _, ntl, mask = naive_per_token(ref_logits, labels, vocab)
-        ref = naive_reduce(ntl, mask, None, "mean")
-        ref.backward()
-        tol = 1e-12 if dtype == torch.float64 else 1e-5
-        torch.testing.assert_close(loss.detach().to(torch.float64), ref.detach(), rtol=tol, atol=tol)
-        torch.testing.assert_close(logits.grad.to(torch.float64), ref_logits.grad, rtol=tol, atol=tol)
-        numbers = vocab.ids
-        others = torch.ones(shape[-1], dtype=torch.bool)
-        others[numbers] = False
-        assert not logits.grad[..., others].any()  # the gradient is the number columns' alone
+    ref_full = full.detach().to(torch.float64).requires_grad_()
+    _, ntl, mask = naive_per_token(ref_full[:, :-1] if shifted else ref_full, labels, vocab)
+    ref = naive_reduce(ntl, mask, None, "mean")
+    ref.backward()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(loss.detach().to(torch.float64), ref.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(full.grad.to(torch.float64), ref_full.grad, rtol=tol, atol=tol)
+    others = torch.ones(shape[-1], dtype=torch.bool)
+    others[vocab.ids] = False
+    assert not full.grad[..., others].any()  # the gradient is the number columns' alone
 
 
 def test_ntl_gradient_reaches_the_logits_without_a_view():
