@@ -120,12 +120,15 @@ class LocalShard(NamedTuple):
 
 
 def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (False where torch has no distributed)."""
-    if not dist.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (False where torch has no distributed).
 
-    return isinstance(tensor, DTensor)
+    Never imports ``torch.distributed.tensor``: no DTensor exists before that package has been imported,
+    and importing it (sympy and some 500 modules) cost the first call of every loss 1.4 s and 30-45 MiB
+    of resident memory on a CPU (issue 43).
+    """
+    package = getattr(dist, "tensor", None) if dist.is_available() else None
+    dtensor = getattr(package, "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def dtensor_vocab_shard(tensor: Any, *, dim: int = -1, name: str = "logits") -> LocalShard:
@@ -475,9 +478,10 @@ class ShardMath:
         sums = torch.zeros(num_tokens, 6 if smoothing else 4, dtype=cdt, device=logits.device)
         if smoothing:
             sums[:, 5] = width
-        owned, local_label = inputs.owned_targets(slice(None), width)
-        target = logits.gather(1, local_label.unsqueeze(1)).squeeze(1).to(cdt)
-        sums[:, 1] = torch.where(owned, target, torch.zeros_like(target))
+        if need_full:  # z_y is CE's: NTL alone reads the logits once, through the number columns
+            owned, local_label = inputs.owned_targets(slice(None), width)
+            target = logits.gather(1, local_label.unsqueeze(1)).squeeze(1).to(cdt)
+            sums[:, 1] = torch.where(owned, target, torch.zeros_like(target))
         if need_full:
             # One reused chunk buffer (or the logits themselves): fresh allocations per chunk would
             # cost a page fault per page on every call.
@@ -711,6 +715,56 @@ def _raise_if_not_finite(maxes: torch.Tensor, sums: torch.Tensor, need_full: boo
         )
 
 
+class _NumberColumnsNTL(torch.autograd.Function):
+    """NTL alone on logits ``[..., V_local]``: the number columns are read once, the gradient written once.
+
+    The statistics of :meth:`ShardMath.local_max`, :meth:`ShardMath.local_sums` and
+    :meth:`ShardMath.finalize` without the full vocabulary (``ce`` and ``mass`` are 0), with the same
+    two all-reduces. The Function takes the logits in the caller's shape and returns its gradient in
+    that shape, a new tensor rather than a view: autograd can then add another loss's gradient of the
+    same logits (``F.cross_entropy + number_token_loss``) into it in place, where a view's gradient
+    (the ``reshape`` to ``[T, V]`` ahead of :class:`_FusedCENTL`) kept its base alive and cost one more
+    logits-sized buffer and pass. Nothing logits-sized is saved for the backward, and non-contiguous
+    logits (shifted ones) are not copied.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, logits: torch.Tensor, inputs: ShardInputs, check_finite: bool, tp_group: dist.ProcessGroup | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        cols = inputs.number_cols
+        cdt = compute_dtype(logits.dtype)
+        tokens = logits.numel() // logits.shape[-1]  # not reshape(-1, n): a shard may hold no number column
+        number_logits = logits.index_select(-1, cols).reshape(tokens, cols.numel()).to(cdt)
+        rows = [slice(0, number_logits.shape[0])]
+        maxes = all_reduce_max(ShardMath.local_max(number_logits, number_logits, rows, False), tp_group)
+        number_max = ShardMath.safe_number_max(maxes[:, 1])
+        sums, number_exp = ShardMath.local_sums(
+            number_logits, number_logits, inputs, maxes[:, 0], number_max, rows, False, False
+        )
+        all_reduce_sums(sums, tp_group)
+        if check_finite:
+            _raise_if_not_finite(maxes, sums, False)
+        ce, expect, mass, hit, lse = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, False)
+        ctx.mark_non_differentiable(hit)
+        ctx.inputs, ctx.shape, ctx.dtype = inputs, logits.shape, logits.dtype
+        ctx.save_for_backward(number_exp, sums[:, 2], expect)
+        return ce, expect, mass, hit, lse
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        g_expect = grads[1]  # ce and mass are constants here: only expect carries gradient
+        number_exp, number_total, expect = ctx.saved_tensors
+        inputs: ShardInputs = ctx.inputs
+        out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=expect.device)
+        if g_expect is not None:
+            saved = {"number_exp": number_exp, "number_total": number_total, "expect": expect}
+            number_grad = ShardMath.number_grad(slice(None), saved, inputs, g_expect.to(expect.dtype))
+            # through a temporary [T, V] view of the new tensor; the tensor itself goes back, no view
+            index_add(out.view(-1, ctx.shape[-1]), 1, inputs.number_cols, number_grad.to(ctx.dtype))
+        return out, None, None, None
+
+
 def fused_shard_stats(
     logits: torch.Tensor,
     inputs: ShardInputs,
@@ -726,10 +780,12 @@ def fused_shard_stats(
     """Per-token ``(ce, expect, mass, hit, lse)`` of a ``[T, V_local]`` logits shard; differentiable.
 
     Args:
-        logits: the local logits shard, ``[T, V_local]``, fp32/bf16/fp16/fp64.
+        logits: the local logits shard, ``[T, V_local]``, fp32/bf16/fp16/fp64 (without ``need_full``
+            any ``[..., V_local]``, the tokens in row-major order: its gradient keeps that shape).
         inputs: the resolved per-shard inputs.
         need_full: compute the full softmax (for CE and the number-mass reweighing); if False only
-            the number columns are read.
+            the number columns are read (:class:`_NumberColumnsNTL`; ``inplace`` and ``chunk_tokens``
+            do not apply).
         inplace: overwrite the logits buffer with ``exp(z - max)`` and reuse it for the gradient
             (fp32/fp64 only), like Megatron's vocab-parallel cross entropy; the logits are garbage
             afterwards.
@@ -747,5 +803,7 @@ def fused_shard_stats(
         vocabulary's log-sum-exp (0 without ``need_full``; differentiable), identical on every TP rank.
     """
     check_chunk_tokens(chunk_tokens)
+    if not need_full:
+        return _NumberColumnsNTL.apply(logits, inputs, check_finite, tp_group)
     kernels = use_triton(impl, logits, features)
     return _FusedCENTL.apply(logits, inputs, need_full, inplace, check_finite, tp_group, chunk_tokens, kernels)

@@ -119,7 +119,8 @@ def per_token_ce_ntl(
     flat_labels = labels.reshape(-1)
     inputs, row = shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
     need_full = need_ce or options.reweigh
-    flat = logits_shard.reshape(-1, width)
+    # NTL alone takes the logits as they are: its gradient comes back in their shape, not through a view
+    flat = logits_shard.reshape(-1, width) if need_full else logits_shard
     if options.logit_softcap is not None:
         # elementwise, before everything (CE, z-loss and NTL see the capped logits); autograd's tanh
         # backward is the factor 1 - tanh^2. A new tensor: the caller's logits are not overwritten.
