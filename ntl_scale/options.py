@@ -429,13 +429,15 @@ def option_field(name: str) -> OptionField:
 
 # ---------------------------------------------------------------------------------- the front ends
 
-SURFACES = ("yaml", "megatron", "hf")
+SURFACES = ("yaml", "megatron", "hf", "torchtitan")
 """The front ends: ``yaml`` (``launch/train.py``'s run config), ``megatron`` (the ``--ntl-*`` flags of
-both Megatron routes), ``hf`` (``apply_ntl``: its keyword arguments, the variant in ``options=``)."""
+both Megatron routes), ``hf`` (``apply_ntl_to_hf_model``: its keyword arguments, the variant in
+``options=``), ``torchtitan`` (``NTLLoss.Config``'s fields: ``--loss.<name>``, or ``--loss.loss-fn.<name>``
+inside ``ChunkedLossWrapper``)."""
 
 # How a front end spells an option where its rule (yaml: ntl.<name>; megatron: --ntl-<name with
-# dashes>; hf: options.<name> for the variant, <name> otherwise) does not give it. None: the option
-# is not an argument of that front end, for the reason given.
+# dashes>; hf: options.<name> for the variant, <name> otherwise; torchtitan: loss.<name>) does not
+# give it. None: the option is not an argument of that front end, for the reason given.
 _SPELLING: dict[str, dict[str, tuple[str | None, str]]] = {
     "yaml": {
         "chunked": ("train.chunked_loss", "the chunked route is a train-section choice"),
@@ -445,9 +447,16 @@ _SPELLING: dict[str, dict[str, tuple[str | None, str]]] = {
         "digit_level": ("--ntl-number-vocab", "digits | multi-digit | the path of a saved table"),
     },
     "hf": {
-        "weight": ("ntl_weight", "apply_ntl(model, vocab, ntl_weight=...)"),
-        "digit_level": (None, "apply_ntl takes the NumberVocab itself (NumberVocab.from_tokenizer(digit_level=...))"),
+        "weight": ("ntl_weight", "apply_ntl_to_hf_model(model, vocab, ntl_weight=...)"),
+        "digit_level": (
+            None,
+            "apply_ntl_to_hf_model takes the NumberVocab itself (NumberVocab.from_tokenizer(digit_level=...))",
+        ),
         "normalization": (None, "Hugging Face normalises by what num_items_in_batch carries (ntl_trainer_class)"),
+    },
+    "torchtitan": {
+        "chunked": (None, "torchtitan's chunked route is its ChunkedLossWrapper (--loss.num-chunks)"),
+        "normalization": (None, "torchtitan normalises by the step's global counts; there is no micro-batch mean"),
     },
 }
 
@@ -479,6 +488,8 @@ def surface_name(name: str, surface: str) -> str | None:
         return f"ntl.{name}"
     if surface == "megatron":
         return "--ntl-" + name.replace("_", "-")
+    if surface == "torchtitan":
+        return f"loss.{name}"
     return f"options.{name}" if option.level == "variant" else name
 
 

@@ -14,6 +14,7 @@ from .megatron.lm import (
     NTLStats,
     StepGroups,
     apply_ntl,
+    apply_ntl_to_megatron_model,
     find_language_model,
     remove_ntl,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "NTLStats",
     "StepGroups",
     "apply_ntl",
+    "apply_ntl_to_megatron_model",
     "find_language_model",
     "remove_ntl",
 ]
