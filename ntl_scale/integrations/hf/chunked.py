@@ -65,7 +65,8 @@ def logit_multiplier(model: Any) -> float:
     if capping:
         raise ValueError(
             f"{type(model).__name__} soft-caps its logits (final_logit_softcapping={capping}), a non-linear map the "
-            "hidden-state loss cannot reproduce; use the logits path (apply_ntl_to_hf_model(model, vocab) without chunked=True, "
+            "hidden-state loss cannot reproduce; use the logits path (apply_ntl_to_hf_model(model, vocab) "
+            "without chunked=True, "
             "or train.chunked_loss=false)"
         )
     multiplier = 1.0
@@ -131,7 +132,8 @@ def linear_head(model: Any) -> torch.nn.Linear:
     if is_dtensor(getattr(head, "weight", None)) and not _fully_sharded(model):
         raise ValueError(
             f"{type(model).__name__} is split by Hugging Face tensor parallelism (tp_plan): its output layer holds a "
-            "DTensor, which the hidden-state loss does not take. Use the logits path (apply_ntl_to_hf_model(model, vocab) "
+            "DTensor, which the hidden-state loss does not take. Use the logits path "
+            "(apply_ntl_to_hf_model(model, vocab) "
             "without chunked=True), which works under tp_plan, or ntl_scale's vocab-parallel ops in your own loop"
         )
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
@@ -195,7 +197,8 @@ def hidden_state_terms(model: Any, multiplier: float, targets: torch.Tensor, **d
 
 
 def chunked_forward(original: Callable, loss: Any, multiplier: float) -> Callable:
-    """The forward :func:`apply_ntl_to_hf_model` installs: the hidden-state loss in training with labels, else ``original``."""
+    """The forward :func:`apply_ntl_to_hf_model` installs: the hidden-state loss in training with labels, else
+    ``original``."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     # transformers 5.24 renamed the output's past_key_values to cache (the old name is deprecated there)

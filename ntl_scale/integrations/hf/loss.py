@@ -209,7 +209,8 @@ def apply_ntl_to_hf_model(
     """
     if not hasattr(type(model), "loss_function"):
         raise TypeError(
-            f"apply_ntl_to_hf_model needs a Hugging Face model with a loss_function hook (transformers >= 4.46 causal LMs), "
+            "apply_ntl_to_hf_model needs a Hugging Face model with a loss_function hook "
+            "(transformers >= 4.46 causal LMs), "
             f"got {type(model).__name__}"
         )
     size = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -226,7 +227,9 @@ def apply_ntl_to_hf_model(
         same = loss.vocab == number_vocab and loss.ntl_weight == float(ntl_weight)
         same = same and installed["chunked"] == (chunk_tokens if chunked else False)
         if not same or loss.options != (options or NTLOptions()):
-            raise ValueError("apply_ntl_to_hf_model was already called on this model with other settings; call remove_ntl first")
+            raise ValueError(
+                "apply_ntl_to_hf_model was already called on this model with other settings; call remove_ntl first"
+            )
         return loss
     loss = NTLCausalLMLoss(number_vocab, ntl_weight, options)
     if chunked:
@@ -265,7 +268,8 @@ def is_chunked(model: Any) -> bool:
 
 
 def remove_ntl(model: Any) -> bool:
-    """Undoes :func:`apply_ntl_to_hf_model` (the model's own forward and ``loss_function``); returns whether it was installed."""
+    """Undoes :func:`apply_ntl_to_hf_model` (the model's own forward and ``loss_function``); returns whether it
+    was installed."""
     record = model.__dict__.pop(_MARK, None)
     if record is None:
         return False

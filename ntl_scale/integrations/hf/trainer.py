@@ -96,8 +96,8 @@ def ntl_trainer_class(base: Any = None) -> Any:
                 same = installed.vocab == number_vocab and installed.ntl_weight == float(ntl_weight)
                 if not same or installed.options != (ntl_options or NTLOptions()) or not causal:
                     raise ValueError(
-                        "the model has apply_ntl_to_hf_model(chunked=True) with other settings than number_vocab/ntl_weight/"
-                        "ntl_options given to the trainer (or causal=False); pass the same ones"
+                        "the model has apply_ntl_to_hf_model(chunked=True) with other settings than "
+                        "number_vocab/ntl_weight/ntl_options given to the trainer (or causal=False); pass the same ones"
                     )
                 self.ntl_loss = installed
                 self.model_accepts_loss_kwargs = True

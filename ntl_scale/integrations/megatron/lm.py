@@ -335,7 +335,8 @@ def apply_ntl_to_megatron_model(
         chunk_tokens = settings.chunk_tokens
     elif settings.chunk_tokens is not None and chunk_tokens != settings.chunk_tokens:
         raise ValueError(
-            f"apply_ntl_to_megatron_model(chunk_tokens={chunk_tokens!r}) contradicts settings.chunk_tokens={settings.chunk_tokens!r} "
+            f"apply_ntl_to_megatron_model(chunk_tokens={chunk_tokens!r}) contradicts "
+            f"settings.chunk_tokens={settings.chunk_tokens!r} "
             "(--ntl-chunk-tokens); pass one of them"
         )
     check_chunk_route(settings.chunked, chunk_tokens, "megatron")
