@@ -6,9 +6,9 @@ Moved: ``NTLCausalLMLoss``, ``apply_ntl``, ``remove_ntl``, ``installed_loss``, `
 
 import warnings
 
-from .hf.loss import NTLCausalLMLoss, apply_ntl, apply_ntl_to_hf_model, installed_loss, is_chunked, remove_ntl
+from .hf.loss import NTLCausalLMLoss, apply_ntl, installed_loss, is_chunked, remove_ntl
 
-__all__ = ["NTLCausalLMLoss", "apply_ntl", "apply_ntl_to_hf_model", "installed_loss", "is_chunked", "remove_ntl"]
+__all__ = ["NTLCausalLMLoss", "apply_ntl", "installed_loss", "is_chunked", "remove_ntl"]
 
 warnings.warn(
     "ntl_scale.integrations.hf_loss is deprecated; import from ntl_scale.integrations.hf",

@@ -14,7 +14,6 @@ from .megatron.lm import (
     NTLStats,
     StepGroups,
     apply_ntl,
-    apply_ntl_to_megatron_model,
     find_language_model,
     remove_ntl,
 )
@@ -26,7 +25,6 @@ __all__ = [
     "NTLStats",
     "StepGroups",
     "apply_ntl",
-    "apply_ntl_to_megatron_model",
     "find_language_model",
     "remove_ntl",
 ]

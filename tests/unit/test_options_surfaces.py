@@ -199,7 +199,7 @@ def test_torchtitan_config_has_every_option_with_its_default(name):
     ("module", "new"),
     [
         ("ntl_scale.integrations.hf", "apply_ntl_to_hf_model"),
-        ("ntl_scale.integrations.megatron_lm", "apply_ntl_to_megatron_model"),
+        ("ntl_scale.integrations.megatron.lm", "apply_ntl_to_megatron_model"),
     ],
 )
 def test_the_old_apply_ntl_names_warn_and_call_the_new_ones(module, new):
