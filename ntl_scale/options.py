@@ -17,7 +17,7 @@ new front end, such as a torchtitan ``BaseLoss.Config``; :func:`surface_name` an
 :func:`surface_default` say how each front end spells an option and which defaults differ there, and
 why):
 
-| option | YAML (``launch/train.py``) | Megatron (both routes) | ``apply_ntl`` (Hugging Face) |
+| option | YAML (``launch/train.py``) | Megatron (both routes) | ``apply_ntl_to_hf_model`` (Hugging Face) |
 |---|---|---|---|
 | ``loss`` ... ``impl`` (the variant) | ``ntl.<name>`` | ``--ntl-<name>`` | ``options=NTLOptions(...)`` |
 | ``weight`` | ``ntl.weight`` | ``--ntl-weight`` (default 0: off) | ``ntl_weight`` |
@@ -32,7 +32,7 @@ here (:func:`check_option`: finite, in range, the right type), by every front en
 :func:`check_chunk_route`.
 
 ``tests/unit/test_options_surfaces.py`` introspects each front end (the YAML dataclass, the argparse
-parser, ``apply_ntl``'s signature) and fails when an option is missing there or has another default
+parser, ``apply_ntl_to_hf_model``'s signature) and fails when an option is missing there or has another default
 than this module declares.
 """
 
@@ -200,7 +200,7 @@ NUMERIC_CHECKS = {
 }
 """The one check of every numeric option (finite, in range, the right type), by option name: every front
 end (the Python API, the YAML sections, torchtitan's ``NTLLoss.Config``, Megatron's flags and
-``NTLSettings``, Hugging Face's ``apply_ntl``) calls :func:`check_option` with its own spelling."""
+``NTLSettings``, Hugging Face's ``apply_ntl_to_hf_model``) calls :func:`check_option` with its own spelling."""
 
 
 def check_option(name: str, value: object, spelling: str | None = None) -> Any:
@@ -322,7 +322,7 @@ class NTLRunOptions:
     """The NTL options of a training run: the variant of :class:`NTLOptions` and the run-level choices.
 
     The ``ntl`` section of ``launch/train.py``'s config is this class
-    (:class:`ntl_scale.training.config.NTLConfig`); Megatron's ``--ntl-*`` flags and ``apply_ntl``'s
+    (:class:`ntl_scale.training.config.NTLConfig`); Megatron's ``--ntl-*`` flags and ``apply_ntl_to_hf_model``'s
     arguments are built from or checked against it. The variant fields mean what they mean in
     :class:`NTLOptions` (their defaults are checked to agree); ``chunked`` and ``chunk_tokens`` are
     listed by :func:`option_fields` but live in the ``train`` section of a run config
@@ -496,13 +496,15 @@ def option_field(name: str) -> OptionField:
 
 # ---------------------------------------------------------------------------------- the front ends
 
-SURFACES = ("yaml", "megatron", "hf")
+SURFACES = ("yaml", "megatron", "hf", "torchtitan")
 """The front ends: ``yaml`` (``launch/train.py``'s run config), ``megatron`` (the ``--ntl-*`` flags of
-both Megatron routes), ``hf`` (``apply_ntl``: its keyword arguments, the variant in ``options=``)."""
+both Megatron routes), ``hf`` (``apply_ntl_to_hf_model``: its keyword arguments, the variant in
+``options=``), ``torchtitan`` (``NTLLoss.Config``'s fields: ``--loss.<name>``, or ``--loss.loss-fn.<name>``
+inside ``ChunkedLossWrapper``)."""
 
 # How a front end spells an option where its rule (yaml: ntl.<name>; megatron: --ntl-<name with
-# dashes>; hf: options.<name> for the variant, <name> otherwise) does not give it. None: the option
-# is not an argument of that front end, for the reason given.
+# dashes>; hf: options.<name> for the variant, <name> otherwise; torchtitan: loss.<name>) does not
+# give it. None: the option is not an argument of that front end, for the reason given.
 _SPELLING: dict[str, dict[str, tuple[str | None, str]]] = {
     "yaml": {
         "chunked": ("train.chunked_loss", "the chunked route is a train-section choice"),
@@ -512,9 +514,16 @@ _SPELLING: dict[str, dict[str, tuple[str | None, str]]] = {
         "digit_level": ("--ntl-number-vocab", "digits | multi-digit | the path of a saved table"),
     },
     "hf": {
-        "weight": ("ntl_weight", "apply_ntl(model, vocab, ntl_weight=...)"),
-        "digit_level": (None, "apply_ntl takes the NumberVocab itself (NumberVocab.from_tokenizer(digit_level=...))"),
+        "weight": ("ntl_weight", "apply_ntl_to_hf_model(model, vocab, ntl_weight=...)"),
+        "digit_level": (
+            None,
+            "apply_ntl_to_hf_model takes the NumberVocab itself (NumberVocab.from_tokenizer(digit_level=...))",
+        ),
         "normalization": (None, "Hugging Face normalises by what num_items_in_batch carries (ntl_trainer_class)"),
+    },
+    "torchtitan": {
+        "chunked": (None, "torchtitan's chunked route is its ChunkedLossWrapper (--loss.num-chunks)"),
+        "normalization": (None, "torchtitan normalises by the step's global counts; there is no micro-batch mean"),
     },
 }
 
@@ -546,6 +555,8 @@ def surface_name(name: str, surface: str) -> str | None:
         return f"ntl.{name}"
     if surface == "megatron":
         return "--ntl-" + name.replace("_", "-")
+    if surface == "torchtitan":
+        return f"loss.{name}"
     return f"options.{name}" if option.level == "variant" else name
 
 

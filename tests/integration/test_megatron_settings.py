@@ -159,7 +159,9 @@ def _worker(ctx: WorkerContext) -> None:
         model(*inputs, labels=labels, loss_mask=mask)
     megatron_lm.remove_ntl(model)
     chunked = ntl_megatron.NTLSettings(weight=WEIGHT, chunked=True, chunk_tokens=3)
-    with pytest.raises(ValueError, match=r"apply_ntl\(chunk_tokens=5\) contradicts settings.chunk_tokens=3"):
+    with pytest.raises(
+        ValueError, match=r"apply_ntl_to_megatron_model\(chunk_tokens=5\) contradicts settings.chunk_tokens=3"
+    ):
         megatron_lm.apply_ntl(model, chunked, vocab, tp_group=None, chunk_tokens=5)
     with pytest.raises(ValueError, match=r"--ntl-chunk-tokens=5 applies to the chunked route only"):
         megatron_lm.apply_ntl(model, ntl_megatron.NTLSettings(weight=WEIGHT), vocab, tp_group=None, chunk_tokens=5)

@@ -15,6 +15,8 @@ Sections:
 3. ``llama3_3b_ntl`` (the Llama-3.2-3B shape, Llama 3's multi-digit number table) steps at reduced
    width and depth (``tests.helpers.torchtitan_cpu.small_llama3``: vocabulary, tying and RoPE kept), in
    one process with torchtitan's default ``spmd_backend``: the logged loss is ``ce + 0.3 * ntl`` and falls.
+4. The README's command as written (``launch/torchtitan_assets.py``, then ``torchtitan.train`` at 2 ranks
+   with ``partial_dtensor``), only the CPU patches and a shorter run added.
 """
 
 from __future__ import annotations
@@ -181,3 +183,37 @@ def test_llama3_3b_shape_steps_at_reduced_size(assets: dict[str, str]) -> None:
         assert metrics["loss_metrics/ntl_mean"] > 0
         assert abs(loss - combined) <= 1e-5 * loss
     assert run["losses"][-1] < run["losses"][0]
+
+
+# 4. The README's command, as written, on CPU ----------------------------------------------------------
+
+
+def test_readme_command_runs_on_cpu(tmp_path: Path) -> None:
+    """README's torchtitan block: its asset builder, then its trainer command with the CPU patches added.
+
+    Only what CPU needs is added (the patched entry, SDPA, no CUDA graphs) and the run shortened; every
+    flag of the README is kept, so a wrong flag or a missing asset fails here."""
+    from tests.helpers.docs_commands import commands
+
+    build, train = commands("README.md", "torchtitan")
+    assert build.startswith("python launch/torchtitan_assets.py /tmp/ntl_torchtitan"), build
+    prefix = "torchrun --nproc_per_node 2 -m torchtitan.train "
+    assert train.startswith(prefix) and "--parallelism.spmd_backend partial_dtensor" in train, train
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    build = build.replace("/tmp/ntl_torchtitan", str(tmp_path)).split()
+    proc = run_launch([sys.executable, *build[1:]], env=env, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    args = train[len(prefix) :].replace("/tmp/ntl_torchtitan", str(tmp_path)).split()
+    cpu = [
+        "--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--training.disable_cuda_graphs", "--override.imports", "tests.helpers.torchtitan_cpu.sdpa_attention",
+        "--dump_folder", str(tmp_path / "outputs"),
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    proc = run_launch([*cmd, "tests/helpers/torchtitan_cpu.py", *args, *cpu], env=env, timeout=400, cwd=ROOT)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    steps = [line for line in log.splitlines() if " ntl: " in line and " ce: " in line]
+    assert len(steps) == 4, log[-4000:]  # 2 steps x 2 ranks log ce, ntl and number accuracy
+    ntl = [float(line.split(" ntl: ")[1].split()[0]) for line in steps]
+    assert all(0 < v < 20 for v in ntl), ntl  # the digit table came from the built tokenizer: NTL positions exist

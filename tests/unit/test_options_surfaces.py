@@ -9,7 +9,9 @@ Each front end is introspected, not the spec's own tables:
    reach the loss options.
 3. Megatron (both routes): the actions of the parser ``add_ntl_args`` builds (flags, defaults,
    choices); ``NTLSettings.from_args`` carries every option into ``NTLOptions``.
-4. Hugging Face: ``apply_ntl``'s signature and the defaults of ``NTLOptions()`` its ``options`` means.
+4. Hugging Face: ``apply_ntl_to_hf_model``'s signature and the defaults of ``NTLOptions()`` its ``options``
+   means (the deprecated names ``apply_ntl`` of both integrations: a warning, the same call); torchtitan:
+   ``NTLLoss.Config``'s fields.
 5. Config files: every ``ntl.*`` key of the study presets and train configs, and every ``ntl-*`` key of
    the Megatron configs, is an option of its front end; every train config and preset arm loads.
 
@@ -164,7 +166,7 @@ def test_megatron_settings_carry_every_option():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_apply_ntl_takes_every_option_with_its_default(name):
-    from ntl_scale.integrations.hf import apply_ntl
+    from ntl_scale.integrations.hf import apply_ntl_to_hf_model as apply_ntl
 
     spelled = surface_name(name, "hf")
     if spelled is None:
@@ -178,6 +180,50 @@ def test_apply_ntl_takes_every_option_with_its_default(name):
         assert spelled in parameters, f"apply_ntl has no {spelled} argument"
         default = parameters[spelled].default
     assert default == surface_default(name, "hf"), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_torchtitan_config_has_every_option_with_its_default(name):
+    pytest.importorskip("torchtitan")
+    from ntl_scale.integrations.torchtitan import NTLLoss
+
+    spelled = surface_name(name, "torchtitan")
+    fields = {f.name: f for f in dataclasses.fields(NTLLoss.Config)}
+    if spelled is None:
+        assert surface_reason(name, "torchtitan") and name not in fields, name
+        return
+    assert spelled.startswith("loss.") and spelled[5:] in fields, f"NTLLoss.Config has no field for {spelled}"
+    assert fields[spelled[5:]].default == surface_default(name, "torchtitan"), name
+
+
+@pytest.mark.parametrize(
+    ("module", "new"),
+    [
+        ("ntl_scale.integrations.hf", "apply_ntl_to_hf_model"),
+        ("ntl_scale.integrations.megatron.lm", "apply_ntl_to_megatron_model"),
+    ],
+)
+def test_the_old_apply_ntl_names_warn_and_call_the_new_ones(module, new):
+    """Same signature; a call warns naming the new name and ends as the new function's call does."""
+    import importlib
+    import warnings
+
+    mod = importlib.import_module(module)
+    old, target = mod.apply_ntl, getattr(mod, new)
+    assert inspect.signature(old) == inspect.signature(target)
+
+    def outcome(fn):
+        try:
+            fn(object(), None, None, tp_group=None) if "megatron" in new else fn(object(), None)
+        except Exception as error:  # the model is no model: both end in the new function's refusal
+            return type(error), str(error)
+        raise AssertionError(f"{fn} accepted an object() as its model")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = outcome(old)
+    assert [w.category for w in caught] == [DeprecationWarning] and new in str(caught[0].message)
+    assert got == outcome(target)
 
 
 # ------------------------------------------------------------------------------------ 5. config files

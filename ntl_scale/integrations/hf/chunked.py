@@ -1,6 +1,6 @@
 """Hugging Face route 2: CE + NTL from a causal LM's final hidden states; the training forward builds no logits.
 
-:func:`ntl_scale.integrations.hf.apply_ntl` with ``chunked=True`` installs this on a model
+:func:`ntl_scale.integrations.hf.apply_ntl_to_hf_model` with ``chunked=True`` installs this on a model
 (:func:`install_linear_loss_head` on its output layer, :func:`chunked_forward` as its forward);
 :class:`ChunkedLossCausalLM` wraps a model for ``launch/train.py``'s own loop. In training mode
 with labels, the model's forward runs its decoder (``model.base_model``) to the final hidden states
@@ -13,7 +13,7 @@ partitioned weight there (and again for the backward) as for any layer. Under to
 (``fully_shard``; accelerate's ``fsdp_version: 2``) the output layer's weight is a ``Shard(0)`` DTensor
 between steps and the whole weight inside the model's forward (FSDP2's pre-forward hook gathers it):
 the loss sees the whole weight, and its gradient goes to FSDP2's reduce-scatter as any layer's.
-:func:`apply_ntl` may be called before or after the model is sharded.
+:func:`apply_ntl_to_hf_model` may be called before or after the model is sharded.
 
 What the model does between its last hidden state and its logits must be reproducible on the hidden
 states: known conventions are Granite's ``logits_scaling`` (divides the logits), Cohere's
@@ -150,7 +150,7 @@ def check_head(model: Any, multiplier: float, head: torch.nn.Linear) -> bool:
         raise ValueError(
             f"{type(model).__name__}'s logits are not its output layer applied to the final hidden states (times "
             f"{multiplier:g}): it transforms them in a way the hidden-state loss does not know. Use the logits path "
-            "(apply_ntl(model, vocab) without chunked=True) and open an issue naming the model."
+            "(apply_ntl_to_hf_model(model, vocab) without chunked=True) and open an issue naming the model."
         )
     return True
 
@@ -161,7 +161,8 @@ def linear_head(model: Any) -> torch.nn.Linear:
     if is_dtensor(getattr(head, "weight", None)) and not _fully_sharded(model):
         raise ValueError(
             f"{type(model).__name__} is split by Hugging Face tensor parallelism (tp_plan): its output layer holds a "
-            "DTensor, which the hidden-state loss does not take. Use the logits path (apply_ntl(model, vocab) "
+            "DTensor, which the hidden-state loss does not take. Use the logits path "
+            "(apply_ntl_to_hf_model(model, vocab) "
             "without chunked=True), which works under tp_plan, or ntl_scale's vocab-parallel ops in your own loop"
         )
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
@@ -185,8 +186,8 @@ def install_linear_loss_head(
     if options.logit_softcap is not None and options.label_smoothing:  # likewise (ntl_scale.linear_ce_ntl)
         raise ValueError(
             f"options.logit_softcap={options.logit_softcap!r} with label_smoothing is not computed by the chunked "
-            "route (the loss from the hidden states); use apply_ntl without chunked=True (the logits path), or drop "
-            "one of them"
+            "route (the loss from the hidden states); use apply_ntl_to_hf_model without chunked=True (the logits "
+            "path), or drop one of them"
         )
 
     def head_forward(layer: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
@@ -200,7 +201,7 @@ def install_linear_loss_head(
                 "forward); compute the loss through the model's forward (model(input_ids, labels=...)), not by "
                 "calling the output layer directly"
             )
-        # the callers (apply_ntl's forward, ChunkedLossCausalLM with launch/train.py) sum CE over the valid
+        # the callers (apply_ntl_to_hf_model's forward, ChunkedLossCausalLM with launch/train.py) sum CE over the valid
         # targets, so the backward may reuse the forward's weight gradient without a host-side check
         terms = linear_ce_ntl(
             hidden,
@@ -231,7 +232,8 @@ def hidden_state_terms(model: Any, multiplier: float, targets: torch.Tensor, **d
 
 
 def chunked_forward(original: Callable, loss: Any, multiplier: float) -> Callable:
-    """The forward :func:`apply_ntl` installs: the hidden-state loss in training with labels, else ``original``."""
+    """The forward :func:`apply_ntl_to_hf_model` installs: the hidden-state loss in training with labels, else
+    ``original``."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     # transformers 5.24 renamed the output's past_key_values to cache (the old name is deprecated there)

@@ -1,7 +1,7 @@
 """Hugging Face route 3: a ``Trainer`` (or TRL ``SFTTrainer``) subclass with NTL and exact step normalisation.
 
 :func:`ntl_trainer_class` installs :class:`~ntl_scale.integrations.hf.loss.NTLCausalLMLoss` as the
-Trainer's ``compute_loss_func`` (or takes the model's ``apply_ntl(chunked=True)`` loss) and counts the
+Trainer's ``compute_loss_func`` (or takes the model's ``apply_ntl_to_hf_model(chunked=True)`` loss) and counts the
 NTL positions of each optimizer step beside the Trainer's token count (:func:`count_step_numbers`).
 
 ``transformers`` is imported on first use; without it :func:`ntl_trainer_class` raises an ImportError
@@ -99,14 +99,14 @@ def ntl_trainer_class(base: Any = None) -> Any:
             self._shift_labels: torch.Tensor | None = None
             installed = installed_loss(self.model) if is_chunked(self.model) else None
             if installed is not None:
-                # apply_ntl(model, chunked=True): the model computes the loss from its hidden states with
+                # apply_ntl_to_hf_model(model, chunked=True): the model computes the loss from its hidden states with
                 # the labels and the step's [tokens, numbers] (Trainer passes num_items_in_batch to a
                 # model whose forward takes **kwargs); the logits are never built.
                 same = installed.vocab == number_vocab and installed.ntl_weight == float(ntl_weight)
                 if not same or installed.options != (ntl_options or NTLOptions()) or not causal:
                     raise ValueError(
-                        "the model has apply_ntl(chunked=True) with other settings than number_vocab/ntl_weight/"
-                        "ntl_options given to the trainer (or causal=False); pass the same ones"
+                        "the model has apply_ntl_to_hf_model(chunked=True) with other settings than "
+                        "number_vocab/ntl_weight/ntl_options given to the trainer (or causal=False); pass the same ones"
                     )
                 self.ntl_loss = installed
                 self.model_accepts_loss_kwargs = True

@@ -190,7 +190,8 @@ def _refuse_chunked(settings: NTLSettings, route: str) -> None:
         raise ValueError(
             f"settings.chunked=True (--ntl-chunked) computes the loss from the hidden states, which {route} never "
             "sees (the model returns logits to it); use NTLLanguageModelMixin.configure_ntl (chunked from the "
-            "settings) or the Megatron-LM route (apply_ntl / launch/pretrain_gpt_ntl.py), or drop --ntl-chunked"
+            "settings) or the Megatron-LM route (apply_ntl_to_megatron_model / launch/pretrain_gpt_ntl.py), "
+            "or drop --ntl-chunked"
         )
 
 

@@ -5,7 +5,7 @@ The model computes CE + NTL wherever it computes CE; :class:`NTLForwardStep` wra
 
 Megatron's ``GPTModel`` turns logits into a per-token loss in one method,
 ``compute_language_model_loss(labels, logits)``, for the main head and for every multi-token
-prediction (MTP) head. :func:`apply_ntl` replaces that method on one model instance (opt-in,
+prediction (MTP) head. :func:`apply_ntl_to_megatron_model` replaces that method on one model instance (opt-in,
 idempotent, reversible with :func:`remove_ntl`), so everything around it stays Megatron's own:
 ``get_batch`` and its packed-sequence parameters, ``loss_func`` with its NaN/Inf and spiky-loss
 checks, MTP rolling and logging, the schedules and their normalisation.
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..._deprecation import deprecated_alias
 from ...losses import PerTokenTerms
 from ...normalization import micro_batch_sums, step_counts
 from ...number_vocab import NumberVocab
@@ -50,6 +51,7 @@ __all__ = [
     "NTLStats",
     "StepGroups",
     "apply_ntl",
+    "apply_ntl_to_megatron_model",
     "find_language_model",
     "remove_ntl",
 ]
@@ -119,7 +121,7 @@ def find_language_model(model: Any) -> Any:
 
 
 class GPTModelNTL:
-    """The NTL state installed on one ``GPTModel`` by :func:`apply_ntl`; see the module docstring.
+    """The NTL state installed on one ``GPTModel`` by :func:`apply_ntl_to_megatron_model`; see the module docstring.
 
     Per micro-batch, the caller may set :attr:`scale` (global normalisation) before the forward and
     takes the main head's sums with :meth:`pop_stats` after it.
@@ -302,7 +304,7 @@ class GPTModelNTL:
         return ce + (extra - extra.detach())
 
 
-def apply_ntl(
+def apply_ntl_to_megatron_model(
     model: Any,
     settings: NTLSettings,
     vocab: NumberVocab,
@@ -333,7 +335,8 @@ def apply_ntl(
         chunk_tokens = settings.chunk_tokens
     elif settings.chunk_tokens is not None and chunk_tokens != settings.chunk_tokens:
         raise ValueError(
-            f"apply_ntl(chunk_tokens={chunk_tokens!r}) contradicts settings.chunk_tokens={settings.chunk_tokens!r} "
+            f"apply_ntl_to_megatron_model(chunk_tokens={chunk_tokens!r}) contradicts "
+            f"settings.chunk_tokens={settings.chunk_tokens!r} "
             "(--ntl-chunk-tokens); pass one of them"
         )
     check_chunk_route(settings.chunked, chunk_tokens, "megatron")
@@ -357,7 +360,7 @@ def apply_ntl(
 
 
 def remove_ntl(model: Any) -> bool:
-    """Undoes :func:`apply_ntl` on a model; returns whether anything was installed."""
+    """Undoes :func:`apply_ntl_to_megatron_model` on a model; returns whether anything was installed."""
     core = find_language_model(model)
     hook = getattr(core, _ATTR, None)
     if hook is None:
@@ -414,7 +417,7 @@ class NTLForwardStep:
     Megatron's own ``forward_step`` runs unchanged (its ``get_batch``, packed sequences, the model
     call and its ``loss_func`` with the NaN/Inf and spiky-loss checks); this wrapper
 
-    * installs :func:`apply_ntl` on each model chunk on its first call;
+    * installs :func:`apply_ntl_to_megatron_model` on each model chunk on its first call;
     * on the last pipeline stage, at the first micro-batch of every training step, pulls the step's
       micro-batches from the data iterator, counts their tokens and number tokens from
       ``labels`` and ``loss_mask`` and reduces the counts with one SUM all-reduce of two numbers over
@@ -457,7 +460,7 @@ class NTLForwardStep:
                 "NTL does not support schedule plans (--overlap-moe-expert-parallel-comm): the model's "
                 "forward runs outside forward_step there. Turn that option off to train with NTL."
             )
-        hook = apply_ntl(
+        hook = apply_ntl_to_megatron_model(
             model,
             self.settings,
             self.vocab,
@@ -565,3 +568,6 @@ class _ReportNTL:
         report["ntl loss"] = ntl.float()
         report["number accuracy"] = hits.float()
         return loss, num_tokens, report
+
+
+apply_ntl = deprecated_alias(apply_ntl_to_megatron_model, "ntl_scale.integrations.megatron.lm.apply_ntl")
