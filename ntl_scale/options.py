@@ -295,6 +295,11 @@ class NTLOptions:
         on = (self.z_loss_weight != 0, self.label_smoothing != 0, self.logit_softcap is not None)
         return tuple(name for name, flag in zip(("z_loss_weight", "label_smoothing", "logit_softcap"), on) if flag)
 
+    def for_evaluation(self) -> NTLOptions:
+        """These options without the training regularisers of CE (z-loss, label smoothing), so that a
+        held-out CE and perplexity are the model's own; soft-capping stays (it is part of the model's logits)."""
+        return dataclasses.replace(self, z_loss_weight=0.0, label_smoothing=0.0)
+
     def point_loss(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Element-wise loss between an expected value and its target (mse/mae/huber)."""
         if self.loss == "mse":

@@ -219,6 +219,43 @@ def test_hf_trainer_refuses_its_own_label_smoothing(tmp_path):
     assert trainer_class(model=model, args=args, number_vocab=_vocab(), ntl_options=smoothed).ntl_loss is not None
 
 
+def test_hf_trainer_refuses_capping_twice_on_the_logits_path(tmp_path):
+    """A model that soft-caps its logits (Gemma 2) with ``ntl_options.logit_softcap``: the trainer's loss on the
+    model's (already capped) logits would cap them again; refused as apply_ntl_to_hf_model refuses it."""
+    transformers = pytest.importorskip("transformers")
+    from ntl_scale.integrations.hf import ntl_trainer_class
+
+    config = transformers.Gemma2Config(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, final_logit_softcapping=2.0,
+    )  # fmt: skip
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    capped = NTLOptions(logit_softcap=2.0)
+    with pytest.raises(ValueError, match=r"would cap them twice"):
+        ntl_trainer_class()(model=transformers.Gemma2ForCausalLM(config), args=args, number_vocab=_vocab(),
+                            ntl_options=capped)  # fmt: skip
+    trainer = ntl_trainer_class()(model=transformers.Gemma2ForCausalLM(config), args=args, number_vocab=_vocab())
+    assert trainer.ntl_loss is not None  # the model's own cap alone is fine on the logits path
+
+
+def test_evaluation_options_drop_the_training_regularisers_only():
+    """Held-out CE is the model's own: z-loss and label smoothing off, soft-capping (part of the logits) kept;
+    the evaluation CE equals torch's hard F.cross_entropy of the capped logits."""
+    options = NTLOptions(z_loss_weight=1e-2, label_smoothing=0.1, logit_softcap=3.0, loss="mse")
+    evaluation = options.for_evaluation()
+    assert (evaluation.z_loss_weight, evaluation.label_smoothing, evaluation.logit_softcap) == (0.0, 0.0, 3.0)
+    assert evaluation.loss == "mse"
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, V, generator=gen, dtype=torch.float64) * 4
+    labels = torch.randint(0, V, (12,), generator=gen)
+    out = ntl_scale.ce_with_ntl(
+        logits, labels, _vocab(), loss=evaluation.loss, z_loss_weight=evaluation.z_loss_weight,
+        label_smoothing=evaluation.label_smoothing, logit_softcap=evaluation.logit_softcap,
+    )  # fmt: skip
+    hard = torch.nn.functional.cross_entropy(3.0 * torch.tanh(logits / 3.0), labels)
+    torch.testing.assert_close(out.ce, hard, rtol=1e-12, atol=1e-12)
+
+
 def test_hf_chunked_route_refuses_soft_capping_with_smoothing_when_installed():
     transformers = pytest.importorskip("transformers")
     from ntl_scale.integrations.hf import apply_ntl

@@ -288,7 +288,8 @@ class ChunkedLossCausalLM(torch.nn.Module):
     The loss runs inside the output layer's own forward, so DeepSpeed ZeRO-3 gathers its partitioned
     weight there and again for the backward, as for any layer; pass this module to
     ``deepspeed.initialize``. Granite's ``logits_scaling`` is applied to the hidden states (the map is
-    linear); models with a non-linear logit transform (Gemma's soft-capping) are refused.
+    linear); Gemma's soft-capping is applied to each chunk's logits as the model's forward applies it
+    (:func:`head_options`).
 
     Args:
         model: a ``*ForCausalLM`` with a bias-free linear output layer.

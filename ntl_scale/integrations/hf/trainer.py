@@ -72,6 +72,7 @@ def ntl_trainer_class(base: Any = None) -> Any:
         (the means over all processes since the previous log).
     """
     transformers = require("transformers", "hf", "ntl_scale.integrations.hf.ntl_trainer_class")
+    from .chunked import head_options
     from .loss import NTLCausalLMLoss, installed_loss, is_chunked
 
     parent = base or transformers.Trainer
@@ -111,6 +112,9 @@ def ntl_trainer_class(base: Any = None) -> Any:
                 self.ntl_loss = installed
                 self.model_accepts_loss_kwargs = True
                 return
+            # a model that soft-caps its logits itself (Gemma 2/3) with ntl_options.logit_softcap: refused, as
+            # apply_ntl_to_hf_model refuses it (the logits would be capped twice)
+            head_options(self.model, ntl_options or NTLOptions())
             self.ntl_loss = NTLCausalLMLoss(number_vocab, ntl_weight, ntl_options, causal=causal)
             # Trainer's own hook for a loss computed from the model's outputs: Trainer (and TRL) then
             # count the step's tokens, call the model without labels, treat the loss as normalised over

@@ -89,8 +89,8 @@ class NTLSettings:
         if features and not self.enabled:
             flags = ", ".join(str(surface_name(name, "megatron")) for name in features)
             raise ValueError(
-                f"{flags} apply to the NTL loss, which --ntl-weight 0 leaves off (Megatron's own CE runs then, without "
-                "them): give --ntl-weight > 0, or drop those flags"
+                f"{flags}: these apply to the NTL loss, which --ntl-weight 0 leaves off (Megatron's own CE runs "
+                "then, without them): give --ntl-weight > 0, or drop those flags"
             )
         if self.loss == "number" and self.number_vocab == "multi-digit":
             raise ValueError(
