@@ -196,7 +196,7 @@ def test_triton_is_refused_with_a_ce_feature_and_auto_falls_back():
 def test_megatron_refuses_the_features_when_its_own_ce_runs():
     from ntl_scale.integrations.megatron import NTLSettings
 
-    with pytest.raises(ValueError, match="--ntl-z-loss-weight apply to the NTL loss, which --ntl-weight 0"):
+    with pytest.raises(ValueError, match="--ntl-z-loss-weight: these apply to the NTL loss, which --ntl-weight 0"):
         NTLSettings(weight=0.0, z_loss_weight=1e-4)
     assert NTLSettings(weight=0.3, label_smoothing=0.1).options().label_smoothing == 0.1
 
