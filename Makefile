@@ -1,7 +1,7 @@
 # One task runner. `make run` and `make test` are the README's two commands.
 PYTHON ?= python3
 
-.PHONY: setup setup-dev run test test-unit test-dist lint format bench docs study gpu-check gpu-wheels
+.PHONY: setup setup-dev run test test-unit test-dist lint format bench docs study gpu-check gpu-prepare gpu-wheels
 
 setup:
 	bash scripts/setup.sh
@@ -35,8 +35,15 @@ bench:
 	$(PYTHON) benchmarks/bench_vocab_parallel.py
 	$(PYTHON) benchmarks/bench_linear.py
 
+# the GPU check (docs/gpu.md); on the device machine itself call the script, which needs no make:
+#   bash scripts/gpu_check.sh --out $OUT      (without a CUDA GPU: a dry run)
+GPU_CHECK_OUT ?= /tmp/ntl_scale_gpu_check/out
 gpu-check:
-	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
+# before a device call: .gpu_wheels/ (built if missing), its COMMIT record and the size check
+gpu-prepare:
+	PYTHON=$(PYTHON) bash scripts/gpu_prepare.sh
 
 # the wheels and sources a GPU machine without internet needs for gpu-check (.gpu_wheels/; with the tree <= 40 MiB: scripts/travel_size.py)
 gpu-wheels:

@@ -1,4 +1,4 @@
-"""A Hugging Face training step with NTL: the logits path vs ``apply_ntl(model, chunked=True)``.
+"""A Hugging Face training step with NTL: the logits path vs ``apply_ntl_to_hf_model(model, chunked=True)``.
 
 A small Llama built from a config (Llama-3-sized vocabulary by default) takes forward + backward on
 one batch in a fresh subprocess per variant; the peak is the rise of the process's maximum resident
@@ -7,8 +7,8 @@ set size over what it held right before the step (model and batch already alloca
     python benchmarks/bench_hf_chunked.py                  # 4 x 256 tokens, vocab 128256, hidden 256
     python benchmarks/bench_hf_chunked.py --quick          # 2 x 128 tokens, vocab 49155
 
-Variants: the model's own CE (baseline), ``apply_ntl(model, vocab)`` (CE + NTL from the logits),
-``apply_ntl(model, vocab, chunked=True)`` (CE + NTL from the hidden states, no logits).
+Variants: the model's own CE (baseline), ``apply_ntl_to_hf_model(model, vocab)`` (CE + NTL from the logits),
+``apply_ntl_to_hf_model(model, vocab, chunked=True)`` (CE + NTL from the hidden states, no logits).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from common import machine, print_logits_table, rss_mib, run_child, tiny_llama
 
 VARIANTS = {
     "ce": "model's own CE (no NTL)",
-    "logits": "apply_ntl(model, vocab): CE + NTL on the logits",
-    "chunked": "apply_ntl(model, vocab, chunked=True): CE + NTL from hidden states",
+    "logits": "apply_ntl_to_hf_model(model, vocab): CE + NTL on the logits",
+    "chunked": "apply_ntl_to_hf_model(model, vocab, chunked=True): CE + NTL from hidden states",
 }
 
 
@@ -34,15 +34,15 @@ def run_variant(name: str, batch: int, seq: int, vocab_size: int, hidden: int) -
     import torch
 
     import ntl_scale
-    from ntl_scale.integrations.hf import apply_ntl
+    from ntl_scale.integrations.hf import apply_ntl_to_hf_model
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     model = tiny_llama(vocab_size, hidden, seq)
     vocab = ntl_scale.NumberVocab.from_id_to_token({100 + d: str(d) for d in range(10)}, vocab_size=vocab_size)
     if name == "logits":
-        apply_ntl(model, vocab)
+        apply_ntl_to_hf_model(model, vocab)
     elif name == "chunked":
-        apply_ntl(model, vocab, chunked=True)
+        apply_ntl_to_hf_model(model, vocab, chunked=True)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
     ids[torch.rand(ids.shape, generator=g) < 0.3] = 100 + torch.randint(0, 10, (1,), generator=g)

@@ -1,11 +1,15 @@
 """Peak memory and time of NTL on full logits: ntl_scale vs the reference ``ntloss``.
 
 Each variant runs forward + backward in a fresh subprocess on the same seeded logits; the peak is
-the rise of the process's maximum resident set size over what it held right before the step
-(logits and labels already allocated), so only the loss's own memory is counted.
+the rise of the process's maximum resident set size over what it held right before the first step
+(logits and labels already allocated), so only the loss's own memory is counted, with whatever the
+first call loads (a module imported on the first call shows here). Time: the first step (what such
+loading costs) and the fastest of three steps.
 
     python benchmarks/bench_memory.py                      # 8192 x 32768 fp32, markdown table
     python benchmarks/bench_memory.py --tokens 4096 --vocab 131072
+    BENCH_THREADS=1 python benchmarks/bench_memory.py --tokens 4096 \
+        --variants ce+ntloss,ce+ntl_scale,ntloss,ntl_scale,ntloss_rw,ntl_scale_rw   # issue 43's configuration
 
 Needs ``ntloss`` and ``tokenizers``/``transformers`` (``bash scripts/setup.sh --dev``).
 """
@@ -20,7 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, print_logits_table, rss_mib, run_child, word_level_tokenizer
+from common import machine, rss_mib, run_child, word_level_tokenizer
 
 VARIANTS = {
     "ce": "F.cross_entropy alone (baseline)",
@@ -29,6 +33,7 @@ VARIANTS = {
     "ntloss_rw": "ntloss NTLoss (WAS, reweigh)",
     "ntl_scale_rw": "ntl_scale.number_token_loss (WAS, reweigh)",
     "ce+ntloss": "F.cross_entropy + 0.3 * ntloss",
+    "ce+ntl_scale": "F.cross_entropy + 0.3 * ntl_scale.number_token_loss",
     "ce_with_ntl": "ntl_scale.ce_with_ntl",
     "ce_with_ntl_inplace": "ntl_scale.ce_with_ntl(inplace=True)",
 }
@@ -76,6 +81,8 @@ def run_variant(name: str, tokens: int, vocab_size: int) -> dict:
             loss = ntl_scale.number_token_loss(x, labels, vocab, reweigh=True)
         elif name == "ce+ntloss":
             loss = F.cross_entropy(x[0], labels[0]) + 0.3 * ref(x, labels)
+        elif name == "ce+ntl_scale":
+            loss = F.cross_entropy(x[0], labels[0]) + 0.3 * ntl_scale.number_token_loss(x, labels, vocab)
         elif name == "ce_with_ntl":
             loss = ntl_scale.ce_with_ntl(x, labels, vocab).loss
         elif name == "ce_with_ntl_inplace":
@@ -98,7 +105,7 @@ def run_variant(name: str, tokens: int, vocab_size: int) -> dict:
         start = time.perf_counter()
         step(x)
         times.append(time.perf_counter() - start)
-    return {"variant": name, "peak_mib": peak - before, "time_s": min(times), "loss": value}
+    return {"variant": name, "peak_mib": peak - before, "time_s": min(times), "first_s": first, "loss": value}
 
 
 def main() -> None:
@@ -116,8 +123,27 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", name, "--tokens", str(args.tokens), "--vocab", str(args.vocab)]
         rows.append(run_child(cmd))
     logits_mib = args.tokens * args.vocab * 4 / 2**20
-    print(f"tokens x vocab = {args.tokens} x {args.vocab}, fp32 logits = {logits_mib:.0f} MiB; {machine()}\n")
-    print_logits_table(rows, VARIANTS, logits_mib, "peak extra memory")
+    print(f"tokens x vocab = {args.tokens} x {args.vocab}, fp32 logits = {logits_mib:.0f} MiB; {machine()}; "
+          f"{_versions()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")  # fmt: skip
+    print("| variant | peak extra memory (MiB) | x logits | first step (s) | time fwd+bwd (s) | loss |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for row in rows:
+        print(
+            f"| {VARIANTS[row['variant']]} | {row['peak_mib']:.0f} | {row['peak_mib'] / logits_mib:.2f} | "
+            f"{row['first_s']:.3f} | {row['time_s']:.3f} | {row['loss']:.4f} |"
+        )
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for package in ("torch", "ntloss"):
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            found.append(f"{package} not installed")
+    return ", ".join(found)
 
 
 if __name__ == "__main__":

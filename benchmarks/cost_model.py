@@ -17,8 +17,9 @@ each so that they compare with the fused linear-CE kernels:
 * ``ce_logits``: CE alone on materialised logits, the floor of any CE-only logits kernel (Liger's
   and QuACK's CE, Megatron's in place): the logits GEMM, one read of the logits in the forward, one
   read and one in-place write in the backward, the two gradient GEMMs.
-* ``ce_ntl_logits``: ``ce_with_ntl(..., impl="triton", inplace=True)``: the statistics kernel reads
-  the logits once, the gradient kernel reads them once and writes the gradient in place; NTL adds the
+* ``ce_ntl_logits``: ``ce_with_ntl(..., impl="triton")`` on bf16 logits: the statistics kernel reads
+  the logits once, the gradient kernel reads them once and writes the gradient once (into a new buffer:
+  ``inplace=True`` takes fp32 logits only; the traffic is the same either way); NTL adds the
   ``K`` number columns (their gather, ``exp(z_N - mN)``, the ``[T, K]`` gradient terms).
 * ``ce_chunked`` / ``ce_ntl_chunked``: ``linear_ce_with_ntl(..., impl="triton")`` without / with the
   NTL terms: per chunk of ``C = 2**26 // V`` tokens the logits GEMM, the statistics kernel, the
@@ -112,7 +113,7 @@ def ce_ntl_logits(s: Shape) -> list[Kernel]:
         # stats_kernel: the row once, the label logit, the K number columns and a_k; [T, 6] out
         Kernel("stats kernel: read logits (+ K columns, a_k)", e * t * v + e * t * k + f * t * k + f * t * 7),
         *_ntl_terms(s, t),
-        # grad_kernel: the row read once, the gradient written in place; K columns stored from fp32
+        # grad_kernel: the row read once, the gradient written once; K columns stored from fp32
         Kernel("grad kernel: read logits, write gradient", 2 * e * t * v + f * t * (5 + k) + e * t * k),
         *_output_layer(s)[1:],
     ]
@@ -172,7 +173,7 @@ def linear_ce_on_chip(s: Shape) -> list[Kernel]:
 
 PATHS: dict[str, tuple[str, Callable[[Shape], list[Kernel]]]] = {
     "ce_logits": ("CE alone, logits materialised (floor of CE-only logits kernels)", ce_logits),
-    "ce_ntl_logits": ("CE + NTL fused on logits (ours, Triton, in place)", ce_ntl_logits),
+    "ce_ntl_logits": ("CE + NTL fused on logits (ours, Triton)", ce_ntl_logits),
     "ce_chunked": ("CE alone, chunked from hidden states (our chunking, no NTL)", ce_chunked),
     "ce_ntl_chunked": ("CE + NTL chunked from hidden states (ours, Triton)", ce_ntl_chunked),
     "linear_ce_on_chip": ("fused linear CE, logits never in HBM (CCE's design; floor)", linear_ce_on_chip),

@@ -12,7 +12,7 @@
     accelerate launch examples/hf_trainer_ntl.py --model /path/to/checkpoint --bf16
 
 The NTL parts are three lines: the number table (`number_vocab_from_pretrained` or
-`NumberVocab.from_tokenizer`), optionally `apply_ntl(model, vocab, chunked=True)`, and the trainer
+`NumberVocab.from_tokenizer`), optionally `apply_ntl_to_hf_model(model, vocab, chunked=True)`, and the trainer
 class from `ntl_trainer_class`. Everything else is plain Hugging Face.
 """
 
@@ -27,7 +27,7 @@ import transformers
 
 import ntl_scale
 from ntl_scale.data import generate
-from ntl_scale.integrations.hf import apply_ntl, ntl_trainer_class, number_vocab_from_pretrained
+from ntl_scale.integrations.hf import apply_ntl_to_hf_model, ntl_trainer_class, number_vocab_from_pretrained
 
 
 def load_model(path: str | None) -> tuple:
@@ -64,7 +64,7 @@ def main() -> None:
 
     model, tokenizer, vocab = load_model(args.model)
     if args.chunked:
-        apply_ntl(model, vocab, ntl_weight=args.ntl_weight, chunked=True)
+        apply_ntl_to_hf_model(model, vocab, ntl_weight=args.ntl_weight, chunked=True)
     pairs = [{"prompt": e.question + " ", "completion": e.answer} for e in generate(args.examples, seed=0)]
     common = dict(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,

@@ -7,13 +7,23 @@ Megatron's pipeline schedule, tensor and pipeline parallel as launched:
 
     torchrun --nproc_per_node 4 launch/megatron_example.py --tp 2 --pp 2 --steps 30 --ntl-weight 0.3
 
+``--config configs/megatron/FILE.yaml`` reads the file's ``megatron_args`` as flags (the command line's
+come after them and win); the model and batch flags it knows are Megatron-LM's own (``--num-layers``,
+``--hidden-size``, ``--num-attention-heads``, ``--seq-length``, ``--max-position-embeddings``,
+``--micro-batch-size``, ``--global-batch-size``, ``--train-iters``, ``--lr``), so
+``configs/megatron/tiny_cpu.yaml`` runs here and with ``launch/pretrain_gpt_ntl.py`` alike.
+
 Checkpoints follow Megatron-LM's names and layout: ``--save DIR`` writes
 ``DIR/iter_0000030/mp_rank_TT[_PPP]/model_optim_rng.pt`` and ``DIR/latest_checkpointed_iteration.txt``
 every ``--save-interval`` steps and at the end; ``--load DIR`` resumes from the latest one;
 ``--exit-signal-handler`` makes SIGTERM or SIGUSR1 checkpoint and exit after the current step.
 
-On GPUs it runs as is. On CPU (gloo) Megatron needs a few CUDA calls patched; that is done only
-by the test suite (``tests/integration/test_megatron_example.py``), never here.
+On GPUs it runs as is. On CPU (gloo) Megatron needs a few CUDA calls patched; the test suite's patches
+do that (``tests/helpers/megatron_cpu.py``), never this file. The CPU route on a laptop runs this file
+under them:
+
+    torchrun --nproc_per_node 1 tests/helpers/megatron_cpu_launch.py launch/megatron_example.py \
+        --config configs/megatron/tiny_cpu.yaml
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout, for launch.finish
 
 from launch.finish import run_then_leave
+from launch.megatron_args import to_argv
 from ntl_scale.integrations import megatron as ntl_megatron
 
 
@@ -99,19 +110,20 @@ def build_model(
     tp: int,
     pp: int,
     *,
+    num_layers: int = 2,
     hidden_size: int = 64,
     num_attention_heads: int = 4,
     ffn_hidden_size: int | None = None,
     model_class: type | None = None,
 ):
-    """A 2-layer ``GPTModel`` (local layer spec, fp32, no fusions, dropout 0) for this pipeline stage."""
+    """A small ``GPTModel`` (local layer spec, fp32, no fusions, dropout 0) for this pipeline stage."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=2,
+        num_layers=num_layers,
         hidden_size=hidden_size,
         num_attention_heads=num_attention_heads,
         ffn_hidden_size=ffn_hidden_size,
@@ -164,9 +176,25 @@ def train(args: argparse.Namespace) -> list[dict]:
         workdir = shared[0]
     os.makedirs(workdir, exist_ok=True)
     dp = parallel_state.get_data_parallel_world_size()
+    if args.global_batch_size is not None:  # Megatron's rule: global = micro-batch size x micro-batches x DP
+        per_step = args.micro_batch_size * dp
+        if args.global_batch_size % per_step:
+            raise SystemExit(
+                f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size x "
+                f"data-parallel size = {per_step}: pick a multiple of {per_step}"
+            )
+        args.micro_batches = args.global_batch_size // per_step
     samples = args.steps * args.micro_batches * args.micro_batch_size * dp
     dataset = build_dataset(tokenizer, os.path.join(workdir, "arithmetic"), args.seq_length, samples, args.seed)
-    model = build_model(padded, args.seq_length, args.tp, args.pp)
+    model = build_model(
+        padded,
+        args.max_position_embeddings or args.seq_length,
+        args.tp,
+        args.pp,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+    )
     # built on the host (use_cpu_initialization), then moved, as Megatron-LM's get_model does; every
     # tensor the loop feeds the model or a collective goes to this device (NCCL refuses host tensors)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -281,13 +309,20 @@ def load_checkpoint(root: str, model, optimizer) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``--config FILE.yaml`` puts the file's ``megatron_args`` before the command line's."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--config", default=None, help="a configs/megatron/*.yaml file: its megatron_args as flags")
+    parser.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
+    parser.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
     parser.add_argument("--steps", "--train-iters", dest="steps", type=int, default=30)
-    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, default=2, help="per step and DP rank (or --global-batch-size)")
     parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--global-batch-size", type=int, default=None, help="sets --micro-batches from the DP size")
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=32)
+    parser.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--workdir", default=None)
@@ -296,6 +331,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-interval", type=int, default=0, help="also save every N steps (0: only at the end)")
     parser.add_argument("--exit-signal-handler", action="store_true", help="SIGTERM/SIGUSR1: checkpoint and exit")
     ntl_megatron.add_ntl_args(parser)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config = argparse.ArgumentParser(add_help=False)
+    config.add_argument("--config", default=None)
+    path = config.parse_known_args(argv)[0].config
+    if path is not None:
+        if not os.path.isfile(path):
+            parser.error(f"--config {path}: no such file (a configs/megatron/*.yaml file)")
+        argv = [*to_argv(path), *argv]
     return parser.parse_args(argv)
 
 

@@ -1,4 +1,4 @@
-"""ntl_scale: Number Token Loss for large-scale training (Megatron, DeepSpeed, Slurm).
+"""ntl_scale: Number Token Loss for large-scale training (Megatron, DeepSpeed, torchtitan, Hugging Face, Slurm).
 
 ``import ntl_scale`` needs only torch; framework integrations live in ``ntl_scale.integrations``
 and import their framework lazily.

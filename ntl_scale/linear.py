@@ -48,9 +48,16 @@ summed over the TP group by the caller's layer, as Megatron's ``ColumnParallelLi
 ``weight`` may be a ``DTensor`` split on its rows (``Shard(0)``: a vocabulary-parallel output layer,
 uneven splits included) or replicated: its group and offset replace ``tp_group`` and ``vocab_start``
 (:func:`ntl_scale.parallel.dtensor_vocab_shard`); the gradient reaches it as a DTensor with its
-placements. ``hidden`` is then a plain tensor (the same on every rank of the split; its gradient is
-this shard's part, as above) or a replicated DTensor on the weight's mesh, whose gradient is returned
-as ``Partial`` over the split's mesh dimension, so DTensor sums it when it is redistributed.
+placements. ``hidden`` is then a replicated DTensor on the weight's mesh, which says that the ranks of
+the split hold the same tokens; its gradient is returned as ``Partial`` over the split's mesh dimension,
+so DTensor sums it when it is redistributed. A plain ``hidden`` beside a row-split weight is refused:
+it does not say whether the ranks share the tokens (tensor parallelism) or hold their own (an FSDP2
+``fully_shard`` weight used outside its module's forward is the same ``Shard(0)`` DTensor over
+data-parallel ranks; taking it for a vocabulary split mixed the ranks' tokens, issue 40). For the plain
+route pass ``weight.to_local()`` with ``tp_group`` and ``vocab_start``; for FSDP2 call the loss inside the
+module's forward, or gather the weight with ``weight.redistribute(placements=[Replicate()]).to_local(
+grad_placements=[Partial("avg")])`` (each rank its own tokens, the weight gradient averaged over the
+ranks as FSDP2 averages it). A plain ``hidden`` beside a replicated weight is fine: nothing is split.
 """
 
 from __future__ import annotations
@@ -109,12 +116,16 @@ class _FusedLinearCENTL(torch.autograd.Function):
         proportional: bool = False,
         needs: tuple[bool, bool] = (True, True),
         kernels: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        z_weight: float = 0.0,
+        cap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         # needs: whether the gradient of hidden / of weight will be asked for (grad mode on and the
         # tensor requiring it; decided by the caller: inside forward grad mode is always off). What no
         # one needs is not built: under no_grad (evaluation) a chunk is its logits matmul and the
         # statistics only, the forward FLOPs 2 T V H instead of 3x that, no [V, H] accumulator.
         need_h, need_w = needs
+        if z_weight and need_full:  # becomes the effective weights of CE + z-loss, chunk by chunk
+            token_weights = token_weights.clone()
         cdt = compute_dtype(hidden.dtype)
         num_tokens, width = hidden.shape[0], weight.shape[0]
         cols = inputs.number_cols
@@ -124,7 +135,8 @@ class _FusedLinearCENTL(torch.autograd.Function):
             number_logits = (hidden @ weight.index_select(0, cols).t()).to(cdt)
         rows = ShardMath.chunk_rows(num_tokens, width, chunk_tokens or max(1, _CHUNK_ELEMENTS // max(width, 1)))
         maxes = torch.zeros(num_tokens, 2, dtype=cdt, device=hidden.device)
-        sums = torch.zeros(num_tokens, 4, dtype=cdt, device=hidden.device)
+        smoothing = need_full and inputs.smoothing != 0
+        sums = torch.zeros(num_tokens, 6 if smoothing else 4, dtype=cdt, device=hidden.device)
         number_exp = torch.zeros(num_tokens, cols.numel(), dtype=cdt, device=hidden.device)
         dense_h = dense_w = None
         if not need_full:  # NTL alone reads only the number columns: no pass over the vocabulary
@@ -162,6 +174,8 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 number_logits[sl] = logits.index_select(1, cols).to(cdt)
                 max_all, maxes[sl, 1], sums[sl] = kernel_shard_stats(logits, inputs.rows(sl), tp_group)
                 maxes[sl, 0] = max_all
+                if z_weight:  # the effective weights of CE + z-loss, as on the torch path below
+                    token_weights[sl] = token_weights[sl] * (1 + 2 * z_weight * (torch.log(sums[sl, 0]) + max_all))
                 number_exp[sl] = torch.exp(number_logits[sl] - ShardMath.safe_number_max(maxes[sl, 1]).unsqueeze(1))
                 if dense_h is None and dense_w is None:  # no gradient wanted: the statistics are all
                     del logits
@@ -177,6 +191,8 @@ class _FusedLinearCENTL(torch.autograd.Function):
             if logits_buf is None:
                 raise RuntimeError("internal: the torch path of the chunked op has no logits buffer")
             logits = torch.mm(hidden[sl], weight.t(), out=logits_buf[: sl.stop - sl.start])
+            if cap is not None:  # soft-capping, in place: every statistic below is of the capped logits
+                logits.div_(cap).tanh_().mul_(cap)
             number_logits[sl] = logits.index_select(1, cols).to(cdt)
             # the max of half-precision logits in their dtype: exact, like the max of their fp32 copy
             maxes[sl] = ShardMath.local_max(logits, number_logits[sl], [slice(None)], True)
@@ -186,18 +202,29 @@ class _FusedLinearCENTL(torch.autograd.Function):
             # exp(z - max) part by part through the fp32 work buffer, the logits kept for the second pass
             parts = [slice(None)] if work_buf is None else ShardMath.chunk_rows(logits.shape[0], width, parts_of)
             sums[sl], number_exp[sl] = ShardMath.local_sums(
-                logits, number_logits[sl], inputs.rows(sl), max_all, number_max, parts, True, work_buf is None, work_buf
-            )
+                logits, number_logits[sl], inputs.rows(sl), max_all, number_max, parts, True,
+                work_buf is None, work_buf, smoothing,
+            )  # fmt: skip
             all_reduce_sums(sums[sl], tp_group)
+            if z_weight:
+                # the z-loss z_weight * lse^2 rides on CE's weights: d/dz = (1 + 2 z_weight lse) pi, so the
+                # forward's weight gradient is built for these effective per-token weights
+                lse = torch.log(sums[sl, 0]) + max_all
+                token_weights[sl] = token_weights[sl] * (1 + 2 * z_weight * lse)
             if dense_h is None and dense_w is None:  # no gradient wanted: the statistics are all
                 del logits
                 continue
             inv_total = sums[sl, 0].reciprocal().unsqueeze(1)
+            # with soft-capping the dense part of the gradient is pi * (1 - (z'/cap)^2), z' the capped logit
             if work_buf is None:
+                if cap is not None:  # z' = log(exp(z' - max)) + max; a 0 (underflow) gives factor 0, pi 0
+                    logits.mul_(_cap_factor(logits.log().add_(max_all.unsqueeze(1)), cap))
                 logits.mul_(inv_total)
             else:  # the softmax in the parameters' dtype (one rounding), shared by both matmuls
                 for part in parts:
                     work = shift_into(logits[part], max_all[part], work_buf[: part.stop - part.start]).exp_()
+                    if cap is not None:
+                        work.mul_(_cap_factor(logits[part].to(cdt), cap))
                     logits[part].copy_(work.mul_(inv_total[part]))
             probs = logits
             if dense_h is not None:
@@ -211,26 +238,36 @@ class _FusedLinearCENTL(torch.autograd.Function):
         if check_finite:
             _raise_if_not_finite(maxes, sums, need_full)
         number_max = ShardMath.safe_number_max(maxes[:, 1])
-        ce, expect, mass, hit = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, need_full)
+        eps = inputs.smoothing if smoothing else 0.0
+        ce, expect, mass, hit, lse = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, need_full, eps)
         ctx.mark_non_differentiable(hit)
+        ctx.set_materialize_grads(False)
+        ctx.smoothing = (eps, sums[:, 5]) if smoothing else None
+        ctx.cap = None
+        if cap is not None and need_full:  # the factor 1 - (z'/cap)^2 at the label and the number columns
+            ctx.cap = (cap, _cap_factor(sums[:, 1].clone(), cap), _cap_factor(number_logits.clone(), cap))
         ctx.inputs, ctx.need_full, ctx.rows, ctx.proportional = inputs, need_full, rows, proportional
         ctx.needs = needs
         ctx.save_for_backward(
             hidden, weight, token_weights, maxes[:, 0], number_max, sums[:, 0], number_exp, sums[:, 2], expect, mass
         )
         ctx.dense = (dense_h, dense_w)
-        return ce, expect, mass, hit
+        return ce, expect, mass, hit, lse
 
     @staticmethod
-    def backward(ctx, g_ce, g_expect, g_mass, _g_hit):  # type: ignore[override]
+    def backward(ctx, g_ce, g_expect, g_mass, _g_hit, g_lse=None):  # type: ignore[override]
         # autocast off, as in the forward (linear_ce_ntl): a backward called under autocast would
         # otherwise cast its fp32 products to half precision
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
-            return _FusedLinearCENTL._backward(ctx, g_ce, g_expect, g_mass)
+            return _FusedLinearCENTL._backward(ctx, g_ce, g_expect, g_mass, g_lse)
 
     @staticmethod
     def _backward(
-        ctx: Any, g_ce: torch.Tensor | None, g_expect: torch.Tensor | None, g_mass: torch.Tensor | None
+        ctx: Any,
+        g_ce: torch.Tensor | None,
+        g_expect: torch.Tensor | None,
+        g_mass: torch.Tensor | None,
+        g_lse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, token_weights, max_all, number_max, total, number_exp, number_total, expect, mass = (
             ctx.saved_tensors
@@ -246,7 +283,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         cols = inputs.number_cols
         number_coef = ShardMath.number_grad(slice(None), saved, inputs, g_expect)  # [T, K]
         need_h, need_w = ctx.needs
-        nones = (None,) * 9
+        nones = (None,) * 11
         if not ctx.need_full:
             grad_h = grad_w = None
             if need_h:
@@ -259,7 +296,12 @@ class _FusedLinearCENTL(torch.autograd.Function):
         # number columns of the full softmax: pi_N = exp(z_N - max) / S
         pi_numbers = number_exp * (torch.exp(number_max - max_all) / total).unsqueeze(1)
         number_coef = number_coef + g_mass.unsqueeze(1) * pi_numbers
+        cap = None if ctx.cap is None else ctx.cap[0]
+        if ctx.cap is not None:  # the gradient of the capped logits times d z'/dz = 1 - (z'/cap)^2
+            number_coef = number_coef * ctx.cap[2]
         u = g_ce - g_mass * mass
+        if g_lse is not None:  # d lse/dz = pi: the z-loss (or any use of lse) adds to pi's coefficient
+            u = u + g_lse.to(cdt)
         # pi_t W, per token: exact for any upstream gradient
         grad_h = dense_h.mul_(u.unsqueeze(1)) if dense_h is not None else None
         grad_w = None
@@ -274,7 +316,13 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 for sl in ctx.rows:
                     logits = hidden[sl] @ weight.t()
                     work = logits if logits.dtype == cdt else logits.to(cdt)
+                    factor = None
+                    if cap is not None:
+                        work.div_(cap).tanh_().mul_(cap)
+                        factor = _cap_factor(work.clone(), cap)
                     work.sub_(max_all[sl].unsqueeze(1)).exp_().mul_((u[sl] / total[sl]).unsqueeze(1))
+                    if factor is not None:
+                        work.mul_(factor)
                     _accumulate(grad_w, work, hidden[sl], product, 1)
                     del logits, work
                 del product
@@ -285,7 +333,17 @@ class _FusedLinearCENTL(torch.autograd.Function):
         number_weight = weight.index_select(0, cols).to(cdt)
         # every row, with a zero coefficient where this shard does not own the label: no nonzero() sync
         label_index = torch.where(owned, local_label, torch.zeros_like(local_label))
-        label_coef_all = torch.where(owned, -g_ce, torch.zeros_like(g_ce)).unsqueeze(1)
+        eps = 0.0 if ctx.smoothing is None else ctx.smoothing[0]
+        label_grad = -(1 - eps) * g_ce if ctx.cap is None else -(1 - eps) * g_ce * ctx.cap[1]
+        label_coef_all = torch.where(owned, label_grad, torch.zeros_like(g_ce)).unsqueeze(1)
+        if ctx.smoothing is not None:
+            # the uniform part of the smoothed target, -eps/V g_ce on every column: a rank-one term,
+            # c_t = eps/V g_ce_t: dh_t -= c_t sum_j W_j, dW_j -= sum_t c_t h_t for every local row j
+            uniform = (g_ce * (eps / ctx.smoothing[1])).unsqueeze(1)
+            if grad_h is not None:
+                grad_h.sub_(uniform * weight.to(cdt).sum(dim=0))
+            if grad_w is not None:
+                grad_w.sub_((uniform * hidden.to(cdt)).sum(dim=0))
         for sl in ctx.rows:
             label_coef, index = label_coef_all[sl], label_index[sl]
             if grad_h is not None:
@@ -301,6 +359,14 @@ class _FusedLinearCENTL(torch.autograd.Function):
             None if grad_w is None else grad_w.to(weight.dtype),
             *nones,
         )
+
+
+def _cap_factor(capped: torch.Tensor, cap: float) -> torch.Tensor:
+    """``1 - (z'/cap)^2`` of capped logits ``z' = cap tanh(z / cap)``, in place of ``capped``: ``d z'/dz``.
+
+    Clamped to ``[0, 1]`` (``z'/cap`` to ``[-1, 1]``), so a ``-inf`` from ``log(0)`` gives 0.
+    """
+    return capped.div_(cap).clamp_(-1, 1).square_().neg_().add_(1)
 
 
 def _product_buffer(weight: torch.Tensor, cdt: torch.dtype) -> torch.Tensor | None:
@@ -405,6 +471,39 @@ def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
         raise ValueError(f"hidden is on {hidden.device} and weight on {weight.device}; put both on one device")
 
 
+def _refuse_ambiguous_split(hidden: Any, weight: Any) -> None:
+    """Refuses a sharded DTensor ``weight`` with a plain ``hidden``: nothing says what the split means.
+
+    A ``Shard(0)`` weight is a vocabulary split only if the ranks of that mesh dimension hold the same
+    tokens (tensor parallelism); an FSDP2 (``fully_shard``) parameter used outside its module's forward
+    is the same ``Shard(0)`` DTensor over data-parallel ranks that hold their own tokens, and taking it
+    for a vocabulary split mixes their softmax statistics. A plain tensor carries no placement to tell the
+    two apart (torch's own DTensor ops refuse a plain tensor beside a DTensor for this reason); a DTensor
+    ``hidden`` replicated on the weight's mesh says the tokens are the same, so only that is taken for a
+    vocabulary split.
+    """
+    if is_dtensor(hidden):
+        return
+    from torch.distributed.tensor import Shard
+
+    placements = tuple(weight.placements)
+    if not any(isinstance(p, Shard) and p.dim % max(weight.dim(), 1) == 0 for p in placements):
+        return  # no row split (replicated: the whole weight; other placements: dtensor_vocab_shard's errors)
+    mesh = weight.device_mesh
+    raise ValueError(
+        f"weight is a DTensor with placements {placements} on {mesh} but hidden is a plain tensor, which does not "
+        "say whether the ranks of that mesh hold the same tokens (a vocabulary-parallel output layer under tensor "
+        "parallelism) or their own (an FSDP2 fully_shard parameter used outside its module's forward, sharded over "
+        "data-parallel ranks: taking it for a vocabulary split would mix the ranks' tokens). Tensor parallelism: "
+        "pass hidden as a DTensor replicated on the weight's mesh (DTensor.from_local(hidden, weight.device_mesh, "
+        "[Replicate()] * weight.device_mesh.ndim)), or weight.to_local() with tp_group and vocab_start. FSDP2: call "
+        "the loss inside the sharded module's forward, where FSDP2 has gathered the weight "
+        "(ntl_scale.integrations.hf.ChunkedLossCausalLM does), or gather it with its gradient reduced over the "
+        "data-parallel ranks as FSDP2 reduces it: weight.redistribute(placements=[Replicate()] * "
+        "weight.device_mesh.ndim).to_local(grad_placements=[Partial('avg')] * weight.device_mesh.ndim)"
+    )
+
+
 def _local_hidden(hidden: Any, weight: Any) -> torch.Tensor:
     """``hidden`` for a DTensor ``weight``: a plain tensor as it is, a replicated DTensor as its local tensor
     whose gradient is ``Partial`` where the weight is sharded (each shard gives its part of the sum)."""
@@ -417,7 +516,7 @@ def _local_hidden(hidden: Any, weight: Any) -> torch.Tensor:
         raise ValueError(
             f"hidden is a DTensor with placements {placements} on {hidden.device_mesh}; with a DTensor weight it "
             f"must be replicated on the weight's mesh {weight.device_mesh} (hidden.redistribute(placements="
-            "[Replicate()])), or pass a plain tensor"
+            "[Replicate()])); a plain hidden goes only with a replicated weight or weight.to_local() and tp_group"
         )
     grad = [Replicate() if isinstance(p, Replicate) else Partial() for p in weight.placements]
     return hidden.to_local(grad_placements=grad)
@@ -486,6 +585,7 @@ def linear_ce_ntl(
     if is_dtensor(weight):
         if not isinstance(vocab, NumberVocab):
             raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
+        _refuse_ambiguous_split(hidden, weight)
         hidden = _local_hidden(hidden, weight)
         weight, tp_group, vocab_start = resolve_vocab_shard(
             weight, vocab.vocab_size, tp_group, vocab_start, dim=0, name="weight"
@@ -503,14 +603,22 @@ def linear_ce_ntl(
     check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start, source="the output weight's first dimension")
     check_float_level(vocab, options)
     check_chunk_tokens(chunk_tokens)
-    kernels = use_triton(options.impl, hidden)
+    if options.logit_softcap is not None and (options.label_smoothing or not (need_ce or options.reweigh)):
+        # smoothing's uniform term times the cap factor is dense per token (another [T, V] x [V, H] product);
+        # the NTL-only route reads the number columns alone
+        raise ValueError(
+            f"logit_softcap={options.logit_softcap!r} is not computed by the chunked op (hidden states and the "
+            "output weight) together with label_smoothing or with need_ce=False; use the logits path "
+            "(per_token_ce_ntl / ce_with_ntl), or drop one of them"
+        )
+    kernels = use_triton(options.impl, hidden, options.ce_features)
     shape, width = labels.shape, weight.shape[0]
     dtype = compute_dtype(hidden.dtype)
     flat_labels = labels.reshape(-1)
     inputs, row = shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
     weights = check_weights(token_weights, labels, dtype)
     weights = inputs.valid.to(dtype) if weights is None else weights.reshape(-1) * inputs.valid
-    ce, expect, mass, hit = _FusedLinearCENTL.apply(
+    ce, expect, mass, hit, lse = _FusedLinearCENTL.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         inputs,
@@ -523,8 +631,10 @@ def linear_ce_ntl(
         # what the backward will ask for; inside the Function's forward grad mode is always off
         (torch.is_grad_enabled() and hidden.requires_grad, torch.is_grad_enabled() and weight.requires_grad),
         kernels,
+        options.z_loss_weight,
+        options.logit_softcap,
     )
-    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options)
+    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse)
 
 
 def linear_ce_with_ntl(
@@ -546,16 +656,23 @@ def linear_ce_with_ntl(
     check_finite: bool = False,
     chunk_tokens: int | None = None,
     impl: str = "auto",
+    z_loss_weight: float = 0.0,
+    label_smoothing: float = 0.0,
+    logit_softcap: float | None = None,
 ) -> CENTLOutput:
     """:func:`ntl_scale.ce_with_ntl` from hidden states and the output weight, without the logits.
 
     ``hidden [..., H]`` and ``weight [V, H]`` (or its TP shard) replace ``logits``; every other
     argument means what it means there (``impl``: ``"auto"``, ``"torch"`` or ``"triton"``, the code of
-    each chunk's statistics and softmax). Returns a :class:`ntl_scale.CENTLOutput`.
+    each chunk's statistics and softmax; ``z_loss_weight``, ``label_smoothing``, ``logit_softcap``: the CE
+    features of :class:`NTLOptions`). Returns a :class:`ntl_scale.CENTLOutput`.
     """
     check_reduction(reduction)
     check_ntl_weight(ntl_weight)
-    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index, impl)
+    options = NTLOptions(
+        loss, squash_factor, reweigh, huber_delta, float_level, ignore_index, impl, z_loss_weight, label_smoothing,
+        logit_softcap,
+    )  # fmt: skip
     terms = linear_ce_ntl(
         hidden,
         weight,

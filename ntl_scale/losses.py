@@ -74,6 +74,9 @@ def vocab_parallel_ce_ntl(
     chunk_tokens: int | None = None,
     vocab_start: int | None = None,
     impl: str = "auto",
+    z_loss_weight: float = 0.0,
+    label_smoothing: float = 0.0,
+    logit_softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token cross entropy and NTL from a vocab-parallel logits shard, fused.
 
@@ -107,6 +110,9 @@ def vocab_parallel_ce_ntl(
             the group must then tile ``[0, vocab.vocab_size)``. None: ``rank * width``.
         impl: which code computes the fused statistics: ``"auto"`` (default), ``"torch"`` or
             ``"triton"`` (:attr:`NTLOptions.impl`, ``docs/kernels.md``); the same numbers to rounding.
+        z_loss_weight: the z-loss ``z_loss_weight * logsumexp(z)**2`` added to CE (:attr:`NTLOptions.z_loss_weight`).
+        label_smoothing: CE label smoothing over the whole vocabulary (:attr:`NTLOptions.label_smoothing`).
+        logit_softcap: ``cap * tanh(z / cap)`` before everything (:attr:`NTLOptions.logit_softcap`).
 
     Shape:
         ``logits_shard``: ``[..., V/tp]``; ``labels`` and every output: ``[...]``.
@@ -116,7 +122,10 @@ def vocab_parallel_ce_ntl(
         is False) and the bool mask of positions that carry NTL (number labels; for number-level the
         first digit of each number). Identical on every TP rank.
     """
-    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index, impl)
+    options = NTLOptions(
+        loss, squash_factor, reweigh, huber_delta, float_level, ignore_index, impl, z_loss_weight, label_smoothing,
+        logit_softcap,
+    )  # fmt: skip
     terms = per_token_ce_ntl(
         logits_shard,
         labels,
@@ -200,6 +209,9 @@ def ce_with_ntl(
     check_finite: bool = False,
     vocab_start: int | None = None,
     impl: str = "auto",
+    z_loss_weight: float = 0.0,
+    label_smoothing: float = 0.0,
+    logit_softcap: float | None = None,
 ) -> CENTLOutput:
     """``CE + ntl_weight * NTL`` in one fused pass, returning both terms for logging.
 
@@ -225,13 +237,20 @@ def ce_with_ntl(
         inplace: reuse the fp32 logits buffer (Megatron-style); logits are garbage afterwards.
         check_finite: raise on NaN/Inf logits (one host sync; default off, NaN reaches the loss).
         impl: ``"auto"``, ``"torch"`` or ``"triton"``: the code of the fused op (see :func:`vocab_parallel_ce_ntl`).
+        z_loss_weight: the z-loss ``z_loss_weight * logsumexp(z)**2`` added to CE (:attr:`NTLOptions.z_loss_weight`);
+            the ``ce`` of the output is then the CE term with it, reduced like CE.
+        label_smoothing: CE label smoothing over the whole vocabulary (:attr:`NTLOptions.label_smoothing`).
+        logit_softcap: ``cap * tanh(z / cap)`` before everything (:attr:`NTLOptions.logit_softcap`).
 
     Returns:
         A :class:`CENTLOutput` ``(loss, ce, ntl, num_tokens, num_number_tokens, number_accuracy)``.
     """
     check_reduction(reduction)
     check_ntl_weight(ntl_weight)
-    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index, impl)
+    options = NTLOptions(
+        loss, squash_factor, reweigh, huber_delta, float_level, ignore_index, impl, z_loss_weight, label_smoothing,
+        logit_softcap,
+    )  # fmt: skip
     terms = per_token_ce_ntl(
         logits,
         labels,

@@ -17,9 +17,12 @@ target that counts, 0 for an ignored one, or Megatron's ``loss_mask``)::
   (:attr:`MicroBatchSums.tokens`, :attr:`MicroBatchSums.numbers`); ``L`` is that micro-batch's mean CE
   plus ``w`` times its mean NTL, and the engine averages the micro-batch losses.
 
-Each integration takes its sums from :func:`micro_batch_sums`, its step counts from
-:func:`step_counts` and ``L`` from :func:`objective` (or the two means from :func:`means`), and keeps
-only its framework's own rescale (``docs/normalization.md`` has the table): DeepSpeed multiplies ``L``
+The DeepSpeed trainer, Hugging Face and Megatron's ``make_forward_step`` take their sums from
+:func:`micro_batch_sums`, their step counts from :func:`step_counts` and ``L`` from :func:`objective`
+(or the two means from :func:`means`); the Megatron-LM drop-in takes sums and counts from here and
+divides itself. Not yet through this module: the torchtitan loss and the Megatron model mixin, which
+write ``sum / count`` themselves (issue 41, item 2). Each keeps only its framework's own rescale
+(``docs/normalization.md`` has the table): DeepSpeed multiplies ``L``
 by accumulation steps x DP size, which its engine divides by again; Megatron divides what ``loss_func``
 returns by its ``num_tokens`` (so NTL is pre-scaled); Hugging Face ``Trainer`` hands the step's token
 count in as ``num_items_in_batch``.

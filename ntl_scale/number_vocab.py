@@ -32,6 +32,9 @@ from typing import Any
 
 import torch
 
+from ._tracing import is_tracing
+from .options import check_squash_factor
+
 __all__ = [
     "NumberVocab",
     "VocabShard",
@@ -131,6 +134,12 @@ class VocabShard:
     def size(self) -> int:
         """Number of vocabulary columns in the shard."""
         return self.end - self.start
+
+
+def _keepable(*tensors: torch.Tensor) -> bool:
+    """Whether tensors built for a cache may be kept: not while a graph is traced, whose tensors (fake,
+    functional or proxied, also in a traced call's untraced parts) belong to the trace, not to later calls."""
+    return not is_tracing() and all(type(t) is torch.Tensor for t in tensors)
 
 
 class NumberVocab:
@@ -446,11 +455,7 @@ class NumberVocab:
         diff = (self._values.unsqueeze(0) - self._values.unsqueeze(1)).abs()
         if squash_factor is None:
             return diff
-        if isinstance(squash_factor, bool) or not isinstance(squash_factor, (int, float)) or not squash_factor > 1:
-            raise ValueError(
-                f"squash_factor must be a number > 1 (how much worse the farthest number is than the "
-                f"closest wrong one), got {squash_factor!r}; use None for plain |v_i - v_j|"
-            )
+        check_squash_factor(squash_factor)  # finite and > 1: inf would give 0 * inf = NaN entries
         nonzero = diff.masked_fill(diff == 0, torch.finfo(diff.dtype).max)
         smallest, largest = nonzero.min(), diff.max()
         # branch-free (torch.compile traces it): all distances equal, or none nonzero, keeps |v_i - v_j|
@@ -465,7 +470,8 @@ class NumberVocab:
         tensor = self._device_cache.get(key)
         if tensor is None:
             tensor = build().to(dev)
-            self._device_cache[key] = tensor
+            if _keepable(tensor):
+                self._device_cache[key] = tensor
         return tensor
 
     # ------------------------------------------------------------------ sharding
@@ -513,7 +519,8 @@ class NumberVocab:
                 table_index=torch.arange(first, last),
                 values=self._values[first:last],
             )
-            self._shards[(start, end)] = shard
+            if _keepable(shard.local_ids, shard.table_index, shard.values):
+                self._shards[(start, end)] = shard
         return shard
 
     def shard_tensor(self, start: int, end: int, name: str, device: torch.device | str | None) -> torch.Tensor:

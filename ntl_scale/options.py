@@ -17,7 +17,7 @@ new front end, such as a torchtitan ``BaseLoss.Config``; :func:`surface_name` an
 :func:`surface_default` say how each front end spells an option and which defaults differ there, and
 why):
 
-| option | YAML (``launch/train.py``) | Megatron (both routes) | ``apply_ntl`` (Hugging Face) |
+| option | YAML (``launch/train.py``) | Megatron (both routes) | ``apply_ntl_to_hf_model`` (Hugging Face) |
 |---|---|---|---|
 | ``loss`` ... ``impl`` (the variant) | ``ntl.<name>`` | ``--ntl-<name>`` | ``options=NTLOptions(...)`` |
 | ``weight`` | ``ntl.weight`` | ``--ntl-weight`` (default 0: off) | ``ntl_weight`` |
@@ -26,8 +26,13 @@ why):
 | ``chunked`` | ``train.chunked_loss`` | ``--ntl-chunked`` | ``chunked`` |
 | ``chunk_tokens`` | ``train.loss_chunk_tokens`` | ``--ntl-chunk-tokens`` | ``chunk_tokens`` |
 
+Every numeric option (``weight``, ``squash_factor``, ``huber_delta``, ``chunk_tokens``) is checked once,
+here (:func:`check_option`: finite, in range, the right type), by every front end with its own spelling
+(:func:`check_numeric_options`); ``chunk_tokens`` without ``chunked`` is refused by
+:func:`check_chunk_route`.
+
 ``tests/unit/test_options_surfaces.py`` introspects each front end (the YAML dataclass, the argparse
-parser, ``apply_ntl``'s signature) and fails when an option is missing there or has another default
+parser, ``apply_ntl_to_hf_model``'s signature) and fails when an option is missing there or has another default
 than this module declares.
 """
 
@@ -39,7 +44,9 @@ import functools
 import inspect
 import itertools
 import math
+import numbers
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,13 +60,23 @@ __all__ = [
     "IMPLS",
     "LOSS_KINDS",
     "NORMALIZATIONS",
+    "NUMERIC_CHECKS",
     "REDUCTIONS",
     "SURFACES",
     "NTLOptions",
     "NTLRunOptions",
     "OptionField",
+    "check_chunk_route",
+    "check_chunk_tokens",
+    "check_huber_delta",
     "check_impl",
+    "check_label_smoothing",
+    "check_logit_softcap",
     "check_ntl_weight",
+    "check_numeric_options",
+    "check_option",
+    "check_squash_factor",
+    "check_z_loss_weight",
     "option_field",
     "option_fields",
     "surface_default",
@@ -90,12 +107,120 @@ def check_impl(impl: object) -> str:
     return impl
 
 
+def _is_number(value: object) -> bool:
+    """A real number, not a bool (``True`` is an int to Python, never an option value)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_ntl_weight(weight: object, name: str = "ntl_weight") -> float:
     """The NTL weight as a float, or a ``ValueError`` naming ``name`` (the spelling of the front end that
     passed it: ``ntl_weight``, ``ntl.weight``, ``--ntl-weight``). A finite number >= 0; not a bool."""
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or not weight >= 0:
+    if not _is_number(weight) or not math.isfinite(weight) or not weight >= 0:  # type: ignore[arg-type, operator]
         raise ValueError(f"{name} must be a finite number >= 0 (0.3 in the paper, 0 = CE alone), got {weight!r}")
-    return float(weight)
+    return float(weight)  # type: ignore[arg-type]
+
+
+def check_squash_factor(value: object, name: str = "squash_factor") -> float | None:
+    """``squash_factor`` as a float (or None): a finite number > 1; a ``ValueError`` naming ``name`` otherwise.
+
+    ``inf`` is refused: the squashed distance table would hold ``0 * inf`` (NaN) entries."""
+    if value is None:
+        return None
+    if not _is_number(value) or not math.isfinite(value) or not value > 1:  # type: ignore[arg-type, operator]
+        raise ValueError(
+            f"{name} must be a finite number > 1 (how much worse the farthest number is than the closest wrong one; "
+            f"1 would turn NTL-WAS into cross entropy), got {value!r}; use None for plain |v_i - v_j|"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_huber_delta(value: object, name: str = "huber_delta") -> float:
+    """``huber_delta`` as a float: a finite number > 0; a ``ValueError`` naming ``name`` otherwise."""
+    if not _is_number(value) or not math.isfinite(value) or not value > 0:  # type: ignore[arg-type, operator]
+        raise ValueError(
+            f"{name} must be a finite number > 0 (the Huber loss's threshold between its quadratic and linear "
+            f"parts; 1.0 by default), got {value!r}"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_chunk_tokens(value: object, name: str = "chunk_tokens") -> int | None:
+    """``chunk_tokens`` as an int (or None): a whole number >= 1; a ``ValueError`` naming ``name`` otherwise
+    (0 or less made empty chunks; a float such as 2.5 or ``inf`` is not a token count)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(
+            f"{name} must be a whole number >= 1 (tokens per chunk) or None, got {value!r}; "
+            "pass e.g. chunk_tokens=512, or None for the default budget"
+        )
+    return int(value)
+
+
+def check_z_loss_weight(value: object, name: str = "z_loss_weight") -> float:
+    """``z_loss_weight`` as a float: a finite number >= 0; a ``ValueError`` naming ``name`` otherwise."""
+    if not _is_number(value) or not math.isfinite(value) or not value >= 0:  # type: ignore[arg-type, operator]
+        raise ValueError(
+            f"{name} must be a finite number >= 0 (the weight of the z-loss z_loss_weight * logsumexp(z)**2 added to "
+            f"CE; 1e-4 in PaLM and OLMo 2, 0 = off), got {value!r}"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_label_smoothing(value: object, name: str = "label_smoothing") -> float:
+    """``label_smoothing`` as a float: a finite number in ``[0, 1]``; a ``ValueError`` naming ``name`` otherwise."""
+    if not _is_number(value) or not math.isfinite(value) or not 0 <= value <= 1:  # type: ignore[arg-type, operator]
+        raise ValueError(
+            f"{name} must be a finite number in [0, 1] (the share of the CE target spread uniformly over the whole "
+            f"vocabulary, as torch's F.cross_entropy(label_smoothing=); 0 = off, 0.1 is usual), got {value!r}"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_logit_softcap(value: object, name: str = "logit_softcap") -> float | None:
+    """``logit_softcap`` as a float (or None): a finite number > 0; a ``ValueError`` naming ``name`` otherwise."""
+    if value is None:
+        return None
+    if not _is_number(value) or not math.isfinite(value) or not value > 0:  # type: ignore[arg-type, operator]
+        raise ValueError(
+            f"{name} must be a finite number > 0 (logits become cap * tanh(z / cap); 30.0 in Gemma 2) or None "
+            f"(no capping), got {value!r}"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+NUMERIC_CHECKS = {
+    "weight": check_ntl_weight,
+    "squash_factor": check_squash_factor,
+    "huber_delta": check_huber_delta,
+    "chunk_tokens": check_chunk_tokens,
+    "z_loss_weight": check_z_loss_weight,
+    "label_smoothing": check_label_smoothing,
+    "logit_softcap": check_logit_softcap,
+}
+"""The one check of every numeric option (finite, in range, the right type), by option name: every front
+end (the Python API, the YAML sections, torchtitan's ``NTLLoss.Config``, Megatron's flags and
+``NTLSettings``, Hugging Face's ``apply_ntl_to_hf_model``) calls :func:`check_option` with its own spelling."""
+
+
+def check_option(name: str, value: object, spelling: str | None = None) -> Any:
+    """Checks the numeric option ``name`` (:data:`NUMERIC_CHECKS`); returns it converted (float, int or None).
+
+    Raises:
+        ValueError: naming ``spelling`` (the front end's name of the option; default ``name``), the value
+            and what is expected. Non-finite values (``inf``, ``nan``) are refused for every option.
+    """
+    if name not in NUMERIC_CHECKS:
+        raise ValueError(f"{name!r} is not a numeric NTL option; the numeric options are {sorted(NUMERIC_CHECKS)}")
+    return NUMERIC_CHECKS[name](value, spelling or name)
+
+
+def check_numeric_options(settings: object, spell: Callable[[str], str | None]) -> None:
+    """:func:`check_option` of every numeric option ``settings`` carries (by attribute name), each named as
+    ``spell(name)`` says its front end spells it (``ntl.squash_factor``, ``--ntl-squash-factor``, ...)."""
+    for name in NUMERIC_CHECKS:
+        if hasattr(settings, name):
+            check_option(name, getattr(settings, name), spell(name))
 
 
 @dataclass(frozen=True)
@@ -125,7 +250,20 @@ class NTLOptions:
     impl: str = "auto"
     """Which code computes the fused statistics: ``auto`` (the PyTorch code today; the Triton kernels
     on CUDA once they have passed the GPU suite), ``torch``, or ``triton`` (CUDA tensors, ``triton``
-    installed; the PyTorch code while ``torch.compile`` traces). The numbers agree to rounding."""
+    installed; the PyTorch code while ``torch.compile`` traces). The numbers agree to rounding.
+    The Triton kernels compute the z-loss of the CE features below, not label smoothing or soft-capping:
+    with those ``auto`` runs the PyTorch code and ``triton`` is refused."""
+    z_loss_weight: float = 0.0
+    """Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to each token's CE (PaLM, OLMo 2,
+    Chameleon; 1e-4 there), on the same positions and weights as CE; 0: off. Exact under tensor
+    parallelism (the log-sum-exp is the all-reduced one); the per-token log-sum-exp is returned
+    (``PerTokenTerms.lse``) for logging."""
+    label_smoothing: float = 0.0
+    """CE against ``(1 - eps) * onehot(y) + eps / V`` over the **whole** vocabulary ``V`` (all TP shards),
+    as torch's ``F.cross_entropy(label_smoothing=eps)``; NTL keeps the hard number target. 0: off."""
+    logit_softcap: float | None = None
+    """Soft-capping of the logits, ``cap * tanh(z / cap)`` (Gemma 2: 30.0), before CE, z-loss and NTL
+    (all of them see the capped logits); None: off. Leave None where the model already caps its output."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSS_KINDS:
@@ -133,14 +271,10 @@ class NTLOptions:
         if self.squash_factor is not None:
             if self.loss != "was":
                 raise ValueError(f"squash_factor applies to loss='was' only, got loss={self.loss!r}")
-            if isinstance(self.squash_factor, bool) or not isinstance(self.squash_factor, (int, float)):
-                raise TypeError(f"squash_factor must be a number > 1 or None, got {self.squash_factor!r}")
-            if not self.squash_factor > 1:
-                raise ValueError(
-                    f"squash_factor must be > 1 (1 would turn NTL-WAS into cross entropy), got {self.squash_factor}"
-                )
-        if not isinstance(self.huber_delta, (int, float)) or not self.huber_delta > 0:
-            raise ValueError(f"huber_delta must be a number > 0, got {self.huber_delta!r}")
+            if isinstance(self.squash_factor, bool) or not isinstance(self.squash_factor, numbers.Real):
+                raise TypeError(f"squash_factor must be a finite number > 1 or None, got {self.squash_factor!r}")
+            check_squash_factor(self.squash_factor)
+        check_huber_delta(self.huber_delta)
         if self.huber_delta != 1.0 and self.loss != "huber":  # ignored otherwise: say so, like squash_factor
             raise ValueError(
                 f"huber_delta={self.huber_delta!r} applies to loss='huber' only, got loss={self.loss!r}; "
@@ -151,6 +285,20 @@ class NTLOptions:
         if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
         check_impl(self.impl)
+        check_z_loss_weight(self.z_loss_weight)
+        check_label_smoothing(self.label_smoothing)
+        check_logit_softcap(self.logit_softcap)
+
+    @property
+    def ce_features(self) -> tuple[str, ...]:
+        """The CE features switched on (``z_loss_weight``, ``label_smoothing``, ``logit_softcap``), by name."""
+        on = (self.z_loss_weight != 0, self.label_smoothing != 0, self.logit_softcap is not None)
+        return tuple(name for name, flag in zip(("z_loss_weight", "label_smoothing", "logit_softcap"), on) if flag)
+
+    def for_evaluation(self) -> NTLOptions:
+        """These options without the training regularisers of CE (z-loss, label smoothing), so that a
+        held-out CE and perplexity are the model's own; soft-capping stays (it is part of the model's logits)."""
+        return dataclasses.replace(self, z_loss_weight=0.0, label_smoothing=0.0)
 
     def point_loss(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Element-wise loss between an expected value and its target (mse/mae/huber)."""
@@ -179,7 +327,7 @@ class NTLRunOptions:
     """The NTL options of a training run: the variant of :class:`NTLOptions` and the run-level choices.
 
     The ``ntl`` section of ``launch/train.py``'s config is this class
-    (:class:`ntl_scale.training.config.NTLConfig`); Megatron's ``--ntl-*`` flags and ``apply_ntl``'s
+    (:class:`ntl_scale.training.config.NTLConfig`); Megatron's ``--ntl-*`` flags and ``apply_ntl_to_hf_model``'s
     arguments are built from or checked against it. The variant fields mean what they mean in
     :class:`NTLOptions` (their defaults are checked to agree); ``chunked`` and ``chunk_tokens`` are
     listed by :func:`option_fields` but live in the ``train`` section of a run config
@@ -204,9 +352,16 @@ class NTLRunOptions:
     """``loss=number``: a decimal point between digits joins one number (:attr:`NTLOptions.float_level`)."""
     impl: str = "auto"
     """``auto``, ``torch`` or ``triton``: which code computes the loss (:attr:`NTLOptions.impl`)."""
+    z_loss_weight: float = 0.0
+    """z-loss weight: ``z_loss_weight * logsumexp(z)**2`` added to CE (>= 0; 0: off)
+    (:attr:`NTLOptions.z_loss_weight`)."""
+    label_smoothing: float = 0.0
+    """CE label smoothing over the whole vocabulary, in ``[0, 1]`` (:attr:`NTLOptions.label_smoothing`)."""
+    logit_softcap: float | None = None
+    """Logit soft-capping ``cap * tanh(z / cap)`` (> 0; None: off) (:attr:`NTLOptions.logit_softcap`)."""
 
     def __post_init__(self) -> None:
-        check_ntl_weight(self.weight, "ntl.weight")
+        check_numeric_options(self, lambda name: f"ntl.{name}")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"ntl.normalization must be 'global' or 'micro-batch', got {self.normalization!r}")
         if self.loss == "number" and not self.digit_level:
@@ -227,6 +382,17 @@ def variant_of(settings: object, ignore_index: int = -100) -> NTLOptions:
     section, Megatron's ``NTLSettings``), with ``ignore_index`` given: one mapping for every front end."""
     names = [f.name for f in dataclasses.fields(NTLOptions) if f.name != "ignore_index"]
     return NTLOptions(**{name: getattr(settings, name) for name in names}, ignore_index=ignore_index)
+
+
+def check_chunk_route(chunked: object, chunk_tokens: object, surface: str) -> None:
+    """Refuses ``chunk_tokens`` without ``chunked`` (a value no code would read), named as ``surface`` spells
+    them (:func:`surface_name`), like ``squash_factor`` without ``loss="was"``."""
+    if chunk_tokens is not None and not chunked:
+        tokens, route = surface_name("chunk_tokens", surface), surface_name("chunked", surface)
+        raise ValueError(
+            f"{tokens}={chunk_tokens!r} applies to the chunked route only, but {route} is off: turn {route} on "
+            f"or drop {tokens}"
+        )
 
 
 # ---------------------------------------------------------------------------------- the spec
@@ -335,13 +501,15 @@ def option_field(name: str) -> OptionField:
 
 # ---------------------------------------------------------------------------------- the front ends
 
-SURFACES = ("yaml", "megatron", "hf")
+SURFACES = ("yaml", "megatron", "hf", "torchtitan")
 """The front ends: ``yaml`` (``launch/train.py``'s run config), ``megatron`` (the ``--ntl-*`` flags of
-both Megatron routes), ``hf`` (``apply_ntl``: its keyword arguments, the variant in ``options=``)."""
+both Megatron routes), ``hf`` (``apply_ntl_to_hf_model``: its keyword arguments, the variant in
+``options=``), ``torchtitan`` (``NTLLoss.Config``'s fields: ``--loss.<name>``, or ``--loss.loss-fn.<name>``
+inside ``ChunkedLossWrapper``)."""
 
 # How a front end spells an option where its rule (yaml: ntl.<name>; megatron: --ntl-<name with
-# dashes>; hf: options.<name> for the variant, <name> otherwise) does not give it. None: the option
-# is not an argument of that front end, for the reason given.
+# dashes>; hf: options.<name> for the variant, <name> otherwise; torchtitan: loss.<name>) does not
+# give it. None: the option is not an argument of that front end, for the reason given.
 _SPELLING: dict[str, dict[str, tuple[str | None, str]]] = {
     "yaml": {
         "chunked": ("train.chunked_loss", "the chunked route is a train-section choice"),
@@ -351,9 +519,16 @@ _SPELLING: dict[str, dict[str, tuple[str | None, str]]] = {
         "digit_level": ("--ntl-number-vocab", "digits | multi-digit | the path of a saved table"),
     },
     "hf": {
-        "weight": ("ntl_weight", "apply_ntl(model, vocab, ntl_weight=...)"),
-        "digit_level": (None, "apply_ntl takes the NumberVocab itself (NumberVocab.from_tokenizer(digit_level=...))"),
+        "weight": ("ntl_weight", "apply_ntl_to_hf_model(model, vocab, ntl_weight=...)"),
+        "digit_level": (
+            None,
+            "apply_ntl_to_hf_model takes the NumberVocab itself (NumberVocab.from_tokenizer(digit_level=...))",
+        ),
         "normalization": (None, "Hugging Face normalises by what num_items_in_batch carries (ntl_trainer_class)"),
+    },
+    "torchtitan": {
+        "chunked": (None, "torchtitan's chunked route is its ChunkedLossWrapper (--loss.num-chunks)"),
+        "normalization": (None, "torchtitan normalises by the step's global counts; there is no micro-batch mean"),
     },
 }
 
@@ -385,6 +560,8 @@ def surface_name(name: str, surface: str) -> str | None:
         return f"ntl.{name}"
     if surface == "megatron":
         return "--ntl-" + name.replace("_", "-")
+    if surface == "torchtitan":
+        return f"loss.{name}"
     return f"options.{name}" if option.level == "variant" else name
 
 

@@ -30,17 +30,19 @@ the losses and checks the call.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ._tracing import is_tracing
 from .kernels import triton_ce_ntl
+from .options import check_chunk_tokens as options_check_chunk_tokens
 from .options import check_impl
 
 __all__ = [
+    "KERNEL_FEATURES",
     "LocalShard",
     "ShardInputs",
     "ShardMath",
@@ -81,14 +83,9 @@ def index_add(acc: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Te
 
 
 def check_chunk_tokens(chunk_tokens: int | None) -> None:
-    """Refuses a ``chunk_tokens`` that is not None or a whole number >= 1 (0 or less made empty chunks)."""
-    if chunk_tokens is None:
-        return
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, numbers.Integral) or chunk_tokens < 1:
-        raise ValueError(
-            f"chunk_tokens must be a whole number >= 1 (tokens per chunk) or None, got {chunk_tokens!r}; "
-            "pass e.g. chunk_tokens=512, or None for the default budget"
-        )
+    """Refuses a ``chunk_tokens`` that is not None or a whole number >= 1 (the spec's check:
+    :func:`ntl_scale.options.check_chunk_tokens`)."""
+    options_check_chunk_tokens(chunk_tokens)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -123,12 +120,15 @@ class LocalShard(NamedTuple):
 
 
 def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (False where torch has no distributed)."""
-    if not dist.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (False where torch has no distributed).
 
-    return isinstance(tensor, DTensor)
+    Never imports ``torch.distributed.tensor``: no DTensor exists before that package has been imported,
+    and importing it (sympy and some 500 modules) cost the first call of every loss 1.4 s and 30-45 MiB
+    of resident memory on a CPU (issue 43).
+    """
+    package = getattr(dist, "tensor", None) if dist.is_available() else None
+    dtensor = getattr(package, "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def dtensor_vocab_shard(tensor: Any, *, dim: int = -1, name: str = "logits") -> LocalShard:
@@ -259,6 +259,7 @@ class ShardInputs:
         a_table: per-token weights ``a_k`` of the local number columns, ``[T, n]`` (may be an
             expanded view).
         start: first global id of this shard.
+        smoothing: CE label smoothing ``eps`` over the whole vocabulary (0: off; ``docs/math.md``).
     """
 
     labels: torch.Tensor
@@ -266,10 +267,13 @@ class ShardInputs:
     number_cols: torch.Tensor
     a_table: torch.Tensor
     start: int
+    smoothing: float = 0.0
 
     def rows(self, sl: slice) -> ShardInputs:
         """The inputs of the tokens in ``sl``."""
-        return ShardInputs(self.labels[sl], self.valid[sl], self.number_cols, self.a_table[sl], self.start)
+        return ShardInputs(
+            self.labels[sl], self.valid[sl], self.number_cols, self.a_table[sl], self.start, self.smoothing
+        )
 
     def owned_targets(self, rows: slice, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For the tokens in ``rows``: whether this shard holds the label's column, and that column."""
@@ -339,21 +343,36 @@ def kernel_shard_stats(
     return combine_kernel_stats(local, tp_group)
 
 
-def use_triton(impl: str, tensor: torch.Tensor) -> bool:
+KERNEL_FEATURES = ("z_loss_weight",)
+"""The CE features the Triton path computes (the z-loss needs only the reduced log-sum-exp and adds to the
+coefficient of the softmax); the others (label smoothing, soft-capping) run the PyTorch code."""
+
+
+def use_triton(impl: str, tensor: torch.Tensor, features: tuple[str, ...] = ()) -> bool:
     """Whether an op called with ``impl`` runs the Triton kernels on ``tensor``: the per-call kernel choice.
 
     ``"torch"``: never. ``"auto"``: where :func:`ntl_scale.kernels.triton_ce_ntl.enabled` says (nowhere
-    until the kernels have passed the GPU suite). ``"triton"``: always, except while ``torch.compile``
-    traces (Inductor compiles the PyTorch code into its own fused kernels).
+    until the kernels have passed the GPU suite), and never with a CE feature the kernels lack
+    (``features``: :attr:`ntl_scale.options.NTLOptions.ce_features`, less :data:`KERNEL_FEATURES`; the
+    PyTorch code computes those).
+    ``"triton"``: always, except while ``torch.compile`` traces (Inductor compiles the PyTorch code into
+    its own fused kernels).
 
     Raises:
-        ValueError: ``impl`` is not one of ``auto``, ``torch``, ``triton``; or ``impl="triton"`` for a
-            tensor the kernels cannot run on (not on CUDA, outside Triton's interpreter).
+        ValueError: ``impl`` is not one of ``auto``, ``torch``, ``triton``; ``impl="triton"`` for a
+            tensor the kernels cannot run on (not on CUDA, outside Triton's interpreter), or with a CE
+            feature in ``features`` the kernels lack (label smoothing, soft-capping).
         ImportError: ``impl="triton"`` without ``triton`` installed.
     """
     check_impl(impl)
-    if impl == "torch":
+    features = tuple(name for name in features if name not in KERNEL_FEATURES)
+    if impl == "torch" or (impl == "auto" and features):
         return False
+    if impl == "triton" and features:
+        raise ValueError(
+            f"impl='triton' runs Triton kernels that do not compute {', '.join(features)} (the CE features of "
+            "NTLOptions); pass impl='auto' or 'torch' for the PyTorch code, which computes them"
+        )
     if impl == "auto":
         return triton_ce_ntl.enabled(tensor)
     if torch.compiler.is_compiling():
@@ -377,9 +396,14 @@ def shift_into(src: torch.Tensor, shift: torch.Tensor, out: torch.Tensor) -> tor
 
     On the CPU a mixed-dtype ``sub(out=)`` takes TensorIterator's casting loop, about 8x the time of a
     converting ``copy_`` and an fp32 ``sub_`` (38 ms vs 5 ms for 256 x 64128 bf16, one thread); the two
-    give the same bits (the bf16 -> fp32 conversion is exact). On a GPU the one fused kernel is kept.
+    give the same bits (the bf16 -> fp32 conversion is exact). On a GPU the mixed-dtype ``sub`` is kept, one
+    kernel there; that it is the faster there is an expectation, not measured on a GPU.
+    Not while a graph is traced (``make_fx``, which torchtitan's graph trainer runs over the chunked loss,
+    or ``torch.compile``): the trace inlines an autograd Function's forward, and its replay records the
+    ops for autograd, which an ``out=`` op refuses ("functions with out=... arguments don't support
+    automatic differentiation").
     """
-    if src.dtype == out.dtype or src.device.type != "cpu":
+    if (src.dtype == out.dtype or src.device.type != "cpu") and not is_tracing():
         return torch.sub(src, shift.unsqueeze(1), out=out)
     return out.copy_(src).sub_(shift.unsqueeze(1))
 
@@ -439,19 +463,25 @@ class ShardMath:
         need_full: bool,
         inplace: bool,
         buffer: torch.Tensor | None = None,
+        smoothing: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 4]`` partial sums ``[S, z_y, S_N, A]`` of this shard, and the exponentiated numbers.
 
+        With ``smoothing`` (label smoothing) ``[T, 6]``: also ``sum_j z_j`` over the shard and the shard's
+        width, so that the one SUM all-reduce gives the whole vocabulary's sum and size.
         With ``inplace`` the logits buffer is overwritten with ``exp(z - max)`` for the backward;
         otherwise ``exp(z - max)`` goes through ``buffer`` (compute dtype, at least the longest of
         ``rows``; default: a new one).
         """
         cdt = number_logits.dtype
         num_tokens, width = logits.shape
-        sums = torch.zeros(num_tokens, 4, dtype=cdt, device=logits.device)
-        owned, local_label = inputs.owned_targets(slice(None), width)
-        target = logits.gather(1, local_label.unsqueeze(1)).squeeze(1).to(cdt)
-        sums[:, 1] = torch.where(owned, target, torch.zeros_like(target))
+        sums = torch.zeros(num_tokens, 6 if smoothing else 4, dtype=cdt, device=logits.device)
+        if smoothing:
+            sums[:, 5] = width
+        if need_full:  # z_y is CE's: NTL alone reads the logits once, through the number columns
+            owned, local_label = inputs.owned_targets(slice(None), width)
+            target = logits.gather(1, local_label.unsqueeze(1)).squeeze(1).to(cdt)
+            sums[:, 1] = torch.where(owned, target, torch.zeros_like(target))
         if need_full:
             # One reused chunk buffer (or the logits themselves): fresh allocations per chunk would
             # cost a page fault per page on every call.
@@ -462,6 +492,8 @@ class ShardMath:
             for sl in rows:
                 chunk = logits[sl]
                 work = chunk if buffer is None else buffer[: chunk.shape[0]]
+                if smoothing:  # before an in-place pass overwrites the logits
+                    sums[sl, 4] = chunk.sum(dim=-1, dtype=cdt)
                 shift_into(chunk, max_all[sl], work)
                 sums[sl, 0] = work.exp_().sum(dim=-1)
         number_exp = torch.exp(number_logits - number_max.unsqueeze(1))
@@ -471,26 +503,39 @@ class ShardMath:
 
     @staticmethod
     def finalize(
-        max_all: torch.Tensor, sums: torch.Tensor, number_max: torch.Tensor, valid: torch.Tensor, need_full: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-token ``ce``, ``expect``, ``mass`` and ``hit`` from the reduced maxima and sums.
+        max_all: torch.Tensor,
+        sums: torch.Tensor,
+        number_max: torch.Tensor,
+        valid: torch.Tensor,
+        need_full: bool,
+        smoothing: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token ``ce``, ``expect``, ``mass``, ``hit`` and ``lse`` from the reduced maxima and sums.
 
+        ``lse = log sum_j exp(z_j)`` over the whole vocabulary (0 without ``need_full``). With label
+        smoothing ``eps`` (``sums`` ``[T, 6]``: the vocabulary's sum of logits and size ``V``),
+        ``ce = lse - (1 - eps) z_y - eps/V sum_j z_j``.
         ``hit``: the label's logit is the largest of the whole vocabulary (greedy prediction is
         right; ties count as right), known from ``z_y`` and the global max without a collective.
         """
-        total, target, number_total, weighted = sums.unbind(dim=1)
+        total, target, number_total, weighted = sums[:, :4].unbind(dim=1)
         zero = torch.zeros_like(total)
         if need_full:
-            ce = torch.where(valid, torch.log(total) + max_all - target, zero)
+            lse = torch.log(total) + max_all
+            if smoothing:
+                smooth = smoothing * (sums[:, 4] / sums[:, 5])
+                ce = torch.where(valid, lse - (1 - smoothing) * target - smooth, zero)
+            else:
+                ce = torch.where(valid, lse - target, zero)
             mass = number_total * torch.exp(number_max - max_all) / total
             hit = valid & (target >= max_all)
         else:
-            ce, mass, hit = zero, zero, torch.zeros_like(valid)
+            ce, mass, hit, lse = zero, zero, torch.zeros_like(valid), zero
         # 0 only when no number logit is finite (NTL is then 0); a NaN total (a NaN or +inf number
         # logit) gives a NaN expect, so NTL is NaN when its inputs are, without a host check
         no_numbers = number_total == 0
         expect = torch.where(no_numbers, zero, weighted / torch.where(no_numbers, 1, number_total))
-        return ce, expect, mass, hit
+        return ce, expect, mass, hit, lse
 
     @staticmethod
     def number_grad(
@@ -508,30 +553,43 @@ class ShardMath:
         sl: slice,
         saved: dict[str, torch.Tensor],
         inputs: ShardInputs,
-        grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        grads: tuple[torch.Tensor, ...],
+        smoothing: float = 0.0,
     ) -> None:
         """Turns ``work = exp(z - max)`` of one chunk into the gradient of
-        ``sum(g_ce*ce + g_expect*expect + g_mass*mass)`` w.r.t. those logits, in place.
+        ``sum(g_ce*ce + g_expect*expect + g_mass*mass + g_lse*lse)`` w.r.t. those logits, in place.
 
-        ``d ce/dz_j = pi_j - [j = y]``; ``d expect/dz_k = p_k (a_k - expect)`` on number columns;
-        ``d mass/dz_j = pi_j [j in N] - mass * pi_j``. ``pi`` is the full softmax, ``p`` the softmax
-        over the number columns.
+        ``d ce/dz_j = pi_j - (1 - eps) [j = y] - eps/V``; ``d lse/dz_j = pi_j``; ``d expect/dz_k = p_k (a_k -
+        expect)`` on number columns; ``d mass/dz_j = pi_j [j in N] - mass * pi_j``. ``pi`` is the full
+        softmax, ``p`` the softmax over the number columns, ``eps`` the label smoothing (``V``:
+        ``saved["vocab"]``, the whole vocabulary's size). ``grads``: ``(g_ce, g_expect, g_mass[, g_lse])``.
         """
         g_ce, g_mass = grads[0][sl], grads[2][sl]
+        coef = g_ce - g_mass * saved["mass"][sl]
+        if len(grads) > 3:
+            coef = coef + grads[3][sl]
         cols = inputs.number_cols
         inv_total = saved["total"][sl].reciprocal().unsqueeze(1)
         number_grad = g_mass.unsqueeze(1) * work[:, cols] * inv_total
         number_grad += ShardMath.number_grad(sl, saved, inputs, grads[1])
-        work.mul_(inv_total * (g_ce - g_mass * saved["mass"][sl]).unsqueeze(1))  # one pass: pi * coef
+        work.mul_(inv_total * coef.unsqueeze(1))  # one pass: pi * coef
+        if smoothing:  # the uniform part of the smoothed target, on every column of every shard
+            work.sub_((g_ce * (smoothing / saved["vocab"][sl])).unsqueeze(1).to(work.dtype))
         owned, local_label = inputs.owned_targets(sl, work.shape[1])
-        # -g_ce at each owned label; rows whose label another shard owns add 0 at column 0 (no nonzero() sync)
+        # -(1 - eps) g_ce at each owned label; rows whose label another shard owns add 0 at column 0 (no
+        # nonzero() sync)
         column = torch.where(owned, local_label, torch.zeros_like(local_label)).unsqueeze(1)
-        work.scatter_add_(1, column, torch.where(owned, -g_ce, torch.zeros_like(g_ce)).unsqueeze(1).to(work.dtype))
+        label = -(1 - smoothing) * g_ce
+        work.scatter_add_(1, column, torch.where(owned, label, torch.zeros_like(g_ce)).unsqueeze(1).to(work.dtype))
         index_add(work, 1, cols, number_grad)
 
 
 class _FusedCENTL(torch.autograd.Function):
-    """Autograd wrapper: two all-reduces in the forward, none in the backward."""
+    """Autograd wrapper: two all-reduces in the forward, none in the backward.
+
+    Outputs ``ce, expect, mass, hit, lse``; ``lse`` (the whole vocabulary's log-sum-exp) is
+    differentiable (``d lse/dz = pi``), so a z-loss built from it needs nothing more here.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -544,7 +602,7 @@ class _FusedCENTL(torch.autograd.Function):
         tp_group: dist.ProcessGroup | None,
         chunk_tokens: int | None,
         kernels: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         cdt = compute_dtype(logits.dtype)
         rows = ShardMath.chunk_rows(logits.shape[0], logits.shape[1], chunk_tokens)
         # The chunks bound the [chunk, V_local] work buffer; in place there is none, so one pass over
@@ -566,23 +624,27 @@ class _FusedCENTL(torch.autograd.Function):
             number_max = ShardMath.safe_number_max(maxes[:, 1])
 
             sums, number_exp = ShardMath.local_sums(
-                logits, number_logits, inputs, max_all, number_max, rows, need_full, inplace
-            )
+                logits, number_logits, inputs, max_all, number_max, rows, need_full, inplace,
+                smoothing=need_full and inputs.smoothing != 0,
+            )  # fmt: skip
             all_reduce_sums(sums, tp_group)
         if check_finite:
             _raise_if_not_finite(maxes, sums, need_full)
-        ce, expect, mass, hit = ShardMath.finalize(max_all, sums, number_max, inputs.valid, need_full)
+        smoothing = inputs.smoothing if need_full else 0.0
+        ce, expect, mass, hit, lse = ShardMath.finalize(max_all, sums, number_max, inputs.valid, need_full, smoothing)
         ctx.mark_non_differentiable(hit)
+        ctx.set_materialize_grads(False)
+        ctx.vocab = sums[:, 5] if smoothing else None
 
         # the backward writes its own output buffer: a work buffer only for half-precision logits
         backward_rows = whole if inplace or cdt == logits.dtype else rows
         ctx.inputs, ctx.need_full, ctx.inplace, ctx.rows = inputs, need_full, inplace, backward_rows
         ctx.fast, ctx.number_max = fast, number_max
         ctx.save_for_backward(logits, max_all, sums[:, 0], number_exp, sums[:, 2], expect, mass)
-        return ce, expect, mass, hit
+        return ce, expect, mass, hit, lse
 
     @staticmethod
-    def backward(ctx, g_ce, g_expect, g_mass, _g_hit):  # type: ignore[override]
+    def backward(ctx, g_ce, g_expect, g_mass, _g_hit, g_lse=None):  # type: ignore[override]
         logits, max_all, total, number_exp, number_total, expect, mass = ctx.saved_tensors
         saved = {
             "max_all": max_all,
@@ -591,6 +653,7 @@ class _FusedCENTL(torch.autograd.Function):
             "number_total": number_total,
             "expect": expect,
             "mass": mass,
+            "vocab": ctx.vocab,
         }
         zeros = torch.zeros_like(expect)
         grads = tuple(zeros if g is None else g.to(expect.dtype) for g in (g_ce, g_expect, g_mass))
@@ -601,13 +664,22 @@ class _FusedCENTL(torch.autograd.Function):
             number_grad = ShardMath.number_grad(slice(None), saved, ctx.inputs, grads[1])
             index_add(out, 1, ctx.inputs.number_cols, number_grad.to(out.dtype))
             return out, None, None, None, None, None, None, None
+        g_lse = None if g_lse is None else g_lse.to(expect.dtype)
         if ctx.fast:  # Triton: one pass writes the gradient (over the logits, which it left intact, in place)
             out = logits if ctx.inplace else torch.empty_like(logits)
             inputs = ctx.inputs
-            shard = (inputs.local_target(logits.shape[1]), inputs.number_cols, inputs.a_table)
+            target = inputs.local_target(logits.shape[1])
+            if g_lse is not None:  # d lse/dz = pi: the kernel's coefficient of pi is g_ce (+ NTL's terms)
+                grads = (grads[0] + g_lse, grads[1], grads[2])
             args = (max_all, total, ctx.number_max, number_total, expect, mass, grads, number_exp)
-            out = triton_ce_ntl.logits_grad_(logits, out, *shard, *args)
+            out = triton_ce_ntl.logits_grad_(logits, out, target, inputs.number_cols, inputs.a_table, *args)
+            if g_lse is not None:  # ... and it wrote -(g_ce + g_lse) at the label: give g_lse back there
+                owned = target >= 0
+                back = torch.where(owned, g_lse, torch.zeros_like(g_lse)).unsqueeze(1).to(out.dtype)
+                out.scatter_add_(1, target.clamp_min(0).unsqueeze(1), back)
             return out, None, None, None, None, None, None, None
+        if g_lse is not None:
+            grads = (*grads, g_lse)
         cdt = expect.dtype
         # In place: the saved buffer holds exp(z - max) and becomes the gradient. Otherwise a new
         # gradient buffer; half-precision logits go through one reused fp32 chunk buffer.
@@ -619,7 +691,8 @@ class _FusedCENTL(torch.autograd.Function):
             else:
                 work = out[sl] if buffer is None else buffer[: sl.stop - sl.start]
                 shift_into(logits[sl], max_all[sl], work).exp_()
-            ShardMath.grad_chunk(work, sl, saved, ctx.inputs, grads)
+            smoothing = ctx.inputs.smoothing if ctx.vocab is not None else 0.0
+            ShardMath.grad_chunk(work, sl, saved, ctx.inputs, grads, smoothing)
             if buffer is not None:
                 out[sl].copy_(work)
         return out, None, None, None, None, None, None, None
@@ -642,6 +715,56 @@ def _raise_if_not_finite(maxes: torch.Tensor, sums: torch.Tensor, need_full: boo
         )
 
 
+class _NumberColumnsNTL(torch.autograd.Function):
+    """NTL alone on logits ``[..., V_local]``: the number columns are read once, the gradient written once.
+
+    The statistics of :meth:`ShardMath.local_max`, :meth:`ShardMath.local_sums` and
+    :meth:`ShardMath.finalize` without the full vocabulary (``ce`` and ``mass`` are 0), with the same
+    two all-reduces. The Function takes the logits in the caller's shape and returns its gradient in
+    that shape, a new tensor rather than a view: autograd can then add another loss's gradient of the
+    same logits (``F.cross_entropy + number_token_loss``) into it in place, where a view's gradient
+    (the ``reshape`` to ``[T, V]`` ahead of :class:`_FusedCENTL`) kept its base alive and cost one more
+    logits-sized buffer and pass. Nothing logits-sized is saved for the backward, and non-contiguous
+    logits (shifted ones) are not copied.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, logits: torch.Tensor, inputs: ShardInputs, check_finite: bool, tp_group: dist.ProcessGroup | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        cols = inputs.number_cols
+        cdt = compute_dtype(logits.dtype)
+        tokens = logits.numel() // logits.shape[-1]  # not reshape(-1, n): a shard may hold no number column
+        number_logits = logits.index_select(-1, cols).reshape(tokens, cols.numel()).to(cdt)
+        rows = [slice(0, number_logits.shape[0])]
+        maxes = all_reduce_max(ShardMath.local_max(number_logits, number_logits, rows, False), tp_group)
+        number_max = ShardMath.safe_number_max(maxes[:, 1])
+        sums, number_exp = ShardMath.local_sums(
+            number_logits, number_logits, inputs, maxes[:, 0], number_max, rows, False, False
+        )
+        all_reduce_sums(sums, tp_group)
+        if check_finite:
+            _raise_if_not_finite(maxes, sums, False)
+        ce, expect, mass, hit, lse = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, False)
+        ctx.mark_non_differentiable(hit)
+        ctx.inputs, ctx.shape, ctx.dtype = inputs, logits.shape, logits.dtype
+        ctx.save_for_backward(number_exp, sums[:, 2], expect)
+        return ce, expect, mass, hit, lse
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        g_expect = grads[1]  # ce and mass are constants here: only expect carries gradient
+        number_exp, number_total, expect = ctx.saved_tensors
+        inputs: ShardInputs = ctx.inputs
+        out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=expect.device)
+        if g_expect is not None:
+            saved = {"number_exp": number_exp, "number_total": number_total, "expect": expect}
+            number_grad = ShardMath.number_grad(slice(None), saved, inputs, g_expect.to(expect.dtype))
+            # through a temporary [T, V] view of the new tensor; the tensor itself goes back, no view
+            index_add(out.view(-1, ctx.shape[-1]), 1, inputs.number_cols, number_grad.to(ctx.dtype))
+        return out, None, None, None
+
+
 def fused_shard_stats(
     logits: torch.Tensor,
     inputs: ShardInputs,
@@ -652,14 +775,17 @@ def fused_shard_stats(
     tp_group: dist.ProcessGroup | None = None,
     chunk_tokens: int | None = None,
     impl: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token ``(ce, expect, mass)`` of a ``[T, V_local]`` logits shard; differentiable.
+    features: tuple[str, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token ``(ce, expect, mass, hit, lse)`` of a ``[T, V_local]`` logits shard; differentiable.
 
     Args:
-        logits: the local logits shard, ``[T, V_local]``, fp32/bf16/fp16/fp64.
+        logits: the local logits shard, ``[T, V_local]``, fp32/bf16/fp16/fp64 (without ``need_full``
+            any ``[..., V_local]``, the tokens in row-major order: its gradient keeps that shape).
         inputs: the resolved per-shard inputs.
         need_full: compute the full softmax (for CE and the number-mass reweighing); if False only
-            the number columns are read.
+            the number columns are read (:class:`_NumberColumnsNTL`; ``inplace`` and ``chunk_tokens``
+            do not apply).
         inplace: overwrite the logits buffer with ``exp(z - max)`` and reuse it for the gradient
             (fp32/fp64 only), like Megatron's vocab-parallel cross entropy; the logits are garbage
             afterwards.
@@ -668,12 +794,16 @@ def fused_shard_stats(
         chunk_tokens: tokens per chunk of the temporaries (default: a 64 MiB budget).
         impl: ``"auto"``, ``"torch"`` or ``"triton"``: the code of the statistics and the gradient
             (:func:`use_triton`); the NTL-only path (``need_full=False``) is PyTorch code always.
+        features: the CE features on (:attr:`ntl_scale.options.NTLOptions.ce_features`), which the
+            kernels lack (:func:`use_triton`). Label smoothing itself is ``inputs.smoothing``.
 
     Returns:
-        ``ce``, ``expect``, ``mass``, each ``[T]`` in the compute dtype, and the bool ``hit`` (the
-        label is the arg-max of the full vocabulary; only with ``need_full``), identical on every
-        TP rank.
+        ``ce``, ``expect``, ``mass``, each ``[T]`` in the compute dtype, the bool ``hit`` (the
+        label is the arg-max of the full vocabulary; only with ``need_full``) and ``lse``, the whole
+        vocabulary's log-sum-exp (0 without ``need_full``; differentiable), identical on every TP rank.
     """
     check_chunk_tokens(chunk_tokens)
-    kernels = use_triton(impl, logits)
+    if not need_full:
+        return _NumberColumnsNTL.apply(logits, inputs, check_finite, tp_group)
+    kernels = use_triton(impl, logits, features)
     return _FusedCENTL.apply(logits, inputs, need_full, inplace, check_finite, tp_group, chunk_tokens, kernels)

@@ -16,7 +16,7 @@ from .number_vocab import NumberVocab
 from .options import NTLOptions
 from .terms import PerTokenTerms
 
-__all__ = ["CENTLOutput", "combine_terms", "reduce_loss"]
+__all__ = ["CENTLOutput", "combine_terms", "reduce_loss", "weighted_mean"]
 
 
 class CENTLOutput(NamedTuple):
@@ -31,7 +31,9 @@ class CENTLOutput(NamedTuple):
             (:func:`ntl_positions`: number-token labels; one per number for ``loss="number"``).
         number_accuracy: share of those same positions whose label is the arg-max over the whole
             vocabulary (greedy next-token accuracy where NTL is charged: every number-token label,
-            or the first digit of each number for ``loss="number"``; a metric, not differentiable).
+            or the first digit of each number for ``loss="number"``; a metric, not differentiable),
+            under the loss's mask and weights: the weighted mean of the hits with ``loss_weights``
+            (a weight-0 position does not count), ``hits / num_number_tokens``.
     """
 
     loss: torch.Tensor
@@ -50,18 +52,34 @@ def reduce_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduces a per-token loss over the masked positions; returns ``(loss, total weight)``.
 
-    ``mean`` is ``sum(l * w) / max(sum(w), eps)`` over the mask (exactly 0, with zero gradient,
-    when nothing is selected); ``sum`` is ``sum(l * w)``; ``none`` is ``l * w`` per position.
+    ``mean`` is ``sum(l * w) / sum(w)`` over the mask, scale-invariant in the weights (``w`` and ``c * w``
+    give the same mean for any ``c > 0``, however small), and exactly 0, with zero gradient, when nothing
+    is selected (every weight 0); ``sum`` is ``sum(l * w)``; ``none`` is ``l * w`` per position. The
+    total weight is ``sum(w)`` as given.
     """
     check_reduction(reduction)
     w = mask.to(per_token.dtype) if weights is None else torch.where(mask, weights, 0)
     total = w.sum()
     if reduction == "none":
         return per_token * w, total
-    summed = (per_token * w).sum()
     if reduction == "sum":
-        return summed, total
-    return summed / total.clamp_min(torch.finfo(per_token.dtype).eps), total
+        return (per_token * w).sum(), total
+    return weighted_mean(per_token, w), total
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum(v * w) / sum(w)`` for weights ``w >= 0``; 0 (zero gradient) when every weight is 0.
+
+    The weights are divided by their largest first, so the denominator is 0 (nothing selected) or at
+    least 1: a tiny weight total (weights x 1e-8) is not clamped to an epsilon (which divided by eps
+    instead of the total), and 0/1 weights give the same bits as ``sum(v * w) / max(sum(w), 1)``. No
+    host read.
+    """
+    if weights.numel() == 0:
+        return (values * weights).sum()
+    peak = weights.amax()
+    unit = weights / torch.where(peak > 0, peak, torch.ones_like(peak))
+    return (values * unit).sum() / unit.sum().clamp_min(1)
 
 
 def combine_terms(
@@ -78,7 +96,8 @@ def combine_terms(
     valid = labels != options.ignore_index
     ce_red, num_tokens = reduce_loss(terms.ce, valid, weights, reduction)
     ntl_red, num_numbers = reduce_loss(terms.ntl, terms.number_mask, weights, reduction)
-    number_positions = terms.number_mask  # ntl_positions: accuracy is counted where NTL is
-    hits = (number_positions & terms.hit).sum().to(terms.ce.dtype)
-    accuracy = (hits / number_positions.sum().clamp_min(1)).detach()
+    # Accuracy under the loss's own mask and weights: the NTL positions (ntl_positions), each weighted as
+    # NTL weights it (a weight-0 position, such as a masked prompt, does not count; a 0/1 mask counts positions)
+    hits = terms.hit.to(terms.ce.dtype)
+    accuracy = reduce_loss(hits, terms.number_mask, weights, "mean")[0].detach()
     return CENTLOutput(ce_red + ntl_weight * ntl_red, ce_red, ntl_red, num_tokens, num_numbers, accuracy)

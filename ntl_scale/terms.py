@@ -51,17 +51,23 @@ class PerTokenTerms(NamedTuple):
     """Per-token outputs of :func:`per_token_ce_ntl`, each shaped like the labels.
 
     Attributes:
-        ce: cross entropy (0 where ignored).
+        ce: the CE term (0 where ignored): cross entropy, label-smoothed with
+            ``options.label_smoothing``, plus the z-loss ``options.z_loss_weight * lse**2`` (the part of
+            the objective CE's reduction weighs; CE alone is ``ce - z_loss_weight * lse**2``).
         ntl: NTL (0 where ``number_mask`` is False).
         number_mask: positions that carry NTL.
         hit: the label is the arg-max over the whole vocabulary (for token accuracy; False when
             CE was not computed).
+        lse: the log-sum-exp of the (soft-capped) logits over the whole vocabulary, per token, at every
+            position (ignored ones included; 0 when CE was not computed): what the z-loss squares, for
+            logging; differentiable.
     """
 
     ce: torch.Tensor
     ntl: torch.Tensor
     number_mask: torch.Tensor
     hit: torch.Tensor
+    lse: torch.Tensor
 
 
 def per_token_ce_ntl(
@@ -113,8 +119,14 @@ def per_token_ce_ntl(
     flat_labels = labels.reshape(-1)
     inputs, row = shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
     need_full = need_ce or options.reweigh
-    ce, expect, mass, hit = fused_shard_stats(
-        logits_shard.reshape(-1, width),
+    # NTL alone takes the logits as they are: its gradient comes back in their shape, not through a view
+    flat = logits_shard.reshape(-1, width) if need_full else logits_shard
+    if options.logit_softcap is not None:
+        # elementwise, before everything (CE, z-loss and NTL see the capped logits); autograd's tanh
+        # backward is the factor 1 - tanh^2. A new tensor: the caller's logits are not overwritten.
+        flat, inplace = soft_cap(flat, options.logit_softcap), False
+    ce, expect, mass, hit, lse = fused_shard_stats(
+        flat,
         inputs,
         need_full=need_full,
         inplace=inplace,
@@ -122,8 +134,15 @@ def per_token_ce_ntl(
         tp_group=tp_group,
         chunk_tokens=chunk_tokens,
         impl=options.impl,
+        features=options.ce_features,
     )
-    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options)
+    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse)
+
+
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(z / cap)`` (Gemma 2's final-logit soft-capping), in the compute dtype; differentiable."""
+    z = logits.to(compute_dtype(logits.dtype))
+    return torch.tanh(z / cap) * cap
 
 
 def check_plain_labels(labels: object) -> None:
@@ -146,8 +165,13 @@ def terms_from_stats(
     shape: torch.Size,
     vocab: NumberVocab,
     options: NTLOptions,
+    lse: torch.Tensor | None = None,
 ) -> PerTokenTerms:
-    """Per-token CE and the NTL variant from the fused per-token statistics (logits or hidden states)."""
+    """Per-token CE and the NTL variant from the fused per-token statistics (logits or hidden states).
+
+    With ``options.z_loss_weight`` the z-loss ``z_loss_weight * lse**2`` is added to CE on the valid
+    positions (``lse``: the fused op's per-token log-sum-exp, required then).
+    """
     loss, reweigh, dtype = options.loss, options.reweigh, ce.dtype
     is_number = row >= 0
     zero = torch.zeros((), dtype=dtype, device=ce.device)
@@ -173,7 +197,12 @@ def terms_from_stats(
         penalty = _REWEIGH_MARGIN * options.max_loss(vocab)
         ntl = ntl * mass + penalty * (1 - mass)
     ntl = torch.where(mask, ntl, zero)
-    return PerTokenTerms(ce.view(shape), ntl.view(shape), mask.view(shape), hit.view(shape))
+    if options.z_loss_weight:
+        if lse is None:
+            raise ValueError("internal: z_loss_weight needs the fused op's per-token log-sum-exp")
+        ce = ce + torch.where(inputs.valid, options.z_loss_weight * lse.square(), zero)
+    lse = torch.zeros_like(ce) if lse is None else lse
+    return PerTokenTerms(ce.view(shape), ntl.view(shape), mask.view(shape), hit.view(shape), lse.view(shape))
 
 
 def shard_start(vocab_start: int | None, tp_rank: int, width: int) -> int:
@@ -202,7 +231,7 @@ def shard_inputs(
     else:
         values = vocab.shard_tensor(start, start + width, "values", device).to(dtype)
         a_table = values.unsqueeze(0).expand(labels.numel(), -1)
-    return ShardInputs(safe_labels, valid, local_ids, a_table, start), row
+    return ShardInputs(safe_labels, valid, local_ids, a_table, start, options.label_smoothing), row
 
 
 def ntl_positions(

@@ -2,8 +2,8 @@
 # Builds the carry folder for a GPU machine without internet (the `device` tool's: Python 3.12, torch,
 # Triton, transformers, accelerate, pyarrow, einops, six, regex, xxhash already there):
 #   bash scripts/gpu_wheels.sh            # -> .gpu_wheels/ (git-ignored) and its manifest (committed)
-# then, on the GPU machine, `make gpu-check` installs what is missing from it (pip --no-index --no-deps)
-# and runs the GPU tests, the benchmark and the smoke runs (scripts/gpu_check.sh).
+# then, on the GPU machine, `bash scripts/gpu_check.sh --out DIR` installs what is missing from it (pip --no-index
+# --no-deps) and runs the GPU checks, the benchmark and the training runs (docs/gpu.md; no make needed there).
 #
 # Contents: cp312 manylinux wheels (pip download --only-binary=:all: --no-deps) of what the GPU run
 # imports and the machine lacks, a pure-Python DeepSpeed wheel built from its sdist, and a slim
@@ -141,4 +141,4 @@ if ! "$PYTHON" scripts/travel_size.py --wheels "$DEST"; then
   echo "gpu_wheels: over the budget; remove the largest files above" >&2
   exit 1
 fi
-echo "gpu_wheels: carry it with the device tool: run(command='make gpu-check', carry=['$DEST'])"
+echo "gpu_wheels: carry it with the device tool: run(command='bash scripts/gpu_check.sh --out \$OUT', carry=['$DEST'], timeout_s=500)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job with its small default: the self-check, then `deepspeed launch/train.py` (tiny config,
-# ZeRO-3, 2 processes; on a machine without GPUs they run on the CPU over gloo). Extra arguments go
+# ZeRO-2, 2 processes; on a machine without GPUs they run on the CPU over gloo). Extra arguments go
 # to train.py (e.g. --config configs/train/tiny_cpu.yaml train.steps=50).
 # The launcher's own INFO lines (its command line, world info, one per spawned process) are dropped
 # from the screen; its warnings and errors, and everything the ranks print, are kept.

@@ -27,11 +27,12 @@ echo "[setup] installing ntl_scale[${extras}] (torch ${torch_version} kept as is
 if [[ "${1:-}" == "--dev" ]]; then
   # torchtitan 0.3.0 (ntl_scale.integrations.torchtitan; tests/integration/test_torchtitan.py): its wheel
   # pins datasets<4.8 (the hf extra has a newer one that its text loader reads as well), so it goes in
-  # without its dependency list, followed by the ones it imports, all under the torch constraint.
+  # without its dependency list, followed by the ones it imports, all under the torch constraint;
+  # expecttest: torch's test utilities need it for torchtitan's own loss tests (test_torchtitan_upstream.py).
   echo "[setup] torchtitan 0.3.0 (torch ${torch_version} kept as is)"
   "$PYTHON" -m pip install --quiet --no-deps "torchtitan==0.3.0"
   "$PYTHON" -m pip install --quiet --constraint "$constraints" "tyro>=0.9" "spmd_types==0.2.3" "torchdata==0.11.0" \
-    "torch_checkpointing==0.1.1" "tensorboard>=2.15" "triton>=3.0"
+    "torch_checkpointing==0.1.1" "tensorboard>=2.15" "triton>=3.0" "expecttest==0.3.0"
   bash scripts/setup_slurm.sh
   # DeepMind's generator pins sympy 1.5.1 and numpy<1.24: its own venv (~/.cache/ntl_scale), built once
   echo "[setup] the DeepMind mathematics generator's environment"

@@ -1,7 +1,9 @@
 # shellcheck shell=bash
-# What deepspeed.sbatch and megatron.sbatch share: arguments, site settings, checks, the run
+# What deepspeed.sbatch, megatron.sbatch and torchtitan.sbatch share: arguments, site settings, checks, the run
 # directory, the launch and the preemption protocol. Sourced, never run. The sourcing script sets
-# NTL_JOB_KIND (deepspeed | megatron), NTL_DEFAULT_ENTRY, NTL_DEFAULT_CONFIG and NTL_STOP_SIGNAL, and
+# NTL_JOB_KIND (deepspeed | megatron | torchtitan), NTL_DEFAULT_ENTRY (a script, or -m and a module),
+# NTL_DEFAULT_CONFIG and NTL_STOP_SIGNAL (optionally NTL_CONFIG_IS_NAME=1: --config is a name, not a
+# file; NTL_STOP_FAILS=1: the entry exits non-zero when stopped on the warning), and
 # defines ntl_entry_args (the entry's arguments, from NTL_CONFIG, NTL_RUN_DIR and NTL_EXTRA) and
 # ntl_finished (true once the run has reached its last step).
 
@@ -22,7 +24,7 @@ the allocation. Nodes come from sbatch --nodes, processes per node from --ntasks
 #SBATCH header sets both; override them on the sbatch command line, not here).
 
 Options:
-  --config PATH       run config (default: $NTL_DEFAULT_CONFIG)
+  --config PATH       run config (default: $NTL_DEFAULT_CONFIG; torchtitan: a config_registry name)
   --entry "SCRIPT.."  Python script (and leading arguments) each task runs (default: $NTL_DEFAULT_ENTRY)
   --run-dir DIR       run directory (default: \$NTL_RUNS/<job name>-<job id>; a requeued job keeps it)
   --dry-run           print the commands and exit without launching (works outside Slurm)
@@ -118,13 +120,17 @@ ntl_site() {
   NTL_PYTHON=${NTL_PYTHON:-python3}
   command -v "$NTL_PYTHON" >/dev/null || ntl_fail "NTL_PYTHON=$NTL_PYTHON not found on PATH"
   NTL_RUNS=${NTL_RUNS:-$NTL_HOME/runs}
-  if [[ -n $NTL_CONFIG ]]; then
+  if [[ -n $NTL_CONFIG && ${NTL_CONFIG_IS_NAME:-0} != 1 ]]; then
     [[ $NTL_CONFIG == /* ]] || NTL_CONFIG=$NTL_HOME/$NTL_CONFIG
     [[ -f $NTL_CONFIG ]] || ntl_fail "config '$NTL_CONFIG' does not exist: pass --config PATH (relative to $NTL_HOME or absolute)"
   fi
   read -r -a NTL_ENTRY_WORDS <<<"$NTL_ENTRY"
   [[ ${#NTL_ENTRY_WORDS[@]} -gt 0 ]] || ntl_fail "--entry is empty"
   local script=${NTL_ENTRY_WORDS[0]}
+  if [[ $script == -m ]]; then
+    [[ ${#NTL_ENTRY_WORDS[@]} -ge 2 ]] || ntl_fail "--entry '-m' names no module"
+    return
+  fi
   [[ $script == /* ]] || script=$NTL_HOME/$script
   [[ -f $script ]] || ntl_fail "entry script '$script' does not exist"
 }
@@ -172,7 +178,7 @@ ntl_prepare_run_dir() {
   fi
   mkdir -p "$NTL_RUN_DIR/logs"
   local attempt=${SLURM_RESTART_COUNT:-0}
-  [[ -z $NTL_CONFIG ]] || cp "$NTL_CONFIG" "$NTL_RUN_DIR/$(basename "$NTL_CONFIG")"
+  [[ -z $NTL_CONFIG || ${NTL_CONFIG_IS_NAME:-0} == 1 ]] || cp "$NTL_CONFIG" "$NTL_RUN_DIR/$(basename "$NTL_CONFIG")"
   {
     echo "# job $SLURM_JOB_ID attempt $attempt on $SLURM_JOB_NODELIST, $(date -Is)"
     echo "export MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT"
@@ -199,7 +205,7 @@ ntl_launch() {
     rc=0
     wait "$NTL_SRUN_PID" || rc=$?
   done
-  if [[ $rc != 0 ]]; then
+  if [[ $rc != 0 && ! ($NTL_WARNED == 1 && ${NTL_STOP_FAILS:-0} == 1) ]]; then
     ntl_log "training exited with status $rc"
     exit "$rc"
   fi

@@ -4,8 +4,8 @@ Nothing is imported here; each module imports only torch, and its framework on f
 
 | module | framework: entry |
 |---|---|
-| `hf.loss` | Hugging Face: CE + NTL as `model.loss_function` (`apply_ntl`, `remove_ntl`) |
-| `hf.chunked` | Hugging Face: the loss from the hidden states, no logits (`apply_ntl(chunked=True)`) |
+| `hf.loss` | Hugging Face: CE + NTL as `model.loss_function` (`apply_ntl_to_hf_model`, `remove_ntl`) |
+| `hf.chunked` | Hugging Face: the loss from the hidden states, no logits (`apply_ntl_to_hf_model(chunked=True)`) |
 | `hf.trainer` | Hugging Face `Trainer` / TRL `SFTTrainer`: `ntl_trainer_class` |
 | `hf.vocab` | Hugging Face checkpoints: `number_vocab_from_pretrained` |
 | `megatron.args` | Megatron, both routes: the `--ntl-*` flags, `NTLSettings`, `build_number_vocab` |

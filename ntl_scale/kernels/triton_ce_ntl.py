@@ -49,7 +49,7 @@ __all__ = [
     "triton_available",
 ]
 
-# Whether impl="auto" takes the kernels on CUDA: not until the GPU suite (make gpu-check) has run them
+# Whether impl="auto" takes the kernels on CUDA: not until the GPU check (scripts/gpu_check.sh) has run them
 # on a GPU. Only the deprecated set_triton_kernels changes it.
 _ENABLED = False
 

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..options import NTLRunOptions
+from ..options import NTLRunOptions, check_chunk_route, check_option
 
 __all__ = [
     "DataConfig",
@@ -254,8 +254,8 @@ class TrainConfig:
             raise ValueError(f"train.peak_tflops must be > 0 or null, got {self.peak_tflops}")
         if self.eval_every < 0:
             raise ValueError(f"train.eval_every must be >= 0 (0: only at the end), got {self.eval_every}")
-        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
-            raise ValueError(f"train.loss_chunk_tokens must be >= 1 or null, got {self.loss_chunk_tokens}")
+        check_option("chunk_tokens", self.loss_chunk_tokens, "train.loss_chunk_tokens")
+        check_chunk_route(self.chunked_loss, self.loss_chunk_tokens, "yaml")  # ignored otherwise: refused
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (1-based): linear warm-up, then the decay."""
@@ -386,10 +386,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected a number, got {value!r}")
         try:
             number = hint(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # int(inf) overflows
             raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}") from None
         if hint is int and isinstance(value, float) and value != number:
             raise ValueError(f"{where}: expected an integer, got {value!r}")
+        if not math.isfinite(number):  # every numeric key, in one place: inf/nan would reach the run as NaN
+            raise ValueError(f"{where}: expected a finite number, got {value!r}")
         return number
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):

@@ -5,14 +5,16 @@ split torchtitan's ``_LossParallelCrossEntropy`` uses and DTensor's):
 
 1. plain local shards under torchtitan's ``spmd_types`` backend and a ``tp`` mesh
    (``set_current_spmd_mesh``), the group and offset found as torchtitan's CE finds them: loss and the
-   shard's logit gradient equal the float64 full-logit reference; at weight 0 the loss equals
-   torchtitan's own vocab-parallel ``CrossEntropyLoss`` on the same shards; inside torchtitan's
+   shard's logit gradient equal the float64 full-logit reference; at weight 0 the loss and gradient are
+   torchtitan's own vocab-parallel ``CrossEntropyLoss``'s on the same shards, bit for bit; inside torchtitan's
    ``ChunkedLossWrapper`` with a row-sharded ``lm_head`` the hidden-state and weight-shard gradients
    equal the reference's;
 2. ``DTensor`` logits ``Shard(-1)`` (torchtitan's ``partial_dtensor`` backend): the same loss and
    gradient;
-3. errors naming the value and the fix: a DTensor sharded on another dimension, a plain shard of the
-   wrong width (a table for another vocabulary).
+3. DTensor logits and labels (torchtitan's ``full_dtensor`` backend), split on the vocabulary or on the
+   batch: the loss (a DTensor, as torchtitan's CE returns) and gradient;
+4. errors naming the value and the fix: a DTensor sharded on another dimension, DTensor labels placed
+   unlike the logits, a plain shard of the wrong width (a table for another vocabulary).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _reference(hidden, weight, labels, vocab):  # type: ignore[no-untyped-def]
 
 def _check(ctx: WorkerContext, path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.distributed.spmd_types import set_current_spmd_mesh
     from torchtitan.distributed.utils import set_spmd_backend
@@ -88,10 +90,10 @@ def _check(ctx: WorkerContext, path: str) -> None:
         zero = NTLLoss.Config(number_vocab=path, vocab_size=V, weight=0.0).build()
         zero.begin_step(numbers)
         theirs = CrossEntropyLoss.Config(global_vocab_size=V).build()
-        shard32 = logits[..., start:end].float()
-        torch.testing.assert_close(
-            zero(shard32, labels, tokens)[0], theirs(shard32, labels, tokens)[0], rtol=2e-7, atol=0
-        )
+        ours32, theirs32 = (logits[..., start:end].float().requires_grad_(True) for _ in range(2))
+        ours_loss, theirs_loss = zero(ours32, labels, tokens)[0], theirs(theirs32, labels, tokens)[0]
+        (ours_loss + theirs_loss).backward()
+        assert torch.equal(ours_loss, theirs_loss) and torch.equal(ours32.grad, theirs32.grad)  # bit for bit
 
         wrapper = ChunkedLossWrapper.Config(num_chunks=4, loss_fn=config).build()
         head = torch.nn.Linear(6, end - start, bias=False).double()
@@ -122,10 +124,21 @@ def _check(ctx: WorkerContext, path: str) -> None:
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(local.grad, z_grad[..., start:end], rtol=1e-10, atol=1e-12)
 
-    # 3. a DTensor sharded on the batch
+    # 3. full_dtensor: DTensor logits and labels on one mesh, split on the vocabulary (19 + 18) or the batch
+    for placements, label_placements in (([Shard(2)], [Replicate()]), ([Shard(0)], [Shard(0)])):
+        dpred = distribute_tensor(logits.clone(), mesh, placements).detach().requires_grad_(True)
+        loss, _ = loss_fn(dpred, distribute_tensor(labels, mesh, label_placements), tokens)
+        assert isinstance(loss, DTensor)  # as torchtitan's CE: Partial over a batch split
+        loss.backward()
+        torch.testing.assert_close(loss.full_tensor(), expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dpred.grad.full_tensor(), z_grad, rtol=1e-10, atol=1e-12)
+
+    # 4. errors: a DTensor sharded on the batch with plain labels; DTensor labels placed unlike the logits
     by_batch = DTensor.from_local(logits[ctx.tp_rank : ctx.tp_rank + 1], mesh, [Shard(0)], run_check=False)
     with pytest.raises(ValueError, match=r"Shard\(dim=0\).*another dimension than the vocabulary"):
         loss_fn(by_batch, labels, tokens)
+    with pytest.raises(ValueError, match=r"need labels placed \(Shard\(dim=0\),\).*got \(Replicate\(\),\)"):
+        loss_fn(by_batch, distribute_tensor(labels, mesh, [Replicate()]), tokens)
 
 
 def test_plain_and_dtensor_vocabulary_shards(tmp_path) -> None:

@@ -3,9 +3,10 @@
 1. bf16 and fp16 logits (fused op) and hidden states/weights (chunked op) against a float64 reference
    computed on the GPU from the same values: loss and gradients.
 2. ``torch.cuda.set_sync_debug_mode("error")`` around a forward and backward of each op: any host
-   synchronisation raises.
+   synchronisation raises; with the default code (``impl="auto"``) and with the Triton kernels
+   (``impl="triton"``), the fused op in place too.
 3. A CUDA graph captures a forward + backward of ``ce_with_ntl`` and replays it with new values; the
-   same for the chunked op ``linear_ce_with_ntl``.
+   same for the chunked op ``linear_ce_with_ntl``; each with ``impl="auto"`` and ``impl="triton"``.
 4. The Triton kernels (``ntl_scale/kernels``, ``impl="triton"``) against the PyTorch code
    (``impl="torch"``), both ops, fp32 and bf16, at a vocabulary that spans many blocks.
 """
@@ -66,12 +67,22 @@ def test_half_precision_matches_float64(dtype):
         torch.testing.assert_close(a.double(), b, atol=2e-2 * float(b.abs().max()), rtol=0)
 
 
-def test_no_host_sync_on_the_gpu():
+def _impl(impl):
+    if impl == "triton" and not triton_ce_ntl.triton_available():
+        pytest.skip("triton is not installed")
+    return impl
+
+
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+def test_no_host_sync_on_the_gpu(impl):
+    impl = _impl(impl)
     vocab, labels, logits, hidden, weight = _setup(torch.bfloat16)
+    logits32 = logits.detach().float().requires_grad_()
     calls = [
-        lambda: ntl_scale.ce_with_ntl(logits, labels, vocab).loss,
-        lambda: ntl_scale.ce_with_ntl(logits, labels, vocab, loss="mse").loss,
-        lambda: ntl_scale.linear_ce_with_ntl(hidden, weight, labels, vocab, chunk_tokens=128).loss,
+        lambda: ntl_scale.ce_with_ntl(logits, labels, vocab, impl=impl).loss,
+        lambda: ntl_scale.ce_with_ntl(logits, labels, vocab, loss="mse", reweigh=True, impl=impl).loss,
+        lambda: ntl_scale.ce_with_ntl(logits32 * 1, labels, vocab, inplace=True, impl=impl).loss,
+        lambda: ntl_scale.linear_ce_with_ntl(hidden, weight, labels, vocab, chunk_tokens=100, impl=impl).loss,
     ]
     for call in calls:
         call().backward()  # warm-up: per-table caches on the device
@@ -85,7 +96,9 @@ def test_no_host_sync_on_the_gpu():
     torch.cuda.synchronize()
 
 
-def test_cuda_graph_captures_a_step_with_the_loss():
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+def test_cuda_graph_captures_a_step_with_the_loss(impl):
+    impl = _impl(impl)
     vocab, labels, logits, _, _ = _setup(torch.float32)
     static_logits = logits.detach().clone().requires_grad_()
     static_labels = labels.clone()
@@ -94,12 +107,12 @@ def test_cuda_graph_captures_a_step_with_the_loss():
     with torch.cuda.stream(stream):  # warm-up on a side stream, as capture requires
         for _ in range(2):
             static_logits.grad = None
-            ntl_scale.ce_with_ntl(static_logits, static_labels, vocab).loss.backward()
+            ntl_scale.ce_with_ntl(static_logits, static_labels, vocab, impl=impl).loss.backward()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     static_logits.grad = None
     with torch.cuda.graph(graph):
-        static_loss = ntl_scale.ce_with_ntl(static_logits, static_labels, vocab).loss
+        static_loss = ntl_scale.ce_with_ntl(static_logits, static_labels, vocab, impl=impl).loss
         static_loss.backward()
     _, new_labels, new_logits, _, _ = _setup(torch.float32, seed=5)
     with torch.no_grad():
@@ -113,14 +126,16 @@ def test_cuda_graph_captures_a_step_with_the_loss():
     torch.testing.assert_close(static_logits.grad.double(), x64.grad, atol=1e-6, rtol=1e-4)
 
 
-def test_cuda_graph_captures_the_chunked_op():
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+def test_cuda_graph_captures_the_chunked_op(impl):
+    impl = _impl(impl)
     vocab, labels, _, hidden, weight = _setup(torch.float32)
     static_h, static_w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
     static_labels = labels.clone()
 
     def step():
         static_h.grad = static_w.grad = None
-        loss = ntl_scale.linear_ce_with_ntl(static_h, static_w, static_labels, vocab, chunk_tokens=128).loss
+        loss = ntl_scale.linear_ce_with_ntl(static_h, static_w, static_labels, vocab, chunk_tokens=128, impl=impl).loss
         loss.backward()
         return loss
 
@@ -133,7 +148,9 @@ def test_cuda_graph_captures_the_chunked_op():
     graph = torch.cuda.CUDAGraph()
     static_h.grad = static_w.grad = None
     with torch.cuda.graph(graph):
-        static_loss = ntl_scale.linear_ce_with_ntl(static_h, static_w, static_labels, vocab, chunk_tokens=128).loss
+        static_loss = ntl_scale.linear_ce_with_ntl(
+            static_h, static_w, static_labels, vocab, chunk_tokens=128, impl=impl
+        ).loss
         static_loss.backward()
     _, new_labels, _, new_h, new_w = _setup(torch.float32, seed=7)
     with torch.no_grad():

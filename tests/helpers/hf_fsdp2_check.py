@@ -97,7 +97,7 @@ def check_apply_ntl(tied: bool, chunked: bool, after: bool) -> dict:
     reference.backward()
 
     if not after:
-        apply_ntl(model, vocab, ntl_weight=0.3, chunked=chunked, chunk_tokens=16)
+        apply_ntl(model, vocab, ntl_weight=0.3, chunked=chunked, chunk_tokens=16 if chunked else None)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GPT2Block"]
     )
@@ -110,7 +110,7 @@ def check_apply_ntl(tied: bool, chunked: bool, after: bool) -> dict:
     # the weight for the loss and resharding after the forward, its pre-backward hook gathers it again
     assert isinstance(model.get_output_embeddings(), FSDPModule)
     if after:  # on the sharded model: the install-time check of the head is skipped, as under ZeRO-3
-        apply_ntl(model, vocab, ntl_weight=0.3, chunked=chunked, chunk_tokens=16)
+        apply_ntl(model, vocab, ntl_weight=0.3, chunked=chunked, chunk_tokens=16 if chunked else None)
     errors = {}
     model.train()
     rows = slice(rank * 2, rank * 2 + 2)  # this rank's half of the batch, the whole batch's counts

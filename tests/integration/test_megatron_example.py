@@ -64,3 +64,49 @@ def test_example_trains_at_tp2_pp2(tmp_path):
     first, last = history[:3], history[-3:]
     assert mean("lm loss", last) < 0.9 * mean("lm loss", first)
     assert mean("ntl loss", last) < mean("ntl loss", first)  # digits are learnt later; it must not rise
+
+
+# The laptop route as the docs write it: configs/megatron/tiny_cpu.yaml through the example on CPU.
+
+ROOT = EXAMPLE.parents[1]
+TINY = "configs/megatron/tiny_cpu.yaml"
+
+
+def test_every_flag_of_the_tiny_config_reaches_the_example():
+    """Each ``megatron_args`` key of tiny_cpu.yaml is a flag of the example and arrives with the file's value."""
+    import yaml
+
+    from tests.helpers.scripts import load_script
+
+    example = load_script("launch/megatron_example.py", "megatron_example_flags")
+    flags = yaml.safe_load((ROOT / TINY).read_text())["megatron_args"]
+    args = example.parse_args(["--config", str(ROOT / TINY)])
+    dests = {"train-iters": "steps"}
+    for flag, value in flags.items():
+        dest = dests.get(flag, flag.replace("-", "_"))
+        assert hasattr(args, dest), f"--{flag} of {TINY} is not a flag of launch/megatron_example.py"
+        assert getattr(args, dest) == value, flag
+    assert example.parse_args(["--config", str(ROOT / TINY), "--lr", "0.5"]).lr == 0.5  # the command line wins
+
+
+def test_tiny_config_trains_on_cpu_as_documented():
+    """The command of configs/megatron/tiny_cpu.yaml and docs/megatron.md, run as written (30 steps)."""
+    import sys
+
+    from tests.helpers.distributed import free_port, run_launch
+
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+        "tests/helpers/megatron_cpu_launch.py", "launch/megatron_example.py", "--config", TINY,
+    ]  # fmt: skip
+    written = " ".join((ROOT / TINY).read_text().replace("\\", " ").replace("#", " ").split())
+    assert "torchrun " + " ".join(command[3:5] + command[7:]) in written
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = run_launch(command, cwd=ROOT, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(rows) == 30 and rows[-1][1] == "30/30", out.stdout[-2000:]
+    lm = [float(r[r.index("lm") + 2]) for r in rows]
+    ntl = [float(r[r.index("ntl") + 2]) for r in rows]
+    assert all(0 < v < 10 for v in lm + ntl), (lm, ntl)  # ntl-weight 0.3 in the file: NTL is computed
+    assert sum(lm[-5:]) < 0.95 * sum(lm[:5]), lm

@@ -217,7 +217,11 @@ def _chunked_worker(ctx: WorkerContext) -> None:
     chunked_model.load_state_dict(logits_model.state_dict())
     tokens, labels, _ = _data()
     inputs = (tokens, torch.arange(SEQ).unsqueeze(0).expand(SEQUENCES, SEQ), torch.ones(1, 1, SEQ, SEQ).tril() < 0.5)
-    for variant in ("off", "micro-batch", "global"):
+    # the mixin cannot honour global normalisation (its per-token loss is averaged per micro-batch): refused
+    # (issue 40; it silently trained with the micro-batch mean)
+    with pytest.raises(ValueError, match=r"normalization='global' .* cannot be honoured"):
+        logits_model.configure_ntl(ntl_megatron.NTLSettings(**VARIANTS["global"]), vocab, tp_group)
+    for variant in ("off", "micro-batch"):
         settings = ntl_megatron.NTLSettings(**VARIANTS[variant])
         logits_model.configure_ntl(settings, vocab, tp_group)
         chunked_model.configure_ntl(settings, vocab, tp_group, chunked=True, chunk_tokens=5)

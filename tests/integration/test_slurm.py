@@ -216,8 +216,19 @@ def test_megatron_dry_run_turns_the_config_into_flags_and_points_checkpoints_at_
     assert "--ntasks-per-node=4" in srun
 
 
+def test_torchtitan_dry_run_runs_torchtitan_train_with_a_registry_config_and_checkpoints_in_the_run_dir():
+    out = _dry_run(
+        "torchtitan.sbatch", "--config", "llama3_3b_ntl", "--nodes", "2", "--run-dir", "/r", "--", "--x", "1"
+    )
+    assert out.returncode == 0, out.stderr
+    srun = next(line for line in out.stdout.splitlines() if line.startswith("srun "))
+    assert "-m torchtitan.train --module ntl_scale.integrations.torchtitan --config llama3_3b_ntl" in srun
+    assert "--parallelism.spmd_backend partial_dtensor --dump_folder /r --checkpoint.enable" in srun
+    assert srun.rstrip().endswith("--x 1") and "--nodes=2" in srun and "16 ranks" in out.stdout
+
+
 def test_help_names_the_options():
-    for script in ("deepspeed.sbatch", "megatron.sbatch"):
+    for script in ("deepspeed.sbatch", "megatron.sbatch", "torchtitan.sbatch"):
         out = subprocess.run(["bash", str(SLURM / script), "--help"], capture_output=True, text=True)
         assert out.returncode == 0
         for word in ("--dry-run", "--config", "--entry", "NTL_VENV", "requeue"):

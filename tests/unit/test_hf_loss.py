@@ -172,8 +172,12 @@ def test_chunked_refuses_what_it_cannot_reproduce(setup):
     _, vocab, _ = setup
     common = dict(vocab_size=vocab.vocab_size, head_dim=8, **TINY)
     gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, final_logit_softcapping=30.0))
-    with pytest.raises(ValueError, match="soft-caps its logits"):
-        apply_ntl(gemma, vocab, chunked=True)
+    # soft-capping is the loss's logit_softcap on the chunked route (tests/unit/test_ce_features.py); capping
+    # twice is refused on either route
+    with pytest.raises(ValueError, match="would cap them twice"):
+        apply_ntl(gemma, vocab, chunked=True, options=ntl_scale.NTLOptions(logit_softcap=30.0))
+    with pytest.raises(ValueError, match="would cap them twice"):
+        apply_ntl(gemma, vocab, options=ntl_scale.NTLOptions(logit_softcap=30.0))
     assert "_ntl_scale_loss" not in gemma.__dict__ and "forward" not in gemma.__dict__
     apply_ntl(gemma, vocab)  # the logits path reproduces the soft-capping: it is the model's own logits
     assert remove_ntl(gemma)
@@ -188,3 +192,21 @@ def test_chunked_refuses_what_it_cannot_reproduce(setup):
     )
     with pytest.raises(ValueError, match="bias-free"):
         apply_ntl(gptj, vocab, chunked=True)
+
+
+def test_the_options_ignore_index_is_honoured():
+    """``NTLCausalLMLoss(options=NTLOptions(ignore_index=-1))``: the logits path replaced it by -100 when the
+    caller (a model's ``loss_function`` call) did not pass one (issue 40's sweep: an option read in part)."""
+    from ntl_scale.integrations.hf.loss import NTLCausalLMLoss, shift_labels
+
+    vocab = ntl_scale.NumberVocab.from_id_to_token({i: str(i) for i in range(10)}, vocab_size=14)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 14, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 14, (2, 6), generator=g)
+    labels[:, :2] = -1  # a prompt masked with -1
+    loss = NTLCausalLMLoss(vocab, 0.3, ntl_scale.NTLOptions(ignore_index=-1))
+    want = ntl_scale.ce_with_ntl(logits, shift_labels(labels, -1), vocab, ntl_weight=0.3, ignore_index=-1)
+    torch.testing.assert_close(loss(logits, labels), want.loss)
+    # a caller's explicit ignore_index still wins (a per-call argument, as in Hugging Face's own loss)
+    relabelled = torch.where(labels == -1, -100, labels)
+    torch.testing.assert_close(loss(logits, relabelled, ignore_index=-100), want.loss)

@@ -191,7 +191,7 @@ def test_distance_table_and_squash():
     assert squashed.diagonal().eq(0).all()
     assert float(squashed[squashed > 0].min()) == pytest.approx(1.0)
     assert float(squashed.max()) == pytest.approx(3.0)
-    with pytest.raises(ValueError, match="squash_factor must be a number > 1"):
+    with pytest.raises(ValueError, match="squash_factor must be a finite number > 1"):
         vocab.distance_table(squash_factor=1.0)
 
 

@@ -9,7 +9,9 @@ Each front end is introspected, not the spec's own tables:
    reach the loss options.
 3. Megatron (both routes): the actions of the parser ``add_ntl_args`` builds (flags, defaults,
    choices); ``NTLSettings.from_args`` carries every option into ``NTLOptions``.
-4. Hugging Face: ``apply_ntl``'s signature and the defaults of ``NTLOptions()`` its ``options`` means.
+4. Hugging Face: ``apply_ntl_to_hf_model``'s signature and the defaults of ``NTLOptions()`` its ``options``
+   means (the deprecated names ``apply_ntl`` of both integrations: a warning, the same call); torchtitan:
+   ``NTLLoss.Config``'s fields.
 5. Config files: every ``ntl.*`` key of the study presets and train configs, and every ``ntl-*`` key of
    the Megatron configs, is an option of its front end; every train config and preset arm loads.
 
@@ -55,7 +57,8 @@ def test_every_option_is_documented_and_typed():
         assert len(option.doc) > 20, option.name
         assert option.type and option.level in ("variant", "run", "route"), option
     assert {"loss", "squash_factor", "reweigh", "huber_delta", "float_level", "impl", "weight", "digit_level",
-            "normalization", "chunked", "chunk_tokens"} == set(NAMES)  # fmt: skip
+            "normalization", "chunked", "chunk_tokens", "z_loss_weight", "label_smoothing",
+            "logit_softcap"} == set(NAMES)  # fmt: skip
 
 
 def test_run_options_repeat_the_variant_with_its_defaults():
@@ -163,7 +166,7 @@ def test_megatron_settings_carry_every_option():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_apply_ntl_takes_every_option_with_its_default(name):
-    from ntl_scale.integrations.hf import apply_ntl
+    from ntl_scale.integrations.hf import apply_ntl_to_hf_model as apply_ntl
 
     spelled = surface_name(name, "hf")
     if spelled is None:
@@ -177,6 +180,50 @@ def test_apply_ntl_takes_every_option_with_its_default(name):
         assert spelled in parameters, f"apply_ntl has no {spelled} argument"
         default = parameters[spelled].default
     assert default == surface_default(name, "hf"), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_torchtitan_config_has_every_option_with_its_default(name):
+    pytest.importorskip("torchtitan")
+    from ntl_scale.integrations.torchtitan import NTLLoss
+
+    spelled = surface_name(name, "torchtitan")
+    fields = {f.name: f for f in dataclasses.fields(NTLLoss.Config)}
+    if spelled is None:
+        assert surface_reason(name, "torchtitan") and name not in fields, name
+        return
+    assert spelled.startswith("loss.") and spelled[5:] in fields, f"NTLLoss.Config has no field for {spelled}"
+    assert fields[spelled[5:]].default == surface_default(name, "torchtitan"), name
+
+
+@pytest.mark.parametrize(
+    ("module", "new"),
+    [
+        ("ntl_scale.integrations.hf", "apply_ntl_to_hf_model"),
+        ("ntl_scale.integrations.megatron.lm", "apply_ntl_to_megatron_model"),
+    ],
+)
+def test_the_old_apply_ntl_names_warn_and_call_the_new_ones(module, new):
+    """Same signature; a call warns naming the new name and ends as the new function's call does."""
+    import importlib
+    import warnings
+
+    mod = importlib.import_module(module)
+    old, target = mod.apply_ntl, getattr(mod, new)
+    assert inspect.signature(old) == inspect.signature(target)
+
+    def outcome(fn):
+        try:
+            fn(object(), None, None, tp_group=None) if "megatron" in new else fn(object(), None)
+        except Exception as error:  # the model is no model: both end in the new function's refusal
+            return type(error), str(error)
+        raise AssertionError(f"{fn} accepted an object() as its model")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = outcome(old)
+    assert [w.category for w in caught] == [DeprecationWarning] and new in str(caught[0].message)
+    assert got == outcome(target)
 
 
 # ------------------------------------------------------------------------------------ 5. config files
@@ -253,3 +300,153 @@ def test_an_ignored_huber_delta_is_refused():
     with pytest.raises(ValueError, match=r"huber_delta=2\.0 applies to loss='huber' only"):
         load_config(None, ["ntl.huber_delta=2.0", "ntl.loss=was"])
     assert load_config(None, ["ntl.huber_delta=2.0", "ntl.loss=huber"]).ntl.huber_delta == 2.0
+
+
+# ------------------------------------------------------------------------------------ 6. non-finite values
+
+
+# Issue 40, item 4: squash_factor=inf was accepted (the check was `> 1`) and gave a NaN loss (0 * inf in the
+# distance table). Every numeric option is checked once, in ntl_scale.options.check_option; each front end
+# passes its spelling. A non-default but valid value of each option, and the variant it needs.
+NUMERIC = {
+    "weight": {},
+    "squash_factor": {"loss": "was"},
+    "huber_delta": {"loss": "huber"},
+    "chunk_tokens": {},
+    "z_loss_weight": {},
+    "label_smoothing": {},
+    "logit_softcap": {},
+}
+BAD = [float("inf"), float("-inf"), float("nan")]
+
+
+def test_numeric_checks_cover_every_numeric_option():
+    from ntl_scale.options import NUMERIC_CHECKS
+
+    numeric = {o.name for o in option_fields() if o.type.split(" |")[0] in ("float", "int")}
+    assert numeric == set(NUMERIC) == set(NUMERIC_CHECKS)
+
+
+def _hf_model(vocab_size: int):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=vocab_size, n_embd=8, n_layer=1, n_head=2, n_positions=16)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _surfaces(name: str, value: float) -> dict[str, object]:
+    """How each front end is handed ``name=value``: a callable per front end, keyed by the spelling its
+    error must name."""
+    import torch
+
+    from ntl_scale.integrations.megatron import NTLSettings, add_ntl_args
+
+    variant = NUMERIC[name]
+    vocab = ntl_scale.NumberVocab.from_id_to_token({i: str(i) for i in range(10)}, vocab_size=12)
+    logits, labels = torch.zeros(1, 2, 12), torch.tensor([[3, 11]])
+    hidden, weight = torch.zeros(1, 2, 4), torch.zeros(12, 4)
+    kwarg = {"weight": "ntl_weight"}.get(name, name)
+    surfaces: dict[str, object] = {}
+    # the Python API
+    if name == "chunk_tokens":
+        surfaces["chunk_tokens"] = lambda: ntl_scale.linear_ce_with_ntl(
+            hidden, weight, labels, vocab, chunk_tokens=value
+        )
+        surfaces["chunk_tokens "] = lambda: ntl_scale.vocab_parallel_ce_ntl(logits, labels, vocab, chunk_tokens=value)
+    else:
+        surfaces[kwarg] = lambda: ntl_scale.ce_with_ntl(logits, labels, vocab, **variant, **{kwarg: value})
+        surfaces[kwarg + " "] = lambda: ntl_scale.linear_ce_with_ntl(
+            hidden, weight, labels, vocab, **variant, **{kwarg: value}
+        )
+    if name in ("squash_factor", "huber_delta", "z_loss_weight", "label_smoothing", "logit_softcap"):
+        surfaces[name + "  "] = lambda: ntl_scale.NTLOptions(**variant, **{name: value})
+    # YAML (launch/train.py): the override text is a YAML scalar, .inf / .nan
+    text = {float("inf"): ".inf", float("-inf"): "-.inf"}.get(value, ".nan")
+    yaml_key = surface_name(name, "yaml")
+    yaml_variant = [f"ntl.{k}={v}" for k, v in variant.items()]
+    surfaces[yaml_key] = lambda: load_config(None, [*yaml_variant, f"{yaml_key}={text}"])
+    # Megatron: the flag (argparse) and NTLSettings
+    flag = surface_name(name, "megatron")
+    argv = ["--ntl-weight", "0.3", *[f"--ntl-{k}={v}" for k, v in variant.items()], f"{flag}={value}"]
+    parser = add_ntl_args(argparse.ArgumentParser(exit_on_error=False))
+    surfaces[flag] = lambda: parser.parse_args(argv)
+    settings = {"weight": 0.3, **variant, name: value}
+    surfaces[flag + " "] = lambda: NTLSettings(**settings)
+    # Hugging Face: apply_ntl's keyword arguments (the variant in options=)
+    hf_kwargs = {"ntl_weight": value} if name == "weight" else {}
+    if name == "chunk_tokens":
+        hf_kwargs = {"chunked": True, "chunk_tokens": value}
+    elif name != "weight":
+        hf_kwargs = {"options": None}  # built in the attempt: NTLOptions refuses the value itself
+
+    def hf() -> None:
+        from ntl_scale.integrations.hf import apply_ntl
+
+        kwargs = dict(hf_kwargs)
+        if "options" in kwargs:
+            kwargs["options"] = ntl_scale.NTLOptions(**variant, **{name: value})
+        apply_ntl(_hf_model(12), vocab, **kwargs)
+
+    surfaces[{"weight": "ntl_weight", "chunk_tokens": "chunk_tokens"}.get(name, name) + "   "] = hf
+    # torchtitan's NTLLoss.Config
+    try:
+        from ntl_scale.integrations.torchtitan.loss import NTLLoss
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+    else:
+        surfaces[f"loss.{name}"] = lambda: NTLLoss.Config(**variant, **{name: value})
+    return surfaces
+
+
+@pytest.mark.parametrize("value", BAD, ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("name", list(NUMERIC))
+def test_every_numeric_option_refuses_non_finite_values_on_every_front_end(name, value):
+    refused = []
+    for spelling, attempt in _surfaces(name, value).items():
+        with pytest.raises((ValueError, argparse.ArgumentError)) as info:
+            attempt()  # type: ignore[operator]
+        message = str(info.value)
+        assert spelling.strip() in message, (spelling, message)
+        assert ("nan" if value != value else "inf") in message, (spelling, message)  # the value, named
+        refused.append(spelling.strip())
+    assert len(refused) >= 6, refused
+
+
+def test_valid_values_of_every_numeric_option_still_pass_every_front_end():
+    """The checks refuse only bad values: a valid non-default value of each is taken as it is."""
+    from ntl_scale.integrations.megatron import NTLSettings, add_ntl_args
+
+    valid = {
+        "weight": 0.5, "squash_factor": 3.0, "huber_delta": 2.0, "chunk_tokens": 7, "z_loss_weight": 1e-4,
+        "label_smoothing": 0.1, "logit_softcap": 30.0,
+    }  # fmt: skip
+    for name, value in valid.items():
+        variant = NUMERIC[name]
+        route = name == "chunk_tokens"  # chunk_tokens applies to the chunked route only
+        settings = {"weight": 0.3, **variant, name: value, **({"chunked": True} if route else {})}
+        assert getattr(NTLSettings(**settings), name) == value
+        flag = surface_name(name, "megatron")
+        argv = ["--ntl-weight=0.3", *[f"--ntl-{k}={v}" for k, v in variant.items()], f"{flag}={value}"]
+        args = add_ntl_args(argparse.ArgumentParser()).parse_args(argv + (["--ntl-chunked"] if route else []))
+        assert getattr(NTLSettings.from_args(args), name) == value
+        yaml_key = surface_name(name, "yaml")
+        overrides = [*[f"ntl.{k}={v}" for k, v in variant.items()], f"{yaml_key}={value}"]
+        cfg = load_config(None, overrides + (["train.chunked_loss=true"] if route else []))
+        section, key = yaml_key.split(".")
+        assert getattr(getattr(cfg, section), key) == value
+
+
+def test_chunk_tokens_without_the_chunked_route_is_refused_on_every_front_end():
+    """chunk_tokens was read by the chunked route only and ignored without it (YAML, Megatron, apply_ntl)."""
+    from ntl_scale.integrations.hf import apply_ntl
+    from ntl_scale.integrations.megatron import NTLSettings
+
+    vocab = ntl_scale.NumberVocab.from_id_to_token({i: str(i) for i in range(10)}, vocab_size=12)
+    attempts = {
+        "train.loss_chunk_tokens": lambda: load_config(None, ["train.loss_chunk_tokens=64"]),
+        "--ntl-chunk-tokens": lambda: NTLSettings(weight=0.3, chunk_tokens=64),
+        "chunk_tokens": lambda: apply_ntl(_hf_model(12), vocab, chunk_tokens=64),
+    }
+    for spelling, attempt in attempts.items():
+        with pytest.raises(ValueError, match=rf"{spelling}=64 applies to the chunked route only"):
+            attempt()

@@ -5,7 +5,8 @@ Sections:
    or says why not (``NOT_CONFIG_FIELDS``); bad values are refused naming the key.
 2. Every variant on full logits, as torchtitan calls a loss (``sum / global_valid_tokens`` for CE, the
    step's count for NTL): loss and logit gradient equal the float64 reference
-   (``tests/helpers/reference.py``); at weight 0 torchtitan's own ``CrossEntropyLoss``;
+   (``tests/helpers/reference.py``); at weight 0 torchtitan's own ``CrossEntropyLoss``, bit for bit (loss and
+   gradient, with and without ``global_valid_tokens``);
    inside torchtitan's ``ChunkedLossWrapper`` (4 chunks) the hidden-state and ``lm_head``
    gradients equal the reference's; without ``global_valid_tokens`` (torchtitan's validator) the CE sum.
 3. Errors that name the value and the fix: a number table for another vocabulary (saved JSON; logits of
@@ -125,7 +126,12 @@ def test_weight_zero_is_torchtitans_cross_entropy(table: str) -> None:
     ours = NTLLoss.Config(number_vocab=table, vocab_size=V, weight=0.0).build()
     ours.begin_step(1)
     theirs = CrossEntropyLoss.Config(global_vocab_size=V).build()
-    torch.testing.assert_close(ours(logits, labels, tokens)[0], theirs(logits, labels, tokens)[0], rtol=2e-7, atol=0)
+    for count in (tokens, None):  # training (scaled) and validation (the CE sum)
+        ours_logits, theirs_logits = (logits.clone().requires_grad_(True) for _ in range(2))
+        ours_loss, theirs_loss = ours(ours_logits, labels, count)[0], theirs(theirs_logits, labels, count)[0]
+        (ours_loss + theirs_loss).backward()
+        assert torch.equal(ours_loss, theirs_loss), (ours_loss - theirs_loss).item()  # bit for bit
+        assert torch.equal(ours_logits.grad, theirs_logits.grad)
 
 
 def test_chunked_wrapper_gradients_equal_the_reference(table: str) -> None:

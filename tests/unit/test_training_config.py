@@ -296,3 +296,27 @@ def test_every_shipped_config_and_preset_builds_its_generated_data(names, cfg):
     longest_prompt = max(len(tokenizer(e.question + " ")["input_ids"]) for v in splits.values() for e in v)
     if positions:
         assert longest_prompt + cfg.eval.max_new_tokens <= positions, (longest_prompt, cfg.eval.max_new_tokens)
+
+
+@pytest.mark.parametrize("text", [".inf", "-.inf", ".nan"])
+def test_every_numeric_key_refuses_non_finite_values(text):
+    """Issue 40's sweep: every float or int key of a run config (``train.lr``, ``train.peak_tflops``,
+    ``data.negative_share``, the ``ntl.*`` numbers, ...) refuses inf and nan, named, in one place (the
+    YAML coercion); before, ``train.lr=.inf`` was accepted and trained to NaN."""
+    import dataclasses
+
+    from ntl_scale.training.config import RunConfig
+
+    keys = []
+    defaults = RunConfig()
+    for section in dataclasses.fields(RunConfig):
+        value = getattr(defaults, section.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        for f in dataclasses.fields(value):
+            if str(f.type).split(" |")[0] in ("float", "int"):
+                keys.append(f"{section.name}.{f.name}")
+    assert {"train.lr", "train.min_lr", "train.peak_tflops", "ntl.weight", "ntl.huber_delta"} <= set(keys)
+    for key in keys:
+        with pytest.raises(ValueError, match=rf"{key}.*(inf|nan)"):
+            load_config(None, [f"{key}={text}"])

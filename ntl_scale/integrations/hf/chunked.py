@@ -1,6 +1,6 @@
 """Hugging Face route 2: CE + NTL from a causal LM's final hidden states; the training forward builds no logits.
 
-:func:`ntl_scale.integrations.hf.apply_ntl` with ``chunked=True`` installs this on a model
+:func:`ntl_scale.integrations.hf.apply_ntl_to_hf_model` with ``chunked=True`` installs this on a model
 (:func:`install_linear_loss_head` on its output layer, :func:`chunked_forward` as its forward);
 :class:`ChunkedLossCausalLM` wraps a model for ``launch/train.py``'s own loop. In training mode
 with labels, the model's forward runs its decoder (``model.base_model``) to the final hidden states
@@ -13,18 +13,20 @@ partitioned weight there (and again for the backward) as for any layer. Under to
 (``fully_shard``; accelerate's ``fsdp_version: 2``) the output layer's weight is a ``Shard(0)`` DTensor
 between steps and the whole weight inside the model's forward (FSDP2's pre-forward hook gathers it):
 the loss sees the whole weight, and its gradient goes to FSDP2's reduce-scatter as any layer's.
-:func:`apply_ntl` may be called before or after the model is sharded.
+:func:`apply_ntl_to_hf_model` may be called before or after the model is sharded.
 
 What the model does between its last hidden state and its logits must be reproducible on the hidden
 states: known conventions are Granite's ``logits_scaling`` (divides the logits), Cohere's
-``logit_scale`` and Falcon-H1's ``lm_head_multiplier`` (multiply them), all linear. Soft-capped logits (Gemma 2/3
-``final_logit_softcapping``) are refused. When the weights are materialised, :func:`check_head`
-compares the model's own logits with ``head(hidden) * multiplier`` on a few tokens and refuses any
-other transform (an unknown multiplier, a bias, a custom head).
+``logit_scale`` and Falcon-H1's ``lm_head_multiplier`` (multiply them), all linear, and Gemma 2/3's
+``final_logit_softcapping``, taken as the loss's ``logit_softcap`` (:func:`head_options`). When the
+weights are materialised, :func:`check_head` compares the model's own logits with ``head(hidden) *
+multiplier`` (capped) on a few tokens and refuses any other transform (an unknown multiplier, a bias, a
+custom head).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import types
 from collections.abc import Callable
@@ -57,17 +59,12 @@ def _text_config(model: Any) -> Any:
 def logit_multiplier(model: Any) -> float:
     """The factor a model applies to ``head(hidden)`` to get its logits; refuses non-linear transforms.
 
+    Soft-capping (``final_logit_softcapping``) is not a factor: :func:`head_options` carries it.
+
     Raises:
-        ValueError: soft-capped logits, or a scaling attribute that is not a number.
+        ValueError: a scaling attribute that is not a number.
     """
     config = _text_config(model)
-    capping = getattr(config, "final_logit_softcapping", None)
-    if capping:
-        raise ValueError(
-            f"{type(model).__name__} soft-caps its logits (final_logit_softcapping={capping}), a non-linear map the "
-            "hidden-state loss cannot reproduce; use the logits path (apply_ntl(model, vocab) without chunked=True, "
-            "or train.chunked_loss=false)"
-        )
     multiplier = 1.0
     for name, invert in (("logits_scaling", True), ("logit_scale", False), ("lm_head_multiplier", False)):
         value = getattr(config, name, None)
@@ -77,6 +74,36 @@ def logit_multiplier(model: Any) -> float:
             raise ValueError(f"{type(model).__name__}: config.{name}={value!r} is not a non-zero number")
         multiplier = multiplier / float(value) if invert else multiplier * float(value)
     return multiplier
+
+
+def model_softcap(model: Any) -> float | None:
+    """The model's own soft-capping of its logits (Gemma 2/3 ``final_logit_softcapping``), or None."""
+    cap = getattr(_text_config(model), "final_logit_softcapping", None)
+    if cap is None or cap == 0:
+        return None
+    if not isinstance(cap, numbers.Real):
+        raise ValueError(f"{type(model).__name__}: config.final_logit_softcapping={cap!r} is not a number")
+    return float(cap)
+
+
+def head_options(model: Any, options: NTLOptions) -> NTLOptions:
+    """``options`` with the model's own soft-capping (:func:`model_softcap`) as ``logit_softcap``, so the
+    hidden-state loss caps the logits as the model's forward does.
+
+    Raises:
+        ValueError: ``options.logit_softcap`` set for a model that caps its logits itself (they would be
+            capped twice, on the logits path too).
+    """
+    cap = model_softcap(model)
+    if cap is None:
+        return options
+    if options.logit_softcap is not None:
+        raise ValueError(
+            f"{type(model).__name__} soft-caps its logits itself (final_logit_softcapping={cap:g}); "
+            f"options.logit_softcap={options.logit_softcap!r} would cap them twice: leave it None (the chunked "
+            "route takes the model's cap)"
+        )
+    return dataclasses.replace(options, logit_softcap=cap)
 
 
 def _materialised(module: torch.nn.Module) -> bool:
@@ -114,13 +141,16 @@ def check_head(model: Any, multiplier: float, head: torch.nn.Linear) -> bool:
         logits = model(input_ids=ids, use_cache=False).logits
         hidden = model.base_model(input_ids=ids, use_cache=False)[0]
         rebuilt = F.linear(hidden * multiplier if multiplier != 1.0 else hidden, head.weight)
+        cap = model_softcap(model)
+        if cap is not None:
+            rebuilt = cap * torch.tanh(rebuilt / cap)
     finally:
         model.train(was_training)
     if logits.shape != rebuilt.shape or not torch.allclose(logits.float(), rebuilt.float(), rtol=1e-3, atol=1e-4):
         raise ValueError(
             f"{type(model).__name__}'s logits are not its output layer applied to the final hidden states (times "
             f"{multiplier:g}): it transforms them in a way the hidden-state loss does not know. Use the logits path "
-            "(apply_ntl(model, vocab) without chunked=True) and open an issue naming the model."
+            "(apply_ntl_to_hf_model(model, vocab) without chunked=True) and open an issue naming the model."
         )
     return True
 
@@ -131,7 +161,8 @@ def linear_head(model: Any) -> torch.nn.Linear:
     if is_dtensor(getattr(head, "weight", None)) and not _fully_sharded(model):
         raise ValueError(
             f"{type(model).__name__} is split by Hugging Face tensor parallelism (tp_plan): its output layer holds a "
-            "DTensor, which the hidden-state loss does not take. Use the logits path (apply_ntl(model, vocab) "
+            "DTensor, which the hidden-state loss does not take. Use the logits path "
+            "(apply_ntl_to_hf_model(model, vocab) "
             "without chunked=True), which works under tp_plan, or ntl_scale's vocab-parallel ops in your own loop"
         )
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
@@ -152,6 +183,12 @@ def install_linear_loss_head(
     :func:`ntl_scale.integrations.deepspeed.install_vocab_parallel_loss_head`.
     """
     check_chunk_tokens(chunk_tokens)  # refused when installed, not at the first training step
+    if options.logit_softcap is not None and options.label_smoothing:  # likewise (ntl_scale.linear_ce_ntl)
+        raise ValueError(
+            f"options.logit_softcap={options.logit_softcap!r} with label_smoothing is not computed by the chunked "
+            "route (the loss from the hidden states); use apply_ntl_to_hf_model without chunked=True (the logits "
+            "path), or drop one of them"
+        )
 
     def head_forward(layer: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         if targets is None:
@@ -164,7 +201,7 @@ def install_linear_loss_head(
                 "forward); compute the loss through the model's forward (model(input_ids, labels=...)), not by "
                 "calling the output layer directly"
             )
-        # the callers (apply_ntl's forward, ChunkedLossCausalLM with launch/train.py) sum CE over the valid
+        # the callers (apply_ntl_to_hf_model's forward, ChunkedLossCausalLM with launch/train.py) sum CE over the valid
         # targets, so the backward may reuse the forward's weight gradient without a host-side check
         terms = linear_ce_ntl(
             hidden,
@@ -195,7 +232,8 @@ def hidden_state_terms(model: Any, multiplier: float, targets: torch.Tensor, **d
 
 
 def chunked_forward(original: Callable, loss: Any, multiplier: float) -> Callable:
-    """The forward :func:`apply_ntl` installs: the hidden-state loss in training with labels, else ``original``."""
+    """The forward :func:`apply_ntl_to_hf_model` installs: the hidden-state loss in training with labels, else
+    ``original``."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     # transformers 5.24 renamed the output's past_key_values to cache (the old name is deprecated there)
@@ -250,7 +288,8 @@ class ChunkedLossCausalLM(torch.nn.Module):
     The loss runs inside the output layer's own forward, so DeepSpeed ZeRO-3 gathers its partitioned
     weight there and again for the backward, as for any layer; pass this module to
     ``deepspeed.initialize``. Granite's ``logits_scaling`` is applied to the hidden states (the map is
-    linear); models with a non-linear logit transform (Gemma's soft-capping) are refused.
+    linear); Gemma's soft-capping is applied to each chunk's logits as the model's forward applies it
+    (:func:`head_options`).
 
     Args:
         model: a ``*ForCausalLM`` with a bias-free linear output layer.
@@ -265,7 +304,7 @@ class ChunkedLossCausalLM(torch.nn.Module):
         super().__init__()
         self.model: Any = model
         self.multiplier = logit_multiplier(model)
-        install_linear_loss_head(linear_head(model), vocab, options or NTLOptions(), chunk_tokens)
+        install_linear_loss_head(linear_head(model), vocab, head_options(model, options or NTLOptions()), chunk_tokens)
 
     @property
     def loss_function(self) -> Any:

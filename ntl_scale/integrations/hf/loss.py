@@ -2,11 +2,11 @@
 
 Hugging Face causal LMs compute their loss with ``self.loss_function(logits=..., labels=...,
 vocab_size=..., num_items_in_batch=..., shift_labels=..., **kwargs)``. :class:`NTLCausalLMLoss` has
-that signature and returns ``CE + weight * NTL``; :func:`apply_ntl` installs it on a model
+that signature and returns ``CE + weight * NTL``; :func:`apply_ntl_to_hf_model` installs it on a model
 (opt-in, idempotent, reversible with :func:`remove_ntl`)::
 
-    from ntl_scale.integrations.hf import apply_ntl
-    apply_ntl(model, number_vocab, ntl_weight=0.3)     # model(..., labels=...).loss is now CE + 0.3 NTL
+    from ntl_scale.integrations.hf import apply_ntl_to_hf_model
+    apply_ntl_to_hf_model(model, number_vocab, ntl_weight=0.3)     # model(..., labels=...).loss is now CE + 0.3 NTL
 
 Normalisation (``docs/normalization.md``; the sums and means are :mod:`ntl_scale.normalization`'s)
 follows Hugging Face's, by what ``num_items_in_batch`` carries:
@@ -35,14 +35,16 @@ from typing import Any
 
 import torch
 
+from ..._deprecation import deprecated_alias
 from ...losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl, check_number_level_table, per_token_ce_ntl
 from ...normalization import means, micro_batch_sums
 from ...number_vocab import NumberVocab
-from ...options import check_ntl_weight
+from ...options import check_chunk_route, check_ntl_weight, check_option
 
 __all__ = [
     "NTLCausalLMLoss",
     "apply_ntl",
+    "apply_ntl_to_hf_model",
     "causal_lm_ce_with_ntl",
     "installed_loss",
     "is_chunked",
@@ -117,10 +119,12 @@ class NTLCausalLMLoss:
         labels: torch.Tensor | None = None,
         vocab_size: int | None = None,
         num_items_in_batch: Any = None,
-        ignore_index: int = -100,
+        ignore_index: int | None = None,
         shift_labels: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
+        if ignore_index is None:  # the caller's value when given, else the options' own (was: always -100)
+            ignore_index = self.options.ignore_index
         if shift_labels is None:
             if labels is None:
                 raise ValueError("NTLCausalLMLoss needs labels or shift_labels")
@@ -169,7 +173,7 @@ class NTLCausalLMLoss:
         return {"ce": ce_sum / max(tokens, 1.0), "ntl": ntl_sum / max(numbers, 1.0)}
 
 
-def apply_ntl(
+def apply_ntl_to_hf_model(
     model: Any,
     number_vocab: NumberVocab,
     *,
@@ -205,7 +209,8 @@ def apply_ntl(
     """
     if not hasattr(type(model), "loss_function"):
         raise TypeError(
-            f"apply_ntl needs a Hugging Face model with a loss_function hook (transformers >= 4.46 causal LMs), "
+            "apply_ntl_to_hf_model needs a Hugging Face model with a loss_function hook "
+            "(transformers >= 4.46 causal LMs), "
             f"got {type(model).__name__}"
         )
     size = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -214,27 +219,30 @@ def apply_ntl(
             f"the number table covers {number_vocab.vocab_size} ids but the model has vocab_size={size}; build it "
             "with NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)"
         )
-    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
-        raise ValueError(f"chunk_tokens must be a positive int (or None for the default), got {chunk_tokens!r}")
+    check_option("chunk_tokens", chunk_tokens)
+    check_chunk_route(chunked, chunk_tokens, "hf")  # the logits path would not read it
     installed = model.__dict__.get(_MARK)
     if installed is not None:
         loss = installed["loss"]
         same = loss.vocab == number_vocab and loss.ntl_weight == float(ntl_weight)
         same = same and installed["chunked"] == (chunk_tokens if chunked else False)
         if not same or loss.options != (options or NTLOptions()):
-            raise ValueError("apply_ntl was already called on this model with other settings; call remove_ntl first")
+            raise ValueError(
+                "apply_ntl_to_hf_model was already called on this model with other settings; call remove_ntl first"
+            )
         return loss
     loss = NTLCausalLMLoss(number_vocab, ntl_weight, options)
+    from . import chunked as hidden
+
+    head_options = hidden.head_options(model, loss.options)  # refuses capping twice, on either path
     if chunked:
         import types
-
-        from . import chunked as hidden
 
         multiplier = hidden.logit_multiplier(model)
         head = hidden.linear_head(model)
         if check:
             hidden.check_head(model, multiplier, head)
-        hidden.install_linear_loss_head(head, number_vocab, loss.options, chunk_tokens)
+        hidden.install_linear_loss_head(head, number_vocab, head_options, chunk_tokens)
         own_forward = model.__dict__.get("forward")  # another patch's instance forward, restored by remove_ntl
         model.forward = types.MethodType(hidden.chunked_forward(model.forward, loss, multiplier), model)
     record = {
@@ -249,19 +257,20 @@ def apply_ntl(
 
 
 def installed_loss(model: Any) -> NTLCausalLMLoss | None:
-    """The loss :func:`apply_ntl` installed on ``model`` (None if it was not)."""
+    """The loss :func:`apply_ntl_to_hf_model` installed on ``model`` (None if it was not)."""
     record = model.__dict__.get(_MARK)
     return None if record is None else record["loss"]
 
 
 def is_chunked(model: Any) -> bool:
-    """Whether ``model`` trains with the hidden-state loss of ``apply_ntl(..., chunked=True)``."""
+    """Whether ``model`` trains with the hidden-state loss of ``apply_ntl_to_hf_model(..., chunked=True)``."""
     record = model.__dict__.get(_MARK)
     return record is not None and record["chunked"] is not False
 
 
 def remove_ntl(model: Any) -> bool:
-    """Undoes :func:`apply_ntl` (the model's own forward and ``loss_function``); returns whether it was installed."""
+    """Undoes :func:`apply_ntl_to_hf_model` (the model's own forward and ``loss_function``); returns whether it
+    was installed."""
     record = model.__dict__.pop(_MARK, None)
     if record is None:
         return False
@@ -277,3 +286,6 @@ def remove_ntl(model: Any) -> bool:
             model.__dict__["forward"] = record["forward"]
         remove_linear_loss_head(model.get_output_embeddings())
     return True
+
+
+apply_ntl = deprecated_alias(apply_ntl_to_hf_model, "ntl_scale.integrations.hf.apply_ntl")

@@ -1,7 +1,7 @@
 """Hugging Face route 3: a ``Trainer`` (or TRL ``SFTTrainer``) subclass with NTL and exact step normalisation.
 
 :func:`ntl_trainer_class` installs :class:`~ntl_scale.integrations.hf.loss.NTLCausalLMLoss` as the
-Trainer's ``compute_loss_func`` (or takes the model's ``apply_ntl(chunked=True)`` loss) and counts the
+Trainer's ``compute_loss_func`` (or takes the model's ``apply_ntl_to_hf_model(chunked=True)`` loss) and counts the
 NTL positions of each optimizer step beside the Trainer's token count (:func:`count_step_numbers`).
 
 ``transformers`` is imported on first use; without it :func:`ntl_trainer_class` raises an ImportError
@@ -72,6 +72,7 @@ def ntl_trainer_class(base: Any = None) -> Any:
         (the means over all processes since the previous log).
     """
     transformers = require("transformers", "hf", "ntl_scale.integrations.hf.ntl_trainer_class")
+    from .chunked import head_options
     from .loss import NTLCausalLMLoss, installed_loss, is_chunked
 
     parent = base or transformers.Trainer
@@ -87,21 +88,33 @@ def ntl_trainer_class(base: Any = None) -> Any:
             **kwargs: Any,
         ) -> None:
             super().__init__(*args, **kwargs)
+            if getattr(self.args, "label_smoothing_factor", 0):
+                # Trainer skips its LabelSmoother when a compute_loss_func is given or the model computes the
+                # loss: the factor would be silently ignored
+                raise ValueError(
+                    f"TrainingArguments.label_smoothing_factor={self.args.label_smoothing_factor} is not applied "
+                    "with the NTL loss (Trainer's LabelSmoother does not run beside a loss function); set it to 0 "
+                    "and pass ntl_options=NTLOptions(label_smoothing=...) (smoothing over the whole vocabulary; "
+                    "NTL keeps the hard number target)"
+                )
             self._shift_labels: torch.Tensor | None = None
             installed = installed_loss(self.model) if is_chunked(self.model) else None
             if installed is not None:
-                # apply_ntl(model, chunked=True): the model computes the loss from its hidden states with
+                # apply_ntl_to_hf_model(model, chunked=True): the model computes the loss from its hidden states with
                 # the labels and the step's [tokens, numbers] (Trainer passes num_items_in_batch to a
                 # model whose forward takes **kwargs); the logits are never built.
                 same = installed.vocab == number_vocab and installed.ntl_weight == float(ntl_weight)
                 if not same or installed.options != (ntl_options or NTLOptions()) or not causal:
                     raise ValueError(
-                        "the model has apply_ntl(chunked=True) with other settings than number_vocab/ntl_weight/"
-                        "ntl_options given to the trainer (or causal=False); pass the same ones"
+                        "the model has apply_ntl_to_hf_model(chunked=True) with other settings than "
+                        "number_vocab/ntl_weight/ntl_options given to the trainer (or causal=False); pass the same ones"
                     )
                 self.ntl_loss = installed
                 self.model_accepts_loss_kwargs = True
                 return
+            # a model that soft-caps its logits itself (Gemma 2/3) with ntl_options.logit_softcap: refused, as
+            # apply_ntl_to_hf_model refuses it (the logits would be capped twice)
+            head_options(self.model, ntl_options or NTLOptions())
             self.ntl_loss = NTLCausalLMLoss(number_vocab, ntl_weight, ntl_options, causal=causal)
             # Trainer's own hook for a loss computed from the model's outputs: Trainer (and TRL) then
             # count the step's tokens, call the model without labels, treat the loss as normalised over

@@ -3,7 +3,7 @@
 | module | route |
 |---|---|
 | `args` | both routes: `add_ntl_args` (the `--ntl-*` flags), `NTLSettings`, `build_number_vocab` |
-| `lm` | Megatron-LM's `pretrain_gpt.py` (`launch/pretrain_gpt_ntl.py`): `apply_ntl`, `NTLForwardStep` |
+| `lm` | Megatron-LM's `pretrain_gpt.py` (`pretrain_gpt_ntl.py`): `apply_ntl_to_megatron_model`, `NTLForwardStep` |
 | `core` | a `megatron.core` loop of your own: `make_loss_func`, `make_forward_step`, `GlobalCounts` |
 | `terms` | per-token CE + NTL in Megatron's layouts (logits or hidden states), for both routes |
 

@@ -13,7 +13,6 @@ Nothing here imports Megatron.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,9 @@ from ...number_vocab import NumberVocab
 from ...options import (
     NORMALIZATIONS,
     OptionField,
-    check_ntl_weight,
+    check_chunk_route,
+    check_numeric_options,
+    check_option,
     option_fields,
     surface_default,
     surface_name,
@@ -53,6 +54,9 @@ class NTLSettings:
         chunk_tokens: tokens per chunk of the chunked route; None = the op's default.
         float_level: ``number`` only: a decimal point between digits joins one number.
         impl: ``auto``, ``torch`` or ``triton``: which code computes the loss (``--ntl-impl``).
+        z_loss_weight: the z-loss weight (``--ntl-z-loss-weight``), computed by our loss.
+        label_smoothing: CE label smoothing over the whole vocabulary (``--ntl-label-smoothing``).
+        logit_softcap: soft-capping of the logits (``--ntl-logit-softcap``).
 
     The meaning of each is :mod:`ntl_scale.options`'s; the defaults are the spec's for Megatron
     (``weight`` 0 and ``normalization`` ``micro-batch``: adding the flags changes nothing until
@@ -70,16 +74,24 @@ class NTLSettings:
     chunk_tokens: int | None = None
     float_level: bool = False
     impl: str = "auto"
+    z_loss_weight: float = 0.0
+    label_smoothing: float = 0.0
+    logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
-        check_ntl_weight(self.weight, "--ntl-weight")
+        check_numeric_options(self, lambda name: surface_name(name, "megatron"))
+        check_chunk_route(self.chunked, self.chunk_tokens, "megatron")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"--ntl-normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if not self.number_vocab:
             raise ValueError("--ntl-number-vocab must be 'digits', 'multi-digit' or the path of a saved table")
-        if self.chunk_tokens is not None and (not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1):
-            raise ValueError(f"--ntl-chunk-tokens must be a positive integer, got {self.chunk_tokens!r}")
-        self.options()  # validates the variant and impl with the library's own checks
+        features = self.options().ce_features  # validates the variant and impl with the library's own checks
+        if features and not self.enabled:
+            flags = ", ".join(str(surface_name(name, "megatron")) for name in features)
+            raise ValueError(
+                f"{flags}: these apply to the NTL loss, which --ntl-weight 0 leaves off (Megatron's own CE runs "
+                "then, without them): give --ntl-weight > 0, or drop those flags"
+            )
         if self.loss == "number" and self.number_vocab == "multi-digit":
             raise ValueError(
                 "--ntl-loss number assembles numbers from single-digit tokens and cannot read a multi-digit table "
@@ -120,36 +132,35 @@ def _field(option: OptionField) -> str:
     return "number_vocab" if option.name == "digit_level" else option.name
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+def _number_flag(name: str) -> Any:
+    """The argparse ``type`` of the numeric option ``name``: parses the text, then the spec's one check
+    (:func:`ntl_scale.options.check_option`: finite, in range), naming the flag."""
+    flag = str(surface_name(name, "megatron"))
+    whole = name == "chunk_tokens"
 
+    def parse(text: str) -> Any:
+        try:
+            value = int(text) if whole else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'a whole number' if whole else 'a number'}, got {text!r}"
+            ) from None
+        try:
+            return check_option(name, value, flag)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{e} (the text {text!r})") from None
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _squash(text: str) -> float:
-    value = _non_negative_float(text)
-    if value <= 1:
-        raise argparse.ArgumentTypeError(f"the squash factor must be > 1, got {text!r}")
-    return value
+    parse.__name__ = name  # argparse names the type in its messages
+    return parse
 
 
 # How a flag parses its text, where not by its choices or as a switch.
-_PARSERS = {"weight": _non_negative_float, "squash_factor": _squash, "huber_delta": _non_negative_float,
-            "chunk_tokens": _positive_int}  # fmt: skip
+_PARSERS = {
+    name: _number_flag(name)
+    for name in (
+        "weight", "squash_factor", "huber_delta", "chunk_tokens", "z_loss_weight", "label_smoothing", "logit_softcap"
+    )
+}  # fmt: skip
 # Help where the spec's text does not fit a flag (another default, another spelling).
 _HELP = {
     "weight": "weight of NTL; 0 (default) = off, 0.3 in the paper",

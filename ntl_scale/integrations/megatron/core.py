@@ -33,11 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...losses import NTLOptions, ntl_counts, per_token_ce_ntl
+from ...losses import NTLOptions, PerTokenTerms, ntl_counts
 from ...normalization import micro_batch_sums, objective, step_counts
 from ...number_vocab import NumberVocab
+from ...options import check_chunk_route, check_option
 from .args import NTLSettings
-from .terms import output_layer_terms, sequence_first_terms
+from .terms import batch_first_terms, context_parallel_pieces, output_layer_terms, sequence_first_terms
 
 __all__ = [
     "GlobalCounts",
@@ -69,12 +70,21 @@ class GlobalCounts:
         vocab: the number table.
         group: the data(-and-context)-parallel group, or None for one replica.
         options: the NTL variant (what NTL's denominator counts: :func:`ntl_scale.ntl_positions`).
+        context_parallel_size: Megatron's context-parallel size; the labels are this rank's local
+            sequences (two load-balanced slices), whose numbers number-level NTL cuts at the slice borders
+            (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`), as the loss does.
     """
 
     def __init__(
-        self, vocab: NumberVocab, group: dist.ProcessGroup | None = None, options: NTLOptions | None = None
+        self,
+        vocab: NumberVocab,
+        group: dist.ProcessGroup | None = None,
+        options: NTLOptions | None = None,
+        *,
+        context_parallel_size: int = 1,
     ) -> None:
         self.vocab, self.group, self.options = vocab, group, options
+        self.pieces = context_parallel_pieces(context_parallel_size, options or NTLOptions())
         self.tokens: torch.Tensor | None = None
         self.numbers: torch.Tensor | None = None
 
@@ -83,7 +93,7 @@ class GlobalCounts:
         if not batches:
             raise ValueError("GlobalCounts.set_step needs the (labels, loss_mask) of at least one micro-batch")
         labels, masks = [b[0] for b in batches], [b[1] for b in batches]
-        counts = step_counts(labels, self.vocab, self.options, loss_masks=masks, group=self.group)
+        counts = step_counts(labels, self.vocab, self.options, loss_masks=masks, pieces=self.pieces, group=self.group)
         self.tokens, self.numbers = counts[0], counts[1]
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +115,7 @@ def make_loss_func(
     num_microbatches: Callable[[], int] | int = 1,
     data_parallel_size: int = 1,
     inplace: bool = False,
+    context_parallel_size: int = 1,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]:
     """A Megatron ``loss_func(labels, loss_mask, logits)`` computing CE + weight * NTL.
 
@@ -123,16 +134,31 @@ def make_loss_func(
         data_parallel_size: data-parallel size x context-parallel size (Megatron averages gradients
             over it when not computing per-token loss).
         inplace: reuse the fp32 logits buffer (the logits are not used after the loss).
+        context_parallel_size: Megatron's context-parallel size: the labels and logits are this rank's two
+            load-balanced slices of each sequence, and number-level NTL cuts numbers at the slice borders
+            (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`; ``global_counts`` counts so too).
+
+    Every field of ``settings`` is read: the variant and ``impl``, ``weight``, ``normalization``;
+    ``chunked`` (``--ntl-chunked``) is refused, since a ``loss_func`` of logits never sees the hidden
+    states (use :class:`NTLLanguageModelMixin` or the Megatron-LM route for it); ``number_vocab`` is how
+    ``vocab`` was built (:func:`~ntl_scale.integrations.megatron.build_number_vocab`).
 
     Returns:
         ``loss_func(labels, loss_mask, logits) -> (loss, num_tokens, report)``.
     """
+    _refuse_chunked(settings, "make_loss_func / make_forward_step")
     if settings.normalization == "global" and global_counts is None:
         raise ValueError("--ntl-normalization global needs a GlobalCounts (global_counts=...)")
     options = settings.options()
+    pieces = context_parallel_pieces(context_parallel_size, options)
+    if global_counts is not None and global_counts.pieces != pieces:
+        raise ValueError(
+            f"the GlobalCounts cut numbers into {global_counts.pieces} piece(s) per sequence but this loss into "
+            f"{pieces}; build both with the same context_parallel_size"
+        )
 
     def loss_func(labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor):
-        terms = per_token_ce_ntl(logits, labels, vocab, options, tp_group=tp_group, inplace=inplace)
+        terms = batch_first_terms(logits, labels, vocab, options, pieces=pieces, tp_group=tp_group, inplace=inplace)
         sums = micro_batch_sums(terms, loss_mask)
         ce_sum, ntl_sum, num_tokens, num_numbers, hits = sums
         if settings.normalization == "micro-batch":
@@ -156,6 +182,17 @@ def make_loss_func(
         return loss, num_tokens.to(torch.int), report
 
     return loss_func
+
+
+def _refuse_chunked(settings: NTLSettings, route: str) -> None:
+    """Refuses ``settings.chunked`` on a route that computes the loss from the logits (it would be ignored)."""
+    if settings.chunked:
+        raise ValueError(
+            f"settings.chunked=True (--ntl-chunked) computes the loss from the hidden states, which {route} never "
+            "sees (the model returns logits to it); use NTLLanguageModelMixin.configure_ntl (chunked from the "
+            "settings) or the Megatron-LM route (apply_ntl_to_megatron_model / launch/pretrain_gpt_ntl.py), "
+            "or drop --ntl-chunked"
+        )
 
 
 def plain_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -183,6 +220,7 @@ def make_forward_step(
     num_microbatches: Callable[[], int] | int = 1,
     calculate_per_token_loss: bool = False,
     data_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> Callable:
     """A Megatron ``forward_step(data_iterator, model)`` with CE + NTL.
 
@@ -205,17 +243,22 @@ def make_forward_step(
         num_microbatches: micro-batches per step, or Megatron's ``get_num_microbatches``.
         calculate_per_token_loss: Megatron's ``--calculate-per-token-loss``.
         data_parallel_size: data-parallel x context-parallel size.
+        context_parallel_size: Megatron's context-parallel size (``get_batch`` returns this rank's slices;
+            number-level NTL cuts numbers at their borders, in the loss and the counts alike).
+
+    Every field of ``settings`` is read, as by :func:`make_loss_func` (``chunked`` is refused there).
 
     Returns:
         ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``.
     """
     counts = None
     loss_func = None
+    _refuse_chunked(settings, "make_forward_step")
     if settings.enabled:
         if vocab is None:
             raise ValueError("NTL is on (--ntl-weight > 0) but no number table was given")
         if settings.normalization == "global":
-            counts = GlobalCounts(vocab, count_group, settings.options())
+            counts = GlobalCounts(vocab, count_group, settings.options(), context_parallel_size=context_parallel_size)
         loss_func = make_loss_func(
             settings,
             vocab,
@@ -224,6 +267,7 @@ def make_forward_step(
             global_counts=counts,
             num_microbatches=num_microbatches,
             data_parallel_size=data_parallel_size,
+            context_parallel_size=context_parallel_size,
         )
     pending: list[Batch] = []
 
@@ -249,6 +293,19 @@ def make_forward_step(
     return forward_step
 
 
+def _agree(name: str, given: Any, setting: Any, default: Any) -> Any:
+    """A keyword argument and the settings' field of one option: the keyword when the settings keep their
+    default, the setting when the keyword is not given; a ValueError when both are set and differ."""
+    if given is None:
+        return setting
+    if setting != default and given != setting:
+        raise ValueError(
+            f"configure_ntl({name}={given!r}) contradicts settings.{name}={setting!r}; pass one of them (the settings' "
+            "value is used when the keyword is left out)"
+        )
+    return given
+
+
 class NTLLanguageModelMixin:
     """Adds NTL to Megatron's ``compute_language_model_loss`` (the model-side route).
 
@@ -259,10 +316,13 @@ class NTLLanguageModelMixin:
         model = NTLGPTModel(config=..., ...)
         model.configure_ntl(settings, vocab, tp_group)
 
-    The per-token loss becomes ``ce_t + weight * ntl_t * T / K`` with ``T`` label positions and
-    ``K`` number positions of the micro-batch, so that Megatron's token mean of it is the mean CE
-    plus ``weight`` times the mean NTL over number tokens (exact when the loss mask keeps every
-    position, as in pretraining without padding).
+    The per-token loss becomes ``ce_t + weight * ntl_t * T / K`` with ``T`` the loss-mask weight of the
+    micro-batch's label positions and ``K`` that of its NTL positions, so that Megatron's masked token
+    mean of it is the mean CE plus ``weight`` times the mean NTL over the number tokens the loss mask
+    keeps. The model sees the loss mask when it is passed to its call (``model(..., labels=labels,
+    loss_mask=loss_mask)``, which ``GPTModel.forward`` takes); without it every position counts (exact
+    when the loss mask keeps every position, as in pretraining without padding). MTP heads, whose labels
+    Megatron rolls, count every position of their labels.
     """
 
     def configure_ntl(
@@ -271,17 +331,49 @@ class NTLLanguageModelMixin:
         vocab: NumberVocab,
         tp_group: dist.ProcessGroup | None,
         *,
-        chunked: bool = False,
+        chunked: bool | None = None,
         chunk_tokens: int | None = None,
+        context_parallel_size: int = 1,
     ) -> None:
         """Turns NTL on for this model (a no-op loss change when ``settings.weight`` is 0).
 
-        ``chunked=True`` computes CE + NTL from the final hidden states and the output layer's
-        (vocab-parallel) weight with :func:`ntl_scale.linear_ce_ntl`, never materialising the logits,
-        whenever the model is called with labels; without labels it returns logits as before.
+        With ``chunked`` (``settings.chunked``, or the keyword) CE + NTL come from the final hidden states
+        and the output layer's (vocab-parallel) weight with :func:`ntl_scale.linear_ce_ntl`, never
+        materialising the logits, whenever the model is called with labels; without labels it returns
+        logits as before.
+
+        Every field of ``settings`` is read: the variant and ``impl``, ``weight``, ``chunked`` and
+        ``chunk_tokens`` (the keywords, when given, replace a default of the settings and must agree with a
+        value set there), and ``normalization``: this route's per-token loss is averaged per micro-batch by
+        Megatron, so only ``micro-batch`` is possible; ``global`` needs the step's counts, which only the
+        forward-step routes have (:func:`make_forward_step`, the Megatron-LM route's ``NTLForwardStep``), and
+        is refused. ``number_vocab`` is how ``vocab`` was built (``build_number_vocab``).
+
+        Args:
+            settings: the NTL settings.
+            vocab: the number table over the padded vocabulary.
+            tp_group: the output layer's tensor-parallel group.
+            chunked: the hidden-state route (None: ``settings.chunked``).
+            chunk_tokens: tokens per chunk of it (None: ``settings.chunk_tokens``).
+            context_parallel_size: Megatron's context-parallel size: the labels are this rank's two
+                load-balanced slices, and number-level NTL cuts numbers at the slice borders
+                (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`).
         """
+        if settings.normalization != "micro-batch":
+            raise ValueError(
+                f"NTLLanguageModelMixin computes a per-token loss that Megatron averages per micro-batch, so "
+                f"normalization={settings.normalization!r} (--ntl-normalization) cannot be honoured here: it needs "
+                "the step's global counts, which make_forward_step (GlobalCounts) and the Megatron-LM route "
+                "(NTLForwardStep) compute. Use one of those, or normalization='micro-batch'"
+            )
+        chunked = bool(_agree("chunked", chunked, settings.chunked, False))
+        chunk_tokens = _agree("chunk_tokens", chunk_tokens, settings.chunk_tokens, None)
+        check_option("chunk_tokens", chunk_tokens)
+        check_chunk_route(chunked, chunk_tokens, "megatron")
+        pieces = context_parallel_pieces(context_parallel_size, settings.options())
         self._ntl = (settings, vocab, tp_group)
         self._ntl_chunked = (chunked, chunk_tokens)
+        self._ntl_pieces = pieces
         if chunked and not getattr(self, "_ntl_head_patched", False):
             layer = self.output_layer  # type: ignore[attr-defined]
             original = layer.forward
@@ -301,10 +393,23 @@ class NTLLanguageModelMixin:
         labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
         chunked = getattr(self, "_ntl_chunked", (False, None))[0]
         self._ntl_hidden_mode = bool(chunked and labels is not None and getattr(self, "_ntl", (None,))[0] is not None)
+        self._ntl_call = (labels, kwargs.get("loss_mask"))  # the main head's labels and the loss mask, if given
         try:
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._ntl_hidden_mode = False
+            self._ntl_call = (None, None)
+
+    def _ntl_scaled(self, terms: PerTokenTerms, labels: torch.Tensor, settings: NTLSettings) -> torch.Tensor:
+        """``ce + weight * ntl * T / K``: ``T``, ``K`` under the loss mask the model was called with (main head)."""
+        main_labels, mask = getattr(self, "_ntl_call", (None, None))
+        if mask is None or labels is not main_labels:
+            weight = torch.ones_like(terms.ce)
+        else:
+            weight = mask.to(device=terms.ce.device, dtype=terms.ce.dtype).reshape(terms.ce.shape)
+        tokens = weight.sum()
+        numbers = (terms.number_mask.to(weight.dtype) * weight).sum()
+        return terms.ce + settings.weight * terms.ntl * (tokens / numbers.clamp_min(1))
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         settings, vocab, tp_group = getattr(self, "_ntl", (None, None, None))
@@ -312,9 +417,9 @@ class NTLLanguageModelMixin:
             return self._chunked_loss(labels, logits, settings, vocab, tp_group)
         if settings is None or vocab is None or not settings.enabled:
             return super().compute_language_model_loss(labels, logits)  # type: ignore[misc]
-        terms = sequence_first_terms(logits, labels, vocab, settings.options(), tp_group=tp_group)
-        scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
-        return terms.ce + settings.weight * terms.ntl * scale
+        pieces = getattr(self, "_ntl_pieces", 1)
+        terms = sequence_first_terms(logits, labels, vocab, settings.options(), tp_group=tp_group, pieces=pieces)
+        return self._ntl_scaled(terms, labels, settings)
 
     def _chunked_loss(self, labels, hidden, settings, vocab, tp_group) -> torch.Tensor:
         """Per-token ``ce + weight * ntl * T / K`` from hidden states ``[s(/tp), b, H]``, no logits."""
@@ -322,9 +427,9 @@ class NTLLanguageModelMixin:
         shared = getattr(self, "_ntl_weight", None)
         weight = shared if shared is not None else layer.weight
         terms = output_layer_terms(
-            layer, hidden, weight, labels, vocab, settings.options(), tp_group, chunk_tokens=self._ntl_chunked[1]
-        )
+            layer, hidden, weight, labels, vocab, settings.options(), tp_group, chunk_tokens=self._ntl_chunked[1],
+            pieces=getattr(self, "_ntl_pieces", 1),
+        )  # fmt: skip
         if not settings.enabled:
             return terms.ce
-        scale = labels.numel() / terms.number_mask.sum().clamp_min(1)
-        return terms.ce + settings.weight * terms.ntl * scale
+        return self._ntl_scaled(terms, labels, settings)

@@ -5,7 +5,7 @@ The model computes CE + NTL wherever it computes CE; :class:`NTLForwardStep` wra
 
 Megatron's ``GPTModel`` turns logits into a per-token loss in one method,
 ``compute_language_model_loss(labels, logits)``, for the main head and for every multi-token
-prediction (MTP) head. :func:`apply_ntl` replaces that method on one model instance (opt-in,
+prediction (MTP) head. :func:`apply_ntl_to_megatron_model` replaces that method on one model instance (opt-in,
 idempotent, reversible with :func:`remove_ntl`), so everything around it stays Megatron's own:
 ``get_batch`` and its packed-sequence parameters, ``loss_func`` with its NaN/Inf and spiky-loss
 checks, MTP rolling and logging, the schedules and their normalisation.
@@ -36,11 +36,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..._deprecation import deprecated_alias
 from ...losses import PerTokenTerms
 from ...normalization import micro_batch_sums, step_counts
 from ...number_vocab import NumberVocab
+from ...options import check_chunk_route
 from .args import NTLSettings
-from .terms import output_layer_terms, sequence_first_terms
+from .terms import context_parallel_pieces, output_layer_terms, sequence_first_terms
 
 __all__ = [
     "GPTModelNTL",
@@ -49,6 +51,7 @@ __all__ = [
     "NTLStats",
     "StepGroups",
     "apply_ntl",
+    "apply_ntl_to_megatron_model",
     "find_language_model",
     "remove_ntl",
 ]
@@ -118,7 +121,7 @@ def find_language_model(model: Any) -> Any:
 
 
 class GPTModelNTL:
-    """The NTL state installed on one ``GPTModel`` by :func:`apply_ntl`; see the module docstring.
+    """The NTL state installed on one ``GPTModel`` by :func:`apply_ntl_to_megatron_model`; see the module docstring.
 
     Per micro-batch, the caller may set :attr:`scale` (global normalisation) before the forward and
     takes the main head's sums with :meth:`pop_stats` after it.
@@ -222,7 +225,8 @@ class GPTModelNTL:
         """Number-level NTL under context parallelism: the local sequence is 2 slices of the global one
         that are not neighbours (Megatron's load-balanced split); no number is assembled across them."""
         cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
-        if cp == 1 or self.options.loss != "number":
+        pieces = context_parallel_pieces(cp, self.options)
+        if pieces == 1:
             return 1
         if self._call is not None and self._call.get("packed") is not None:
             raise ValueError(
@@ -230,7 +234,7 @@ class GPTModelNTL:
                 "slices of a packed sequence follow its documents, which NTL's step counts cannot see. Use a "
                 "token-level --ntl-loss, or unpacked sequences, or --context-parallel-size 1"
             )
-        return 2
+        return pieces
 
     def _terms(self, labels: torch.Tensor, logits_or_hidden: torch.Tensor) -> PerTokenTerms:
         # Megatron's NaN/Inf checks judge the loss, so non-finite logits must reach them as a NaN
@@ -281,6 +285,12 @@ class GPTModelNTL:
         terms = self._terms(labels, logits)
         sums = micro_batch_sums(terms, self._mask_of_head(labels, 0 if main else call["mtp"]))
         local_tokens, local_numbers = sums.tokens, sums.numbers
+        if main and self.scale is None and self.settings.normalization == "global" and torch.is_grad_enabled():
+            raise RuntimeError(
+                "--ntl-normalization global needs the step's global counts, which NTLForwardStep sets before each "
+                "training forward (hook.scale); wrap forward_step in NTLForwardStep (launch/pretrain_gpt_ntl.py "
+                "does), or use normalization='micro-batch'"
+            )
         if main and self.scale is not None and torch.is_grad_enabled():
             a, b = self.scale.weights(local_tokens)
         else:
@@ -294,7 +304,7 @@ class GPTModelNTL:
         return ce + (extra - extra.detach())
 
 
-def apply_ntl(
+def apply_ntl_to_megatron_model(
     model: Any,
     settings: NTLSettings,
     vocab: NumberVocab,
@@ -310,12 +320,26 @@ def apply_ntl(
         settings: the NTL settings (``settings.chunked`` selects the hidden-state route).
         vocab: the number table over the padded vocabulary.
         tp_group: the tensor-parallel group of the output layer.
-        cp_group: the context-parallel group (MTP heads roll their loss mask across it).
-        chunk_tokens: tokens per chunk of the chunked route (default: the op's own).
+        cp_group: the context-parallel group (MTP heads roll their loss mask across it; number-level NTL
+            cuts numbers at its slice borders, :func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`).
+        chunk_tokens: tokens per chunk of the chunked route; None: ``settings.chunk_tokens`` (another value
+            than a set ``settings.chunk_tokens`` is refused, as is a value without ``settings.chunked``).
+
+    ``settings.normalization == "global"`` needs the step's counts, which :class:`NTLForwardStep` sets
+    (``hook.scale``); a training forward without them raises instead of falling back to the micro-batch mean.
 
     Returns:
         The installed :class:`GPTModelNTL` (the same object on a second call).
     """
+    if chunk_tokens is None:
+        chunk_tokens = settings.chunk_tokens
+    elif settings.chunk_tokens is not None and chunk_tokens != settings.chunk_tokens:
+        raise ValueError(
+            f"apply_ntl_to_megatron_model(chunk_tokens={chunk_tokens!r}) contradicts "
+            f"settings.chunk_tokens={settings.chunk_tokens!r} "
+            "(--ntl-chunk-tokens); pass one of them"
+        )
+    check_chunk_route(settings.chunked, chunk_tokens, "megatron")
     core = find_language_model(model)
     existing = getattr(core, _ATTR, None)
     if existing is not None:
@@ -336,7 +360,7 @@ def apply_ntl(
 
 
 def remove_ntl(model: Any) -> bool:
-    """Undoes :func:`apply_ntl` on a model; returns whether anything was installed."""
+    """Undoes :func:`apply_ntl_to_megatron_model` on a model; returns whether anything was installed."""
     core = find_language_model(model)
     hook = getattr(core, _ATTR, None)
     if hook is None:
@@ -393,7 +417,7 @@ class NTLForwardStep:
     Megatron's own ``forward_step`` runs unchanged (its ``get_batch``, packed sequences, the model
     call and its ``loss_func`` with the NaN/Inf and spiky-loss checks); this wrapper
 
-    * installs :func:`apply_ntl` on each model chunk on its first call;
+    * installs :func:`apply_ntl_to_megatron_model` on each model chunk on its first call;
     * on the last pipeline stage, at the first micro-batch of every training step, pulls the step's
       micro-batches from the data iterator, counts their tokens and number tokens from
       ``labels`` and ``loss_mask`` and reduces the counts with one SUM all-reduce of two numbers over
@@ -436,7 +460,7 @@ class NTLForwardStep:
                 "NTL does not support schedule plans (--overlap-moe-expert-parallel-comm): the model's "
                 "forward runs outside forward_step there. Turn that option off to train with NTL."
             )
-        hook = apply_ntl(
+        hook = apply_ntl_to_megatron_model(
             model,
             self.settings,
             self.vocab,
@@ -492,7 +516,7 @@ class NTLForwardStep:
                 self.vocab,
                 self.settings.options(),
                 loss_masks=[item["loss_mask"] for item in counted],
-                pieces=2 * cp if cp > 1 and self.settings.loss == "number" else 1,
+                pieces=context_parallel_pieces(cp, self.settings.options(), whole_sequence=True),
                 group=self.groups.count_group,
                 device=self.groups.device,
             )
@@ -544,3 +568,6 @@ class _ReportNTL:
         report["ntl loss"] = ntl.float()
         report["number accuracy"] = hits.float()
         return loss, num_tokens, report
+
+
+apply_ntl = deprecated_alias(apply_ntl_to_megatron_model, "ntl_scale.integrations.megatron.lm.apply_ntl")

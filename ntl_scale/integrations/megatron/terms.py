@@ -18,7 +18,35 @@ from ...linear import linear_ce_ntl
 from ...losses import NTLOptions, PerTokenTerms, per_token_ce_ntl
 from ...number_vocab import NumberVocab
 
-__all__ = ["output_layer_terms", "sequence_first_terms"]
+__all__ = ["batch_first_terms", "context_parallel_pieces", "output_layer_terms", "sequence_first_terms"]
+
+
+def context_parallel_pieces(context_parallel_size: int, options: NTLOptions, *, whole_sequence: bool = False) -> int:
+    """Where number-level NTL cuts numbers under context parallelism: the one rule of every Megatron route.
+
+    Megatron's load-balanced split cuts each sequence into ``2 x cp`` equal slices; context-parallel rank
+    ``r`` holds slices ``r`` and ``2 cp - 1 - r`` back to back. Numbers are cut at every slice border (each
+    rank assembles numbers from its own slices only; ``docs/megatron.md``), so a number whose digits end
+    slice ``r`` and start slice ``2 cp - 1 - r`` is two numbers, not one across the seam. The result is the
+    ``pieces`` of :func:`ntl_scale.ntl_positions`: 2 for a rank's local sequence (what its loss sees), ``2 x
+    cp`` for a whole sequence (what a step count reads before the split, ``whole_sequence=True``); 1 (no
+    cut) without context parallelism or for the token-level variants.
+
+    Raises:
+        ValueError: ``context_parallel_size`` not a whole number >= 1.
+    """
+    if (
+        isinstance(context_parallel_size, bool)
+        or not isinstance(context_parallel_size, int)
+        or context_parallel_size < 1
+    ):
+        raise ValueError(
+            f"context_parallel_size must be a whole number >= 1 (Megatron's --context-parallel-size), got "
+            f"{context_parallel_size!r}"
+        )
+    if context_parallel_size == 1 or options.loss != "number":
+        return 1
+    return 2 * context_parallel_size if whole_sequence else 2
 
 
 def _pieces(seq: int, pieces: int) -> tuple[int, int]:
@@ -67,6 +95,25 @@ def sequence_first_terms(
         return PerTokenTerms(*(t.reshape(b, s) for t in terms))
     terms = per_token_ce_ntl(logits, labels.t(), vocab, options, inplace=inplace, **kwargs)
     return PerTokenTerms(*(t.t().contiguous() for t in terms))  # Megatron's loss_func views them flat
+
+
+def batch_first_terms(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions,
+    *,
+    pieces: int = 1,
+    **kwargs: Any,
+) -> PerTokenTerms:
+    """:func:`per_token_ce_ntl` of ``[b, s, V/tp]`` logits (a ``GPTModel`` called without labels) for ``[b, s]``
+    labels, numbers cut into ``pieces`` slices of the sequence (:func:`context_parallel_pieces`); terms ``[b, s]``."""
+    if pieces == 1 or options.loss != "number":
+        return per_token_ce_ntl(logits, labels, vocab, options, **kwargs)
+    b, s = labels.shape
+    split = _pieces(s, pieces)
+    terms = per_token_ce_ntl(logits.unflatten(1, split), labels.unflatten(1, split), vocab, options, **kwargs)
+    return PerTokenTerms(*(t.reshape(b, s) for t in terms))
 
 
 def output_layer_terms(

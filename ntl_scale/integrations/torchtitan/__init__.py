@@ -30,7 +30,21 @@ def _require_torchtitan() -> None:
 
 _require_torchtitan()
 
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
 from .loss import NTLLoss, number_table  # noqa: E402
-from .trainer import NTLTrainer  # noqa: E402
+
+if TYPE_CHECKING:
+    from .trainer import NTLTrainer
 
 __all__ = ["NTLLoss", "NTLTrainer", "number_table"]
+
+
+def __getattr__(name: str) -> Any:
+    # NTLTrainer imports torchtitan's trainer (about 5 s): only when asked for, so that a process that
+    # needs the loss alone (torchtitan's loss tests spawn eight) does not pay it
+    if name == "NTLTrainer":
+        from .trainer import NTLTrainer
+
+        return NTLTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,10 +25,19 @@ The vocabulary split is found the way torchtitan's own CE finds it:
   (``_LossParallelCrossEntropy``'s split); ``V`` is the number table's ``vocab_size``;
 * ``DTensor`` logits (``partial_dtensor``): ``Shard(-1)`` (or replicated), group and offset from the
   placement (:func:`ntl_scale.parallel.dtensor_vocab_shard`);
+* ``DTensor`` logits and labels (``full_dtensor``): as torchtitan's ``_cross_entropy_via_local_map``, the
+  labels placed like the logits with the vocabulary split replaced by ``Replicate``, each rank's tokens
+  computed locally (``local_map``), the loss a DTensor ``Partial`` over the mesh dims that split tokens;
 * otherwise full logits.
 
 The fused CE + NTL adds no collective to a vocabulary-parallel CE: one MAX and one SUM all-reduce on the
 TP group per call (torchtitan's own vocab-parallel CE issues three), none in the backward.
+
+At weight 0 the loss is torchtitan's own CE op on the same inputs (bit for bit, SPMD types included) and
+the NTL metrics come from a forward-only pass of the fused op (its two all-reduces under TP); at weight
+> 0 the fused op's CE is within a few float32 ulps of torchtitan's, not bitwise (``docs/torchtitan.md``).
+Under torchtitan's strict SPMD type checking the loss and the metrics get the types torchtitan gives its
+CE's loss (:data:`LOSS_TYPE`), so ``ChunkedLossWrapper`` can add them.
 
 Without ``global_valid_tokens`` (torchtitan's validator) the loss is the CE **sum**, so the logged
 validation loss is CE, comparable across NTL weights.
@@ -43,21 +52,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import spmd_types as spmd
 import torch
 import torch.distributed as dist
-from torchtitan.components.loss import BaseLoss
+from torchtitan.components.loss import BaseLoss, _LossParallelCrossEntropy
+from torchtitan.components.loss import cross_entropy_loss as torchtitan_cross_entropy
 from torchtitan.config import CompileConfig
 from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.tools.logging import logger
 
-from ...normalization import micro_batch_sums
+from ...normalization import MicroBatchSums, micro_batch_sums
 from ...number_vocab import NumberVocab
-from ...options import NTLOptions, check_ntl_weight, option_field, variant_of
+from ...options import NTLOptions, check_numeric_options, option_field, variant_of
+from ...parallel import is_dtensor
 from ...terms import per_token_ce_ntl
 
 __all__ = ["METRICS", "NOT_CONFIG_FIELDS", "NTLLoss", "number_table"]
@@ -73,6 +85,20 @@ NOT_CONFIG_FIELDS = {
     "there is no micro-batch mean in torchtitan",
 }
 """Options of :func:`ntl_scale.options.option_fields` that are not fields of :class:`NTLLoss.Config`, and why."""
+
+
+LOSS_TYPE = {"dp": spmd.P, "cp": spmd.P, "tp": spmd.I}
+"""The SPMD type torchtitan gives a scaled loss (``CrossEntropyLoss``): a partial sum over the batch axes, the
+same on every TP rank; the metrics get it too, so ``ChunkedLossWrapper`` may add them under strict checking."""
+
+
+def _sum_type(logits: torch.Tensor, tp_group: dist.ProcessGroup | None) -> dict[Any, Any]:
+    """The SPMD type of a CE sum without ``global_valid_tokens``, as torchtitan's ``_LossParallelCrossEntropy``
+    gives it: the logits' own types, invariant on the vocabulary split's group."""
+    types: dict[Any, Any] = dict(spmd.get_local_type(logits))
+    if tp_group is not None:
+        types[tp_group] = spmd.I
+    return types
 
 
 def _default(name: str) -> Any:
@@ -104,6 +130,12 @@ class NTLLoss(BaseLoss):
         """``number`` only: a decimal point between digits joins one number."""
         impl: str = _default("impl")
         """``auto``, ``torch`` or ``triton``: which code computes the fused statistics."""
+        z_loss_weight: float = _default("z_loss_weight")
+        """Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to CE (>= 0; 0: off; 1e-4 in PaLM)."""
+        label_smoothing: float = _default("label_smoothing")
+        """CE label smoothing over the whole vocabulary (all TP shards), in ``[0, 1]``; NTL keeps the hard target."""
+        logit_softcap: float | None = _default("logit_softcap")
+        """Logit soft-capping ``cap * tanh(z / cap)`` before CE, z-loss and NTL (> 0; None: off)."""
         digit_level: bool = _default("digit_level")
         """Number table of the ten digits (True) or of multi-digit tokens such as Llama 3's ``123`` (False)."""
         chunk_tokens: int | None = _default("chunk_tokens")
@@ -118,10 +150,8 @@ class NTLLoss(BaseLoss):
         model's."""
 
         def __post_init__(self) -> None:
-            check_ntl_weight(self.weight, "loss.weight")
+            check_numeric_options(self, lambda name: f"loss.{name}")  # finite, in range: options.py's checks
             self.options()
-            if self.chunk_tokens is not None and (isinstance(self.chunk_tokens, bool) or self.chunk_tokens < 1):
-                raise ValueError(f"loss.chunk_tokens must be a positive int or None, got {self.chunk_tokens!r}")
             if self.loss == "number" and not self.digit_level:
                 raise ValueError(
                     "loss.loss=number assembles numbers from single-digit tokens and cannot read a multi-digit "
@@ -139,6 +169,10 @@ class NTLLoss(BaseLoss):
         self.options = config.options()
         self.vocab = number_table(config)
         self.weight = float(config.weight)
+        # torchtitan's own CE op computes the loss (bit for bit) only where ours adds nothing to it: NTL at
+        # weight 0 and none of the CE features (z-loss, label smoothing, soft-capping), which it lacks
+        o = self.options
+        self._torchtitan_ce = self.weight == 0 and not (o.z_loss_weight or o.label_smoothing or o.logit_softcap)
         self._numbers: torch.Tensor | None = None
         self._metrics: torch.Tensor | None = None
 
@@ -175,37 +209,180 @@ class NTLLoss(BaseLoss):
 
         Args:
             pred: logits ``[batch, seq, V]``: full, this rank's plain vocabulary shard (under the
-                ``spmd_types`` tp mesh) or a DTensor sharded ``Shard(-1)``.
-            labels: ``[batch, seq]`` token ids, plain, the same on every TP rank; -100 is ignored.
+                ``spmd_types`` tp mesh) or a DTensor (``Shard(-1)`` or replicated on the vocabulary; with
+                DTensor labels, any batch and sequence placements).
+            labels: ``[batch, seq]`` token ids: plain, the same on every TP rank, or (``full_dtensor``) a
+                DTensor placed like ``pred`` with the vocabulary split replaced by ``Replicate``; -100 is
+                ignored.
             global_valid_tokens: torchtitan's count of the step's non-ignored labels; None (validation):
                 return the CE sum.
             **kwargs: torchtitan's extra loss inputs (``positions``), unused.
         """
         del kwargs
+        if is_dtensor(labels):
+            return self._call_full_dtensor(pred, labels, global_valid_tokens)
+        logits, tp_group, vocab_start = self._vocab_shard(pred, labels)
+        vocab_size = self.vocab.vocab_size
+
+        def torchtitan_ce() -> torch.Tensor:
+            return torchtitan_cross_entropy(pred, labels, global_vocab_size=vocab_size)
+
+        return self._call(logits, labels, global_valid_tokens, tp_group, vocab_start, torchtitan_ce)
+
+    def on_shard(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        global_valid_tokens: torch.Tensor | None = None,
+        *,
+        tp_group: dist.ProcessGroup | None,
+        vocab_start: int | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:meth:`__call__` on an explicit plain vocabulary shard: ``logits [..., V_local]`` holding the columns
+        from ``vocab_start`` of the split over ``tp_group`` (torchtitan's ``_LossParallelCrossEntropy``
+        inputs), for callers that hold the group themselves; ``tp_group`` None: the full vocabulary."""
+        vocab_size = self.vocab.vocab_size
+
+        def torchtitan_ce() -> torch.Tensor:
+            if tp_group is None or dist.get_world_size(tp_group) == 1:
+                return torchtitan_cross_entropy(logits, labels)
+            return _LossParallelCrossEntropy.apply(logits, labels, tp_group, vocab_size, "sum")
+
+        return self._call(logits, labels, global_valid_tokens, tp_group, vocab_start, torchtitan_ce)
+
+    def _call(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        global_valid_tokens: torch.Tensor | None,
+        tp_group: dist.ProcessGroup | None,
+        vocab_start: int | None,
+        torchtitan_ce: Callable[[], torch.Tensor],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss and metrics from the shard ``__call__`` or :meth:`on_shard` found.
+
+        At weight 0 without CE features the loss is torchtitan's own CE (``torchtitan_ce``: the same op, so
+        the same bits and SPMD types), and the NTL metrics come from a forward-only pass of the fused op.
+        """
         is_type_checking = spmd.is_type_checking()
+        ce_sum = torchtitan_ce() if self._torchtitan_ce else None
+        with spmd.no_typecheck(), torch.set_grad_enabled(torch.is_grad_enabled() and ce_sum is None):
+            sums = self._sums(logits, labels, tp_group, vocab_start)
+        if ce_sum is None:
+            ce_sum = sums.ce
+            if global_valid_tokens is None and is_type_checking:
+                spmd.assert_type(ce_sum, _sum_type(logits, tp_group))
+        if global_valid_tokens is None:
+            return ce_sum, {}
         with spmd.no_typecheck():
-            logits, tp_group, vocab_start = self._vocab_shard(pred, labels)
-            terms = per_token_ce_ntl(
-                logits,
-                labels,
-                self.vocab,
-                self.options,
-                tp_group=tp_group,
-                vocab_start=vocab_start,
-                chunk_tokens=self.config.chunk_tokens,
-            )
-            sums = micro_batch_sums(terms, labels != self.options.ignore_index)
-            if global_valid_tokens is None:
-                return sums.ce, {}
-            numbers = self._step_numbers().to(device=sums.ntl.device, dtype=sums.ntl.dtype).clamp_min(1)
-            ce = sums.ce / global_valid_tokens
-            ntl = sums.ntl / numbers
-            loss = ce + self.weight * ntl
-            metrics = torch.stack([ce.detach(), ntl.detach(), sums.hits.detach() / numbers]).double()
-            self._metrics = metrics if self._metrics is None else self._metrics + metrics
+            loss, metrics = self._scaled(ce_sum, sums, global_valid_tokens)
             if is_type_checking:
-                spmd.assert_type(loss, {"dp": spmd.P, "cp": spmd.P, "tp": spmd.I})
-        return loss, dict(zip(METRICS, (ce.detach(), ntl.detach(), sums.hits.detach() / numbers)))
+                for value in (loss, *metrics.values()):
+                    spmd.assert_type(value, LOSS_TYPE)
+        return loss, metrics
+
+    def _sums(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        tp_group: dist.ProcessGroup | None,
+        vocab_start: int | None,
+    ) -> MicroBatchSums:
+        terms = per_token_ce_ntl(
+            logits,
+            labels,
+            self.vocab,
+            self.options,
+            tp_group=tp_group,
+            vocab_start=vocab_start,
+            chunk_tokens=self.config.chunk_tokens,
+        )
+        return micro_batch_sums(terms, labels != self.options.ignore_index)
+
+    def _scaled(
+        self, ce_sum: torch.Tensor, sums: MicroBatchSums, global_valid_tokens: torch.Tensor | int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``CE / global_valid_tokens + weight * NTL / K`` and this call's metrics (accumulated for the step)."""
+        numbers = self._step_numbers().to(device=sums.ntl.device, dtype=sums.ntl.dtype).clamp_min(1)
+        ce = ce_sum / global_valid_tokens
+        ntl = sums.ntl / numbers
+        # weight 0: torchtitan's CE / global_valid_tokens, bit for bit (no "+ 0 * ntl")
+        loss = ce if self.weight == 0 else ce + self.weight * ntl
+        values = (ce.detach(), ntl.detach(), sums.hits.detach() / numbers)
+        metrics = torch.stack([v.to(torch.float64) for v in values])
+        self._metrics = metrics if self._metrics is None else self._metrics + metrics
+        return loss, dict(zip(METRICS, values))
+
+    def _call_full_dtensor(
+        self, pred: torch.Tensor, labels: Any, global_valid_tokens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """torchtitan's ``full_dtensor`` backend: DTensor logits and labels on one mesh.
+
+        As torchtitan's CE (``_cross_entropy_via_local_map``): the labels are placed like the logits with
+        the vocabulary split replaced by ``Replicate``; each rank computes its local tokens' terms (the
+        vocabulary split's group and offset from the logits' placement) and the loss is a DTensor,
+        ``Partial`` on the mesh dims that split the tokens. The metrics are this rank's parts (plain).
+        """
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed.tensor.experimental import local_map
+
+        if not isinstance(pred, DTensor):
+            raise ValueError(
+                f"NTLLoss got DTensor labels (placements {tuple(labels.placements)}) but plain logits of shape "
+                f"{tuple(pred.shape)}; pass both as DTensors on one mesh (parallelism.spmd_backend='full_dtensor') "
+                "or both plain"
+            )
+        vocab_dim = pred.ndim - 1
+        placements = tuple(pred.placements)
+        expected = tuple(Replicate() if isinstance(p, Shard) and p.dim == vocab_dim else p for p in placements)
+        if tuple(labels.placements) != expected or any(isinstance(p, Partial) for p in placements):
+            raise ValueError(
+                f"NTLLoss: DTensor logits placed {placements} need labels placed {expected} (the logits' "
+                f"placements with the vocabulary split replaced by Replicate, no Partial), got "
+                f"{tuple(labels.placements)}; redistribute the labels (labels.redistribute(placements={expected}))"
+            )
+        vocab_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == vocab_dim]
+        if len(vocab_dims) > 1 or any(type(placements[i]) is not Shard for i in vocab_dims):
+            raise ValueError(
+                f"NTLLoss: DTensor logits placed {placements} split the vocabulary over mesh dims {vocab_dims} "
+                "or in strided pieces; split it over one mesh dim (Shard(-1)) or replicate it"
+            )
+        if pred.shape[-1] != self.vocab.vocab_size:
+            raise ValueError(self._width_error(pred.shape[-1], f"the full vocabulary of {self.vocab.vocab_size}"))
+        mesh = pred.device_mesh
+        tp_group = mesh.get_group(vocab_dims[0]) if vocab_dims else None
+        vocab_start = None
+        if tp_group is not None:
+            vocab_start = int(compute_local_shape_and_global_offset(pred.shape, mesh, placements)[1][vocab_dim])
+        if is_dtensor(global_valid_tokens):
+            global_valid_tokens = global_valid_tokens.full_tensor()  # type: ignore[union-attr]
+        if self._torchtitan_ce:
+            loss = torchtitan_cross_entropy(pred, labels)  # torchtitan's own CE, bit for bit
+            if global_valid_tokens is None:
+                return loss, {}
+            with torch.no_grad():
+                sums = self._sums(pred.to_local(), labels.to_local(), tp_group, vocab_start)
+            return loss / global_valid_tokens, self._scaled(sums.ce, sums, global_valid_tokens)[1]
+        found: dict[str, dict[str, torch.Tensor]] = {}
+
+        def local_loss(pred_local: torch.Tensor, labels_local: torch.Tensor) -> torch.Tensor:
+            sums = self._sums(pred_local, labels_local, tp_group, vocab_start)
+            if global_valid_tokens is None:
+                return sums.ce
+            loss, found["metrics"] = self._scaled(sums.ce, sums, global_valid_tokens)
+            return loss
+
+        loss = local_map(
+            local_loss,
+            out_placements=[
+                Partial() if isinstance(p, Shard) and p.dim != vocab_dim else Replicate() for p in placements
+            ],
+            in_placements=(placements, expected),
+            in_grad_placements=(placements, expected),
+            device_mesh=mesh,
+        )(pred, labels)
+        return loss, found.get("metrics", {})
 
     def _step_numbers(self) -> torch.Tensor:
         if self._numbers is None:
@@ -223,12 +400,6 @@ class NTLLoss(BaseLoss):
         """``(logits, tp_group, vocab_start)`` as torchtitan's CE finds them (see the module docstring)."""
         from torch.distributed.tensor import DTensor
 
-        if isinstance(labels, DTensor):
-            raise ValueError(
-                f"NTLLoss got DTensor labels (placements {tuple(labels.placements)}): "
-                "parallelism.spmd_backend='full_dtensor' is not supported; use 'spmd_types' (torchtitan's "
-                "default, plain vocabulary shards) or 'partial_dtensor' (DTensor logits, plain labels)"
-            )
         if isinstance(pred, DTensor):
             return pred, None, None  # the group and offset come from the placement (per_token_ce_ntl)
         vocab_size = self.vocab.vocab_size

@@ -1,0 +1,326 @@
+"""The CE features of pretraining recipes (z-loss, label smoothing, logit soft-capping) on one device.
+
+Sections:
+1. The logits op (``per_token_ce_ntl``, ``ce_with_ntl``): per-token CE, the returned log-sum-exp and the
+   gradient of the logits against independent references: torch's ``F.cross_entropy(label_smoothing=)``,
+   a float64 z-loss written from its definition (``w * logsumexp(z)**2``) and ``c * tanh(z / c)``
+   written out; arbitrary upstream gradients, ignored labels, fp64 and fp32.
+2. NTL keeps the hard number target: label smoothing leaves NTL and its gradient unchanged.
+3. The chunked op (``linear_ce_ntl``, ``linear_ce_with_ntl``): the same references on ``hidden @ weight.T``
+   for the gradients of both, with the forward-built weight gradient (proportional) and the recomputed
+   one, with loss weights; soft-capping there, refused with label smoothing or NTL alone.
+4. Kernel choice and surfaces: ``impl="triton"`` with label smoothing or soft-capping is refused,
+   ``auto`` runs the PyTorch code (the z-loss runs on the kernels: ``tests/unit/test_triton_kernel.py``);
+   Megatron refuses the features with ``--ntl-weight 0`` (its own CE would run, without them); Hugging
+   Face's ``label_smoothing_factor`` is refused beside the NTL loss (Trainer would skip it silently); the HF
+   chunked route takes Gemma 2's own soft-capping (against the model's logits in float64); torchtitan's
+   ``NTLLoss`` at weight 0 is torchtitan's ``CrossEntropyLoss`` plus the float64 z-loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ntl_scale
+from ntl_scale.options import NTLOptions
+from ntl_scale.parallel import use_triton
+from tests.helpers.reference import reference_ce_features
+
+V, H, T = 37, 8, 9
+FEATURES = [
+    dict(label_smoothing=0.1),
+    dict(z_loss_weight=1e-2),
+    dict(label_smoothing=0.2, z_loss_weight=3e-2),
+    dict(logit_softcap=4.0),
+    dict(logit_softcap=3.0, z_loss_weight=1e-2),
+    dict(logit_softcap=3.0, label_smoothing=0.1, z_loss_weight=1e-2),
+]
+# what the chunked op computes: soft-capping with label smoothing is refused there
+CHUNKED = [f for f in FEATURES if not ("logit_softcap" in f and "label_smoothing" in f)]
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5}
+
+
+def _vocab() -> ntl_scale.NumberVocab:
+    return ntl_scale.NumberVocab(list(range(5, 15)), list(range(10)), V)
+
+
+def _labels() -> torch.Tensor:
+    return torch.tensor([1, 7, -100, 12, 30, 5, 14, 36, 0])
+
+
+def _close(actual, expected, tol, what):
+    torch.testing.assert_close(actual.double(), expected.double(), atol=tol, rtol=tol, msg=what)
+
+
+# ------------------------------------------------------------------------------------ 1. the logits op
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("features", FEATURES)
+def test_logits_op_against_torch_and_the_definitions(features, dtype):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(T, V, generator=gen, dtype=torch.float64) * 3
+    upstream = torch.randn(T, generator=gen, dtype=torch.float64)
+    labels = _labels()
+    logits = base.to(dtype).clone().requires_grad_()
+    terms = ntl_scale.per_token_ce_ntl(logits, labels, _vocab(), NTLOptions(**features))
+    (terms.ce * upstream.to(terms.ce.dtype)).sum().backward()
+    reference = base.clone().requires_grad_()
+    ce, lse = reference_ce_features(reference, labels, **features)
+    (ce * upstream).sum().backward()
+    tol = TOLERANCE[dtype]
+    _close(terms.ce, ce, tol, f"ce {features}")
+    _close(terms.lse, lse, tol, f"lse {features}")
+    _close(logits.grad, reference.grad, tol, f"grad {features}")
+
+
+def test_lse_is_differentiable_and_ce_reductions_keep_weights():
+    """The returned lse carries d lse/dz = softmax; ce_with_ntl(reduction="none") is the weighted per-token term."""
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(T, V, generator=gen, dtype=torch.float64)
+    logits = base.clone().requires_grad_()
+    terms = ntl_scale.per_token_ce_ntl(logits, _labels(), _vocab())
+    terms.lse.sum().backward()
+    torch.testing.assert_close(logits.grad, torch.softmax(base, -1), atol=1e-14, rtol=0)
+    weights = torch.rand(T, generator=gen, dtype=torch.float64)
+    out = ntl_scale.ce_with_ntl(
+        base, _labels(), _vocab(), label_smoothing=0.1, z_loss_weight=1e-2, loss_weights=weights, reduction="none"
+    )
+    ce, _ = reference_ce_features(base, _labels(), label_smoothing=0.1, z_loss_weight=1e-2)
+    _close(out.ce, ce * weights * (_labels() != -100), 1e-12, "reduction none")
+    mean = ntl_scale.ce_with_ntl(base, _labels(), _vocab(), label_smoothing=0.1, z_loss_weight=1e-2).ce
+    valid = _labels() != -100
+    _close(mean, ce[valid].mean(), 1e-12, "mean")
+
+
+# ------------------------------------------------------------------------------------ 2. NTL's target
+
+
+@pytest.mark.parametrize("loss", ["was", "mse"])
+def test_label_smoothing_leaves_ntl_on_the_hard_target(loss):
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(T, V, generator=gen, dtype=torch.float64)
+    grads = []
+    for eps in (0.0, 0.3):
+        logits = base.clone().requires_grad_()
+        terms = ntl_scale.per_token_ce_ntl(logits, _labels(), _vocab(), NTLOptions(loss=loss, label_smoothing=eps))
+        terms.ntl.sum().backward()
+        grads.append((terms.ntl.detach(), logits.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    # a control: smoothing does change CE
+    plain = ntl_scale.per_token_ce_ntl(base, _labels(), _vocab()).ce
+    smoothed = ntl_scale.per_token_ce_ntl(base, _labels(), _vocab(), NTLOptions(label_smoothing=0.3)).ce
+    assert not torch.allclose(plain, smoothed)
+
+
+# ------------------------------------------------------------------------------------ 3. the chunked op
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("features", CHUNKED)
+@pytest.mark.parametrize("proportional", [True, False])
+def test_chunked_op_against_torch_and_the_definitions(features, dtype, proportional):
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    w = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    token_weights = torch.rand(T, generator=gen, dtype=torch.float64)
+    labels = _labels()
+    # proportional: the upstream gradient is one scale times the token weights (a weighted mean); else any
+    upstream = 0.37 * token_weights if proportional else torch.randn(T, generator=gen, dtype=torch.float64)
+    hidden, weight = h.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
+    terms = ntl_scale.linear_ce_ntl(
+        hidden, weight, labels, _vocab(), NTLOptions(**features), chunk_tokens=4, token_weights=token_weights,
+        proportional_grad=proportional,
+    )  # fmt: skip
+    (terms.ce * upstream.to(terms.ce.dtype)).sum().backward()
+    h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ce, lse = reference_ce_features(h_ref @ w_ref.T, labels, **features)
+    (ce * upstream).sum().backward()
+    tol = TOLERANCE[dtype]
+    _close(terms.ce, ce, tol, f"ce {features}")
+    _close(terms.lse, lse, tol, f"lse {features}")
+    _close(hidden.grad, h_ref.grad, tol, f"hidden grad {features}")
+    _close(weight.grad, w_ref.grad, tol, f"weight grad {features}")
+
+
+def test_linear_ce_with_ntl_mean_matches_the_reference():
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(2, 5, H, generator=gen, dtype=torch.float64)
+    w = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    labels = _labels()[: 10 - 1].reshape(-1)
+    labels = torch.cat([labels, torch.tensor([9])]).reshape(2, 5)
+    hidden, weight = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = ntl_scale.linear_ce_with_ntl(
+        hidden, weight, labels, _vocab(), ntl_weight=0.3, label_smoothing=0.1, z_loss_weight=1e-2, chunk_tokens=3
+    )
+    out.loss.backward()
+    h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
+    logits = h_ref @ w_ref.T
+    ce, _ = reference_ce_features(logits.reshape(-1, V), labels.reshape(-1), label_smoothing=0.1, z_loss_weight=1e-2)
+    ntl = ntl_scale.number_token_loss(logits, labels, _vocab())  # NTL on the hard target, as without smoothing
+    loss = ce[labels.reshape(-1) != -100].mean() + 0.3 * ntl
+    loss.backward()
+    _close(out.loss, loss, 1e-12, "loss")
+    _close(hidden.grad, h_ref.grad, 1e-12, "hidden grad")
+    _close(weight.grad, w_ref.grad, 1e-12, "weight grad")
+
+
+def test_chunked_op_refuses_soft_capping_with_smoothing_or_ntl_alone():
+    h, w = torch.zeros(2, H), torch.zeros(V, H)
+    with pytest.raises(ValueError, match=r"logit_softcap=30\.0 is not computed by the chunked op .* label_smoothing"):
+        ntl_scale.linear_ce_with_ntl(h, w, torch.tensor([1, 2]), _vocab(), logit_softcap=30.0, label_smoothing=0.1)
+    with pytest.raises(ValueError, match="need_ce=False"):
+        ntl_scale.linear_ce_ntl(h, w, torch.tensor([1, 2]), _vocab(), NTLOptions(logit_softcap=30.0), need_ce=False)
+
+
+# ------------------------------------------------------------------------------------ 4. kernels, surfaces
+
+
+def test_triton_is_refused_with_a_ce_feature_and_auto_falls_back():
+    logits = torch.zeros(2, V)
+    for name in ("label_smoothing", "logit_softcap"):
+        with pytest.raises(ValueError, match=f"do not compute {name}"):
+            use_triton("triton", logits, (name,))
+        assert use_triton("auto", logits, (name,)) is False
+    # the z-loss is computed by the kernels (tests/unit/test_triton_kernel.py): at most the device is refused
+    try:
+        use_triton("triton", logits, ("z_loss_weight",))
+    except (ValueError, ImportError) as error:
+        assert "do not compute" not in str(error)
+    assert NTLOptions(z_loss_weight=1e-4, logit_softcap=30.0).ce_features == ("z_loss_weight", "logit_softcap")
+    with pytest.raises(ValueError, match="do not compute label_smoothing"):
+        ntl_scale.ce_with_ntl(logits, torch.tensor([1, 2]), _vocab(), label_smoothing=0.1, impl="triton")
+
+
+def test_megatron_refuses_the_features_when_its_own_ce_runs():
+    from ntl_scale.integrations.megatron import NTLSettings
+
+    with pytest.raises(ValueError, match="--ntl-z-loss-weight: these apply to the NTL loss, which --ntl-weight 0"):
+        NTLSettings(weight=0.0, z_loss_weight=1e-4)
+    assert NTLSettings(weight=0.3, label_smoothing=0.1).options().label_smoothing == 0.1
+
+
+def test_hf_trainer_refuses_its_own_label_smoothing(tmp_path):
+    """Trainer's LabelSmoother does not run beside a loss function: its factor would be silently ignored."""
+    transformers = pytest.importorskip("transformers")
+    from ntl_scale.integrations.hf import ntl_trainer_class
+
+    config = transformers.GPT2Config(vocab_size=V, n_embd=8, n_layer=1, n_head=2, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    trainer_class = ntl_trainer_class()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), label_smoothing_factor=0.1, use_cpu=True, report_to=[]
+    )
+    with pytest.raises(ValueError, match=r"label_smoothing_factor=0\.1 is not applied"):
+        trainer_class(model=model, args=args, number_vocab=_vocab())
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    smoothed = NTLOptions(label_smoothing=0.1)
+    assert trainer_class(model=model, args=args, number_vocab=_vocab(), ntl_options=smoothed).ntl_loss is not None
+
+
+def test_hf_trainer_refuses_capping_twice_on_the_logits_path(tmp_path):
+    """A model that soft-caps its logits (Gemma 2) with ``ntl_options.logit_softcap``: the trainer's loss on the
+    model's (already capped) logits would cap them again; refused as apply_ntl_to_hf_model refuses it."""
+    transformers = pytest.importorskip("transformers")
+    from ntl_scale.integrations.hf import ntl_trainer_class
+
+    config = transformers.Gemma2Config(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, final_logit_softcapping=2.0,
+    )  # fmt: skip
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    capped = NTLOptions(logit_softcap=2.0)
+    with pytest.raises(ValueError, match=r"would cap them twice"):
+        ntl_trainer_class()(model=transformers.Gemma2ForCausalLM(config), args=args, number_vocab=_vocab(),
+                            ntl_options=capped)  # fmt: skip
+    trainer = ntl_trainer_class()(model=transformers.Gemma2ForCausalLM(config), args=args, number_vocab=_vocab())
+    assert trainer.ntl_loss is not None  # the model's own cap alone is fine on the logits path
+
+
+def test_evaluation_options_drop_the_training_regularisers_only():
+    """Held-out CE is the model's own: z-loss and label smoothing off, soft-capping (part of the logits) kept;
+    the evaluation CE equals torch's hard F.cross_entropy of the capped logits."""
+    options = NTLOptions(z_loss_weight=1e-2, label_smoothing=0.1, logit_softcap=3.0, loss="mse")
+    evaluation = options.for_evaluation()
+    assert (evaluation.z_loss_weight, evaluation.label_smoothing, evaluation.logit_softcap) == (0.0, 0.0, 3.0)
+    assert evaluation.loss == "mse"
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, V, generator=gen, dtype=torch.float64) * 4
+    labels = torch.randint(0, V, (12,), generator=gen)
+    out = ntl_scale.ce_with_ntl(
+        logits, labels, _vocab(), loss=evaluation.loss, z_loss_weight=evaluation.z_loss_weight,
+        label_smoothing=evaluation.label_smoothing, logit_softcap=evaluation.logit_softcap,
+    )  # fmt: skip
+    hard = torch.nn.functional.cross_entropy(3.0 * torch.tanh(logits / 3.0), labels)
+    torch.testing.assert_close(out.ce, hard, rtol=1e-12, atol=1e-12)
+
+
+def test_hf_chunked_route_refuses_soft_capping_with_smoothing_when_installed():
+    transformers = pytest.importorskip("transformers")
+    from ntl_scale.integrations.hf import apply_ntl
+
+    config = transformers.GPT2Config(vocab_size=V, n_embd=8, n_layer=1, n_head=2, n_positions=16)
+    options = NTLOptions(logit_softcap=30.0, label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"logit_softcap=30\.0 with label_smoothing is not computed by the chunked"):
+        apply_ntl(transformers.GPT2LMHeadModel(config), _vocab(), options=options, chunked=True)
+
+
+def test_hf_chunked_route_takes_gemmas_own_soft_capping():
+    """Gemma 2's ``final_logit_softcapping`` (refused on the chunked route before): the hidden-state loss caps as
+    the model does; loss and gradients equal CE + 0.3 NTL of the model's own (capped) logits in float64."""
+    transformers = pytest.importorskip("transformers")
+    from ntl_scale.integrations.hf import apply_ntl
+
+    config = transformers.Gemma2Config(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.1, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config).double()
+    ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(1))
+    ids[:, 3:6] = torch.tensor([7, 9, 11])  # number tokens
+    logits = model(input_ids=ids).logits
+    assert float(logits.abs().max()) < 0.1 < float(model.lm_head(model.model(input_ids=ids)[0]).abs().max())
+    shifted, targets = logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1)
+    ntl = ntl_scale.number_token_loss(shifted, targets, _vocab())
+    reference = torch.nn.functional.cross_entropy(shifted, targets) + 0.3 * ntl
+    reference.backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    apply_ntl(model, _vocab(), ntl_weight=0.3, chunked=True)
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    _close(loss, reference, 1e-12, "loss")
+    for name, p in model.named_parameters():
+        _close(p.grad, want[name], 1e-10, name)
+
+
+def test_torchtitan_loss_at_weight_zero_is_its_cross_entropy_plus_the_z_loss(tmp_path):
+    """torchtitan's ``loss.z_loss_weight`` / ``loss.label_smoothing``: at NTL weight 0 our loss is torchtitan's
+    own ``CrossEntropyLoss`` plus the float64 z-loss; with smoothing torch's smoothed CE (sum / tokens)."""
+    pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 (scripts/setup.sh --dev)")
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    from ntl_scale.integrations.torchtitan import NTLLoss
+
+    path = tmp_path / "numbers.json"
+    _vocab().save(path)
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(2, 5, V, generator=gen, dtype=torch.float64) * 2
+    labels = torch.randint(0, V, (2, 5), generator=gen)
+    labels[0, 1] = -100
+    tokens = (labels != -100).sum()
+    valid = labels != -100
+    theirs = CrossEntropyLoss.Config(global_vocab_size=V).build()(logits, labels, tokens)[0]
+    for features in (dict(z_loss_weight=1e-2), dict(z_loss_weight=1e-2, label_smoothing=0.1)):
+        ours = NTLLoss.Config(number_vocab=str(path), vocab_size=V, weight=0.0, **features).build()
+        ours.begin_step(1)
+        loss = ours(logits, labels, tokens)[0]
+        z_loss = 1e-2 * (torch.logsumexp(logits, -1) ** 2)[valid].sum() / tokens
+        if "label_smoothing" in features:
+            ce, _ = reference_ce_features(logits.reshape(-1, V), labels.reshape(-1), **features)
+            torch.testing.assert_close(loss, ce.sum() / tokens, rtol=1e-12, atol=1e-12)
+        else:
+            torch.testing.assert_close(loss, theirs.double() + z_loss, rtol=1e-6, atol=1e-7)
