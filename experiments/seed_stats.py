@@ -112,7 +112,8 @@ def seed_test(arm: Sequence[float | None], baseline: Sequence[float | None], met
     if len(diffs) < 2:
         low = high = math.nan
     p_t = math.nan
-    if len(diffs) > 1 and len(set(diffs)) > 1:
+    scale = max((abs(x) + abs(y) for x, y in pairs), default=0.0)
+    if len(diffs) > 1 and max(diffs) - min(diffs) > 1e-12 * scale:  # equal differences up to rounding: no test
         p_t = float(stats.ttest_rel([x for x, _ in pairs], [y for _, y in pairs]).pvalue)
     return {"n": len(diffs), "diffs": diffs, "mean_diff": mean, "ci95": [low, high], "p_seed_t": p_t,
             "p_sign_flip": sign_flip_p(diffs) if diffs else math.nan}  # fmt: skip

@@ -129,3 +129,10 @@ def test_holm_over_a_declared_family_counts_the_tests_not_yet_run():
     got = seed_stats.holm(dict(enumerate(ps)), family=8)
     assert [got[i] for i in range(3)] == pytest.approx(padded, rel=1e-12)
     assert got[0] == pytest.approx(8 * 0.004)
+
+
+def test_differences_equal_but_for_rounding_get_no_t_test():
+    # 0.07 - 0.05 and 0.045 - 0.025 are both 0.02 in exact arithmetic, 1e-17 apart in floats: a t-test
+    # on that spread would report p < 0.001 for two seeds
+    test = seed_stats.seed_test([0.07, 0.045], [0.05, 0.025], "accuracy")
+    assert 0.07 - 0.05 != 0.045 - 0.025 and math.isnan(test["p_seed_t"])
