@@ -18,9 +18,13 @@ import argparse
 import json
 import math
 import os
-import statistics
+import sys
 from collections.abc import Sequence
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/seed_stats.py, loaded by path too
+import seed_stats
+from seed_stats import RANGES, t_interval
 
 # (split, metric, label): the headline metrics, in the order the verdicts of docs/results.md use them.
 PANELS: tuple[tuple[str, str, str], ...] = (
@@ -33,20 +37,6 @@ PANELS: tuple[tuple[str, str, str], ...] = (
     ("heldout", "number_token_acc", "number tokens: accuracy"),
     ("questions", "accuracy", "held-out questions: accuracy"),
 )
-
-
-def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high): the mean and its two-sided t-interval over ``values`` (n >= 2; n = 1: no width)."""
-    from scipy import stats
-
-    clean = [float(v) for v in values if v is not None and math.isfinite(v)]
-    if not clean:
-        return math.nan, math.nan, math.nan
-    mean = statistics.fmean(clean)
-    if len(clean) < 2:
-        return mean, mean, mean
-    half = float(stats.t.ppf(0.5 + level / 2, len(clean) - 1)) * statistics.stdev(clean) / math.sqrt(len(clean))
-    return mean, mean - half, mean + half
 
 
 def _seeds(results: dict[str, Any], arm: str, split: str, metric: str) -> list[float]:
@@ -72,6 +62,10 @@ def p_label(p: float | None) -> str:
     return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
 
 
+def _holm_label(p: float | None) -> str:
+    return f"\n(Holm {p:.3f})" if p is not None and math.isfinite(p) else ""
+
+
 def verdict_figure(summary: dict[str, Any], path: str, title: str | None = None) -> str | None:
     """Draws the study's verdict figure to ``path`` (PNG); returns the path, or None with no panel."""
     import matplotlib
@@ -89,21 +83,32 @@ def verdict_figure(summary: dict[str, Any], path: str, title: str | None = None)
     rows = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5.6 * columns, 3.6 * rows), squeeze=False)
     for ax, (split, metric, label) in zip(axes.flat, panels):
+        raw = {arm: results.get(arm, {}).get(split, {}).get(metric, {}).get("seeds", []) for arm in arms}
+        seeds = max((len(v) for v in raw.values()), default=0)
+        for seed in range(seeds):  # each seed's runs connected across the arms: the pairing the tests use
+            points = [
+                (x - 0.12 + (seed - (seeds - 1) / 2) * 0.04, raw[arm][seed])
+                for x, arm in enumerate(arms)
+                if seed < len(raw[arm]) and raw[arm][seed] is not None and math.isfinite(raw[arm][seed])
+            ]
+            ax.plot([x for x, _ in points], [y for _, y in points], color="0.6", linewidth=0.7, zorder=1)
         for x, arm in enumerate(arms):
             values = _seeds(results, arm, split, metric)
             if not values:
                 continue
             jitter = [(i - (len(values) - 1) / 2) * 0.04 for i in range(len(values))]
             ax.scatter([x - 0.12 + j for j in jitter], values, s=14, color="0.45", zorder=2)
-            mean, low, high = t_interval(values)
+            mean, low, high = t_interval(values, bounds=RANGES.get(metric, (-math.inf, math.inf)))
             ax.errorbar([x + 0.12], [mean], yerr=[[mean - low], [high - mean]], fmt="o", color=f"C{x}",
                         capsize=4, markersize=7, zorder=3)  # fmt: skip
             if arm == baseline:
                 ax.axhline(mean, color=f"C{x}", linestyle="--", linewidth=1, zorder=1)
         ax.set_xticks(range(len(arms)))
+        holm = summary.get("seed_tests", {}).get("tests", {}).get(baseline, {})
         ax.set_xticklabels(
             [arm + ("" if arm == baseline else "\n" + p_label(
-                tests.get(arm, {}).get(split, {}).get(metric, {}).get("p_seed_t"))) for arm in arms],
+                tests.get(arm, {}).get(split, {}).get(metric, {}).get("p_seed_t")) + _holm_label(
+                holm.get(arm, {}).get(split, {}).get(metric, {}).get("p_holm"))) for arm in arms],
             fontsize=7,
             rotation=20,
             ha="right",
@@ -112,10 +117,11 @@ def verdict_figure(summary: dict[str, Any], path: str, title: str | None = None)
         ax.grid(alpha=0.3, axis="y")
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    seeds = len(summary.get("preset", {}).get("seeds", [])) or "?"
+    n_seeds = len(summary.get("preset", {}).get("seeds", [])) or "?"
     fig.suptitle(
-        (title or "") + f"  (grey: each seed; colour: mean, 95 % t-interval over {seeds} seeds; "
-        f"p: seed-level paired t-test against {baseline})",
+        (title or "") + f"\ngrey: each seed, its runs connected across the arms; colour: mean, 95 % t-interval "
+        f"over {n_seeds} seeds, clipped to the metric's range;\np: seed-level paired t-test against {baseline} "
+        "(Holm: adjusted over the study's family, the results file's seed_tests)",
         fontsize=9,
     )
     fig.tight_layout()
@@ -166,7 +172,9 @@ def sweep_figure(sweep: dict[str, Any], path: str) -> str:
         ax.axhline(0, color="0.3", linewidth=0.8)
         ax.set_xscale("log")
         sizes = sweep["sizes"]  # ticks at the sizes, named as the tables name them
-        ax.set_xticks([size["parameters"] for size in sizes], [size["label"] for size in sizes])
+        ax.set_xticks([size["parameters"] for size in sizes], [size["label"] + (
+            f"\n{size['tokens_per_parameter']:.1f} tok/param" if size.get("tokens_per_parameter") else "")
+            for size in sizes])  # fmt: skip
         ax.minorticks_off()
         ax.set_xlabel("parameters (without the embedding table; log axis)")
         ax.set_title(spec["label"] + "".join("\n" + line for line in verdicts), fontsize=9)
@@ -181,10 +189,92 @@ def sweep_figure(sweep: dict[str, Any], path: str) -> str:
     return path
 
 
+def factorial_figure(sweep: dict[str, Any], path: str) -> str:
+    """Draws the size x tokens-per-parameter factorial: per headline difference (arm minus CE, paired by
+    seed), tokens per parameter on a log2 axis, one line per size through its cells' means with their
+    95 % t-intervals, every seed's difference a point, and the fitted slope per doubling of each size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics, rows = sweep["metrics"], sweep["sizes"]
+    sizes = list(dict.fromkeys(row["size"] for row in rows))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 4.8), squeeze=False)
+    for ax, (key, spec) in zip(axes[0], metrics.items()):
+        notes = []
+        for arm in sweep["arms"]:
+            for k, size in enumerate(sizes):
+                cells = sorted((r for r in rows if r["size"] == size), key=lambda r: r["tokens_per_parameter"])
+                xs, means, lows, highs = [], [], [], []
+                shift = 2 ** (0.06 * (k - (len(sizes) - 1) / 2))
+                for row in cells:
+                    cell = row["differences"].get(arm, {}).get(key)
+                    if not cell:
+                        continue
+                    x = row["tokens_per_parameter"] * shift
+                    ax.scatter([x] * len(cell["seeds"]), cell["seeds"], s=10, color=f"C{k}", alpha=0.45)
+                    if row.get("data_varied") is False:  # one data draw: a hollow ring around the mean
+                        ax.scatter([x], [cell["mean"]], s=110, facecolors="none", edgecolors=f"C{k}", zorder=4)
+                    ax.annotate(f"n={cell['n']}", (x, cell["mean"]), fontsize=6, xytext=(4, -8),
+                                textcoords="offset points")  # fmt: skip
+                    xs.append(x)
+                    means.append(cell["mean"])
+                    lows.append(cell["mean"] - cell["low"] if math.isfinite(cell["low"]) else 0.0)
+                    highs.append(cell["high"] - cell["mean"] if math.isfinite(cell["high"]) else 0.0)
+                if xs:
+                    ax.errorbar(xs, means, yerr=[lows, highs], fmt="o-", color=f"C{k}", capsize=3,
+                                label=f"{size}" + (f" ({arm})" if len(sweep["arms"]) > 1 else ""))  # fmt: skip
+                fit = sweep.get("factorial", {}).get("slopes", {}).get(arm, {}).get(size, {}).get(key)
+                if fit:
+                    notes.append(f"{size}: {fit['slope']:+.2f} [{fit['low']:+.2f}, {fit['high']:+.2f}]/doubling")
+        ax.axhline(0, color="0.3", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        levels = sorted({row["tokens_per_parameter"] for row in rows})
+        ax.set_xticks(levels, [f"{x:.1f}" for x in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("training tokens per parameter (log2 axis)")
+        ax.set_title(spec["label"] + "".join("\n" + n for n in notes), fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("arm minus CE, paired by seed, per size and tokens per parameter: points = seeds; mean and 95 % "
+                 "t-interval (n = seeds; ringed: one data draw for every seed, else the data varied with the seed);\n"
+                 "slope of each size per doubling of tokens per parameter above each panel",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def with_arm_from(summary: dict[str, Any], path: str, arm: str) -> dict[str, Any]:
+    """``summary`` with ``arm``'s results and seed-level tests taken from the results file ``path`` (a
+    re-run of that arm beside the same baseline): the baseline's per-seed values must be the same in both
+    files, else SystemExit (the pairing would not hold)."""
+    with open(path) as f:
+        other = json.load(f)
+    baseline = summary.get("preset", {}).get("baseline") or next(iter(summary["results"]))
+    if arm not in other.get("results", {}):
+        raise SystemExit(f"--arm-from {path}: no arm {arm!r}; its arms: {list(other.get('results', {}))}")
+    mine, theirs = summary["results"][baseline], other["results"].get(baseline, {})
+    for split, metrics in mine.items():
+        for metric, cell in metrics.items():
+            if theirs.get(split, {}).get(metric, {}).get("seeds") != cell["seeds"]:
+                raise SystemExit(f"--arm-from {path}: its {baseline} differs on {split} {metric}; the re-run's "
+                                 f"{arm} does not pair with this file's {baseline}")  # fmt: skip
+    merged = {**summary, "results": {**summary["results"], arm: other["results"][arm]}}
+    merged["paired_tests"] = {**summary.get("paired_tests", {}), arm: other.get("paired_tests", {}).get(arm, {})}
+    merged["seed_tests"] = seed_stats.seed_tests(merged)  # the family of the arms drawn
+    return merged
+
+
 def main(argv: Sequence[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", help="a study's results.json (docs/img/study_*_results.json)")
     parser.add_argument("--out", default=None, help="folder of the PNGs (default: beside each results file)")
+    parser.add_argument("--arm-from", nargs=2, action="append", default=[], metavar=("RESULTS", "ARM"),
+                        help="draw ARM from another results.json (a re-run of that arm beside the same baseline, "
+                             "whose baseline seeds must equal these); repeatable")  # fmt: skip
     args = parser.parse_args(argv)
     written = []
     for path in args.results:
@@ -193,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         if "results" not in summary:
             raise SystemExit(f"{path}: not a study's results.json (no 'results' key); expected the output of "
                              "experiments/study.py")  # fmt: skip
+        for other_path, arm in args.arm_from:
+            summary = with_arm_from(summary, other_path, arm)
         stem = os.path.basename(path).removesuffix(".json").removesuffix("_results")
         target = os.path.join(args.out or os.path.dirname(path) or ".", f"{stem}_verdict.png")
         if verdict_figure(summary, target, title=stem) is not None:

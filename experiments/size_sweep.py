@@ -44,7 +44,11 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
 import figures  # noqa: E402
+import seed_stats  # noqa: E402
 import study  # noqa: E402
+
+BETTER = {"prose_text_ppl": -1, "number_token_mae": -1, "number_token_acc": 1, "question_acc": 1}
+"""The sign of a gain for NTL on each difference (lower perplexity and error, higher accuracy)."""
 
 # key -> (split, metric, relative (% of the baseline mean) or absolute (points), label)
 METRICS: dict[str, tuple[str, str, bool, str]] = {
@@ -53,6 +57,37 @@ METRICS: dict[str, tuple[str, str, bool, str]] = {
     "number_token_acc": ("heldout", "number_token_acc", False, "number-token accuracy: change, points"),
     "question_acc": ("questions", "accuracy", False, "held-out question accuracy: change, points"),
 }
+
+
+RANGES: dict[str, tuple[float, float]] = {
+    "prose_text_ppl": (-100.0, math.inf),  # a relative change cannot fall below -100 %
+    "number_token_mae": (-100.0, math.inf),
+    "number_token_acc": (-100.0, 100.0),  # points of an accuracy
+    "question_acc": (-100.0, 100.0),
+}
+"""The values each difference can take: intervals are clipped to them."""
+
+
+def _config(preset: dict[str, Any]) -> dict[str, Any]:
+    """The preset's base run config with its ``overrides`` (dotted keys) applied."""
+    with open(os.path.join(ROOT, preset["base_config"])) as f:
+        config = yaml.safe_load(f)
+    for item in preset.get("overrides", []):
+        key, _, value = item.partition("=")
+        node = config
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)
+    return config
+
+
+def tokens(preset: dict[str, Any]) -> int:
+    """Training tokens of one run of the preset: steps x micro-batch x sequence length x gradient
+    accumulation (one data-parallel process, as every CPU preset)."""
+    train = _config(preset)["train"]
+    accumulation = int(train.get("gradient_accumulation_steps") or 1)
+    return int(train["steps"]) * int(train["micro_batch_size"]) * int(train["seq_length"]) * accumulation
 
 
 def parameters(preset: dict[str, Any]) -> int:
@@ -88,13 +123,14 @@ def difference(results: dict[str, Any], arm: str, baseline: str, key: str) -> di
         return None
     scale = 100.0 / statistics.fmean(y for _, y in pairs) if relative else 100.0
     seeds = [(x - y) * scale for x, y in pairs]
-    mean, low, high = figures.t_interval(seeds)
+    mean, low, high = seed_stats.t_interval(seeds, bounds=RANGES[key])
     if len(seeds) < 2:  # one seed: a difference, no interval (not a zero-width one)
         low = high = math.nan
     p = math.nan
     if len(pairs) > 1 and len(set(seeds)) > 1:
         p = float(stats.ttest_rel([x for x, _ in pairs], [y for _, y in pairs]).pvalue)
-    return {"seeds": seeds, "mean": mean, "low": low, "high": high, "p_seed_t": p, "n": len(pairs)}
+    return {"seeds": seeds, "mean": mean, "low": low, "high": high, "p_seed_t": p,
+            "p_sign_flip": seed_stats.sign_flip_p(seeds), "n": len(pairs)}  # fmt: skip
 
 
 def trend(points: list[tuple[float, float]]) -> dict[str, Any] | None:
@@ -121,8 +157,115 @@ def trend(points: list[tuple[float, float]]) -> dict[str, Any] | None:
         verdict = "cannot be told at this scale"
     else:
         verdict = "shrinks" if (slope < 0) == (start > 0) else "grows"
+    means = None  # the same line through the sizes' means: the sizes, not the seeds, as the replicates
+    by_size = collections.defaultdict(list)
+    for x, y in points:
+        by_size[x].append(y)
+    if len(by_size) >= 3:
+        xs = sorted(by_size)
+        on_means = stats.linregress([math.log10(x) for x in xs], [statistics.fmean(by_size[x]) for x in xs])
+        half_means = float(stats.t.ppf(0.975, len(xs) - 2)) * float(on_means.stderr)
+        means = {"slope": float(on_means.slope), "low": float(on_means.slope) - half_means,
+                 "high": float(on_means.slope) + half_means, "p": float(on_means.pvalue), "n": len(xs)}  # fmt: skip
     return {"slope": slope, "low": slope - half, "high": slope + half, "intercept": float(fit.intercept),
-            "p": float(fit.pvalue), "n": len(points), "verdict": verdict}  # fmt: skip
+            "p": float(fit.pvalue), "n": len(points), "verdict": verdict, "on_size_means": means}  # fmt: skip
+
+
+def slope_per_doubling(points: list[tuple[float, float]]) -> dict[str, Any] | None:
+    """Least squares of the differences on log2(x) (x: tokens per parameter): the slope per doubling of
+    x with its 95 % t-interval (n - 2 degrees of freedom) and p; None with fewer than 2 distinct x or 3 points."""
+    from scipy import stats
+
+    if len({x for x, _ in points}) < 2 or len(points) < 3:
+        return None
+    fit = stats.linregress([math.log2(x) for x, _ in points], [y for _, y in points])
+    half = float(stats.t.ppf(0.975, len(points) - 2)) * float(fit.stderr)
+    return {"slope": float(fit.slope), "low": float(fit.slope) - half, "high": float(fit.slope) + half,
+            "intercept": float(fit.intercept), "p": float(fit.pvalue), "n": len(points)}  # fmt: skip
+
+
+def contrast(a: list[float], b: list[float]) -> dict[str, Any] | None:
+    """Cell a's mean per-seed difference minus cell b's: Welch's t-interval (95 %) and test (two cells
+    of different seeds' runs: independent samples). None with fewer than 2 seeds in a cell."""
+    from scipy import stats
+
+    if len(a) < 2 or len(b) < 2:
+        return None
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    if va + vb == 0:
+        return {"diff": diff, "low": diff, "high": diff, "p": math.nan, "df": math.nan, "n": [len(a), len(b)]}
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = float(stats.t.ppf(0.975, df)) * math.sqrt(va + vb)
+    p = float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    return {"diff": diff, "low": diff - half, "high": diff + half, "p": p, "df": df, "n": [len(a), len(b)]}
+
+
+def _reading(low: float, high: float, better: int, p_holm: float, smaller: str, larger: str) -> str:
+    """The pre-registered reading of an interval on a gain's change: ``smaller`` where the interval
+    lies wholly on the side of a smaller gain and Holm's p < 0.05, ``larger`` on the other side, else
+    not resolved."""
+    if not (math.isfinite(low) and math.isfinite(high)) or not math.isfinite(p_holm) or p_holm >= 0.05:
+        return "not resolved"
+    lo, hi = sorted((low * better, high * better))
+    return smaller if hi < 0 else (larger if lo > 0 else "not resolved")
+
+
+def factorial(sweep: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The size x tokens-per-parameter factorial (the sweep file's ``factorial``; docs/results.md's
+    question and reading rule): per size with 3 or more tokens-per-parameter levels... or 2, the slope of
+    the per-seed differences on log2(tokens per parameter) (Q1); the contrasts it names, each a Welch
+    interval of one cell's mean difference minus another's (Q2); Holm over the primary metrics' tests."""
+    spec = sweep["factorial"]
+    primary = spec.get("primary", list(METRICS))
+    out: dict[str, Any] = {"primary": primary, "slopes": {}, "contrasts": {}}
+    by_label = {row["label"]: row for row in rows}
+    family: dict[tuple[str, ...], float] = {}
+    for arm in sweep["arms"]:
+        slopes: dict[str, Any] = {}
+        for size in sorted({row["size"] for row in rows}):
+            cells = [row for row in rows if row["size"] == size]
+            for key in METRICS:
+                points = [(row["tokens_per_parameter"], d) for row in cells
+                          for d in (row["differences"][arm][key] or {}).get("seeds", [])]  # fmt: skip
+                fit = slope_per_doubling(points)
+                if fit:
+                    fit["levels"] = sorted({row["tokens_per_parameter"] for row in cells})
+                    slopes.setdefault(size, {})[key] = fit
+                    if key in primary:
+                        family[(arm, "slope", size, key)] = fit["p"]
+        contrasts: dict[str, Any] = {}
+        for item in spec.get("contrasts", []):
+            a, b = by_label.get(item["a"]), by_label.get(item["b"])
+            if not a or not b:
+                continue
+            for key in METRICS:
+                cell_a, cell_b = a["differences"][arm][key], b["differences"][arm][key]
+                got = contrast(cell_a["seeds"], cell_b["seeds"]) if cell_a and cell_b else None
+                if got:
+                    got.update(a=item["a"], b=item["b"])
+                    contrasts.setdefault(item["name"], {})[key] = got
+                    if key in primary:
+                        family[(arm, "contrast", item["name"], key)] = got["p"]
+        out["slopes"][arm], out["contrasts"][arm] = slopes, contrasts
+    declared = spec.get("family")  # the family written before the runs; tests not yet possible count in it
+    adjusted = seed_stats.holm(family, declared)
+    out["family_size"] = max(sum(1 for p in family.values() if math.isfinite(p)), declared or 0)
+    out["tests_run"] = sum(1 for p in family.values() if math.isfinite(p))
+    for arm in sweep["arms"]:
+        for size, by_key in out["slopes"][arm].items():
+            for key, fit in by_key.items():
+                fit["p_holm"] = adjusted.get((arm, "slope", size, key), math.nan)
+                # a gain that falls as tokens per parameter fall: it grows with them, slope x BETTER > 0
+                fit["reading"] = _reading(-fit["low"], -fit["high"], BETTER[key], fit["p_holm"],
+                                          "the gain falls as tokens per parameter fall",
+                                          "the gain rises as tokens per parameter fall")  # fmt: skip
+        for name, by_key in out["contrasts"][arm].items():
+            for key, got in by_key.items():
+                got["p_holm"] = adjusted.get((arm, "contrast", name, key), math.nan)
+                got["reading"] = _reading(got["low"], got["high"], BETTER[key], got["p_holm"],
+                                          f"smaller gain at {got['a']}", f"larger gain at {got['a']}")  # fmt: skip
+    return out
 
 
 def tabulate(sweep: dict[str, Any], sizes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -132,18 +275,24 @@ def tabulate(sweep: dict[str, Any], sizes: list[dict[str, Any]]) -> dict[str, An
     for size in sizes:
         rows.append({
             "label": size["label"], "parameters": size["parameters"], "results": size["results_path"],
+            "size": size.get("size", size["label"]), "tokens": size.get("tokens"),
+            "data_varied": size.get("data_varied"),
+            "tokens_per_parameter": size.get("tokens_per_parameter"),
             "differences": {arm: {key: difference(size["results"], arm, baseline, key) for key in METRICS}
                             for arm in arms},
         })  # fmt: skip
-    trends = {}
-    for arm in arms:
+    trends: dict[str, Any] = {}
+    for arm in arms if not sweep.get("factorial") else []:  # a factorial's cells differ in tokens too
         trends[arm] = {}
         for key in METRICS:
             points = [(row["parameters"], d) for row in rows
                       for d in ((row["differences"][arm][key] or {}).get("seeds", []))]  # fmt: skip
             trends[arm][key] = trend(points)
     labels = {key: {"label": spec[3]} for key, spec in METRICS.items()}
-    return {"baseline": baseline, "arms": arms, "metrics": labels, "sizes": rows, "trend": trends}
+    table = {"baseline": baseline, "arms": arms, "metrics": labels, "sizes": rows, "trend": trends}
+    if sweep.get("factorial"):
+        table["factorial"] = factorial(sweep, rows)
+    return table
 
 
 def _cell(cell: dict[str, Any] | None) -> str:
@@ -151,34 +300,84 @@ def _cell(cell: dict[str, Any] | None) -> str:
         return "-"
     if cell["n"] < 2:  # a size with one seed so far: a difference, no interval and no test
         return f"{cell['mean']:+.2f} (one seed: no interval, no test)"
+    flip = cell.get("p_sign_flip")
+    extra = f"; sign-flip {figures.p_label(flip)}" if flip is not None and math.isfinite(flip) else ""
     return (
-        f"{cell['mean']:+.2f} [{cell['low']:+.2f}, {cell['high']:+.2f}], {figures.p_label(cell['p_seed_t']) or 'p n/a'}"
+        f"{cell['mean']:+.2f} [{cell['low']:+.2f}, {cell['high']:+.2f}], "
+        f"{figures.p_label(cell['p_seed_t']) or 'p n/a'}{extra}"
     )
+
+
+def _tpp(row: dict[str, Any]) -> str:
+    tpp = row.get("tokens_per_parameter")
+    return f"{tpp:.1f}" if tpp else "-"
 
 
 def markdown(table: dict[str, Any]) -> str:
     lines = []
     for arm in table["arms"]:
         lines += [
-            f"**{arm} minus {table['baseline']}** (mean [95 % t-interval] over seeds, seed-level paired t-test)",
+            f"**{arm} minus {table['baseline']}** (mean [95 % t-interval, clipped to the difference's range] "
+            "over seeds, seed-level paired t-test p; exact sign-flip p over the seeds; n = seeds)",
             "",
         ]
-        lines.append("| size | parameters | " + " | ".join(spec["label"] for spec in table["metrics"].values()) + " |")
-        lines.append("|---|---:|" + "---|" * len(table["metrics"]))
+        lines.append("| cell | parameters | tokens per parameter | data | seeds | "
+                     + " | ".join(spec["label"] for spec in table["metrics"].values()) + " |")  # fmt: skip
+        lines.append("|---|---:|---:|---|---:|" + "---|" * len(table["metrics"]))
         for row in table["sizes"]:
             cells = [_cell(row["differences"][arm][key]) for key in table["metrics"]]
-            lines.append(f"| {row['label']} | {row['parameters']:,} | " + " | ".join(cells) + " |")
-        lines += ["", "Trend over log10(parameters) (slope per 10x parameters [95 % interval]; verdict):", ""]
+            seeds = max(((row["differences"][arm][key] or {}).get("n", 0) for key in table["metrics"]), default=0)
+            data = {True: "varied with the seed", False: "one draw"}.get(row.get("data_varied"), "-")
+            head = f"| {row['label']} | {row['parameters']:,} | {_tpp(row)} | {data} | {seeds} | "
+            lines.append(head + " | ".join(cells) + " |")
+        if table["trend"].get(arm):
+            lines += ["", "Trend over log10(parameters) (slope per 10x parameters [95 % interval]; verdict):", ""]
         for key, spec in table["metrics"].items():
-            t = table["trend"][arm][key]
+            t = table["trend"].get(arm, {}).get(key)
             if t:
                 counts = ", ".join(str((row["differences"][arm][key] or {}).get("n", 0)) for row in table["sizes"])
                 fit = f"{t['slope']:+.2f} [{t['low']:+.2f}, {t['high']:+.2f}]"
                 p = figures.p_label(t["p"]) or "p n/a"
+                on_means = t.get("on_size_means")
+                means = ""
+                if on_means:
+                    means = (f"; through the {on_means['n']} size means ({on_means['n'] - 2} degree(s) of freedom): "
+                             f"{on_means['slope']:+.2f} [{on_means['low']:+.2f}, {on_means['high']:+.2f}], "
+                             f"{figures.p_label(on_means['p']) or 'p n/a'}")  # fmt: skip
                 lines.append(f"- {spec['label']}: {fit} (n = {t['n']}: {counts} seeds by size, {p}): "
-                             f"**{t['verdict']}**")  # fmt: skip
+                             f"**{t['verdict']}**{means}")  # fmt: skip
+        if table.get("factorial"):
+            lines += _factorial_markdown(table, arm)
         lines.append("")
     return "\n".join(lines)
+
+
+def _factorial_markdown(table: dict[str, Any], arm: str) -> list[str]:
+    fac, labels = table["factorial"], table["metrics"]
+    lines = ["", f"Q1, per size: slope of the per-seed differences on log2(tokens per parameter), per doubling "
+             f"[95 % interval], p, Holm's p over the primary family ({fac['family_size']} tests declared, "
+             f"{fac.get('tests_run', fac['family_size'])} possible so far; {', '.join(fac['primary'])}); reading "
+             "by the rule written before the runs.", "",
+             "| size | difference | levels | points | slope per doubling | p | Holm p | reading |",
+             "|---|---|---|---:|---|---:|---:|---|"]  # fmt: skip
+    for size, by_key in fac["slopes"].get(arm, {}).items():
+        for key, fit in by_key.items():
+            holm = figures.p_label(fit["p_holm"]) or ("(secondary)" if key not in fac["primary"] else "n/a")
+            levels = ", ".join(f"{x:.1f}" for x in fit["levels"])
+            lines.append(f"| {size} | {labels[key]['label']} | {levels} | {fit['n']} | {fit['slope']:+.2f} "
+                         f"[{fit['low']:+.2f}, {fit['high']:+.2f}] | {figures.p_label(fit['p']) or 'n/a'} | "
+                         f"{holm} | {fit['reading'] if key in fac['primary'] else '(secondary)'} |")  # fmt: skip
+    lines += ["", "Q2, contrasts: cell a's mean difference minus cell b's, Welch's 95 % interval and p, Holm's p; "
+              "reading.", "", "| contrast | a - b | difference | a - b [95 % interval] | p | Holm p | reading |",
+              "|---|---|---|---|---:|---:|---|"]  # fmt: skip
+    for name, by_key in fac["contrasts"].get(arm, {}).items():
+        for key, got in by_key.items():
+            primary = key in fac["primary"]
+            lines.append(f"| {name} | {got['a']} - {got['b']} | {labels[key]['label']} | {got['diff']:+.2f} "
+                         f"[{got['low']:+.2f}, {got['high']:+.2f}] | {figures.p_label(got['p']) or 'n/a'} | "
+                         f"{(figures.p_label(got['p_holm']) or 'n/a') if primary else '(secondary)'} | "
+                         f"{got['reading'] if primary else '(secondary)'} |")  # fmt: skip
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -186,6 +385,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sweep", default="configs/sweep/size_sweep.yaml", help="sweep file")
     parser.add_argument("--out", default=None, help="output folder (default: runs/<sweep name>)")
     parser.add_argument("--no-run", action="store_true", help="tabulate the sizes whose results exist; run nothing")
+    parser.add_argument("--start-until", default=None, metavar="HH:MM",
+                        help="start no run after this time (UTC, today; as study.py): the sweep stops")  # fmt: skip
     args = parser.parse_args(argv)
     if not os.path.isfile(args.sweep):
         raise SystemExit(f"--sweep {args.sweep}: no such file (sweeps: configs/sweep/*.yaml)")
@@ -208,12 +409,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             with open(preset_path, "w") as f:
                 yaml.safe_dump(preset, f, sort_keys=False)
         path = entry.get("results") or os.path.join(entry["out"], "results.json")
+        keep = ["--keep", entry["keep"]] if entry.get("keep") else []  # finished runs kept in the repository
+        if args.no_run and not entry.get("results") and keep:  # the seeds finished so far (a study under way)
+            try:
+                study.main(["--preset", preset_path, "--out", entry["out"], *keep, "--no-run"])
+            except SystemExit as error:
+                print(f"[sweep] {entry['label']}: {error}; left out (--no-run)", flush=True)
+                continue
         if not os.path.isfile(path) and not entry.get("results"):
             if args.no_run:
                 print(f"[sweep] {entry['label']}: no {path}; left out (--no-run)", flush=True)
                 continue
-            keep = ["--keep", entry["keep"]] if entry.get("keep") else []  # finished runs kept in the repository
-            study.main(["--preset", preset_path, "--out", entry["out"], *keep])
+            until = ["--start-until", args.start_until] if args.start_until else []
+            study.main(["--preset", preset_path, "--out", entry["out"], *keep, *until])
         if not os.path.isfile(path):
             raise SystemExit(f"[sweep] {entry['label']}: {path} missing; run its preset {entry['preset']}")
         with open(path) as f:
@@ -221,8 +429,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         missing = [arm for arm in [sweep.get("baseline", "CE"), *sweep["arms"]] if arm not in results]
         if missing:
             raise SystemExit(f"[sweep] {path} has no arm {missing}; its arms: {list(results)}")
-        sizes.append({"label": entry["label"], "parameters": parameters(preset), "results": results,
-                      "results_path": path})  # fmt: skip
+        count = parameters(preset)
+        sizes.append({"label": entry["label"], "parameters": count, "results": results, "results_path": path,
+                      "size": entry.get("size", entry["label"]), "tokens": tokens(preset),
+                      "data_varied": study.data_seeded(preset),
+                      "tokens_per_parameter": tokens(preset) / count})  # fmt: skip
     table = tabulate(sweep, sizes)
     table["seconds"] = time.time() - start
     with open(os.path.join(out, "sweep.json"), "w") as f:
@@ -230,9 +441,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = markdown(table)
     with open(os.path.join(out, "sweep.md"), "w") as f:
         f.write(text + "\n")
-    figures.sweep_figure(table, os.path.join(out, "size_sweep.png"))
+    if table.get("factorial"):
+        figures.factorial_figure(table, os.path.join(out, "size_tpp_factorial.png"))
+    else:
+        figures.sweep_figure(table, os.path.join(out, "size_sweep.png"))
     print(text)
-    print(f"[sweep] {time.time() - start:.0f} s; sweep.json, sweep.md, size_sweep.png in {out}")
+    png = "size_tpp_factorial.png" if table.get("factorial") else "size_sweep.png"
+    print(f"[sweep] {time.time() - start:.0f} s; sweep.json, sweep.md, {png} in {out}")
     return table
 
 

@@ -31,7 +31,9 @@ repository, a study that takes longer than one machine's life continues on the n
 
 * ``results.json`` and ``results.md``: mean and spread (sample standard deviation) over seeds of
   exact-match accuracy, MAE, log-MAE and R^2 on the interpolation and extrapolation splits, every
-  seed's numbers, and paired tests of each arm against the baseline (see :func:`paired_tests`);
+  seed's numbers, the seed-level tests of each arm against the baseline with Holm's adjustment over
+  the study (``seed_tests``: :mod:`seed_stats`; first in ``results.md``) and per split the paired
+  differences with the counts over questions and sequences (see :func:`paired_tests`);
 * ``loss_curves.png``: CE and NTL per step (mean over seeds) for each arm;
 * ``verdict.png``: every seed of each arm and the arm's mean with its 95 % t-interval, per headline
   metric (:mod:`figures`, from ``results.json``);
@@ -62,6 +64,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/figures.py
 
 import figures  # noqa: E402
+import seed_stats  # noqa: E402
 
 from ntl_scale.eval.numbers import extract_number  # noqa: E402
 from ntl_scale.training.evaluate import HELDOUT_COLUMNS, heldout_metrics  # noqa: E402
@@ -85,6 +88,23 @@ def metrics_of(split: dict[str, Any]) -> tuple[str, ...]:
     return METRICS if "accuracy" in split else tuple(m for m in HELDOUT_METRICS if m in split)
 
 
+DATA_SEED = "{data_seed}"
+"""Placeholder of a preset's ``prepare`` commands, ``overrides`` and ``heldout_groups`` path, replaced by
+each run's data seed where the preset says ``data_seed: with_seed`` (a corpus built per data seed)."""
+
+
+def data_seeded(preset: dict[str, Any]) -> bool:
+    """Whether the preset varies the data with the seed (``data_seed: with_seed``): each run gets
+    ``data.seed=<seed>`` (the order of the training set) and :data:`DATA_SEED` replaced by its seed (e.g.
+    the corpus's ``--seed``: the training text and the held-out questions and sequences)."""
+    return preset.get("data_seed", "fixed") == "with_seed"
+
+
+def for_seed(text: str, seed: int) -> str:
+    """``text`` with :data:`DATA_SEED` replaced by ``seed``."""
+    return text.replace(DATA_SEED, str(seed))
+
+
 def load_preset(path: str) -> dict[str, Any]:
     """Reads and checks a study preset."""
     with open(path, encoding="utf-8") as f:
@@ -99,6 +119,13 @@ def load_preset(path: str) -> dict[str, Any]:
     against = preset.get("also_against", [])
     if not isinstance(against, list) or any(a not in preset["arms"] or a == preset.get("baseline") for a in against):
         raise SystemExit(f"{path}: also_against must list arms other than the baseline, got {against!r}")
+    if preset.get("data_seed", "fixed") not in ("fixed", "with_seed"):
+        raise SystemExit(f"{path}: data_seed must be 'fixed' (data.seed of the base config in every run) or "
+                         f"'with_seed' (data.seed = the run's seed), got {preset['data_seed']!r}")  # fmt: skip
+    placeholders = [text for text in [*preset.get("prepare", []), *preset.get("overrides", []),
+                                      str(preset.get("heldout_groups", ""))] if DATA_SEED in text]  # fmt: skip
+    if placeholders and preset.get("data_seed", "fixed") != "with_seed":
+        raise SystemExit(f"{path}: {DATA_SEED} in {placeholders[0]!r} needs data_seed: with_seed")
     if preset.get("launcher", "python") not in ("python", "deepspeed"):
         raise SystemExit(f"{path}: launcher must be 'python' or 'deepspeed', got {preset['launcher']!r}")
     return preset
@@ -278,7 +305,9 @@ def restore_run(keep_dir: str, run_dir: str) -> bool:
 
 def train_command(preset: dict[str, Any], run_dir: str, arm: list[str], seed: int) -> list[str]:
     """The launch/train.py command of one run."""
-    overrides = [*preset.get("overrides", []), *arm, f"train.seed={seed}", f"run_dir={run_dir}"]
+    shared = [for_seed(o, seed) for o in preset.get("overrides", [])]
+    data = [f"data.seed={seed}"] if data_seeded(preset) else []
+    overrides = [*shared, *arm, f"train.seed={seed}", *data, f"run_dir={run_dir}"]
     script = os.path.join(ROOT, preset.get("entry", "launch/train.py"))  # e.g. experiments/train_baselines.py
     entry = [script, "--config", os.path.join(ROOT, preset["base_config"])]
     if preset.get("launcher", "python") == "python":
@@ -290,13 +319,46 @@ def train_command(preset: dict[str, Any], run_dir: str, arm: list[str], seed: in
     return [*launcher, "--master_port", str(port), *entry, *overrides]
 
 
-def run_all(preset: dict[str, Any], out: str, keep: str | None = None) -> dict[str, list[str]]:
-    """Trains every (arm, seed), ``parallel`` at a time; returns the run directories per arm. With
-    ``keep``, runs kept there are restored instead of trained and each finished run is kept there."""
+def prepare(preset: dict[str, Any]) -> list[str]:
+    """Runs the preset's ``prepare`` commands in ``ROOT``, each once, or once per seed where it names
+    :data:`DATA_SEED` (a corpus per data seed); returns the commands run."""
+    done = []
     for command in preset.get("prepare", []):
-        print(f"[study] prepare: {command}", flush=True)
-        if subprocess.call(command, shell=True, cwd=ROOT) != 0:
-            raise SystemExit(f"[study] prepare step failed: {command}")
+        for seed in preset["seeds"] if DATA_SEED in command else [None]:
+            text = command if seed is None else for_seed(command, seed)
+            print(f"[study] prepare: {text}", flush=True)
+            if subprocess.call(text, shell=True, cwd=ROOT) != 0:
+                raise SystemExit(f"[study] prepare step failed: {text}")
+            done.append(text)
+    return done
+
+
+def finished_runs(preset: dict[str, Any], out: str, keep: str | None = None) -> dict[str, list[str]]:
+    """The run directories per arm of the seeds at which every arm has finished (in ``out``, or kept in
+    ``keep`` and restored into ``out``), training nothing; SystemExit if no seed has."""
+    runs: dict[str, list[str]] = {arm: [] for arm in preset["arms"]}
+    for seed in preset["seeds"]:
+        dirs = {arm: os.path.join(out, slug(arm), f"seed{seed}") for arm in preset["arms"]}
+        for arm, run_dir in dirs.items():
+            kept = os.path.join(keep, slug(arm), f"seed{seed}") if keep else None
+            if not os.path.isfile(os.path.join(run_dir, "eval.json")) and kept:
+                restore_run(kept, run_dir)
+        if all(os.path.isfile(os.path.join(d, "eval.json")) for d in dirs.values()):
+            for arm, run_dir in dirs.items():
+                runs[arm].append(run_dir)
+    if not next(iter(runs.values())):
+        raise SystemExit(f"[study] --no-run: no seed of {out} (or {keep}) has every arm finished")
+    return runs
+
+
+def run_all(
+    preset: dict[str, Any], out: str, keep: str | None = None, start_until: float | None = None
+) -> dict[str, list[str]]:
+    """Trains every (arm, seed), ``parallel`` at a time; returns the run directories per arm. With
+    ``keep``, runs kept there are restored instead of trained and each finished run is kept there. With
+    ``start_until`` (a time.time()), no run starts after it: the runs started finish, then the study
+    stops (SystemExit), the finished ones kept."""
+    prepare(preset)
     runs: dict[str, list[str]] = {}
     todo = []
     for seed in preset["seeds"]:  # seed by seed: a study stopped early has every arm at the same seeds
@@ -322,6 +384,10 @@ def run_all(preset: dict[str, Any], out: str, keep: str | None = None) -> dict[s
     for index, (arm, seed, run_dir, overrides, kept) in enumerate(todo, start=1):
         while len(active) >= parallel:
             failed += _reap(active, threads, parallel)
+        if start_until is not None and time.time() > start_until:
+            failed.append(f"no run started after {time.strftime('%H:%M UTC', time.gmtime(start_until))} "
+                          f"(--start-until): {len(todo) - index + 1} left, from {arm} seed {seed}")  # fmt: skip
+            break
         print(f"[study] {index}/{len(todo)} {arm} seed {seed} -> {run_dir}", flush=True)
         os.makedirs(run_dir, exist_ok=True)
         log = open(os.path.join(run_dir, "train.log"), "w")
@@ -398,19 +464,26 @@ def _groups(preset: dict[str, Any], runs: dict[str, list[str]] | None = None) ->
     if isinstance(groups, str):
         if runs is None:
             return {}
-        path = os.path.join(ROOT, groups) if not os.path.isabs(groups) else groups
-        if not os.path.isfile(path):
-            raise SystemExit(f"heldout_groups: no corpus manifest {path}; give a mapping or the corpus's manifest.json")
-        held = _read_json(path).get("heldout") or {}
+        template, found = groups, {}
         for run in (d for dirs in runs.values() for d in dirs):
             cfg = _read_json(os.path.join(run, "config.json"))
+            path = for_seed(template, cfg["data"]["seed"])  # a corpus per data seed: the run's own manifest
+            path = os.path.join(ROOT, path) if not os.path.isabs(path) else path
+            if not os.path.isfile(path):
+                raise SystemExit(
+                    f"heldout_groups: no corpus manifest {path}; give a mapping or the corpus's manifest.json"
+                )
+            held = _read_json(path).get("heldout") or {}
+            found[path] = held.get("groups") or {}
             got = (cfg["data"]["eval_sequences"], cfg["train"]["seq_length"])
             if got != (held.get("sequences"), held.get("seq_length")):
                 raise SystemExit(
                     f"{run} held out {got[0]} sequences of {got[1]} tokens, but {path} places {held.get('sequences')} "
                     f"of {held.get('seq_length')}; build the corpus with the run's data.eval_sequences and seq_length"
                 )
-        groups = held.get("groups") or {}
+        if len({json.dumps(g, sort_keys=True) for g in found.values()}) > 1:
+            raise SystemExit(f"heldout_groups: the corpora's manifests place different groups: {found}")
+        groups = next(iter(found.values()), {})
     if not isinstance(groups, dict) or not all(
         isinstance(v, list) and len(v) == 2 and all(type(i) is int for i in v) and 0 <= v[0] < v[1]
         for v in groups.values()
@@ -466,16 +539,16 @@ def _errors(run_dir: str, split: str) -> list[tuple[str, bool, float]]:
 def paired_tests(
     runs: dict[str, list[str]], table: dict[str, Any], baseline: str, groups: dict[str, tuple[int, int]] | None = None
 ) -> dict[str, Any]:
-    """Each arm against ``baseline``, paired (same seed: same init and data; same questions).
+    """Each arm against ``baseline``, paired by seed (same init and data; same questions).
 
-    * per seed: a paired t-test on each metric's per-seed values (n = seeds, so weak with 3 seeds);
-    * per question, pooled over seeds: an exact McNemar test on exact-match accuracy (the binomial
-      test of the discordant pairs) and a Wilcoxon signed-rank test on the absolute errors (an
-      unparseable answer counts as an infinite error, so it ranks worst);
-    * held-out text (splits ``heldout`` and ``heldout:<group>``): see :func:`_sequence_tests`.
+    * per seed, the test of the effect: the mean of the per-seed differences with its 95 % t-interval
+      clipped to the metric's range, the paired t-test and the exact sign-flip test
+      (:func:`seed_stats.seed_test`; Holm's adjustment over the study in ``results.json``'s ``seed_tests``);
+    * per question and per held-out sequence, counts only (descriptive, no test): the questions only one
+      arm got right, how often the arm's answer is the closer one (``closer``), how often its sequence
+      metric is the better one (``sequences``; see :func:`_sequence_tests`). The same questions answered
+      by every seed's models are not independent pairs, so no p is given for them.
     """
-    from scipy import stats
-
     out: dict[str, Any] = {}
     for arm, dirs in runs.items():
         if arm == baseline:
@@ -487,12 +560,8 @@ def paired_tests(
                 if metric not in table[baseline][split]:
                     continue
                 a, b = table[arm][split][metric]["seeds"], table[baseline][split][metric]["seeds"]
-                pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None and math.isfinite(x + y)]
-                diff = [x - y for x, y in pairs]
-                p = math.nan
-                if len(pairs) > 1 and any(d != diff[0] for d in diff):
-                    p = float(stats.ttest_rel([x for x, _ in pairs], [y for _, y in pairs]).pvalue)
-                result[metric] = {"mean_diff": statistics.fmean(diff) if diff else math.nan, "p_seed_t": p}
+                test = seed_stats.seed_test(a, b, metric)
+                result[metric] = {k: test[k] for k in ("n", "mean_diff", "ci95", "p_seed_t", "p_sign_flip")}
             if split == "heldout" or split.startswith("heldout:"):
                 first, stop = (groups or {}).get(split.partition(":")[2], (0, None))
                 _sequence_tests(result, dirs, runs[baseline], slice(first, stop))
@@ -510,52 +579,44 @@ def paired_tests(
                     only_arm += right and not right0
                     only_base += right0 and not right
                     if err != err0:
-                        better.append(err0 - err if math.isfinite(err0 - err) else (1e300 if err < err0 else -1e300))
-            result["accuracy"]["mcnemar"] = {
-                "only_arm_right": only_arm,
-                "only_baseline_right": only_base,
-                "p": float(stats.binomtest(only_arm, only_arm + only_base).pvalue) if only_arm + only_base else 1.0,
-            }
-            result["mae"]["wilcoxon"] = {
-                "n": len(better),
-                "arm_closer": sum(d > 0 for d in better),
-                "p": float(stats.wilcoxon(better).pvalue) if len(better) > 1 else math.nan,
-            }
+                        better.append(err0 - err)
+            result["accuracy"]["questions"] = {"only_arm_right": only_arm, "only_baseline_right": only_base}
+            result["mae"]["closer"] = {"n": len(better), "arm_closer": sum(d > 0 for d in better)}
             out[arm][split] = result
     return out
 
 
 def _sequence_tests(result: dict[str, Any], dirs: list[str], base_dirs: list[str], part: slice) -> None:
     """Per held-out sequence (those of ``part``): each metric's value of the sequence alone, arm minus
-    baseline, averaged over the seeds (the same sequences in every run of both arms: their labels'
-    CRC-32 must match, else the study stops), then a Wilcoxon signed-rank test over the sequences. It
-    is conditional on these trained models (the seed-level t-test is the test of the NTL effect). A
-    sequence without the metric's label kind is left out of that metric. Adds ``wilcoxon`` = {n,
-    arm_better, p} to the metrics of ``result``."""
-    from scipy import stats
-
+    baseline (the arm's and the baseline's run of a seed hold out the same text: their labels' CRC-32
+    must match, else the study stops), averaged over the seeds where every seed holds out the same text,
+    else each (seed, sequence) on its own (a corpus per data seed). Counted, not tested: the sequences
+    answered by the same models are not independent pairs (the seed-level test is the test of the
+    effect). A sequence without the metric's label kind is left out of that metric. Adds ``sequences`` =
+    {n, arm_better} to the metrics of ``result``."""
     per_seed = []
-    reference = [r["labels_crc32"] for r in sequence_rows(base_dirs[0])]
-    for run, base in zip(dirs, base_dirs):
+    for run, base in zip(dirs, base_dirs):  # the arm's and the baseline's run of one seed: the same text
+        if [r["labels_crc32"] for r in sequence_rows(run)] != [r["labels_crc32"] for r in sequence_rows(base)]:
+            raise SystemExit(f"{run} and {base} hold out different text; cannot pair their sequences")
         rows, base_rows = sequence_rows(run)[part], sequence_rows(base)[part]
-        for other in (run, base):  # every run of both arms, every seed: the same text, sequence by sequence
-            if [r["labels_crc32"] for r in sequence_rows(other)] != reference:
-                raise SystemExit(f"{other} and {base_dirs[0]} hold out different text; cannot pair their sequences")
         per_seed.append([(sequence_metrics([r]), sequence_metrics([r0])) for r, r0 in zip(rows, base_rows)])
+    texts = {tuple(r["labels_crc32"] for r in sequence_rows(base)) for base in base_dirs}
+    units = list(zip(*per_seed))  # one held-out sequence, every seed
+    if len(texts) > 1:  # a corpus per data seed: sequence i of one seed is not sequence i of another
+        units = [(pair,) for pairs in per_seed for pair in pairs]
     for metric in result:
         if metric not in LOWER_BETTER:
             continue
         diffs = []
-        for pairs in zip(*per_seed):  # one held-out sequence, every seed
+        for pairs in units:
             if all(metric in a and metric in b for a, b in pairs):
                 d = statistics.fmean(a[metric] - b[metric] for a, b in pairs)
                 scale = max(abs(a[metric]) + abs(b[metric]) for a, b in pairs)
                 diffs.append(d if abs(d) > 1e-12 * scale else 0.0)  # differences that cancel are ties, not 1e-17
         nonzero = [d for d in diffs if d != 0]
-        result[metric]["wilcoxon"] = {
+        result[metric]["sequences"] = {
             "n": len(diffs),
             "arm_better": sum((d < 0) == LOWER_BETTER[metric] for d in nonzero),
-            "p": float(stats.wilcoxon(nonzero).pvalue) if len(nonzero) > 1 else math.nan,
         }
 
 
@@ -584,31 +645,45 @@ def markdown(table: dict[str, Any], preset_path: str, seeds: list[int], tests: d
             acc, mae = splits_of_arm[split]["accuracy"]["seeds"], splits_of_arm[split]["mae"]["seeds"]
             lines.append(f"- {arm}: " + ", ".join(f"{a:.3f} / {e:.3g}" for a, e in zip(acc, mae)))
         if tests:
-            lines += [
-                "",
-                f"Paired against {baseline} ({split}): accuracy by McNemar's exact test over every question of "
-                "every seed, MAE by the Wilcoxon signed-rank test on the absolute errors, and a paired t-test "
-                "over the seeds.",
-                "",
-                "| arm | accuracy diff | right only here / only baseline | McNemar p | t-test p | MAE diff "
-                "| closer / pairs | Wilcoxon p | t-test p |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-            ]
-            for arm, per_split in tests.items():
-                t = per_split[split]
-                if "mcnemar" not in t["accuracy"]:  # no predictions file: per-seed tests only
-                    lines.append(f"| {arm} | {t['accuracy']['mean_diff']:+.3f} | | | {_p(t['accuracy']['p_seed_t'])} "
-                                 f"| {t['mae']['mean_diff']:+.3g} | | | {_p(t['mae']['p_seed_t'])} |")  # fmt: skip
-                    continue
-                mc, wx = t["accuracy"]["mcnemar"], t["mae"]["wilcoxon"]
-                right = f"{mc['only_arm_right']} / {mc['only_baseline_right']}"
-                lines.append(
-                    f"| {arm} | {t['accuracy']['mean_diff']:+.3f} | {right} "
-                    f"| {_p(mc['p'])} | {_p(t['accuracy']['p_seed_t'])} | {t['mae']['mean_diff']:+.3g} "
-                    f"| {wx['arm_closer']} / {wx['n']} | {_p(wx['p'])} | {_p(t['mae']['p_seed_t'])} |"
-                )
+            lines += _tests_markdown(tests, split, baseline, ("accuracy", "mae", "log_mae", "r2"))
         lines.append("")
     return "\n".join(lines)
+
+
+def _interval(t: dict[str, Any]) -> str:
+    low, high = t.get("ci95", [math.nan, math.nan])
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return f"{t['mean_diff']:+.4g}"
+    return f"{t['mean_diff']:+.4g} [{low:+.4g}, {high:+.4g}]"
+
+
+def _tests_markdown(tests: dict[str, Any], split: str, baseline: str, metrics: Any) -> list[str]:
+    """The paired tests of one split: per arm and metric the mean per-seed difference with its 95 %
+    interval (clipped to the metric's range), the seed-level t-test and sign-flip test, and the
+    descriptive counts over questions or sequences (no test: not independent pairs)."""
+    lines = ["", f"Paired against {baseline} ({split}), by seed: the mean of the per-seed differences [95 % "
+             "t-interval, clipped to the metric's range], the paired t-test and the exact sign-flip test over the "
+             "seeds (Holm's adjustment over the study: the seed-level table). Counts over questions or held-out "
+             "sequences of every seed are descriptive: the same models answer them all, so they are not "
+             "independent pairs and get no test ('better': lower perplexity or error, higher accuracy).", "",
+             "| arm | metric | diff [95 % interval] | t-test p | sign-flip p | counts (descriptive) |",
+             "|---|---|---|---:|---:|---|"]  # fmt: skip
+    for arm, per_split in tests.items():
+        for metric in metrics:
+            t = per_split[split].get(metric)
+            if t is None:
+                continue
+            count = ""
+            if "questions" in t:
+                count = f"right only here {t['questions']['only_arm_right']}, only {baseline} " \
+                        f"{t['questions']['only_baseline_right']}"  # fmt: skip
+            elif "closer" in t:
+                count = f"closer in {t['closer']['arm_closer']} of {t['closer']['n']} unequal errors"
+            elif "sequences" in t:
+                count = f"better in {t['sequences']['arm_better']} of {t['sequences']['n']} sequences"
+            lines.append(f"| {arm} | {metric} | {_interval(t)} | {_p(t['p_seed_t'])} | "
+                         f"{_p(t.get('p_sign_flip', math.nan))} | {count} |")  # fmt: skip
+    return lines
 
 
 def _heldout_markdown(table: dict[str, Any], split: str, tests: dict[str, Any], baseline: str) -> list[str]:
@@ -620,21 +695,7 @@ def _heldout_markdown(table: dict[str, Any], split: str, tests: dict[str, Any], 
         cells = [f"{per_split[split][m]['mean']:.4g} +- {per_split[split][m]['std']:.2g}" for m in metrics]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     if tests:
-        lines += [
-            "",
-            f"Paired against {baseline} ({split}): a paired t-test over the seeds (the test of the effect), and "
-            "a Wilcoxon signed-rank test over the held-out sequences of each sequence's difference averaged over "
-            "the seeds (conditional on these runs; 'better' = lower perplexity or error, higher accuracy).",
-            "",
-            "| arm | metric | diff | better / pairs | Wilcoxon p | t-test p |",
-            "|---|---|---:|---:|---:|---:|",
-        ]
-        for arm, per_split in tests.items():
-            for metric, t in per_split[split].items():
-                wx = t.get("wilcoxon")
-                better = f"{wx['arm_better']} / {wx['n']}" if wx else ""
-                lines.append(f"| {arm} | {metric} | {t['mean_diff']:+.4g} | {better} | {_p(wx['p']) if wx else ''} "
-                             f"| {_p(t['p_seed_t'])} |")  # fmt: skip
+        lines += _tests_markdown(tests, split, baseline, metrics)
     return [*lines, ""]
 
 
@@ -744,6 +805,17 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
     return written
 
 
+def _utc_today(text: str) -> float:
+    """``HH:MM`` (UTC) today as a time.time()."""
+    import calendar
+
+    match = re.fullmatch(r"([01]?\d|2[0-3]):([0-5]\d)", text)
+    if not match:
+        raise SystemExit(f"--start-until {text!r}: expected HH:MM (UTC), e.g. 10:05")
+    day = time.gmtime()
+    return calendar.timegm((day.tm_year, day.tm_mon, day.tm_mday, int(match[1]), int(match[2]), 0, 0, 0, 0))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="configs/study/cpu.yaml", help="study preset YAML")
@@ -755,6 +827,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="folder that keeps each finished run's small files, and "
         "from which kept runs are restored instead of trained (e.g. experiments/finished_runs/NAME)",
     )
+    parser.add_argument("--no-run", action="store_true",
+                        help="train nothing: run the preset's prepare commands, restore the kept runs (--keep) and "
+                             "tabulate the seeds at which every arm has finished (a study under way; results.json's "
+                             "preset lists those seeds)")  # fmt: skip
+    parser.add_argument("--start-until", default=None, metavar="HH:MM",
+                        help="start no run after this time (UTC, today): the started runs finish, the study stops "
+                             "without tabulating (a machine shared on a schedule)")  # fmt: skip
     args = parser.parse_args(argv)
     if not os.path.isfile(args.preset):
         raise SystemExit(f"--preset {args.preset}: no such file (presets: configs/study/*.yaml)")
@@ -767,7 +846,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     start = time.time()
     _groups(preset)  # a mapping is checked before any run; a manifest once the corpus is prepared
-    runs = run_all(preset, out, args.keep)
+    if args.no_run:
+        prepare(preset)  # the corpus the held-out groups are read from (deterministic, seconds)
+        runs = finished_runs(preset, out, args.keep)
+        preset["seeds"] = [int(os.path.basename(d).removeprefix("seed")) for d in next(iter(runs.values()))]
+    else:
+        runs = run_all(preset, out, args.keep, _utc_today(args.start_until) if args.start_until else None)
     groups = _groups(preset, runs)
     table = aggregate(runs, groups)
     baseline = preset.get("baseline", next(iter(preset["arms"])))
@@ -784,8 +868,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "runs": records}  # fmt: skip
         if against:
             summary["paired_tests_against"] = against
+        summary["seed_tests"] = seed_stats.seed_tests(summary)  # the study's family, Holm-adjusted
         json.dump(summary, f, indent=2)
-    text = markdown(table, args.preset, preset["seeds"], tests, baseline)
+    text = seed_stats.markdown(summary["seed_tests"]) + "\n\n"
+    text += markdown(table, args.preset, preset["seeds"], tests, baseline)
     for other, other_tests in against.items():
         subset = {arm: table[arm] for arm in (other, *other_tests)}
         text += f"\n\n**Paired against {other}**\n\n" + markdown(

@@ -34,7 +34,54 @@ def test_relative_difference_interval_and_test_match_the_definitions():
     assert cell["n"] == 4 and cell["seeds"] == pytest.approx(diffs, rel=1e-12)
     assert (cell["mean"], cell["low"], cell["high"]) == pytest.approx((mean, mean - half, mean + half), rel=1e-12)
     assert cell["p_seed_t"] == pytest.approx(p, rel=1e-12)
-    assert sweep._cell(cell) == f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}], p = {p:.3f}"
+    assert cell["p_sign_flip"] == 2 / 16  # every seed's cost has the same sign: the floor of 4 seeds
+    assert (
+        sweep._cell(cell) == f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}], p = {p:.3f}; sign-flip p = 0.125"
+    )
+
+
+def test_intervals_are_clipped_to_what_a_difference_can_take():
+    # question accuracy in points: one seed from 0 to 100 %, the others unchanged; the t-interval's upper
+    # end would pass +100 points, which no accuracy difference can
+    results = {arm: {"questions": {"accuracy": {"seeds": seeds}}}
+               for arm, seeds in (("CE", [0.0, 0.5, 0.5, 0.5]), ("NTL", [1.0, 0.5, 0.5, 0.5]))}  # fmt: skip
+    cell = sweep.difference(results, "NTL", "CE", "question_acc")
+    half = stats.t.ppf(0.975, 3) * statistics.stdev([100.0, 0, 0, 0]) / 2
+    assert 25.0 + half > 100 and cell["high"] == 100.0 and cell["low"] == pytest.approx(25.0 - half)
+
+
+def test_factorial_slopes_contrasts_and_their_reading():
+    """Two sizes, three and two levels of tokens per parameter; the slope on log2(tokens per parameter)
+    is numpy's least-squares line, each contrast is Welch's interval computed here, Holm over the primary
+    family counts the 2 slopes and 1 contrast of each primary metric, and the reading follows the rule."""
+    gains = {("s", 2.4): [-1.0, -1.5, -0.5, -1.2], ("s", 9.6): [-5.0, -5.5, -4.8, -5.2],
+             ("s", 38.4): [-9.0, -9.4, -8.9, -9.3], ("m", 2.4): [-2.0, -2.5, -1.0, -2.2],
+             ("m", 9.6): [-2.2, -2.0, -1.9, -2.6]}  # fmt: skip
+    rows = []
+    for (size, tpp), diffs in gains.items():
+        cells = {key: None for key in sweep.METRICS}
+        cells["number_token_mae"] = {"seeds": diffs, "n": len(diffs), "mean": float(np.mean(diffs))}
+        rows.append({"label": f"{size} @ {tpp}", "size": size, "tokens_per_parameter": tpp,
+                     "differences": {"NTL": cells}})  # fmt: skip
+    spec = {"arms": ["NTL"], "factorial": {"primary": ["number_token_mae"],
+            "contrasts": [{"name": "tokens at m", "a": "m @ 2.4", "b": "m @ 9.6"}]}}  # fmt: skip
+    out = sweep.factorial(spec, rows)
+    assert out["family_size"] == 3
+    fit = out["slopes"]["NTL"]["s"]["number_token_mae"]
+    xs = [math.log2(t) for t in (2.4, 9.6, 38.4) for _ in range(4)]
+    ys = gains[("s", 2.4)] + gains[("s", 9.6)] + gains[("s", 38.4)]
+    slope, _ = np.polyfit(xs, ys, 1)
+    assert fit["slope"] == pytest.approx(slope, rel=1e-10) and fit["n"] == 12
+    assert fit["reading"] == "the gain falls as tokens per parameter fall"  # MAE closer to 0 at 2.4
+    a, b = gains[("m", 2.4)], gains[("m", 9.6)]
+    va, vb = np.var(a, ddof=1) / 4, np.var(b, ddof=1) / 4
+    df = (va + vb) ** 2 / (va**2 / 3 + vb**2 / 3)
+    half = stats.t.ppf(0.975, df) * math.sqrt(va + vb)
+    got = out["contrasts"]["NTL"]["tokens at m"]["number_token_mae"]
+    assert (got["diff"], got["low"], got["high"]) == pytest.approx(
+        (np.mean(a) - np.mean(b), np.mean(a) - np.mean(b) - half, np.mean(a) - np.mean(b) + half), rel=1e-10
+    )
+    assert got["reading"] == "not resolved"
 
 
 def test_two_seeds_get_an_interval():

@@ -1,9 +1,11 @@
 """experiments/study.py on held-out text, without training: per-sequence files written here by hand.
 
-The group tables and the per-sequence test are checked against a float64 reference written here
-(perplexity of summed label counts; differences averaged over seeds; scipy's Wilcoxon), and the
-study refuses what it cannot pair: runs holding out other text, files from before labels_crc32, a
-missing file, groups on runs without held-out text, group ranges that are not [first, stop).
+The group tables, the seed-level tests and the per-sequence counts are checked against a float64
+reference written here (perplexity of summed label counts; differences averaged over seeds, or per
+(seed, sequence) where each seed holds out its own text; scipy's paired t-test), and the study refuses
+what it cannot pair: an arm's and the baseline's run of one seed holding out other text, files from
+before labels_crc32, a missing file, groups on runs without held-out text, group ranges that are not
+[first, stop).
 """
 
 from __future__ import annotations
@@ -43,13 +45,14 @@ def _write(run: Path, rows: list[dict]) -> None:
     (run / "eval.json").write_text(json.dumps({"heldout": study.sequence_metrics(rows)}))
 
 
-def _runs(tmp_path: Path, crcs: list[int], seeds: int = 3) -> dict[str, list[str]]:
+def _runs(tmp_path: Path, crcs: list[int], seeds: int = 3, per_seed_text: bool = False) -> dict[str, list[str]]:
     rng = random.Random(7)
     runs: dict[str, list[str]] = {}
     for arm in ("CE", "NTL"):
         for seed in range(seeds):
             run = tmp_path / arm / f"seed{seed}"
-            _write(run, [_row(rng, i, crc) for i, crc in enumerate(crcs)])
+            shift = 1000 * seed if per_seed_text else 0  # a corpus per data seed: other text at each seed
+            _write(run, [_row(rng, i + shift, crc + shift) for i, crc in enumerate(crcs)])
             runs.setdefault(arm, []).append(str(run))
     return runs
 
@@ -77,9 +80,25 @@ def test_groups_and_per_sequence_tests_match_a_reference(tmp_path):
             pairs = [(a[i], b[i]) for a, b in zip(rows["NTL"], rows["CE"])]
             if all(a["tokens"] > a["number_tokens"] for a, _ in pairs):
                 diffs.append(sum(_text_ppl(a) - _text_ppl(b) for a, b in pairs) / len(pairs))
-        wilcoxon = tests["NTL"][split]["text_ppl"]["wilcoxon"]
-        assert wilcoxon["n"] == len(diffs) and wilcoxon["arm_better"] == sum(d < 0 for d in diffs)
-        assert wilcoxon["p"] == pytest.approx(float(stats.wilcoxon(diffs).pvalue), rel=1e-9)
+        counted = tests["NTL"][split]["text_ppl"]["sequences"]
+        assert counted == {"n": len(diffs), "arm_better": sum(d < 0 for d in diffs)}
+        seed_level = tests["NTL"][split]["text_ppl"]
+        ntl, ce = table["NTL"][split]["text_ppl"]["seeds"], table["CE"][split]["text_ppl"]["seeds"]
+        assert seed_level["p_seed_t"] == pytest.approx(float(stats.ttest_rel(ntl, ce).pvalue), rel=1e-9)
+        assert "p" not in counted and "wilcoxon" not in seed_level  # no test over the pseudo-replicated sequences
+
+
+def test_a_corpus_per_data_seed_counts_each_seed_and_sequence(tmp_path):
+    """Each seed holds out its own text (data_seed: with_seed): sequence i of seed 0 is not sequence i of
+    seed 1, so each (seed, sequence) is counted on its own, and nothing is averaged across seeds."""
+    runs = _runs(tmp_path, list(range(6)), seeds=2, per_seed_text=True)
+    table = study.aggregate(runs, {})
+    counted = study.paired_tests(runs, table, "CE", {})["NTL"]["heldout"]["text_ppl"]["sequences"]
+    rows = {arm: [[json.loads(x) for x in Path(d, "heldout_sequences.jsonl").read_text().splitlines()] for d in dirs]
+            for arm, dirs in runs.items()}  # fmt: skip
+    diffs = [_text_ppl(a) - _text_ppl(b) for ra, rb in zip(rows["NTL"], rows["CE"]) for a, b in zip(ra, rb)
+             if a["tokens"] > a["number_tokens"]]  # fmt: skip
+    assert counted == {"n": len(diffs), "arm_better": sum(d < 0 for d in diffs)}
 
 
 def test_runs_that_hold_out_other_text_are_not_paired(tmp_path):
@@ -89,7 +108,7 @@ def test_runs_that_hold_out_other_text_are_not_paired(tmp_path):
     rows[3]["labels_crc32"] = 99
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = study.aggregate(runs, {})
-    with pytest.raises(SystemExit, match=r"seed2 and .*seed0 hold out different text"):
+    with pytest.raises(SystemExit, match=r"NTL/seed2 and .*CE/seed2 hold out different text"):
         study.paired_tests(runs, table, "CE", {})
 
 
@@ -129,5 +148,5 @@ def test_differences_that_cancel_over_the_seeds_are_ties(tmp_path):
             _write(run, rows)
             runs.setdefault(arm, []).append(str(run))
     table = study.aggregate(runs, {})
-    wilcoxon = study.paired_tests(runs, table, "CE", {})["NTL"]["heldout"]["number_token_acc"]["wilcoxon"]
-    assert wilcoxon["n"] == 2 and wilcoxon["arm_better"] == 1
+    counted = study.paired_tests(runs, table, "CE", {})["NTL"]["heldout"]["number_token_acc"]["sequences"]
+    assert counted == {"n": 2, "arm_better": 1}

@@ -1,0 +1,109 @@
+"""experiments/study.py with ``data_seed: with_seed``: the data varies with the seed (issue 42).
+
+A preset whose corpus is built per seed: each seed's corpus (experiments/pretrain_corpus.py, tiny) must
+hold other training text and other held-out questions, each run's command must train on its own seed's
+corpus in the order of ``data.seed=<seed>``, and the held-out groups are read from each run's own
+manifest. Checked against the corpus files themselves, not against the study's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers.scripts import load_script
+
+study = load_script("experiments/study.py", "study_data_seed_under_test")
+
+
+def _preset(tmp_path: Path, **extra) -> Path:
+    corpus = tmp_path / "corpus_d{data_seed}"
+    preset = {
+        "base_config": "configs/train/pretrain_study_cpu.yaml",
+        "seeds": [0, 1, 2],
+        "arms": {"CE": ["ntl.weight=0"], "CE + NTL-WAS": ["ntl.weight=0.3"]},
+        "data_seed": "with_seed",
+        "heldout_groups": f"{corpus}/manifest.json",
+        "prepare": [
+            f"python experiments/pretrain_corpus.py --seed {{data_seed}} --out {corpus} --number-documents 40 "
+            "--prose-chars 20000 --questions 30 --heldout-sequences 8 --heldout-prose-sequences 4 "
+            "--seq-length 64"
+        ],
+        "overrides": [f"data.train_path={corpus}/train.jsonl", f"data.eval_path={corpus}/questions.jsonl"],
+        **extra,
+    }
+    path = tmp_path / "preset.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    return path
+
+
+def test_each_seed_trains_on_its_own_corpus_in_its_own_order(tmp_path):
+    preset = study.load_preset(str(_preset(tmp_path)))
+    assert len(study.prepare(preset)) == 3
+    train, questions = [], []
+    for seed in (0, 1, 2):
+        folder = tmp_path / f"corpus_d{seed}"
+        train.append(hashlib.sha256((folder / "train.jsonl").read_bytes()).hexdigest())
+        questions.append(set((folder / "questions.jsonl").read_text().splitlines()))
+        command = study.train_command(preset, str(tmp_path / "run"), ["ntl.weight=0"], seed)
+        assert f"data.train_path={folder}/train.jsonl" in command
+        assert f"data.eval_path={folder}/questions.jsonl" in command
+        assert f"data.seed={seed}" in command and f"train.seed={seed}" in command
+        assert not any("{data_seed}" in part for part in command)
+    assert len(set(train)) == 3  # other training text at each seed
+    assert all(len(questions[a] & questions[b]) < len(questions[a]) / 2 for a, b in ((0, 1), (0, 2), (1, 2)))
+    # the held-out groups come from each run's own manifest (and must agree across the corpora)
+    runs = {}
+    for seed in (0, 1, 2):
+        run = tmp_path / "runs" / f"seed{seed}"
+        run.mkdir(parents=True)
+        (run / "config.json").write_text(json.dumps({"data": {"seed": seed, "eval_sequences": 8},
+                                                     "train": {"seq_length": 64}}))  # fmt: skip
+        runs.setdefault("CE", []).append(str(run))
+    manifest = json.loads((tmp_path / "corpus_d1" / "manifest.json").read_text())
+    assert study._groups(preset, runs) == {k: tuple(v) for k, v in manifest["heldout"]["groups"].items()}
+    manifest["heldout"]["groups"] = {"prose": [0, 3], "numbers": [3, 8]}
+    (tmp_path / "corpus_d1" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit, match="place different groups"):
+        study._groups(preset, runs)
+
+
+def test_a_fixed_data_preset_keeps_the_base_data_seed(tmp_path):
+    path = _preset(tmp_path, data_seed="fixed", prepare=[], overrides=[], heldout_groups={})
+    command = study.train_command(study.load_preset(str(path)), "/tmp/run", [], 2)
+    assert not any(part.startswith("data.seed=") for part in command)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [({"data_seed": "per_run"}, "data_seed must be 'fixed'"), ({"data_seed": "fixed"}, r"needs data_seed: with_seed")],
+)
+def test_bad_data_seed_settings_are_refused(tmp_path, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        study.load_preset(str(_preset(tmp_path, **extra)))
+
+
+def test_start_until_takes_a_clock_time():
+    with pytest.raises(SystemExit, match="expected HH:MM"):
+        study._utc_today("25:00")
+    assert study._utc_today("10:05") % 86400 == 10 * 3600 + 5 * 60
+
+
+def test_no_run_tabulates_only_the_seeds_every_arm_finished(tmp_path):
+    """A study under way: seed 0 done by both arms (one kept in the repository folder, one in the output),
+    seed 1 by CE only; --no-run's runs are seed 0's, the kept one restored, and nothing is trained."""
+    preset = {"seeds": [0, 1], "arms": {"CE": [], "CE + NTL-WAS": []}}
+    keep, out = tmp_path / "keep", tmp_path / "out"
+    for folder, arm, seed in ((keep, "ce", 0), (out, "ce_ntl_was", 0), (keep, "ce", 1)):
+        run = folder / arm / f"seed{seed}"
+        run.mkdir(parents=True)
+        (run / "eval.json").write_text(json.dumps({"questions": {"accuracy": 0.5}}))
+    runs = study.finished_runs(preset, str(out), str(keep))
+    assert runs == {"CE": [str(out / "ce" / "seed0")], "CE + NTL-WAS": [str(out / "ce_ntl_was" / "seed0")]}
+    assert (out / "ce" / "seed0" / "eval.json").is_file()  # restored from the kept folder
+    with pytest.raises(SystemExit, match="no seed"):
+        study.finished_runs({"seeds": [1], "arms": {"CE": [], "CE + NTL-WAS": []}}, str(tmp_path / "x"), str(keep))
