@@ -171,8 +171,7 @@ class NTLLoss(BaseLoss):
         self.weight = float(config.weight)
         # torchtitan's own CE op computes the loss (bit for bit) only where ours adds nothing to it: NTL at
         # weight 0 and none of the CE features (z-loss, label smoothing, soft-capping), which it lacks
-        o = self.options
-        self._torchtitan_ce = self.weight == 0 and not (o.z_loss_weight or o.label_smoothing or o.logit_softcap)
+        self._torchtitan_ce = self.weight == 0 and not self.options.ce_features
         self._numbers: torch.Tensor | None = None
         self._metrics: torch.Tensor | None = None
 
