@@ -377,9 +377,10 @@ def _factorial_markdown(table: dict[str, Any], arm: str) -> list[str]:
     return lines
 
 
-def publish(out: str, png: str, text: str, stem: str, doc: str | None) -> None:
+def publish(out: str, png: str, text: str, stem: str, doc: str | None, left_out: list[str] | None = None) -> None:
     """Copies the sweep's ``sweep.json`` and figure to ``stem``.json / .png and, with ``doc``, puts the
-    tables into that page's generated block named after the stem (:func:`doc_blocks.replace_block`)."""
+    tables into that page's generated block named after the stem (:func:`doc_blocks.replace_block`),
+    headed by the time it was generated and the sweep's cells ``left_out`` (no finished seed pair)."""
     import shutil
 
     from doc_blocks import replace_block
@@ -389,7 +390,10 @@ def publish(out: str, png: str, text: str, stem: str, doc: str | None) -> None:
     shutil.copyfile(os.path.join(out, png), stem + ".png")
     if doc:
         name = os.path.basename(stem)
-        replace_block(doc, name, f"(`{name}.json`, `{name}.png`)\n\n{text}")
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        missing = ", ".join(left_out) if left_out else "none"
+        head = f"Generated {stamp} (`{name}.json`, `{name}.png`); cells without a finished seed pair: {missing}."
+        replace_block(doc, name, f"{head}\n\n{text}")
     print(f"[sweep] published {stem}.json, {stem}.png" + (f"; block {os.path.basename(stem)} of {doc}" if doc else ""))
 
 
@@ -417,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.sweep))[0])
     os.makedirs(out, exist_ok=True)
     start = time.time()
-    sizes = []
+    sizes, left_out = [], []
     for entry in sweep["sizes"]:
         preset_path = entry["preset"]
         preset = study.load_preset(preset_path)
@@ -434,10 +438,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 study.main(["--preset", preset_path, "--out", entry["out"], *keep, "--no-run"])
             except SystemExit as error:
                 print(f"[sweep] {entry['label']}: {error}; left out (--no-run)", flush=True)
+                left_out.append(entry["label"])
                 continue
         if not os.path.isfile(path) and not entry.get("results"):
             if args.no_run:
                 print(f"[sweep] {entry['label']}: no {path}; left out (--no-run)", flush=True)
+                left_out.append(entry["label"])
                 continue
             until = ["--start-until", args.start_until] if args.start_until else []
             study.main(["--preset", preset_path, "--out", entry["out"], *keep, *until])
@@ -467,7 +473,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(text)
     png = "size_tpp_factorial.png" if table.get("factorial") else "size_sweep.png"
     if args.publish:
-        publish(out, png, text, args.publish, args.doc)
+        publish(out, png, text, args.publish, args.doc, left_out)
     print(f"[sweep] {time.time() - start:.0f} s; sweep.json, sweep.md, {png} in {out}")
     return table
 

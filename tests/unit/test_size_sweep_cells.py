@@ -152,3 +152,19 @@ def test_differences_equal_but_for_rounding_get_no_test():
     assert cell["n"] == 2 and cell["mean"] == pytest.approx(2.0, rel=1e-12)
     assert math.isnan(cell["p_seed_t"])
     assert "p < 0.001" not in sweep._cell(cell)
+
+
+def test_publish_copies_the_files_and_fills_the_page_s_block(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "sweep.json").write_text('{"sizes": []}')
+    (out / "size_tpp_factorial.png").write_bytes(b"\x89PNG fake")
+    page = tmp_path / "results.md"
+    page.write_text("text\n<!-- generated: fx (a command) -->\nstale table\n<!-- end: fx -->\nafter\n")
+    stem = tmp_path / "img" / "fx"
+    sweep.publish(str(out), "size_tpp_factorial.png", "| new | table |", str(stem), str(page), ["0.85 M @ 9.6"])
+    assert (tmp_path / "img" / "fx.json").read_text() == '{"sizes": []}'
+    assert (tmp_path / "img" / "fx.png").read_bytes() == b"\x89PNG fake"
+    body = page.read_text()
+    assert "stale table" not in body and "| new | table |\n<!-- end: fx -->\nafter\n" in body
+    assert "cells without a finished seed pair: 0.85 M @ 9.6." in body and body.startswith("text\n<!-- generated: fx")
