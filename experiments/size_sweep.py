@@ -110,8 +110,6 @@ def parameters(preset: dict[str, Any]) -> int:
 
 def difference(results: dict[str, Any], arm: str, baseline: str, key: str) -> dict[str, Any] | None:
     """The arm's per-seed difference to the baseline on metric ``key``, its mean, 95 % t-interval and t-test."""
-    from scipy import stats
-
     split, metric, relative, _ = METRICS[key]
     try:
         a = results[arm][split][metric]["seeds"]
@@ -126,9 +124,8 @@ def difference(results: dict[str, Any], arm: str, baseline: str, key: str) -> di
     mean, low, high = seed_stats.t_interval(seeds, bounds=RANGES[key])
     if len(seeds) < 2:  # one seed: a difference, no interval (not a zero-width one)
         low = high = math.nan
-    p = math.nan
-    if len(pairs) > 1 and len(set(seeds)) > 1:
-        p = float(stats.ttest_rel([x for x, _ in pairs], [y for _, y in pairs]).pvalue)
+    # the test is seed_stats' (differences equal but for rounding get none; a t-test is scale-free)
+    p = seed_stats.seed_test([x for x, _ in pairs], [y for _, y in pairs], metric)["p_seed_t"]
     return {"seeds": seeds, "mean": mean, "low": low, "high": high, "p_seed_t": p,
             "p_sign_flip": seed_stats.sign_flip_p(seeds), "n": len(pairs)}  # fmt: skip
 
@@ -380,6 +377,26 @@ def _factorial_markdown(table: dict[str, Any], arm: str) -> list[str]:
     return lines
 
 
+def publish(out: str, png: str, text: str, stem: str, doc: str | None, left_out: list[str] | None = None) -> None:
+    """Copies the sweep's ``sweep.json`` and figure to ``stem``.json / .png and, with ``doc``, puts the
+    tables into that page's generated block named after the stem (:func:`doc_blocks.replace_block`),
+    headed by the time it was generated and the sweep's cells ``left_out`` (no finished seed pair)."""
+    import shutil
+
+    from doc_blocks import replace_block
+
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    shutil.copyfile(os.path.join(out, "sweep.json"), stem + ".json")
+    shutil.copyfile(os.path.join(out, png), stem + ".png")
+    if doc:
+        name = os.path.basename(stem)
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        missing = ", ".join(left_out) if left_out else "none"
+        head = f"Generated {stamp} (`{name}.json`, `{name}.png`); cells without a finished seed pair: {missing}."
+        replace_block(doc, name, f"{head}\n\n{text}")
+    print(f"[sweep] published {stem}.json, {stem}.png" + (f"; block {os.path.basename(stem)} of {doc}" if doc else ""))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", default="configs/sweep/size_sweep.yaml", help="sweep file")
@@ -387,7 +404,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-run", action="store_true", help="tabulate the sizes whose results exist; run nothing")
     parser.add_argument("--start-until", default=None, metavar="HH:MM",
                         help="start no run after this time (UTC, today; as study.py): the sweep stops")  # fmt: skip
+    parser.add_argument("--publish", default=None, metavar="STEM",
+                        help="also write sweep.json and the figure to STEM.json, STEM.png")  # fmt: skip
+    parser.add_argument("--doc", default=None, metavar="PAGE",
+                        help="with --publish: the tables into PAGE's block named after STEM")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.doc and not args.publish:
+        raise SystemExit(f"--doc {args.doc}: needs --publish STEM (the block's name and the published files)")
     if not os.path.isfile(args.sweep):
         raise SystemExit(f"--sweep {args.sweep}: no such file (sweeps: configs/sweep/*.yaml)")
     with open(args.sweep) as f:
@@ -398,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.sweep))[0])
     os.makedirs(out, exist_ok=True)
     start = time.time()
-    sizes = []
+    sizes, left_out = [], []
     for entry in sweep["sizes"]:
         preset_path = entry["preset"]
         preset = study.load_preset(preset_path)
@@ -415,10 +438,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 study.main(["--preset", preset_path, "--out", entry["out"], *keep, "--no-run"])
             except SystemExit as error:
                 print(f"[sweep] {entry['label']}: {error}; left out (--no-run)", flush=True)
+                left_out.append(entry["label"])
                 continue
         if not os.path.isfile(path) and not entry.get("results"):
             if args.no_run:
                 print(f"[sweep] {entry['label']}: no {path}; left out (--no-run)", flush=True)
+                left_out.append(entry["label"])
                 continue
             until = ["--start-until", args.start_until] if args.start_until else []
             study.main(["--preset", preset_path, "--out", entry["out"], *keep, *until])
@@ -447,6 +472,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         figures.sweep_figure(table, os.path.join(out, "size_sweep.png"))
     print(text)
     png = "size_tpp_factorial.png" if table.get("factorial") else "size_sweep.png"
+    if args.publish:
+        publish(out, png, text, args.publish, args.doc, left_out)
     print(f"[sweep] {time.time() - start:.0f} s; sweep.json, sweep.md, {png} in {out}")
     return table
 

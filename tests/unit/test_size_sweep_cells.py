@@ -139,3 +139,32 @@ def test_the_figure_draws_a_one_seed_size(tmp_path):
     assert math.isnan(table["sizes"][1]["differences"]["NTL"]["prose_text_ppl"]["low"])
     path = sweep.figures.sweep_figure(table, str(tmp_path / "sweep.png"))
     assert open(path, "rb").read(4) == b"\x89PNG"
+
+
+def test_differences_equal_but_for_rounding_get_no_test():
+    # the 0.21 M @ 38.4 re-run's first two seeds: question accuracy +2 points in both, which in floating
+    # point differ in the 17th digit; a t-test of two equal differences is undefined (zero spread), and
+    # scipy's gave p < 0.001 from the rounding alone
+    results = {"CE": {"questions": {"accuracy": {"seeds": [0.05, 0.0275]}}},
+               "NTL": {"questions": {"accuracy": {"seeds": [0.07, 0.0475]}}}}  # fmt: skip
+    assert 0.07 - 0.05 != 0.0475 - 0.0275  # the rounding the test is about
+    cell = sweep.difference(results, "NTL", "CE", "question_acc")
+    assert cell["n"] == 2 and cell["mean"] == pytest.approx(2.0, rel=1e-12)
+    assert math.isnan(cell["p_seed_t"])
+    assert "p < 0.001" not in sweep._cell(cell)
+
+
+def test_publish_copies_the_files_and_fills_the_page_s_block(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "sweep.json").write_text('{"sizes": []}')
+    (out / "size_tpp_factorial.png").write_bytes(b"\x89PNG fake")
+    page = tmp_path / "results.md"
+    page.write_text("text\n<!-- generated: fx (a command) -->\nstale table\n<!-- end: fx -->\nafter\n")
+    stem = tmp_path / "img" / "fx"
+    sweep.publish(str(out), "size_tpp_factorial.png", "| new | table |", str(stem), str(page), ["0.85 M @ 9.6"])
+    assert (tmp_path / "img" / "fx.json").read_text() == '{"sizes": []}'
+    assert (tmp_path / "img" / "fx.png").read_bytes() == b"\x89PNG fake"
+    body = page.read_text()
+    assert "stale table" not in body and "| new | table |\n<!-- end: fx -->\nafter\n" in body
+    assert "cells without a finished seed pair: 0.85 M @ 9.6." in body and body.startswith("text\n<!-- generated: fx")
