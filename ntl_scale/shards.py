@@ -83,7 +83,6 @@ def dtensor_vocab_shard(tensor: Any, *, dim: int = -1, name: str = "logits") -> 
             that leaves a rank without a column (known on every rank, so all raise together); each
             message names the placement and the fix.
     """
-    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     ndim = tensor.dim()
@@ -93,6 +92,36 @@ def dtensor_vocab_shard(tensor: Any, *, dim: int = -1, name: str = "logits") -> 
         f"redistribute it first (e.g. {name}.redistribute(placements=[Shard({dim})]) or "
         f"{name}.full_tensor()), or pass the local tensor with tp_group and vocab_start"
     )
+    mesh_dims = _vocab_mesh_dims(tensor, dim, name, fix)
+    if len(mesh_dims) > 1:
+        raise ValueError(
+            f"{name} is a DTensor with placements {placements}: the vocabulary dim {dim} is split over mesh dims "
+            f"{mesh_dims}, the loss takes one process group; {fix}"
+        )
+    vocab_size = int(tensor.shape[vocab_dim])
+    local = tensor.to_local()
+    if not mesh_dims:
+        return LocalShard(local, None, 0, vocab_size)
+    mesh = tensor.device_mesh
+    parts = mesh.size(mesh_dims[0])
+    if -(-vocab_size // parts) * (parts - 1) >= vocab_size:  # known on every rank: all raise, none waits
+        raise ValueError(
+            f"{name} is a DTensor whose vocabulary of {vocab_size} split over {parts} ranks leaves a rank without a "
+            f"column (DTensor gives ceil({vocab_size}/{parts}) per rank); pad the vocabulary to at least "
+            f"{-(-vocab_size // parts) * (parts - 1) + 1} (e.g. a multiple of {parts})"
+        )
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    return LocalShard(local, mesh.get_group(mesh_dims[0]), int(offset[vocab_dim]), vocab_size)
+
+
+def _vocab_mesh_dims(tensor: Any, dim: int, name: str, fix: str) -> list[int]:
+    """The mesh dims whose placement splits the vocabulary dim ``dim`` (``Shard``); every other one must be
+    ``Replicate``. A ValueError naming the placement and ``fix`` otherwise (see :func:`dtensor_vocab_shard`)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    ndim = tensor.dim()
+    vocab_dim = dim % ndim if ndim else 0
+    placements = tuple(tensor.placements)
     mesh_dims = []
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Replicate):
@@ -116,25 +145,7 @@ def dtensor_vocab_shard(tensor: Any, *, dim: int = -1, name: str = "logits") -> 
             f"another dimension than the vocabulary (dim {dim} of shape {tuple(tensor.shape)}); the loss needs "
             f"Shard({dim}) (vocabulary-parallel) or Replicate on every mesh dim; {fix}"
         )
-    if len(mesh_dims) > 1:
-        raise ValueError(
-            f"{name} is a DTensor with placements {placements}: the vocabulary dim {dim} is split over mesh dims "
-            f"{mesh_dims}, the loss takes one process group; {fix}"
-        )
-    vocab_size = int(tensor.shape[vocab_dim])
-    local = tensor.to_local()
-    if not mesh_dims:
-        return LocalShard(local, None, 0, vocab_size)
-    mesh = tensor.device_mesh
-    parts = mesh.size(mesh_dims[0])
-    if -(-vocab_size // parts) * (parts - 1) >= vocab_size:  # known on every rank: all raise, none waits
-        raise ValueError(
-            f"{name} is a DTensor whose vocabulary of {vocab_size} split over {parts} ranks leaves a rank without a "
-            f"column (DTensor gives ceil({vocab_size}/{parts}) per rank); pad the vocabulary to at least "
-            f"{-(-vocab_size // parts) * (parts - 1) + 1} (e.g. a multiple of {parts})"
-        )
-    _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-    return LocalShard(local, mesh.get_group(mesh_dims[0]), int(offset[vocab_dim]), vocab_size)
+    return mesh_dims
 
 
 def resolve_vocab_shard(

@@ -7,6 +7,7 @@
 2. No import cycle among the package's modules.
 3. The loss path in layers, bottom up: each of its modules imports only modules of lower layers (no upward
    import), and nothing of the integrations, the trainer, the data or the eval packages.
+4. The applications (``launch/``, ``benchmarks/``, ``experiments/``) import nothing from ``tests/``.
 """
 
 from __future__ import annotations
@@ -149,3 +150,15 @@ def test_the_loss_path_imports_only_lower_layers():
             if source != module and layer_of.get(source, len(LAYERS)) >= layer:
                 found.append(f"{module}:{line} (layer {layer}) imports {source} (layer {layer_of.get(source, '-')})")
     assert not found, "\n".join(found)
+
+
+def test_applications_import_nothing_from_tests():
+    root = PACKAGE.parent
+    found = []
+    for folder in ("launch", "benchmarks", "experiments"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                found += [f"{path.relative_to(root)}:{node.lineno}: {n}" for n in names if n.split(".")[0] == "tests"]
+    assert not found, "move what they need into the package or benchmarks/common.py:\n" + "\n".join(found)
