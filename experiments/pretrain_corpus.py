@@ -57,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from ntl_scale.atomic import write_text_atomically  # noqa: E402
+from ntl_scale.atomic import write_atomically  # noqa: E402
 from ntl_scale.training.tokenizer import ALPHABET  # noqa: E402
 
 __all__ = [
@@ -592,9 +592,9 @@ def write_corpus(out: str, config: CorpusConfig, *, force: bool = False) -> dict
     path = os.path.join(out, "manifest.json")
     if os.path.exists(path):  # a half-rewritten folder must not pass for a finished build
         os.remove(path)
-    write_text_atomically(os.path.join(out, "train.jsonl"), train)
-    write_text_atomically(os.path.join(out, "questions.jsonl"), questions)
-    write_text_atomically(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    write_atomically(os.path.join(out, "train.jsonl"), train)
+    write_atomically(os.path.join(out, "questions.jsonl"), questions)
+    write_atomically(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8"))
     return {**manifest, "reused": False, "seconds": time.perf_counter() - start}
 
 

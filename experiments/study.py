@@ -66,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/fi
 import figures  # noqa: E402
 import seed_stats  # noqa: E402
 
-from ntl_scale.atomic import atomic_write, write_text_atomically  # noqa: E402
+from ntl_scale.atomic import atomic_write, write_atomically  # noqa: E402
 from ntl_scale.eval.numbers import extract_number  # noqa: E402
 from ntl_scale.training.evaluate import HELDOUT_COLUMNS, heldout_metrics  # noqa: E402
 
@@ -272,7 +272,7 @@ def _copy(source_dir: str, target_dir: str, name: str, target_name: str) -> None
         return
     with open(source, "rb") as f:
         data = f.read()
-    write_text_atomically(target, lzma.compress(data) if compress else lzma.decompress(data))
+    write_atomically(target, lzma.compress(data) if compress else lzma.decompress(data))
 
 
 def keep_run(run_dir: str, keep_dir: str) -> None:

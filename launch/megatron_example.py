@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from launch.finish import run_then_leave
 from launch.megatron_args import to_argv
-from ntl_scale.atomic import atomic_write, write_text_atomically
+from ntl_scale.atomic import atomic_write, write_atomically
 from ntl_scale.integrations import megatron as ntl_megatron
 
 
@@ -287,7 +287,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer) -> None:
     dist.barrier()
     if dist.get_rank() == 0:  # a crash before this line leaves the tracker at the previous, complete one
         tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
-        write_text_atomically(tracker, str(iteration))
+        write_atomically(tracker, str(iteration))
     dist.barrier()
 
 

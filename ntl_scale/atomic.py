@@ -21,7 +21,7 @@ import secrets
 from collections.abc import Iterator
 from typing import IO, Any
 
-__all__ = ["atomic_write", "write_json_atomically", "write_text_atomically"]
+__all__ = ["atomic_write", "write_atomically", "write_json_atomically"]
 
 
 @contextlib.contextmanager
@@ -57,10 +57,10 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", *, encoding: str
         raise
 
 
-def write_text_atomically(path: str | os.PathLike[str], text: str | bytes) -> None:
-    """Writes ``text`` (a ``str``, UTF-8, or ``bytes``) to ``path`` through :func:`atomic_write`."""
-    with atomic_write(path, "wb" if isinstance(text, bytes) else "w") as f:
-        f.write(text)
+def write_atomically(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Writes ``data`` (a ``str``, as UTF-8, or ``bytes``) to ``path`` through :func:`atomic_write`."""
+    with atomic_write(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
 
 
 def write_json_atomically(value: Any, path: str | os.PathLike[str], **dump: Any) -> None:

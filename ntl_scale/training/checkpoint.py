@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..atomic import atomic_write, write_text_atomically
+from ..atomic import atomic_write, write_atomically
 from .collectives import barrier, from_rank_zero, on_rank_zero
 from .resume import Layout, load_rng, plan_resume, read_layout, save_rng, to_universal, write_layout
 
@@ -85,7 +85,7 @@ class Checkpointer:
         barrier()  # every rank's shard is on disk before "latest" points at it
         if self.rank == 0:  # a crash before this line leaves "latest" at the previous, complete checkpoint
             write_layout(self.dir, self.layout)
-            write_text_atomically(os.path.join(self.dir, "latest"), f"step{step}")
+            write_atomically(os.path.join(self.dir, "latest"), f"step{step}")
         barrier()
 
     def load(self, engine: Any) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..atomic import atomic_write, write_text_atomically
+from ..atomic import atomic_write, write_atomically
 
 __all__ = [
     "Layout", "load_rng", "plan_resume", "read_layout", "restore_rng", "rng_state", "save_rng", "to_universal",
@@ -129,7 +129,7 @@ def to_universal(ckpt_dir: str, workers: int = 1) -> str:
                 f"({' '.join(command)}):\n{(done.stdout + done.stderr)[-3000:]}"
             )
         os.replace(partial, target)
-    write_text_atomically(os.path.join(ckpt_dir, "latest_universal"), universal)
+    write_atomically(os.path.join(ckpt_dir, "latest_universal"), universal)
     return universal
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import ntl_scale
-from ntl_scale.atomic import atomic_write, write_json_atomically, write_text_atomically
+from ntl_scale.atomic import atomic_write, write_atomically, write_json_atomically
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ def test_replaces_the_old_content_and_leaves_no_temporary_file(tmp_path):
     path.write_text("old")
     write_json_atomically({"x": [1, 2]}, path)
     assert json.loads(path.read_text()) == {"x": [1, 2]} and path.read_text().endswith("\n")
-    write_text_atomically(str(path), b"\x00bytes")
+    write_atomically(str(path), b"\x00bytes")
     assert path.read_bytes() == b"\x00bytes"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
 
