@@ -56,7 +56,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -72,6 +71,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import ntl_scale  # noqa: E402
 from benchmarks import cost_model  # noqa: E402
+from ntl_scale.atomic import atomic_write  # noqa: E402
 
 SCHEMA = "ntl_scale.bench_gpu/1"
 NTL_WEIGHT = 0.3
@@ -816,19 +816,9 @@ def init_tp_group(device: str) -> object:
 def write_atomic(path: str, text: str) -> None:
     """Writes ``text`` to a temporary file beside ``path`` and renames it over ``path``: a reader (or a run
     killed mid-write) sees the old file or the new one, never a part."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_write(path) as f:
+        f.write(text)
 
 
 def _finite(value: Any) -> Any:

@@ -20,7 +20,7 @@ Variants:
   ``ntloss`` on them, the way to add it without ntl_scale (skipped when ntloss is not installed;
   Megatron's in-place CE cannot share the logits with a second loss).
 
-The test suite's CPU patches for Megatron's CUDA-only calls (``tests/helpers/megatron_cpu.py``) are
+The CPU patches for Megatron's CUDA-only calls (``benchmarks/common.py``, the test suite's too) are
 applied in each worker; the optimizer is ``torch.optim.AdamW`` over the rank's parameters (no data
 parallelism, so no gradient all-reduce).
 """
@@ -43,9 +43,7 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
-from common import machine, peak_rss_mib, reset_peak_rss, word_level_tokenizer  # noqa: E402
-
-from tests.helpers.distributed import free_port  # noqa: E402
+from common import machine, patch_for_cpu, peak_rss_mib, reset_peak_rss, word_level_tokenizer  # noqa: E402
 
 VARIANTS = {
     "ce": "CE alone (Megatron's vocab_parallel_cross_entropy)",
@@ -55,13 +53,11 @@ VARIANTS = {
 }
 
 
-def _worker(rank: int, tp: int, port: int, name: str, sizes: tuple, out_path: str) -> None:
+def _worker(rank: int, tp: int, rendezvous: str, name: str, sizes: tuple, out_path: str) -> None:
     vocab_size, batch, seq, hidden, steps = sizes
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
-    from tests.helpers.megatron_cpu import patch_for_cpu
-
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=tp)
     patch_for_cpu()
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -142,7 +138,8 @@ def _worker(rank: int, tp: int, port: int, name: str, sizes: tuple, out_path: st
 def run(name: str, tp: int, sizes: tuple) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(tp, free_port(), name, sizes, out), nprocs=tp, join=True)
+        rendezvous = os.path.join(tmp, "rendezvous")  # a file store: no port to pick
+        mp.spawn(_worker, args=(tp, rendezvous, name, sizes, out), nprocs=tp, join=True)
         with open(out) as f:
             return json.load(f)
 

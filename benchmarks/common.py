@@ -1,7 +1,9 @@
-"""Shared benchmark helpers: a synthetic tokenizer, a small Llama, variant subprocesses, a peak-RSS sampler."""
+"""Shared benchmark helpers: a synthetic tokenizer, a small Llama, variant subprocesses, a peak-RSS sampler, and
+the patches that let ``megatron.core`` run on CPU over gloo (:func:`patch_for_cpu`; the test suite's too)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -114,3 +116,64 @@ def print_logits_table(rows: list[dict], names: dict[str, str], logits_mib: floa
             f"| {names[row['variant']]} | {row['peak_mib']:.0f} | {row['peak_mib'] / logits_mib:.2f} | "
             f"{row['time_s']:.3f} | {row['loss']:.4f} |"
         )
+
+
+# ------------------------------------------------------------------ Megatron on CPU (benchmarks and tests)
+# Never imported by the library. Apply patch_for_cpu in each spawned worker before building anything. What it
+# changes, and why (found by running Megatron 0.16 here): torch.cuda.current_device returns the CPU device and
+# torch.cuda.synchronize does nothing (the schedules and layers call them unconditionally); torch.zeros(...,
+# device="cuda") and friends are redirected to CPU (the schedule allocates its token counter on "cuda"); the
+# CUDA RNG tracker is replaced by one whose add only records and whose fork does nothing (so dropout 0).
+
+
+class _CPURNGTracker:
+    def __init__(self, *args, **kwargs):
+        self.states_ = {}
+
+    def reset(self):
+        self.states_ = {}
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        self.states_[name] = seed
+
+    def is_initialized(self):
+        return True
+
+    @contextlib.contextmanager
+    def fork(self, name=None):
+        yield
+
+
+def _redirect(factory):
+    def wrapped(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and "cuda" in str(device):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return wrapped
+
+
+def patch_for_cpu() -> None:
+    """Applies the CPU patches in this process (idempotent)."""
+    import torch
+
+    if getattr(torch, "_ntl_scale_cpu_patched", False):
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    for name in ("zeros", "ones", "empty", "full", "tensor"):
+        setattr(torch, name, _redirect(getattr(torch, name)))
+    from megatron.core.tensor_parallel import random as mp_random
+
+    # get_cuda_rng_tracker() is re-exported under several names; it returns this module global once
+    # the "initialized" flag is set, so replacing the global reaches every caller.
+    mp_random._CUDA_RNG_STATE_TRACKER = _CPURNGTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    torch._ntl_scale_cpu_patched = True

@@ -57,6 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from ntl_scale.atomic import write_atomically  # noqa: E402
 from ntl_scale.training.tokenizer import ALPHABET  # noqa: E402
 
 __all__ = [
@@ -513,13 +514,6 @@ def _jsonl(rows: Sequence[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(row) + "\n" for row in rows).encode("utf-8")
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
@@ -598,9 +592,9 @@ def write_corpus(out: str, config: CorpusConfig, *, force: bool = False) -> dict
     path = os.path.join(out, "manifest.json")
     if os.path.exists(path):  # a half-rewritten folder must not pass for a finished build
         os.remove(path)
-    _write_atomic(os.path.join(out, "train.jsonl"), train)
-    _write_atomic(os.path.join(out, "questions.jsonl"), questions)
-    _write_atomic(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    write_atomically(os.path.join(out, "train.jsonl"), train)
+    write_atomically(os.path.join(out, "questions.jsonl"), questions)
+    write_atomically(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8"))
     return {**manifest, "reused": False, "seconds": time.perf_counter() - start}
 
 

@@ -66,6 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/fi
 import figures  # noqa: E402
 import seed_stats  # noqa: E402
 
+from ntl_scale.atomic import atomic_write, write_atomically  # noqa: E402
 from ntl_scale.eval.numbers import extract_number  # noqa: E402
 from ntl_scale.training.evaluate import HELDOUT_COLUMNS, heldout_metrics  # noqa: E402
 
@@ -206,10 +207,8 @@ def provenance(source: dict[str, Any], started: float, ended: float, threads: in
 
 def write_provenance(run_dir: str, record: dict[str, Any]) -> None:
     """Writes ``run.json`` whole or not at all (a temporary file, then a rename)."""
-    path = os.path.join(run_dir, "run.json")
-    with open(path + ".tmp", "w") as f:
+    with atomic_write(os.path.join(run_dir, "run.json")) as f:
         json.dump(record, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def read_provenance(runs: dict[str, list[str]]) -> dict[str, list[dict[str, Any] | None]]:
@@ -273,9 +272,7 @@ def _copy(source_dir: str, target_dir: str, name: str, target_name: str) -> None
         return
     with open(source, "rb") as f:
         data = f.read()
-    with open(target + ".tmp", "wb") as f:
-        f.write(lzma.compress(data) if compress else lzma.decompress(data))
-    os.replace(target + ".tmp", target)
+    write_atomically(target, lzma.compress(data) if compress else lzma.decompress(data))
 
 
 def keep_run(run_dir: str, keep_dir: str) -> None:

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from launch.finish import run_then_leave
 from launch.megatron_args import to_argv
+from ntl_scale.atomic import atomic_write, write_atomically
 from ntl_scale.integrations import megatron as ntl_megatron
 
 
@@ -281,14 +282,12 @@ def save_checkpoint(root: str, iteration: int, model, optimizer) -> None:
         os.makedirs(path, exist_ok=True)
         state = {"iteration": iteration, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
         state["rng_state"] = torch.get_rng_state()
-        torch.save(state, os.path.join(path, "model_optim_rng.pt.tmp"))
-        os.replace(os.path.join(path, "model_optim_rng.pt.tmp"), os.path.join(path, "model_optim_rng.pt"))
+        with atomic_write(os.path.join(path, "model_optim_rng.pt"), "wb") as f:
+            torch.save(state, f)
     dist.barrier()
     if dist.get_rank() == 0:  # a crash before this line leaves the tracker at the previous, complete one
         tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
-        with open(tracker + ".tmp", "w") as f:
-            f.write(str(iteration))
-        os.replace(tracker + ".tmp", tracker)
+        write_atomically(tracker, str(iteration))
     dist.barrier()
 
 

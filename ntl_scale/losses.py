@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._validation import check_ntl_weight, check_number_level_table, check_reduction, check_weights
+from ._validation import check_number_level_table, check_reduction, check_weights
 from .number_vocab import NumberVocab
-from .options import LOSS_KINDS, REDUCTIONS, NTLOptions
+from .options import LOSS_KINDS, REDUCTIONS, NTLOptions, check_ntl_weight
 from .reductions import CENTLOutput, combine_terms, reduce_loss
 from .terms import (
     NumberPrediction,

@@ -38,8 +38,9 @@ from typing import NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from .losses import NTLOptions, PerTokenTerms, ntl_counts
 from .number_vocab import NumberVocab
+from .options import NTLOptions
+from .terms import PerTokenTerms, ntl_counts
 
 __all__ = ["MicroBatchSums", "means", "micro_batch_sums", "objective", "step_counts"]
 

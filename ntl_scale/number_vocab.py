@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ._tracing import is_tracing
+from .atomic import write_json_atomically
 from .options import check_squash_factor
 
 __all__ = [
@@ -563,12 +564,7 @@ class NumberVocab:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the table to a small JSON file (atomically: a crash never leaves half a file)."""
-        path = os.fspath(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, ensure_ascii=False, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
+        write_json_atomically(self.to_dict(), path, ensure_ascii=False, indent=1)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, vocab_size: int | None = None) -> NumberVocab:

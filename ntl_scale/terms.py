@@ -18,17 +18,10 @@ import torch.distributed as dist
 from ._validation import check_float_level, check_inputs, check_number_level_table, check_width
 from .number_level import assemble_numbers, number_starts, symmetric_mape
 from .number_vocab import NumberVocab
-from .options import NTLOptions
-from .parallel import (
-    ShardInputs,
-    check_chunk_tokens,
-    compute_dtype,
-    fused_shard_stats,
-    group_rank,
-    group_size,
-    is_dtensor,
-    resolve_vocab_shard,
-)
+from .options import NTLOptions, check_chunk_tokens
+from .parallel import fused_shard_stats
+from .shard_math import ShardInputs, compute_dtype
+from .shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
 
 __all__ = [
     "NumberPrediction",

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import atomic_write, write_atomically
 from .collectives import barrier, from_rank_zero, on_rank_zero
 from .resume import Layout, load_rng, plan_resume, read_layout, save_rng, to_universal, write_layout
 
@@ -84,9 +85,7 @@ class Checkpointer:
         barrier()  # every rank's shard is on disk before "latest" points at it
         if self.rank == 0:  # a crash before this line leaves "latest" at the previous, complete checkpoint
             write_layout(self.dir, self.layout)
-            with open(os.path.join(self.dir, "latest.tmp"), "w") as f:
-                f.write(f"step{step}")
-            os.replace(os.path.join(self.dir, "latest.tmp"), os.path.join(self.dir, "latest"))
+            write_atomically(os.path.join(self.dir, "latest"), f"step{step}")
         barrier()
 
     def load(self, engine: Any) -> tuple[int, int]:
@@ -125,6 +124,5 @@ class Checkpointer:
         """``status.json``: ``running``, ``stopped`` (checkpointed early on a signal) or ``finished``; batch
         scripts read it, and a run started again after its last step finishes only an unfinished one."""
         if self.rank == 0:
-            with open(f"{self.status_path}.tmp", "w") as f:
+            with atomic_write(self.status_path) as f:
                 json.dump({"state": state, "step": step}, f)
-            os.replace(f"{self.status_path}.tmp", self.status_path)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import os
 import types
@@ -17,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..atomic import write_json_atomically
 from ..options import NTLRunOptions, check_chunk_route, check_option
 
 __all__ = [
@@ -349,16 +349,6 @@ class RunConfig:
         """Writes the config as given (no values the run derives: those go to ``resolved.json``) as JSON
         (valid YAML), atomically."""
         write_json_atomically(self.to_dict(), path)
-
-
-def write_json_atomically(value: Any, path: str) -> None:
-    """Writes ``value`` as indented JSON to ``path`` through a temporary file and a rename, so a crash
-    leaves the old file or the new one, never half of one."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..losses import NTLOptions, PerTokenTerms, per_token_ce_ntl
 from ..number_vocab import NumberVocab
+from ..options import NTLOptions
+from ..terms import PerTokenTerms, per_token_ce_ntl
 from .build import build_model
 from .config import ModelConfig, RunConfig, TrainConfig
 from .flops import FlopsCounter

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ..atomic import atomic_write
 from ..data.arithmetic import Example, reverse_digits
 from ..eval.numbers import extract_number, number_metrics
 
@@ -158,10 +158,8 @@ def evaluate_generation(
     targets = [extract_number(t) for t in truths]
     metrics = number_metrics([p for _, _, p in rows], [t if t is not None else float("nan") for t in targets])
     if predictions_path is not None:
-        tmp = f"{predictions_path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_write(predictions_path) as f:
             for (example, text, parsed), truth in zip(rows, truths):
                 record = {"question": example.question, "answer": truth, "generated": text, "parsed": parsed}
                 f.write(json.dumps(record) + "\n")
-        os.replace(tmp, predictions_path)
     return metrics

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import atomic_write
 from ..data.arithmetic import Example
 from ..data.collate import EncodedExample, collate, encode_pairs, fits
 from .collectives import gathered, sum_over
@@ -147,10 +148,9 @@ class Evaluator:
         if self.rank != 0:
             return
         indexed = sorted((r + dp * i, row) for r, share in shares for i, row in enumerate(share))
-        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+        with atomic_write(path) as f:
             for index, row in indexed:
                 f.write(json.dumps({"sequence": index, **dict(zip(columns, row))}) + "\n")
-        os.replace(f"{path}.tmp", path)
 
     def generation(self) -> dict[str, dict[str, float]]:
         """Answers generated for each held-out question split and scored (every rank generates the same)."""

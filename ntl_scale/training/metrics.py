@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import atomic_write
 from ..eval.numbers import extract_number
 from .config import TrackingConfig
 from .flops import FlopsCounter
@@ -74,7 +75,7 @@ class MetricsLogger:
             if os.path.isfile(self.path):
                 with open(self.path) as f:
                     kept = [line for line in f if json.loads(line)["step"] <= start_step]
-            with open(self.path, "w") as f:
+            with atomic_write(self.path) as f:  # a crash here keeps the rows the run had
                 f.writelines(kept)
         self._interval = {"start": time.time(), "tokens": 0, "seconds": 0.0, "steps": 0, "flops": 0.0}
         self._clock = time.time()
@@ -146,7 +147,7 @@ class MetricsLogger:
             else:
                 plot_curves(self.path, os.path.join(self.run_dir, "loss_curves.png"))
         if results:
-            with open(os.path.join(self.run_dir, "eval.json"), "w") as f:
+            with atomic_write(os.path.join(self.run_dir, "eval.json")) as f:
                 json.dump(results, f, indent=2)
             print_summary(self.run_dir, results, sizes)
             if "heldout" in results:

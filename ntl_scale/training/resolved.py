@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from .config import TrainConfig, write_json_atomically
+from ..atomic import write_json_atomically
+from .config import TrainConfig
 from .resume import Layout
 from .steps import resolve_deepspeed_config
 

@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..atomic import atomic_write, write_atomically
+
 __all__ = [
     "Layout", "load_rng", "plan_resume", "read_layout", "restore_rng", "rng_state", "save_rng", "to_universal",
     "write_layout",
@@ -57,9 +59,8 @@ class Layout:
 def write_layout(ckpt_dir: str, layout: Layout) -> None:
     """Records ``layout`` next to the checkpoints (atomically: a crash leaves the previous record)."""
     path = os.path.join(ckpt_dir, LAYOUT_FILE)
-    with open(f"{path}.tmp", "w") as f:
+    with atomic_write(path) as f:
         json.dump(asdict(layout), f)
-    os.replace(f"{path}.tmp", path)
 
 
 def read_layout(ckpt_dir: str) -> Layout | None:
@@ -128,9 +129,7 @@ def to_universal(ckpt_dir: str, workers: int = 1) -> str:
                 f"({' '.join(command)}):\n{(done.stdout + done.stderr)[-3000:]}"
             )
         os.replace(partial, target)
-    with open(os.path.join(ckpt_dir, "latest_universal.tmp"), "w") as f:
-        f.write(universal)
-    os.replace(os.path.join(ckpt_dir, "latest_universal.tmp"), os.path.join(ckpt_dir, "latest_universal"))
+    write_atomically(os.path.join(ckpt_dir, "latest_universal"), universal)
     return universal
 
 
@@ -179,8 +178,8 @@ def save_rng(tag_dir: str, rank: int, accelerator: Any) -> None:
     no partial file under that name). Call it before the checkpoint is named ``latest``."""
     os.makedirs(tag_dir, exist_ok=True)
     path = os.path.join(tag_dir, RNG_FILE.format(rank=rank))
-    torch.save(rng_state(accelerator), f"{path}.tmp")
-    os.replace(f"{path}.tmp", path)
+    with atomic_write(path, "wb") as f:
+        torch.save(rng_state(accelerator), f)
 
 
 def load_rng(tag_dir: str, rank: int, accelerator: Any, *, cpu_state: torch.Tensor, same_layout: bool) -> str | None:

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..losses import NTLOptions, PerTokenTerms
 from ..normalization import micro_batch_sums, objective, step_counts
 from ..number_vocab import NumberVocab
+from ..options import NTLOptions
+from ..terms import PerTokenTerms
 from .config import NTLConfig, TrainConfig
 
 __all__ = ["global_counts", "loss_from_terms", "resolve_deepspeed_config", "shift_for_causal"]

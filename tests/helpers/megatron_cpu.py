@@ -1,7 +1,8 @@
 """Test-only patches (and a tiny model) that let ``megatron.core`` models and pipeline schedules run on CPU over gloo.
 
-Never imported by the library. Apply :func:`patch_for_cpu` in each spawned worker before building
-anything. What it changes, and why (found by running Megatron 0.16 here):
+The patches live in ``benchmarks/common.py`` (the CPU benchmark of Megatron's step needs them too; benchmarks
+import nothing from ``tests/``). Never imported by the library. Apply :func:`patch_for_cpu` in each spawned
+worker before building anything. What it changes, and why (found by running Megatron 0.16 here):
 
 * ``torch.cuda.current_device`` returns the CPU device and ``torch.cuda.synchronize`` does nothing
   (the schedules and layers call them unconditionally);
@@ -13,60 +14,11 @@ anything. What it changes, and why (found by running Megatron 0.16 here):
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from benchmarks.common import patch_for_cpu
 
-class _CPURNGTracker:
-    def __init__(self, *args, **kwargs):
-        self.states_ = {}
-
-    def reset(self):
-        self.states_ = {}
-
-    def get_states(self):
-        return dict(self.states_)
-
-    def set_states(self, states):
-        self.states_ = dict(states)
-
-    def add(self, name, seed):
-        self.states_[name] = seed
-
-    def is_initialized(self):
-        return True
-
-    @contextlib.contextmanager
-    def fork(self, name=None):
-        yield
-
-
-def _redirect(factory):
-    def wrapped(*args, **kwargs):
-        device = kwargs.get("device")
-        if device is not None and "cuda" in str(device):
-            kwargs["device"] = "cpu"
-        return factory(*args, **kwargs)
-
-    return wrapped
-
-
-def patch_for_cpu() -> None:
-    """Applies the CPU patches in this process (idempotent)."""
-    if getattr(torch, "_ntl_scale_cpu_patched", False):
-        return
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda *a, **k: None
-    for name in ("zeros", "ones", "empty", "full", "tensor"):
-        setattr(torch, name, _redirect(getattr(torch, name)))
-    from megatron.core.tensor_parallel import random as mp_random
-
-    # get_cuda_rng_tracker() is re-exported under several names; it returns this module global once
-    # the "initialized" flag is set, so replacing the global reaches every caller.
-    mp_random._CUDA_RNG_STATE_TRACKER = _CPURNGTracker()
-    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    torch._ntl_scale_cpu_patched = True
+__all__ = ["patch_for_cpu", "tiny_gpt"]
 
 
 def tiny_gpt(vocab_size: int, seq_length: int, *, tp: int, pp: int, seed: int = 1234, model_class=None):

@@ -115,8 +115,8 @@ def test_collectives_are_written_in_parallel_py_only():
     import pathlib
 
     root = pathlib.Path(ntl_scale.__file__).parent
-    loss_path = ["options.py", "_validation.py", "parallel.py", "terms.py", "reductions.py", "losses.py", "linear.py",
-                 "number_level.py", "number_vocab.py"]  # fmt: skip
+    loss_path = ["options.py", "_validation.py", "shards.py", "shard_math.py", "parallel.py", "terms.py",
+                 "reductions.py", "losses.py", "linear.py", "number_level.py", "number_vocab.py"]  # fmt: skip
     callers = {}
     for path in [*(root / name for name in loss_path), *root.glob("kernels/*.py")]:
         tree = ast.parse(path.read_text(encoding="utf-8"))

@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ...linear import linear_ce_ntl
-from ...losses import NTLOptions
 from ...number_vocab import NumberVocab
+from ...options import NTLOptions
 
 __all__ = ["HeadShard", "full_logits", "gathered_weights", "head_shard", "install_vocab_parallel_loss_head"]
 

@@ -36,9 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from ...linear import linear_ce_ntl
-from ...losses import NTLOptions, PerTokenTerms
 from ...number_vocab import NumberVocab
-from ...parallel import check_chunk_tokens, is_dtensor
+from ...options import NTLOptions, check_chunk_tokens
+from ...shards import is_dtensor
+from ...terms import PerTokenTerms
 
 __all__ = [
     "ChunkedLossCausalLM",

@@ -36,10 +36,13 @@ from typing import Any
 import torch
 
 from ..._deprecation import deprecated_alias
-from ...losses import CENTLOutput, NTLOptions, PerTokenTerms, ce_with_ntl, check_number_level_table, per_token_ce_ntl
+from ..._validation import check_number_level_table
+from ...losses import ce_with_ntl
 from ...normalization import means, micro_batch_sums
 from ...number_vocab import NumberVocab
-from ...options import check_chunk_route, check_ntl_weight, check_option
+from ...options import NTLOptions, check_chunk_route, check_ntl_weight, check_option
+from ...reductions import CENTLOutput
+from ...terms import PerTokenTerms, per_token_ce_ntl
 
 __all__ = [
     "NTLCausalLMLoss",

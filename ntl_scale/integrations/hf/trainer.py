@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from ..._optional import require
-from ...losses import NTLOptions
 from ...normalization import step_counts
 from ...number_vocab import NumberVocab
+from ...options import NTLOptions
 
 __all__ = ["count_step_numbers", "ntl_trainer_class"]
 

@@ -17,10 +17,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ...losses import NTLOptions, check_number_level_table
+from ..._validation import check_number_level_table
 from ...number_vocab import NumberVocab
 from ...options import (
     NORMALIZATIONS,
+    NTLOptions,
     OptionField,
     check_chunk_route,
     check_numeric_options,

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...losses import NTLOptions, PerTokenTerms, ntl_counts
 from ...normalization import micro_batch_sums, objective, step_counts
 from ...number_vocab import NumberVocab
-from ...options import check_chunk_route, check_option
+from ...options import NTLOptions, check_chunk_route, check_option
+from ...terms import PerTokenTerms, ntl_counts
 from .args import NTLSettings
 from .terms import batch_first_terms, context_parallel_pieces, output_layer_terms, sequence_first_terms
 

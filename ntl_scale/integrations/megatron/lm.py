@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from ..._deprecation import deprecated_alias
-from ...losses import PerTokenTerms
 from ...normalization import micro_batch_sums, step_counts
 from ...number_vocab import NumberVocab
 from ...options import check_chunk_route
+from ...terms import PerTokenTerms
 from .args import NTLSettings
 from .terms import context_parallel_pieces, output_layer_terms, sequence_first_terms
 

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ...linear import linear_ce_ntl
-from ...losses import NTLOptions, PerTokenTerms, per_token_ce_ntl
 from ...number_vocab import NumberVocab
+from ...options import NTLOptions
+from ...terms import PerTokenTerms, per_token_ce_ntl
 
 __all__ = ["batch_first_terms", "context_parallel_pieces", "output_layer_terms", "sequence_first_terms"]
 

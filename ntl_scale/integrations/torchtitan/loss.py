@@ -69,7 +69,7 @@ from torchtitan.tools.logging import logger
 from ...normalization import MicroBatchSums, micro_batch_sums
 from ...number_vocab import NumberVocab
 from ...options import NTLOptions, check_numeric_options, option_field, variant_of
-from ...parallel import is_dtensor
+from ...shards import is_dtensor
 from ...terms import per_token_ce_ntl
 
 __all__ = ["METRICS", "NOT_CONFIG_FIELDS", "NTLLoss", "number_table"]

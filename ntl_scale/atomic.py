@@ -1,0 +1,73 @@
+"""Files written whole or not at all: a temporary file beside the target, then ``os.replace``.
+
+Every file a run, a checkpoint or a script rewrites in place (``latest``, ``status.json``, ``eval.json``,
+the resolved config, the number table, benchmark reports) goes through :func:`atomic_write`, so a
+process killed or an exception raised while it writes leaves the previous file as it was, and a reader
+sees the old file or the new one, never a part. The temporary file is in the target's folder (a rename
+within one file system is atomic; across file systems it is a copy) under a name of its own
+(``.<name>.<pid>.<random>.tmp``, so two writers never share one), and is removed when the write fails;
+only a process killed mid-write leaves its temporary file behind. The data is flushed to the disk before
+the rename (``fsync``), so a machine that crashes after the rename has the new content, not an empty file.
+
+Standard library only (no torch): launch scripts and benchmarks use it as well as the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from typing import IO, Any
+
+__all__ = ["atomic_write", "write_atomically", "write_json_atomically"]
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike[str], mode: str = "w", *, encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
+    """A file to write ``path``'s new content into; ``path`` is replaced when the ``with`` block ends normally.
+
+    Args:
+        path: the file to write (its folder must exist).
+        mode: ``"w"`` (text) or ``"wb"`` (bytes, e.g. ``torch.save(obj, f)``).
+        encoding: the text encoding (ignored for bytes).
+
+    Raises:
+        ValueError: a mode other than ``"w"`` or ``"wb"`` (appending cannot be atomic this way).
+
+    An exception inside the block (or a process killed during it) leaves ``path`` as it was; the exception
+    propagates after the temporary file is removed.
+    """
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_write writes a whole file: mode must be 'w' or 'wb', got {mode!r}")
+    path = os.fspath(path)
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        # "x": a new file with the permissions any open() gives (mkstemp's would be 0600)
+        with open(tmp, mode.replace("w", "x"), encoding=None if "b" in mode else encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_atomically(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Writes ``data`` (a ``str``, as UTF-8, or ``bytes``) to ``path`` through :func:`atomic_write`."""
+    with atomic_write(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+
+
+def write_json_atomically(value: Any, path: str | os.PathLike[str], **dump: Any) -> None:
+    """Writes ``value`` as JSON to ``path`` through :func:`atomic_write`, with a final newline.
+
+    ``dump``: ``json.dump``'s keyword arguments (default ``indent=2``).
+    """
+    with atomic_write(path) as f:
+        json.dump(value, f, **{"indent": 2, **dump})
+        f.write("\n")
