@@ -116,7 +116,7 @@ def _kernels() -> tuple[Any, Any]:
                             mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
                 z = tl.dot(
                     (h.to(tl.float32) if UPCAST else h),
-                    tl.trans((w.to(tl.float32) if UPCAST else w)),
+                    tl.trans(w.to(tl.float32) if UPCAST else w),
                     z,
                     input_precision=PRECISION,
                 )
@@ -145,7 +145,7 @@ def _kernels() -> tuple[Any, Any]:
                             mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
                 zk = tl.dot(
                     (h.to(tl.float32) if UPCAST else h),
-                    tl.trans((w.to(tl.float32) if UPCAST else w)),
+                    tl.trans(w.to(tl.float32) if UPCAST else w),
                     zk,
                     input_precision=PRECISION,
                 )
@@ -193,7 +193,7 @@ def _kernels() -> tuple[Any, Any]:
                         mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
             z = tl.dot(
                 (h.to(tl.float32) if UPCAST else h),
-                tl.trans((w.to(tl.float32) if UPCAST else w)),
+                tl.trans(w.to(tl.float32) if UPCAST else w),
                 z,
                 input_precision=PRECISION,
             )
@@ -221,7 +221,7 @@ def _kernels() -> tuple[Any, Any]:
                 h = tl.load(h_ptr + rows[:, None] * stride_ht + ks[None, :] * stride_hh,
                             mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
                 dw = tl.dot(
-                    tl.trans((dz.to(tl.float32) if UPCAST else dz)),
+                    tl.trans(dz.to(tl.float32) if UPCAST else dz),
                     (h.to(tl.float32) if UPCAST else h),
                     input_precision=PRECISION,
                 )
