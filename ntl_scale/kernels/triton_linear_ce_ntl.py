@@ -73,11 +73,27 @@ from . import triton_ce_ntl
 
 __all__ = ["backward_grads", "forward_stats", "fused_linear_ce_ntl"]
 
-#: Default tiles (tokens, vocabulary columns, hidden slice) and warps of the two kernels; ``benchmarks/triton_aot.py``
-#: compiles exactly these. Chosen to keep the fp32 ``[BLOCK_T, BLOCK_V]`` tile and the dot operands in
-#: registers without spills on sm_80/90/100 (checked there); their speed is not tuned (no GPU here).
-FORWARD_BLOCKS = {"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8}
-BACKWARD_BLOCKS = {"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 64, "num_warps": 8}
+#: Launch tiles (tokens, vocabulary columns, hidden slice) and warps of the two kernels, for half-precision
+#: and fp32 inputs; ``benchmarks/triton_aot.py`` compiles exactly these. Chosen so that the fp32
+#: ``[BLOCK_T, BLOCK_V]`` tile and the dot operands stay in registers without spills on sm_80/90/100 (the fp32
+#: backward spilled at the half-precision tiles: its IEEE dots hold fp32 operands); their speed is not tuned
+#: (no GPU here).
+FORWARD_BLOCKS = {
+    "half": {"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8},
+    "float32": {"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8},
+}
+BACKWARD_BLOCKS = {
+    "half": {"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 64, "num_warps": 8},
+    "float32": {"BLOCK_T": 32, "BLOCK_V": 64, "BLOCK_H": 32, "num_warps": 8},
+}
+
+
+def launch_blocks(kind: str, dtype: torch.dtype) -> dict[str, int]:
+    """The tiles and warps a launch of ``kind`` (``"forward"`` or ``"backward"``) takes for inputs of ``dtype``."""
+    table = FORWARD_BLOCKS if kind == "forward" else BACKWARD_BLOCKS
+    return dict(table["float32" if dtype == torch.float32 else "half"])
+
+
 #: The inputs' dtypes the kernels take.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -265,7 +281,7 @@ def _forward_arguments(
         target.contiguous(), cols, k, a, a.stride(0), a.stride(1),
         out, zn, zn.stride(0), zn.stride(1),
     )  # fmt: skip
-    return args, {**_precision(hidden.dtype), **FORWARD_BLOCKS, **(blocks or {})}
+    return args, {**_precision(hidden.dtype), **launch_blocks("forward", hidden.dtype), **(blocks or {})}
 
 
 def _backward_arguments(
@@ -290,7 +306,7 @@ def _backward_arguments(
         dh, dh.stride(0), dh.stride(1), dw, dw.stride(0), dw.stride(1),
     )  # fmt: skip
     meta = {**_precision(hidden.dtype), "NEED_H": grad_h is not None, "NEED_W": grad_w is not None}
-    return args, {**meta, **BACKWARD_BLOCKS, **(blocks or {})}
+    return args, {**meta, **launch_blocks("backward", hidden.dtype), **(blocks or {})}
 
 
 def forward_stats(
