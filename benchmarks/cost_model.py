@@ -197,7 +197,7 @@ def ce_ntl_on_chip(s: Shape, atomics_in_l2: bool = True) -> list[Kernel]:
             h,
             read=e * k * h + f * t * k,
             write=f * t * k,
-        ),  # fmt: skip
+        ),
         Kernel("host: all-reduce operands, finalize, u / S, label coefficients", f * t * 20),
         *_ntl_terms(s, t),
         Kernel("backward: dH, dW fp32 buffers zeroed", f * (t * h + v * h)),
