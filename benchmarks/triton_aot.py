@@ -144,7 +144,7 @@ def configs() -> list[Config]:
             out.append(Config(kernel, name, top_v, top_k, UNALIGNED_WIDTH, top_k))
         out.append(Config(kernel, "float64", top_v, top_k, top_v, top_k))
     # the fused linear CE + NTL (logits on chip): its launch tiles, aligned and unaligned vocabulary shards,
-    # the backward with both gradients and with one (a frozen weight, a frozen input); no fp64 (refused)
+    # the backward with both gradients and, in bf16, with one (a frozen weight, a frozen input); no fp64 (refused)
     for dtype in DTYPES:
         name = str(dtype).removeprefix("torch.")
         forward, backward = lk.launch_blocks("forward", dtype), lk.launch_blocks("backward", dtype)
@@ -152,7 +152,8 @@ def configs() -> list[Config]:
         for width in (4096, UNALIGNED_WIDTH):
             out.append(Config("linear_fwd", name, fwd_v, fwd_k, width, 10))
             out.append(Config("linear_bwd", name, bwd_v, 0, width, 10))
-        out += [Config("linear_bwd", name, bwd_v, 0, 4096, 10, needs) for needs in ("h", "w")]
+        if dtype == torch.bfloat16:  # one gradient only (a frozen weight or input): the training dtype
+            out += [Config("linear_bwd", name, bwd_v, 0, 4096, 10, needs) for needs in ("h", "w")]
     return out
 
 

@@ -76,11 +76,11 @@ __all__ = ["backward_grads", "forward_stats", "fused_linear_ce_ntl"]
 #: Launch tiles (tokens, vocabulary columns, hidden slice) and warps of the two kernels, for half-precision
 #: and fp32 inputs; ``benchmarks/triton_aot.py`` compiles exactly these. Chosen so that the fp32
 #: ``[BLOCK_T, BLOCK_V]`` tile and the dot operands stay in registers without spills on sm_80/90/100 (the fp32
-#: backward spilled at the half-precision tiles: its IEEE dots hold fp32 operands); their speed is not tuned
+#: kernels spilled at the half-precision tiles on sm_80: their IEEE dots hold fp32 operands); their speed is not tuned
 #: (no GPU here).
 FORWARD_BLOCKS = {
     "half": {"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8},
-    "float32": {"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8},
+    "float32": {"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 32, "BLOCK_K": 16, "num_warps": 8},
 }
 BACKWARD_BLOCKS = {
     "half": {"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 64, "num_warps": 8},

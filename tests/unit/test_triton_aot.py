@@ -8,7 +8,7 @@ dtype and block configuration the launchers can pick for the three architectures
    (vocabulary shards 1 to 10**6 columns, 0 to 5000 number columns) was compiled, for every kernel,
    dtype and architecture; the fused linear CE + NTL's two kernels (``triton_linear_ce_ntl.py``) at the
    tiles their launchers pick per dtype, aligned and unaligned vocabularies, the backward building both
-   gradients and each alone.
+   gradients and (bf16) each alone.
 2. Every compile succeeded, with zero spill stores and loads and no stack frame (ptxas -v), registers
    equal in ptxas's report and ``cuobjdump --dump-resource-usage`` (two tools), a PTX ``.target`` of
    the architecture and a cubin; at least one block fits an SM.
@@ -100,7 +100,8 @@ def test_the_fused_linear_kernels_are_compiled_as_launched(records):
                 assert {r["warps"] for r in mine} == {blocks["num_warps"]}, (arch, kernel, dtype)
                 assert {r["width"] % 16 == 0 for r in mine} == {True, False}, (arch, kernel, dtype)
                 if kernel == "linear_bwd":
-                    assert {r["needs"] for r in mine} == {"hw", "h", "w"}, (arch, dtype)
+                    needs = {"hw", "h", "w"} if dtype == "bfloat16" else {"hw"}
+                    assert {r["needs"] for r in mine} == needs, (arch, dtype)
 
 
 # ------------------------------------------------------------------ 2. every compile clean
