@@ -7,7 +7,8 @@ float64 autograd, on ``T=37, V=203, H=48, K=10`` with tiles smaller than every d
 blocks, vocabulary tiles and hidden slices, none dividing its dimension):
 
 1. Per-token CE, NTL and log-sum-exp and both gradients for arbitrary per-token upstream weights, fp32 and
-   bf16 inputs; NTL-WAS, MSE with reweighing, the z-loss; the default tiles once; a frozen weight.
+   bf16 inputs; NTL-WAS, MSE with reweighing, Huber, the z-loss; the default tiles once; a frozen weight;
+   autocast; ``check_finite``.
 2. ``ntloss`` (the reference package) for NTL-WAS on the same logits.
 3. Tensor parallelism: TP 2 and TP 3 over gloo with uneven vocabulary shards (one without number
    columns), the two all-reduces, each shard's weight gradient and the summed hidden gradient.
@@ -142,6 +143,26 @@ def test_default_tiles_and_a_frozen_weight():
     terms = fk.fused_linear_ce_ntl(h, weight.to(DEVICE), labels.to(DEVICE), vocab, blocks=SMALL)
     (up[0] * terms.ce + up[1] * terms.ntl + up[2] * terms.lse).sum().backward()
     _close(h.grad, gh, torch.float32, "hidden gradient, frozen weight")
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # numpy's, in the interpreter's max over the NaN row
+def test_autocast_runs_the_half_precision_kernels_and_check_finite_raises():
+    """Under CPU autocast (bf16) fp32 parameters are cast as an autocast linear layer casts them and get fp32
+    gradients through the cast; a NaN hidden state with check_finite raises, naming the fix."""
+    vocab, labels, hidden, weight, up = _problem(torch.float32, seed=4)
+    bf = (hidden.bfloat16(), weight.bfloat16())
+    _, _, _, gh, gw = _reference(*bf, labels, vocab, up)
+    h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        terms = fk.fused_linear_ce_ntl(h, w, labels.to(DEVICE), vocab, blocks=SMALL)
+    (up[0] * terms.ce + up[1] * terms.ntl + up[2] * terms.lse).sum().backward()
+    assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    _close(h.grad, gh, torch.bfloat16, "hidden gradient under autocast")
+    _close(w.grad, gw, torch.bfloat16, "weight gradient under autocast")
+    bad = hidden.clone()
+    bad[5, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf at 1 of"):
+        fk.fused_linear_ce_ntl(bad.to(DEVICE), weight.to(DEVICE), labels.to(DEVICE), vocab, check_finite=True)
 
 
 # ------------------------------------------------------------------------- 2. ntloss
