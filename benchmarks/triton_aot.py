@@ -151,9 +151,9 @@ def configs() -> list[Config]:
         fwd_v, fwd_k, bwd_v = forward["BLOCK_V"], forward["BLOCK_K"], backward["BLOCK_V"]
         for width in (4096, UNALIGNED_WIDTH):
             out.append(Config("linear_fwd", name, fwd_v, fwd_k, width, 10))
-            out.append(Config("linear_bwd", name, bwd_v, 0, width, 10))
+            out.append(Config("linear_bwd", name, bwd_v, 0, width, 0))  # number columns: the host's
         if dtype == torch.bfloat16:  # one gradient only (a frozen weight or input): the training dtype
-            out += [Config("linear_bwd", name, bwd_v, 0, 4096, 10, needs) for needs in ("h", "w")]
+            out += [Config("linear_bwd", name, bwd_v, 0, 4096, 0, needs) for needs in ("h", "w")]
     return out
 
 
