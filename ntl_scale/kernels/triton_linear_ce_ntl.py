@@ -22,13 +22,21 @@ Cross-Entropy's design, with NTL's number-column statistics added):
   **atomically added** into fp32 buffers. The number columns' own term ``g_mass pi_N + g_expect p (a -
   expect)`` (``[T, K]``) is added on the host: two ``O(T K H)`` GEMMs.
 
-Why atomics for ``dW`` (and ``dH``), as CCE does: the alternative without atomics, one kernel over token
+Why atomics for ``dW`` (and ``dH``): the alternative without atomics, one kernel over token
 blocks for ``dH`` and one over vocabulary tiles for ``dW``, recomputes ``z`` twice (8 ``T V H`` FLOPs in the
 backward instead of 6). A per-block split-K reduction of ``dW`` instead (each token block writing its own
-``[V, H]`` partial, summed afterwards) writes ``T / BLOCK_T`` fp32 copies of ``[V, H]``: far more traffic
-than the atomics, which L2 absorbs. The price: fp32 accumulation in an order the hardware picks, so the
+``[V, H]`` partial, summed afterwards) writes ``T / BLOCK_T`` fp32 copies of ``[V, H]`` (269 GB at 8192 x
+128256 x 4096), where the atomics cost the fp32 buffers' one read and write if L2 resolves them (CCE's
+reasoning; not measured here; resolved in HBM they would cost more: ``benchmarks/cost_model.py``'s upper
+bound). The price: fp32 sums in an order the hardware picks, so the
 gradients are not bitwise reproducible run to run on a GPU (they are in the interpreter). Both
 accumulators are fp32 and rounded to the parameters' dtype once, at the end.
+Cut Cross-Entropy accumulates the same per-tile products differently (``cce_backward.py``, read for this):
+a lock-guarded read-add-write per 64-wide slice (``tl_lock_add``), in the gradient's dtype (bf16) unless
+``accum_e_fp32`` / ``accum_c_fp32`` (fp32) or Kahan compensation is asked for, tiles whose ``|dz|`` is below
+``filter_eps`` skipped, programs ordered in groups of 8 token blocks for L2 reuse. Here: hardware fp32
+``tl.atomic_add`` (no lock), no filtering (exact), the plain ``(token block, vocabulary tile)`` grid order;
+tuning these (filtering, the order, the tiles) waits for a GPU.
 
 Supported: fp32, bf16 and fp16 ``hidden`` and ``weight`` (fp32 dots at IEEE precision, no TF32), every
 NTL variant (``terms_from_stats`` forms them from the statistics), ``reweigh`` (its gradient is
