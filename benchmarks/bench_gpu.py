@@ -225,10 +225,20 @@ def ours_chunked(triton: bool, weight: float = NTL_WEIGHT, chunk_tokens: int | N
 
 
 def on_chip_linear_ce_ntl(x: Inputs) -> Built:
-    raise Skip(
-        "not implemented yet: issue 43 item 1's Triton fused linear CE + NTL whose [C, V] logits stay on chip; "
-        "the row to fill when it lands (its model, the floor of every path, is beside it)"
-    )
+    """``ntl_scale.kernels.triton_linear_ce_ntl.fused_linear_ce_ntl`` (issue 43: the logits never leave the chip),
+    its per-token terms reduced as ``linear_ce_with_ntl`` reduces them (mean CE + 0.3 mean NTL-WAS)."""
+    _impl(x, True)
+    from ntl_scale.kernels.triton_linear_ce_ntl import fused_linear_ce_ntl
+    from ntl_scale.reductions import combine_terms
+
+    options = ntl_scale.NTLOptions()
+
+    def fn():
+        terms = fused_linear_ce_ntl(x.hidden, x.weight, x.labels, x.vocab, options, tp_group=x.tp_group)
+        out = combine_terms(terms, x.labels, x.vocab, options, NTL_WEIGHT, None, "mean")
+        return out.loss, out.ce
+
+    return Built(_on_hidden(x, fn))
 
 
 def _kernel_inputs(x: Inputs):
@@ -417,7 +427,8 @@ ROWS = [
         "ours_chunked", ours_chunked(True, chunk_tokens=2048), NTL_WEIGHT, chunked=True, model="ce_ntl_chunked",
         chunk_tokens=2048, note="issue 43: a chunk long enough for a math-bound weight-gradient GEMM", **_TRITON),
     Row("ours_linear_on_chip", "ours: fused linear CE + NTL, logits on chip (issue 43)", "ours", "ours_chunked",
-        on_chip_linear_ce_ntl, NTL_WEIGHT, chunked=True, model="linear_ce_on_chip", setup=("none", 0.0)),
+        on_chip_linear_ce_ntl, NTL_WEIGHT, chunked=True, model="ce_ntl_on_chip", setup=("triton_linear", 15.0),
+        slowdown=1.5),
     Row("kernel_stats", "ours: Triton statistics kernel alone", "ours", "ours_kernel", kernel_stats,
         model="kernel:stats kernel", **_TRITON),
     Row("kernel_grad", "ours: Triton gradient kernel alone, in place", "ours", "ours_kernel", kernel_grad,

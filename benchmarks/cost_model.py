@@ -28,6 +28,13 @@ each so that they compare with the fused linear-CE kernels:
   ``G_W`` and adds the label and number columns (``O(T K H)``).
 * ``linear_ce_on_chip``: a fused linear CE that never writes the logits (CCE's design): the three
   GEMMs' operands and outputs only; the floor of every path.
+* ``ce_ntl_on_chip``: ours, ``ntl_scale/kernels/triton_linear_ce_ntl.py`` (logits on chip, CE + NTL): the
+  forward kernel (``z`` tile by tile, ``[T, 6]`` statistics and the ``[T, K]`` number logits out), the
+  host's per-token work, a backward kernel that **recomputes** ``z`` (8 ``T V H`` FLOPs in all instead of
+  6) and adds ``dH`` and ``dW`` into zeroed fp32 buffers with atomics, the number columns' two small
+  GEMMs and the casts to bf16. The atomics are counted as the fp32 buffers read and written once (L2
+  resolves them); ``ce_ntl_on_chip_hbm_atomics`` counts every tile's atomic read-modify-write in HBM
+  instead (``T H V / BLOCK_V + V H T / BLOCK_T`` fp32 elements, twice): the bound if L2 resolved none.
 """
 
 from __future__ import annotations
@@ -171,12 +178,53 @@ def linear_ce_on_chip(s: Shape) -> list[Kernel]:
     ]
 
 
+#: ``ntl_scale/kernels/triton_linear_ce_ntl.py``'s bf16 backward tiles (``BACKWARD_BLOCKS["half"]``; a test checks).
+ON_CHIP_BLOCK_T, ON_CHIP_BLOCK_V = 64, 64
+
+
+def ce_ntl_on_chip(s: Shape, atomics_in_l2: bool = True) -> list[Kernel]:
+    t, v, h, e, f, k = s.tokens, s.vocab, s.hidden, s.elem, s.f32, s.numbers
+    if atomics_in_l2:  # each fp32 buffer read and written once
+        atomics = 2 * f * (t * h + v * h)
+    else:  # every program's [BLOCK_T, H] and [BLOCK_V, H] read-modify-write in HBM
+        atomics = 2 * f * (t * h * -(-v // ON_CHIP_BLOCK_V) + v * h * -(-t // ON_CHIP_BLOCK_T))
+    return [
+        gemm("forward kernel: z = h W^T on chip, online LSE, z_y", t, v, h, read=e * (t * h + v * h), write=f * t * 6),
+        gemm(
+            "forward kernel: number logits h W_N^T, their statistics",
+            t,
+            k,
+            h,
+            read=e * k * h + f * t * k,
+            write=f * t * k,
+        ),
+        Kernel("host: all-reduce operands, finalize, u / S, label coefficients", f * t * 20),
+        *_ntl_terms(s, t),
+        Kernel("backward: dH, dW fp32 buffers zeroed", f * (t * h + v * h)),
+        gemm("backward kernel: z recomputed on chip", t, v, h, read=e * (t * h + v * h), write=0),
+        gemm("backward kernel: dH += dz W (atomics)", t, h, v, read=0, write=atomics * t / (t + v)),
+        gemm("backward kernel: dW += dz^T h (atomics)", v, h, t, read=0, write=atomics * v / (t + v)),
+        gemm("backward: number columns dh += c_N W_N", t, h, k, read=f * (t * k + k * h), write=f * t * h),
+        gemm("backward: number columns dW_N += c_N^T h", k, h, t, read=f * t * k + e * t * h, write=f * k * h),
+        Kernel("backward: to bf16 (grad_h, grad_W)", f * t * h + e * t * h + f * v * h + e * v * h),
+    ]
+
+
+def ce_ntl_on_chip_hbm_atomics(s: Shape) -> list[Kernel]:
+    return ce_ntl_on_chip(s, atomics_in_l2=False)
+
+
 PATHS: dict[str, tuple[str, Callable[[Shape], list[Kernel]]]] = {
     "ce_logits": ("CE alone, logits materialised (floor of CE-only logits kernels)", ce_logits),
     "ce_ntl_logits": ("CE + NTL fused on logits (ours, Triton)", ce_ntl_logits),
     "ce_chunked": ("CE alone, chunked from hidden states (our chunking, no NTL)", ce_chunked),
     "ce_ntl_chunked": ("CE + NTL chunked from hidden states (ours, Triton)", ce_ntl_chunked),
     "linear_ce_on_chip": ("fused linear CE, logits never in HBM (CCE's design; floor)", linear_ce_on_chip),
+    "ce_ntl_on_chip": ("CE + NTL fused linear, logits on chip (ours, Triton; atomics in L2)", ce_ntl_on_chip),
+    "ce_ntl_on_chip_hbm_atomics": (
+        "CE + NTL fused linear, logits on chip (ours; every atomic in HBM: upper bound)",
+        ce_ntl_on_chip_hbm_atomics,
+    ),
 }
 
 

@@ -56,6 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ntl_scale.kernels import triton_ce_ntl as tk
+from ntl_scale.kernels import triton_linear_ce_ntl as lk
 
 
 @dataclass(frozen=True)
@@ -107,16 +108,25 @@ def block_choices() -> tuple[list[int], list[int]]:
 class Config:
     """One launch configuration: the kernel, the logits dtype, the blocks, the shard's shape."""
 
-    kernel: str  #: "stats" or "grad"
+    kernel: str  #: "stats" or "grad" (logits kernels); "linear_fwd" or "linear_bwd" (the fused linear op's)
     dtype: str  #: "float32", "bfloat16", "float16", "float64"
     block_v: int
     block_k: int
     width: int  #: local vocabulary columns (picks ``BLOCK_V`` through the launcher)
     numbers: int  #: number columns K (picks ``BLOCK_K``; 0: none)
+    needs: str = "hw"  #: linear_bwd: the gradients built, "hw", "h" or "w"
 
     @property
     def warps(self) -> int:
+        if self.kernel.startswith("linear"):
+            kind = "forward" if self.kernel == "linear_fwd" else "backward"
+            return lk.launch_blocks(kind, getattr(torch, self.dtype))["num_warps"]
         return tk._warps(self.block_v)
+
+
+#: The hidden size of the fused linear kernels' compiles: a multiple of 16 like every model's (the compile
+#: sees only its divisibility), small so that the ``[V, H]`` CPU weight the launcher reads stays small.
+LINEAR_HIDDEN = 64
 
 
 def configs() -> list[Config]:
@@ -133,11 +143,47 @@ def configs() -> list[Config]:
                 out += [Config(kernel, name, v, tk._block_k(0), v, 0) for v in block_vs]
             out.append(Config(kernel, name, top_v, top_k, UNALIGNED_WIDTH, top_k))
         out.append(Config(kernel, "float64", top_v, top_k, top_v, top_k))
+    # the fused linear CE + NTL (logits on chip): its launch tiles, aligned and unaligned vocabulary shards,
+    # the backward with both gradients and, in bf16, with one (a frozen weight, a frozen input); no fp64 (refused)
+    for dtype in DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        forward, backward = lk.launch_blocks("forward", dtype), lk.launch_blocks("backward", dtype)
+        fwd_v, fwd_k, bwd_v = forward["BLOCK_V"], forward["BLOCK_K"], backward["BLOCK_V"]
+        for width in (4096, UNALIGNED_WIDTH):
+            out.append(Config("linear_fwd", name, fwd_v, fwd_k, width, 10))
+            out.append(Config("linear_bwd", name, bwd_v, 0, width, 0))  # number columns: the host's
+        if dtype == torch.bfloat16:  # one gradient only (a frozen weight or input): the training dtype
+            out += [Config("linear_bwd", name, bwd_v, 0, 4096, 0, needs) for needs in ("h", "w")]
     return out
+
+
+def _linear_launch(config: Config) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """The fused linear kernels' arguments from their launchers' builders on 2-token CPU tensors."""
+    forward_kernel, backward_kernel = lk._kernels()
+    dtype = getattr(torch, config.dtype)
+    hidden = torch.zeros(2, LINEAR_HIDDEN, dtype=dtype)
+    weight = torch.zeros(config.width, LINEAR_HIDDEN, dtype=dtype)
+    target = torch.zeros(2, dtype=torch.int64)
+    per_token = torch.ones(2, dtype=torch.float32)
+    if config.kernel == "linear_fwd":
+        cols = torch.arange(config.numbers, dtype=torch.int64)
+        stats, number_logits = torch.empty(2, 6), torch.empty(2, config.numbers)
+        a_table = torch.zeros(2, config.numbers)
+        args, meta = lk._forward_arguments(hidden, weight, target, cols, a_table, stats, number_logits)
+        return forward_kernel, args, meta
+    grad_h = torch.zeros(2, LINEAR_HIDDEN) if "h" in config.needs else None
+    grad_w = torch.zeros(config.width, LINEAR_HIDDEN) if "w" in config.needs else None
+    args, meta = lk._backward_arguments(hidden, weight, per_token, per_token, per_token, target, grad_h, grad_w)
+    return backward_kernel, args, meta
 
 
 def launch_arguments(config: Config) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     """The kernel and what its launcher passes it, built by the launcher's own code on 2-token CPU tensors."""
+    if config.kernel.startswith("linear"):
+        kernel, args, meta = _linear_launch(config)
+        if meta["BLOCK_V"] != config.block_v:
+            raise RuntimeError(f"the launcher picked BLOCK_V={meta['BLOCK_V']} for {config}")
+        return kernel, args, meta
     stats_kernel, grad_kernel = tk._kernels()
     dtype = getattr(torch, config.dtype)
     cdt = torch.float64 if dtype == torch.float64 else torch.float32
@@ -315,6 +361,19 @@ def problems(records: list[dict[str, Any]]) -> list[str]:
     return found
 
 
+def _label(record: dict[str, Any]) -> str:
+    """The kernel's name in the table; for the fused linear kernels also their token and hidden tiles and the
+    gradients a backward builds (``dH dW``, ``dH``, ``dW``)."""
+    kernel = record["kernel"]
+    if not kernel.startswith("linear"):
+        return kernel
+    blocks = lk.launch_blocks("forward" if kernel == "linear_fwd" else "backward", getattr(torch, record["dtype"]))
+    label = f"{kernel} T{blocks['BLOCK_T']} H{blocks['BLOCK_H']}"
+    if kernel == "linear_bwd":
+        label += " " + " ".join(f"d{part.upper()}" for part in record.get("needs", "hw"))
+    return label
+
+
 def markdown(records: list[dict[str, Any]]) -> str:
     """One row per kernel and block configuration; per architecture the registers (min-max over the
     dtypes), the shared memory and the resident warps per SM of the dtype using the most registers."""
@@ -324,12 +383,14 @@ def markdown(records: list[dict[str, Any]]) -> str:
         if "error" in r:
             continue
         fp64 = r["dtype"] == "float64"
-        key = (r["kernel"], r["block_v"], r["warps"], r["block_k"], r["numbers"] > 0, r["width"] % 16 == 0, fp64)
+        key = (_label(r), r["block_v"], r["warps"], r["block_k"], r["numbers"] > 0, r["width"] % 16 == 0, fp64)
         groups.setdefault(key, {}).setdefault(r["arch"], []).append(r)
     head = "| kernel | BLOCK_V | warps | BLOCK_K | numbers | width | dtypes | "
     head += " | ".join(f"{a} ({g.name}) regs / smem B / warps per SM" for a, g in zip(archs, ARCHS, strict=True))
     lines = [head + " |", "|---|---:|---:|---:|---|---|---|" + "---|" * len(archs)]
-    for key in sorted(groups, key=lambda k: (k[0] != "stats", not k[4], not k[5], k[6], k[1], k[3])):
+    for key in sorted(
+        groups, key=lambda k: (k[0].startswith("linear"), k[0] != "stats", k[0], not k[4], not k[5], k[6], k[1], k[3])
+    ):
         kernel, block_v, warps, block_k, numbers, aligned, _ = key
         cells = []
         for arch in archs:

@@ -95,6 +95,12 @@ def test_dry_run_layout_and_order(tmp_path):
     assert by["ce", 8192]["model"]["floor"] and by["ce", 8192]["model"]["bytes"] == pytest.approx(15.96e9, rel=1e-3)
     assert by["ce", 16384]["model"]["ms_h100_datasheet"] > by["ce", 8192]["model"]["ms_h100_datasheet"]
     assert by["ours_logits_torch", 8192]["model"] is None
+    # the on-chip fused linear CE + NTL (issue 43): its own model, not the floor: the backward recomputes the
+    # logits (8 T V H FLOPs and the number columns' 6 T K H), and no [T, V] pass (less traffic than chunked)
+    on_chip = by["ours_linear_on_chip", 8192]["model"]
+    assert on_chip["path"] == "ce_ntl_on_chip" and not on_chip["floor"]
+    assert on_chip["flops"] == 8 * 8192 * 128256 * 4096 + 6 * 8192 * 10 * 4096
+    assert on_chip["bytes"] < by["ours_chunked_triton", 8192]["model"]["bytes"] / 5
     # every verdict says not measured, for both sizes
     assert {(v["key"], v["T"]) for v in report["verdicts"]} == {
         (k, t) for k in ("fused_vs_megatron", "chunked_vs_peers", "compiled_chunked_roofline") for t in (8192, 16384)
@@ -346,9 +352,8 @@ def test_smoke_runs_every_row_and_the_values_agree(tmp_path):
     for key, r in by.items():
         if r["status"] == "skipped":
             reason = r["reason"]
-            assert ("not installed" in reason or "GPU only" in reason or "needs a CUDA GPU" in reason
-                    or (key == "ours_linear_on_chip" and "not implemented yet" in reason)), (key, reason)  # fmt: skip
-    must_run = [r.key for r in bg.ROWS if r.group == "ours" and r.key != "ours_linear_on_chip"]
+            assert "not installed" in reason or "GPU only" in reason or "needs a CUDA GPU" in reason, (key, reason)
+    must_run = [r.key for r in bg.ROWS if r.group == "ours"]  # the on-chip fused linear CE + NTL included
     must_run += ["ce", "ce_ntloss", "megatron", "torch_linear_ce"]  # their packages are in the dev install
     for key in must_run:
         assert by[key]["status"] == "measured", (key, by[key]["reason"])

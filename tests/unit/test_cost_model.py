@@ -134,6 +134,28 @@ def test_bytes_of_the_logits_paths_are_the_logits_sizes():
     assert 0 < extra < 100 * T * shape.numbers
 
 
+def test_on_chip_path_counts_its_recompute_and_atomics():
+    """The fused linear CE + NTL (logits on chip) row: 8 T V H FLOPs (the backward recomputes the logits) plus
+    the number columns' 6 T K H; no [T, V] term in its bytes; the tiles of its atomics are the launcher's."""
+    from ntl_scale.kernels import triton_linear_ce_ntl as lk
+
+    shape = cm.Shape(T, V, H, 10)
+    got = cm.cost(cm.ce_ntl_on_chip(shape))
+    assert got.flops == 8 * T * V * H + 6 * T * shape.numbers * H
+    # never the logits: no T x V term in the bytes (their mixed second difference in T and V is 0)
+    size = {(t, v): cm.cost(cm.ce_ntl_on_chip(cm.Shape(t, v, H, 10))).bytes for t in (T, 2 * T) for v in (V, 2 * V)}
+    assert size[2 * T, 2 * V] - size[2 * T, V] - size[T, 2 * V] + size[T, V] == 0
+    chunked = {
+        (t, v): cm.cost(cm.ce_ntl_chunked(cm.Shape(t, v, H, 10), 40)).bytes for t in (T, 2 * T) for v in (V, 2 * V)
+    }
+    assert chunked[2 * T, 2 * V] - chunked[2 * T, V] - chunked[T, 2 * V] + chunked[T, V] > 0  # it writes them
+    blocks = lk.launch_blocks("backward", torch.bfloat16)
+    assert (cm.ON_CHIP_BLOCK_T, cm.ON_CHIP_BLOCK_V) == (blocks["BLOCK_T"], blocks["BLOCK_V"])
+    worst = cm.cost(cm.ce_ntl_on_chip_hbm_atomics(shape)).bytes - got.bytes
+    tiles_t, tiles_v = -(-T // blocks["BLOCK_T"]), -(-V // blocks["BLOCK_V"])
+    assert worst == 2 * 4 * (T * H * tiles_v + V * H * tiles_t) - 2 * 4 * (T * H + V * H)
+
+
 # ------------------------------------------------------------------ 3. the roofline
 
 

@@ -6,7 +6,9 @@ dtype and block configuration the launchers can pick for the three architectures
 
 1. Coverage: every ``BLOCK_V`` and ``BLOCK_K`` the launchers pick for widths met in practice
    (vocabulary shards 1 to 10**6 columns, 0 to 5000 number columns) was compiled, for every kernel,
-   dtype and architecture.
+   dtype and architecture; the fused linear CE + NTL's two kernels (``triton_linear_ce_ntl.py``) at the
+   tiles their launchers pick per dtype, aligned and unaligned vocabularies, the backward building both
+   gradients and (bf16) each alone.
 2. Every compile succeeded, with zero spill stores and loads and no stack frame (ptxas -v), registers
    equal in ptxas's report and ``cuobjdump --dump-resource-usage`` (two tools), a PTX ``.target`` of
    the architecture and a cubin; at least one block fits an SM.
@@ -82,6 +84,24 @@ def test_every_block_the_launchers_pick_is_compiled(records):
             grad = [r for r in records if (r["arch"], r["kernel"]) == (arch, "grad")]
             assert {r["numbers"] > 0 for r in grad} == {True, False}  # HAS_NUMBERS both ways
             assert any(r["dtype"] == "float64" for r in records if (r["arch"], r["kernel"]) == (arch, kernel))
+
+
+def test_the_fused_linear_kernels_are_compiled_as_launched(records):
+    import torch
+
+    from ntl_scale.kernels import triton_linear_ce_ntl as lk
+
+    for arch in ("sm_80", "sm_90", "sm_100"):
+        for dtype in ("float32", "bfloat16", "float16"):
+            for kernel, kind in (("linear_fwd", "forward"), ("linear_bwd", "backward")):
+                blocks = lk.launch_blocks(kind, getattr(torch, dtype))
+                mine = [r for r in records if (r["arch"], r["kernel"], r["dtype"]) == (arch, kernel, dtype)]
+                assert {r["block_v"] for r in mine} == {blocks["BLOCK_V"]}, (arch, kernel, dtype)
+                assert {r["warps"] for r in mine} == {blocks["num_warps"]}, (arch, kernel, dtype)
+                assert {r["width"] % 16 == 0 for r in mine} == {True, False}, (arch, kernel, dtype)
+                if kernel == "linear_bwd":
+                    needs = {"hw", "h", "w"} if dtype == "bfloat16" else {"hw"}
+                    assert {r["needs"] for r in mine} == needs, (arch, dtype)
 
 
 # ------------------------------------------------------------------ 2. every compile clean

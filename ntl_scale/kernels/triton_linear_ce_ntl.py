@@ -1,0 +1,547 @@
+"""CE + NTL from hidden states with the logits kept on chip: a Triton fused linear CE + NTL.
+
+:func:`ntl_scale.linear_ce_ntl` (the chunked op) writes each chunk's ``[C, V]`` logits to memory and
+reads them back for the softmax and both gradient GEMMs. Here no logit ever reaches HBM (Cut
+Cross-Entropy's design, with NTL's number-column statistics added):
+
+* **forward** (:func:`forward_stats`), one program per block of ``BLOCK_T`` tokens: for each vocabulary
+  tile of ``BLOCK_V`` columns, ``z = h W^T`` accumulated in fp32 over ``BLOCK_H`` slices of the hidden
+  size (``tl.dot``), then an online log-sum-exp (running max ``m`` and ``S = sum exp(z - m)``) and the
+  label's logit ``z_y`` picked out of the tile where the label's column falls. The ``K`` number
+  columns' logits ``z_N = h W_N^T`` come from one more small ``tl.dot`` per block of number columns
+  (``K x H`` weight rows); they are written (``[T, K]``, small) and their local max ``mN``,
+  ``SN = sum exp(z_k - mN)`` and ``A = sum exp(z_k - mN) a_k`` are formed on the fly. The per-token
+  statistics are :func:`ntl_scale.kernels.triton_ce_ntl.shard_stats`'s ``[T, 6]``, relative to the
+  local maxima, so the two all-reduces of :func:`ntl_scale.parallel.combine_kernel_stats` (MAX of
+  ``[m, mN]``, then SUM of ``[S, z_y, SN, A]``) run on the host between the forward and the backward
+  launch, as on every other path; ``ShardMath.finalize`` turns them into ``ce, expect, mass, lse``.
+* **backward** (:func:`backward_grads`), one program per (token block, vocabulary tile): ``z`` is
+  recomputed for the tile, ``dz = (u_t / S_t) exp(z - m_t) - g_ce_t [j = y_t]`` (the dense term and the
+  label term of ``ntl_scale/linear.py``'s formula, with ``u = g_ce - g_mass mass + g_lse``), cast to the
+  inputs' dtype, and for each ``BLOCK_H`` slice ``dH[t] += dz W[v]`` and ``dW[v] += dz^T h[t]`` are
+  **atomically added** into fp32 buffers. The number columns' own term ``g_mass pi_N + g_expect p (a -
+  expect)`` (``[T, K]``) is added on the host: two ``O(T K H)`` GEMMs.
+
+Why atomics for ``dW`` (and ``dH``): the alternative without atomics, one kernel over token
+blocks for ``dH`` and one over vocabulary tiles for ``dW``, recomputes ``z`` twice (8 ``T V H`` FLOPs in the
+backward instead of 6). A per-block split-K reduction of ``dW`` instead (each token block writing its own
+``[V, H]`` partial, summed afterwards) writes ``T / BLOCK_T`` fp32 copies of ``[V, H]`` (269 GB at 8192 x
+128256 x 4096), where the atomics cost the fp32 buffers' one read and write if L2 resolves them (CCE's
+reasoning; not measured here; resolved in HBM they would cost more: ``benchmarks/cost_model.py``'s upper
+bound). The price: fp32 sums in an order the hardware picks, so the
+gradients are not bitwise reproducible run to run on a GPU (they are in the interpreter). Both
+accumulators are fp32 and rounded to the parameters' dtype once, at the end.
+Cut Cross-Entropy accumulates the same per-tile products differently (``cce_backward.py``, read for this):
+a lock-guarded read-add-write per 64-wide slice (``tl_lock_add``), in the gradient's dtype (bf16) unless
+``accum_e_fp32`` / ``accum_c_fp32`` (fp32) or Kahan compensation is asked for, tiles whose ``|dz|`` is below
+``filter_eps`` skipped, programs ordered in groups of 8 token blocks for L2 reuse. Here: hardware fp32
+``tl.atomic_add`` (no lock), no filtering (exact), the plain ``(token block, vocabulary tile)`` grid order;
+tuning these (filtering, the order, the tiles) waits for a GPU.
+
+Supported: fp32, bf16 and fp16 ``hidden`` and ``weight`` (fp32 dots at IEEE precision, no TF32), every
+NTL variant (``terms_from_stats`` forms them from the statistics), ``reweigh`` (its gradient is
+exact: the backward recomputes for any upstream gradient), z-loss (``lse`` returned and
+differentiable), ``token_weights`` (accepted and checked; nothing is prebuilt for them), tensor
+parallelism on vocabulary shards (``tp_group`` with ``vocab_start``, uneven shards included; the
+returned hidden gradient is this shard's part, as in :func:`ntl_scale.linear_ce_ntl`), autocast.
+Refused with a ``ValueError``/``TypeError``: fp64 (use the chunked op), label smoothing and logit
+soft-capping (the chunked op computes them), ``need_ce=False`` without reweighing (the chunked op then
+reads only the number columns: nothing to fuse), a DTensor ``weight`` or ``hidden`` (pass
+``weight.to_local()`` with ``tp_group`` and ``vocab_start``), tensors the kernels cannot run on (CPU
+outside Triton's interpreter).
+
+Measured so far: exactness against a float64 reference under Triton's interpreter on the CPU, and the
+ahead-of-time compiles for sm_80/90/100 (``benchmarks/triton_aot.py``). Its speed on a GPU is not
+measured (``docs/kernels.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._validation import check_float_level, check_inputs, check_weights
+from ..number_vocab import NumberVocab
+from ..options import NTLOptions
+from ..parallel import (
+    ShardInputs,
+    ShardMath,
+    _raise_if_not_finite,
+    check_chunk_tokens,
+    combine_kernel_stats,
+    group_rank,
+    group_size,
+    is_dtensor,
+)
+from ..terms import PerTokenTerms, check_plain_labels, shard_inputs, shard_start, terms_from_stats
+from . import triton_ce_ntl
+
+__all__ = ["backward_grads", "forward_stats", "fused_linear_ce_ntl"]
+
+#: Launch tiles (tokens, vocabulary columns, hidden slice) and warps of the two kernels, for half-precision
+#: and fp32 inputs; ``benchmarks/triton_aot.py`` compiles exactly these. Chosen so that the fp32
+#: ``[BLOCK_T, BLOCK_V]`` tile and the dot operands stay in registers without spills on sm_80/90/100 (the fp32
+#: kernels spilled at the half-precision tiles on sm_80: their IEEE dots hold fp32 operands); their speed is not tuned
+#: (no GPU here).
+FORWARD_BLOCKS = {
+    "half": {"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8},
+    "float32": {"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 32, "BLOCK_K": 16, "num_warps": 8},
+}
+BACKWARD_BLOCKS = {
+    "half": {"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 64, "num_warps": 8},
+    "float32": {"BLOCK_T": 32, "BLOCK_V": 64, "BLOCK_H": 32, "num_warps": 8},
+}
+
+
+def launch_blocks(kind: str, dtype: torch.dtype) -> dict[str, int]:
+    """The tiles and warps a launch of ``kind`` (``"forward"`` or ``"backward"``) takes for inputs of ``dtype``."""
+    table = FORWARD_BLOCKS if kind == "forward" else BACKWARD_BLOCKS
+    return dict(table["float32" if dtype == torch.float32 else "half"])
+
+
+#: The inputs' dtypes the kernels take.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def forward_kernel(
+        h_ptr, stride_ht, stride_hh, w_ptr, stride_wv, stride_wh, T, V, H,
+        target_ptr, cols_ptr, K, a_ptr, stride_at, stride_ak,
+        out_ptr, zn_ptr, stride_znt, stride_znk,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0).to(tl.int64)
+        rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_mask = rows < T
+        neg_inf = float("-inf")
+        target = tl.load(target_ptr + rows, mask=row_mask, other=-1)
+        m = tl.full((BLOCK_T,), neg_inf, tl.float32)
+        s = tl.zeros((BLOCK_T,), tl.float32)
+        z_y = tl.zeros((BLOCK_T,), tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            col_mask = cols < V
+            z = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
+            for k0 in range(0, H, BLOCK_H):
+                ks = k0 + tl.arange(0, BLOCK_H)
+                k_mask = ks < H
+                h = tl.load(h_ptr + rows[:, None] * stride_ht + ks[None, :] * stride_hh,
+                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+                w = tl.load(w_ptr + cols[:, None] * stride_wv + ks[None, :] * stride_wh,
+                            mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+                z = tl.dot(
+                    (h.to(tl.float32) if UPCAST else h),
+                    tl.trans(w.to(tl.float32) if UPCAST else w),
+                    z,
+                    input_precision=PRECISION,
+                )
+            z = tl.where(col_mask[None, :], z, neg_inf)
+            z_y += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), 1)
+            new_m = tl.maximum(m, tl.max(z, 1))
+            base = tl.where(new_m == neg_inf, 0.0, new_m)  # an all -inf tile adds 0, not NaN
+            s = s * tl.exp(m - base) + tl.sum(tl.exp(z - base[:, None]), 1)
+            m = new_m
+        # the number columns: their logits by one small dot per block of them, written out ([T, K]) and
+        # their own online statistics
+        mn = tl.full((BLOCK_T,), neg_inf, tl.float32)
+        sn = tl.zeros((BLOCK_T,), tl.float32)
+        an = tl.zeros((BLOCK_T,), tl.float32)
+        for n0 in range(0, K, BLOCK_K):
+            kofs = n0 + tl.arange(0, BLOCK_K)
+            n_mask = kofs < K
+            ids = tl.load(cols_ptr + kofs, mask=n_mask, other=0)
+            zk = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+            for k0 in range(0, H, BLOCK_H):
+                ks = k0 + tl.arange(0, BLOCK_H)
+                k_mask = ks < H
+                h = tl.load(h_ptr + rows[:, None] * stride_ht + ks[None, :] * stride_hh,
+                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+                w = tl.load(w_ptr + ids[:, None] * stride_wv + ks[None, :] * stride_wh,
+                            mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+                zk = tl.dot(
+                    (h.to(tl.float32) if UPCAST else h),
+                    tl.trans(w.to(tl.float32) if UPCAST else w),
+                    zk,
+                    input_precision=PRECISION,
+                )
+            tl.store(zn_ptr + rows[:, None] * stride_znt + kofs[None, :] * stride_znk, zk,
+                     mask=row_mask[:, None] & n_mask[None, :])  # fmt: skip
+            ak = tl.load(a_ptr + rows[:, None] * stride_at + kofs[None, :] * stride_ak,
+                         mask=row_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            zk = tl.where(n_mask[None, :], zk, neg_inf)
+            new_m = tl.maximum(mn, tl.max(zk, 1))
+            base = tl.where(new_m == neg_inf, 0.0, new_m)
+            scale = tl.exp(mn - base)
+            ek = tl.exp(zk - base[:, None])
+            sn = sn * scale + tl.sum(ek, 1)
+            an = an * scale + tl.sum(ek * ak, 1)
+            mn = new_m
+        out = out_ptr + rows * 6
+        tl.store(out + 0, m, mask=row_mask)
+        tl.store(out + 1, s, mask=row_mask)
+        tl.store(out + 2, z_y, mask=row_mask)
+        tl.store(out + 3, mn, mask=row_mask)
+        tl.store(out + 4, sn, mask=row_mask)
+        tl.store(out + 5, an, mask=row_mask)
+
+    @triton.jit
+    def backward_kernel(
+        h_ptr, stride_ht, stride_hh, w_ptr, stride_wv, stride_wh, T, V, H,
+        max_ptr, scale_ptr, label_coef_ptr, target_ptr,
+        dh_ptr, stride_dht, stride_dhh, dw_ptr, stride_dwv, stride_dwh,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, NEED_H: tl.constexpr, NEED_W: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        pid_t = tl.program_id(0).to(tl.int64)
+        pid_v = tl.program_id(1).to(tl.int64)
+        rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_mask = rows < T
+        col_mask = cols < V
+        z = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            ks = k0 + tl.arange(0, BLOCK_H)
+            k_mask = ks < H
+            h = tl.load(h_ptr + rows[:, None] * stride_ht + ks[None, :] * stride_hh,
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+            w = tl.load(w_ptr + cols[:, None] * stride_wv + ks[None, :] * stride_wh,
+                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+            z = tl.dot(
+                (h.to(tl.float32) if UPCAST else h),
+                tl.trans(w.to(tl.float32) if UPCAST else w),
+                z,
+                input_precision=PRECISION,
+            )
+        m = tl.load(max_ptr + rows, mask=row_mask, other=0.0)
+        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)  # u_t / S_t; 0 past the tokens
+        label_coef = tl.load(label_coef_ptr + rows, mask=row_mask, other=0.0)
+        target = tl.load(target_ptr + rows, mask=row_mask, other=-1)
+        dz = scale[:, None] * tl.exp(z - m[:, None])
+        dz = tl.where(cols[None, :] == target[:, None], dz - label_coef[:, None], dz)
+        dz = tl.where(col_mask[None, :] & row_mask[:, None], dz, 0.0).to(h_ptr.dtype.element_ty)
+        for k0 in range(0, H, BLOCK_H):
+            ks = k0 + tl.arange(0, BLOCK_H)
+            k_mask = ks < H
+            if NEED_H:
+                w = tl.load(w_ptr + cols[:, None] * stride_wv + ks[None, :] * stride_wh,
+                            mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+                dh = tl.dot(
+                    (dz.to(tl.float32) if UPCAST else dz),
+                    (w.to(tl.float32) if UPCAST else w),
+                    input_precision=PRECISION,
+                )
+                tl.atomic_add(dh_ptr + rows[:, None] * stride_dht + ks[None, :] * stride_dhh, dh,
+                              mask=row_mask[:, None] & k_mask[None, :], sem="relaxed")  # fmt: skip
+            if NEED_W:
+                h = tl.load(h_ptr + rows[:, None] * stride_ht + ks[None, :] * stride_hh,
+                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+                dw = tl.dot(
+                    tl.trans(dz.to(tl.float32) if UPCAST else dz),
+                    (h.to(tl.float32) if UPCAST else h),
+                    input_precision=PRECISION,
+                )
+                tl.atomic_add(dw_ptr + cols[:, None] * stride_dwv + ks[None, :] * stride_dwh, dw,
+                              mask=col_mask[:, None] & k_mask[None, :], sem="relaxed")  # fmt: skip
+
+    return forward_kernel, backward_kernel
+
+
+def _precision(dtype: torch.dtype) -> dict[str, Any]:
+    """``tl.dot``'s input precision (IEEE fp32 for fp32 inputs: torch's default matmul, no TF32) and ``UPCAST``.
+
+    Triton 3.9's interpreter multiplies bf16/fp16 operands of ``tl.dot`` wrongly (off by 1e10 on a 16 x 16
+    product, checked here): under the interpreter ``UPCAST`` casts the operands to fp32 first, exact for
+    half-precision values, so the products and their fp32 sums are those of the half-precision dot with fp32
+    accumulation. Compiled for a GPU (``benchmarks/triton_aot.py``) ``UPCAST`` is False.
+    """
+    upcast = dtype != torch.float32 and triton_ce_ntl.interpreting()
+    return {"PRECISION": "ieee" if dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
+
+
+def _forward_arguments(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    number_cols: torch.Tensor,
+    a_table: torch.Tensor,
+    out: torch.Tensor,
+    number_logits: torch.Tensor,
+    blocks: dict[str, int] | None = None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The forward kernel's arguments and meta-parameters (``benchmarks/triton_aot.py`` compiles from them)."""
+    num_tokens, width = hidden.shape[0], weight.shape[0]
+    k = number_cols.numel()
+    a = a_table if k else torch.zeros(num_tokens, 1, dtype=torch.float32, device=hidden.device)
+    zn = number_logits if k else torch.zeros(num_tokens, 1, dtype=torch.float32, device=hidden.device)
+    cols = number_cols.contiguous() if k else torch.zeros(1, dtype=torch.int64, device=hidden.device)
+    args = (
+        hidden, hidden.stride(0), hidden.stride(1), weight, weight.stride(0), weight.stride(1),
+        num_tokens, width, hidden.shape[1],
+        target.contiguous(), cols, k, a, a.stride(0), a.stride(1),
+        out, zn, zn.stride(0), zn.stride(1),
+    )  # fmt: skip
+    return args, {**_precision(hidden.dtype), **launch_blocks("forward", hidden.dtype), **(blocks or {})}
+
+
+def _backward_arguments(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    row_max: torch.Tensor,
+    scale: torch.Tensor,
+    label_coef: torch.Tensor,
+    target: torch.Tensor,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    blocks: dict[str, int] | None = None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The backward kernel's arguments and meta-parameters (``benchmarks/triton_aot.py`` compiles from them)."""
+    dummy = torch.zeros(1, 1, dtype=torch.float32, device=hidden.device)
+    dh = dummy if grad_h is None else grad_h
+    dw = dummy if grad_w is None else grad_w
+    args = (
+        hidden, hidden.stride(0), hidden.stride(1), weight, weight.stride(0), weight.stride(1),
+        hidden.shape[0], weight.shape[0], hidden.shape[1],
+        row_max.contiguous(), scale.contiguous(), label_coef.contiguous(), target.contiguous(),
+        dh, dh.stride(0), dh.stride(1), dw, dw.stride(0), dw.stride(1),
+    )  # fmt: skip
+    meta = {**_precision(hidden.dtype), "NEED_H": grad_h is not None, "NEED_W": grad_w is not None}
+    return args, {**meta, **launch_blocks("backward", hidden.dtype), **(blocks or {})}
+
+
+def forward_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    number_cols: torch.Tensor,
+    a_table: torch.Tensor,
+    *,
+    blocks: dict[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token local statistics of ``hidden @ weight.T`` without writing those logits.
+
+    Args:
+        hidden: ``[T, H]``; weight: this shard's ``[V_local, H]`` (same dtype: fp32/bf16/fp16).
+        target: the label's local column per token, -1 where this shard does not own it (or it is
+            ignored), int64 ``[T]``.
+        number_cols: this shard's local number columns, int64 ``[K]`` (may be empty).
+        a_table: ``a_k`` per token and number column ``[T, K]`` (fp32; an expanded view is fine).
+        blocks: overrides of :data:`FORWARD_BLOCKS` (the tests use small tiles).
+
+    Returns:
+        fp32 ``[T, 6]`` = ``m, S, z_y, mN, SN, A`` as :func:`ntl_scale.kernels.triton_ce_ntl.shard_stats`
+        returns them for the logits, and the number columns' logits fp32 ``[T, K]``.
+    """
+    forward_kernel, _ = _kernels()
+    import triton
+
+    num_tokens = hidden.shape[0]
+    out = torch.empty(num_tokens, 6, dtype=torch.float32, device=hidden.device)
+    number_logits = torch.empty(num_tokens, number_cols.numel(), dtype=torch.float32, device=hidden.device)
+    if num_tokens == 0:
+        return out, number_logits
+    args, meta = _forward_arguments(hidden, weight, target, number_cols, a_table, out, number_logits, blocks)
+    forward_kernel[(triton.cdiv(num_tokens, meta["BLOCK_T"]),)](*args, **meta)
+    return out, number_logits
+
+
+def backward_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    row_max: torch.Tensor,
+    scale: torch.Tensor,
+    label_coef: torch.Tensor,
+    target: torch.Tensor,
+    needs: tuple[bool, bool] = (True, True),
+    *,
+    blocks: dict[str, int] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fp32 ``dH = dz W`` and ``dW = dz^T h`` for ``dz = scale_t exp(z - row_max_t) - label_coef_t [j = target_t]``.
+
+    ``z = hidden @ weight.T`` is recomputed tile by tile and never written. ``needs``: whether ``dH`` /
+    ``dW`` are wanted (None is returned for the other). The sums are atomic adds into fp32 buffers.
+    """
+    _, backward_kernel = _kernels()
+    import triton
+
+    need_h, need_w = needs
+    grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    if hidden.shape[0] == 0 or not (need_h or need_w):
+        return grad_h, grad_w
+    args, meta = _backward_arguments(hidden, weight, row_max, scale, label_coef, target, grad_h, grad_w, blocks)
+    grid = (triton.cdiv(hidden.shape[0], meta["BLOCK_T"]), triton.cdiv(weight.shape[0], meta["BLOCK_V"]))
+    backward_kernel[grid](*args, **meta)
+    return grad_h, grad_w
+
+
+class _OnChipLinearCENTL(torch.autograd.Function):
+    """``hidden [T, H]``, ``weight [V_local, H]`` -> per-token ``ce, expect, mass, hit, lse``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        inputs: ShardInputs,
+        tp_group: dist.ProcessGroup | None,
+        check_finite: bool,
+        needs: tuple[bool, bool],
+        blocks: tuple[dict[str, int] | None, dict[str, int] | None],
+    ) -> tuple[torch.Tensor, ...]:
+        width = weight.shape[0]
+        target = inputs.local_target(width)
+        local, number_logits = forward_stats(
+            hidden, weight, target, inputs.number_cols, inputs.a_table.float(), blocks=blocks[0]
+        )
+        # the two all-reduces of every other path: MAX of [m, mN], then SUM of [S, z_y, SN, A]
+        max_all, number_max_raw, sums = combine_kernel_stats(local, tp_group)
+        if check_finite:
+            _raise_if_not_finite(torch.stack((max_all, number_max_raw), 1), sums, True)
+        number_max = ShardMath.safe_number_max(number_max_raw)
+        ce, expect, mass, hit, lse = ShardMath.finalize(max_all, sums, number_max, inputs.valid, True)
+        number_exp = torch.exp(number_logits - number_max.unsqueeze(1))
+        ctx.mark_non_differentiable(hit)
+        ctx.set_materialize_grads(False)
+        ctx.inputs, ctx.needs, ctx.blocks = inputs, needs, blocks[1]
+        ctx.save_for_backward(hidden, weight, max_all, number_max, sums[:, 0], number_exp, sums[:, 2], expect, mass)
+        return ce, expect, mass, hit, lse
+
+    @staticmethod
+    def backward(ctx: Any, g_ce, g_expect, g_mass, _g_hit, g_lse):  # type: ignore[override]
+        hidden, weight, max_all, number_max, total, number_exp, number_total, expect, mass = ctx.saved_tensors
+        inputs: ShardInputs = ctx.inputs
+        zeros = torch.zeros_like(expect)
+        g_ce, g_expect, g_mass, g_lse = (
+            zeros if g is None else g.float() for g in (g_ce, g_expect, g_mass, g_lse)
+        )  # fmt: skip
+        g_ce = torch.where(inputs.valid, g_ce, zeros)
+        width = weight.shape[0]
+        target = inputs.local_target(width)
+        u = g_ce - g_mass * mass + g_lse  # the coefficient of the full softmax pi (d lse/dz = pi)
+        label_coef = torch.where(target >= 0, g_ce, zeros)
+        grad_h, grad_w = backward_grads(
+            hidden, weight, max_all, u / total, label_coef, target, ctx.needs, blocks=ctx.blocks
+        )
+        # the number columns' own term, g_mass pi_N + g_expect p (a - expect): [T, K], two small GEMMs
+        cols = inputs.number_cols
+        if cols.numel():
+            saved = {"number_exp": number_exp, "number_total": number_total, "expect": expect}
+            coef = ShardMath.number_grad(slice(None), saved, inputs, g_expect)
+            coef = coef + g_mass.unsqueeze(1) * number_exp * (torch.exp(number_max - max_all) / total).unsqueeze(1)
+            if grad_h is not None:
+                grad_h.addmm_(coef, weight.index_select(0, cols).float())
+            if grad_w is not None:
+                grad_w.index_add_(0, cols, coef.t() @ hidden.float())
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None, None, None, None, None,
+        )  # fmt: skip
+
+
+def _refuse(hidden: Any, weight: Any, options: NTLOptions, need_ce: bool) -> None:
+    if is_dtensor(hidden) or is_dtensor(weight):
+        raise TypeError(
+            "fused_linear_ce_ntl takes plain tensors; for a vocabulary-parallel DTensor weight pass "
+            "weight.to_local() with tp_group and vocab_start (or use ntl_scale.linear_ce_ntl, which takes DTensors)"
+        )
+    for name, value in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(value, torch.Tensor) or value.dtype not in DTYPES:
+            kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(
+                f"fused_linear_ce_ntl takes fp32, bf16 or fp16 {name}, got {kind}; for fp64 (or other inputs) use "
+                "ntl_scale.linear_ce_ntl (the chunked op)"
+            )
+    if options.label_smoothing or options.logit_softcap is not None:
+        raise ValueError(
+            f"fused_linear_ce_ntl does not compute label_smoothing={options.label_smoothing!r} or "
+            f"logit_softcap={options.logit_softcap!r}; use ntl_scale.linear_ce_ntl (the chunked op), which does, "
+            "or switch them off"
+        )
+    if not need_ce and not options.reweigh:
+        raise ValueError(
+            "fused_linear_ce_ntl with need_ce=False (and no reweigh) has nothing to fuse: NTL alone reads only the "
+            "number columns; use ntl_scale.linear_ce_ntl(..., need_ce=False), or pass need_ce=True"
+        )
+    if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"weight must be [vocab, hidden] and hidden [..., hidden] with the same hidden size; got hidden "
+            f"{tuple(hidden.shape)} and weight {tuple(weight.shape)} (nn.Linear's [out, in] layout)"
+        )
+    if hidden.dtype != weight.dtype or hidden.device != weight.device:
+        raise TypeError(
+            f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, {weight.device}) must have one "
+            "dtype and one device; cast one of them"
+        )
+    if not triton_ce_ntl.runs_on(hidden):
+        raise ValueError(
+            f"fused_linear_ce_ntl runs Triton kernels, which need CUDA tensors (or Triton's interpreter, "
+            f"TRITON_INTERPRET=1 before triton is imported), but hidden is on {hidden.device}; use "
+            "ntl_scale.linear_ce_ntl on this device"
+        )
+
+
+def fused_linear_ce_ntl(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    options: NTLOptions | None = None,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    check_finite: bool = False,
+    chunk_tokens: int | None = None,
+    need_ce: bool = True,
+    token_weights: torch.Tensor | None = None,
+    vocab_start: int | None = None,
+    proportional_grad: bool = False,
+    blocks: tuple[dict[str, int] | None, dict[str, int] | None] = (None, None),
+) -> PerTokenTerms:
+    """:func:`ntl_scale.linear_ce_ntl` with the logits kept on chip (Triton; see the module docs).
+
+    The same arguments and the same :class:`ntl_scale.PerTokenTerms`. ``chunk_tokens`` is checked and
+    otherwise unused (no chunk of logits is ever stored); ``token_weights`` is checked and unused (the
+    backward recomputes the logits for whatever upstream gradient comes, so nothing is prebuilt for
+    them), and so is ``proportional_grad``. ``blocks``: overrides of :data:`FORWARD_BLOCKS` and
+    :data:`BACKWARD_BLOCKS` (tests). Refused: see the module docs.
+    """
+    options = NTLOptions() if options is None else options
+    if not isinstance(options, NTLOptions):
+        raise TypeError(f"options must be an ntl_scale.NTLOptions, got {type(options).__name__}")
+    if isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor):
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device):  # as an autocast linear layer: both cast, the op runs without it
+            amp = torch.get_autocast_dtype(device)
+            with torch.autocast(device, enabled=False):
+                return fused_linear_ce_ntl(
+                    hidden.to(amp), weight.to(amp), labels, vocab, options, tp_group=tp_group,
+                    check_finite=check_finite, chunk_tokens=chunk_tokens, need_ce=need_ce,
+                    token_weights=token_weights, vocab_start=vocab_start, proportional_grad=proportional_grad,
+                    blocks=blocks,
+                )  # fmt: skip
+    _refuse(hidden, weight, options, need_ce)
+    check_plain_labels(labels)
+    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+    stand_in = torch.empty(*hidden.shape[:-1], weight.shape[0], dtype=hidden.dtype, device="meta")
+    check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start, source="the output weight's first dimension")
+    check_float_level(vocab, options)
+    check_chunk_tokens(chunk_tokens)
+    width = weight.shape[0]
+    flat_labels = labels.reshape(-1)
+    start = shard_start(vocab_start, tp_rank, width)
+    inputs, row = shard_inputs(flat_labels, vocab, options, start, width, torch.float32)
+    check_weights(token_weights, labels, torch.float32)
+    needs = (torch.is_grad_enabled() and hidden.requires_grad, torch.is_grad_enabled() and weight.requires_grad)
+    ce, expect, mass, hit, lse = _OnChipLinearCENTL.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, inputs, tp_group, check_finite, needs, blocks
+    )
+    return terms_from_stats(ce, expect, mass, hit, inputs, row, labels.shape, vocab, options, lse)
