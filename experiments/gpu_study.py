@@ -92,7 +92,9 @@ def load(path: str) -> dict[str, Any]:
             )
     share = study.get("number_share")
     if not isinstance(share, (int, float)) or not 0 <= share < 1:
-        raise ValueError(f"{path}: number_share = {share!r}: expected the number-rich share of training tokens, in [0, 1)")
+        raise ValueError(
+            f"{path}: number_share = {share!r}: expected the number-rich share of training tokens, in [0, 1)"
+        )
     tpp = study.get("tokens_per_parameter")
     if not isinstance(tpp, (int, float)) or tpp <= 0:
         raise ValueError(f"{path}: tokens_per_parameter = {tpp!r}: expected a number > 0 (e.g. 20)")
@@ -112,7 +114,9 @@ def load_data(path: str) -> dict[str, Any]:
         data = yaml.safe_load(f)
     missing = [k for k in DATA_KEYS if not isinstance(data, dict) or not data.get(k)]
     if missing:
-        raise ValueError(f"{path}: missing {missing}; expected {list(DATA_KEYS)} (see configs/gpu_study/data.example.yaml)")
+        raise ValueError(
+            f"{path}: missing {missing}; expected {list(DATA_KEYS)} (see configs/gpu_study/data.example.yaml)"
+        )
     return data
 
 
@@ -219,7 +223,8 @@ def argv(study: dict[str, Any], data: dict[str, Any], index: int, phase: str, ru
         "data-cache-path": os.path.join(run_dir, "data_cache"),
     }  # fmt: skip
     if phase == "train":  # no validation set: no evaluation while training
-        flags = {**common, **study["arms"][t.arm]}
+        # no evaluation (Megatron evaluates at the end unless --eval-iters is 0); it needs an interval all the same
+        flags = {**common, **study["arms"][t.arm], "eval-iters": 0, "eval-interval": plan["iterations"] + 1}
     else:  # the same evaluation flags for every arm: CE's number metrics are measured too
         flags = {**common, **study["eval"]["ntl_args"], "skip-train": True, "eval-interval": plan["iterations"],
                  "valid-data-path": [valid[n] for n in names],
@@ -229,11 +234,14 @@ def argv(study: dict[str, Any], data: dict[str, Any], index: int, phase: str, ru
 
 
 VALID_LINE = re.compile(r"validation-(?P<name>[\w.-]+) loss at .*?\| lm loss value: (?P<loss>[-+.\dEe]+)")
-NTL_LINE = re.compile(r"validation \(ntl_scale\) \| ntl loss: (?P<ntl>\S+) \| number accuracy: (?P<acc>\S+) \|")
+NTL_LINE = re.compile(
+    r"validation \(ntl_scale\) \| ntl loss: (?P<ntl>n/a[^|]*|\S+) \| number accuracy: (?P<acc>n/a[^|]*|\S+) \|"
+)
 
 
 def parse_eval(text: str) -> dict[str, dict[str, float]]:
-    """The per-set metrics of an evaluation log: ``{set: {ppl, lm_loss, number_token_was, number_token_acc}}``.
+    """The per-set metrics of an evaluation log: ``{set: {ppl, lm_loss, number_token_was, number_token_acc}}``
+    (the accuracy a fraction, as in ``experiments/study.py``'s results: size_sweep reports its change in points).
 
     ``launch/pretrain_gpt_ntl.py`` prints the NTL line of a set right after evaluating it, before Megatron
     prints that set's ``validation-<name> loss`` line: each set line takes the NTL line before it."""
@@ -242,9 +250,9 @@ def parse_eval(text: str) -> dict[str, dict[str, float]]:
     for line in text.splitlines():
         ntl = NTL_LINE.search(line)
         if ntl:
-            value = ntl["ntl"]
-            pending = {"number_token_was": float(value) if value != "n/a" else math.nan,
-                       "number_token_acc": float(ntl["acc"]) * 100 if ntl["acc"] != "n/a" else math.nan}  # fmt: skip
+            # "n/a (no number tokens)": no number token in the whole set
+            was, acc = (math.nan if v.startswith("n/a") else float(v) for v in (ntl["ntl"], ntl["acc"]))
+            pending = {"number_token_was": was, "number_token_acc": acc}  # a fraction, as study.py's
             continue
         found = VALID_LINE.search(line)
         if found:
@@ -286,7 +294,9 @@ def collect(study: dict[str, Any], runs: str, out: str) -> dict[str, Any]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             json.dump({"results": by_arm}, f, indent=2)
-        if not any(v is not None for arm in by_arm.values() for s in arm.values() for m in s.values() for v in m["seeds"]):
+        if not any(
+            v is not None for arm in by_arm.values() for s in arm.values() for m in s.values() for v in m["seeds"]
+        ):
             print(f"[gpu-study] {name}: no evaluated run yet; left out", flush=True)
             continue
         plan = budget(study, name)
@@ -318,8 +328,19 @@ def cost_markdown(study: dict[str, Any]) -> str:
     for name in study["sizes"]:
         b = budget(study, name)
         total += b["gpu_hours"] * runs
-        lines.append(f"| {name} | {b['non_embedding']:,} | {b['total']:,} | {b['tokens']:,} | {b['iterations']:,} | "
-                     f"{b['flops']:.3g} | {b['mfu']:.0%} | {b['gpu_hours']:.1f} | {runs} | {b['gpu_hours'] * runs:.0f} |")  # fmt: skip
+        cells = [
+            name,
+            f"{b['non_embedding']:,}",
+            f"{b['total']:,}",
+            f"{b['tokens']:,}",
+            f"{b['iterations']:,}",
+            f"{b['flops']:.3g}",
+            f"{b['mfu']:.0%}",
+            f"{b['gpu_hours']:.1f}",
+            str(runs),
+            f"{b['gpu_hours'] * runs:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"| **total** | | | | | | | | {runs * len(study['sizes'])} | **{total:.0f}** |")
     return "\n".join(lines)
 
@@ -341,7 +362,9 @@ def main(argv_: list[str] | None = None) -> None:
         if args.command == "plan":
             for t in tasks(study):
                 b = budget(study, t.size)
-                print(f"{t.index}\t{t.size}\t{t.arm}\tseed {t.seed}\t{b['tokens']:,} tokens\t{b['iterations']} iterations")
+                print(
+                    f"{t.index}\t{t.size}\t{t.arm}\tseed {t.seed}\t{b['tokens']:,} tokens\t{b['iterations']} iterations"
+                )
         elif args.command == "cost":
             print(cost_markdown(study))
         elif args.command == "count":

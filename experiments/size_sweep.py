@@ -65,10 +65,18 @@ MORE_METRICS: dict[str, tuple[str, str, bool, str]] = {
     "prose_ppl": ("heldout:prose", "ppl", True, "prose perplexity: cost, % of CE"),
     "code_ppl": ("heldout:code", "ppl", True, "code perplexity: cost, % of CE"),
     "numeric_ppl": ("heldout:numeric", "ppl", True, "numeric-text perplexity: change, % of CE"),
-    "numeric_number_token_was": ("heldout:numeric", "number_token_was", True,
-                                 "numeric text, number-token E|v - t|: change, % of CE"),
-    "numeric_number_token_acc": ("heldout:numeric", "number_token_acc", False,
-                                 "numeric text, number-token accuracy: change, points"),
+    "numeric_number_token_was": (
+        "heldout:numeric",
+        "number_token_was",
+        True,
+        "numeric text, number-token E|v - t|: change, % of CE",
+    ),
+    "numeric_number_token_acc": (
+        "heldout:numeric",
+        "number_token_acc",
+        False,
+        "numeric text, number-token accuracy: change, points",
+    ),
 }
 """Differences a sweep can ask for by name (``metrics: [...]``): the GPU study's (experiments/gpu_study.py),
 measured by Megatron's evaluation (perplexity over all tokens of a held-out set; NTL-WAS's E|v - t| and
