@@ -301,7 +301,7 @@ def collect(study: dict[str, Any], runs: str, out: str) -> dict[str, Any]:
             continue
         plan = budget(study, name)
         sizes.append({"label": name, "parameters": plan["non_embedding"], "results": by_arm, "results_path": path,
-                      "tokens": plan["tokens"], "data_varied": True,
+                      "tokens": plan["tokens"], "data_varied": None,  # the order varies with the seed, the held-out sets do not
                       "tokens_per_parameter": plan["tokens_per_parameter"]})  # fmt: skip
     arms = list(study["arms"])
     sweep = {"baseline": arms[0], "arms": arms[1:], "metrics": study["analysis"]["metrics"]}

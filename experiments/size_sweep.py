@@ -69,7 +69,7 @@ MORE_METRICS: dict[str, tuple[str, str, bool, str]] = {
         "heldout:numeric",
         "number_token_was",
         True,
-        "numeric text, number-token E|v - t|: change, % of CE",
+        "numeric text, number-token expected absolute error: change, % of CE",
     ),
     "numeric_number_token_acc": (
         "heldout:numeric",
