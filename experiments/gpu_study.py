@@ -299,9 +299,9 @@ def collect(study: dict[str, Any], runs: str, out: str) -> dict[str, Any]:
         ):
             print(f"[gpu-study] {name}: no evaluated run yet; left out", flush=True)
             continue
-        plan = budget(study, name)
+        plan = budget(study, name)  # data_varied None: the order varies with the seed; the held-out sets do not
         sizes.append({"label": name, "parameters": plan["non_embedding"], "results": by_arm, "results_path": path,
-                      "tokens": plan["tokens"], "data_varied": None,  # the order varies with the seed, the held-out sets do not
+                      "tokens": plan["tokens"], "data_varied": None,
                       "tokens_per_parameter": plan["tokens_per_parameter"]})  # fmt: skip
     arms = list(study["arms"])
     sweep = {"baseline": arms[0], "arms": arms[1:], "metrics": study["analysis"]["metrics"]}
