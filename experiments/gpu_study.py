@@ -43,6 +43,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
+from launch.megatron_args import flags  # noqa: E402  (one reading of {flag: value} as Megatron's argv)
+
 SHAPE_KEYS = ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "num-query-groups")
 """The Megatron flags of a size's shape (all required)."""
 SIZE_KEYS = (*SHAPE_KEYS, "global-batch-size", "lr", "mfu")
@@ -184,18 +186,6 @@ def task(study: dict[str, Any], index: int) -> Task:
     return every[index]
 
 
-def _flags(mapping: dict[str, Any]) -> list[str]:
-    """``{flag: value}`` -> Megatron argv (``true``: the bare flag; ``false``/``null``: left out; a list: values)."""
-    argv: list[str] = []
-    for flag, value in mapping.items():
-        if value is None or value is False:
-            continue
-        argv.append(f"--{flag}")
-        if value is not True:
-            argv.extend(str(v) for v in (value if isinstance(value, list) else [value]))
-    return argv
-
-
 def argv(study: dict[str, Any], data: dict[str, Any], index: int, phase: str, run_dir: str) -> list[str]:
     """The Megatron arguments of array task ``index`` in ``phase`` (``train`` or ``eval``)."""
     if phase not in ("train", "eval"):
@@ -222,15 +212,15 @@ def argv(study: dict[str, Any], data: dict[str, Any], index: int, phase: str, ru
         # the dataset index caches in the run's folder: array tasks never build the same files at once
         "data-cache-path": os.path.join(run_dir, "data_cache"),
     }  # fmt: skip
-    if phase == "train":  # no validation set: no evaluation while training
-        # no evaluation (Megatron evaluates at the end unless --eval-iters is 0); it needs an interval all the same
-        flags = {**common, **study["arms"][t.arm], "eval-iters": 0, "eval-interval": plan["iterations"] + 1}
+    if phase == "train":
+        # no validation set, no evaluation (Megatron evaluates at the end unless --eval-iters is 0), yet an interval
+        chosen = {**common, **study["arms"][t.arm], "eval-iters": 0, "eval-interval": plan["iterations"] + 1}
     else:  # the same evaluation flags for every arm: CE's number metrics are measured too
-        flags = {**common, **study["eval"]["ntl_args"], "skip-train": True, "eval-interval": plan["iterations"],
-                 "valid-data-path": [valid[n] for n in names],
-                 # every held-out set in full (Megatron's --multiple-validation-sets needs --full-validation)
-                 "multiple-validation-sets": True, "validation-set-names": names, "full-validation": True}  # fmt: skip
-    return _flags(flags)
+        chosen = {**common, **study["eval"]["ntl_args"], "skip-train": True, "eval-interval": plan["iterations"],
+                  "valid-data-path": [valid[n] for n in names],
+                  # every held-out set in full (Megatron's --multiple-validation-sets needs --full-validation)
+                  "multiple-validation-sets": True, "validation-set-names": names, "full-validation": True}  # fmt: skip
+    return flags(chosen)
 
 
 VALID_LINE = re.compile(r"validation-(?P<name>[\w.-]+) loss at .*?\| lm loss value: (?P<loss>[-+.\dEe]+)")

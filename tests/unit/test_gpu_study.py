@@ -168,7 +168,7 @@ def test_every_arm_and_the_eval_flags_are_valid_ntl_settings(path):
     study = gpu_study.load(path)
     for flags in [*study["arms"].values(), study["eval"]["ntl_args"]]:
         parser = add_ntl_args(argparse.ArgumentParser())
-        args, unknown = parser.parse_known_args(gpu_study._flags(flags))
+        args, unknown = parser.parse_known_args(gpu_study.flags(flags))
         assert not unknown
         NTLSettings.from_args(args)  # raises on an invalid combination
     assert float(study["arms"][next(iter(study["arms"]))]["ntl-weight"]) == 0  # the baseline is CE
