@@ -47,7 +47,9 @@ import figures  # noqa: E402
 import seed_stats  # noqa: E402
 import study  # noqa: E402
 
-BETTER = {"prose_text_ppl": -1, "number_token_mae": -1, "number_token_acc": 1, "question_acc": 1}
+BETTER = {"prose_text_ppl": -1, "number_token_mae": -1, "number_token_acc": 1, "question_acc": 1,
+          "prose_ppl": -1, "code_ppl": -1, "numeric_ppl": -1, "numeric_number_token_was": -1,
+          "numeric_number_token_acc": 1}  # fmt: skip
 """The sign of a gain for NTL on each difference (lower perplexity and error, higher accuracy)."""
 
 # key -> (split, metric, relative (% of the baseline mean) or absolute (points), label)
@@ -57,6 +59,41 @@ METRICS: dict[str, tuple[str, str, bool, str]] = {
     "number_token_acc": ("heldout", "number_token_acc", False, "number-token accuracy: change, points"),
     "question_acc": ("questions", "accuracy", False, "held-out question accuracy: change, points"),
 }
+"""The headline differences of the CPU studies (a sweep's default ``metrics``)."""
+
+MORE_METRICS: dict[str, tuple[str, str, bool, str]] = {
+    "prose_ppl": ("heldout:prose", "ppl", True, "prose perplexity: cost, % of CE"),
+    "code_ppl": ("heldout:code", "ppl", True, "code perplexity: cost, % of CE"),
+    "numeric_ppl": ("heldout:numeric", "ppl", True, "numeric-text perplexity: change, % of CE"),
+    "numeric_number_token_was": (
+        "heldout:numeric",
+        "number_token_was",
+        True,
+        "numeric text, number-token expected absolute error: change, % of CE",
+    ),
+    "numeric_number_token_acc": (
+        "heldout:numeric",
+        "number_token_acc",
+        False,
+        "numeric text, number-token accuracy: change, points",
+    ),
+}
+"""Differences a sweep can ask for by name (``metrics: [...]``): the GPU study's (experiments/gpu_study.py),
+measured by Megatron's evaluation (perplexity over all tokens of a held-out set; NTL-WAS's E|v - t| and
+number-token accuracy)."""
+
+
+def metric_keys(sweep: dict[str, Any]) -> list[str]:
+    """The differences a sweep tabulates: its ``metrics`` list, by default :data:`METRICS`'s keys."""
+    keys = list(sweep.get("metrics") or METRICS)
+    unknown = [k for k in keys if k not in METRICS and k not in MORE_METRICS]
+    if unknown:
+        raise ValueError(f"sweep metrics {unknown}: expected names of {[*METRICS, *MORE_METRICS]}")
+    return keys
+
+
+def _spec(key: str) -> tuple[str, str, bool, str]:
+    return METRICS[key] if key in METRICS else MORE_METRICS[key]
 
 
 RANGES: dict[str, tuple[float, float]] = {
@@ -64,6 +101,11 @@ RANGES: dict[str, tuple[float, float]] = {
     "number_token_mae": (-100.0, math.inf),
     "number_token_acc": (-100.0, 100.0),  # points of an accuracy
     "question_acc": (-100.0, 100.0),
+    "prose_ppl": (-100.0, math.inf),
+    "code_ppl": (-100.0, math.inf),
+    "numeric_ppl": (-100.0, math.inf),
+    "numeric_number_token_was": (-100.0, math.inf),
+    "numeric_number_token_acc": (-100.0, 100.0),
 }
 """The values each difference can take: intervals are clipped to them."""
 
@@ -110,7 +152,7 @@ def parameters(preset: dict[str, Any]) -> int:
 
 def difference(results: dict[str, Any], arm: str, baseline: str, key: str) -> dict[str, Any] | None:
     """The arm's per-seed difference to the baseline on metric ``key``, its mean, 95 % t-interval and t-test."""
-    split, metric, relative, _ = METRICS[key]
+    split, metric, relative, _ = _spec(key)
     try:
         a = results[arm][split][metric]["seeds"]
         b = results[baseline][split][metric]["seeds"]
@@ -214,7 +256,8 @@ def factorial(sweep: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, An
     the per-seed differences on log2(tokens per parameter) (Q1); the contrasts it names, each a Welch
     interval of one cell's mean difference minus another's (Q2); Holm over the primary metrics' tests."""
     spec = sweep["factorial"]
-    primary = spec.get("primary", list(METRICS))
+    keys = metric_keys(sweep)
+    primary = spec.get("primary", keys)
     out: dict[str, Any] = {"primary": primary, "slopes": {}, "contrasts": {}}
     by_label = {row["label"]: row for row in rows}
     family: dict[tuple[str, ...], float] = {}
@@ -222,7 +265,7 @@ def factorial(sweep: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, An
         slopes: dict[str, Any] = {}
         for size in sorted({row["size"] for row in rows}):
             cells = [row for row in rows if row["size"] == size]
-            for key in METRICS:
+            for key in keys:
                 points = [(row["tokens_per_parameter"], d) for row in cells
                           for d in (row["differences"][arm][key] or {}).get("seeds", [])]  # fmt: skip
                 fit = slope_per_doubling(points)
@@ -236,7 +279,7 @@ def factorial(sweep: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, An
             a, b = by_label.get(item["a"]), by_label.get(item["b"])
             if not a or not b:
                 continue
-            for key in METRICS:
+            for key in keys:
                 cell_a, cell_b = a["differences"][arm][key], b["differences"][arm][key]
                 got = contrast(cell_a["seeds"], cell_b["seeds"]) if cell_a and cell_b else None
                 if got:
@@ -268,6 +311,7 @@ def factorial(sweep: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, An
 def tabulate(sweep: dict[str, Any], sizes: list[dict[str, Any]]) -> dict[str, Any]:
     """The sweep's differences per size and their trends (see the module docstring)."""
     arms, baseline = sweep["arms"], sweep.get("baseline", "CE")
+    keys = metric_keys(sweep)
     rows = []
     for size in sizes:
         rows.append({
@@ -275,17 +319,17 @@ def tabulate(sweep: dict[str, Any], sizes: list[dict[str, Any]]) -> dict[str, An
             "size": size.get("size", size["label"]), "tokens": size.get("tokens"),
             "data_varied": size.get("data_varied"),
             "tokens_per_parameter": size.get("tokens_per_parameter"),
-            "differences": {arm: {key: difference(size["results"], arm, baseline, key) for key in METRICS}
+            "differences": {arm: {key: difference(size["results"], arm, baseline, key) for key in keys}
                             for arm in arms},
         })  # fmt: skip
     trends: dict[str, Any] = {}
     for arm in arms if not sweep.get("factorial") else []:  # a factorial's cells differ in tokens too
         trends[arm] = {}
-        for key in METRICS:
+        for key in keys:
             points = [(row["parameters"], d) for row in rows
                       for d in ((row["differences"][arm][key] or {}).get("seeds", []))]  # fmt: skip
             trends[arm][key] = trend(points)
-    labels = {key: {"label": spec[3]} for key, spec in METRICS.items()}
+    labels = {key: {"label": _spec(key)[3]} for key in keys}
     table = {"baseline": baseline, "arms": arms, "metrics": labels, "sizes": rows, "trend": trends}
     if sweep.get("factorial"):
         table["factorial"] = factorial(sweep, rows)

@@ -20,8 +20,13 @@ def to_argv(path: str) -> list[str]:
         data = yaml.safe_load(f)
     if not isinstance(data, dict) or not isinstance(data.get("megatron_args"), dict):
         raise SystemExit(f"{path}: expected a mapping 'megatron_args: {{flag: value, ...}}' at the top level")
+    return flags(data["megatron_args"])
+
+
+def flags(mapping: dict) -> list[str]:
+    """The Megatron argv of one ``{flag: value}`` mapping (the rules of the module docstring)."""
     argv: list[str] = []
-    for flag, value in data["megatron_args"].items():
+    for flag, value in mapping.items():
         if value is None or value is False:
             continue
         argv.append(f"--{flag}")
