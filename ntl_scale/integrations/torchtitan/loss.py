@@ -66,7 +66,7 @@ from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.tools.logging import logger
 
-from ...normalization import MicroBatchSums, micro_batch_sums
+from ...normalization import MicroBatchSums, means, micro_batch_sums, objective
 from ...number_vocab import NumberVocab
 from ...options import NTLOptions, check_numeric_options, option_field, variant_of
 from ...parallel import is_dtensor
@@ -302,12 +302,12 @@ class NTLLoss(BaseLoss):
         self, ce_sum: torch.Tensor, sums: MicroBatchSums, global_valid_tokens: torch.Tensor | int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``CE / global_valid_tokens + weight * NTL / K`` and this call's metrics (accumulated for the step)."""
-        numbers = self._step_numbers().to(device=sums.ntl.device, dtype=sums.ntl.dtype).clamp_min(1)
-        ce = ce_sum / global_valid_tokens
-        ntl = sums.ntl / numbers
-        # weight 0: torchtitan's CE / global_valid_tokens, bit for bit (no "+ 0 * ntl")
-        loss = ce if self.weight == 0 else ce + self.weight * ntl
-        values = (ce.detach(), ntl.detach(), sums.hits.detach() / numbers)
+        # N is torchtitan's global_valid_tokens (no rescale: torchtitan divides by nothing else); K the step's
+        sums = sums._replace(ce=ce_sum)
+        counts = (global_valid_tokens, self._step_numbers().to(device=sums.ntl.device, dtype=sums.ntl.dtype))
+        loss = objective(sums, counts, self.weight)  # weight 0: torchtitan's CE / global_valid_tokens, bit for bit
+        ce, ntl = means(sums, counts)
+        values = (ce.detach(), ntl.detach(), means(sums._replace(ntl=sums.hits), counts)[1].detach())
         metrics = torch.stack([v.to(torch.float64) for v in values])
         self._metrics = metrics if self._metrics is None else self._metrics + metrics
         return loss, dict(zip(METRICS, values))
