@@ -68,7 +68,7 @@ from torchtitan.tools.logging import logger
 
 from ...normalization import MicroBatchSums, means, micro_batch_sums, objective
 from ...number_vocab import NumberVocab
-from ...options import NTLOptions, check_numeric_options, option_field, variant_of
+from ...options import NTLOptions, check_run_options, option_field, variant_fields, variant_of
 from ...parallel import is_dtensor
 from ...terms import per_token_ce_ntl
 
@@ -112,32 +112,19 @@ class NTLLoss(BaseLoss):
     """
 
     @dataclass(kw_only=True, slots=True)
+    @variant_fields
     class Config(BaseLoss.Config):
-        """The NTL options of :mod:`ntl_scale.options` (``option_fields()``; defaults taken from there), the
-        number table's source and the model's vocabulary size."""
+        """The NTL options of :mod:`ntl_scale.options`: the run-level ones below (defaults the spec's), then the
+        variant fields of :class:`~ntl_scale.NTLOptions` (``loss``, ``squash_factor``, ``reweigh``,
+        ``huber_delta``, ``float_level``, ``impl``, ``z_loss_weight``, ``label_smoothing``, ``logit_softcap``:
+        added by :func:`~ntl_scale.options.variant_fields`, documented there once); the number table's source
+        and the model's vocabulary size."""
 
         weight: float = _default("weight")
         """Weight of NTL in ``CE + weight * NTL`` (0.3 in the paper); 0 trains with CE alone."""
-        loss: str = _default("loss")
-        """The NTL variant: ``was``, ``mse``, ``mae``, ``huber`` or ``number``."""
-        squash_factor: float | None = _default("squash_factor")
-        """``was`` only: map nonzero distances onto ``[1, squash_factor]`` (> 1); None: ``|v_k - t|``."""
-        reweigh: bool = _default("reweigh")
-        """Scale NTL by the probability mass on number tokens (the reference's default; off in the paper)."""
-        huber_delta: float = _default("huber_delta")
-        """``huber`` only: the threshold (> 0)."""
-        float_level: bool = _default("float_level")
-        """``number`` only: a decimal point between digits joins one number."""
-        impl: str = _default("impl")
-        """``auto``, ``torch`` or ``triton``: which code computes the fused statistics."""
-        z_loss_weight: float = _default("z_loss_weight")
-        """Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to CE (>= 0; 0: off; 1e-4 in PaLM)."""
-        label_smoothing: float = _default("label_smoothing")
-        """CE label smoothing over the whole vocabulary (all TP shards), in ``[0, 1]``; NTL keeps the hard target."""
-        logit_softcap: float | None = _default("logit_softcap")
-        """Logit soft-capping ``cap * tanh(z / cap)`` before CE, z-loss and NTL (> 0; None: off)."""
         digit_level: bool = _default("digit_level")
-        """Number table of the ten digits (True) or of multi-digit tokens such as Llama 3's ``123`` (False)."""
+        """Number table of the ten digits (True) or of multi-digit tokens such as Llama 3's ``123`` (False);
+        not read with ``number_vocab``."""
         chunk_tokens: int | None = _default("chunk_tokens")
         """Tokens per chunk of the loss's temporaries (None: about 64 MiB of fp32 per chunk)."""
         number_vocab: str | None = None
@@ -150,13 +137,7 @@ class NTLLoss(BaseLoss):
         model's."""
 
         def __post_init__(self) -> None:
-            check_numeric_options(self, lambda name: f"loss.{name}")  # finite, in range: options.py's checks
-            self.options()
-            if self.loss == "number" and not self.digit_level:
-                raise ValueError(
-                    "loss.loss=number assembles numbers from single-digit tokens and cannot read a multi-digit "
-                    "table; set loss.digit_level=true, or a token-level loss (was, mse, mae, huber)"
-                )
+            check_run_options(self, "torchtitan")
 
         def options(self) -> NTLOptions:
             """The :class:`~ntl_scale.NTLOptions` of this config (the variant and ``impl``)."""

@@ -45,7 +45,7 @@ class NTLTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         ntl_config = _ntl_config(config.loss)
-        if config.parallelism.context_parallel_degree > 1 and ntl_config.loss == "number":
+        if config.parallelism.context_parallel_degree > 1 and ntl_config.options().loss == "number":
             raise ValueError(
                 "loss.loss=number assembles whole numbers along the sequence, which context parallelism splits "
                 f"(context_parallel_degree={config.parallelism.context_parallel_degree}); use a token-level loss "
