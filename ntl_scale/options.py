@@ -63,6 +63,7 @@ __all__ = [
     "NUMERIC_CHECKS",
     "REDUCTIONS",
     "SURFACES",
+    "VOCAB_RULES",
     "NTLOptions",
     "NTLRunOptions",
     "OptionField",
@@ -83,6 +84,7 @@ __all__ = [
     "surface_default",
     "surface_name",
     "surface_reason",
+    "table_source",
     "variant_fields",
     "variant_of",
 ]
@@ -385,21 +387,57 @@ class NTLRunOptions:
         return variant_of(self, ignore_index)
 
 
-def check_run_options(settings: object, surface: str, *, multi_digit: bool | None = None) -> NTLOptions:
+VOCAB_RULES = ("digits", "multi-digit")
+"""The number-table rules a ``number_vocab`` value may name instead of a saved table's path."""
+
+
+def table_source(number_vocab: str | None, digit_level: bool = True, name: str = "number_vocab") -> bool | str:
+    """What a front end's number table is, read the same way on every surface.
+
+    ``number_vocab`` (Megatron's ``--ntl-number-vocab``, torchtitan's ``loss.number_vocab``) is a rule or the
+    path of a table saved with ``NumberVocab.save``: ``"digits"`` is ``digit_level=True`` (the ten digit
+    tokens), ``"multi-digit"`` is ``digit_level=False``; None leaves the rule to ``digit_level`` (the YAML's
+    ``ntl.digit_level``, torchtitan's ``loss.digit_level``).
+
+    Args:
+        number_vocab: the rule or path, or None.
+        digit_level: the rule where ``number_vocab`` is None.
+        name: how the front end spells ``number_vocab``, for messages.
+
+    Returns:
+        ``digit_level`` of the rule (True/False), or the path of the saved table (a str).
+
+    Raises:
+        ValueError: ``number_vocab`` is empty, or ``"digits"`` beside ``digit_level=False`` (contradictory).
+    """
+    if number_vocab is None:
+        return digit_level
+    if not isinstance(number_vocab, str) or not number_vocab:
+        raise ValueError(
+            f"{name} must be one of {VOCAB_RULES} or the path of a table saved with NumberVocab.save, got "
+            f"{number_vocab!r}"
+        )
+    if number_vocab == "digits" and not digit_level:
+        raise ValueError(f"{name}='digits' contradicts digit_level=False: drop one of them")
+    if number_vocab in VOCAB_RULES:
+        return number_vocab == "digits"
+    return number_vocab
+
+
+def check_run_options(settings: object, surface: str) -> NTLOptions:
     """The run-level rules of every front end, checked once, named as ``surface`` spells the options.
 
     * each numeric option it carries (:func:`check_numeric_options`);
     * ``normalization`` (where it has one) one of :data:`NORMALIZATIONS`;
     * ``chunk_tokens`` only with ``chunked`` (where it has both: :func:`check_chunk_route`);
-    * ``loss="number"`` only with a digit table: it assembles numbers from single-digit tokens;
+    * the number table (:func:`table_source`), and ``loss="number"`` not with the multi-digit rule: it
+      assembles numbers from single-digit tokens (a saved table is checked when it is read);
     * the variant itself (:class:`NTLOptions`'s checks, through :func:`variant_of`).
 
     Args:
         settings: the front end's settings (their fields by name: the YAML ``ntl`` section, Megatron's
             ``NTLSettings``, torchtitan's ``NTLLoss.Config``).
         surface: one of :data:`SURFACES`, for the spelling in messages.
-        multi_digit: whether the number table is the multi-digit one; None: ``not settings.digit_level``
-            (Megatron passes its ``--ntl-number-vocab`` rule, torchtitan False for a saved table).
 
     Returns:
         The :class:`NTLOptions` of the settings.
@@ -412,9 +450,9 @@ def check_run_options(settings: object, surface: str, *, multi_digit: bool | Non
     if hasattr(settings, "chunked"):
         check_chunk_route(settings.chunked, getattr(settings, "chunk_tokens", None), surface)
     options = variant_of(settings)
-    if multi_digit is None:
-        multi_digit = not getattr(settings, "digit_level", True)
-    if options.loss == "number" and multi_digit:
+    spelled = {"megatron": "--ntl-number-vocab", "torchtitan": "loss.number_vocab"}.get(surface, "number_vocab")
+    source = table_source(getattr(settings, "number_vocab", None), getattr(settings, "digit_level", True), spelled)
+    if options.loss == "number" and source is False:  # a saved table is checked when it is read
         loss, table = surface_name("loss", surface), surface_name("digit_level", surface)
         eq, digits = (" ", "digits") if surface == "megatron" else ("=", "true")  # --flag value, key=value
         raise ValueError(

@@ -503,3 +503,40 @@ def test_chunk_tokens_without_the_chunked_route_is_refused_on_every_front_end():
     for spelling, attempt in attempts.items():
         with pytest.raises(ValueError, match=rf"{spelling}=64 applies to the chunked route only"):
             attempt()
+
+
+def test_number_vocab_means_the_same_on_megatron_and_torchtitan(tmp_path):
+    """``number_vocab`` is a rule (``digits``, ``multi-digit``) or a saved table's path on both surfaces
+    (:func:`ntl_scale.options.table_source`): the same value gives the same table, which holds the tokens
+    written out here as numbers (the digits alone, or every number token)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("torchtitan")
+    from ntl_scale.integrations.megatron import NTLSettings, build_number_vocab
+    from ntl_scale.integrations.torchtitan.loss import NTLLoss, number_table
+
+    words = ["a", "b", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "12", "345", "x7"]
+    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="a")
+    tokenizers.Tokenizer(model).save(str(tmp_path / "tokenizer.json"))
+
+    class InvVocab:  # Megatron's tokenizers expose id -> token as inv_vocab
+        def __init__(self) -> None:
+            self.inv_vocab = dict(enumerate(words))
+
+    expected = {"digits": {words.index(str(d)): d for d in range(10)}}
+    expected["multi-digit"] = {**expected["digits"], words.index("12"): 12, words.index("345"): 345}
+    for rule, want in expected.items():
+        megatron = build_number_vocab(NTLSettings(weight=0.3, number_vocab=rule), InvVocab(), len(words))
+        titan = number_table(NTLLoss.Config(number_vocab=rule, tokenizer_path=str(tmp_path), vocab_size=len(words)))
+        for table in (megatron, titan):
+            assert dict(zip(table.ids.tolist(), table.values.tolist())) == want, rule
+    saved = tmp_path / "table.json"
+    number_table(NTLLoss.Config(number_vocab="multi-digit", tokenizer_path=str(tmp_path))).save(str(saved))
+    megatron = build_number_vocab(NTLSettings(weight=0.3, number_vocab=str(saved)), InvVocab(), len(words))
+    titan = number_table(NTLLoss.Config(number_vocab=str(saved), vocab_size=len(words)))
+    assert megatron == titan and dict(zip(titan.ids.tolist(), titan.values.tolist())) == expected["multi-digit"]
+    for build in (lambda: NTLSettings(weight=0.3, loss="number", number_vocab="multi-digit"),
+                  lambda: NTLLoss.Config(loss="number", number_vocab="multi-digit")):  # fmt: skip
+        with pytest.raises(ValueError, match="single-digit tokens"):
+            build()
+    with pytest.raises(ValueError, match=r"loss\.number_vocab='digits' contradicts digit_level=False"):
+        NTLLoss.Config(number_vocab="digits", digit_level=False)

@@ -22,19 +22,19 @@ from ...number_vocab import NumberVocab
 from ...options import (
     NORMALIZATIONS,
     NUMERIC_CHECKS,
+    VOCAB_RULES,
     OptionField,
     check_option,
     check_run_options,
     option_fields,
     surface_default,
     surface_name,
+    table_source,
     variant_fields,
     variant_of,
 )
 
 __all__ = ["NORMALIZATIONS", "VOCAB_RULES", "NTLSettings", "add_ntl_args", "build_number_vocab"]
-
-VOCAB_RULES = ("digits", "multi-digit")
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,7 @@ class NTLSettings:
     chunk_tokens: int | None = surface_default("chunk_tokens", "megatron")
 
     def __post_init__(self) -> None:
-        if not self.number_vocab:
-            raise ValueError("--ntl-number-vocab must be 'digits', 'multi-digit' or the path of a saved table")
-        options = check_run_options(self, "megatron", multi_digit=self.number_vocab == "multi-digit")
+        options = check_run_options(self, "megatron")
         if options.ce_features and not self.enabled:
             flags = ", ".join(str(surface_name(name, "megatron")) for name in options.ce_features)
             raise ValueError(
@@ -198,9 +196,10 @@ def build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size:
 
 def _build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size: int) -> NumberVocab:
     rule = settings.number_vocab
-    if rule in VOCAB_RULES:
+    source = table_source(rule)
+    if isinstance(source, bool):
         try:
-            return NumberVocab.from_tokenizer(tokenizer, vocab_size=padded_vocab_size, digit_level=rule == "digits")
+            return NumberVocab.from_tokenizer(tokenizer, vocab_size=padded_vocab_size, digit_level=source)
         except (NotImplementedError, TypeError) as e:
             # NullTokenizer and similar raise NotImplementedError from inv_vocab.
             raise ValueError(

@@ -68,7 +68,7 @@ from torchtitan.tools.logging import logger
 
 from ...normalization import MicroBatchSums, means, micro_batch_sums, objective
 from ...number_vocab import NumberVocab
-from ...options import NTLOptions, check_run_options, option_field, variant_fields, variant_of
+from ...options import NTLOptions, check_run_options, option_field, table_source, variant_fields, variant_of
 from ...parallel import is_dtensor
 from ...terms import per_token_ce_ntl
 
@@ -124,11 +124,13 @@ class NTLLoss(BaseLoss):
         """Weight of NTL in ``CE + weight * NTL`` (0.3 in the paper); 0 trains with CE alone."""
         digit_level: bool = _default("digit_level")
         """Number table of the ten digits (True) or of multi-digit tokens such as Llama 3's ``123`` (False);
-        not read with ``number_vocab``."""
+        not read when ``number_vocab`` is given (``number_vocab="digits"`` beside ``digit_level=False`` is refused)."""
         chunk_tokens: int | None = _default("chunk_tokens")
         """Tokens per chunk of the loss's temporaries (None: about 64 MiB of fp32 per chunk)."""
         number_vocab: str | None = None
-        """A number table saved with ``NumberVocab.save`` / ``python -m ntl_scale.save_number_vocab`` (JSON)."""
+        """As Megatron's ``--ntl-number-vocab`` (:func:`~ntl_scale.options.table_source`): ``digits``,
+        ``multi-digit`` (the rule, built from the tokenizer) or a number table saved with ``NumberVocab.save`` /
+        ``python -m ntl_scale.save_number_vocab`` (JSON); None: the rule of ``digit_level``."""
         tokenizer_path: str | None = None
         """Without ``number_vocab``: a tokenizer directory (``tokenizer.json``) to build the table from; None
         under :class:`NTLTrainer`: the run's ``hf_assets_path``."""
@@ -414,8 +416,9 @@ def number_table(config: NTLLoss.Config) -> NumberVocab:
     The table's ``vocab_size`` is the model's (``config.vocab_size``); a saved table of another size is a
     ValueError naming both sizes and the fix.
     """
-    if config.number_vocab is not None:
-        table = NumberVocab.load(config.number_vocab)
+    source = table_source(config.number_vocab, config.digit_level)
+    if isinstance(source, str):
+        table = NumberVocab.load(source)
         if config.vocab_size is not None and table.vocab_size != config.vocab_size:
             raise ValueError(
                 f"loss.number_vocab {config.number_vocab!r} was saved for a vocabulary of {table.vocab_size}, but "
@@ -445,9 +448,7 @@ def number_table(config: NTLLoss.Config) -> NumberVocab:
             f"the tokenizer {file!r} has {size} tokens, more than the model's vocabulary of {config.vocab_size} "
             "(loss.vocab_size); use the model's tokenizer or a model with a larger vocabulary"
         )
-    return NumberVocab.from_tokenizer(
-        _VocabView(tokenizer), vocab_size=config.vocab_size or size, digit_level=config.digit_level
-    )
+    return NumberVocab.from_tokenizer(_VocabView(tokenizer), vocab_size=config.vocab_size or size, digit_level=source)
 
 
 @dataclasses.dataclass
