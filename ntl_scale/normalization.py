@@ -30,7 +30,7 @@ that ``scale * L`` after the framework's own division is ``L`` (``docs/normaliza
 | Megatron ``make_loss_func`` (otherwise) | :func:`factors` | none: Megatron divides by ``N`` itself |
 | Megatron-LM drop-in (``megatron/lm.py``) | :func:`factors` | the same, per token (``MicroBatchScale``) |
 | Megatron model mixin (``NTLLanguageModelMixin``) | :func:`factors` | none: Megatron divides by the mask's sum |
-| Hugging Face (``hf/loss.py``) | :func:`objective` | a token count alone: the micro-batch's share of it |
+| Hugging Face (``hf/loss.py``) | :func:`objective` | none (a token count alone: ``K`` estimated as ``k N / n``) |
 | torchtitan (``torchtitan/loss.py``) | :func:`objective` | none: ``N`` is torchtitan's ``global_valid_tokens`` |
 
 Nothing here reads a value on the host; :func:`step_counts` is the only collective.

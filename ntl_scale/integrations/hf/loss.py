@@ -154,10 +154,11 @@ class NTLCausalLMLoss:
         if torch.is_tensor(counts) and counts.numel() == 2:  # the global one, over ntl_trainer_class's counts
             tokens, step_numbers = counts.reshape(2).to(sums.ce.device, sums.ce.dtype)
             return objective(sums, (tokens, step_numbers), self.ntl_weight)
-        # Trainer's token count alone: this micro-batch's own L, scaled by its share of the step's tokens
-        # (CE / tokens + weight * this micro-batch's NTL mean x its share)
+        # Trainer's token count N alone: the step's K estimated from this micro-batch's share of N (k N / n,
+        # exact when number tokens are spread evenly); CE / N stays exact. n = 0 has k = 0: K = 0.
         tokens = torch.as_tensor(counts, dtype=sums.ce.dtype, device=sums.ce.device).reshape(())
-        return objective(sums, (sums.tokens, sums.numbers), self.ntl_weight, scale=sums.tokens / tokens)
+        step_numbers = sums.numbers * tokens / sums.tokens.clamp_min(1)
+        return objective(sums, (tokens, step_numbers), self.ntl_weight)
 
     def pop_means(self, reduce: Any = None) -> dict[str, float]:
         """``{"ce": ..., "ntl": ...}`` means since the last call, then resets.
