@@ -17,15 +17,21 @@ target that counts, 0 for an ignored one, or Megatron's ``loss_mask``)::
   (:attr:`MicroBatchSums.tokens`, :attr:`MicroBatchSums.numbers`); ``L`` is that micro-batch's mean CE
   plus ``w`` times its mean NTL, and the engine averages the micro-batch losses.
 
-The DeepSpeed trainer, Hugging Face and Megatron's ``make_forward_step`` take their sums from
-:func:`micro_batch_sums`, their step counts from :func:`step_counts` and ``L`` from :func:`objective`
-(or the two means from :func:`means`); the Megatron-LM drop-in takes sums and counts from here and
-divides itself. Not yet through this module: the torchtitan loss and the Megatron model mixin, which
-write ``sum / count`` themselves (issue 41, item 2). Each keeps only its framework's own rescale
-(``docs/normalization.md`` has the table): DeepSpeed multiplies ``L``
-by accumulation steps x DP size, which its engine divides by again; Megatron divides what ``loss_func``
-returns by its ``num_tokens`` (so NTL is pre-scaled); Hugging Face ``Trainer`` hands the step's token
-count in as ``num_items_in_batch``.
+Every front end ends here: it takes its sums from :func:`micro_batch_sums`, its step counts from
+:func:`step_counts` (or its framework's), and ``L`` from :func:`objective` (the sums of a micro-batch) or
+the per-token factors of ``L`` from :func:`factors` (a route that hands its framework per-token terms).
+What stays in a front end is its framework's own rescale, a named factor ``scale`` passed in here, so
+that ``scale * L`` after the framework's own division is ``L`` (``docs/normalization.md`` has the table):
+
+| front end | how it calls this module | its ``scale`` |
+|---|---|---|
+| DeepSpeed trainer (``training/steps.py``) | :func:`objective` | ``ga * dp``: the engine divides by both |
+| Megatron ``make_loss_func`` (``global``) | :func:`objective` | Megatron's micro-batch scale ``n x m x dp`` |
+| Megatron ``make_loss_func`` (otherwise) | :func:`factors` | none: Megatron divides by ``N`` itself |
+| Megatron-LM drop-in (``megatron/lm.py``) | :func:`factors` | the same, per token (``MicroBatchScale``) |
+| Megatron model mixin (``NTLLanguageModelMixin``) | :func:`factors` | none: Megatron divides by the mask's sum |
+| Hugging Face (``hf/loss.py``) | :func:`objective` | none (a token count alone: ``K`` estimated as ``k N / n``) |
+| torchtitan (``torchtitan/loss.py``) | :func:`objective` | none: ``N`` is torchtitan's ``global_valid_tokens`` |
 
 Nothing here reads a value on the host; :func:`step_counts` is the only collective.
 """
@@ -33,7 +39,7 @@ Nothing here reads a value on the host; :func:`step_counts` is the only collecti
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,9 +48,10 @@ from .number_vocab import NumberVocab
 from .options import NTLOptions
 from .terms import PerTokenTerms, ntl_counts
 
-__all__ = ["MicroBatchSums", "means", "micro_batch_sums", "objective", "step_counts"]
+__all__ = ["MicroBatchSums", "factors", "means", "micro_batch_sums", "objective", "step_counts"]
 
-Count = TypeVar("Count", float, torch.Tensor)
+Count = float | torch.Tensor
+"""A count or a rescale: a tensor, or a host number (``int`` too: torchtitan's ``global_valid_tokens``)."""
 
 
 class MicroBatchSums(NamedTuple):
@@ -141,27 +148,57 @@ def _at_least_one(count: Count) -> Count:
     return count.clamp_min(1) if isinstance(count, torch.Tensor) else max(count, 1.0)
 
 
-def objective(sums: MicroBatchSums, counts: tuple[Count, Count], weight: float) -> torch.Tensor:
-    """``L = sum CE / max(N, 1) + weight * sum NTL / max(K, 1)`` of one micro-batch's sums.
+def objective(
+    sums: MicroBatchSums, counts: tuple[Count, Count], weight: float, *, scale: Count | None = None
+) -> torch.Tensor:
+    """``L = sum CE / max(N, 1) + weight * sum NTL / max(K, 1)`` of one micro-batch's sums, times ``scale``.
 
     Args:
         sums: the micro-batch's :class:`MicroBatchSums`.
         counts: ``(N, K)``: the step's :func:`step_counts` for ``global``, or
             ``(sums.tokens, sums.numbers)`` for ``micro-batch``; tensors or host floats.
-        weight: the NTL weight ``w``.
+        weight: the NTL weight ``w``; 0 gives ``sum CE / max(N, 1)`` alone (no ``+ 0 * NTL`` term, so a run
+            with NTL off is its framework's CE bit for bit).
+        scale: the framework's rescale, undone by its own division (DeepSpeed's ``ga * dp``, Megatron's
+            ``num_tokens``, the module docstring's table); None: none.
 
     Returns:
-        The micro-batch's part of ``L`` (summed over the step's micro-batches for ``global``).
+        The micro-batch's part of ``L`` (summed over the step's micro-batches for ``global``), times ``scale``.
     """
     tokens, numbers = counts
-    return sums.ce / _at_least_one(tokens) + weight * sums.ntl / _at_least_one(numbers)
+    loss = sums.ce / _at_least_one(tokens)
+    if weight != 0:
+        loss = loss + weight * sums.ntl / _at_least_one(numbers)
+    return loss if scale is None else loss * scale
+
+
+def factors(
+    counts: tuple[torch.Tensor, torch.Tensor], scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)`` with ``a * sum CE + b * weight * sum NTL = scale * L``: :func:`objective` as per-token weights.
+
+    For a route that hands its framework per-token terms (``a * CE_t + b * weight * NTL_t``), which the
+    framework then sums under its loss mask and divides by that mask's sum itself (Megatron).
+
+    Args:
+        counts: ``(N, K)`` as for :func:`objective` (tensors).
+        scale: the framework's rescale (Megatron: ``num_tokens x m x dp``): ``a = scale / max(N, 1)``,
+            ``b = scale / max(K, 1)``. None: the framework divides by ``N`` itself (Megatron's
+            ``--calculate-per-token-loss``, or a micro-batch's own mean): ``a = 1``, ``b = max(N, 1) / max(K, 1)``.
+
+    Returns:
+        ``(a, b)``, tensors of the counts' shape.
+    """
+    tokens, numbers = counts[0].clamp_min(1), counts[1].clamp_min(1)
+    if scale is None:
+        return torch.ones_like(tokens), tokens / numbers
+    return scale / tokens, scale / numbers
 
 
 def means(sums: MicroBatchSums, counts: tuple[Count, Count]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two normalised terms ``(sum CE / max(N, 1), sum NTL / max(K, 1))``, before the weight.
+    """The two normalised terms ``(sum CE / max(N, 1), sum NTL / max(K, 1))``, before the weight (for logging).
 
-    ``ce + w * ntl`` of them is :func:`objective` with the weight applied after the division (the
-    Hugging Face loss's order; the values agree to the last bit of the product's rounding).
+    ``ce + w * ntl`` of them is :func:`objective` up to the rounding of the product's order.
     """
     tokens, numbers = counts
     return sums.ce / _at_least_one(tokens), sums.ntl / _at_least_one(numbers)

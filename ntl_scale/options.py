@@ -48,7 +48,7 @@ import numbers
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,7 @@ __all__ = [
     "NUMERIC_CHECKS",
     "REDUCTIONS",
     "SURFACES",
+    "VOCAB_RULES",
     "NTLOptions",
     "NTLRunOptions",
     "OptionField",
@@ -75,6 +76,7 @@ __all__ = [
     "check_ntl_weight",
     "check_numeric_options",
     "check_option",
+    "check_run_options",
     "check_squash_factor",
     "check_z_loss_weight",
     "option_field",
@@ -82,6 +84,8 @@ __all__ = [
     "surface_default",
     "surface_name",
     "surface_reason",
+    "table_source",
+    "variant_fields",
     "variant_of",
 ]
 
@@ -322,59 +326,141 @@ class NTLOptions:
         return torch.maximum(self.point_loss(low, high).abs(), self.point_loss(high, low).abs()).double()
 
 
+_T = TypeVar("_T")
+
+
+def variant_fields(cls: type[_T]) -> type[_T]:
+    """Gives a front end's settings class (before ``@dataclass``) the variant fields of :class:`NTLOptions`.
+
+    Every field of :class:`NTLOptions` but ``ignore_index`` (a per-call argument): ``loss``, ``squash_factor``,
+    ``reweigh``, ``huber_delta``, ``float_level``, ``impl`` and the CE options ``z_loss_weight``,
+    ``label_smoothing``, ``logit_softcap``, with :class:`NTLOptions`'s types and defaults, after the class's
+    own fields. So :class:`NTLRunOptions` (the YAML ``ntl`` section), Megatron's ``NTLSettings`` and
+    torchtitan's ``NTLLoss.Config`` declare none of them: a new variant option is added to
+    :class:`NTLOptions` alone. Their documentation is :class:`NTLOptions`'s (:func:`option_fields`).
+
+    Raises:
+        TypeError: the class declares one of them itself (it would shadow the spec's).
+    """
+    own = dict(inspect.get_annotations(cls))
+    added: dict[str, Any] = {}
+    for f in dataclasses.fields(NTLOptions):
+        if f.name == "ignore_index":
+            continue
+        if f.name in own:
+            raise TypeError(
+                f"{cls.__name__} declares {f.name!r}, a field of NTLOptions: drop it (variant_fields adds it)"
+            )
+        added[f.name] = f.type
+        setattr(cls, f.name, f.default)
+    cls.__annotations__ = {**own, **added}
+    return cls
+
+
 @dataclass
+@variant_fields
 class NTLRunOptions:
     """The NTL options of a training run: the variant of :class:`NTLOptions` and the run-level choices.
 
     The ``ntl`` section of ``launch/train.py``'s config is this class
-    (:class:`ntl_scale.training.config.NTLConfig`); Megatron's ``--ntl-*`` flags and ``apply_ntl_to_hf_model``'s
-    arguments are built from or checked against it. The variant fields mean what they mean in
-    :class:`NTLOptions` (their defaults are checked to agree); ``chunked`` and ``chunk_tokens`` are
-    listed by :func:`option_fields` but live in the ``train`` section of a run config
-    (``train.chunked_loss``, ``train.loss_chunk_tokens``), so they are not fields here.
+    (:class:`ntl_scale.training.config.NTLConfig`). Its variant fields (``loss``, ``squash_factor``, ...,
+    ``logit_softcap``) are :class:`NTLOptions`'s, added by :func:`variant_fields`; declared here are the
+    run-level ones. ``chunked`` and ``chunk_tokens`` are listed by :func:`option_fields` but live in the
+    ``train`` section of a run config (``train.chunked_loss``, ``train.loss_chunk_tokens``), so they are
+    not fields here.
     """
 
     weight: float = 0.3
     """Weight of NTL in ``CE + weight * NTL`` (0.3 in the paper); 0 trains with CE alone."""
-    loss: str = "was"
-    """The NTL variant: ``was``, ``mse``, ``mae``, ``huber`` or ``number`` (:attr:`NTLOptions.loss`)."""
-    reweigh: bool = False
-    """Reweigh by the probability mass on number tokens (:attr:`NTLOptions.reweigh`)."""
-    squash_factor: float | None = None
-    """NTL-WAS distance squashing (> 1) (:attr:`NTLOptions.squash_factor`)."""
     digit_level: bool = True
-    """Number table of the ten digits (True) or of multi-digit tokens (False); ``loss=number`` needs digits."""
+    """Number table of the ten digits (True) or of multi-digit tokens (False); ``loss=number`` needs digits.
+    (Megatron spells it ``--ntl-number-vocab digits|multi-digit|PATH``; torchtitan ``loss.digit_level``, or a
+    saved table in ``loss.number_vocab``; Hugging Face takes the ``NumberVocab`` itself.)"""
     normalization: str = "global"
     """``global`` (sum / count of the whole global batch) or ``micro-batch`` (mean per micro-batch)."""
-    huber_delta: float = 1.0
-    """The Huber threshold (> 0) (:attr:`NTLOptions.huber_delta`)."""
-    float_level: bool = False
-    """``loss=number``: a decimal point between digits joins one number (:attr:`NTLOptions.float_level`)."""
-    impl: str = "auto"
-    """``auto``, ``torch`` or ``triton``: which code computes the loss (:attr:`NTLOptions.impl`)."""
-    z_loss_weight: float = 0.0
-    """z-loss weight: ``z_loss_weight * logsumexp(z)**2`` added to CE (>= 0; 0: off)
-    (:attr:`NTLOptions.z_loss_weight`)."""
-    label_smoothing: float = 0.0
-    """CE label smoothing over the whole vocabulary, in ``[0, 1]`` (:attr:`NTLOptions.label_smoothing`)."""
-    logit_softcap: float | None = None
-    """Logit soft-capping ``cap * tanh(z / cap)`` (> 0; None: off) (:attr:`NTLOptions.logit_softcap`)."""
 
     def __post_init__(self) -> None:
-        check_numeric_options(self, lambda name: f"ntl.{name}")
-        if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"ntl.normalization must be 'global' or 'micro-batch', got {self.normalization!r}")
-        if self.loss == "number" and not self.digit_level:
-            raise ValueError(
-                "ntl.loss=number assembles numbers from single-digit tokens and cannot read the multi-digit table "
-                "of ntl.digit_level=false (a token worth 123 would count as one digit); set ntl.digit_level=true, "
-                "or use a token-level ntl.loss (was, mse, mae, huber) with the multi-digit table"
-            )
-        self.options()  # the variant, with the library's own checks
+        check_run_options(self, "yaml")
 
     def options(self, ignore_index: int = -100) -> NTLOptions:
         """The :class:`NTLOptions` of this run (the variant and ``impl``)."""
         return variant_of(self, ignore_index)
+
+
+VOCAB_RULES = ("digits", "multi-digit")
+"""The number-table rules a ``number_vocab`` value may name instead of a saved table's path."""
+
+
+def table_source(number_vocab: str | None, digit_level: bool = True, name: str = "number_vocab") -> bool | str:
+    """What a front end's number table is, read the same way on every surface.
+
+    ``number_vocab`` (Megatron's ``--ntl-number-vocab``, torchtitan's ``loss.number_vocab``) is a rule or the
+    path of a table saved with ``NumberVocab.save``: ``"digits"`` is ``digit_level=True`` (the ten digit
+    tokens), ``"multi-digit"`` is ``digit_level=False``; None leaves the rule to ``digit_level`` (the YAML's
+    ``ntl.digit_level``, torchtitan's ``loss.digit_level``).
+
+    Args:
+        number_vocab: the rule or path, or None.
+        digit_level: the rule where ``number_vocab`` is None.
+        name: how the front end spells ``number_vocab``, for messages.
+
+    Returns:
+        ``digit_level`` of the rule (True/False), or the path of the saved table (a str).
+
+    Raises:
+        ValueError: ``number_vocab`` is empty, or ``"digits"`` beside ``digit_level=False`` (contradictory).
+    """
+    if number_vocab is None:
+        return digit_level
+    if not isinstance(number_vocab, str) or not number_vocab:
+        raise ValueError(
+            f"{name} must be one of {VOCAB_RULES} or the path of a table saved with NumberVocab.save, got "
+            f"{number_vocab!r}"
+        )
+    if number_vocab == "digits" and not digit_level:
+        raise ValueError(f"{name}='digits' contradicts digit_level=False: drop one of them")
+    if number_vocab in VOCAB_RULES:
+        return number_vocab == "digits"
+    return number_vocab
+
+
+def check_run_options(settings: object, surface: str) -> NTLOptions:
+    """The run-level rules of every front end, checked once, named as ``surface`` spells the options.
+
+    * each numeric option it carries (:func:`check_numeric_options`);
+    * ``normalization`` (where it has one) one of :data:`NORMALIZATIONS`;
+    * ``chunk_tokens`` only with ``chunked`` (where it has both: :func:`check_chunk_route`);
+    * the number table (:func:`table_source`), and ``loss="number"`` not with the multi-digit rule: it
+      assembles numbers from single-digit tokens (a saved table is checked when it is read);
+    * the variant itself (:class:`NTLOptions`'s checks, through :func:`variant_of`).
+
+    Args:
+        settings: the front end's settings (their fields by name: the YAML ``ntl`` section, Megatron's
+            ``NTLSettings``, torchtitan's ``NTLLoss.Config``).
+        surface: one of :data:`SURFACES`, for the spelling in messages.
+
+    Returns:
+        The :class:`NTLOptions` of the settings.
+    """
+    check_numeric_options(settings, lambda name: surface_name(name, surface) or name)
+    if hasattr(settings, "normalization") and settings.normalization not in NORMALIZATIONS:
+        raise ValueError(
+            f"{surface_name('normalization', surface)} must be one of {NORMALIZATIONS}, got {settings.normalization!r}"
+        )
+    if hasattr(settings, "chunked"):
+        check_chunk_route(settings.chunked, getattr(settings, "chunk_tokens", None), surface)
+    options = variant_of(settings)
+    spelled = {"megatron": "--ntl-number-vocab", "torchtitan": "loss.number_vocab"}.get(surface, "number_vocab")
+    source = table_source(getattr(settings, "number_vocab", None), getattr(settings, "digit_level", True), spelled)
+    if options.loss == "number" and source is False:  # a saved table is checked when it is read
+        loss, table = surface_name("loss", surface), surface_name("digit_level", surface)
+        eq, digits = (" ", "digits") if surface == "megatron" else ("=", "true")  # --flag value, key=value
+        raise ValueError(
+            f"{loss}{eq}number assembles numbers from single-digit tokens and cannot read a multi-digit table (a token "
+            f"worth 123 would count as one digit); set {table}{eq}{digits} (a digit table), or use a token-level "
+            f"{loss} (was, mse, mae, huber) with the multi-digit table"
+        )
+    return options
 
 
 def variant_of(settings: object, ignore_index: int = -100) -> NTLOptions:

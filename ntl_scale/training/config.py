@@ -69,9 +69,9 @@ class ModelConfig:
 class NTLConfig(NTLRunOptions):
     """Number Token Loss settings: the ``ntl`` section, the run-level option spec itself.
 
-    Its keys are the fields of :class:`ntl_scale.options.NTLRunOptions` (``ntl.weight``, ``ntl.loss``,
-    ``ntl.reweigh``, ``ntl.squash_factor``, ``ntl.digit_level``, ``ntl.normalization``,
-    ``ntl.huber_delta``, ``ntl.float_level``, ``ntl.impl``), documented and validated there once.
+    Its keys are the fields of :class:`ntl_scale.options.NTLRunOptions` (``ntl.weight``, ``ntl.digit_level``,
+    ``ntl.normalization`` and the variant fields of :class:`ntl_scale.NTLOptions`: ``ntl.loss``, ...,
+    ``ntl.logit_softcap``), documented and validated there once.
     """
 
 
@@ -323,7 +323,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
-        if self.data.reverse_answers and self.ntl.loss == "number":
+        if self.data.reverse_answers and self.ntl.options().loss == "number":
             raise ValueError(
                 "ntl.loss=number reads each digit run as a number written most-significant digit first, and "
                 "data.reverse_answers=true writes the answers the other way round; use a token-level ntl.loss "

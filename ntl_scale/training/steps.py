@@ -158,7 +158,7 @@ def loss_from_terms(
     if ntl.normalization == "global":
         if counts is None:
             raise ValueError("ntl.normalization=global needs the step's global counts")
-        loss = objective(sums, counts, ntl.weight) * scale
+        loss = objective(sums, counts, ntl.weight, scale=scale)  # scale: the engine's ga x dp, undone by it
     else:
         loss = objective(sums, (sums.tokens, sums.numbers), ntl.weight)
     stats = torch.stack([sums.ce.detach().double(), sums.ntl.detach().double(), sums.tokens.double(),

@@ -9,7 +9,9 @@ Sections:
 2. Sums: :func:`micro_batch_sums` equals the reference's sums of one micro-batch.
 3. The global batch: split into micro-batches x accumulation steps x DP ranks, the ``global`` objective
    summed over the micro-batches is the float64 objective of the whole batch (value and gradient); the
-   ``micro-batch`` one of a single micro-batch is too, and :func:`means` agrees with :func:`objective`.
+   ``micro-batch`` one of a single micro-batch is too, and :func:`means` agrees with :func:`objective`;
+   a framework's rescale (``scale``) and the per-token :func:`factors` give ``scale x`` the whole-batch
+   objective; weight 0 is the CE mean bit for bit.
 4. One all-reduce: over two gloo processes the counts are both ranks' counts, reduced by one collective.
 """
 
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import ntl_scale
-from ntl_scale.normalization import MicroBatchSums, means, micro_batch_sums, objective, step_counts
+from ntl_scale.normalization import MicroBatchSums, factors, means, micro_batch_sums, objective, step_counts
 from tests.helpers.distributed import WorkerContext, run_workers
 from tests.helpers.reference import naive_per_token
 
@@ -209,6 +211,42 @@ def test_a_step_without_numbers_divides_by_one():
     value = objective(sums, (counts[0], counts[1]), WEIGHT)
     assert torch.isfinite(value) and float(sums.ntl) == 0.0
     torch.testing.assert_close(value, sums.ce / 2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_name)
+def test_a_rescale_and_the_per_token_factors_give_the_whole_batch_objective(variant):
+    """A framework that divides by ``scale`` afterwards sees the float64 objective of the definitions, both
+    from the sums (:func:`objective` with ``scale``) and per token (:func:`factors`), summed over micro-batches."""
+    vocab, (labels, logits) = _vocab(), _batch(rows=4, seed=5)
+    options = ntl_scale.NTLOptions(**variant)
+    want, _ = _reference(vocab, labels, logits, variant)
+    counts = step_counts([labels], vocab, options)
+    scale = torch.tensor(6.0, dtype=torch.float64)  # e.g. DeepSpeed's ga x dp, Megatron's n x m x dp
+    from_sums, from_factors, framework_divides = [], [], []
+    for rows in ([0, 1], [2], [3]):
+        terms = ntl_scale.per_token_ce_ntl(logits[rows], labels[rows], vocab, options)
+        mask = labels[rows] != -100
+        sums = micro_batch_sums(terms, mask)
+        from_sums.append(objective(sums, (counts[0], counts[1]), WEIGHT, scale=scale) / scale)
+        a, b = factors((counts[0], counts[1]), scale=scale)
+        per_token = a * terms.ce + WEIGHT * b * terms.ntl * terms.number_mask
+        from_factors.append((per_token * mask).sum() / scale)
+        a, b = factors((counts[0], counts[1]))  # the framework divides the summed per-token loss by N itself
+        framework_divides.append((a * terms.ce + WEIGHT * b * terms.ntl * terms.number_mask)[mask].sum() / counts[0])
+    for parts in (from_sums, from_factors, framework_divides):
+        torch.testing.assert_close(sum(parts), want, atol=1e-12, rtol=1e-10)
+
+
+def test_weight_zero_is_the_ce_mean_bit_for_bit():
+    vocab, (labels, logits) = _vocab(), _batch(rows=3, seed=6)
+    terms = ntl_scale.per_token_ce_ntl(logits.float(), labels, vocab)
+    sums = micro_batch_sums(terms, labels != -100)
+    n = int((labels != -100).sum())
+    want = torch.nn.functional.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), reduction="sum") / n
+    assert torch.equal(objective(sums, (torch.tensor(float(n)), sums.numbers), 0.0), sums.ce / n)
+    torch.testing.assert_close(objective(sums, (float(n), 1.0), 0.0), want)
+    nan = sums._replace(ntl=torch.tensor(float("nan")))  # no "+ 0 * NTL": NTL off cannot reach the loss
+    assert torch.isfinite(objective(nan, (float(n), 1.0), 0.0))
 
 
 # ---------------------------------------------------------------------------------- 4. one all-reduce

@@ -22,10 +22,12 @@ know, or when a default differs from the one the spec declares for that front en
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import glob
 import inspect
 import os
+import textwrap
 
 import pytest
 import yaml
@@ -67,6 +69,49 @@ def test_run_options_repeat_the_variant_with_its_defaults():
     run = {f.name: f.default for f in dataclasses.fields(NTLRunOptions)}
     assert {name: run.get(name, "missing") for name in variant} == variant
     assert NTLRunOptions().options() == NTLOptions()
+
+
+def _settings_classes() -> dict[str, type]:
+    from ntl_scale.integrations.megatron import NTLSettings
+
+    surfaces = {"yaml": NTLRunOptions, "megatron": NTLSettings}
+    try:
+        from ntl_scale.integrations.torchtitan.loss import NTLLoss
+    except ImportError:
+        return surfaces
+    return {**surfaces, "torchtitan": NTLLoss.Config}
+
+
+def test_no_surface_declares_a_variant_field_itself():
+    """The variant fields are written once, in NTLOptions: no surface's class body declares one (so a new
+    variant option cannot be forgotten on one of them), yet each has all of them, with NTLOptions's defaults."""
+    variant = {f.name: f.default for f in dataclasses.fields(NTLOptions) if f.name != "ignore_index"}
+    for surface, cls in _settings_classes().items():
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+        declared = {node.target.id for node in body.body if isinstance(node, ast.AnnAssign)}  # type: ignore[attr-defined]
+        assert not declared & set(variant), (surface, declared & set(variant))
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        assert {name: defaults[name] for name in variant} == variant, surface
+
+
+def test_loss_number_with_a_multi_digit_table_is_one_refusal_on_every_surface():
+    from ntl_scale.integrations.megatron import NTLSettings
+
+    surfaces = _settings_classes()
+    cases = {"yaml": lambda: NTLRunOptions(loss="number", digit_level=False),
+             "megatron": lambda: NTLSettings(weight=0.3, loss="number", number_vocab="multi-digit")}  # fmt: skip
+    if "torchtitan" in surfaces:
+        cases["torchtitan"] = lambda: surfaces["torchtitan"](loss="number", digit_level=False)
+    messages = {}
+    for surface, build in cases.items():
+        with pytest.raises(ValueError, match="assembles numbers from single-digit tokens") as error:
+            build()
+        loss, table = surface_name("loss", surface), surface_name("digit_level", surface)
+        messages[surface] = str(error.value).replace(str(loss), "LOSS").replace(str(table), "TABLE")
+        assert "LOSS" in messages[surface] and "TABLE" in messages[surface], messages[surface]
+    # one message, spelled per surface (flags take a space and "digits", keys "=" and "true")
+    normalized = {m.replace(" number", "=number").replace("TABLE digits", "TABLE=true") for m in messages.values()}
+    assert len(normalized) == 1, messages
 
 
 def test_choices_are_what_the_library_accepts():
@@ -147,8 +192,16 @@ def test_megatron_settings_carry_every_option():
     from ntl_scale.integrations.megatron import NTLSettings, add_ntl_args
 
     parser = add_ntl_args(argparse.ArgumentParser())
-    settings = NTLSettings.from_args(parser.parse_args([]))
-    assert {f.name: f.default for f in dataclasses.fields(NTLSettings)} == dataclasses.asdict(settings)
+    # The defaults docs/megatron.md documents for the flags, written out here (not read from the spec or the
+    # parser): adding the flags changes nothing until --ntl-weight is given.
+    documented = {
+        "weight": 0.0, "number_vocab": "digits", "normalization": "micro-batch", "chunked": False,
+        "chunk_tokens": None, "loss": "was", "squash_factor": None, "reweigh": False, "huber_delta": 1.0,
+        "float_level": False, "impl": "auto", "z_loss_weight": 0.0, "label_smoothing": 0.0, "logit_softcap": None,
+    }  # fmt: skip
+    assert dataclasses.asdict(NTLSettings.from_args(parser.parse_args([]))) == documented
+    assert dataclasses.asdict(NTLSettings()) == documented
+    assert not NTLSettings.from_args(parser.parse_args([])).enabled
     args = ["--ntl-weight", "0.3", "--ntl-loss", "number", "--ntl-float-level", "--ntl-impl", "torch",
             "--ntl-normalization", "global", "--ntl-chunked", "--ntl-chunk-tokens", "64"]  # fmt: skip
     settings = NTLSettings.from_args(parser.parse_args(args))
@@ -450,3 +503,40 @@ def test_chunk_tokens_without_the_chunked_route_is_refused_on_every_front_end():
     for spelling, attempt in attempts.items():
         with pytest.raises(ValueError, match=rf"{spelling}=64 applies to the chunked route only"):
             attempt()
+
+
+def test_number_vocab_means_the_same_on_megatron_and_torchtitan(tmp_path):
+    """``number_vocab`` is a rule (``digits``, ``multi-digit``) or a saved table's path on both surfaces
+    (:func:`ntl_scale.options.table_source`): the same value gives the same table, which holds the tokens
+    written out here as numbers (the digits alone, or every number token)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("torchtitan")
+    from ntl_scale.integrations.megatron import NTLSettings, build_number_vocab
+    from ntl_scale.integrations.torchtitan.loss import NTLLoss, number_table
+
+    words = ["a", "b", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "12", "345", "x7"]
+    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="a")
+    tokenizers.Tokenizer(model).save(str(tmp_path / "tokenizer.json"))
+
+    class InvVocab:  # Megatron's tokenizers expose id -> token as inv_vocab
+        def __init__(self) -> None:
+            self.inv_vocab = dict(enumerate(words))
+
+    expected = {"digits": {words.index(str(d)): d for d in range(10)}}
+    expected["multi-digit"] = {**expected["digits"], words.index("12"): 12, words.index("345"): 345}
+    for rule, want in expected.items():
+        megatron = build_number_vocab(NTLSettings(weight=0.3, number_vocab=rule), InvVocab(), len(words))
+        titan = number_table(NTLLoss.Config(number_vocab=rule, tokenizer_path=str(tmp_path), vocab_size=len(words)))
+        for table in (megatron, titan):
+            assert dict(zip(table.ids.tolist(), table.values.tolist())) == want, rule
+    saved = tmp_path / "table.json"
+    number_table(NTLLoss.Config(number_vocab="multi-digit", tokenizer_path=str(tmp_path))).save(str(saved))
+    megatron = build_number_vocab(NTLSettings(weight=0.3, number_vocab=str(saved)), InvVocab(), len(words))
+    titan = number_table(NTLLoss.Config(number_vocab=str(saved), vocab_size=len(words)))
+    assert megatron == titan and dict(zip(titan.ids.tolist(), titan.values.tolist())) == expected["multi-digit"]
+    for build in (lambda: NTLSettings(weight=0.3, loss="number", number_vocab="multi-digit"),
+                  lambda: NTLLoss.Config(loss="number", number_vocab="multi-digit")):  # fmt: skip
+        with pytest.raises(ValueError, match="single-digit tokens"):
+            build()
+    with pytest.raises(ValueError, match=r"loss\.number_vocab='digits' contradicts digit_level=False"):
+        NTLLoss.Config(number_vocab="digits", digit_level=False)

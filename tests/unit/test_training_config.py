@@ -37,7 +37,7 @@ def test_yaml_and_overrides(tmp_path):
         (["train.steps=many"], r"train.steps: expected int, got 'many'"),
         (["train.steps=2.5"], r"train.steps: expected an integer, got 2.5"),
         (["ntl.reweigh=maybe"], r"ntl.reweigh: expected true or false, got 'maybe'"),
-        (["ntl.normalization=batch"], r"ntl.normalization must be 'global' or 'micro-batch'"),
+        (["ntl.normalization=batch"], r"ntl.normalization must be one of \('global', 'micro-batch'\)"),
         (["train.steps=0"], r"train.steps must be >= 1, got 0"),
         (["data.source=jsonl"], r"data.source='jsonl' needs data.train_path"),
         (["steps"], r"override 'steps' must look like section.key=value"),

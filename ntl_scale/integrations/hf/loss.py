@@ -38,7 +38,7 @@ import torch
 from ..._deprecation import deprecated_alias
 from ..._validation import check_number_level_table
 from ...losses import ce_with_ntl
-from ...normalization import means, micro_batch_sums
+from ...normalization import micro_batch_sums, objective
 from ...number_vocab import NumberVocab
 from ...options import NTLOptions, check_chunk_route, check_ntl_weight, check_option
 from ...reductions import CENTLOutput
@@ -153,15 +153,15 @@ class NTLCausalLMLoss:
         self.totals += step
         counts = num_items_in_batch
         if counts is None:  # the micro-batch normalisation
-            ce, ntl = means(sums, (sums.tokens, sums.numbers))
-        elif torch.is_tensor(counts) and counts.numel() == 2:  # the global one, over ntl_trainer_class's counts
+            return objective(sums, (sums.tokens, sums.numbers), self.ntl_weight)
+        if torch.is_tensor(counts) and counts.numel() == 2:  # the global one, over ntl_trainer_class's counts
             tokens, step_numbers = counts.reshape(2).to(sums.ce.device, sums.ce.dtype)
-            ce, ntl = means(sums, (tokens, step_numbers))
-        else:  # Trainer's token count alone: this micro-batch's NTL mean weighted by its share of the tokens
-            tokens = torch.as_tensor(counts, dtype=sums.ce.dtype, device=sums.ce.device).reshape(())
-            ce = sums.ce / tokens
-            ntl = sums.ntl / sums.numbers.clamp_min(1) * (sums.tokens / tokens)
-        return ce + self.ntl_weight * ntl
+            return objective(sums, (tokens, step_numbers), self.ntl_weight)
+        # Trainer's token count N alone: the step's K estimated from this micro-batch's share of N (k N / n,
+        # exact when number tokens are spread evenly); CE / N stays exact. n = 0 has k = 0: K = 0.
+        tokens = torch.as_tensor(counts, dtype=sums.ce.dtype, device=sums.ce.device).reshape(())
+        step_numbers = sums.numbers * tokens / sums.tokens.clamp_min(1)
+        return objective(sums, (tokens, step_numbers), self.ntl_weight)
 
     def pop_means(self, reduce: Any = None) -> dict[str, float]:
         """``{"ce": ..., "ntl": ...}`` means since the last call, then resets.

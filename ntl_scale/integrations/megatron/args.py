@@ -21,83 +21,58 @@ from ..._validation import check_number_level_table
 from ...number_vocab import NumberVocab
 from ...options import (
     NORMALIZATIONS,
+    NUMERIC_CHECKS,
+    VOCAB_RULES,
     NTLOptions,
     OptionField,
-    check_chunk_route,
-    check_numeric_options,
     check_option,
+    check_run_options,
     option_fields,
     surface_default,
     surface_name,
+    table_source,
+    variant_fields,
     variant_of,
 )
 
 __all__ = ["NORMALIZATIONS", "VOCAB_RULES", "NTLSettings", "add_ntl_args", "build_number_vocab"]
 
-VOCAB_RULES = ("digits", "multi-digit")
-
 
 @dataclass(frozen=True)
+@variant_fields
 class NTLSettings:
-    """NTL settings of a Megatron run.
+    """NTL settings of a Megatron run: the run-level fields below, then the variant fields of
+    :class:`~ntl_scale.NTLOptions` (``loss``, ``squash_factor``, ``reweigh``, ``huber_delta``, ``float_level``,
+    ``impl``, ``z_loss_weight``, ``label_smoothing``, ``logit_softcap``; added by
+    :func:`~ntl_scale.options.variant_fields`, documented there once).
 
     Attributes:
         weight: weight of the NTL term; 0 turns NTL off (the plain Megatron loss, bit for bit).
-        loss: ``was``, ``mse``, ``mae``, ``huber`` or ``number``.
-        number_vocab: ``digits`` (the ten digit tokens), ``multi-digit``, or the path of a table
-            saved with ``NumberVocab.save``.
-        reweigh: reweigh by the probability mass on number tokens.
-        squash_factor: NTL-WAS distance squashing (> 1), or None.
-        huber_delta: the Huber threshold.
+        number_vocab: ``digits`` (the ten digit tokens: ``digit_level=True``), ``multi-digit``
+            (``digit_level=False``), or the path of a table saved with ``NumberVocab.save``.
         normalization: ``micro-batch`` or ``global`` (see the module docstring).
         chunked: compute CE + NTL from the hidden states and the output weight in token chunks,
             never materialising the logits (``--ntl-chunked``).
         chunk_tokens: tokens per chunk of the chunked route; None = the op's default.
-        float_level: ``number`` only: a decimal point between digits joins one number.
-        impl: ``auto``, ``torch`` or ``triton``: which code computes the loss (``--ntl-impl``).
-        z_loss_weight: the z-loss weight (``--ntl-z-loss-weight``), computed by our loss.
-        label_smoothing: CE label smoothing over the whole vocabulary (``--ntl-label-smoothing``).
-        logit_softcap: soft-capping of the logits (``--ntl-logit-softcap``).
 
     The meaning of each is :mod:`ntl_scale.options`'s; the defaults are the spec's for Megatron
-    (``weight`` 0 and ``normalization`` ``micro-batch``: adding the flags changes nothing until
-    ``--ntl-weight`` is given).
+    (:func:`~ntl_scale.options.surface_default`: ``weight`` 0 and ``normalization`` ``micro-batch``, so
+    adding the flags changes nothing until ``--ntl-weight`` is given).
     """
 
-    weight: float = 0.0
-    loss: str = "was"
-    number_vocab: str = "digits"
-    reweigh: bool = False
-    squash_factor: float | None = None
-    huber_delta: float = 1.0
-    normalization: str = "micro-batch"
-    chunked: bool = False
-    chunk_tokens: int | None = None
-    float_level: bool = False
-    impl: str = "auto"
-    z_loss_weight: float = 0.0
-    label_smoothing: float = 0.0
-    logit_softcap: float | None = None
+    weight: float = surface_default("weight", "megatron")
+    number_vocab: str = surface_default("digit_level", "megatron")
+    normalization: str = surface_default("normalization", "megatron")
+    chunked: bool = surface_default("chunked", "megatron")
+    chunk_tokens: int | None = surface_default("chunk_tokens", "megatron")
 
     def __post_init__(self) -> None:
-        check_numeric_options(self, lambda name: surface_name(name, "megatron"))
-        check_chunk_route(self.chunked, self.chunk_tokens, "megatron")
-        if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"--ntl-normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
-        if not self.number_vocab:
-            raise ValueError("--ntl-number-vocab must be 'digits', 'multi-digit' or the path of a saved table")
-        features = self.options().ce_features  # validates the variant and impl with the library's own checks
-        if features and not self.enabled:
-            flags = ", ".join(str(surface_name(name, "megatron")) for name in features)
+        options = check_run_options(self, "megatron")
+        if options.ce_features and not self.enabled:
+            flags = ", ".join(str(surface_name(name, "megatron")) for name in options.ce_features)
             raise ValueError(
                 f"{flags}: these apply to the NTL loss, which --ntl-weight 0 leaves off (Megatron's own CE runs "
                 "then, without them): give --ntl-weight > 0, or drop those flags"
-            )
-        if self.loss == "number" and self.number_vocab == "multi-digit":
-            raise ValueError(
-                "--ntl-loss number assembles numbers from single-digit tokens and cannot read a multi-digit table "
-                "(a token worth 123 would count as one digit); use --ntl-number-vocab digits (a digit table), or a "
-                "token-level --ntl-loss (was, mse, mae, huber) with --ntl-number-vocab multi-digit"
             )
 
     @property
@@ -156,12 +131,7 @@ def _number_flag(name: str) -> Any:
 
 
 # How a flag parses its text, where not by its choices or as a switch.
-_PARSERS = {
-    name: _number_flag(name)
-    for name in (
-        "weight", "squash_factor", "huber_delta", "chunk_tokens", "z_loss_weight", "label_smoothing", "logit_softcap"
-    )
-}  # fmt: skip
+_PARSERS = {name: _number_flag(name) for name in NUMERIC_CHECKS}
 # Help where the spec's text does not fit a flag (another default, another spelling).
 _HELP = {
     "weight": "weight of NTL; 0 (default) = off, 0.3 in the paper",
@@ -220,16 +190,17 @@ def build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size:
         The table, sized to the padded vocabulary.
     """
     vocab = _build_number_vocab(settings, tokenizer, padded_vocab_size)
-    if settings.loss == "number":
+    if settings.options().loss == "number":
         check_number_level_table(vocab)  # a saved table of other tokens, refused before the first step
     return vocab
 
 
 def _build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size: int) -> NumberVocab:
     rule = settings.number_vocab
-    if rule in VOCAB_RULES:
+    source = table_source(rule)
+    if isinstance(source, bool):
         try:
-            return NumberVocab.from_tokenizer(tokenizer, vocab_size=padded_vocab_size, digit_level=rule == "digits")
+            return NumberVocab.from_tokenizer(tokenizer, vocab_size=padded_vocab_size, digit_level=source)
         except (NotImplementedError, TypeError) as e:
             # NullTokenizer and similar raise NotImplementedError from inv_vocab.
             raise ValueError(

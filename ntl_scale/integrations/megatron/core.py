@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...normalization import micro_batch_sums, objective, step_counts
+from ...normalization import factors, micro_batch_sums, objective, step_counts
 from ...number_vocab import NumberVocab
 from ...options import NTLOptions, check_chunk_route, check_option
 from ...terms import PerTokenTerms, ntl_counts
@@ -161,19 +161,18 @@ def make_loss_func(
         terms = batch_first_terms(logits, labels, vocab, options, pieces=pieces, tp_group=tp_group, inplace=inplace)
         sums = micro_batch_sums(terms, loss_mask)
         ce_sum, ntl_sum, num_tokens, num_numbers, hits = sums
-        if settings.normalization == "micro-batch":
-            # The schedule divides by num_tokens: NTL enters as this micro-batch's number-token mean.
-            loss = ce_sum + settings.weight * ntl_sum / num_numbers.clamp_min(1) * num_tokens.clamp_min(1)
+        if settings.normalization == "global" and not calculate_per_token_loss:
+            # Megatron's micro-batch scale: the schedule divides what loss_func returns by num_tokens and by
+            # the micro-batches m, and DDP averages over the data x context parallel ranks.
+            m = num_microbatches() if callable(num_microbatches) else num_microbatches
+            megatron_scale = num_tokens.clamp_min(1) * m * data_parallel_size
+            loss = objective(sums, global_counts.get(), settings.weight, scale=megatron_scale)  # type: ignore[union-attr]
         else:
-            tokens_global, numbers_global = global_counts.get()  # type: ignore[union-attr]
-            if calculate_per_token_loss:
-                # Gradients are divided by the global token count after the step.
-                loss = ce_sum + settings.weight * ntl_sum * tokens_global / numbers_global.clamp_min(1)
-            else:
-                # Undo the schedule's division by num_tokens and micro-batches and DDP's mean over DP.
-                m = num_microbatches() if callable(num_microbatches) else num_microbatches
-                undo = num_tokens.clamp_min(1) * m * data_parallel_size
-                loss = undo * objective(sums, (tokens_global, numbers_global), settings.weight)
+            # Megatron divides by the token count itself (this micro-batch's, or the step's with
+            # --calculate-per-token-loss): CE stays a sum, NTL enters with weight N / K.
+            counts = (num_tokens, num_numbers) if settings.normalization == "micro-batch" else global_counts.get()  # type: ignore[union-attr]
+            a, b = factors(counts)
+            loss = a * ce_sum + settings.weight * ntl_sum * b
         report = {
             "lm loss": torch.stack([ce_sum, num_tokens]).detach(),
             "ntl loss": torch.stack([ntl_sum, num_numbers]).detach(),
@@ -407,9 +406,9 @@ class NTLLanguageModelMixin:
             weight = torch.ones_like(terms.ce)
         else:
             weight = mask.to(device=terms.ce.device, dtype=terms.ce.dtype).reshape(terms.ce.shape)
-        tokens = weight.sum()
-        numbers = (terms.number_mask.to(weight.dtype) * weight).sum()
-        return terms.ce + settings.weight * terms.ntl * (tokens / numbers.clamp_min(1))
+        # Megatron sums the returned per-token loss under the mask and divides by the mask's sum itself.
+        a, b = factors((weight.sum(), (terms.number_mask.to(weight.dtype) * weight).sum()))
+        return a * terms.ce + settings.weight * terms.ntl * b
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         settings, vocab, tp_group = getattr(self, "_ntl", (None, None, None))

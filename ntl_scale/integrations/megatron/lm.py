@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..._deprecation import deprecated_alias
-from ...normalization import micro_batch_sums, step_counts
+from ...normalization import factors, micro_batch_sums, step_counts
 from ...number_vocab import NumberVocab
 from ...options import check_chunk_route
 from ...terms import PerTokenTerms
@@ -89,11 +89,10 @@ class MicroBatchScale:
 
     def weights(self, local_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(a, b)`` for a micro-batch whose loss mask sums to ``local_tokens``."""
-        tokens, numbers = self.tokens.clamp_min(1), self.numbers.clamp_min(1)
-        if self.per_token_loss:
-            return torch.ones_like(tokens), tokens / numbers
-        undo = local_tokens.clamp_min(1) * (self.microbatches * self.dp_cp_size)
-        return undo / tokens, undo / numbers
+        if self.per_token_loss:  # Megatron divides by the global token count itself
+            return factors((self.tokens, self.numbers))
+        megatron_scale = local_tokens.clamp_min(1) * (self.microbatches * self.dp_cp_size)
+        return factors((self.tokens, self.numbers), scale=megatron_scale)
 
 
 @dataclass(frozen=True)
@@ -296,7 +295,7 @@ class GPTModelNTL:
         else:
             # The micro-batch mean of NTL over number tokens, beside Megatron's token mean of CE (and
             # Megatron's own per-head normalisation of MTP losses).
-            a, b = torch.ones_like(local_tokens), local_tokens.clamp_min(1) / local_numbers.clamp_min(1)
+            a, b = factors((local_tokens, local_numbers))
         ce = terms.ce
         extra = (a - 1) * ce + (self.settings.weight * b) * (terms.ntl * terms.number_mask)
         if main:

@@ -66,9 +66,16 @@ from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.tools.logging import logger
 
-from ...normalization import MicroBatchSums, micro_batch_sums
+from ...normalization import MicroBatchSums, means, micro_batch_sums, objective
 from ...number_vocab import NumberVocab
-from ...options import NTLOptions, check_numeric_options, option_field, variant_of
+from ...options import (
+    NTLOptions,
+    check_run_options,
+    option_field,
+    table_source,
+    variant_fields,
+    variant_of,
+)
 from ...shards import is_dtensor
 from ...terms import per_token_ce_ntl
 
@@ -112,36 +119,25 @@ class NTLLoss(BaseLoss):
     """
 
     @dataclass(kw_only=True, slots=True)
+    @variant_fields
     class Config(BaseLoss.Config):
-        """The NTL options of :mod:`ntl_scale.options` (``option_fields()``; defaults taken from there), the
-        number table's source and the model's vocabulary size."""
+        """The NTL options of :mod:`ntl_scale.options`: the run-level ones below (defaults the spec's), then the
+        variant fields of :class:`~ntl_scale.NTLOptions` (``loss``, ``squash_factor``, ``reweigh``,
+        ``huber_delta``, ``float_level``, ``impl``, ``z_loss_weight``, ``label_smoothing``, ``logit_softcap``:
+        added by :func:`~ntl_scale.options.variant_fields`, documented there once); the number table's source
+        and the model's vocabulary size."""
 
         weight: float = _default("weight")
         """Weight of NTL in ``CE + weight * NTL`` (0.3 in the paper); 0 trains with CE alone."""
-        loss: str = _default("loss")
-        """The NTL variant: ``was``, ``mse``, ``mae``, ``huber`` or ``number``."""
-        squash_factor: float | None = _default("squash_factor")
-        """``was`` only: map nonzero distances onto ``[1, squash_factor]`` (> 1); None: ``|v_k - t|``."""
-        reweigh: bool = _default("reweigh")
-        """Scale NTL by the probability mass on number tokens (the reference's default; off in the paper)."""
-        huber_delta: float = _default("huber_delta")
-        """``huber`` only: the threshold (> 0)."""
-        float_level: bool = _default("float_level")
-        """``number`` only: a decimal point between digits joins one number."""
-        impl: str = _default("impl")
-        """``auto``, ``torch`` or ``triton``: which code computes the fused statistics."""
-        z_loss_weight: float = _default("z_loss_weight")
-        """Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to CE (>= 0; 0: off; 1e-4 in PaLM)."""
-        label_smoothing: float = _default("label_smoothing")
-        """CE label smoothing over the whole vocabulary (all TP shards), in ``[0, 1]``; NTL keeps the hard target."""
-        logit_softcap: float | None = _default("logit_softcap")
-        """Logit soft-capping ``cap * tanh(z / cap)`` before CE, z-loss and NTL (> 0; None: off)."""
         digit_level: bool = _default("digit_level")
-        """Number table of the ten digits (True) or of multi-digit tokens such as Llama 3's ``123`` (False)."""
+        """Number table of the ten digits (True) or of multi-digit tokens such as Llama 3's ``123`` (False);
+        not read when ``number_vocab`` is given (``number_vocab="digits"`` beside ``digit_level=False`` is refused)."""
         chunk_tokens: int | None = _default("chunk_tokens")
         """Tokens per chunk of the loss's temporaries (None: about 64 MiB of fp32 per chunk)."""
         number_vocab: str | None = None
-        """A number table saved with ``NumberVocab.save`` / ``python -m ntl_scale.save_number_vocab`` (JSON)."""
+        """As Megatron's ``--ntl-number-vocab`` (:func:`~ntl_scale.options.table_source`): ``digits``,
+        ``multi-digit`` (the rule, built from the tokenizer) or a number table saved with ``NumberVocab.save`` /
+        ``python -m ntl_scale.save_number_vocab`` (JSON); None: the rule of ``digit_level``."""
         tokenizer_path: str | None = None
         """Without ``number_vocab``: a tokenizer directory (``tokenizer.json``) to build the table from; None
         under :class:`NTLTrainer`: the run's ``hf_assets_path``."""
@@ -150,13 +146,7 @@ class NTLLoss(BaseLoss):
         model's."""
 
         def __post_init__(self) -> None:
-            check_numeric_options(self, lambda name: f"loss.{name}")  # finite, in range: options.py's checks
-            self.options()
-            if self.loss == "number" and not self.digit_level:
-                raise ValueError(
-                    "loss.loss=number assembles numbers from single-digit tokens and cannot read a multi-digit "
-                    "table; set loss.digit_level=true, or a token-level loss (was, mse, mae, huber)"
-                )
+            check_run_options(self, "torchtitan")
 
         def options(self) -> NTLOptions:
             """The :class:`~ntl_scale.NTLOptions` of this config (the variant and ``impl``)."""
@@ -302,12 +292,12 @@ class NTLLoss(BaseLoss):
         self, ce_sum: torch.Tensor, sums: MicroBatchSums, global_valid_tokens: torch.Tensor | int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``CE / global_valid_tokens + weight * NTL / K`` and this call's metrics (accumulated for the step)."""
-        numbers = self._step_numbers().to(device=sums.ntl.device, dtype=sums.ntl.dtype).clamp_min(1)
-        ce = ce_sum / global_valid_tokens
-        ntl = sums.ntl / numbers
-        # weight 0: torchtitan's CE / global_valid_tokens, bit for bit (no "+ 0 * ntl")
-        loss = ce if self.weight == 0 else ce + self.weight * ntl
-        values = (ce.detach(), ntl.detach(), sums.hits.detach() / numbers)
+        # N is torchtitan's global_valid_tokens (no rescale: torchtitan divides by nothing else); K the step's
+        sums = sums._replace(ce=ce_sum)
+        counts = (global_valid_tokens, self._step_numbers().to(device=sums.ntl.device, dtype=sums.ntl.dtype))
+        loss = objective(sums, counts, self.weight)  # weight 0: torchtitan's CE / global_valid_tokens, bit for bit
+        ce, ntl = means(sums, counts)
+        values = (ce.detach(), ntl.detach(), means(sums._replace(ntl=sums.hits), counts)[1].detach())
         metrics = torch.stack([v.to(torch.float64) for v in values])
         self._metrics = metrics if self._metrics is None else self._metrics + metrics
         return loss, dict(zip(METRICS, values))
@@ -433,8 +423,9 @@ def number_table(config: NTLLoss.Config) -> NumberVocab:
     The table's ``vocab_size`` is the model's (``config.vocab_size``); a saved table of another size is a
     ValueError naming both sizes and the fix.
     """
-    if config.number_vocab is not None:
-        table = NumberVocab.load(config.number_vocab)
+    source = table_source(config.number_vocab, config.digit_level)
+    if isinstance(source, str):
+        table = NumberVocab.load(source)
         if config.vocab_size is not None and table.vocab_size != config.vocab_size:
             raise ValueError(
                 f"loss.number_vocab {config.number_vocab!r} was saved for a vocabulary of {table.vocab_size}, but "
@@ -464,9 +455,7 @@ def number_table(config: NTLLoss.Config) -> NumberVocab:
             f"the tokenizer {file!r} has {size} tokens, more than the model's vocabulary of {config.vocab_size} "
             "(loss.vocab_size); use the model's tokenizer or a model with a larger vocabulary"
         )
-    return NumberVocab.from_tokenizer(
-        _VocabView(tokenizer), vocab_size=config.vocab_size or size, digit_level=config.digit_level
-    )
+    return NumberVocab.from_tokenizer(_VocabView(tokenizer), vocab_size=config.vocab_size or size, digit_level=source)
 
 
 @dataclasses.dataclass

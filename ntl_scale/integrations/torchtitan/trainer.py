@@ -29,6 +29,7 @@ from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from ...options import table_source
 from ...terms import ntl_counts
 from .loss import METRICS, NTLLoss
 
@@ -45,14 +46,14 @@ class NTLTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         ntl_config = _ntl_config(config.loss)
-        if config.parallelism.context_parallel_degree > 1 and ntl_config.loss == "number":
+        if config.parallelism.context_parallel_degree > 1 and ntl_config.options().loss == "number":
             raise ValueError(
                 "loss.loss=number assembles whole numbers along the sequence, which context parallelism splits "
                 f"(context_parallel_degree={config.parallelism.context_parallel_degree}); use a token-level loss "
                 "(was, mse, mae, huber) or context_parallel_degree 1"
             )
         _check_chunks(config)
-        if ntl_config.tokenizer_path is None and ntl_config.number_vocab is None:
+        if ntl_config.tokenizer_path is None and not isinstance(table_source(ntl_config.number_vocab), str):
             ntl_config.tokenizer_path = config.hf_assets_path
         if ntl_config.vocab_size is None and config.model_spec is not None:
             ntl_config.vocab_size = decoder_vocab_size(config.model_spec)
