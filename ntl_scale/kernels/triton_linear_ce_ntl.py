@@ -65,17 +65,10 @@ import torch.distributed as dist
 
 from .._validation import check_float_level, check_inputs, check_weights
 from ..number_vocab import NumberVocab
-from ..options import NTLOptions
-from ..parallel import (
-    ShardInputs,
-    ShardMath,
-    _raise_if_not_finite,
-    check_chunk_tokens,
-    combine_kernel_stats,
-    group_rank,
-    group_size,
-    is_dtensor,
-)
+from ..options import NTLOptions, check_chunk_tokens
+from ..parallel import _raise_if_not_finite, combine_kernel_stats
+from ..shard_math import ShardInputs, ShardMath
+from ..shards import group_rank, group_size, is_dtensor
 from ..terms import PerTokenTerms, check_plain_labels, shard_inputs, shard_start, terms_from_stats
 from . import triton_ce_ntl
 

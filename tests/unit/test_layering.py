@@ -28,7 +28,7 @@ LAYERS = [  # bottom up
     {"number_vocab", "shard_math"},
     {"_validation", "parallel"},
     {"terms"},
-    {"reductions", "normalization"},
+    {"reductions", "normalization", "kernels.triton_linear_ce_ntl"},
     {"losses", "linear"},
 ]  # fmt: skip
 
