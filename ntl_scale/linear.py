@@ -167,7 +167,10 @@ def linear_ce_ntl(
         tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
             The gradient of ``hidden`` is then this shard's part (see the module docs).
         check_finite: raise when the logits hold NaN/Inf (one host sync; default off, NaN reaches the loss).
-        chunk_tokens: tokens per chunk (default: chunks of about 2**26 logits, 256 MiB in fp32).
+        chunk_tokens: tokens per chunk. Default (:func:`ntl_scale.linear_op.choose_chunk_tokens`): on
+            the CPU chunks of about 2**26 logits (256 MiB in fp32); on a GPU the fewest tokens that make each
+            chunk's weight-gradient GEMM math-bound (1280 at 128256 x 4096 bf16 on an H100), capped by a
+            quarter of the free memory.
         need_ce: False skips the vocabulary pass when neither CE nor reweighing needs it.
         token_weights: the non-negative weights ``[...]`` the caller's reduction applies to CE (e.g.
             the loss mask); with them the weight gradient is built in the forward. Default: 1 on

@@ -47,6 +47,7 @@ same all-reduces. With a gradient for one of them only (a frozen output layer) o
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -65,10 +66,89 @@ from .parallel import (
     shift_into,
 )
 
-# Elements of one chunk of logits: 2**26 (256 MiB in fp32) unless chunk_tokens says otherwise. Smaller
-# chunks save memory but re-read the [V, H] weight-gradient accumulator once per chunk (measured:
-# 8192 x 131072 x 2048 on CPU, 128-token chunks 1.24x the materialised time, 512-token chunks 0.91x).
+# Elements of one chunk of logits on the CPU: 2**26 (256 MiB in fp32) unless chunk_tokens says otherwise.
+# Smaller chunks save memory but re-read the [V, H] weight-gradient accumulator once per chunk (measured,
+# docs/benchmarks.md: 8192 x 131072 x 2048 on CPU, 128-token chunks 1.24x the materialised time,
+# 512-token chunks 0.91x).
 _CHUNK_ELEMENTS = 1 << 26
+
+#: H100 SXM5 (80 GB HBM3): memory bandwidth and dense bf16 tensor-core throughput (no sparsity), the
+#: GPU the default chunk length is derived for. Source: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM
+#: column: 3.35 TB/s; 1,979 TFLOPS bf16 with sparsity, so 989 TFLOP/s dense). benchmarks/cost_model.py
+#: models the GPU with these same numbers.
+H100_BANDWIDTH = 3.35e12  # bytes / s
+H100_BF16_FLOPS = 989e12  # FLOP / s
+
+#: The share of the device's free memory one chunk's temporaries may take on a GPU.
+GPU_MEMORY_FRACTION = 0.25
+
+#: GPU chunk lengths are rounded up to a multiple of this (GEMM tile multiple).
+_GPU_CHUNK_ALIGN = 256
+
+
+def math_bound_chunk(vocab: int, hidden: int, elem: int, acc: int, flops_per_byte: float) -> float:
+    """The fewest tokens ``C`` for which one chunk's weight-gradient GEMM ``G_W += (w pi)^T h`` is
+    math-bound on a device of ``flops_per_byte`` (peak matmul FLOP/s over HBM bytes/s); ``inf`` if none.
+
+    The GEMM does ``2 V H C`` FLOPs and moves ``2 acc V H`` bytes (the ``[V, H]`` accumulator read and
+    written, ``acc`` bytes an element) plus ``elem C (V + H)`` (its half-precision operands). Math-bound
+    when ``2 V H C / peak >= bytes / bandwidth``, i.e. ``C >= acc r / (1 - elem r (1/H + 1/V) / 2)`` with
+    ``r = flops_per_byte``. At 128256 x 4096 bf16 on an H100 (``r = 295``): 1276 tokens.
+    """
+    denominator = 1.0 - elem * flops_per_byte * (1.0 / hidden + 1.0 / vocab) / 2.0
+    return acc * flops_per_byte / denominator if denominator > 0 else math.inf
+
+
+def choose_chunk_tokens(
+    device_type: str,
+    free_bytes: int | None,
+    tokens: int,
+    vocab: int,
+    hidden: int,
+    dtype: torch.dtype,
+    *,
+    flops_per_byte: float = H100_BF16_FLOPS / H100_BANDWIDTH,
+    memory_fraction: float = GPU_MEMORY_FRACTION,
+) -> int:
+    """Tokens per chunk of the chunked op when the caller gives none: a pure function of its inputs.
+
+    * CPU (any device but ``"cuda"``, or ``free_bytes`` None): ``2**26 // vocab``, what
+      ``docs/benchmarks.md`` measured best there (512-token chunks at 131072 columns, 0.91x the
+      materialised time, against 1.24x for 128-token chunks).
+    * CUDA: the fewest tokens that make each chunk's weight-gradient GEMM math-bound
+      (:func:`math_bound_chunk`, rounded up to a multiple of 256, at least the CPU's chunk), capped so
+      that the chunk's temporaries (its logits in ``dtype`` and, for half precision, an fp32 copy of
+      them: the backward's recomputation) take at most ``memory_fraction`` of ``free_bytes``.
+
+    Always between 1 and ``max(tokens, 1)``. ``vocab`` is the local vocabulary (a TP shard's rows).
+    """
+    for name, value in (("tokens", tokens), ("vocab", vocab), ("hidden", hidden)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    if not flops_per_byte > 0:
+        raise ValueError(f"flops_per_byte must be > 0 (peak FLOP/s over bytes/s), got {flops_per_byte!r}")
+    upper = max(tokens, 1)
+    default = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    if device_type != "cuda" or free_bytes is None:
+        return min(default, upper)
+    elem = torch.empty((), dtype=dtype).element_size()
+    acc = max(elem, 4)  # the accumulator: fp32, fp64 for fp64
+    per_token = max(vocab, 1) * (elem + (acc if elem < acc else 0))
+    by_memory = max(1, int(memory_fraction * max(free_bytes, 0)) // per_token)
+    needed = math_bound_chunk(max(vocab, 1), max(hidden, 1), elem, acc, flops_per_byte)
+    target = upper if math.isinf(needed) else max(default, -(-math.ceil(needed) // _GPU_CHUNK_ALIGN) * _GPU_CHUNK_ALIGN)
+    return max(1, min(target, by_memory, upper))
+
+
+def default_chunk_tokens(hidden: torch.Tensor, width: int) -> int:
+    """:func:`choose_chunk_tokens` for ``hidden [T, H]`` and a weight shard of ``width`` rows, with the
+    device's free memory read from CUDA (not while compiling: the CPU's budget then)."""
+    free = None
+    if hidden.is_cuda and not torch.compiler.is_compiling():
+        free = torch.cuda.mem_get_info(hidden.device)[0]
+    return choose_chunk_tokens(hidden.device.type, free, hidden.shape[0], width, hidden.shape[-1], hidden.dtype)
 
 
 class _FusedLinearCENTL(torch.autograd.Function):
@@ -105,7 +185,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
             number_logits = torch.empty(num_tokens, cols.numel(), dtype=cdt, device=hidden.device)
         else:  # only the K number columns: a [T, K] matmul
             number_logits = (hidden @ weight.index_select(0, cols).t()).to(cdt)
-        rows = ShardMath.chunk_rows(num_tokens, width, chunk_tokens or max(1, _CHUNK_ELEMENTS // max(width, 1)))
+        rows = ShardMath.chunk_rows(num_tokens, width, chunk_tokens or default_chunk_tokens(hidden, width))
         maxes = torch.zeros(num_tokens, 2, dtype=cdt, device=hidden.device)
         smoothing = need_full and inputs.smoothing != 0
         sums = torch.zeros(num_tokens, 6 if smoothing else 4, dtype=cdt, device=hidden.device)

@@ -1,0 +1,137 @@
+"""The chunked op's default chunk length (``ntl_scale.linear_op.choose_chunk_tokens``, issue 43 item 1).
+
+A pure function of (device kind, free bytes, T, V, H, dtype), so its CUDA branch is checked here on the
+CPU with synthetic inputs. References, each independent of the code under test:
+
+* math-boundness: the GPU cost model's own roofline of the weight-gradient GEMM
+  (``benchmarks/cost_model.py``'s ``gemm`` with its bytes written out there), at H100 numbers;
+* memory: the bytes of the chunk's logits and their fp32 copy, counted from the shape here;
+* the CPU: ``2**26 // V``, the chunk ``docs/benchmarks.md`` measured best;
+* the op itself: ``linear_ce_ntl`` with ``chunk_tokens=None`` makes the chunks the chooser gives (its
+  logits matmuls counted with a dispatch mode).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ntl_scale
+from ntl_scale.linear_op import choose_chunk_tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("cost_model", ROOT / "benchmarks" / "cost_model.py")
+assert _spec is not None and _spec.loader is not None
+cm = sys.modules["cost_model"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cm)
+
+GiB = 2**30
+H100 = {"bandwidth": 3.35e12, "peak": 989e12}  # the datasheet numbers, written out here
+
+
+def _gw_gemm_math_bound(c: int, v: int, h: int, elem: int, acc: int) -> bool:
+    # the cost model's G_W kernel: bf16 operands read, the fp32 accumulator read and written
+    k = cm.gemm("G_W", v, h, c, read=elem * (c * v + c * h) + acc * v * h, write=acc * v * h)
+    return k.flops / H100["peak"] >= k.bytes / H100["bandwidth"]
+
+
+@pytest.mark.parametrize(
+    ("v", "h", "dtype"),
+    [(128256, 4096, torch.bfloat16), (128256, 2048, torch.bfloat16), (151936, 3584, torch.float16),
+     (32000, 4096, torch.bfloat16), (128256, 4096, torch.float32)],
+)  # fmt: skip
+def test_cuda_chunk_is_the_fewest_math_bound_tokens(v: int, h: int, dtype: torch.dtype) -> None:
+    elem = torch.empty((), dtype=dtype).element_size()
+    c = choose_chunk_tokens("cuda", 80 * GiB, 1 << 20, v, h, dtype)
+    assert _gw_gemm_math_bound(c, v, h, elem, 4), c
+    cpu = 2**26 // v
+    if c > cpu:  # not the CPU's budget: then within one 256-token step of the least math-bound length
+        assert c % 256 == 0
+        assert not _gw_gemm_math_bound(c - 256, v, h, elem, 4), c
+
+
+def test_cuda_h100_llama3_shape_is_about_1280_tokens() -> None:
+    # issue 43: ">= ~1,200 tokens on an H100 in the model" at 8192 x 128256 x 4096 bf16
+    c = choose_chunk_tokens("cuda", 70 * GiB, 8192, 128256, 4096, torch.bfloat16)
+    assert 1200 <= c <= 1536 and _gw_gemm_math_bound(c, 128256, 4096, 2, 4)
+    assert not _gw_gemm_math_bound(1024, 128256, 4096, 2, 4)  # the old default (523) and 1024: memory-bound
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("free", [1 * GiB, 3 * GiB, 512 * 2**20])
+def test_cuda_chunk_is_capped_by_a_quarter_of_free_memory(free: int, dtype: torch.dtype) -> None:
+    v, h = 128256, 4096
+    c = choose_chunk_tokens("cuda", free, 8192, v, h, dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    logits_and_fp32_copy = c * v * (elem + (4 if elem < 4 else 0))
+    assert 1 <= c and logits_and_fp32_copy <= free / 4
+    # one more token would not have fitted, unless the chunk is already the math-bound length
+    if c < choose_chunk_tokens("cuda", 80 * GiB, 8192, v, h, dtype):
+        assert (c + 1) * v * (elem + (4 if elem < 4 else 0)) > free / 4
+
+
+def test_cuda_chunk_bounds() -> None:
+    assert choose_chunk_tokens("cuda", 80 * GiB, 300, 128256, 4096, torch.bfloat16) == 300  # at most T
+    assert choose_chunk_tokens("cuda", 80 * GiB, 0, 128256, 4096, torch.bfloat16) == 1  # no tokens: still 1
+    assert choose_chunk_tokens("cuda", 1000, 8192, 128256, 4096, torch.bfloat16) == 1  # no memory: 1
+    # a TP shard of 1/8 of the vocabulary: the CPU's element budget (4185 tokens) is already math-bound
+    c = choose_chunk_tokens("cuda", 80 * GiB, 8192, 128256 // 8, 4096, torch.bfloat16)
+    assert c == 2**26 // (128256 // 8) and _gw_gemm_math_bound(c, 128256 // 8, 4096, 2, 4)
+    # a hidden size too small for any chunk to be math-bound: the memory cap or T
+    assert choose_chunk_tokens("cuda", 80 * GiB, 8192, 128256, 64, torch.bfloat16) == 8192
+
+
+@pytest.mark.parametrize("v", [32768, 131072, 640])
+def test_cpu_chunk_is_the_measured_element_budget(v: int) -> None:
+    for device, free in (("cpu", None), ("cpu", 80 * GiB), ("cuda", None)):
+        assert choose_chunk_tokens(device, free, 1 << 20, v, 512, torch.float32) == 2**26 // v
+    assert choose_chunk_tokens("cpu", None, 8192, 131072, 2048, torch.float32) == 512  # docs/benchmarks.md
+    assert choose_chunk_tokens("cpu", None, 100, 131072, 2048, torch.float32) == 100
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"tokens": -1}, "tokens"), ({"vocab": 2.5}, "vocab"), ({"memory_fraction": 0.0}, "memory_fraction"),
+     ({"flops_per_byte": -3.0}, "flops_per_byte")],
+)  # fmt: skip
+def test_bad_arguments_are_refused(kwargs: dict, match: str) -> None:
+    args = {"tokens": 8, "vocab": 64, "hidden": 16}
+    extra = {k: kwargs.pop(k) for k in list(kwargs) if k in ("memory_fraction", "flops_per_byte")}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        choose_chunk_tokens("cuda", GiB, dtype=torch.bfloat16, **args, **extra)
+
+
+class _LogitsMatmuls(TorchDispatchMode):
+    """Row counts of the ``[C, H] x [H, V]`` logits matmuls the op makes."""
+
+    def __init__(self, v: int) -> None:
+        super().__init__()
+        self.v, self.rows = v, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out) and out.dim() == 2 and out.shape[1] == self.v:
+            self.rows.append(out.shape[0])
+        return out
+
+
+def test_the_op_uses_the_chosen_chunk_on_cpu() -> None:
+    t, v, h = 1100, 2**17, 4  # 2**26 // 2**17 = 512 tokens a chunk: 512, 512, 76
+    tokens = [f"w{i}" for i in range(v)]
+    for d in range(10):
+        tokens[100 + d] = str(d)
+    vocab = ntl_scale.NumberVocab.from_id_to_token(tokens, vocab_size=v)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(t, h, generator=g)
+    weight = torch.randn(v, h, generator=g)
+    labels = torch.randint(0, v, (t,), generator=g)
+    mode = _LogitsMatmuls(v)
+    with mode, torch.no_grad():  # the statistics only: the same chunks, a third of the work
+        ntl_scale.linear_ce_with_ntl(hidden, weight, labels, vocab, impl="torch")
+    assert mode.rows == [512, 512, 76]
