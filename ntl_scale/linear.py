@@ -168,9 +168,9 @@ def linear_ce_ntl(
             The gradient of ``hidden`` is then this shard's part (see the module docs).
         check_finite: raise when the logits hold NaN/Inf (one host sync; default off, NaN reaches the loss).
         chunk_tokens: tokens per chunk. Default (:func:`ntl_scale.linear_op.choose_chunk_tokens`): on
-            the CPU chunks of about 2**26 logits (256 MiB in fp32); on a GPU the fewest tokens that make each
-            chunk's weight-gradient GEMM math-bound (1280 at 128256 x 4096 bf16 on an H100), capped by a
-            quarter of the free memory.
+            the CPU chunks of about 2**26 logits (256 MiB in fp32); on a GPU equal chunks long enough for
+            each chunk's weight-gradient GEMM to be math-bound (>= 1276 tokens at 128256 x 4096 bf16 on an
+            H100: six chunks of 1368 for 8192 tokens), capped by a quarter of the free memory.
         need_ce: False skips the vocabulary pass when neither CE nor reweighing needs it.
         token_weights: the non-negative weights ``[...]`` the caller's reduction applies to CE (e.g.
             the loss mask); with them the weight gradient is built in the forward. Default: 1 on
@@ -220,14 +220,6 @@ def linear_ce_ntl(
     check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start, source="the output weight's first dimension")
     check_float_level(vocab, options)
     check_chunk_tokens(chunk_tokens)
-    if options.logit_softcap is not None and (options.label_smoothing or not (need_ce or options.reweigh)):
-        # smoothing's uniform term times the cap factor is dense per token (another [T, V] x [V, H] product);
-        # the NTL-only route reads the number columns alone
-        raise ValueError(
-            f"logit_softcap={options.logit_softcap!r} is not computed by the chunked op (hidden states and the "
-            "output weight) together with label_smoothing or with need_ce=False; use the logits path "
-            "(per_token_ce_ntl / ce_with_ntl), or drop one of them"
-        )
     kernels = use_triton(options.impl, hidden, options.ce_features)
     shape, width = labels.shape, weight.shape[0]
     dtype = compute_dtype(hidden.dtype)

@@ -82,8 +82,8 @@ H100_BF16_FLOPS = 989e12  # FLOP / s
 #: The share of the device's free memory one chunk's temporaries may take on a GPU.
 GPU_MEMORY_FRACTION = 0.25
 
-#: GPU chunk lengths are rounded up to a multiple of this (GEMM tile multiple).
-_GPU_CHUNK_ALIGN = 256
+#: GPU chunk lengths are rounded up to a multiple of this (the tensor cores' operand multiple).
+_GPU_CHUNK_ALIGN = 8
 
 
 def math_bound_chunk(vocab: int, hidden: int, elem: int, acc: int, flops_per_byte: float) -> float:
@@ -93,7 +93,8 @@ def math_bound_chunk(vocab: int, hidden: int, elem: int, acc: int, flops_per_byt
     The GEMM does ``2 V H C`` FLOPs and moves ``2 acc V H`` bytes (the ``[V, H]`` accumulator read and
     written, ``acc`` bytes an element) plus ``elem C (V + H)`` (its half-precision operands). Math-bound
     when ``2 V H C / peak >= bytes / bandwidth``, i.e. ``C >= acc r / (1 - elem r (1/H + 1/V) / 2)`` with
-    ``r = flops_per_byte``. At 128256 x 4096 bf16 on an H100 (``r = 295``): 1276 tokens.
+    ``r = flops_per_byte``. At 128256 x 4096 bf16 on an H100 (``r = 295``): 1276 tokens (8192 tokens:
+    six chunks of 1368).
     """
     denominator = 1.0 - elem * flops_per_byte * (1.0 / hidden + 1.0 / vocab) / 2.0
     return acc * flops_per_byte / denominator if denominator > 0 else math.inf
@@ -115,10 +116,13 @@ def choose_chunk_tokens(
     * CPU (any device but ``"cuda"``, or ``free_bytes`` None): ``2**26 // vocab``, what
       ``docs/benchmarks.md`` measured best there (512-token chunks at 131072 columns, 0.91x the
       materialised time, against 1.24x for 128-token chunks).
-    * CUDA: the fewest tokens that make each chunk's weight-gradient GEMM math-bound
-      (:func:`math_bound_chunk`, rounded up to a multiple of 256, at least the CPU's chunk), capped so
-      that the chunk's temporaries (its logits in ``dtype`` and, for half precision, an fp32 copy of
-      them: the backward's recomputation) take at most ``memory_fraction`` of ``free_bytes``.
+    * CUDA: chunks long enough for each chunk's weight-gradient GEMM to be math-bound
+      (:func:`math_bound_chunk`, at least the CPU's chunk): the ``T`` tokens split into as many equal
+      chunks as that allows (so the last one is not a short, memory-bound remainder: 8192 tokens at 128256
+      x 4096 are six chunks of 1368, not six of 1280 and one of 512), rounded up to a multiple of 8 (with
+      hundreds of chunks the last may fall up to 8 tokens a chunk short);
+      capped so that the chunk's temporaries (its logits in ``dtype`` and, for half precision, an fp32
+      copy of them: the backward's recomputation) take at most ``memory_fraction`` of ``free_bytes``.
 
     Always between 1 and ``max(tokens, 1)``. ``vocab`` is the local vocabulary (a TP shard's rows).
     """
@@ -138,8 +142,19 @@ def choose_chunk_tokens(
     per_token = max(vocab, 1) * (elem + (acc if elem < acc else 0))
     by_memory = max(1, int(memory_fraction * max(free_bytes, 0)) // per_token)
     needed = math_bound_chunk(max(vocab, 1), max(hidden, 1), elem, acc, flops_per_byte)
-    target = upper if math.isinf(needed) else max(default, -(-math.ceil(needed) // _GPU_CHUNK_ALIGN) * _GPU_CHUNK_ALIGN)
+    if math.isinf(needed):
+        target = upper
+    else:  # n equal chunks of at least the math-bound length: n = T // that length
+        least = max(default, math.ceil(needed))
+        chunks = max(1, upper // least)
+        target = _ceil_div(_ceil_div(upper, chunks), _GPU_CHUNK_ALIGN) * _GPU_CHUNK_ALIGN
+        if chunks > 1 and upper - (_ceil_div(upper, target) - 1) * target < least:  # the rounding left it short
+            target = _ceil_div(_ceil_div(upper, chunks - 1), _GPU_CHUNK_ALIGN) * _GPU_CHUNK_ALIGN
     return max(1, min(target, by_memory, upper))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def default_chunk_tokens(hidden: torch.Tensor, width: int) -> int:
@@ -176,6 +191,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         # one needs is not built: under no_grad (evaluation) a chunk is its logits matmul and the
         # statistics only, the forward FLOPs 2 T V H instead of 3x that, no [V, H] accumulator.
         need_h, need_w = needs
+        plain_weights = token_weights  # the caller's CE weights (token_weights becomes CE + z-loss's below)
         if z_weight and need_full:  # becomes the effective weights of CE + z-loss, chunk by chunk
             token_weights = token_weights.clone()
         cdt = compute_dtype(hidden.dtype)
@@ -185,9 +201,15 @@ class _FusedLinearCENTL(torch.autograd.Function):
             number_logits = torch.empty(num_tokens, cols.numel(), dtype=cdt, device=hidden.device)
         else:  # only the K number columns: a [T, K] matmul
             number_logits = (hidden @ weight.index_select(0, cols).t()).to(cdt)
+            if cap is not None:  # soft-capped like every logit: z' = cap tanh(z / cap)
+                number_logits = number_logits.div_(cap).tanh_().mul_(cap)
         rows = ShardMath.chunk_rows(num_tokens, width, chunk_tokens or default_chunk_tokens(hidden, width))
         maxes = torch.zeros(num_tokens, 2, dtype=cdt, device=hidden.device)
         smoothing = need_full and inputs.smoothing != 0
+        # soft-capping with label smoothing: the smoothed target's uniform part times the cap factor is dense
+        # per token and column, with a coefficient (g_ce) other than the softmax's (u): no per-token P_h or
+        # forward G_W carries it, so the backward recomputes each chunk's logits for both dense products
+        recompute = smoothing and cap is not None
         sums = torch.zeros(num_tokens, 6 if smoothing else 4, dtype=cdt, device=hidden.device)
         number_exp = torch.zeros(num_tokens, cols.numel(), dtype=cdt, device=hidden.device)
         dense_h = dense_w = None
@@ -199,13 +221,14 @@ class _FusedLinearCENTL(torch.autograd.Function):
             sums[:, 3] = (number_exp * inputs.a_table).sum(dim=-1)
             all_reduce_sums(sums, tp_group)
         else:
-            if need_h:
+            if need_h and not recompute:
                 dense_h = torch.empty(num_tokens, hidden.shape[1], dtype=cdt, device=hidden.device)
-            if need_w:
+            if need_w and not recompute:
                 # The weight gradient sums over every token: it accumulates in fp32 (fp64 for fp64), never
                 # in a half dtype (fp16 overflowed at 8k tokens, bf16 lost precision with the chunk count).
-                dense_w = torch.zeros(width, hidden.shape[1], dtype=cdt, device=weight.device)
-        product = _product_buffer(weight, cdt) if need_full and need_w else None
+                # Not zeroed: the first chunk's product writes it (_accumulate(first=True)), no [V, H] pass.
+                dense_w = torch.empty(width, hidden.shape[1], dtype=cdt, device=weight.device)
+        product = _product_buffer(weight, cdt) if dense_w is not None else None
         fast = need_full and kernels
         # Reused buffers for the torch path (a fresh allocation per chunk costs a page fault per page on
         # the CPU: 40 ms for a 64 MiB chunk here, about 5 % of the op at 2048 x 32768 x 512): the chunk's
@@ -237,7 +260,8 @@ class _FusedLinearCENTL(torch.autograd.Function):
                     dense_h[sl] = probs @ weight
                 if dense_w is not None:
                     span = _mean_span(sl) if product is not None else 1
-                    _accumulate(dense_w, probs, _weighted_rows(hidden[sl], token_weights[sl], span, cdt), product, span)
+                    rows_w = _weighted_rows(hidden[sl], token_weights[sl], span, cdt)
+                    _accumulate(dense_w, probs, rows_w, product, span, first=sl is rows[0])
                 del logits, probs
                 continue
             if logits_buf is None:
@@ -285,8 +309,11 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 # sum_t w_t pi_t h_t^T of the chunk, as a mean over a power of two >= its length in half
                 # precision (no fp16 overflow, whatever the chunk's length) and added back in fp32
                 span = _mean_span(sl) if product is not None else 1
-                _accumulate(dense_w, probs, _weighted_rows(hidden[sl], token_weights[sl], span, cdt), product, span)
+                rows_w = _weighted_rows(hidden[sl], token_weights[sl], span, cdt)
+                _accumulate(dense_w, probs, rows_w, product, span, first=sl is rows[0])
             del logits, probs
+        if dense_w is not None and not rows:  # no tokens: no chunk wrote the accumulator
+            dense_w.zero_()
         if check_finite:
             _raise_if_not_finite(maxes, sums, need_full)
         number_max = ShardMath.safe_number_max(maxes[:, 1])
@@ -296,13 +323,16 @@ class _FusedLinearCENTL(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.smoothing = (eps, sums[:, 5]) if smoothing else None
         ctx.cap = None
-        if cap is not None and need_full:  # the factor 1 - (z'/cap)^2 at the label and the number columns
-            ctx.cap = (cap, _cap_factor(sums[:, 1].clone(), cap), _cap_factor(number_logits.clone(), cap))
+        if cap is not None:  # the factor 1 - (z'/cap)^2 at the label (with CE) and the number columns
+            label_factor = _cap_factor(sums[:, 1].clone(), cap) if need_full else None
+            ctx.cap = (cap, label_factor, _cap_factor(number_logits.clone(), cap))
+        ctx.recompute = recompute
         ctx.inputs, ctx.need_full, ctx.rows, ctx.proportional = inputs, need_full, rows, proportional
         ctx.needs = needs
         ctx.save_for_backward(
-            hidden, weight, token_weights, maxes[:, 0], number_max, sums[:, 0], number_exp, sums[:, 2], expect, mass
-        )
+            hidden, weight, token_weights, maxes[:, 0], number_max, sums[:, 0], number_exp, sums[:, 2], expect, mass,
+            plain_weights,
+        )  # fmt: skip
         ctx.dense = (dense_h, dense_w)
         return ce, expect, mass, hit, lse
 
@@ -322,8 +352,9 @@ class _FusedLinearCENTL(torch.autograd.Function):
         g_lse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, token_weights, max_all, number_max, total, number_exp, number_total, expect, mass = (
-            ctx.saved_tensors
+            ctx.saved_tensors[:10]
         )
+        plain_weights = ctx.saved_tensors[10]
         dense_h, dense_w = ctx.dense
         ctx.dense = None
         inputs: ShardInputs = ctx.inputs
@@ -338,6 +369,8 @@ class _FusedLinearCENTL(torch.autograd.Function):
         nones = (None,) * 11
         if not ctx.need_full:
             grad_h = grad_w = None
+            if ctx.cap is not None:  # d z'/dz of the capped number logits
+                number_coef = number_coef * ctx.cap[2]
             if need_h:
                 grad_h = (number_coef @ weight.index_select(0, cols).to(cdt)).to(hidden.dtype)
             if need_w:
@@ -354,30 +387,28 @@ class _FusedLinearCENTL(torch.autograd.Function):
         u = g_ce - g_mass * mass
         if g_lse is not None:  # d lse/dz = pi: the z-loss (or any use of lse) adds to pi's coefficient
             u = u + g_lse.to(cdt)
+        eps = 0.0 if ctx.smoothing is None else ctx.smoothing[0]
+        # the smoothed target's uniform part, -eps/V g_ce on every column of every shard (V: the whole vocabulary)
+        uniform = None if ctx.smoothing is None else g_ce * (eps / ctx.smoothing[1])
         # pi_t W, per token: exact for any upstream gradient
         grad_h = dense_h.mul_(u.unsqueeze(1)) if dense_h is not None else None
         grad_w = None
-        if need_w:
+        # folded: with a gradient proportional to the token weights by the caller's guarantee (g_ce = s w), the
+        # label and smoothing terms join the forward's G_W in its own units (no scale) and the scale is applied
+        # in the one pass that casts to the weight's dtype; only the K number rows are fixed apart
+        fold = need_w and ctx.proportional and not ctx.recompute
+        scale = None
+        if ctx.recompute:  # soft-capping with smoothing: both dense products from recomputed logits
+            grad_h, grad_w = _recompute_dense(
+                hidden, weight, ctx.rows, max_all, total, u, cap, uniform, (need_h, need_w), cdt
+            )
+        elif need_w:
             scale = _scale_of(u, token_weights) if ctx.proportional else _common_scale(u, token_weights)
             if scale is not None:  # the weight gradient was built in the forward for these token weights
-                grad_w = dense_w.mul_(scale)
+                grad_w = dense_w if fold else dense_w.mul_(scale)
             else:  # any other upstream gradient: recompute the logits chunk by chunk with the true u
                 # (u carries the caller's normaliser, as the materialised path's logit gradient does)
-                grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device)
-                product = _product_buffer(weight, cdt)
-                for sl in ctx.rows:
-                    logits = hidden[sl] @ weight.t()
-                    work = logits if logits.dtype == cdt else logits.to(cdt)
-                    factor = None
-                    if cap is not None:
-                        work.div_(cap).tanh_().mul_(cap)
-                        factor = _cap_factor(work.clone(), cap)
-                    work.sub_(max_all[sl].unsqueeze(1)).exp_().mul_((u[sl] / total[sl]).unsqueeze(1))
-                    if factor is not None:
-                        work.mul_(factor)
-                    _accumulate(grad_w, work, hidden[sl], product, 1)
-                    del logits, work
-                del product
+                _, grad_w = _recompute_dense(hidden, weight, ctx.rows, max_all, total, u, cap, None, (False, True), cdt)
         del dense_h, dense_w
         # the label column (-g_ce e_y, for labels in this shard) and the number columns, chunk by
         # chunk so that no [T, H] temporary is made
@@ -385,32 +416,112 @@ class _FusedLinearCENTL(torch.autograd.Function):
         number_weight = weight.index_select(0, cols).to(cdt)
         # every row, with a zero coefficient where this shard does not own the label: no nonzero() sync
         label_index = torch.where(owned, local_label, torch.zeros_like(local_label))
-        eps = 0.0 if ctx.smoothing is None else ctx.smoothing[0]
         label_grad = -(1 - eps) * g_ce if ctx.cap is None else -(1 - eps) * g_ce * ctx.cap[1]
         label_coef_all = torch.where(owned, label_grad, torch.zeros_like(g_ce)).unsqueeze(1)
-        if ctx.smoothing is not None:
-            # the uniform part of the smoothed target, -eps/V g_ce on every column: a rank-one term,
-            # c_t = eps/V g_ce_t: dh_t -= c_t sum_j W_j, dW_j -= sum_t c_t h_t for every local row j
-            uniform = (g_ce * (eps / ctx.smoothing[1])).unsqueeze(1)
+        if uniform is not None and not ctx.recompute:  # (folded: in _scaled_cast)
+            # without soft-capping the uniform part is a rank-one term, c_t = eps/V g_ce_t:
+            # dh_t -= c_t sum_j W_j, dW_j -= sum_t c_t h_t for every local row j
             if grad_h is not None:
-                grad_h.sub_(uniform * weight.to(cdt).sum(dim=0))
-            if grad_w is not None:
-                grad_w.sub_((uniform * hidden.to(cdt)).sum(dim=0))
+                grad_h.sub_(uniform.unsqueeze(1) * weight.sum(dim=0, dtype=cdt))
+            if grad_w is not None and not fold:
+                grad_w.sub_((uniform.unsqueeze(1) * hidden.to(cdt)).sum(dim=0))
+        if fold:  # the label coefficient in G_W's units: -(1 - eps) w (times the cap factor at the label)
+            unit = -(1 - eps) * plain_weights if ctx.cap is None else -(1 - eps) * plain_weights * ctx.cap[1]
+            label_unit_all = torch.where(owned, unit, torch.zeros_like(unit)).unsqueeze(1)
+            number_rows = torch.zeros(cols.numel(), weight.shape[1], dtype=cdt, device=weight.device)
         for sl in ctx.rows:
             label_coef, index = label_coef_all[sl], label_index[sl]
             if grad_h is not None:
                 rows_h = grad_h[sl]
                 rows_h.add_(label_coef * weight.index_select(0, index).to(cdt))
                 rows_h.add_(number_coef[sl] @ number_weight)
-            if grad_w is not None:
+            if grad_w is not None and fold:
+                index_add(grad_w, 0, index, label_unit_all[sl] * hidden[sl].to(cdt))
+                number_rows.add_(number_coef[sl].t() @ hidden[sl].to(cdt))
+            elif grad_w is not None:
                 index_add(grad_w, 0, index, label_coef * hidden[sl].to(cdt))
                 index_add(grad_w, 0, cols, number_coef[sl].t() @ hidden[sl].to(cdt))
+        if fold and grad_w is not None and scale is not None:
+            grad_w = _scaled_cast(grad_w, scale, number_rows, cols, weight.dtype, hidden, uniform, eps)
         # one rounding to the weight's dtype, at the end (grad_w is the fp32/fp64 accumulator)
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
             *nones,
         )
+
+
+def _scaled_cast(
+    acc: torch.Tensor,
+    scale: torch.Tensor,
+    number_rows: torch.Tensor,
+    cols: torch.Tensor,
+    dtype: torch.dtype,
+    hidden: torch.Tensor,
+    uniform: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """The weight gradient ``s acc + number rows (- the smoothing row)`` rounded once to ``dtype``, in one pass
+    over ``[V, H]``: ``acc`` holds the dense and label parts in the forward's units (``s`` not applied).
+
+    ``torch.mul``/``torch.addcmul`` write the weight's dtype straight from the fp32 accumulator (no separate
+    scale pass, no separate cast pass); the ``K`` number rows, whose NTL coefficients are not proportional to
+    the token weights, are computed in fp32 beside it and written over their rows, rounded once as well.
+    Label smoothing's uniform part is one row ``-(eps/V) s sum_t w_t h_t`` added to every row in that pass.
+    """
+    cdt = acc.dtype
+    row = None
+    if uniform is not None and eps:  # uniform_t = (eps / V) g_ce_t: the row in absolute units
+        row = -(uniform.unsqueeze(1) * hidden.to(cdt)).sum(dim=0)
+    fix = acc.index_select(0, cols).mul_(scale).add_(number_rows)
+    if row is not None:
+        fix.add_(row)
+    out = acc if dtype == cdt else torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    if row is None:
+        torch.mul(acc, scale, out=out)
+    else:
+        torch.addcmul(row, acc, scale, out=out)
+    out.index_copy_(0, cols, fix.to(dtype))
+    return out
+
+
+def _recompute_dense(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rows: list[slice],
+    max_all: torch.Tensor,
+    total: torch.Tensor,
+    u: torch.Tensor,
+    cap: float | None,
+    uniform: torch.Tensor | None,
+    needs: tuple[bool, bool],
+    cdt: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The dense parts of the gradients from the logits recomputed chunk by chunk: ``D @ W`` and ``D^T h``
+    with ``D = (u pi - uniform) * (1 - (z'/cap)^2)`` (``z'`` the capped logits; no factor without ``cap``;
+    ``uniform`` the smoothed target's ``eps/V g_ce`` per token, or None). Exact for any upstream gradient;
+    the logits are capped in their own dtype, as the forward capped them."""
+    need_h, need_w = needs
+    grad_h = torch.empty(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None
+    product = _product_buffer(weight, cdt) if need_w else None
+    for sl in rows:
+        logits = hidden[sl] @ weight.t()
+        if cap is not None:
+            logits.div_(cap).tanh_().mul_(cap)
+        work = logits if logits.dtype == cdt else logits.to(cdt)
+        factor = None if cap is None else _cap_factor(work.clone(), cap)
+        work.sub_(max_all[sl].unsqueeze(1)).exp_().mul_((u[sl] / total[sl]).unsqueeze(1))
+        if uniform is not None:
+            work.sub_(uniform[sl].unsqueeze(1))
+        if factor is not None:
+            work.mul_(factor)
+        if grad_h is not None:
+            grad_h[sl] = work.to(weight.dtype) @ weight
+        if grad_w is not None:
+            _accumulate(grad_w, work, hidden[sl], product, 1)
+        del logits, work, factor
+    return grad_h, grad_w
 
 
 def _cap_factor(capped: torch.Tensor, cap: float) -> torch.Tensor:
@@ -443,27 +554,45 @@ def _mean_span(sl: slice) -> int:
 
 
 def _accumulate(
-    acc: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, product: torch.Tensor | None, span: int
+    acc: torch.Tensor,
+    coef: torch.Tensor,
+    rows: torch.Tensor,
+    product: torch.Tensor | None,
+    span: int,
+    first: bool = False,
 ) -> None:
-    """``acc += span * coef^T rows``: ``acc`` fp32/fp64; ``coef`` [C, V] in ``acc``'s or ``rows``' dtype,
-    ``rows`` [C, H].
+    """``acc += span * coef^T rows`` (``first``: ``acc = span * coef^T rows``, ``acc`` neither zeroed nor
+    read); ``acc`` fp32/fp64; ``coef`` [C, V] in ``acc``'s or ``rows``' dtype, ``rows`` [C, H].
 
     For half-precision weights the product is one half-precision matmul into ``product`` (fp32
     accumulation inside the matmul, one rounding of the chunk's sum), then added in fp32: one rounding
-    per chunk instead of a half-precision running sum.
+    per chunk instead of a half-precision running sum. The first chunk's product is written (scaled by the
+    power of two ``span``: exact), bitwise what adding it to a zeroed accumulator gives.
     """
     if product is None:
-        acc.addmm_(coef.t(), rows, alpha=span)
+        if first:
+            torch.mm(coef.t(), rows, out=acc)
+            if span != 1:
+                acc.mul_(span)
+        else:
+            acc.addmm_(coef.t(), rows, alpha=span)
+        return
+    if acc.is_cuda and acc.dtype == torch.float32 and not torch.compiler.is_compiling():
+        # one GEMM with half-precision inputs and an fp32 output that adds the accumulator in its
+        # epilogue: no extra [V, H] pass per chunk (the path below re-reads the accumulator); the first
+        # chunk with beta=0, which neither reads the uninitialised accumulator nor propagates its NaN
+        try:
+            torch.addmm(
+                acc, coef.to(rows.dtype).t(), rows, beta=0 if first else 1, alpha=span, out_dtype=torch.float32,
+                out=acc,
+            )  # fmt: skip
+            return
+        except RuntimeError:  # a torch or GPU without the fp32-output half-precision GEMM
+            pass
+    torch.mm(coef.to(product.dtype).t(), rows, out=product)
+    if first:  # a one-element (not 0-d) factor in acc's dtype: the product is computed in fp32, not fp16
+        torch.mul(product, torch.full((1,), span, dtype=acc.dtype, device=acc.device), out=acc)
     else:
-        if acc.is_cuda and acc.dtype == torch.float32 and not torch.compiler.is_compiling():
-            # one GEMM with half-precision inputs and an fp32 output that adds the accumulator in its
-            # epilogue: no extra [V, H] pass per chunk (the path below re-reads the accumulator)
-            try:
-                torch.addmm(acc, coef.to(rows.dtype).t(), rows, alpha=span, out_dtype=torch.float32, out=acc)
-                return
-            except RuntimeError:  # a torch or GPU without the fp32-output half-precision GEMM
-                pass
-        torch.mm(coef.to(product.dtype).t(), rows, out=product)
         acc.add_(product, alpha=span)
 
 

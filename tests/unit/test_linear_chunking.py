@@ -1,4 +1,5 @@
-"""The chunked op's default chunk length (``ntl_scale.linear_op.choose_chunk_tokens``, issue 43 item 1).
+"""The chunked op's default chunk length (``ntl_scale.linear_op.choose_chunk_tokens``, issue 43 item 1) and
+its weight gradient's fixed [V, H] passes, folded (item 1, second bullet).
 
 A pure function of (device kind, free bytes, T, V, H, dtype), so its CUDA branch is checked here on the
 CPU with synthetic inputs. References, each independent of the code under test:
@@ -40,26 +41,26 @@ def _gw_gemm_math_bound(c: int, v: int, h: int, elem: int, acc: int) -> bool:
     return k.flops / H100["peak"] >= k.bytes / H100["bandwidth"]
 
 
+@pytest.mark.parametrize("t", [8192, 20000, 1 << 20])
 @pytest.mark.parametrize(
     ("v", "h", "dtype"),
     [(128256, 4096, torch.bfloat16), (128256, 2048, torch.bfloat16), (151936, 3584, torch.float16),
      (32000, 4096, torch.bfloat16), (128256, 4096, torch.float32)],
 )  # fmt: skip
-def test_cuda_chunk_is_the_fewest_math_bound_tokens(v: int, h: int, dtype: torch.dtype) -> None:
+def test_cuda_chunks_are_all_math_bound_and_no_longer_than_needed(t: int, v: int, h: int, dtype: torch.dtype) -> None:
     elem = torch.empty((), dtype=dtype).element_size()
-    c = choose_chunk_tokens("cuda", 80 * GiB, 1 << 20, v, h, dtype)
-    assert _gw_gemm_math_bound(c, v, h, elem, 4), c
-    cpu = 2**26 // v
-    if c > cpu:  # not the CPU's budget: then within one 256-token step of the least math-bound length
-        assert c % 256 == 0
-        assert not _gw_gemm_math_bound(c - 256, v, h, elem, 4), c
-
-
-def test_cuda_h100_llama3_shape_is_about_1280_tokens() -> None:
-    # issue 43: ">= ~1,200 tokens on an H100 in the model" at 8192 x 128256 x 4096 bf16
-    c = choose_chunk_tokens("cuda", 70 * GiB, 8192, 128256, 4096, torch.bfloat16)
-    assert 1200 <= c <= 1536 and _gw_gemm_math_bound(c, 128256, 4096, 2, 4)
-    assert not _gw_gemm_math_bound(1024, 128256, 4096, 2, 4)  # the old default (523) and 1024: memory-bound
+    c = choose_chunk_tokens("cuda", 80 * GiB, t, v, h, dtype)
+    lengths = [min(c, t - i) for i in range(0, t, c)]
+    # every chunk's weight-gradient GEMM math-bound in the cost model, the last (shorter) one included while
+    # there are few chunks (with hundreds, the rounding to 8 tokens may leave the last one short)
+    tail = lengths if len(lengths) <= 32 else lengths[:-1]
+    assert all(_gw_gemm_math_bound(n, v, h, elem, 4) for n in tail), lengths
+    assert c % 8 == 0
+    # no longer than needed (the least memory): the fewest math-bound tokens by the cost model, found by a
+    # scan here (or the CPU's element budget where that is longer: it is never undercut), spread evenly over
+    # as many chunks as fit, or one fewer (where the rounding to multiples of 8 left the last one short)
+    least = max(next(n for n in range(1, t + 1) if _gw_gemm_math_bound(n, v, h, elem, 4)), 2**26 // v)
+    assert c <= -(-t // max(1, t // least - 1)) + 8, (c, least, lengths)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
@@ -79,9 +80,12 @@ def test_cuda_chunk_bounds() -> None:
     assert choose_chunk_tokens("cuda", 80 * GiB, 300, 128256, 4096, torch.bfloat16) == 300  # at most T
     assert choose_chunk_tokens("cuda", 80 * GiB, 0, 128256, 4096, torch.bfloat16) == 1  # no tokens: still 1
     assert choose_chunk_tokens("cuda", 1000, 8192, 128256, 4096, torch.bfloat16) == 1  # no memory: 1
-    # a TP shard of 1/8 of the vocabulary: the CPU's element budget (4185 tokens) is already math-bound
+    # a TP shard of 1/8 of the vocabulary: the CPU's element budget (4185 tokens) is the floor, already
+    # math-bound; 8192 tokens hold one such chunk, not two (the second would be shorter): one of 8192
     c = choose_chunk_tokens("cuda", 80 * GiB, 8192, 128256 // 8, 4096, torch.bfloat16)
-    assert c == 2**26 // (128256 // 8) and _gw_gemm_math_bound(c, 128256 // 8, 4096, 2, 4)
+    assert c == 8192 and 2**26 // (128256 // 8) == 4185
+    c = choose_chunk_tokens("cuda", 80 * GiB, 32768, 128256 // 8, 4096, torch.bfloat16)
+    assert c == 4688 and -(-32768 // c) == 7 and 32768 - 6 * c >= 4185  # 7 equal chunks, the last one too
     # a hidden size too small for any chunk to be math-bound: the memory cap or T
     assert choose_chunk_tokens("cuda", 80 * GiB, 8192, 128256, 64, torch.bfloat16) == 8192
 
@@ -135,3 +139,49 @@ def test_the_op_uses_the_chosen_chunk_on_cpu() -> None:
     with mode, torch.no_grad():  # the statistics only: the same chunks, a third of the work
         ntl_scale.linear_ce_with_ntl(hidden, weight, labels, vocab, impl="torch")
     assert mode.rows == [512, 512, 76]
+
+
+# ------------------------------------------------------------------ the fixed [V, H] passes, folded (issue 43 item 2)
+
+
+class _FullPasses(TorchDispatchMode):
+    """The aten ops whose output is a whole ``[V, H]`` tensor (V * H elements: no other tensor has that many)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.numel() == self.numel:
+            self.ops.append(func.overloadpacket.__name__)
+        return out
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradient_has_no_zeroing_scaling_or_cast_pass(dtype: torch.dtype, smoothing: float) -> None:
+    """Forward: the first chunk's product writes the fp32 accumulator (no zero fill); backward of a mean: the
+    scale, the smoothing row and the cast to the weight's dtype in one op (``mul``/``addcmul`` with ``out=``),
+    only sparse row updates besides (the label rows, the number rows). The values: tests/unit/test_linear*.py,
+    test_ce_features.py against float64 references."""
+    v, h, t = 640, 24, 50
+    tokens = [f"w{i}" for i in range(v)]
+    for d in range(10):
+        tokens[100 + d] = str(d)
+    vocab = ntl_scale.NumberVocab.from_id_to_token(tokens, vocab_size=v)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(t, h, generator=g).to(dtype).requires_grad_()
+    weight = torch.randn(v, h, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, v, (t,), generator=g)
+    forward, backward = _FullPasses(v * h), _FullPasses(v * h)
+    with forward:
+        out = ntl_scale.linear_ce_with_ntl(
+            hidden, weight, labels, vocab, chunk_tokens=16, impl="torch", label_smoothing=smoothing
+        )
+    with backward:
+        out.loss.backward()
+    assert not {"zeros", "zero_", "fill_", "zeros_like"} & set(forward.ops), forward.ops
+    dense = [op for op in backward.ops if op not in ("index_add_", "index_copy_", "empty", "detach")]
+    assert dense == ["addcmul" if smoothing else "mul"], backward.ops
+    assert weight.grad is not None and weight.grad.dtype == dtype
