@@ -137,7 +137,7 @@ def choose_chunk_tokens(
     default = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
     if device_type != "cuda" or free_bytes is None:
         return min(default, upper)
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     acc = max(elem, 4)  # the accumulator: fp32, fp64 for fp64
     per_token = max(vocab, 1) * (elem + (acc if elem < acc else 0))
     by_memory = max(1, int(memory_fraction * max(free_bytes, 0)) // per_token)
@@ -159,10 +159,12 @@ def _ceil_div(a: int, b: int) -> int:
 
 def default_chunk_tokens(hidden: torch.Tensor, width: int) -> int:
     """:func:`choose_chunk_tokens` for ``hidden [T, H]`` and a weight shard of ``width`` rows, with the
-    device's free memory read from CUDA (not while compiling: the CPU's budget then)."""
+    device's free memory read from CUDA: the driver's free bytes plus what torch's caching allocator holds
+    unused (not while compiling: the CPU's budget then)."""
     free = None
     if hidden.is_cuda and not torch.compiler.is_compiling():
-        free = torch.cuda.mem_get_info(hidden.device)[0]
+        cached = torch.cuda.memory_reserved(hidden.device) - torch.cuda.memory_allocated(hidden.device)
+        free = torch.cuda.mem_get_info(hidden.device)[0] + max(cached, 0)
     return choose_chunk_tokens(hidden.device.type, free, hidden.shape[0], width, hidden.shape[-1], hidden.dtype)
 
 
