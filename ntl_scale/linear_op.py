@@ -462,6 +462,7 @@ def _scaled_cast(
     hidden: torch.Tensor,
     uniform: torch.Tensor | None,
     eps: float,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """The weight gradient ``s acc + number rows (- the smoothing row)`` rounded once to ``dtype``, in one pass
     over ``[V, H]``: ``acc`` holds the dense and label parts in the forward's units (``s`` not applied).
@@ -471,7 +472,8 @@ def _scaled_cast(
     a mixed-dtype elementwise op is not vectorised, the scale in place and the cast. The ``K`` number rows,
     whose NTL coefficients are not proportional to the token weights, are computed in fp32 beside it and
     written over their rows, rounded once as well. Label smoothing's uniform part is one row
-    ``-(eps/V) s sum_t w_t h_t`` added to every row in that pass.
+    ``-(eps/V) s sum_t w_t h_t`` added to every row in that pass. ``fused``: the one-pass form (default: on
+    CUDA, or when ``acc`` already has ``dtype``).
     """
     cdt = acc.dtype
     row = None
@@ -480,7 +482,7 @@ def _scaled_cast(
     fix = acc.index_select(0, cols).mul_(scale).add_(number_rows)
     if row is not None:
         fix.add_(row)
-    if acc.is_cuda or dtype == cdt:  # one pass, reading fp32 and writing the weight's dtype
+    if fused if fused is not None else (acc.is_cuda or dtype == cdt):  # one pass: fp32 in, the weight's dtype out
         out = acc if dtype == cdt else torch.empty(acc.shape, dtype=dtype, device=acc.device)
         if row is None:
             torch.mul(acc, scale, out=out)

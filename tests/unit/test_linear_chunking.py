@@ -189,3 +189,30 @@ def test_weight_gradient_has_no_zeroing_scaling_or_cast_pass(dtype: torch.dtype,
     else:  # the CPU's bf16 path: the scale in place (and the row), then the one cast; on CUDA one fused op
         assert dense == (["mul_", "add_", "_to_copy"] if smoothing else ["mul_", "_to_copy"]), backward.ops
     assert weight.grad is not None and weight.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("smoothing", [False, True])
+def test_the_cuda_one_pass_cast_equals_the_cpu_two_pass_one(smoothing: bool) -> None:
+    """``_scaled_cast``'s CUDA form (``mul``/``addcmul`` writing bf16 from fp32) run here on CPU tensors against
+    the CPU form (scale in place, then cast) and against float64 written out: the same one rounding."""
+    from ntl_scale.linear_op import _scaled_cast
+
+    g = torch.Generator().manual_seed(3)
+    v, h, t = 300, 40, 25
+    acc = torch.randn(v, h, generator=g) * 1000
+    scale = torch.tensor(1 / 777.0)
+    cols = torch.tensor([3, 50, 299])
+    number_rows = torch.randn(3, h, generator=g)
+    hidden = torch.randn(t, h, generator=g)
+    uniform = torch.rand(t, generator=g) * 1e-3 if smoothing else None
+    want = acc.double() * scale.double()
+    if uniform is not None:
+        want -= (uniform.double().unsqueeze(1) * hidden.double()).sum(0)
+    want[cols] += number_rows.double()
+    one = _scaled_cast(acc.clone(), scale, number_rows, cols, torch.bfloat16, hidden, uniform, 0.1, fused=True)
+    two = _scaled_cast(acc.clone(), scale, number_rows, cols, torch.bfloat16, hidden, uniform, 0.1, fused=False)
+    assert one.dtype == two.dtype == torch.bfloat16
+    torch.testing.assert_close(one.double(), want, rtol=2**-8, atol=1e-6)  # one bf16 rounding of the fp64 value
+    torch.testing.assert_close(two.double(), want, rtol=2**-8, atol=1e-6)
+    if not smoothing:
+        assert torch.equal(one, two)
