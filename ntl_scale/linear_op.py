@@ -515,7 +515,10 @@ def _recompute_dense(
     the logits are capped in their own dtype, as the forward capped them."""
     need_h, need_w = needs
     grad_h = torch.empty(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None
-    grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None
+    # written by the first chunk's product, as in the forward (zeroed only when there is no chunk)
+    grad_w = torch.empty(weight.shape, dtype=cdt, device=weight.device) if need_w else None
+    if grad_w is not None and not rows:
+        grad_w.zero_()
     product = _product_buffer(weight, cdt) if need_w else None
     for sl in rows:
         logits = hidden[sl] @ weight.t()
@@ -531,7 +534,7 @@ def _recompute_dense(
         if grad_h is not None:
             grad_h[sl] = work.to(weight.dtype) @ weight
         if grad_w is not None:
-            _accumulate(grad_w, work, hidden[sl], product, 1)
+            _accumulate(grad_w, work, hidden[sl], product, 1, first=sl is rows[0])
         del logits, work, factor
     return grad_h, grad_w
 
@@ -605,7 +608,9 @@ def _accumulate(
     if first and acc.is_cuda:  # one pass; a one-element (not 0-d) factor: computed in fp32, not fp16
         torch.mul(product, torch.full((1,), span, dtype=acc.dtype, device=acc.device), out=acc)
     elif first:  # CPU: the vectorised cast and an in-place scale (a mixed-dtype mul is 8x slower there)
-        acc.copy_(product).mul_(span)
+        acc.copy_(product)
+        if span != 1:
+            acc.mul_(span)
     else:
         acc.add_(product, alpha=span)
 
