@@ -22,10 +22,17 @@ each so that they compare with the fused linear-CE kernels:
   ``inplace=True`` takes fp32 logits only; the traffic is the same either way); NTL adds the
   ``K`` number columns (their gather, ``exp(z_N - mN)``, the ``[T, K]`` gradient terms).
 * ``ce_chunked`` / ``ce_ntl_chunked``: ``linear_ce_with_ntl(..., impl="triton")`` without / with the
-  NTL terms: per chunk of ``C = 2**26 // V`` tokens the logits GEMM, the statistics kernel, the
-  softmax written in place, ``P_h = pi W`` (fp32 out), and ``G_W += (w pi)^T h`` with the fp32
-  ``[V, H]`` accumulator read and written in the GEMM's epilogue; the backward scales ``P_h`` and
-  ``G_W`` and adds the label and number columns (``O(T K H)``).
+  NTL terms, as the code runs on a GPU: per chunk of ``C`` tokens (the device-chosen length,
+  ``ntl_scale.linear_op.choose_chunk_tokens`` with :data:`MODEL_FREE_BYTES` free: six chunks of 1368 at
+  8192 x 128256 x 4096 bf16) the logits GEMM, the statistics kernel, the softmax written in place,
+  ``P_h = pi W`` (fp32 out), and ``G_W += (w pi)^T h`` with the fp32 ``[V, H]`` accumulator read and
+  written in the GEMM's epilogue (the first chunk's GEMM writes it: no zeroing pass); the backward
+  scales ``P_h``, adds the label and number columns (``O(T K H)``) and writes the weight gradient in
+  bf16 from the accumulator with the scale applied in that one pass (issue 43's folded passes).
+* ``ce_ntl_chunked_cpu_chunk``: the same with the CPU's chunk, ``C = 2**26 // V`` (523 tokens at 128256).
+* ``ce_ntl_chunked_unfolded`` / ``ce_ntl_chunked_before``: the design before issue 43, for comparison
+  (not runnable any more): the fixed ``[V, H]`` passes separate (``G_W`` zeroed, scaled in place, cast),
+  at the device-chosen chunk / at the CPU's 523-token chunk (the op's GPU default before).
 * ``linear_ce_on_chip``: a fused linear CE that never writes the logits (CCE's design): the three
   GEMMs' operands and outputs only; the floor of every path.
 * ``ce_ntl_on_chip``: ours, ``ntl_scale/kernels/triton_linear_ce_ntl.py`` (logits on chip, CE + NTL): the
@@ -43,14 +50,26 @@ import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's ntl_scale, run as a script
+from ntl_scale import linear_op
 
 #: H100 SXM5 (80 GB HBM3): memory bandwidth and dense bf16 tensor-core throughput (no sparsity).
 #: Source: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column: 3.35 TB/s; 1,979 TFLOPS bf16 with
 #: sparsity, so 989 TFLOP/s dense).
-H100_BANDWIDTH = 3.35e12  # bytes / s
-H100_BF16_FLOPS = 989e12  # FLOP / s
+#: (The numbers live in ntl_scale.linear_op, which derives the GPU chunk length from their ratio.)
+H100_BANDWIDTH = linear_op.H100_BANDWIDTH  # bytes / s
+H100_BF16_FLOPS = linear_op.H100_BF16_FLOPS  # FLOP / s
 
-CHUNK_ELEMENTS = 1 << 26  # ntl_scale/linear.py's _CHUNK_ELEMENTS: logits elements per chunk
+CHUNK_ELEMENTS = linear_op._CHUNK_ELEMENTS  # logits elements per chunk on the CPU (2**26)
+
+#: Free GPU memory the model assumes when the op chooses its chunk (an 80 GB H100 holding a model's
+#: weights, optimizer state and activations); at 8192 x 128256 x 4096 bf16 any value above 4 GiB gives
+#: the same 1368-token chunk (six of them).
+MODEL_FREE_BYTES = 40 * 2**30
 
 
 @dataclass(frozen=True)
@@ -126,16 +145,28 @@ def ce_ntl_logits(s: Shape) -> list[Kernel]:
     ]
 
 
+def device_chunk(s: Shape) -> int:
+    """The chunk the op chooses on the modelled GPU (``choose_chunk_tokens``, :data:`MODEL_FREE_BYTES` free)."""
+    dtype = {2: torch.bfloat16, 4: torch.float32}[s.elem]
+    return linear_op.choose_chunk_tokens("cuda", MODEL_FREE_BYTES, s.tokens, s.vocab, s.hidden, dtype)
+
+
+def cpu_chunk(s: Shape) -> int:
+    """The CPU's chunk, ``2**26 // V`` tokens (the op's default on every device before issue 43)."""
+    return max(1, CHUNK_ELEMENTS // max(s.vocab, 1))
+
+
 def chunk_rows(s: Shape, chunk_tokens: int | None = None) -> list[int]:
-    """Chunk lengths as ``ShardMath.chunk_rows`` makes them (default ``2**26 // V`` tokens)."""
-    step = chunk_tokens or max(1, CHUNK_ELEMENTS // max(s.vocab, 1))
+    """Chunk lengths as ``ShardMath.chunk_rows`` makes them (default: the device-chosen chunk)."""
+    step = chunk_tokens or device_chunk(s)
     return [min(step, s.tokens - i) for i in range(0, s.tokens, step)]
 
 
-def _chunked(s: Shape, ntl: bool, chunk_tokens: int | None = None) -> list[Kernel]:
+def _chunked(s: Shape, ntl: bool, chunk_tokens: int | None = None, folded: bool = True) -> list[Kernel]:
     v, h, e, f, k = s.vocab, s.hidden, s.elem, s.f32, s.numbers
-    out = [Kernel("G_W = 0 (fp32 [V, H])", f * v * h)]
-    for c in chunk_rows(s, chunk_tokens):
+    out = [] if folded else [Kernel("G_W = 0 (fp32 [V, H])", f * v * h)]
+    for i, c in enumerate(chunk_rows(s, chunk_tokens)):
+        first = folded and i == 0  # the first chunk's GEMM writes the accumulator without reading it
         out += [
             gemm("chunk: z = h W^T", c, v, h, read=e * (c * h + v * h), write=e * c * v),
             Kernel("chunk: stats kernel", e * c * v + (e * c * k + f * c * k if ntl else 0) + f * c * 7),
@@ -144,14 +175,24 @@ def _chunked(s: Shape, ntl: bool, chunk_tokens: int | None = None) -> list[Kerne
             gemm("chunk: P_h = pi W", c, h, v, read=e * (c * v + v * h), write=e * c * h),
             Kernel("chunk: P_h rows to fp32; w h rows", e * c * h + f * c * h + 2 * e * c * h),
             # fp32-output GEMM adding into the accumulator in its epilogue: G_W read and written
-            gemm("chunk: G_W += (w pi)^T h", v, h, c, read=e * (c * v + c * h) + f * v * h, write=f * v * h),
-        ]
+            gemm(
+                "chunk: G_W = (w pi)^T h (first chunk, beta=0)" if first else "chunk: G_W += (w pi)^T h",
+                v, h, c, read=e * (c * v + c * h) + (0 if first else f * v * h), write=f * v * h,
+            ),
+        ]  # fmt: skip
     t = s.tokens
-    out += [
-        Kernel("backward: grad_h = u P_h; grad_W = s G_W", 2 * f * t * h + 2 * f * v * h),
-        Kernel("backward: label column rows (index_select, index_add)", e * t * h + 2 * f * t * h * 2),
-        Kernel("backward: to bf16 (grad_h, grad_W)", f * t * h + e * t * h + f * v * h + e * v * h),
-    ]
+    if folded:
+        out += [
+            Kernel("backward: grad_h = u P_h", 2 * f * t * h),
+            Kernel("backward: label column rows (index_select, index_add)", e * t * h + 2 * f * t * h * 2),
+            Kernel("backward: grad_h to bf16; grad_W = s G_W written in bf16", f * t * h + e * t * h + (f + e) * v * h),
+        ]
+    else:
+        out += [
+            Kernel("backward: grad_h = u P_h; grad_W = s G_W", 2 * f * t * h + 2 * f * v * h),
+            Kernel("backward: label column rows (index_select, index_add)", e * t * h + 2 * f * t * h * 2),
+            Kernel("backward: to bf16 (grad_h, grad_W)", f * t * h + e * t * h + f * v * h + e * v * h),
+        ]
     if ntl:
         out += _ntl_terms(s, t)
         out += [
@@ -167,6 +208,18 @@ def ce_chunked(s: Shape, chunk_tokens: int | None = None) -> list[Kernel]:
 
 def ce_ntl_chunked(s: Shape, chunk_tokens: int | None = None) -> list[Kernel]:
     return _chunked(s, True, chunk_tokens)
+
+
+def ce_ntl_chunked_cpu_chunk(s: Shape) -> list[Kernel]:
+    return _chunked(s, True, cpu_chunk(s))
+
+
+def ce_ntl_chunked_unfolded(s: Shape) -> list[Kernel]:
+    return _chunked(s, True, None, folded=False)
+
+
+def ce_ntl_chunked_before(s: Shape) -> list[Kernel]:
+    return _chunked(s, True, cpu_chunk(s), folded=False)
 
 
 def linear_ce_on_chip(s: Shape) -> list[Kernel]:
@@ -218,7 +271,19 @@ PATHS: dict[str, tuple[str, Callable[[Shape], list[Kernel]]]] = {
     "ce_logits": ("CE alone, logits materialised (floor of CE-only logits kernels)", ce_logits),
     "ce_ntl_logits": ("CE + NTL fused on logits (ours, Triton)", ce_ntl_logits),
     "ce_chunked": ("CE alone, chunked from hidden states (our chunking, no NTL)", ce_chunked),
-    "ce_ntl_chunked": ("CE + NTL chunked from hidden states (ours, Triton)", ce_ntl_chunked),
+    "ce_ntl_chunked": (
+        "CE + NTL chunked from hidden states (ours, Triton; device-chosen chunk, folded passes)",
+        ce_ntl_chunked,
+    ),
+    "ce_ntl_chunked_cpu_chunk": ("the same at the CPU's 2**26/V-token chunk", ce_ntl_chunked_cpu_chunk),
+    "ce_ntl_chunked_unfolded": (
+        "the same, device-chosen chunk, passes not folded (before issue 43)",
+        ce_ntl_chunked_unfolded,
+    ),
+    "ce_ntl_chunked_before": (
+        "the same, 2**26/V-token chunk, not folded (the design before issue 43)",
+        ce_ntl_chunked_before,
+    ),
     "linear_ce_on_chip": ("fused linear CE, logits never in HBM (CCE's design; floor)", linear_ce_on_chip),
     "ce_ntl_on_chip": ("CE + NTL fused linear, logits on chip (ours, Triton; atomics in L2)", ce_ntl_on_chip),
     "ce_ntl_on_chip_hbm_atomics": (
@@ -252,15 +317,20 @@ def cost(kernels: list[Kernel], bandwidth: float = H100_BANDWIDTH, peak: float =
 def chunk_table(s: Shape) -> str:
     """The chunked CE + NTL's modelled time against the chunk length, as a ratio to CE alone on logits."""
     base = cost(ce_logits(s)).seconds
-    default = chunk_rows(s)[0]
+    default, cpu = chunk_rows(s)[0], cpu_chunk(s)
     lines = [
-        "| chunk tokens | logits per chunk (MiB) | H100 time (ms) | x CE alone (logits) |",
-        "|---:|---:|---:|---:|",
+        "| chunk tokens | logits per chunk (MiB) | H100 time, folded (ms) | x CE alone (logits) "
+        "| not folded (ms) | x CE alone |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
-    for c in sorted({default, 1024, 2048, 4096, s.tokens}):
+    for c in sorted({default, cpu, 1024, 2048, 4096, s.tokens}):
         seconds = cost(ce_ntl_chunked(s, c)).seconds
-        mark = " (default)" if c == default else ""
-        lines.append(f"| {c}{mark} | {c * s.vocab * s.elem / 2**20:.0f} | {seconds * 1e3:.2f} | {seconds / base:.3f} |")
+        before = cost(_chunked(s, True, c, folded=False)).seconds
+        mark = " (GPU default)" if c == default else " (CPU default)" if c == cpu else ""
+        lines.append(
+            f"| {c}{mark} | {c * s.vocab * s.elem / 2**20:.0f} | {seconds * 1e3:.2f} | {seconds / base:.3f} "
+            f"| {before * 1e3:.2f} | {before / base:.3f} |"
+        )
     return "\n".join(lines)
 
 

@@ -1,44 +1,8 @@
 """CE + NTL straight from hidden states: the output layer, the softmax and the loss in token chunks.
 
-The logits ``z = h W^T`` (``[T, V]``, the largest activation of a large-vocabulary model) never exist
-whole: the op walks over the tokens in chunks of ``C`` and keeps only per-token statistics
-(``ce``, ``expect``, ``mass``; see :mod:`ntl_scale.parallel`) and what the gradients need.
-
-The gradient w.r.t. the logits of ``sum_t g_ce_t ce_t + g_e_t expect_t + g_m_t mass_t`` is
-
-    dz_t = u_t pi_t  -  g_ce_t e_{y_t}  +  [number columns: g_m_t pi_tN + g_e_t p_t (a_t - expect_t)]
-
-with ``pi`` the full softmax, ``p`` the softmax over the number columns and
-``u_t = g_ce_t - g_m_t mass_t``. Only the first term is dense over the vocabulary; the label term
-touches one column per token and the NTL terms the ``K`` number columns (10 for digits). So:
-
-* forward, per chunk: ``z = h W^T``, the softmax statistics (two all-reduces per chunk under tensor
-  parallelism, as for the logits op), then ``pi``, ``P_h += pi W`` (per token) and
-  ``G_W += (w pi)^T h`` with ``w`` the per-token weights the caller's reduction will apply
-  (``token_weights``; default: 1 on every non-ignored label);
-* backward: the dense part of the hidden gradient is ``u_t P_h[t]``, exact for any upstream
-  gradient. When ``u = s w`` for one scalar ``s`` (a mean or sum of CE with those weights: the usual
-  case) the weight gradient's dense part is ``s G_W``; only the sparse terms are added
-  (``O(T K H)``). Otherwise (e.g. ``reweigh=True``, whose ``g_m`` varies per token) the backward
-  recomputes ``z`` chunk by chunk for ``(u pi)^T h``: exact for any upstream gradient, two more
-  matmuls.
-
-``G_W`` sums over every token while the ``1/N`` of a mean is applied only in the backward, so it
-accumulates in fp32 (fp64 for fp64 weights): each chunk's product is one half-precision matmul of
-coefficients scaled to a mean (no fp16 overflow) added to the fp32 accumulator, and the gradient is
-rounded to the weight's dtype once, at the end.
-
-Peak extra memory: ``C x V_local`` (one chunk of logits, plus a cast copy for half precision),
-``T x H`` (``P_h``) and ``V_local x H`` in fp32 (``G_W``; twice the bf16 weight gradient, plus a
-half-precision product buffer while the forward runs), instead of ``T x V`` logits and their
-gradient. See ``docs/memory_efficient.md``.
-
-Only what the requested gradients need is built (decided in :func:`linear_ce_ntl`: grad mode on and
-the tensor requiring a gradient). Without any (``torch.no_grad()``, ``inference_mode``, or neither
-``hidden`` nor ``weight`` requiring one: evaluation) a chunk is ``z = h W^T`` and its statistics:
-``2 T V H`` matmul FLOPs instead of ``3x`` that, no ``P_h``, no ``G_W`` and no product buffer, the
-same all-reduces. With a gradient for one of them only (a frozen output layer) only its dense part
-(``P_h`` or ``G_W``) is built: two matmuls per chunk.
+The functional layer: argument checks, autocast, DTensor resolution and dispatch to the op layer
+(:mod:`ntl_scale.linear_op`: the autograd Function, the chunk math and the chunk length; the
+mathematics is documented there).
 
 Under tensor parallelism ``weight`` is the local vocab shard ``[V/tp, H]`` and ``hidden`` the full
 (sequence-gathered) hidden states; the returned gradient of ``hidden`` is this shard's part, to be
@@ -68,372 +32,22 @@ import torch
 import torch.distributed as dist
 
 from ._validation import check_float_level, check_inputs, check_ntl_weight, check_reduction, check_weights
-from .kernels import triton_ce_ntl
+from .linear_op import _FusedLinearCENTL
 from .number_vocab import NumberVocab
 from .options import NTLOptions
 from .parallel import (
-    ShardInputs,
-    ShardMath,
-    _raise_if_not_finite,
-    all_reduce_max,
-    all_reduce_sums,
     check_chunk_tokens,
     compute_dtype,
     group_rank,
     group_size,
-    index_add,
     is_dtensor,
-    kernel_shard_stats,
     resolve_vocab_shard,
-    shift_into,
     use_triton,
 )
 from .reductions import CENTLOutput, combine_terms
 from .terms import PerTokenTerms, check_plain_labels, shard_inputs, shard_start, terms_from_stats
 
 __all__ = ["linear_ce_ntl", "linear_ce_with_ntl"]
-
-# Elements of one chunk of logits: 2**26 (256 MiB in fp32) unless chunk_tokens says otherwise. Smaller
-# chunks save memory but re-read the [V, H] weight-gradient accumulator once per chunk (measured:
-# 8192 x 131072 x 2048 on CPU, 128-token chunks 1.24x the materialised time, 512-token chunks 0.91x).
-_CHUNK_ELEMENTS = 1 << 26
-
-
-class _FusedLinearCENTL(torch.autograd.Function):
-    """``hidden [T, H]``, ``weight [V_local, H]`` -> per-token ``ce, expect, mass, hit``."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        inputs: ShardInputs,
-        need_full: bool,
-        check_finite: bool,
-        tp_group: dist.ProcessGroup | None,
-        chunk_tokens: int | None,
-        token_weights: torch.Tensor,
-        proportional: bool = False,
-        needs: tuple[bool, bool] = (True, True),
-        kernels: bool = False,
-        z_weight: float = 0.0,
-        cap: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        # needs: whether the gradient of hidden / of weight will be asked for (grad mode on and the
-        # tensor requiring it; decided by the caller: inside forward grad mode is always off). What no
-        # one needs is not built: under no_grad (evaluation) a chunk is its logits matmul and the
-        # statistics only, the forward FLOPs 2 T V H instead of 3x that, no [V, H] accumulator.
-        need_h, need_w = needs
-        if z_weight and need_full:  # becomes the effective weights of CE + z-loss, chunk by chunk
-            token_weights = token_weights.clone()
-        cdt = compute_dtype(hidden.dtype)
-        num_tokens, width = hidden.shape[0], weight.shape[0]
-        cols = inputs.number_cols
-        if need_full:  # filled chunk by chunk from the chunk's logits: one matmul, one source of truth
-            number_logits = torch.empty(num_tokens, cols.numel(), dtype=cdt, device=hidden.device)
-        else:  # only the K number columns: a [T, K] matmul
-            number_logits = (hidden @ weight.index_select(0, cols).t()).to(cdt)
-        rows = ShardMath.chunk_rows(num_tokens, width, chunk_tokens or max(1, _CHUNK_ELEMENTS // max(width, 1)))
-        maxes = torch.zeros(num_tokens, 2, dtype=cdt, device=hidden.device)
-        smoothing = need_full and inputs.smoothing != 0
-        sums = torch.zeros(num_tokens, 6 if smoothing else 4, dtype=cdt, device=hidden.device)
-        number_exp = torch.zeros(num_tokens, cols.numel(), dtype=cdt, device=hidden.device)
-        dense_h = dense_w = None
-        if not need_full:  # NTL alone reads only the number columns: no pass over the vocabulary
-            maxes[:, 1] = number_logits.max(dim=-1).values if cols.numel() else float("-inf")
-            all_reduce_max(maxes, tp_group)
-            number_exp = torch.exp(number_logits - ShardMath.safe_number_max(maxes[:, 1]).unsqueeze(1))
-            sums[:, 2] = number_exp.sum(dim=-1)
-            sums[:, 3] = (number_exp * inputs.a_table).sum(dim=-1)
-            all_reduce_sums(sums, tp_group)
-        else:
-            if need_h:
-                dense_h = torch.empty(num_tokens, hidden.shape[1], dtype=cdt, device=hidden.device)
-            if need_w:
-                # The weight gradient sums over every token: it accumulates in fp32 (fp64 for fp64), never
-                # in a half dtype (fp16 overflowed at 8k tokens, bf16 lost precision with the chunk count).
-                dense_w = torch.zeros(width, hidden.shape[1], dtype=cdt, device=weight.device)
-        product = _product_buffer(weight, cdt) if need_full and need_w else None
-        fast = need_full and kernels
-        # Reused buffers for the torch path (a fresh allocation per chunk costs a page fault per page on
-        # the CPU: 40 ms for a 64 MiB chunk here, about 5 % of the op at 2048 x 32768 x 512): the chunk's
-        # logits, in the parameters' dtype; for half-precision parameters also an fp32 work buffer of a
-        # quarter of the chunk's rows (half the bytes of the logits buffer, not twice), through which the
-        # softmax is computed in parts, twice: once for the sums, once more after their all-reduce, into
-        # the logits buffer as the half softmax both gradient matmuls read.
-        logits_buf = work_buf = None
-        parts_of = 1
-        if need_full and not fast:
-            logits_buf = ShardMath.chunk_buffer(hidden, rows, hidden.dtype, width)
-            if hidden.dtype != cdt:
-                parts_of = max(1, -(-logits_buf.shape[0] // 4))
-                work_buf = ShardMath.chunk_buffer(hidden, [slice(0, parts_of)], cdt, width)
-        for sl in rows if need_full else []:
-            if fast:  # Triton (ntl_scale/kernels): one pass for the statistics, one writing the softmax in place
-                logits = hidden[sl] @ weight.t()
-                number_logits[sl] = logits.index_select(1, cols).to(cdt)
-                max_all, maxes[sl, 1], sums[sl] = kernel_shard_stats(logits, inputs.rows(sl), tp_group)
-                maxes[sl, 0] = max_all
-                if z_weight:  # the effective weights of CE + z-loss, as on the torch path below
-                    token_weights[sl] = token_weights[sl] * (1 + 2 * z_weight * (torch.log(sums[sl, 0]) + max_all))
-                number_exp[sl] = torch.exp(number_logits[sl] - ShardMath.safe_number_max(maxes[sl, 1]).unsqueeze(1))
-                if dense_h is None and dense_w is None:  # no gradient wanted: the statistics are all
-                    del logits
-                    continue
-                probs = triton_ce_ntl.softmax_grad_(logits, logits, max_all, sums[sl, 0], torch.ones_like(max_all))
-                if dense_h is not None:
-                    dense_h[sl] = probs @ weight
-                if dense_w is not None:
-                    span = _mean_span(sl) if product is not None else 1
-                    _accumulate(dense_w, probs, _weighted_rows(hidden[sl], token_weights[sl], span, cdt), product, span)
-                del logits, probs
-                continue
-            if logits_buf is None:
-                raise RuntimeError("internal: the torch path of the chunked op has no logits buffer")
-            logits = torch.mm(hidden[sl], weight.t(), out=logits_buf[: sl.stop - sl.start])
-            if cap is not None:  # soft-capping, in place: every statistic below is of the capped logits
-                logits.div_(cap).tanh_().mul_(cap)
-            number_logits[sl] = logits.index_select(1, cols).to(cdt)
-            # the max of half-precision logits in their dtype: exact, like the max of their fp32 copy
-            maxes[sl] = ShardMath.local_max(logits, number_logits[sl], [slice(None)], True)
-            all_reduce_max(maxes[sl], tp_group)
-            number_max, max_all = ShardMath.safe_number_max(maxes[sl, 1]), maxes[sl, 0]
-            # fp32/fp64: in place, the logits become exp(z - max), then the softmax pi; half precision:
-            # exp(z - max) part by part through the fp32 work buffer, the logits kept for the second pass
-            parts = [slice(None)] if work_buf is None else ShardMath.chunk_rows(logits.shape[0], width, parts_of)
-            sums[sl], number_exp[sl] = ShardMath.local_sums(
-                logits, number_logits[sl], inputs.rows(sl), max_all, number_max, parts, True,
-                work_buf is None, work_buf, smoothing,
-            )  # fmt: skip
-            all_reduce_sums(sums[sl], tp_group)
-            if z_weight:
-                # the z-loss z_weight * lse^2 rides on CE's weights: d/dz = (1 + 2 z_weight lse) pi, so the
-                # forward's weight gradient is built for these effective per-token weights
-                lse = torch.log(sums[sl, 0]) + max_all
-                token_weights[sl] = token_weights[sl] * (1 + 2 * z_weight * lse)
-            if dense_h is None and dense_w is None:  # no gradient wanted: the statistics are all
-                del logits
-                continue
-            inv_total = sums[sl, 0].reciprocal().unsqueeze(1)
-            # with soft-capping the dense part of the gradient is pi * (1 - (z'/cap)^2), z' the capped logit
-            if work_buf is None:
-                if cap is not None:  # z' = log(exp(z' - max)) + max; a 0 (underflow) gives factor 0, pi 0
-                    logits.mul_(_cap_factor(logits.log().add_(max_all.unsqueeze(1)), cap))
-                logits.mul_(inv_total)
-            else:  # the softmax in the parameters' dtype (one rounding), shared by both matmuls
-                for part in parts:
-                    work = shift_into(logits[part], max_all[part], work_buf[: part.stop - part.start]).exp_()
-                    if cap is not None:
-                        work.mul_(_cap_factor(logits[part].to(cdt), cap))
-                    logits[part].copy_(work.mul_(inv_total[part]))
-            probs = logits
-            if dense_h is not None:
-                dense_h[sl] = probs @ weight
-            if dense_w is not None:
-                # sum_t w_t pi_t h_t^T of the chunk, as a mean over a power of two >= its length in half
-                # precision (no fp16 overflow, whatever the chunk's length) and added back in fp32
-                span = _mean_span(sl) if product is not None else 1
-                _accumulate(dense_w, probs, _weighted_rows(hidden[sl], token_weights[sl], span, cdt), product, span)
-            del logits, probs
-        if check_finite:
-            _raise_if_not_finite(maxes, sums, need_full)
-        number_max = ShardMath.safe_number_max(maxes[:, 1])
-        eps = inputs.smoothing if smoothing else 0.0
-        ce, expect, mass, hit, lse = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, need_full, eps)
-        ctx.mark_non_differentiable(hit)
-        ctx.set_materialize_grads(False)
-        ctx.smoothing = (eps, sums[:, 5]) if smoothing else None
-        ctx.cap = None
-        if cap is not None and need_full:  # the factor 1 - (z'/cap)^2 at the label and the number columns
-            ctx.cap = (cap, _cap_factor(sums[:, 1].clone(), cap), _cap_factor(number_logits.clone(), cap))
-        ctx.inputs, ctx.need_full, ctx.rows, ctx.proportional = inputs, need_full, rows, proportional
-        ctx.needs = needs
-        ctx.save_for_backward(
-            hidden, weight, token_weights, maxes[:, 0], number_max, sums[:, 0], number_exp, sums[:, 2], expect, mass
-        )
-        ctx.dense = (dense_h, dense_w)
-        return ce, expect, mass, hit, lse
-
-    @staticmethod
-    def backward(ctx, g_ce, g_expect, g_mass, _g_hit, g_lse=None):  # type: ignore[override]
-        # autocast off, as in the forward (linear_ce_ntl): a backward called under autocast would
-        # otherwise cast its fp32 products to half precision
-        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
-            return _FusedLinearCENTL._backward(ctx, g_ce, g_expect, g_mass, g_lse)
-
-    @staticmethod
-    def _backward(
-        ctx: Any,
-        g_ce: torch.Tensor | None,
-        g_expect: torch.Tensor | None,
-        g_mass: torch.Tensor | None,
-        g_lse: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, token_weights, max_all, number_max, total, number_exp, number_total, expect, mass = (
-            ctx.saved_tensors
-        )
-        dense_h, dense_w = ctx.dense
-        ctx.dense = None
-        inputs: ShardInputs = ctx.inputs
-        cdt = expect.dtype
-        zeros = torch.zeros_like(expect)
-        g_ce, g_expect, g_mass = (zeros if g is None else g.to(cdt) for g in (g_ce, g_expect, g_mass))
-        g_ce = torch.where(inputs.valid, g_ce, zeros)
-        saved = {"number_exp": number_exp, "number_total": number_total, "expect": expect}
-        cols = inputs.number_cols
-        number_coef = ShardMath.number_grad(slice(None), saved, inputs, g_expect)  # [T, K]
-        need_h, need_w = ctx.needs
-        nones = (None,) * 11
-        if not ctx.need_full:
-            grad_h = grad_w = None
-            if need_h:
-                grad_h = (number_coef @ weight.index_select(0, cols).to(cdt)).to(hidden.dtype)
-            if need_w:
-                grad_w = torch.zeros_like(weight)
-                index_add(grad_w, 0, cols, (number_coef.t() @ hidden.to(cdt)).to(weight.dtype))
-            return grad_h, grad_w, *nones
-
-        # number columns of the full softmax: pi_N = exp(z_N - max) / S
-        pi_numbers = number_exp * (torch.exp(number_max - max_all) / total).unsqueeze(1)
-        number_coef = number_coef + g_mass.unsqueeze(1) * pi_numbers
-        cap = None if ctx.cap is None else ctx.cap[0]
-        if ctx.cap is not None:  # the gradient of the capped logits times d z'/dz = 1 - (z'/cap)^2
-            number_coef = number_coef * ctx.cap[2]
-        u = g_ce - g_mass * mass
-        if g_lse is not None:  # d lse/dz = pi: the z-loss (or any use of lse) adds to pi's coefficient
-            u = u + g_lse.to(cdt)
-        # pi_t W, per token: exact for any upstream gradient
-        grad_h = dense_h.mul_(u.unsqueeze(1)) if dense_h is not None else None
-        grad_w = None
-        if need_w:
-            scale = _scale_of(u, token_weights) if ctx.proportional else _common_scale(u, token_weights)
-            if scale is not None:  # the weight gradient was built in the forward for these token weights
-                grad_w = dense_w.mul_(scale)
-            else:  # any other upstream gradient: recompute the logits chunk by chunk with the true u
-                # (u carries the caller's normaliser, as the materialised path's logit gradient does)
-                grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device)
-                product = _product_buffer(weight, cdt)
-                for sl in ctx.rows:
-                    logits = hidden[sl] @ weight.t()
-                    work = logits if logits.dtype == cdt else logits.to(cdt)
-                    factor = None
-                    if cap is not None:
-                        work.div_(cap).tanh_().mul_(cap)
-                        factor = _cap_factor(work.clone(), cap)
-                    work.sub_(max_all[sl].unsqueeze(1)).exp_().mul_((u[sl] / total[sl]).unsqueeze(1))
-                    if factor is not None:
-                        work.mul_(factor)
-                    _accumulate(grad_w, work, hidden[sl], product, 1)
-                    del logits, work
-                del product
-        del dense_h, dense_w
-        # the label column (-g_ce e_y, for labels in this shard) and the number columns, chunk by
-        # chunk so that no [T, H] temporary is made
-        owned, local_label = inputs.owned_targets(slice(None), weight.shape[0])
-        number_weight = weight.index_select(0, cols).to(cdt)
-        # every row, with a zero coefficient where this shard does not own the label: no nonzero() sync
-        label_index = torch.where(owned, local_label, torch.zeros_like(local_label))
-        eps = 0.0 if ctx.smoothing is None else ctx.smoothing[0]
-        label_grad = -(1 - eps) * g_ce if ctx.cap is None else -(1 - eps) * g_ce * ctx.cap[1]
-        label_coef_all = torch.where(owned, label_grad, torch.zeros_like(g_ce)).unsqueeze(1)
-        if ctx.smoothing is not None:
-            # the uniform part of the smoothed target, -eps/V g_ce on every column: a rank-one term,
-            # c_t = eps/V g_ce_t: dh_t -= c_t sum_j W_j, dW_j -= sum_t c_t h_t for every local row j
-            uniform = (g_ce * (eps / ctx.smoothing[1])).unsqueeze(1)
-            if grad_h is not None:
-                grad_h.sub_(uniform * weight.to(cdt).sum(dim=0))
-            if grad_w is not None:
-                grad_w.sub_((uniform * hidden.to(cdt)).sum(dim=0))
-        for sl in ctx.rows:
-            label_coef, index = label_coef_all[sl], label_index[sl]
-            if grad_h is not None:
-                rows_h = grad_h[sl]
-                rows_h.add_(label_coef * weight.index_select(0, index).to(cdt))
-                rows_h.add_(number_coef[sl] @ number_weight)
-            if grad_w is not None:
-                index_add(grad_w, 0, index, label_coef * hidden[sl].to(cdt))
-                index_add(grad_w, 0, cols, number_coef[sl].t() @ hidden[sl].to(cdt))
-        # one rounding to the weight's dtype, at the end (grad_w is the fp32/fp64 accumulator)
-        return (
-            None if grad_h is None else grad_h.to(hidden.dtype),
-            None if grad_w is None else grad_w.to(weight.dtype),
-            *nones,
-        )
-
-
-def _cap_factor(capped: torch.Tensor, cap: float) -> torch.Tensor:
-    """``1 - (z'/cap)^2`` of capped logits ``z' = cap tanh(z / cap)``, in place of ``capped``: ``d z'/dz``.
-
-    Clamped to ``[0, 1]`` (``z'/cap`` to ``[-1, 1]``), so a ``-inf`` from ``log(0)`` gives 0.
-    """
-    return capped.div_(cap).clamp_(-1, 1).square_().neg_().add_(1)
-
-
-def _product_buffer(weight: torch.Tensor, cdt: torch.dtype) -> torch.Tensor | None:
-    """A reused ``[V_local, H]`` buffer for one chunk's weight-gradient product in the weight's half
-    dtype (the matmul runs at half-precision speed); None when the weight is already fp32/fp64."""
-    return None if weight.dtype == cdt else torch.empty_like(weight)
-
-
-def _weighted_rows(rows: torch.Tensor, weights: torch.Tensor, span: int, cdt: torch.dtype) -> torch.Tensor:
-    """``rows * weights / span`` ([C, H], in ``rows``' dtype): the per-token factors of the weight gradient.
-
-    They scale the chunk's ``[C, H]`` hidden rows instead of its ``[C, V]`` softmax (one pass over
-    ``C x V`` fewer). With 0/1 token weights and the power-of-two ``span`` both are exact, so the
-    gradient is bitwise what scaling the softmax gives.
-    """
-    return (rows.to(cdt) * (weights * (1.0 / span)).unsqueeze(1)).to(rows.dtype)
-
-
-def _mean_span(sl: slice) -> int:
-    """The power of two >= the chunk's length: dividing by it is exact in every binary float."""
-    return 1 << max(0, (sl.stop - sl.start - 1).bit_length())
-
-
-def _accumulate(
-    acc: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, product: torch.Tensor | None, span: int
-) -> None:
-    """``acc += span * coef^T rows``: ``acc`` fp32/fp64; ``coef`` [C, V] in ``acc``'s or ``rows``' dtype,
-    ``rows`` [C, H].
-
-    For half-precision weights the product is one half-precision matmul into ``product`` (fp32
-    accumulation inside the matmul, one rounding of the chunk's sum), then added in fp32: one rounding
-    per chunk instead of a half-precision running sum.
-    """
-    if product is None:
-        acc.addmm_(coef.t(), rows, alpha=span)
-    else:
-        if acc.is_cuda and acc.dtype == torch.float32 and not torch.compiler.is_compiling():
-            # one GEMM with half-precision inputs and an fp32 output that adds the accumulator in its
-            # epilogue: no extra [V, H] pass per chunk (the path below re-reads the accumulator)
-            try:
-                torch.addmm(acc, coef.to(rows.dtype).t(), rows, alpha=span, out_dtype=torch.float32, out=acc)
-                return
-            except RuntimeError:  # a torch or GPU without the fp32-output half-precision GEMM
-                pass
-        torch.mm(coef.to(product.dtype).t(), rows, out=product)
-        acc.add_(product, alpha=span)
-
-
-def _scale_of(u: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``s`` with ``u == s * weights``, for a caller that guarantees the proportion; on the device, no sync."""
-    if u.numel() == 0:
-        return torch.zeros((), dtype=u.dtype, device=u.device)
-    pivot = torch.argmax(weights).reshape(1)
-    at = weights.gather(0, pivot).to(u.dtype)
-    return torch.where(at > 0, u.gather(0, pivot) / torch.where(at > 0, at, 1), 0).reshape(())
-
-
-def _common_scale(u: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-    """``s`` with ``u == s * weights`` (within rounding), or None. Host syncs: for per-token callers only."""
-    if u.numel() == 0:
-        return torch.zeros((), dtype=u.dtype, device=u.device)
-    pivot = int(torch.argmax(weights))
-    if float(weights[pivot]) == 0:
-        return torch.zeros((), dtype=u.dtype, device=u.device) if not bool(u.any()) else None
-    scale = u[pivot] / weights[pivot]
-    tolerance = 8 * torch.finfo(u.dtype).eps * float(u.abs().max())
-    return scale if float((u - scale * weights).abs().max()) <= tolerance else None
 
 
 def _autocast_dtype(hidden: object, weight: object) -> torch.dtype | None:
@@ -553,7 +167,10 @@ def linear_ce_ntl(
         tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
             The gradient of ``hidden`` is then this shard's part (see the module docs).
         check_finite: raise when the logits hold NaN/Inf (one host sync; default off, NaN reaches the loss).
-        chunk_tokens: tokens per chunk (default: chunks of about 2**26 logits, 256 MiB in fp32).
+        chunk_tokens: tokens per chunk. Default (:func:`ntl_scale.linear_op.choose_chunk_tokens`): on
+            the CPU chunks of about 2**26 logits (256 MiB in fp32); on a GPU equal chunks long enough for
+            each chunk's weight-gradient GEMM to be math-bound (>= 1276 tokens at 128256 x 4096 bf16 on an
+            H100: six chunks of 1368 for 8192 tokens), capped by a quarter of the free memory.
         need_ce: False skips the vocabulary pass when neither CE nor reweighing needs it.
         token_weights: the non-negative weights ``[...]`` the caller's reduction applies to CE (e.g.
             the loss mask); with them the weight gradient is built in the forward. Default: 1 on
@@ -603,14 +220,6 @@ def linear_ce_ntl(
     check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start, source="the output weight's first dimension")
     check_float_level(vocab, options)
     check_chunk_tokens(chunk_tokens)
-    if options.logit_softcap is not None and (options.label_smoothing or not (need_ce or options.reweigh)):
-        # smoothing's uniform term times the cap factor is dense per token (another [T, V] x [V, H] product);
-        # the NTL-only route reads the number columns alone
-        raise ValueError(
-            f"logit_softcap={options.logit_softcap!r} is not computed by the chunked op (hidden states and the "
-            "output weight) together with label_smoothing or with need_ce=False; use the logits path "
-            "(per_token_ce_ntl / ce_with_ntl), or drop one of them"
-        )
     kernels = use_triton(options.impl, hidden, options.ce_features)
     shape, width = labels.shape, weight.shape[0]
     dtype = compute_dtype(hidden.dtype)

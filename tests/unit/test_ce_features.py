@@ -8,7 +8,8 @@ Sections:
 2. NTL keeps the hard number target: label smoothing leaves NTL and its gradient unchanged.
 3. The chunked op (``linear_ce_ntl``, ``linear_ce_with_ntl``): the same references on ``hidden @ weight.T``
    for the gradients of both, with the forward-built weight gradient (proportional) and the recomputed
-   one, with loss weights; soft-capping there, refused with label smoothing or NTL alone.
+   one, with loss weights; soft-capping with label smoothing there (its dense gradient recomputed in the
+   backward) and soft-capping on NTL alone (``need_ce=False``: the number columns only).
 4. Kernel choice and surfaces: ``impl="triton"`` with label smoothing or soft-capping is refused,
    ``auto`` runs the PyTorch code (the z-loss runs on the kernels: ``tests/unit/test_triton_kernel.py``);
    Megatron refuses the features with ``--ntl-weight 0`` (its own CE would run, without them); Hugging
@@ -36,8 +37,8 @@ FEATURES = [
     dict(logit_softcap=3.0, z_loss_weight=1e-2),
     dict(logit_softcap=3.0, label_smoothing=0.1, z_loss_weight=1e-2),
 ]
-# what the chunked op computes: soft-capping with label smoothing is refused there
-CHUNKED = [f for f in FEATURES if not ("logit_softcap" in f and "label_smoothing" in f)]
+# what the chunked op computes: every combination (soft-capping with label smoothing since issue 43)
+CHUNKED = [*FEATURES, dict(logit_softcap=2.0, label_smoothing=0.3)]
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5}
 
 
@@ -166,12 +167,48 @@ def test_linear_ce_with_ntl_mean_matches_the_reference():
     _close(weight.grad, w_ref.grad, 1e-12, "weight grad")
 
 
-def test_chunked_op_refuses_soft_capping_with_smoothing_or_ntl_alone():
-    h, w = torch.zeros(2, H), torch.zeros(V, H)
-    with pytest.raises(ValueError, match=r"logit_softcap=30\.0 is not computed by the chunked op .* label_smoothing"):
-        ntl_scale.linear_ce_with_ntl(h, w, torch.tensor([1, 2]), _vocab(), logit_softcap=30.0, label_smoothing=0.1)
-    with pytest.raises(ValueError, match="need_ce=False"):
-        ntl_scale.linear_ce_ntl(h, w, torch.tensor([1, 2]), _vocab(), NTLOptions(logit_softcap=30.0), need_ce=False)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("loss", ["was", "mse"])
+def test_chunked_op_soft_caps_ntl_alone(dtype, loss):
+    """need_ce=False reads the number columns only: NTL of the capped logits, against float64 written out."""
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    w = torch.randn(V, H, generator=gen, dtype=torch.float64) * 2
+    upstream = torch.randn(T, generator=gen, dtype=torch.float64)
+    hidden, weight = h.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
+    options = NTLOptions(loss=loss, logit_softcap=2.5)
+    terms = ntl_scale.linear_ce_ntl(hidden, weight, _labels(), _vocab(), options, need_ce=False, chunk_tokens=4)
+    (terms.ntl * upstream.to(terms.ntl.dtype)).sum().backward()
+    h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
+    capped = 2.5 * torch.tanh((h_ref @ w_ref.T) / 2.5)
+    ntl = ntl_scale.number_token_loss(capped, _labels(), _vocab(), loss=loss, reduction="none")
+    (ntl * upstream).sum().backward()
+    tol = TOLERANCE[dtype]
+    _close(terms.ntl, ntl, tol, "ntl")
+    _close(hidden.grad, h_ref.grad, tol, "hidden grad")
+    _close(weight.grad, w_ref.grad, tol, "weight grad")
+    # a control: the cap changes NTL here
+    assert not torch.allclose(ntl, ntl_scale.number_token_loss(h @ w.T, _labels(), _vocab(), reduction="none"))
+
+
+def test_linear_ce_with_ntl_soft_caps_and_smooths_like_torch():
+    """The mean loss with both features against torch's F.cross_entropy(label_smoothing=) on the capped logits
+    (the CE-only value at ntl_weight 0, and its gradients)."""
+    gen = torch.Generator().manual_seed(6)
+    h = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    w = torch.randn(V, H, generator=gen, dtype=torch.float64) * 2
+    hidden, weight = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = ntl_scale.linear_ce_with_ntl(
+        hidden, weight, _labels(), _vocab(), ntl_weight=0.0, label_smoothing=0.2, logit_softcap=3.0, chunk_tokens=2
+    )
+    out.loss.backward()
+    h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
+    capped = 3.0 * torch.tanh((h_ref @ w_ref.T) / 3.0)
+    torch_ce = torch.nn.functional.cross_entropy(capped, _labels(), label_smoothing=0.2)
+    torch_ce.backward()
+    _close(out.loss, torch_ce, 1e-12, "loss")
+    _close(hidden.grad, h_ref.grad, 1e-12, "hidden grad")
+    _close(weight.grad, w_ref.grad, 1e-12, "weight grad")
 
 
 # ------------------------------------------------------------------------------------ 4. kernels, surfaces
@@ -256,19 +293,11 @@ def test_evaluation_options_drop_the_training_regularisers_only():
     torch.testing.assert_close(out.ce, hard, rtol=1e-12, atol=1e-12)
 
 
-def test_hf_chunked_route_refuses_soft_capping_with_smoothing_when_installed():
-    transformers = pytest.importorskip("transformers")
-    from ntl_scale.integrations.hf import apply_ntl
-
-    config = transformers.GPT2Config(vocab_size=V, n_embd=8, n_layer=1, n_head=2, n_positions=16)
-    options = NTLOptions(logit_softcap=30.0, label_smoothing=0.1)
-    with pytest.raises(ValueError, match=r"logit_softcap=30\.0 with label_smoothing is not computed by the chunked"):
-        apply_ntl(transformers.GPT2LMHeadModel(config), _vocab(), options=options, chunked=True)
-
-
-def test_hf_chunked_route_takes_gemmas_own_soft_capping():
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_hf_chunked_route_takes_gemmas_own_soft_capping(smoothing):
     """Gemma 2's ``final_logit_softcapping`` (refused on the chunked route before): the hidden-state loss caps as
-    the model does; loss and gradients equal CE + 0.3 NTL of the model's own (capped) logits in float64."""
+    the model does; loss and gradients equal CE + 0.3 NTL of the model's own (capped) logits in float64, with
+    label smoothing too (refused there with soft-capping before issue 43): torch's smoothed CE, NTL's hard target."""
     transformers = pytest.importorskip("transformers")
     from ntl_scale.integrations.hf import apply_ntl
 
@@ -284,11 +313,11 @@ def test_hf_chunked_route_takes_gemmas_own_soft_capping():
     assert float(logits.abs().max()) < 0.1 < float(model.lm_head(model.model(input_ids=ids)[0]).abs().max())
     shifted, targets = logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1)
     ntl = ntl_scale.number_token_loss(shifted, targets, _vocab())
-    reference = torch.nn.functional.cross_entropy(shifted, targets) + 0.3 * ntl
+    reference = torch.nn.functional.cross_entropy(shifted, targets, label_smoothing=smoothing) + 0.3 * ntl
     reference.backward()
     want = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
-    apply_ntl(model, _vocab(), ntl_weight=0.3, chunked=True)
+    apply_ntl(model, _vocab(), ntl_weight=0.3, chunked=True, options=NTLOptions(label_smoothing=smoothing))
     model.train()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()

@@ -184,12 +184,6 @@ def install_linear_loss_head(
     :func:`ntl_scale.integrations.deepspeed.install_vocab_parallel_loss_head`.
     """
     check_chunk_tokens(chunk_tokens)  # refused when installed, not at the first training step
-    if options.logit_softcap is not None and options.label_smoothing:  # likewise (ntl_scale.linear_ce_ntl)
-        raise ValueError(
-            f"options.logit_softcap={options.logit_softcap!r} with label_smoothing is not computed by the chunked "
-            "route (the loss from the hidden states); use apply_ntl_to_hf_model without chunked=True (the logits "
-            "path), or drop one of them"
-        )
 
     def head_forward(layer: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         if targets is None:
