@@ -13,9 +13,6 @@ from ._checks import device_check
 from .number_vocab import NumberVocab
 from .options import REDUCTIONS, NTLOptions
 
-# check_ntl_weight lives in options; linear.py takes it from here until its split (issue 41 item 4)
-from .options import check_ntl_weight as check_ntl_weight
-
 __all__ = [
     "check_float_level",
     "check_inputs",

@@ -31,20 +31,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._validation import check_float_level, check_inputs, check_ntl_weight, check_reduction, check_weights
+from ._validation import check_float_level, check_inputs, check_reduction, check_weights
 from .linear_op import _FusedLinearCENTL
 from .number_vocab import NumberVocab
-from .options import NTLOptions
-from .parallel import (
-    check_chunk_tokens,
-    compute_dtype,
-    group_rank,
-    group_size,
-    is_dtensor,
-    resolve_vocab_shard,
-    use_triton,
-)
+from .options import NTLOptions, check_chunk_tokens, check_ntl_weight
+from .parallel import use_triton
 from .reductions import CENTLOutput, combine_terms
+from .shard_math import compute_dtype
+from .shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
 from .terms import PerTokenTerms, check_plain_labels, shard_inputs, shard_start, terms_from_stats
 
 __all__ = ["linear_ce_ntl", "linear_ce_with_ntl"]

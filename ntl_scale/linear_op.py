@@ -54,17 +54,8 @@ import torch
 import torch.distributed as dist
 
 from .kernels import triton_ce_ntl
-from .parallel import (
-    ShardInputs,
-    ShardMath,
-    _raise_if_not_finite,
-    all_reduce_max,
-    all_reduce_sums,
-    compute_dtype,
-    index_add,
-    kernel_shard_stats,
-    shift_into,
-)
+from .parallel import _raise_if_not_finite, all_reduce_max, all_reduce_sums, kernel_shard_stats
+from .shard_math import ShardInputs, ShardMath, compute_dtype, index_add, shift_into
 
 # Elements of one chunk of logits on the CPU: 2**26 (256 MiB in fp32) unless chunk_tokens says otherwise.
 # Smaller chunks save memory but re-read the [V, H] weight-gradient accumulator once per chunk (measured,

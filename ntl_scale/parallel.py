@@ -38,7 +38,6 @@ from .kernels import triton_ce_ntl
 from .options import check_chunk_tokens, check_impl
 from .shard_math import ShardInputs, ShardMath, compute_dtype, index_add, shift_into
 from .shards import LocalShard, dtensor_vocab_shard, group_size, is_dtensor, resolve_vocab_shard
-from .shards import group_rank as group_rank  # linear.py takes it from here until its split (issue 41 item 4)
 
 __all__ = [
     "KERNEL_FEATURES",

@@ -19,8 +19,7 @@ import ntl_scale
 
 PACKAGE = pathlib.Path(ntl_scale.__file__).parent
 
-# linear.py is being split by another change (issue 41 item 4): its imports follow then.
-PENDING = {"ntl_scale.linear"}
+PENDING: set[str] = set()
 
 LAYERS = [  # bottom up
     {"options", "_tracing", "_checks", "_optional", "_deprecation", "atomic", "number_level", "kernels",
@@ -29,6 +28,7 @@ LAYERS = [  # bottom up
     {"_validation", "parallel"},
     {"terms"},
     {"reductions", "normalization", "kernels.triton_linear_ce_ntl"},
+    {"linear_op"},
     {"losses", "linear"},
 ]  # fmt: skip
 
