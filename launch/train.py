@@ -5,7 +5,7 @@
     python launch/train.py                      # one process, the tiny default
     torchrun --nproc_per_node 2 launch/train.py --config ... train.steps=20
 
-Reads the config, initialises distributed once and runs ``ntl_scale.training.trainer.Trainer``:
+Reads the config, initialises distributed once and runs ``ntl_scale.integrations.deepspeed.trainer.Trainer``:
 exactly normalised CE + NTL, held-out loss and perplexity, checkpoints (resuming automatically from
 the run directory's latest checkpoint; SIGTERM/SIGUSR1 checkpoint and stop), a Hugging Face export
 and evaluation by generation.
@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from launch.finish import run_then_leave
+from ntl_scale.integrations.deepspeed.trainer import Trainer, check_inputs
 from ntl_scale.training.config import load_config
-from ntl_scale.training.trainer import Trainer, check_inputs
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
