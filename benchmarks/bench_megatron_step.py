@@ -59,7 +59,9 @@ def _worker(rank: int, tp: int, port: int, name: str, sizes: tuple, out_path: st
     vocab_size, batch, seq, hidden, steps = sizes
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    from ntl_scale.startup import init_distributed
+
+    init_distributed(rank=rank, world_size=tp, backend="gloo", init_method=f"tcp://127.0.0.1:{port}")
     from tests.helpers.megatron_cpu import patch_for_cpu
 
     patch_for_cpu()
