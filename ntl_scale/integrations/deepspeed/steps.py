@@ -59,7 +59,7 @@ def loss_from_terms(
     scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss to back-propagate for one micro-batch, and its logging sums, from its per-token terms (of
-    the logits, of a vocabulary shard, or of the chunked loss: :meth:`ntl_scale.integrations.deepspeed.engine.Engine.forward_terms`).
+    the logits, of a vocabulary shard, or of the chunked loss: :meth:`.engine.Engine.forward_terms`).
 
     ``global`` normalisation: ``(sum CE / N + w * sum NTL / K) * scale`` with ``N``, ``K`` the step's
     global counts; ``scale`` undoes the engine's own averaging (gradient-accumulation steps x DP
