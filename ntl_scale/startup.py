@@ -40,8 +40,9 @@ def init_distributed(
     """Creates this process's default process group; returns its rank, the world size and its device.
 
     Args:
-        rank, world_size: this process's rank and the number of processes (ignored with
-            ``launched=False``, a world of one; with ``deepspeed=True`` DeepSpeed reads its launcher's).
+        rank: this process's rank (ignored with ``launched=False``, a world of one; with
+            ``deepspeed=True`` DeepSpeed reads its launcher's).
+        world_size: the number of processes (ignored as ``rank`` is).
         local_rank: this process's rank on its node: the GPU it is bound to.
         launched: False for a process started without a launcher: a one-rank world on an in-process
             store, no rendezvous port.
