@@ -83,8 +83,8 @@ def deepspeed_engine(model, zero_json: str, micro_batch: int):
                       LOCAL_RANK="0", WORLD_SIZE="1")  # fmt: skip
     import deepspeed
 
+    from ntl_scale.integrations.deepspeed.resolved import resolve_deepspeed_config
     from ntl_scale.training.config import TrainConfig
-    from ntl_scale.training.steps import resolve_deepspeed_config
 
     deepspeed.init_distributed(dist_backend="gloo")
     with open(zero_json) as f:

@@ -68,7 +68,7 @@ import seed_stats  # noqa: E402
 
 from ntl_scale.atomic import atomic_write, write_atomically  # noqa: E402
 from ntl_scale.eval.numbers import extract_number  # noqa: E402
-from ntl_scale.training.evaluate import HELDOUT_COLUMNS, heldout_metrics  # noqa: E402
+from ntl_scale.training.scoring import HELDOUT_COLUMNS, heldout_metrics  # noqa: E402
 
 METRICS = ("accuracy", "mae", "log_mae", "r2")
 """Metrics of a split answered by generation (``predictions_<split>.jsonl``)."""

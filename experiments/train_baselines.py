@@ -41,10 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from baselines import BASELINES, digit_mask  # noqa: E402
 
+from ntl_scale.integrations.deepspeed.steps import global_counts, loss_from_terms  # noqa: E402
+from ntl_scale.integrations.deepspeed.trainer import Trainer  # noqa: E402
 from ntl_scale.training.collectives import sum_over  # noqa: E402
 from ntl_scale.training.metrics import STEP_SUMS, tokens_read  # noqa: E402
-from ntl_scale.training.steps import global_counts, loss_from_terms  # noqa: E402
-from ntl_scale.training.trainer import Trainer  # noqa: E402
 
 DEFAULT_WEIGHTS = {"del": 0.01, "digit_was": 0.3}
 """``baseline.weight`` when not given: DEL's constant (their train-qwen-deepseek.py line 576); our NTL weight."""
@@ -78,7 +78,8 @@ def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, Any] | None]:
 
 
 class BaselineTrainer(Trainer):
-    """:class:`~ntl_scale.training.trainer.Trainer` whose step adds ``weight * term`` (set :attr:`baseline`)."""
+    """:class:`~ntl_scale.integrations.deepspeed.trainer.Trainer` whose step adds ``weight * term``
+    (set :attr:`baseline`)."""
 
     baseline: ClassVar[dict[str, Any]] = {}
 

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from launch.finish import run_then_leave
 from launch.megatron_args import to_argv
+from ntl_scale import startup
 from ntl_scale.atomic import atomic_write, write_atomically
 from ntl_scale.integrations import megatron as ntl_megatron
 
@@ -343,10 +344,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    startup.init_distributed(  # NCCL with CUDA, else gloo; the launcher's rendezvous
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        launched="RANK" in os.environ,
+    )
     train(args)
     dist.destroy_process_group()
 

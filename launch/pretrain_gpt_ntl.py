@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # the ntl_scale checkout, when not pi
 
 from launch.finish import run_then_leave  # noqa: E402
 from ntl_scale.integrations import megatron as ntl_megatron  # noqa: E402
+from ntl_scale.integrations.megatron.lm import forward_step_from_args  # noqa: E402
 
 SUPPORTED = "Megatron-LM core_v0.16.x to core_v0.19.x"
 NTL_KEYS = ("ntl loss", "number accuracy")
@@ -81,65 +82,13 @@ def build_forward_step(forward_step):
     def ntl_forward_step(data_iterator, model, *args, **kwargs):
         step = built.get("step")
         if step is None:
-            step = built["step"] = make_ntl_step(forward_step, get_args(), ps)
+            try:
+                step = built["step"] = forward_step_from_args(forward_step, get_args(), ps)
+            except ValueError as e:  # flags NTL cannot train with: the fix, without a traceback
+                raise SystemExit(f"pretrain_gpt_ntl.py: {e}") from None
         return step(data_iterator, model, *args, **kwargs)
 
     return ntl_forward_step
-
-
-def make_ntl_step(forward_step, margs, ps):
-    """The release's ``forward_step`` when NTL is off, else an ``NTLForwardStep`` around it."""
-    import torch
-
-    from ntl_scale.integrations.megatron import lm as megatron_lm
-
-    settings = ntl_megatron.NTLSettings.from_args(margs)
-    if not settings.enabled:
-        return forward_step
-    if getattr(margs, "overlap_moe_expert_parallel_comm", False):
-        raise SystemExit(
-            "--ntl-weight > 0 does not support --overlap-moe-expert-parallel-comm (the model's forward runs "
-            "in schedule plans outside forward_step); turn one of them off"
-        )
-    if getattr(margs, "use_legacy_models", False):
-        raise SystemExit("--ntl-weight > 0 needs megatron.core models; drop --use-legacy-models")
-    vocab = ntl_megatron.build_number_vocab(settings, _tokenizer(margs), margs.padded_vocab_size)
-    groups = megatron_lm.StepGroups(
-        tp_group=ps.get_tensor_model_parallel_group(),
-        cp_group=ps.get_context_parallel_group(),
-        count_group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
-        dp_cp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
-        reads_data=ps.get_tensor_model_parallel_rank() == 0,
-        counts_data=ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0,
-        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu",
-    )
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-    return megatron_lm.NTLForwardStep(
-        forward_step,
-        settings,
-        vocab,
-        groups,
-        num_microbatches=get_num_microbatches,
-        per_token_loss=bool(margs.calculate_per_token_loss),
-    )
-
-
-def _tokenizer(margs):
-    """The run's tokenizer: Megatron's global one where the release keeps it, else built from the args."""
-    try:
-        from megatron.training import get_tokenizer
-
-        tokenizer = get_tokenizer()
-        if tokenizer is not None:
-            return tokenizer
-    except (ImportError, AssertionError):
-        pass
-    try:
-        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-    except ImportError:
-        from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
-    return build_tokenizer(margs)
 
 
 def wrap_pretrain(pretrain, *, add_args: bool):

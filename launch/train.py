@@ -5,7 +5,7 @@
     python launch/train.py                      # one process, the tiny default
     torchrun --nproc_per_node 2 launch/train.py --config ... train.steps=20
 
-Reads the config, initialises distributed once and runs ``ntl_scale.training.trainer.Trainer``:
+Reads the config, initialises distributed once and runs ``ntl_scale.integrations.deepspeed.trainer.Trainer``:
 exactly normalised CE + NTL, held-out loss and perplexity, checkpoints (resuming automatically from
 the run directory's latest checkpoint; SIGTERM/SIGUSR1 checkpoint and stop), a Hugging Face export
 and evaluation by generation.
@@ -14,8 +14,6 @@ and evaluation by generation.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import signal
 import sys
@@ -26,46 +24,33 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from launch.finish import run_then_leave
+from ntl_scale import startup
+from ntl_scale.integrations.deepspeed.trainer import Trainer, check_inputs
 from ntl_scale.training.config import load_config
-from ntl_scale.training.trainer import Trainer, check_inputs
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """The process group (NCCL on GPUs, gloo on the CPU) and this rank's device, from DeepSpeed's
-    accelerator.
+    accelerator (:func:`ntl_scale.startup.init_distributed`, with what the launcher says).
 
     Launched processes (deepspeed, torchrun, Slurm's srun) meet at their launcher's rendezvous
     (``MASTER_ADDR``/``MASTER_PORT``). A process started without a launcher (no ``RANK``) is a
-    one-rank world on an in-process store: it opens no port, so single-process runs started side by
-    side (``experiments/study.py``) cannot race for one; DeepSpeed adopts that group (without it,
+    one-rank world on an in-process store: it picks no rendezvous port, so single-process runs started
+    side by side (``experiments/study.py``) cannot race for one; DeepSpeed adopts that group (without it,
     DeepSpeed would look for MPI and ask for mpi4py)."""
-    alone = "RANK" not in os.environ
-    if alone:  # DeepSpeed's engine reads LOCAL_RANK; nothing reads MASTER_ADDR/MASTER_PORT here
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    threads = None
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores: N ranks x all cores each runs 3-4x slower
             local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
+            threads = max(1, len(os.sched_getaffinity(0)) // local)
     quiet_libraries()
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    on_cpu = accelerator.device_name() == "cpu"
-    backend = "gloo" if on_cpu else accelerator.communication_backend_name()  # nccl on NVIDIA and AMD GPUs
-    if not on_cpu:  # before any collective: NCCL binds each rank to its own GPU
-        accelerator.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if alone:  # a HashStore lives in this process: no TCPStore, no port picked ahead of its use
-        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):  # DeepSpeed's CPU backend prints "... built successfully" per rank
-        deepspeed.init_distributed(dist_backend=backend)  # adopts an initialised group as it is
-    for line in printed.getvalue().splitlines():
-        if not (line.startswith("DeepSpeed ") and line.endswith(" built successfully")):
-            print(line, flush=True)
-    device = torch.device(accelerator.current_device_name())
-    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+    return startup.init_distributed(
+        launched="RANK" in os.environ,
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        threads=threads,
+        deepspeed=True,
+    )
 
 
 def quiet_libraries() -> None:

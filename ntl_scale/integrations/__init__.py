@@ -9,9 +9,10 @@ Nothing is imported here; each module imports only torch, and its framework on f
 | `hf.trainer` | Hugging Face `Trainer` / TRL `SFTTrainer`: `ntl_trainer_class` |
 | `hf.vocab` | Hugging Face checkpoints: `number_vocab_from_pretrained` |
 | `megatron.args` | Megatron, both routes: the `--ntl-*` flags, `NTLSettings`, `build_number_vocab` |
-| `megatron.lm` | Megatron-LM `pretrain_gpt.py` via `launch/pretrain_gpt_ntl.py`: `NTLForwardStep` |
+| `megatron.lm` | Megatron-LM `pretrain_gpt.py` (`launch/pretrain_gpt_ntl.py`): `forward_step_from_args` |
 | `megatron.core` | `megatron.core` alone, your own loop: `make_loss_func`, `make_forward_step` |
 | `megatron.terms` | Megatron, both routes: per-token terms in Megatron's layouts |
+| `deepspeed.trainer` | DeepSpeed (`launch/train.py`): the `Trainer` (ZeRO, accumulation, checkpoints, evaluation) |
 | `deepspeed.autotp` | DeepSpeed AutoTP (`launch/train.py`, tensor parallel): the vocabulary-sharded head |
 | `torchtitan` | torchtitan (0.3.0): `NTLLoss` (a `BaseLoss`), `NTLTrainer`, `config_registry` for `--module` |
 

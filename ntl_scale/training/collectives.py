@@ -1,7 +1,7 @@
 """Every collective of the DeepSpeed training loop, named by what the ranks agree on.
 
 The trainer's components call these helpers and nothing else of ``torch.distributed`` (the step's
-global token counts are :func:`ntl_scale.training.steps.global_counts`; DeepSpeed's engine does its
+global token counts are :func:`ntl_scale.integrations.deepspeed.steps.global_counts`; DeepSpeed's engine does its
 own gradient and parameter collectives). Each helper takes its process group or this rank's number
 explicitly; tensors it creates are on ``device`` (NCCL reduces device tensors only).
 

@@ -29,7 +29,7 @@ __all__ = ["STEP_SUMS", "MetricsLogger", "print_summary", "tokens_read"]
 
 STEP_SUMS = ("ce_sum", "ntl_sum", "tokens", "numbers", "hits", "read", "flops")
 """The logging sums of a training step, in the order of :meth:`MetricsLogger.step_row`'s ``sums``:
-the first five are :func:`~ntl_scale.training.steps.loss_from_terms`'s, then the tokens the model read
+the first five are :func:`~ntl_scale.integrations.deepspeed.steps.loss_from_terms`'s, then the tokens the model read
 (:func:`tokens_read`) and the model FLOPs."""
 
 

@@ -68,9 +68,9 @@ def _helpers(ctx: WorkerContext, tmp: str) -> None:
 
 
 def _status(ctx: WorkerContext, tmp: str) -> None:
-    from ntl_scale.training.checkpoint import Checkpointer
+    from ntl_scale.integrations.deepspeed.checkpointer import Checkpointer
+    from ntl_scale.integrations.deepspeed.resume_layout import Layout
     from ntl_scale.training.collectives import barrier
-    from ntl_scale.training.resume import Layout
 
     run_dir = os.path.join(tmp, f"run{ctx.rank}")  # rank 1's directory never holds a status file
     os.makedirs(run_dir, exist_ok=True)

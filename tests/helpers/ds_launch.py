@@ -22,7 +22,7 @@ for name in filter(None, os.environ.get("NTL_TEST_ABSENT", "").split(",")):
 if os.environ.get("NTL_TEST_SIGNAL_AT_STEP"):
     import signal
 
-    from ntl_scale.training.trainer import Trainer
+    from ntl_scale.integrations.deepspeed.trainer import Trainer
 
     signal_step, train_step = int(os.environ["NTL_TEST_SIGNAL_AT_STEP"]), Trainer.train_step
 
@@ -38,7 +38,7 @@ if os.environ.get("NTL_TEST_SIGNAL_AT_STEP"):
 if os.environ.get("NTL_TEST_RECORD_POSITIONS"):
     import json
 
-    from ntl_scale.training.inputs import Inputs
+    from ntl_scale.training.model_inputs import Inputs
 
     record_path, device_batch = os.environ["NTL_TEST_RECORD_POSITIONS"], Inputs.device_batch
 

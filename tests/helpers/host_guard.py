@@ -161,9 +161,9 @@ def install(files: set[str] | None = None) -> None:
     collate_module.collate = collate
     ntl_scale.data.collate = collate  # type: ignore[attr-defined]  # the package re-exports the function
     # packed pretraining batches (data.source=text/megatron) are stacked by collate_packed, which
-    # ntl_scale.training.data imported by name: wrap it where the loop looks it up
+    # ntl_scale.training.sources imported by name: wrap it where the loop looks it up
     import ntl_scale.data.packing as packing_module
-    import ntl_scale.training.data as training_data
+    import ntl_scale.training.sources as training_data
 
     stack = packing_module.collate_packed
 

@@ -217,7 +217,7 @@ def test_pretrain_study_preset_end_to_end(tmp_path):
 
     from ntl_scale.eval.numbers import extract_number
     from ntl_scale.training.config import load_config
-    from ntl_scale.training.data import heldout_batches
+    from ntl_scale.training.sources import heldout_batches
 
     corpus = tmp_path / "corpus"  # the preset's own corpus folder under ROOT/runs, moved to this test's folder
     preset = (

@@ -175,7 +175,7 @@ def _heldout_ce(model_dir: Path, coupled: bool = False) -> float:
 
     from ntl_scale.data.collate import encode_pairs
     from ntl_scale.training.config import DataConfig
-    from ntl_scale.training.data import eval_sets
+    from ntl_scale.training.sources import eval_sets
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).double().eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -56,8 +56,8 @@ SEQ_LENGTH = {"granite-3.2-2b": 4096, "llama-3.2-3b": 8192}
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_configs_hold_the_published_shapes(family):
+    from ntl_scale.integrations.deepspeed.resolved import resolve_deepspeed_config
     from ntl_scale.training.config import load_config
-    from ntl_scale.training.steps import resolve_deepspeed_config
 
     for variant, gpus in FAMILIES[family].items():
         path = CONFIGS / f"{family}_{variant}.yaml"

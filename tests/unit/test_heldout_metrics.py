@@ -1,4 +1,4 @@
-"""Held-out metrics of pretraining runs (ntl_scale/training/evaluate.py: ``sequence_stats``,
+"""Held-out metrics of pretraining runs (ntl_scale/training/scoring.py: ``sequence_stats``,
 ``heldout_metrics``) against a plain float64 computation from full logits.
 
 What the pretraining study reads: CE split by label kind (text labels, number-token labels), arg-max
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ntl_scale
-from ntl_scale.training.evaluate import HELDOUT_COLUMNS, heldout_metrics, sequence_stats
+from ntl_scale.training.scoring import HELDOUT_COLUMNS, heldout_metrics, sequence_stats
 
 V = 40
 DIGIT_IDS = {10 + d: d for d in range(10)}

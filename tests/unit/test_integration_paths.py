@@ -32,7 +32,42 @@ MODULES = [
     "ntl_scale.integrations.megatron.terms",
     "ntl_scale.integrations.deepspeed",
     "ntl_scale.integrations.deepspeed.autotp",
+    "ntl_scale.integrations.deepspeed.trainer",
+    "ntl_scale.integrations.deepspeed.engine",
+    "ntl_scale.integrations.deepspeed.checkpointer",
+    "ntl_scale.integrations.deepspeed.resume_layout",
+    "ntl_scale.integrations.deepspeed.resolved",
+    "ntl_scale.integrations.deepspeed.steps",
+    "ntl_scale.integrations.deepspeed.heldout",
+    "ntl_scale.startup",
 ]
+
+# issue 41 item 5: the DeepSpeed trainer's modules moved from ntl_scale.training, look-alikes renamed
+MOVED_MODULES = {
+    "ntl_scale.training.trainer": "ntl_scale.integrations.deepspeed.trainer",
+    "ntl_scale.training.engine": "ntl_scale.integrations.deepspeed.engine",
+    "ntl_scale.training.checkpoint": "ntl_scale.integrations.deepspeed.checkpointer",
+    "ntl_scale.training.resume": "ntl_scale.integrations.deepspeed.resume_layout",
+    "ntl_scale.training.resolved": "ntl_scale.integrations.deepspeed.resolved",
+    "ntl_scale.training.steps": "ntl_scale.integrations.deepspeed.steps",
+    "ntl_scale.training.evaluator": "ntl_scale.integrations.deepspeed.heldout",
+    "ntl_scale.training.evaluate": "ntl_scale.training.scoring",
+    "ntl_scale.training.data": "ntl_scale.training.sources",
+    "ntl_scale.training.inputs": "ntl_scale.training.model_inputs",
+}
+# what each old module's callers imported from it (the repository's imports before the move)
+MOVED_NAMES = {
+    "ntl_scale.training.trainer": ["Trainer", "check_inputs"],
+    "ntl_scale.training.engine": ["Engine", "check_inputs"],
+    "ntl_scale.training.checkpoint": ["Checkpointer"],
+    "ntl_scale.training.resume": ["Layout", "load_rng", "plan_resume", "read_layout", "save_rng", "to_universal"],
+    "ntl_scale.training.resolved": ["RESOLVED_FILE", "Resolved", "accelerator_has_bf16", "resolve_run"],
+    "ntl_scale.training.steps": ["global_counts", "loss_from_terms", "ntl_options", "shift_for_causal"],
+    "ntl_scale.training.evaluator": ["Evaluator", "heldout_micro_batches", "heldout_qa_batches"],
+    "ntl_scale.training.evaluate": ["HELDOUT_COLUMNS", "evaluate_generation", "heldout_metrics", "sequence_stats"],
+    "ntl_scale.training.data": ["Batches", "PACKED_SOURCES", "eval_sets", "heldout_batches", "train_dataset"],
+    "ntl_scale.training.inputs": ["Inputs", "load_data", "to_device", "tokenizer_and_table"],
+}
 
 
 # -- 1. only torch to import --------------------------------------------------------------------------
@@ -49,6 +84,26 @@ def test_every_integration_module_imports_without_its_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_training_modules_left_import_without_deepspeed():
+    """What stayed in ntl_scale.training is framework-free: no module of it imports DeepSpeed."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "sys.modules['deepspeed'] = None\n"
+        "import ntl_scale.training as t\n"
+        "names = sorted(m.name for m in pkgutil.iter_modules(t.__path__))\n"
+        "for name in names:\n"
+        "    importlib.import_module('ntl_scale.training.' + name)\n"
+        "print(' '.join(names))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    left = set(out.stdout.split())
+    assert not left & {old.rsplit(".", 1)[1] for old in MOVED_MODULES}, left  # no file at an old path
+    for path in (ROOT / "ntl_scale" / "training").glob("*.py"):
+        text = path.read_text()
+        assert "import deepspeed" not in text and "from deepspeed" not in text, path
 
 
 # -- 2. the old paths ---------------------------------------------------------------------------------
@@ -131,3 +186,25 @@ def test_deprecated_module_is_an_alias_that_warns(old):
         target = importlib.import_module(f"ntl_scale.integrations.{new}")
         assert getattr(module, name) is getattr(target, new_name), f"{path}.{name}"
     assert sorted(module.__all__) == sorted(ALIASES[old])
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
+def test_moved_training_module_is_the_new_module_and_warns(old):
+    new = importlib.import_module(MOVED_MODULES[old])
+    sys.modules.pop(old, None)  # imported afresh, so its warning fires here
+    with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated; import {MOVED_MODULES[old]}"):
+        module = importlib.import_module(old)
+    assert module is new  # one module object: a monkeypatch through either name is seen by both
+    assert module.__spec__.name == MOVED_MODULES[old]  # its own spec, not the alias's
+    missing = [name for name in MOVED_NAMES[old] if not hasattr(module, name)]
+    assert not missing, f"{old} lost {missing}"
+
+
+def test_resolve_deepspeed_config_moved_beside_what_the_run_resolves():
+    from ntl_scale.integrations.deepspeed import resolved, steps
+
+    with pytest.warns(DeprecationWarning, match="steps.resolve_deepspeed_config is moved to"):
+        old = steps.resolve_deepspeed_config
+    assert old is resolved.resolve_deepspeed_config
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        steps.no_such_name  # noqa: B018

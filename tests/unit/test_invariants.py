@@ -3,7 +3,7 @@
 What NTL's mean divides by is one definition (``ntl_scale.ntl_positions``: number-token labels, or one
 position per number for ``loss="number"``); every integration counts its step with it. Checked here
 against the naive float64 reference (``tests/helpers/reference.py``), in the DeepSpeed step functions
-(``ntl_scale.training.steps``), megatron.core's ``loss_func`` (``integrations/megatron/core.py``), the
+(``ntl_scale.integrations.deepspeed.steps``), megatron.core's ``loss_func`` (``integrations/megatron/core.py``), the
 Megatron-LM hook (``integrations/megatron/lm.py``, on a stand-in model) and Hugging Face's loss with the
 Trainer's count (``integrations/hf/loss.py``, ``integrations/hf/trainer.py``).
 
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 import ntl_scale
 from ntl_scale import normalization as ntl_normalization
 from ntl_scale.integrations import megatron as ntl_megatron
+from ntl_scale.integrations.deepspeed import steps
 from ntl_scale.integrations.hf import NTLCausalLMLoss, count_step_numbers
 from ntl_scale.integrations.megatron import lm as megatron_lm
-from ntl_scale.training import steps
 from ntl_scale.training.config import NTLConfig
 from tests.helpers.reference import naive_per_token
 

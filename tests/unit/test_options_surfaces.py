@@ -151,7 +151,7 @@ def test_yaml_ntl_section_has_no_key_outside_the_spec():
 
 def test_new_yaml_keys_reach_the_loss_options():
     """Issue 30: ``ntl.huber_delta=2.0`` and ``ntl.float_level=true`` were refused as unknown keys."""
-    from ntl_scale.training.steps import ntl_options
+    from ntl_scale.integrations.deepspeed.steps import ntl_options
 
     cfg = load_config(None, ["ntl.loss=huber", "ntl.huber_delta=2.0", "ntl.impl=torch"])
     assert ntl_options(cfg.ntl) == NTLOptions(loss="huber", huber_delta=2.0, impl="torch")

@@ -32,7 +32,7 @@ pytest.importorskip("transformers")
 from ntl_scale.data.hf_datasets import document_specials, load_text, tokenize_documents
 from ntl_scale.data.packing import PackedSequences, collate_packed, heldout_split, pack_documents
 from ntl_scale.training.config import DataConfig
-from ntl_scale.training.data import Batches, heldout_batches, packing_summary, train_dataset
+from ntl_scale.training.sources import Batches, heldout_batches, packing_summary, train_dataset
 from tests.helpers import tokenizers
 
 IGNORE = -100

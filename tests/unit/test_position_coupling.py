@@ -23,7 +23,7 @@ from ntl_scale.data.collate import EncodedExample, encode_pairs  # noqa: E402
 from ntl_scale.data.positions import coupled_position_ids, training_position_ids  # noqa: E402
 from ntl_scale.number_vocab import NumberVocab  # noqa: E402
 from ntl_scale.training.config import DataConfig, ModelConfig, RunConfig  # noqa: E402
-from ntl_scale.training.evaluate import evaluate_generation  # noqa: E402
+from ntl_scale.training.scoring import evaluate_generation  # noqa: E402
 from ntl_scale.training.tokenizer import build_char_tokenizer  # noqa: E402
 
 
@@ -126,10 +126,10 @@ def test_config_refusals():
 
 
 def _trainer_part(tokenizer, **data):
-    """The Trainer's set-up checks (ntl_scale/training/inputs.py), on the parts they read (no engine needed)."""
+    """The Trainer's set-up checks (ntl_scale/training/model_inputs.py), on the parts they read (no engine needed)."""
     from types import SimpleNamespace
 
-    from ntl_scale.training import inputs
+    from ntl_scale.training import model_inputs as inputs
 
     cfg = RunConfig(data=DataConfig(position_coupling=True, reverse_answers=True, kinds=["add"], negative_share=0.0,
                                     **data))  # fmt: skip

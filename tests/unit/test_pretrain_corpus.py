@@ -322,7 +322,7 @@ def test_heldout_groups_hold_only_their_kind_as_the_trainer_packs_them(built, fu
     document, every piece in the number range text of a number document; the ranges tile the held-out
     part but for at most one sequence between them."""
     from ntl_scale.training.config import DataConfig
-    from ntl_scale.training.data import heldout_batches
+    from ntl_scale.training.sources import heldout_batches
     from ntl_scale.training.tokenizer import build_char_tokenizer
 
     folder = built["a"] if which == "small" else full

@@ -25,9 +25,9 @@ deepspeed = pytest.importorskip("deepspeed")
 
 from deepspeed.accelerator import real_accelerator  # noqa: E402
 
+from ntl_scale.integrations.deepspeed.checkpointer import Checkpointer  # noqa: E402
+from ntl_scale.integrations.deepspeed.resume_layout import Layout  # noqa: E402
 from ntl_scale.training import collectives  # noqa: E402
-from ntl_scale.training.checkpoint import Checkpointer  # noqa: E402
-from ntl_scale.training.resume import Layout  # noqa: E402
 
 SEED = 1234  # train.seed: what every restarted process seeds its generators with
 
@@ -156,7 +156,7 @@ def test_another_layout_restores_the_cpu_generator_of_rank_0_only(tmp_path, monk
 
 @pytest.mark.parametrize("devices_now", [1, 3])
 def test_another_number_of_devices_restores_those_present(devices_now):
-    from ntl_scale.training.resume import restore_rng, rng_state
+    from ntl_scale.integrations.deepspeed.resume_layout import restore_rng, rng_state
 
     before = FakeAccelerator(2, seed=5)
     before.draw(0, n=3), before.draw(1, n=7)
@@ -176,7 +176,7 @@ def test_the_cpu_accelerator_has_no_device_generators_of_its_own():
     twice, and its ``set_rng_state(state, index)`` (which torch.set_rng_state cannot take) is never called."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    from ntl_scale.training.resume import restore_rng, rng_state
+    from ntl_scale.integrations.deepspeed.resume_layout import restore_rng, rng_state
 
     _process(11)
     state = rng_state(CPU_Accelerator())

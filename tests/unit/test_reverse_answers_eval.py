@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from ntl_scale.data import ArithmeticConfig, generate  # noqa: E402
-from ntl_scale.training.evaluate import evaluate_generation  # noqa: E402
+from ntl_scale.training.scoring import evaluate_generation  # noqa: E402
 from ntl_scale.training.tokenizer import build_char_tokenizer  # noqa: E402
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ntl_scale.integrations.deepspeed.resolved import RESOLVED_FILE, Resolved, resolve_run
 from ntl_scale.training.config import TrackingConfig, load_config
 from ntl_scale.training.flops import FlopsCounter
-from ntl_scale.training.resolved import RESOLVED_FILE, Resolved, resolve_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -170,8 +170,8 @@ def test_tokens_read_counts_what_the_model_reads():
 
 
 def test_checkpoint_schedule_and_status_file(tmp_path):
-    from ntl_scale.training.checkpoint import Checkpointer
-    from ntl_scale.training.resume import Layout
+    from ntl_scale.integrations.deepspeed.checkpointer import Checkpointer
+    from ntl_scale.integrations.deepspeed.resume_layout import Layout
 
     def checkpointer(save_every: int, rank: int = 0) -> Checkpointer:
         return Checkpointer(

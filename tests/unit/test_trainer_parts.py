@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ntl_scale.integrations.deepspeed.resolved import resolve_deepspeed_config
 from ntl_scale.training.config import ModelConfig, TrainConfig
-from ntl_scale.training.steps import resolve_deepspeed_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,8 +77,8 @@ def test_flash_attention_without_the_package_is_a_clear_error(monkeypatch):
 
 def test_heldout_batches_are_dealt_evenly_over_ranks():
     from ntl_scale.data.arithmetic import generate
+    from ntl_scale.integrations.deepspeed.trainer import heldout_qa_batches, to_device
     from ntl_scale.training.tokenizer import build_char_tokenizer
-    from ntl_scale.training.trainer import heldout_qa_batches, to_device
 
     tokenizer = build_char_tokenizer()
     examples = generate(11, "interpolate", seed=0)

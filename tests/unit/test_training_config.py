@@ -15,9 +15,10 @@ import torch
 
 import ntl_scale
 from ntl_scale.data import ShardedOrder
+from ntl_scale.integrations.deepspeed.resolved import resolve_deepspeed_config
+from ntl_scale.integrations.deepspeed.resume_layout import Layout, plan_resume, write_layout
+from ntl_scale.integrations.deepspeed.steps import global_counts, shift_for_causal
 from ntl_scale.training.config import TrainConfig, load_config
-from ntl_scale.training.resume import Layout, plan_resume, write_layout
-from ntl_scale.training.steps import global_counts, resolve_deepspeed_config, shift_for_causal
 from tests.helpers.study_presets import run_overrides
 
 
@@ -118,7 +119,7 @@ def test_shift_and_global_counts():
 
 def test_run_data_from_files_and_generator(tmp_path):
     from ntl_scale.training.config import DataConfig
-    from ntl_scale.training.data import eval_sets, train_dataset
+    from ntl_scale.training.sources import eval_sets, train_dataset
     from ntl_scale.training.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
@@ -271,7 +272,7 @@ def test_every_shipped_config_and_preset_builds_its_generated_data(names, cfg):
     end in test_docs_and_study, and the DeepMind generator is run in test_deepmind_data."""
     import re
 
-    from ntl_scale.training.data import _task, eval_sets
+    from ntl_scale.training.sources import _task, eval_sets
     from ntl_scale.training.tokenizer import build_char_tokenizer
 
     data = cfg.data

@@ -53,6 +53,7 @@ __all__ = [
     "apply_ntl",
     "apply_ntl_to_megatron_model",
     "find_language_model",
+    "forward_step_from_args",
     "remove_ntl",
 ]
 
@@ -570,3 +571,73 @@ class _ReportNTL:
 
 
 apply_ntl = deprecated_alias(apply_ntl_to_megatron_model, "ntl_scale.integrations.megatron.lm.apply_ntl")
+
+
+def forward_step_from_args(forward_step: Any, args: Any, parallel_state: Any, *, tokenizer: Any = None) -> Any:
+    """Megatron-LM's ``forward_step`` with NTL, assembled from the run's parsed arguments.
+
+    What ``launch/pretrain_gpt_ntl.py`` calls on the first step (after Megatron has initialised its
+    groups, tokenizer and micro-batch calculator); a launcher of your own calls it the same way:
+    ``forward_step_from_args(forward_step, megatron.training.get_args(), megatron.core.parallel_state)``.
+
+    Args:
+        forward_step: the release's own ``forward_step(data_iterator, model, ...)``.
+        args: Megatron's parsed arguments, the ``--ntl-*`` flags among them (:func:`add_ntl_args`).
+        parallel_state: ``megatron.core.parallel_state`` (its groups give :class:`StepGroups`).
+        tokenizer: the run's tokenizer; None: Megatron's global one, else built from ``args``.
+
+    Returns:
+        ``forward_step`` itself when ``--ntl-weight`` is 0, else an :class:`NTLForwardStep` around it.
+    """
+    from .args import build_number_vocab
+
+    settings = NTLSettings.from_args(args)
+    if not settings.enabled:
+        return forward_step
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        raise ValueError(
+            "--ntl-weight > 0 does not support --overlap-moe-expert-parallel-comm (the model's forward runs "
+            "in schedule plans outside forward_step); turn one of them off"
+        )
+    if getattr(args, "use_legacy_models", False):
+        raise ValueError("--ntl-weight > 0 needs megatron.core models; drop --use-legacy-models")
+    if tokenizer is None:
+        tokenizer = _megatron_tokenizer(args)
+    vocab = build_number_vocab(settings, tokenizer, args.padded_vocab_size)
+    ps = parallel_state
+    groups = StepGroups(
+        tp_group=ps.get_tensor_model_parallel_group(),
+        cp_group=ps.get_context_parallel_group(),
+        count_group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+        dp_cp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+        reads_data=ps.get_tensor_model_parallel_rank() == 0,
+        counts_data=ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0,
+        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu",
+    )
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    return NTLForwardStep(
+        forward_step,
+        settings,
+        vocab,
+        groups,
+        num_microbatches=get_num_microbatches,
+        per_token_loss=bool(args.calculate_per_token_loss),
+    )
+
+
+def _megatron_tokenizer(args: Any) -> Any:
+    """The run's tokenizer: Megatron's global one where the release keeps it, else built from the args."""
+    try:
+        from megatron.training import get_tokenizer
+
+        tokenizer = get_tokenizer()
+        if tokenizer is not None:
+            return tokenizer
+    except (ImportError, AssertionError):
+        pass
+    try:
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    except ImportError:
+        from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+    return build_tokenizer(args)

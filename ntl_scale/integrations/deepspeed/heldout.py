@@ -3,8 +3,8 @@
 :func:`heldout_micro_batches` deals this data-parallel rank its share of the held-out text: the first
 generation-evaluation split of a question/answer source, or ``data.eval_sequences`` packed sequences of
 a pretraining corpus. :class:`Evaluator` runs them forward only (every ``train.eval_every`` steps and at
-the end; the metrics of :func:`~ntl_scale.training.evaluate.heldout_metrics`) and, at the end, the
-generation evaluation of ``eval`` (:func:`~ntl_scale.training.evaluate.evaluate_generation`).
+the end; the metrics of :func:`~ntl_scale.training.scoring.heldout_metrics`) and, at the end, the
+generation evaluation of ``eval`` (:func:`~ntl_scale.training.scoring.evaluate_generation`).
 
 Collectives: one SUM all-reduce of the held-out sums over the data-parallel group per evaluation; one
 object all-gather over it when the per-sequence sums are written; inside the model, ZeRO-3 gathers
@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from ..atomic import atomic_write
-from ..data.arithmetic import Example
-from ..data.collate import EncodedExample, collate, encode_pairs, fits
-from .collectives import gathered, sum_over
-from .config import DataConfig, EvalConfig
+from ...atomic import atomic_write
+from ...data.arithmetic import Example
+from ...data.collate import EncodedExample, collate, encode_pairs, fits
+from ...training.collectives import gathered, sum_over
+from ...training.config import DataConfig, EvalConfig
+from ...training.model_inputs import Inputs
 from .engine import Engine
-from .inputs import Inputs
 
 __all__ = ["Evaluator", "heldout_micro_batches", "heldout_qa_batches"]
 
@@ -61,7 +61,7 @@ def heldout_micro_batches(
 ) -> list[dict[str, Any]]:
     """This rank's held-out micro-batches (host tensors): the first generation-evaluation split of the
     question/answer sources; the held-out packed sequences of a pretraining corpus (``data.eval_sequences``)."""
-    from .data import PACKED_SOURCES, heldout_batches
+    from ...training.sources import PACKED_SOURCES, heldout_batches
 
     if data.source in PACKED_SOURCES:
         return heldout_batches(data, tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
@@ -103,7 +103,7 @@ class Evaluator:
         """Loss, perplexity and number metrics on held-out micro-batches (this rank's share; default
         :attr:`batches`), summed over every data-parallel rank.
 
-        Returns ``eval/<name>`` for each metric of :func:`~ntl_scale.training.evaluate.heldout_metrics`:
+        Returns ``eval/<name>`` for each metric of :func:`~ntl_scale.training.scoring.heldout_metrics`:
         ``ce``, ``ppl``, ``ntl``, ``loss`` (the training objective), ``number_acc``, and split by label
         kind ``text_ppl`` (labels that are not number tokens) and ``number_token_ppl`` /
         ``number_token_acc`` / ``number_token_mae`` (number-token labels; the MAE of the expected value
@@ -112,7 +112,7 @@ class Evaluator:
         CRC-32 of its int64 labels (``labels_crc32``: runs pair only the same text). Every rank
         must call it with the same number of batches (ZeRO-3 gathers parameters in each forward).
         """
-        from .evaluate import HELDOUT_COLUMNS, heldout_metrics, sequence_stats
+        from ...training.scoring import HELDOUT_COLUMNS, heldout_metrics, sequence_stats
 
         engine = self.engine
         batches = self.batches if batches is None else batches
@@ -154,8 +154,8 @@ class Evaluator:
 
     def generation(self) -> dict[str, dict[str, float]]:
         """Answers generated for each held-out question split and scored (every rank generates the same)."""
-        from ..integrations.deepspeed import full_logits
-        from .evaluate import evaluate_generation
+        from ...training.scoring import evaluate_generation
+        from .autotp import full_logits
 
         evaluation, data = self.evaluation, self.data
         results = {}

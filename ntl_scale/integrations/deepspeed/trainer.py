@@ -18,7 +18,7 @@ The run config is never changed: what the run derives from it is the :class:`~.r
 record, saved beside ``config.json``. Distributed is initialised by the caller (``launch/train.py``);
 the trainer receives the rank, the world size and the device. Every collective goes through
 :mod:`~ntl_scale.training.collectives` (the step's global counts through
-:func:`~ntl_scale.training.steps.global_counts`), on tensors of the engine's device (NCCL refuses
+:func:`~ntl_scale.integrations.deepspeed.steps.global_counts`), on tensors of the engine's device (NCCL refuses
 host tensors).
 """
 
@@ -30,13 +30,20 @@ from typing import Any
 
 import torch
 
-from .checkpoint import Checkpointer
-from .collectives import largest_over_ranks, sum_over
-from .config import RunConfig
+from ...training.collectives import largest_over_ranks, sum_over
+from ...training.config import RunConfig
+from ...training.metrics import STEP_SUMS, MetricsLogger, print_summary, tokens_read
+from ...training.model_inputs import (
+    Inputs,
+    check_one_token_per_digit,
+    check_position_ids,
+    load_data,
+    to_device,
+    tokenizer_and_table,
+)
+from .checkpointer import Checkpointer
 from .engine import Engine, check_inputs
-from .evaluator import Evaluator, heldout_micro_batches, heldout_qa_batches
-from .inputs import Inputs, check_one_token_per_digit, check_position_ids, load_data, to_device, tokenizer_and_table
-from .metrics import STEP_SUMS, MetricsLogger, print_summary, tokens_read
+from .heldout import Evaluator, heldout_micro_batches, heldout_qa_batches
 from .resolved import RESOLVED_FILE, accelerator_has_bf16, resolve_run
 from .steps import global_counts, loss_from_terms, ntl_options
 
@@ -165,7 +172,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Set-up, the steps (with held-out evaluation every ``train.eval_every`` steps and checkpoints
         every ``train.save_every``), the final checkpoint, export, evaluation. A signal checkpoints and stops."""
-        from .data import PACKED_SOURCES
+        from ...training.sources import PACKED_SOURCES
 
         cfg, steps = self.cfg, self.cfg.train.steps
         self.setup()

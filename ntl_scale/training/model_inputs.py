@@ -6,7 +6,7 @@ Built in two steps, because the data-parallel layout is known only once DeepSpee
    training set (rank 0 fills the ``datasets`` cache first, the others read it: one barrier) and the
    generation-evaluation splits;
 2. :class:`Inputs`: this data-parallel rank's micro-batches in a resumable order
-   (:class:`~ntl_scale.training.data.Batches`; ``position`` is stored in each checkpoint), moved to
+   (:class:`~ntl_scale.training.sources.Batches`; ``position`` is stored in each checkpoint), moved to
    the engine's device (DeepSpeed's ``engine(...)`` does not move inputs; NCCL refuses host tensors),
    with ``data.position_coupling``'s position ids made there.
 
@@ -50,7 +50,7 @@ def tokenizer_and_table(model: ModelConfig, digit_level: bool) -> tuple[Any, Num
 def load_data(data: DataConfig, tokenizer: Any, *, kind: str, seq_length: int, rank: int) -> tuple[Any, dict]:
     """The tokenised training set (rank 0 fills the Arrow cache first, the others read it) and the
     generation-evaluation splits; a packed corpus logs what packing left out (rank 0)."""
-    from .data import eval_sets, packing_summary, train_dataset
+    from .sources import eval_sets, packing_summary, train_dataset
 
     train_set = rank_zero_first(rank, lambda: train_dataset(data, tokenizer, kind=kind, seq_length=seq_length))
     summary = packing_summary(train_set)  # packed corpora: every count of what was left out
@@ -123,7 +123,7 @@ class Inputs:
         dp: int,
         device: torch.device,
     ) -> None:
-        from .data import Batches
+        from .sources import Batches
 
         self.data, self.tokenizer, self.vocab, self.seed = data, tokenizer, vocab, seed
         self.rank, self.dp_rank, self.device = rank, dp_rank, device

@@ -9,7 +9,7 @@ directory is a :class:`Resolved` record, saved beside the config as ``run_dir/re
 - the gradient-accumulation steps and the global batch (``micro_batch_size x accumulation x dp``);
 - bf16 on or off (auto: on for an accelerator with bf16, off on the CPU);
 - the DeepSpeed config as handed to ``deepspeed.initialize`` (``"auto"`` values filled by
-  :func:`~ntl_scale.training.steps.resolve_deepspeed_config`; ``checkpoint.load_universal`` when the
+  :func:`resolve_deepspeed_config`; ``checkpoint.load_universal`` when the
   run resumes on another layout);
 - how the run starts: from step 0, or resuming its checkpoint as written or re-partitioned.
 """
@@ -24,12 +24,11 @@ from typing import Any
 
 import torch
 
-from ..atomic import write_json_atomically
-from .config import TrainConfig
-from .resume import Layout
-from .steps import resolve_deepspeed_config
+from ...atomic import write_json_atomically
+from ...training.config import TrainConfig
+from .resume_layout import Layout
 
-__all__ = ["RESOLVED_FILE", "Resolved", "accelerator_has_bf16", "resolve_run"]
+__all__ = ["RESOLVED_FILE", "Resolved", "accelerator_has_bf16", "resolve_deepspeed_config", "resolve_run"]
 
 RESOLVED_FILE = "resolved.json"
 
@@ -54,7 +53,7 @@ class Resolved:
     """The DeepSpeed config handed to ``deepspeed.initialize``."""
     resume: str | None = None
     """``None`` (from step 0), ``"same"`` (the checkpoint as written) or ``"universal"`` (re-partitioned
-    for another layout); see :func:`~ntl_scale.training.resume.plan_resume`."""
+    for another layout); see :func:`~ntl_scale.integrations.deepspeed.resume_layout.plan_resume`."""
 
     @property
     def layout(self) -> Layout:
@@ -75,6 +74,87 @@ class Resolved:
     def save(self, path: str) -> None:
         """Writes the record as JSON, atomically."""
         write_json_atomically(self.to_dict(), path)
+
+
+def resolve_deepspeed_config(
+    ds: dict[str, Any], train: TrainConfig, world_size: int, *, bf16_default: bool = False
+) -> dict[str, Any]:
+    """Fills DeepSpeed's ``"auto"`` values from the training config; a contradiction is an error.
+
+    With ``train.tensor_parallel_size`` N > 1 the JSON gets ``"tensor_parallel": {"autotp_size": N,
+    "vocab_parallel_lm_head": true}`` (with any ZeRO stage, 3 included) and the batch size counts
+    data-parallel ranks only.
+
+    Args:
+        ds: the DeepSpeed JSON as a dict.
+        train: the training section of the run config.
+        world_size: all ranks (data x tensor parallel).
+        bf16_default: what ``train.bf16: null`` (auto) means here: True on a GPU or other accelerator
+            with bf16, False on the CPU.
+
+    Returns:
+        A resolved copy.
+    """
+    ds = copy.deepcopy(ds)
+    tp = train.tensor_parallel_size
+    if world_size % tp:
+        raise ValueError(
+            f"train.tensor_parallel_size={tp} does not divide the {world_size} ranks; launch a multiple of {tp} "
+            "processes (the rest of the world is data parallel)"
+        )
+    section = ds.setdefault("tensor_parallel", {})
+    given = section.get("autotp_size", tp)
+    if given not in (tp, "auto") and not (tp == 1 and given == 0):  # DeepSpeed's own "off" is 0
+        raise ValueError(
+            f"DeepSpeed tensor_parallel.autotp_size={given!r} contradicts train.tensor_parallel_size={tp}; "
+            'drop it from the JSON or set it to "auto"'
+        )
+    if tp > 1:
+        # Any ZeRO stage: DeepSpeed >= 0.19.4 trains AutoTP with ZeRO-3 (its engine.py says so; tested here
+        # equal to TP=1). ZeRO-3 then partitions each TP shard over the data-parallel ranks and the
+        # replicated weights (norms, embeddings) over all ranks.
+        if section.get("vocab_parallel_lm_head") is False:
+            raise ValueError(
+                "tensor_parallel.vocab_parallel_lm_head=false in the DeepSpeed JSON: ntl_scale computes CE + NTL on "
+                "the vocabulary shard; remove the key"
+            )
+        section.update(autotp_size=tp, vocab_parallel_lm_head=True)
+    elif not section:
+        del ds["tensor_parallel"]  # nothing asked for: the JSON stays as it was
+    world_size //= tp
+    accumulation = train.accumulation_for(world_size)
+    wanted = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": train.micro_batch_size * accumulation * world_size,
+    }
+    for key, value in wanted.items():
+        given = ds.get(key, "auto")
+        if given == "auto":
+            ds[key] = value
+        elif given != value:
+            raise ValueError(
+                f"DeepSpeed config sets {key}={given!r} but the run config implies {value} "
+                f"(train.micro_batch_size={train.micro_batch_size}, train.gradient_accumulation_steps="
+                f'{accumulation}, {world_size} ranks); set it to "auto" or make them agree'
+            )
+    if tp > 1:
+        # DeepSpeed 0.19 checks train_batch_size against micro x accumulation x *all* ranks while AutoTP
+        # is set up (its data-parallel size is known only later); let it derive the value.
+        ds.pop("train_batch_size", None)
+    bf16 = ds.get("bf16", {})
+    if bf16.get("enabled") == "auto":
+        bf16["enabled"] = bf16_default if train.bf16 is None else train.bf16
+    elif train.bf16 is not None and bool(bf16.get("enabled", False)) != train.bf16:
+        raise ValueError(
+            f'DeepSpeed bf16.enabled={bf16.get("enabled")} contradicts train.bf16={train.bf16}; use "auto"'
+        )
+    params = ds.get("optimizer", {}).get("params", {})
+    if params.get("lr", "auto") == "auto":
+        params["lr"] = train.lr
+    elif float(params["lr"]) != train.lr:
+        raise ValueError(f'DeepSpeed optimizer lr={params["lr"]} contradicts train.lr={train.lr}; use "auto"')
+    return ds
 
 
 def accelerator_has_bf16(device: torch.device) -> bool:
@@ -101,7 +181,7 @@ def resolve_run(train: TrainConfig, world_size: int, *, bf16_default: bool) -> R
 
     Raises:
         ValueError: a DeepSpeed value that contradicts the run config, or a tensor-parallel size that does
-            not divide the world (from :func:`~ntl_scale.training.steps.resolve_deepspeed_config`).
+            not divide the world (from :func:`resolve_deepspeed_config`).
     """
     with open(train.deepspeed_config) as f:
         deepspeed = resolve_deepspeed_config(json.load(f), train, world_size, bf16_default=bf16_default)

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..number_vocab import NumberVocab
-from ..options import NTLOptions
-from ..terms import PerTokenTerms, per_token_ce_ntl
-from .build import build_model
-from .config import ModelConfig, RunConfig, TrainConfig
-from .flops import FlopsCounter
+from ...number_vocab import NumberVocab
+from ...options import NTLOptions
+from ...terms import PerTokenTerms, per_token_ce_ntl
+from ...training.build import build_model
+from ...training.config import ModelConfig, RunConfig, TrainConfig
+from ...training.flops import FlopsCounter
 from .resolved import Resolved
 from .steps import shift_for_causal
 
@@ -109,7 +109,7 @@ class Engine:
         tp, ds_config = resolved.tensor_parallel, resolved.deepspeed
         torch.manual_seed(train.seed)
         model, keep_alive = build_model(model_cfg, vocab_size, ds_config, tokenizer)
-        from ..integrations.hf.chunked import head_options
+        from ..hf.chunked import head_options
 
         # the model's own soft-capping (Gemma 2/3) carried to a loss built from the hidden states; refused
         # with ntl.logit_softcap on such a model, on both paths (its logits would be capped twice)
@@ -125,7 +125,7 @@ class Engine:
         if train.chunked_loss:  # CE + NTL from the hidden states: the logits are never materialised
             if model_cfg.kind != "causal":
                 raise ValueError("train.chunked_loss=true supports model.kind=causal; use the logits path for seq2seq")
-            from ..integrations.hf import ChunkedLossCausalLM
+            from ..hf import ChunkedLossCausalLM
 
             trained = ChunkedLossCausalLM(model, vocab, options, train.loss_chunk_tokens)
         # counted from the whole model, before AutoTP leaves each rank a slice of the layers
@@ -145,7 +145,7 @@ class Engine:
                     "Conv1D. Use one of those architectures or train.tensor_parallel_size=1"
                 ) from error
             raise
-        from ..integrations.deepspeed import head_shard, install_vocab_parallel_loss_head
+        from .autotp import head_shard, install_vocab_parallel_loss_head
 
         shard = head_shard(model) if tp > 1 else None
         if tp > 1 and shard is None:
@@ -259,7 +259,7 @@ class Engine:
         """A plain Hugging Face folder (``run_dir/hf_model``, with the number table): every weight gathered."""
         import deepspeed
 
-        from ..integrations.deepspeed import gathered_weights
+        from .autotp import gathered_weights
 
         out = os.path.join(run_dir, "hf_model")
         with (

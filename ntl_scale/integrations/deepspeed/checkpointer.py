@@ -3,11 +3,11 @@
 A :class:`Checkpointer` is built from the run directory, the run's layout and ``train.save_every``:
 
 - :meth:`~Checkpointer.plan` compares the layout with the one the checkpoints were written with
-  (:func:`~ntl_scale.training.resume.plan_resume`): start, resume as written, or convert once to
+  (:func:`~ntl_scale.integrations.deepspeed.resume_layout.plan_resume`): start, resume as written, or convert once to
   DeepSpeed's universal format (rank 0, the others waiting) and re-partition;
 - :meth:`~Checkpointer.save` writes DeepSpeed's checkpoint ``step{N}`` with the step, the data position
   and the CPU generator as client state, and each rank's generators (``rng_rank{r}.pt``,
-  :func:`~ntl_scale.training.resume.save_rng`); ``latest`` moves last, after a barrier, so a crash
+  :func:`~ntl_scale.integrations.deepspeed.resume_layout.save_rng`); ``latest`` moves last, after a barrier, so a crash
   leaves it at the previous complete checkpoint;
 - :meth:`~Checkpointer.load` reads back what ``latest`` names;
 - :meth:`~Checkpointer.read_state` / :meth:`~Checkpointer.write_status`: ``running``, ``stopped``
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ..atomic import atomic_write, write_atomically
-from .collectives import barrier, from_rank_zero, on_rank_zero
-from .resume import Layout, load_rng, plan_resume, read_layout, save_rng, to_universal, write_layout
+from ...atomic import atomic_write, write_atomically
+from ...training.collectives import barrier, from_rank_zero, on_rank_zero
+from .resume_layout import Layout, load_rng, plan_resume, read_layout, save_rng, to_universal, write_layout
 
 __all__ = ["Checkpointer"]
 

@@ -1,0 +1,86 @@
+"""The pieces of a CE + NTL training step that do not depend on DeepSpeed: global token counts,
+and the per-micro-batch loss with exact global normalisation.
+
+The counts and the normalisations are :mod:`ntl_scale.normalization`'s; what is DeepSpeed's own here is
+the rescale (``scale``: the engine divides the loss by the accumulation steps and averages the
+gradients over the data-parallel ranks) and the counts read on the host once per step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..._deprecation import moved_names
+from ...normalization import micro_batch_sums, objective, step_counts
+from ...number_vocab import NumberVocab
+from ...options import NTLOptions
+from ...terms import PerTokenTerms
+from ...training.config import NTLConfig
+
+__all__ = ["global_counts", "loss_from_terms", "shift_for_causal"]
+
+# moved in 0.2.0: what the run resolves from its config is ntl_scale.integrations.deepspeed.resolved's
+__getattr__ = moved_names(__name__, {"resolve_deepspeed_config": "ntl_scale.integrations.deepspeed.resolved"})
+
+
+def shift_for_causal(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets: position ``t`` predicts ``labels[t + 1]``; the last position is ignored."""
+    pad = torch.full_like(labels[:, :1], -100)
+    return torch.cat([labels[:, 1:], pad], dim=1)
+
+
+def global_counts(
+    targets: list[torch.Tensor],
+    vocab: NumberVocab,
+    group: dist.ProcessGroup | None,
+    options: NTLOptions | None = None,
+) -> tuple[float, float]:
+    """Target tokens and NTL positions of a whole step: all micro-batches, all DP ranks (``group``).
+
+    :func:`ntl_scale.normalization.step_counts` (NTL positions of ``options``, the run's
+    :func:`ntl_options`; None counts number-token targets), read on the host: one SUM all-reduce of two
+    numbers over ``group``, computed from the labels before the forward, on the labels' device (NCCL
+    reduces device tensors only).
+    """
+    counts = step_counts(targets, vocab, options, group=group)
+    return float(counts[0]), float(counts[1])
+
+
+def ntl_options(ntl: NTLConfig) -> NTLOptions:
+    """The loss variant of a run config, and its ``impl`` (:meth:`ntl_scale.options.NTLRunOptions.options`)."""
+    return ntl.options()
+
+
+def loss_from_terms(
+    terms: PerTokenTerms,
+    targets: torch.Tensor,
+    ntl: NTLConfig,
+    *,
+    counts: tuple[float, float] | None,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss to back-propagate for one micro-batch, and its logging sums, from its per-token terms (of
+    the logits, of a vocabulary shard, or of the chunked loss: :meth:`.engine.Engine.forward_terms`).
+
+    ``global`` normalisation: ``(sum CE / N + w * sum NTL / K) * scale`` with ``N``, ``K`` the step's
+    global counts; ``scale`` undoes the engine's own averaging (gradient-accumulation steps x DP
+    size), so the optimizer sees exactly ``sum over the global batch / global count``.
+    ``micro-batch``: ``mean CE + w * mean NTL`` of this micro-batch (the engine averages those).
+
+    :func:`ntl_scale.normalization.objective` of the micro-batch's sums, over the step's ``counts``
+    (``global``, times ``scale``) or the micro-batch's own (``micro-batch``).
+
+    Returns the loss and its logging sums ``[ce_sum, ntl_sum, tokens, numbers, hits]`` as one float64
+    tensor on the loss's device: nothing is read on the host here, so a training step queues its
+    micro-batches without waiting for the device; the caller adds them up and reads them once per step.
+    """
+    sums = micro_batch_sums(terms, targets != -100)
+    if ntl.normalization == "global":
+        if counts is None:
+            raise ValueError("ntl.normalization=global needs the step's global counts")
+        loss = objective(sums, counts, ntl.weight, scale=scale)  # scale: the engine's ga x dp, undone by it
+    else:
+        loss = objective(sums, (sums.tokens, sums.numbers), ntl.weight)
+    stats = torch.stack([sums.ce.detach().double(), sums.ntl.detach().double(), sums.tokens.double(),
+                         sums.numbers.double(), sums.hits.double()])  # fmt: skip
+    return loss, stats
