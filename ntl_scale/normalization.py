@@ -25,7 +25,7 @@ that ``scale * L`` after the framework's own division is ``L`` (``docs/normaliza
 
 | front end | how it calls this module | its ``scale`` |
 |---|---|---|
-| DeepSpeed trainer (``training/steps.py``) | :func:`objective` | ``ga * dp``: the engine divides by both |
+| DeepSpeed (``integrations/deepspeed/steps.py``) | :func:`objective` | ``ga * dp``: the engine divides by both |
 | Megatron ``make_loss_func`` (``global``) | :func:`objective` | Megatron's micro-batch scale ``n x m x dp`` |
 | Megatron ``make_loss_func`` (otherwise) | :func:`factors` | none: Megatron divides by ``N`` itself |
 | Megatron-LM drop-in (``megatron/lm.py``) | :func:`factors` | the same, per token (``MicroBatchScale``) |

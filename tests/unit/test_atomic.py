@@ -161,8 +161,8 @@ def test_eval_json_and_the_cut_back_metrics_keep_the_old_file_when_the_write_fai
 
 
 def test_number_table_and_checkpoint_status_keep_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
-    from ntl_scale.training.checkpoint import Checkpointer
-    from ntl_scale.training.resume import Layout
+    from ntl_scale.integrations.deepspeed.checkpointer import Checkpointer
+    from ntl_scale.integrations.deepspeed.resume_layout import Layout
 
     vocab = ntl_scale.NumberVocab([3, 4], [0.0, 1.0], 8)
     vocab.save(tmp_path / "vocab.json")
@@ -181,7 +181,10 @@ def test_number_table_and_checkpoint_status_keep_the_old_file_when_the_write_fai
 
 
 # Renames that are not a file written in place: a finished folder moved to its name (the writer is for files).
-_FOLDER_RENAMES = {("ntl_scale/training/resume.py", "partial"), ("ntl_scale/data/deepmind.py", "partial")}
+_FOLDER_RENAMES = {
+    ("ntl_scale/integrations/deepspeed/resume_layout.py", "partial"),
+    ("ntl_scale/data/deepmind.py", "partial"),
+}
 
 
 def test_no_hand_written_temporary_file_and_rename():

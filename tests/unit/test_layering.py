@@ -23,7 +23,7 @@ PENDING: set[str] = set()
 
 LAYERS = [  # bottom up
     {"options", "_tracing", "_checks", "_optional", "_deprecation", "atomic", "number_level", "kernels",
-     "kernels.triton_ce_ntl", "shards"},
+     "kernels.triton_ce_ntl", "shards", "startup"},
     {"number_vocab", "shard_math"},
     {"_validation", "parallel"},
     {"terms"},

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..atomic import atomic_write, write_atomically
+from ...atomic import atomic_write, write_atomically
 
 __all__ = [
     "Layout", "load_rng", "plan_resume", "read_layout", "restore_rng", "rng_state", "save_rng", "to_universal",
