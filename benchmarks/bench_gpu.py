@@ -225,10 +225,10 @@ def ours_chunked(triton: bool, weight: float = NTL_WEIGHT, chunk_tokens: int | N
 
 
 def on_chip_linear_ce_ntl(x: Inputs) -> Built:
-    """``ntl_scale.kernels.triton_linear_ce_ntl.fused_linear_ce_ntl`` (issue 43: the logits never leave the chip),
+    """``ntl_scale.linear_on_chip.fused_linear_ce_ntl`` (issue 43: the logits never leave the chip),
     its per-token terms reduced as ``linear_ce_with_ntl`` reduces them (mean CE + 0.3 mean NTL-WAS)."""
     _impl(x, True)
-    from ntl_scale.kernels.triton_linear_ce_ntl import fused_linear_ce_ntl
+    from ntl_scale.linear_on_chip import fused_linear_ce_ntl
     from ntl_scale.reductions import combine_terms
 
     options = ntl_scale.NTLOptions()

@@ -24,10 +24,10 @@ PENDING: set[str] = set()
 LAYERS = [  # bottom up
     {"options", "_tracing", "_checks", "_optional", "_deprecation", "atomic", "number_level", "kernels",
      "kernels.triton_ce_ntl", "shards", "startup"},
-    {"number_vocab", "shard_math"},
+    {"number_vocab", "shard_math", "kernels.triton_linear_ce_ntl"},
     {"_validation", "parallel"},
     {"terms"},
-    {"reductions", "normalization", "kernels.triton_linear_ce_ntl"},
+    {"reductions", "normalization", "linear_on_chip"},
     {"linear_op"},
     {"losses", "linear"},
 ]  # fmt: skip

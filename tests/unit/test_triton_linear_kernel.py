@@ -48,7 +48,9 @@ def test_interpreter_tests_in_their_own_process():
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
 
 import ntl_scale  # noqa: E402
+import ntl_scale.linear_on_chip  # noqa: E402
 from ntl_scale.kernels import triton_linear_ce_ntl as fk  # noqa: E402
+from ntl_scale.linear_on_chip import fused_linear_ce_ntl  # noqa: E402
 from tests.helpers.reference import naive_per_token  # noqa: E402
 
 
@@ -93,7 +95,7 @@ def _reference(hidden, weight, labels, vocab, up, z_loss=0.0, **options):
 def _fused(hidden, weight, labels, vocab, up, options=None, blocks=SMALL, **kwargs):
     h = hidden.to(DEVICE, copy=True).requires_grad_()
     w = weight.to(DEVICE, copy=True).requires_grad_()
-    terms = fk.fused_linear_ce_ntl(h, w, labels.to(DEVICE), vocab, options, blocks=blocks, **kwargs)
+    terms = fused_linear_ce_ntl(h, w, labels.to(DEVICE), vocab, options, blocks=blocks, **kwargs)
     up = up.to(DEVICE)
     (up[0] * terms.ce + up[1] * terms.ntl + up[2] * terms.lse).sum().backward()
     return terms, h.grad, w.grad
@@ -140,7 +142,7 @@ def test_default_tiles_and_a_frozen_weight():
     _close(got_h, gh, torch.float32, "hidden gradient")
     _close(got_w, gw, torch.float32, "weight gradient")
     h = hidden.to(DEVICE, copy=True).requires_grad_()
-    terms = fk.fused_linear_ce_ntl(h, weight.to(DEVICE), labels.to(DEVICE), vocab, blocks=SMALL)
+    terms = fused_linear_ce_ntl(h, weight.to(DEVICE), labels.to(DEVICE), vocab, blocks=SMALL)
     (up[0] * terms.ce + up[1] * terms.ntl + up[2] * terms.lse).sum().backward()
     _close(h.grad, gh, torch.float32, "hidden gradient, frozen weight")
 
@@ -154,7 +156,7 @@ def test_autocast_runs_the_half_precision_kernels_and_check_finite_raises():
     _, _, _, gh, gw = _reference(*bf, labels, vocab, up)
     h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        terms = fk.fused_linear_ce_ntl(h, w, labels.to(DEVICE), vocab, blocks=SMALL)
+        terms = fused_linear_ce_ntl(h, w, labels.to(DEVICE), vocab, blocks=SMALL)
     (up[0] * terms.ce + up[1] * terms.ntl + up[2] * terms.lse).sum().backward()
     assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
     _close(h.grad, gh, torch.bfloat16, "hidden gradient under autocast")
@@ -162,7 +164,7 @@ def test_autocast_runs_the_half_precision_kernels_and_check_finite_raises():
     bad = hidden.clone()
     bad[5, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf at 1 of"):
-        fk.fused_linear_ce_ntl(bad.to(DEVICE), weight.to(DEVICE), labels.to(DEVICE), vocab, check_finite=True)
+        fused_linear_ce_ntl(bad.to(DEVICE), weight.to(DEVICE), labels.to(DEVICE), vocab, check_finite=True)
 
 
 # ------------------------------------------------------------------------- 2. ntloss
@@ -190,7 +192,7 @@ def test_ntl_was_matches_ntloss():
     want = reference(h64 @ w64.t(), labels, reduction="none")
     (want * upstream).sum().backward()
     h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
-    terms = fk.fused_linear_ce_ntl(h, w, labels.to(DEVICE), vocab, blocks=SMALL)
+    terms = fused_linear_ce_ntl(h, w, labels.to(DEVICE), vocab, blocks=SMALL)
     assert bool(terms.number_mask.any()) and float(want.detach().abs().max()) > 0
     (terms.ntl.double().cpu() * upstream).sum().backward()
     torch.testing.assert_close(terms.ntl.double().cpu(), want.detach().reshape(terms.ntl.shape), rtol=2e-6, atol=2e-6)
@@ -210,7 +212,7 @@ def _tp_worker(ctx, bounds):
     h = hidden.clone().requires_grad_()
     w = weight[start:stop].clone().requires_grad_()
     options = ntl_scale.NTLOptions(z_loss_weight=0.05)
-    terms = fk.fused_linear_ce_ntl(h, w, labels, vocab, options, tp_group=ctx.tp_group, vocab_start=start, blocks=SMALL)
+    terms = fused_linear_ce_ntl(h, w, labels, vocab, options, tp_group=ctx.tp_group, vocab_start=start, blocks=SMALL)
     (up[0] * terms.ce + up[1] * terms.ntl + up[2] * terms.lse).sum().backward()
     torch.testing.assert_close(terms.ce.double(), ce, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(terms.ntl.double(), ntl, rtol=2e-6, atol=2e-6)
@@ -240,7 +242,7 @@ def test_a_kernel_without_the_label_term_is_caught(monkeypatch):
     def no_label(hidden, weight, row_max, scale, label_coef, target, needs, *, blocks=None):
         return backward(hidden, weight, row_max, scale, 0 * label_coef, target, needs, blocks=blocks)
 
-    monkeypatch.setattr(fk, "backward_grads", no_label)
+    monkeypatch.setattr(ntl_scale.linear_on_chip, "backward_grads", no_label)  # the name the op calls
     *_, got_w = _fused(hidden, weight, labels, vocab, up)
     with pytest.raises(AssertionError):
         _close(got_w, gw, torch.float32, "weight gradient")
@@ -261,5 +263,5 @@ def test_refusals_name_the_alternative(change, message):
     extra = {"need_ce": change["need_ce"]} if "need_ce" in change else {}
     error = TypeError if "dtype" in change else ValueError
     with pytest.raises(error, match=message) as info:
-        fk.fused_linear_ce_ntl(hidden.to(DEVICE), weight.to(DEVICE), labels.to(DEVICE), vocab, options, **extra)
+        fused_linear_ce_ntl(hidden.to(DEVICE), weight.to(DEVICE), labels.to(DEVICE), vocab, options, **extra)
     assert "linear_ce_ntl" in str(info.value)
