@@ -110,8 +110,9 @@ def choose_chunk_tokens(
     * CUDA: chunks long enough for each chunk's weight-gradient GEMM to be math-bound
       (:func:`math_bound_chunk`, at least the CPU's chunk): the ``T`` tokens split into as many equal
       chunks as that allows (so the last one is not a short, memory-bound remainder: 8192 tokens at 128256
-      x 4096 are six chunks of 1368, not six of 1280 and one of 512), rounded up to a multiple of 8 (with
-      hundreds of chunks the last may fall up to 8 tokens a chunk short);
+      x 4096 are six chunks of 1368, not six of 1280 and one of 512), rounded up to a multiple of 8 (so the last
+      chunk may fall short of the bound by up to 8 tokens per chunk: with ~20 chunks of 1344 the last can
+      hold 1266, a negligible loss);
       capped so that the chunk's temporaries (its logits in ``dtype`` and, for half precision, an fp32
       copy of them: the backward's recomputation) take at most ``memory_fraction`` of ``free_bytes``.
 

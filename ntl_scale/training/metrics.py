@@ -23,7 +23,7 @@ from ..atomic import atomic_write
 from ..eval.numbers import extract_number
 from .config import TrackingConfig
 from .flops import FlopsCounter
-from .tracking import Tracker, plot_curves
+from .tracking import Tracker, plot_curves, read_metric_rows
 
 __all__ = ["STEP_SUMS", "MetricsLogger", "print_summary", "tokens_read"]
 
@@ -72,11 +72,10 @@ class MetricsLogger:
         self.tracker = Tracker(tracking.wandb, self.run_dir, config, tracking.project, active=self.rank == 0)
         if self.rank == 0:
             kept = []
-            if os.path.isfile(self.path):
-                with open(self.path) as f:
-                    kept = [line for line in f if json.loads(line)["step"] <= start_step]
+            if os.path.isfile(self.path):  # a row torn by a crash mid-append is left out (read_metric_rows)
+                kept = [row for row in read_metric_rows(self.path) if row["step"] <= start_step]
             with atomic_write(self.path) as f:  # a crash here keeps the rows the run had
-                f.writelines(kept)
+                f.writelines(json.dumps(row) + "\n" for row in kept)
         self._interval = {"start": time.time(), "tokens": 0, "seconds": 0.0, "steps": 0, "flops": 0.0}
         self._clock = time.time()
 

@@ -51,14 +51,33 @@ class Tracker:
             self.run = None
 
 
+def read_metric_rows(path: str) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl``; a last line without its newline (an append cut short by a crash or
+    a kill) is left out, so a run killed mid-append resumes. A damaged row before the end raises a
+    ValueError naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()  # torn by the crash: the step it logged is redone on resume
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{path}, line {number}: not a JSON row ({error}); expected one JSON object per line as the "
+                "trainer writes them; delete that line (and the ones after it) to resume from the rows before"
+            ) from None
+    return rows
+
+
 def plot_curves(metrics_path: str, png_path: str) -> None:
     """Plots CE and NTL per step from ``metrics.jsonl`` into a PNG (needs matplotlib)."""
     matplotlib = require("matplotlib", "wandb", "the loss-curve plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f]
+    rows = read_metric_rows(metrics_path)
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["ce"] for r in rows], label="CE")

@@ -204,3 +204,25 @@ def test_no_hand_written_temporary_file_and_rename():
                     if rel != "ntl_scale/atomic.py" and (rel, first) not in _FOLDER_RENAMES:
                         found.append(f"{rel}:{node.lineno}: os.{node.func.attr}({first}, ...)")
     assert not found, "write through ntl_scale.atomic.atomic_write instead:\n" + textwrap.indent("\n".join(found), "  ")
+
+
+def test_a_row_torn_by_a_kill_mid_append_does_not_stop_the_resume(tmp_path):
+    """metrics.jsonl is appended row by row: a kill mid-append leaves half a row at the end. The resume drops
+    it (that step is redone) instead of failing on it; a damaged row before the end is a clear error."""
+    from ntl_scale.training.config import TrackingConfig
+    from ntl_scale.training.flops import FlopsCounter
+    from ntl_scale.training.metrics import MetricsLogger
+
+    flops = FlopsCounter(matmul_params=1000, layers=2, width=8, peak_tflops=100.0)
+    logger = MetricsLogger(TrackingConfig(wandb="disabled", plot=False), str(tmp_path), steps=6, log_every=2,
+                           flops=flops, rank=0, world_size=1)  # fmt: skip
+    rows = "".join(json.dumps({"step": s, "ce": 1.0 / s}) + "\n" for s in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 4, "ce": 0.2')  # the kill came mid-append
+    logger.open(4, {})
+    assert (tmp_path / "metrics.jsonl").read_text() == rows
+    logger.open(2, {})  # and the ordinary cut back still applies
+    assert (tmp_path / "metrics.jsonl").read_text() == rows.split("\n", 2)[0] + "\n" + rows.split("\n")[1] + "\n"
+
+    (tmp_path / "metrics.jsonl").write_text(rows.replace('"step": 2', '"step": 2,,') + rows)
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a JSON row"):
+        logger.open(6, {})

@@ -201,7 +201,7 @@ def apply_ntl_to_hf_model(
         options: the NTL variant and ``impl`` (:class:`ntl_scale.NTLOptions`; the option spec,
             :mod:`ntl_scale.options`, lists how the other front ends spell each).
         chunked: the hidden-state loss in training (bias-free linear head; Granite's ``logits_scaling``
-            and Cohere's ``logit_scale`` are applied; soft-capped logits are refused).
+            and Cohere's ``logit_scale`` are applied; a soft-capping model's cap is applied too).
         chunk_tokens: tokens per chunk of the hidden-state loss (default: about 2**26 logits per chunk).
         check: with ``chunked``, compare the model's own logits with the hidden-state reconstruction on
             four tokens and refuse a model whose head does something else (skipped when the weights
