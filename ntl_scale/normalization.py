@@ -29,7 +29,7 @@ that ``scale * L`` after the framework's own division is ``L`` (``docs/normaliza
 | Megatron ``make_loss_func`` (``global``) | :func:`objective` | Megatron's micro-batch scale ``n x m x dp`` |
 | Megatron ``make_loss_func`` (otherwise) | :func:`factors` | none: Megatron divides by ``N`` itself |
 | Megatron-LM drop-in (``megatron/lm.py``) | :func:`factors` | the same, per token (``MicroBatchScale``) |
-| Megatron model mixin (``NTLLanguageModelMixin``) | :func:`factors` | none: Megatron divides by the mask's sum |
+| Megatron model mixin (``NTLLanguageModelMixin``) | :func:`factors` | as the drop-in (``global``); none otherwise |
 | Hugging Face (``hf/loss.py``) | :func:`objective` | none (a token count alone: ``K`` estimated as ``k N / n``) |
 | torchtitan (``torchtitan/loss.py``) | :func:`objective` | none: ``N`` is torchtitan's ``global_valid_tokens`` |
 

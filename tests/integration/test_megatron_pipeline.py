@@ -7,7 +7,8 @@ Sections:
 2. TP = 2, PP = 2 and TP = 2 x PP = 2 runs load the reference weights (sliced by each parameter's
    partition dimension) and must reproduce the reference losses and gradients within 1e-5.
 3. The mixin's chunked loss (no logits) equals the same model computing logits at TP = 2 (in the TP = 2
-   processes of section 2, after its check).
+   processes of section 2, after its check), for NTL off, micro-batch and global normalisation (the step's
+   ``MicroBatchScale`` set on both models).
 """
 
 from __future__ import annotations
@@ -204,6 +205,7 @@ def _chunked_worker(ctx: WorkerContext) -> None:
 
     import ntl_scale
     from ntl_scale.integrations import megatron as ntl_megatron
+    from ntl_scale.integrations.megatron.lm import MicroBatchScale
     from tests.helpers.megatron_cpu import tiny_gpt
 
     class NTLGPTModel(ntl_megatron.NTLLanguageModelMixin, GPTModel):
@@ -217,14 +219,17 @@ def _chunked_worker(ctx: WorkerContext) -> None:
     chunked_model.load_state_dict(logits_model.state_dict())
     tokens, labels, _ = _data()
     inputs = (tokens, torch.arange(SEQ).unsqueeze(0).expand(SEQUENCES, SEQ), torch.ones(1, 1, SEQ, SEQ).tril() < 0.5)
-    # the mixin cannot honour global normalisation (its per-token loss is averaged per micro-batch): refused
-    # (issue 40; it silently trained with the micro-batch mean)
-    with pytest.raises(ValueError, match=r"normalization='global' .* cannot be honoured"):
-        logits_model.configure_ntl(ntl_megatron.NTLSettings(**VARIANTS["global"]), vocab, tp_group)
-    for variant in ("off", "micro-batch"):
+    for variant in ("off", "micro-batch", "global"):
         settings = ntl_megatron.NTLSettings(**VARIANTS[variant])
         logits_model.configure_ntl(settings, vocab, tp_group)
         chunked_model.configure_ntl(settings, vocab, tp_group, chunked=True, chunk_tokens=5)
+        if variant == "global":  # the step's counts, as the forward-step routes set them (issue 41 item 2)
+            with pytest.raises(RuntimeError, match="needs the step's global counts"):
+                chunked_model(*inputs, labels=labels)
+            counts = ntl_megatron.GlobalCounts(vocab, None, settings.options())
+            counts.set_step([(labels, torch.ones(labels.shape))])
+            scale = MicroBatchScale(counts.tokens.float(), counts.numbers.float(), 2, 1, False)
+            logits_model.ntl_scale = chunked_model.ntl_scale = scale
         for model in (logits_model, chunked_model):
             model.zero_grad(set_to_none=True)
             model(*inputs, labels=labels).mean().backward()

@@ -38,6 +38,7 @@ from ...number_vocab import NumberVocab
 from ...options import NTLOptions, check_chunk_route, check_option
 from ...terms import PerTokenTerms, ntl_counts
 from .args import NTLSettings
+from .lm import MicroBatchScale
 from .terms import batch_first_terms, context_parallel_pieces, output_layer_terms, sequence_first_terms
 
 __all__ = [
@@ -322,7 +323,21 @@ class NTLLanguageModelMixin:
     loss_mask=loss_mask)``, which ``GPTModel.forward`` takes); without it every position counts (exact
     when the loss mask keeps every position, as in pretraining without padding). MTP heads, whose labels
     Megatron rolls, count every position of their labels.
+
+    ``normalization="global"`` uses the Megatron-LM route's mechanism: before each training forward the
+    caller sets :attr:`ntl_scale` to the step's :class:`~ntl_scale.integrations.megatron.lm.MicroBatchScale`
+    (the step's ``T`` and ``K`` from :class:`GlobalCounts` or :func:`ntl_scale.normalization.step_counts`,
+    the micro-batch count ``m``, the data x context parallel size ``r``, ``--calculate-per-token-loss``),
+    as ``NTLForwardStep`` sets ``hook.scale``. The main head's per-token loss is then ``a ce + b w ntl``
+    with ``(a, b) = ntl_scale.weights(n)`` (``n`` the micro-batch's mask sum), so that after Megatron's
+    division by ``n``, ``m`` and ``r`` (or by the step's token count with per-token loss) the summed
+    gradient is that of ``CE_sum / T + w NTL_sum / K`` over the whole step. A training forward (grad
+    mode) under ``global`` without :attr:`ntl_scale` raises; evaluation (no grad) and MTP heads use the
+    micro-batch mean. Under ``micro-batch`` :attr:`ntl_scale` is ignored.
     """
+
+    ntl_scale: MicroBatchScale | None = None
+    """The step's counts and Megatron's rescale for ``normalization="global"``; set before each training forward."""
 
     def configure_ntl(
         self,
@@ -343,10 +358,9 @@ class NTLLanguageModelMixin:
 
         Every field of ``settings`` is read: the variant and ``impl``, ``weight``, ``chunked`` and
         ``chunk_tokens`` (the keywords, when given, replace a default of the settings and must agree with a
-        value set there), and ``normalization``: this route's per-token loss is averaged per micro-batch by
-        Megatron, so only ``micro-batch`` is possible; ``global`` needs the step's counts, which only the
-        forward-step routes have (:func:`make_forward_step`, the Megatron-LM route's ``NTLForwardStep``), and
-        is refused. ``number_vocab`` is how ``vocab`` was built (``build_number_vocab``).
+        value set there), and ``normalization``: ``micro-batch``, or ``global`` with the step's counts set
+        in :attr:`ntl_scale` before each training forward (see the class docstring). ``number_vocab`` is how
+        ``vocab`` was built (``build_number_vocab``).
 
         Args:
             settings: the NTL settings.
@@ -358,13 +372,6 @@ class NTLLanguageModelMixin:
                 load-balanced slices, and number-level NTL cuts numbers at the slice borders
                 (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`).
         """
-        if settings.normalization != "micro-batch":
-            raise ValueError(
-                f"NTLLanguageModelMixin computes a per-token loss that Megatron averages per micro-batch, so "
-                f"normalization={settings.normalization!r} (--ntl-normalization) cannot be honoured here: it needs "
-                "the step's global counts, which make_forward_step (GlobalCounts) and the Megatron-LM route "
-                "(NTLForwardStep) compute. Use one of those, or normalization='micro-batch'"
-            )
         chunked = bool(_agree("chunked", chunked, settings.chunked, False))
         chunk_tokens = _agree("chunk_tokens", chunk_tokens, settings.chunk_tokens, None)
         check_option("chunk_tokens", chunk_tokens)
@@ -400,14 +407,27 @@ class NTLLanguageModelMixin:
             self._ntl_call = (None, None)
 
     def _ntl_scaled(self, terms: PerTokenTerms, labels: torch.Tensor, settings: NTLSettings) -> torch.Tensor:
-        """``ce + weight * ntl * T / K``: ``T``, ``K`` under the loss mask the model was called with (main head)."""
+        """``a ce + weight * ntl * b``: the micro-batch's ``(1, T / K)`` under the loss mask the model was called
+        with (main head), or under ``global`` the step's :attr:`ntl_scale` weights."""
         main_labels, mask = getattr(self, "_ntl_call", (None, None))
         if mask is None or labels is not main_labels:
             weight = torch.ones_like(terms.ce)
         else:
             weight = mask.to(device=terms.ce.device, dtype=terms.ce.dtype).reshape(terms.ce.shape)
-        # Megatron sums the returned per-token loss under the mask and divides by the mask's sum itself.
-        a, b = factors((weight.sum(), (terms.number_mask.to(weight.dtype) * weight).sum()))
+        main = labels is main_labels or not getattr(getattr(self, "config", None), "mtp_num_layers", None)
+        if main and settings.normalization == "global" and torch.is_grad_enabled():
+            if self.ntl_scale is None:
+                raise RuntimeError(
+                    "normalization='global' (--ntl-normalization global) needs the step's global counts before "
+                    "each training forward: set model.ntl_scale = MicroBatchScale(tokens=T, numbers=K, "
+                    "microbatches=m, dp_cp_size=r, per_token_loss=...) from GlobalCounts / step_counts of the "
+                    "step's micro-batches, or use normalization='micro-batch'"
+                )
+            # Megatron divides by the mask's sum n, the micro-batches and the DP x CP ranks (or by T itself).
+            a, b = self.ntl_scale.weights(weight.sum())
+        else:
+            # Megatron sums the returned per-token loss under the mask and divides by the mask's sum itself.
+            a, b = factors((weight.sum(), (terms.number_mask.to(weight.dtype) * weight).sum()))
         return a * terms.ce + settings.weight * terms.ntl * b
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
