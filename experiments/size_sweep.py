@@ -271,8 +271,12 @@ def factorial(sweep: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, An
                 fit = slope_per_doubling(points)
                 if fit:
                     fit["levels"] = sorted({row["tokens_per_parameter"] for row in cells})
+                    per_level = [sum(1 for t, _ in points if t == level) for level in fit["levels"]]
+                    # a level with one seed has the leverage to decide the slope alone: the slope is
+                    # given, but it is no test of the family and gets no reading (as the size trend)
+                    fit["one_seed_level"] = min(per_level) < 2
                     slopes.setdefault(size, {})[key] = fit
-                    if key in primary:
+                    if key in primary and not fit["one_seed_level"]:
                         family[(arm, "slope", size, key)] = fit["p"]
         contrasts: dict[str, Any] = {}
         for item in spec.get("contrasts", []):
@@ -296,6 +300,9 @@ def factorial(sweep: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, An
         for size, by_key in out["slopes"][arm].items():
             for key, fit in by_key.items():
                 fit["p_holm"] = adjusted.get((arm, "slope", size, key), math.nan)
+                if fit["one_seed_level"]:
+                    fit["reading"] = "no reading yet: a level has one seed"
+                    continue
                 # a gain that falls as tokens per parameter fall: it grows with them, slope x BETTER > 0
                 fit["reading"] = _reading(-fit["low"], -fit["high"], BETTER[key], fit["p_holm"],
                                           "the gain falls as tokens per parameter fall",

@@ -168,3 +168,21 @@ def test_publish_copies_the_files_and_fills_the_page_s_block(tmp_path):
     body = page.read_text()
     assert "stale table" not in body and "| new | table |\n<!-- end: fx -->\nafter\n" in body
     assert "cells without a finished seed pair: 0.85 M @ 9.6." in body and body.startswith("text\n<!-- generated: fx")
+
+
+def test_a_factorial_slope_with_a_one_seed_level_gets_no_reading_and_no_place_in_the_family():
+    """A level with one seed decides the slope alone: the slope is stated, but it is no test of Holm's
+    family and gets no reading (two levels at 4 seeds and 1 seed give a reading-free slope)."""
+    rows = []
+    for size, tpp, diffs in (("m", 2.4, [-2.0, -2.5, -1.0, -2.2]), ("m", 9.6, [-11.0])):
+        cells = {key: None for key in sweep.METRICS}
+        cells["number_token_mae"] = {"seeds": diffs, "n": len(diffs), "mean": float(np.mean(diffs))}
+        rows.append({"label": f"{size} @ {tpp}", "size": size, "tokens_per_parameter": tpp,
+                     "differences": {"NTL": cells}})  # fmt: skip
+    spec = {"arms": ["NTL"], "factorial": {"primary": ["number_token_mae"]}}
+    out = sweep.factorial(spec, rows)
+    fit = out["slopes"]["NTL"]["m"]["number_token_mae"]
+    slope, _ = np.polyfit([math.log2(2.4)] * 4 + [math.log2(9.6)], [-2.0, -2.5, -1.0, -2.2, -11.0], 1)
+    assert fit["slope"] == pytest.approx(slope, rel=1e-10)
+    assert fit["reading"] == "no reading yet: a level has one seed"
+    assert out["tests_run"] == 0 and math.isnan(fit["p_holm"])
