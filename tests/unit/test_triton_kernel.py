@@ -24,7 +24,6 @@ float64 computations written out here with plain torch ops:
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -33,10 +32,9 @@ import torch.nn.functional as F
 # Triton reads TRITON_INTERPRET when it is imported, and in a whole-suite session an earlier module
 # (megatron-core, torch's inductor) may import it first: the interpreter tests then run in a process of
 # their own (test_interpreter_tests_in_their_own_process below), started with the variable set.
-OWN_PROCESS = os.environ.get("NTL_TRITON_TESTS") == "1"
-if not OWN_PROCESS and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # alone (pytest tests/unit/test_triton_kernel.py)
-    OWN_PROCESS = True
+from tests.helpers.triton_interpreter import own_process, run_in_own_process, skip_unless_own_process
+
+OWN_PROCESS = own_process()
 
 
 def test_interpreter_tests_in_their_own_process():
@@ -44,12 +42,7 @@ def test_interpreter_tests_in_their_own_process():
     before the file could set it; its tests must pass there."""
     if OWN_PROCESS:
         pytest.skip("this process runs the tests itself")
-    import subprocess
-
-    env = {**os.environ, "TRITON_INTERPRET": "1", "NTL_TRITON_TESTS": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
-    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-5000:] + out.stderr[-2000:]
+    run_in_own_process(__file__)
 
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
@@ -61,8 +54,7 @@ from tests.helpers.distributed import run_ranks_in_threads  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _in_own_process(request):
-    if not OWN_PROCESS and request.node.originalname != "test_interpreter_tests_in_their_own_process":
-        pytest.skip("run by test_interpreter_tests_in_their_own_process (Triton was imported before this file)")
+    skip_unless_own_process(request, OWN_PROCESS)
 
 
 if OWN_PROCESS and os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - a GPU run sets it off

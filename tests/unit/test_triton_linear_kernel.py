@@ -21,15 +21,13 @@ Triton was imported before this file (a whole-suite session).
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-OWN_PROCESS = os.environ.get("NTL_TRITON_TESTS") == "1"
-if not OWN_PROCESS and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    OWN_PROCESS = True
+from tests.helpers.triton_interpreter import own_process, run_in_own_process, skip_unless_own_process
+
+OWN_PROCESS = own_process()
 
 
 def test_interpreter_tests_in_their_own_process():
@@ -37,12 +35,7 @@ def test_interpreter_tests_in_their_own_process():
     before the file could set it; its tests must pass there."""
     if OWN_PROCESS:
         pytest.skip("this process runs the tests itself")
-    import subprocess
-
-    env = {**os.environ, "TRITON_INTERPRET": "1", "NTL_TRITON_TESTS": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
-    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-5000:] + out.stderr[-2000:]
+    run_in_own_process(__file__)
 
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
@@ -56,8 +49,7 @@ from tests.helpers.reference import naive_per_token  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _in_own_process(request):
-    if not OWN_PROCESS and request.node.originalname != "test_interpreter_tests_in_their_own_process":
-        pytest.skip("run by test_interpreter_tests_in_their_own_process (Triton was imported before this file)")
+    skip_unless_own_process(request, OWN_PROCESS)
 
 
 if OWN_PROCESS and os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - a GPU run sets it off
