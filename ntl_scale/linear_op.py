@@ -237,6 +237,18 @@ class _FusedLinearCENTL(torch.autograd.Function):
             if hidden.dtype != cdt:
                 parts_of = max(1, -(-logits_buf.shape[0] // 4))
                 work_buf = ShardMath.chunk_buffer(hidden, [slice(0, parts_of)], cdt, width)
+
+        def dense_products(sl: slice, probs: torch.Tensor) -> None:
+            """The chunk's dense gradient parts from its softmax: ``P_h = pi W`` and ``G_W += (w pi)^T h``."""
+            if dense_h is not None:
+                dense_h[sl] = probs @ weight
+            if dense_w is not None:
+                # sum_t w_t pi_t h_t^T of the chunk, as a mean over a power of two >= its length in half
+                # precision (no fp16 overflow, whatever the chunk's length) and added back in fp32
+                span = _mean_span(sl) if product is not None else 1
+                rows_w = _weighted_rows(hidden[sl], token_weights[sl], span, cdt)
+                _accumulate(dense_w, probs, rows_w, product, span, first=sl is rows[0])
+
         for sl in rows if need_full else []:
             if fast:  # Triton (ntl_scale/kernels): one pass for the statistics, one writing the softmax in place
                 logits = hidden[sl] @ weight.t()
@@ -250,12 +262,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
                     del logits
                     continue
                 probs = triton_ce_ntl.softmax_grad_(logits, logits, max_all, sums[sl, 0], torch.ones_like(max_all))
-                if dense_h is not None:
-                    dense_h[sl] = probs @ weight
-                if dense_w is not None:
-                    span = _mean_span(sl) if product is not None else 1
-                    rows_w = _weighted_rows(hidden[sl], token_weights[sl], span, cdt)
-                    _accumulate(dense_w, probs, rows_w, product, span, first=sl is rows[0])
+                dense_products(sl, probs)
                 del logits, probs
                 continue
             if logits_buf is None:
@@ -297,14 +304,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
                         work.mul_(_cap_factor(logits[part].to(cdt), cap))
                     logits[part].copy_(work.mul_(inv_total[part]))
             probs = logits
-            if dense_h is not None:
-                dense_h[sl] = probs @ weight
-            if dense_w is not None:
-                # sum_t w_t pi_t h_t^T of the chunk, as a mean over a power of two >= its length in half
-                # precision (no fp16 overflow, whatever the chunk's length) and added back in fp32
-                span = _mean_span(sl) if product is not None else 1
-                rows_w = _weighted_rows(hidden[sl], token_weights[sl], span, cdt)
-                _accumulate(dense_w, probs, rows_w, product, span, first=sl is rows[0])
+            dense_products(sl, probs)
             del logits, probs
         if dense_w is not None and not rows:  # no tokens: no chunk wrote the accumulator
             dense_w.zero_()
