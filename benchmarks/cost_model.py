@@ -24,7 +24,14 @@ each so that they compare with the fused linear-CE kernels:
 * ``ce_chunked`` / ``ce_ntl_chunked``: ``linear_ce_with_ntl(..., impl="triton")`` without / with the
   NTL terms, as the code runs on a GPU: per chunk of ``C`` tokens (the device-chosen length,
   ``ntl_scale.linear_op.choose_chunk_tokens`` with :data:`MODEL_FREE_BYTES` free: six chunks of 1368 at
-  8192 x 128256 x 4096 bf16) the logits GEMM, the statistics kernel, the softmax written in place,
+  8192 x 128256 x 4096 bf16) the logits GEMM, one kernel for the statistics and the softmax written in
+  place (the row read twice, the second time from L2: an assumption of the model, the design of Liger's
+  cross-entropy kernel; a row of 128256 bf16 logits is 250 KiB, one 16-warp program per SM in flight
+  holds 33 MiB of rows on an H100's 132 SMs against its 50 MiB of L2; ``ce_ntl_chunked_two_kernels``
+  counts both reads from HBM, the bound, and the two-kernel design before. Under tensor parallelism the
+  kernel writes the shard's softmax over its local statistics and a per-token factor from the all-reduces,
+  folded into ``P_h``'s rows and the weight gradient's hidden rows, makes it global: ``[C, H]`` work, not
+  modelled; the model is of one device),
   ``P_h = pi W`` (fp32 out), and ``G_W += (w pi)^T h`` with the fp32 ``[V, H]`` accumulator read and
   written in the GEMM's epilogue (the first chunk's GEMM writes it: no zeroing pass); the backward
   scales ``P_h``, adds the label and number columns (``O(T K H)``) and writes the weight gradient in
@@ -162,15 +169,24 @@ def chunk_rows(s: Shape, chunk_tokens: int | None = None) -> list[int]:
     return [min(step, s.tokens - i) for i in range(0, s.tokens, step)]
 
 
-def _chunked(s: Shape, ntl: bool, chunk_tokens: int | None = None, folded: bool = True) -> list[Kernel]:
+def _chunked(
+    s: Shape, ntl: bool, chunk_tokens: int | None = None, folded: bool = True, one_kernel: bool = True
+) -> list[Kernel]:
     v, h, e, f, k = s.vocab, s.hidden, s.elem, s.f32, s.numbers
     out = [] if folded else [Kernel("G_W = 0 (fp32 [V, H])", f * v * h)]
     for i, c in enumerate(chunk_rows(s, chunk_tokens)):
         first = folded and i == 0  # the first chunk's GEMM writes the accumulator without reading it
+        numbers = e * c * k + f * c * k if ntl else 0
+        if one_kernel:  # the statistics kernel writes the softmax too; the row's second read from L2
+            softmax = [Kernel("chunk: statistics and softmax, one kernel", 2 * e * c * v + numbers + f * c * 7)]
+        else:  # the logits read twice from HBM (two kernels, or one whose second reads all miss L2)
+            softmax = [
+                Kernel("chunk: stats kernel", e * c * v + numbers + f * c * 7),
+                Kernel("chunk: softmax written in place", 2 * e * c * v + f * c * 3),
+            ]
         out += [
             gemm("chunk: z = h W^T", c, v, h, read=e * (c * h + v * h), write=e * c * v),
-            Kernel("chunk: stats kernel", e * c * v + (e * c * k + f * c * k if ntl else 0) + f * c * 7),
-            Kernel("chunk: softmax written in place", 2 * e * c * v + f * c * 3),
+            *softmax,
             # P_h[sl] = pi W: bf16 GEMM, its output copied into the fp32 P_h
             gemm("chunk: P_h = pi W", c, h, v, read=e * (c * v + v * h), write=e * c * h),
             Kernel("chunk: P_h rows to fp32; w h rows", e * c * h + f * c * h + 2 * e * c * h),
@@ -210,16 +226,20 @@ def ce_ntl_chunked(s: Shape, chunk_tokens: int | None = None) -> list[Kernel]:
     return _chunked(s, True, chunk_tokens)
 
 
+def ce_ntl_chunked_two_kernels(s: Shape) -> list[Kernel]:
+    return _chunked(s, True, None, one_kernel=False)
+
+
 def ce_ntl_chunked_cpu_chunk(s: Shape) -> list[Kernel]:
     return _chunked(s, True, cpu_chunk(s))
 
 
 def ce_ntl_chunked_unfolded(s: Shape) -> list[Kernel]:
-    return _chunked(s, True, None, folded=False)
+    return _chunked(s, True, None, folded=False, one_kernel=False)
 
 
 def ce_ntl_chunked_before(s: Shape) -> list[Kernel]:
-    return _chunked(s, True, cpu_chunk(s), folded=False)
+    return _chunked(s, True, cpu_chunk(s), folded=False, one_kernel=False)
 
 
 def linear_ce_on_chip(s: Shape) -> list[Kernel]:
@@ -272,8 +292,14 @@ PATHS: dict[str, tuple[str, Callable[[Shape], list[Kernel]]]] = {
     "ce_ntl_logits": ("CE + NTL fused on logits (ours, Triton)", ce_ntl_logits),
     "ce_chunked": ("CE alone, chunked from hidden states (our chunking, no NTL)", ce_chunked),
     "ce_ntl_chunked": (
-        "CE + NTL chunked from hidden states (ours, Triton; device-chosen chunk, folded passes)",
+        "CE + NTL chunked from hidden states (ours, Triton: statistics and softmax in one kernel; "
+        "device-chosen chunk, folded passes)",
         ce_ntl_chunked,
+    ),
+    "ce_ntl_chunked_two_kernels": (
+        "the same if every row's second read missed L2 (the logits read twice from HBM: the bound; "
+        "the two-kernel design before)",
+        ce_ntl_chunked_two_kernels,
     ),
     "ce_ntl_chunked_cpu_chunk": ("the same at the CPU's 2**26/V-token chunk", ce_ntl_chunked_cpu_chunk),
     "ce_ntl_chunked_unfolded": (
@@ -320,12 +346,12 @@ def chunk_table(s: Shape) -> str:
     default, cpu = chunk_rows(s)[0], cpu_chunk(s)
     lines = [
         "| chunk tokens | logits per chunk (MiB) | H100 time, folded (ms) | x CE alone (logits) "
-        "| not folded (ms) | x CE alone |",
+        "| not folded, two kernels (ms) | x CE alone |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for c in sorted({default, cpu, 1024, 2048, 4096, s.tokens}):
         seconds = cost(ce_ntl_chunked(s, c)).seconds
-        before = cost(_chunked(s, True, c, folded=False)).seconds
+        before = cost(_chunked(s, True, c, folded=False, one_kernel=False)).seconds
         mark = " (GPU default)" if c == default else " (CPU default)" if c == cpu else ""
         lines.append(
             f"| {c}{mark} | {c * s.vocab * s.elem / 2**20:.0f} | {seconds * 1e3:.2f} | {seconds / base:.3f} "

@@ -108,7 +108,9 @@ def block_choices() -> tuple[list[int], list[int]]:
 class Config:
     """One launch configuration: the kernel, the logits dtype, the blocks, the shard's shape."""
 
-    kernel: str  #: "stats" or "grad" (logits kernels); "linear_fwd" or "linear_bwd" (the fused linear op's)
+    #: "stats" or "grad" (logits kernels); "stats_softmax" (the statistics kernel writing the softmax too: the
+    #: chunked op on one device); "linear_fwd" or "linear_bwd" (the fused linear op's)
+    kernel: str
     dtype: str  #: "float32", "bfloat16", "float16", "float64"
     block_v: int
     block_k: int
@@ -143,6 +145,13 @@ def configs() -> list[Config]:
                 out += [Config(kernel, name, v, tk._block_k(0), v, 0) for v in block_vs]
             out.append(Config(kernel, name, top_v, top_k, UNALIGNED_WIDTH, top_k))
         out.append(Config(kernel, "float64", top_v, top_k, top_v, top_k))
+    # the statistics kernel that also writes the softmax (one device): the chunked op's half-precision and
+    # fp32 chunks, at the largest blocks (its second loop reads and writes like the gradient kernel's), aligned
+    # and unaligned, and with the number loop's smallest block (K = 10 digits)
+    for dtype in DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        out += [Config("stats_softmax", name, top_v, top_k, width, top_k) for width in (top_v, UNALIGNED_WIDTH)]
+        out.append(Config("stats_softmax", name, top_v, tk._block_k(10), top_v, 10))
     # the fused linear CE + NTL (logits on chip): its launch tiles, aligned and unaligned vocabulary shards,
     # the backward with both gradients and, in bf16, with one (a frozen weight, a frozen input); no fp64 (refused)
     for dtype in DTYPES:
@@ -191,10 +200,11 @@ def launch_arguments(config: Config) -> tuple[Any, tuple[Any, ...], dict[str, An
     logits = torch.zeros(tokens, config.width, dtype=dtype)
     target = torch.zeros(tokens, dtype=torch.int64)
     cols = torch.arange(config.numbers, dtype=torch.int64)
-    if config.kernel == "stats":
+    if config.kernel in ("stats", "stats_softmax"):
         out = torch.empty(tokens, 6, dtype=cdt)
         a_table = torch.zeros(tokens, config.numbers, dtype=cdt)
-        args, meta = tk._stats_arguments(logits, target, cols, a_table, out, None)
+        into = logits if config.kernel == "stats_softmax" else None  # in place, as the chunked op writes it
+        args, meta = tk._stats_arguments(logits, target, cols, a_table, out, None, into)
         kernel = stats_kernel
     else:
         per_token = torch.ones(tokens, dtype=cdt)

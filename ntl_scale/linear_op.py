@@ -53,8 +53,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .kernels import triton_ce_ntl
-from .parallel import _raise_if_not_finite, all_reduce_max, all_reduce_sums, kernel_shard_stats
+from .parallel import (
+    _raise_if_not_finite,
+    all_reduce_max,
+    all_reduce_sums,
+    kernel_shard_softmax,
+    kernel_shard_stats,
+)
 from .shard_math import ShardInputs, ShardMath, compute_dtype, index_add, shift_into
 
 # Elements of one chunk of logits on the CPU: 2**26 (256 MiB in fp32) unless chunk_tokens says otherwise.
@@ -216,7 +221,11 @@ class _FusedLinearCENTL(torch.autograd.Function):
             all_reduce_sums(sums, tp_group)
         else:
             if need_h and not recompute:
-                dense_h = torch.empty(num_tokens, hidden.shape[1], dtype=cdt, device=hidden.device)
+                # P_h in the dtype of its matmul's output (half precision for half parameters: its values are
+                # those already; the backward scales and completes each row in fp32 and rounds it once, into
+                # this same buffer, which becomes the input gradient: T H b bytes, not T H (4 + b))
+                half = hidden.dtype if hidden.dtype == weight.dtype else cdt
+                dense_h = torch.empty(num_tokens, hidden.shape[1], dtype=half, device=hidden.device)
             if need_w and not recompute:
                 # The weight gradient sums over every token: it accumulates in fp32 (fp64 for fp64), never
                 # in a half dtype (fp16 overflowed at 8k tokens, bf16 lost precision with the chunk count).
@@ -238,32 +247,43 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 parts_of = max(1, -(-logits_buf.shape[0] // 4))
                 work_buf = ShardMath.chunk_buffer(hidden, [slice(0, parts_of)], cdt, width)
 
-        def dense_products(sl: slice, probs: torch.Tensor) -> None:
-            """The chunk's dense gradient parts from its softmax: ``P_h = pi W`` and ``G_W += (w pi)^T h``."""
+        def dense_products(sl: slice, probs: torch.Tensor, rescale: torch.Tensor | None = None) -> None:
+            """The chunk's dense gradient parts from its softmax: ``P_h = pi W`` and ``G_W += (w pi)^T h``;
+            ``rescale`` (per token, or None): ``probs`` is the shard's softmax over its local statistics and
+            ``rescale * probs`` the global one (the one-kernel path under tensor parallelism)."""
             if dense_h is not None:
                 dense_h[sl] = probs @ weight
+                if rescale is not None and dense_scale is not None:  # applied in the backward's fp32
+                    dense_scale[sl] = rescale
             if dense_w is not None:
                 # sum_t w_t pi_t h_t^T of the chunk, as a mean over a power of two >= its length in half
                 # precision (no fp16 overflow, whatever the chunk's length) and added back in fp32
                 span = _mean_span(sl) if product is not None else 1
-                rows_w = _weighted_rows(hidden[sl], token_weights[sl], span, cdt)
+                weights = token_weights[sl] if rescale is None else token_weights[sl] * rescale
+                rows_w = _weighted_rows(hidden[sl], weights, span, cdt)
                 _accumulate(dense_w, probs, rows_w, product, span, first=sl is rows[0])
 
+        wants_dense = dense_h is not None or dense_w is not None
+        # per-token factors of P_h's rows (the one-kernel path under tensor parallelism), or None
+        dense_scale = torch.ones(num_tokens, dtype=cdt, device=hidden.device) if fast and dense_h is not None else None
         for sl in rows if need_full else []:
-            if fast:  # Triton (ntl_scale/kernels): one pass for the statistics, one writing the softmax in place
+            if fast:  # Triton (ntl_scale/kernels): one kernel, the statistics and then the softmax in place
                 logits = hidden[sl] @ weight.t()
-                number_logits[sl] = logits.index_select(1, cols).to(cdt)
-                max_all, maxes[sl, 1], sums[sl] = kernel_shard_stats(logits, inputs.rows(sl), tp_group)
+                number_logits[sl] = logits.index_select(1, cols).to(cdt)  # read before the kernel writes
+                rescale = None
+                if wants_dense:  # under TP the shard's softmax, made global by a per-token factor (rescale)
+                    max_all, maxes[sl, 1], sums[sl], rescale = kernel_shard_softmax(logits, inputs.rows(sl), tp_group)
+                else:  # no gradient wanted: the statistics only
+                    max_all, maxes[sl, 1], sums[sl] = kernel_shard_stats(logits, inputs.rows(sl), tp_group)
                 maxes[sl, 0] = max_all
                 if z_weight:  # the effective weights of CE + z-loss, as on the torch path below
                     token_weights[sl] = token_weights[sl] * (1 + 2 * z_weight * (torch.log(sums[sl, 0]) + max_all))
                 number_exp[sl] = torch.exp(number_logits[sl] - ShardMath.safe_number_max(maxes[sl, 1]).unsqueeze(1))
-                if dense_h is None and dense_w is None:  # no gradient wanted: the statistics are all
+                if not wants_dense:  # no gradient wanted: the statistics are all
                     del logits
                     continue
-                probs = triton_ce_ntl.softmax_grad_(logits, logits, max_all, sums[sl, 0], torch.ones_like(max_all))
-                dense_products(sl, probs)
-                del logits, probs
+                dense_products(sl, logits, rescale)
+                del logits
                 continue
             if logits_buf is None:
                 raise RuntimeError("internal: the torch path of the chunked op has no logits buffer")
@@ -327,7 +347,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
             hidden, weight, token_weights, maxes[:, 0], number_max, sums[:, 0], number_exp, sums[:, 2], expect, mass,
             plain_weights,
         )  # fmt: skip
-        ctx.dense = (dense_h, dense_w)
+        ctx.dense = (dense_h, dense_w, dense_scale)
         return ce, expect, mass, hit, lse
 
     @staticmethod
@@ -349,7 +369,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
             ctx.saved_tensors[:10]
         )
         plain_weights = ctx.saved_tensors[10]
-        dense_h, dense_w = ctx.dense
+        dense_h, dense_w, dense_scale = ctx.dense
         ctx.dense = None
         inputs: ShardInputs = ctx.inputs
         cdt = expect.dtype
@@ -384,8 +404,10 @@ class _FusedLinearCENTL(torch.autograd.Function):
         eps = 0.0 if ctx.smoothing is None else ctx.smoothing[0]
         # the smoothed target's uniform part, -eps/V g_ce on every column of every shard (V: the whole vocabulary)
         uniform = None if ctx.smoothing is None else g_ce * (eps / ctx.smoothing[1])
-        # pi_t W, per token: exact for any upstream gradient
-        grad_h = dense_h.mul_(u.unsqueeze(1)) if dense_h is not None else None
+        # pi_t W, per token: exact for any upstream gradient; scaled by u (times the per-token factors of the
+        # one-kernel path under TP) row by row in the loop below, with the sparse terms
+        grad_h = dense_h
+        u_h = u if dense_scale is None else u * dense_scale
         grad_w = None
         # folded: with a gradient proportional to the token weights by the caller's guarantee (g_ce = s w), the
         # label and smoothing terms join the forward's G_W in its own units (no scale) and the scale is applied
@@ -403,7 +425,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
             else:  # any other upstream gradient: recompute the logits chunk by chunk with the true u
                 # (u carries the caller's normaliser, as the materialised path's logit gradient does)
                 _, grad_w = _recompute_dense(hidden, weight, ctx.rows, max_all, total, u, cap, None, (False, True), cdt)
-        del dense_h, dense_w
+        del dense_h, dense_w, dense_scale
         # the label column (-g_ce e_y, for labels in this shard) and the number columns, chunk by
         # chunk so that no [T, H] temporary is made
         owned, local_label = inputs.owned_targets(slice(None), weight.shape[0])
@@ -412,23 +434,30 @@ class _FusedLinearCENTL(torch.autograd.Function):
         label_index = torch.where(owned, local_label, torch.zeros_like(local_label))
         label_grad = -(1 - eps) * g_ce if ctx.cap is None else -(1 - eps) * g_ce * ctx.cap[1]
         label_coef_all = torch.where(owned, label_grad, torch.zeros_like(g_ce)).unsqueeze(1)
+        weight_sum = None
         if uniform is not None and not ctx.recompute:  # (folded: in _scaled_cast)
             # without soft-capping the uniform part is a rank-one term, c_t = eps/V g_ce_t:
-            # dh_t -= c_t sum_j W_j, dW_j -= sum_t c_t h_t for every local row j
-            if grad_h is not None:
-                grad_h.sub_(uniform.unsqueeze(1) * weight.sum(dim=0, dtype=cdt))
+            # dh_t -= c_t sum_j W_j (in the loop below), dW_j -= sum_t c_t h_t for every local row j
+            weight_sum = weight.sum(dim=0, dtype=cdt) if grad_h is not None else None
             if grad_w is not None and not fold:
                 grad_w.sub_((uniform.unsqueeze(1) * hidden.to(cdt)).sum(dim=0))
         if fold:  # the label coefficient in G_W's units: -(1 - eps) w (times the cap factor at the label)
             unit = -(1 - eps) * plain_weights if ctx.cap is None else -(1 - eps) * plain_weights * ctx.cap[1]
             label_unit_all = torch.where(owned, unit, torch.zeros_like(unit)).unsqueeze(1)
             number_rows = torch.zeros(cols.numel(), weight.shape[1], dtype=cdt, device=weight.device)
+        half_rows = grad_h is not None and grad_h.dtype != cdt
         for sl in ctx.rows:
             label_coef, index = label_coef_all[sl], label_index[sl]
-            if grad_h is not None:
-                rows_h = grad_h[sl]
+            if grad_h is not None:  # each row in fp32 (P_h's half rows are exact there), rounded once
+                rows_h = grad_h[sl] if not half_rows else grad_h[sl].to(cdt)
+                if not ctx.recompute:  # (the recomputed products carry u and the uniform part already)
+                    rows_h.mul_(u_h[sl].unsqueeze(1))
+                if weight_sum is not None and uniform is not None:
+                    rows_h.sub_(uniform[sl].unsqueeze(1) * weight_sum)
                 rows_h.add_(label_coef * weight.index_select(0, index).to(cdt))
                 rows_h.add_(number_coef[sl] @ number_weight)
+                if half_rows:  # back into P_h's buffer: it becomes the input gradient
+                    grad_h[sl] = rows_h
             if grad_w is not None and fold:
                 index_add(grad_w, 0, index, label_unit_all[sl] * hidden[sl].to(cdt))
                 number_rows.add_(number_coef[sl].t() @ hidden[sl].to(cdt))
@@ -539,10 +568,32 @@ def _cap_factor(capped: torch.Tensor, cap: float) -> torch.Tensor:
     return capped.div_(cap).clamp_(-1, 1).square_().neg_().add_(1)
 
 
-def _product_buffer(weight: torch.Tensor, cdt: torch.dtype) -> torch.Tensor | None:
-    """A reused ``[V_local, H]`` buffer for one chunk's weight-gradient product in the weight's half
-    dtype (the matmul runs at half-precision speed); None when the weight is already fp32/fp64."""
-    return None if weight.dtype == cdt else torch.empty_like(weight)
+class _ProductBuffer:
+    """A reused ``[V_local, H]`` buffer for one chunk's weight-gradient product in the weight's half dtype
+    (the matmul runs at half-precision speed), allocated when first needed: where the fp32-output GEMM adds
+    straight into the accumulator (:func:`_fp32_output_gemm`: CUDA) it never is, and the op's peak holds no
+    ``V H b`` bytes for it."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self._like = weight
+        self._buffer: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = torch.empty_like(self._like)
+        return self._buffer
+
+
+def _product_buffer(weight: torch.Tensor, cdt: torch.dtype) -> _ProductBuffer | None:
+    """The weight-gradient product's buffer for half-precision weights (allocated on first use); None when
+    the weight is already fp32/fp64 (the product is computed in the accumulator's dtype)."""
+    return None if weight.dtype == cdt else _ProductBuffer(weight)
+
+
+def _fp32_output_gemm(acc: torch.Tensor) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` with half-precision inputs can add into the fp32
+    accumulator ``acc`` in its epilogue: on CUDA (torch has no CPU kernel of it), not while compiling."""
+    return acc.is_cuda and acc.dtype == torch.float32 and not torch.compiler.is_compiling()
 
 
 def _weighted_rows(rows: torch.Tensor, weights: torch.Tensor, span: int, cdt: torch.dtype) -> torch.Tensor:
@@ -564,7 +615,7 @@ def _accumulate(
     acc: torch.Tensor,
     coef: torch.Tensor,
     rows: torch.Tensor,
-    product: torch.Tensor | None,
+    product: _ProductBuffer | None,
     span: int,
     first: bool = False,
 ) -> None:
@@ -584,7 +635,7 @@ def _accumulate(
         else:
             acc.addmm_(coef.t(), rows, alpha=span)
         return
-    if acc.is_cuda and acc.dtype == torch.float32 and not torch.compiler.is_compiling():
+    if _fp32_output_gemm(acc):
         # one GEMM with half-precision inputs and an fp32 output that adds the accumulator in its
         # epilogue: no extra [V, H] pass per chunk (the path below re-reads the accumulator); the first
         # chunk with beta=0, which neither reads the uninitialised accumulator nor propagates its NaN
@@ -596,15 +647,16 @@ def _accumulate(
             return
         except RuntimeError:  # a torch or GPU without the fp32-output half-precision GEMM
             pass
-    torch.mm(coef.to(product.dtype).t(), rows, out=product)
+    buffer = product.get()
+    torch.mm(coef.to(buffer.dtype).t(), rows, out=buffer)
     if first and acc.is_cuda:  # one pass; a one-element (not 0-d) factor: computed in fp32, not fp16
-        torch.mul(product, torch.full((1,), span, dtype=acc.dtype, device=acc.device), out=acc)
+        torch.mul(buffer, torch.full((1,), span, dtype=acc.dtype, device=acc.device), out=acc)
     elif first:  # CPU: the vectorised cast and an in-place scale (a mixed-dtype mul is 8x slower there)
-        acc.copy_(product)
+        acc.copy_(buffer)
         if span != 1:
             acc.mul_(span)
     else:
-        acc.add_(product, alpha=span)
+        acc.add_(buffer, alpha=span)
 
 
 def _scale_of(u: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

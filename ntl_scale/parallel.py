@@ -100,16 +100,57 @@ def kernel_shard_stats(
     tp_group: dist.ProcessGroup | None = None,
     *,
     block_v: int | None = None,
+    softmax_into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``max [T]``, number max ``[T]`` (-inf kept) and ``sums [T, 4]`` of a logits shard, with the Triton kernel.
 
     What :meth:`ShardMath.local_max` and :meth:`ShardMath.local_sums` compute with the two
     all-reduces, in one pass over the logits; ``ShardMath.finalize`` turns them into the terms.
+    ``softmax_into`` (one device only: the statistics are then final in the kernel): the softmax written
+    there by the same kernel (:func:`~ntl_scale.kernels.triton_ce_ntl.shard_stats`).
+    """
+    if softmax_into is not None and group_size(tp_group) > 1:
+        raise ValueError(
+            "softmax_into needs the whole vocabulary on this device: under tensor parallelism the softmax "
+            "waits for the all-reduced statistics (write it with softmax_grad_ after them)"
+        )
+    local = triton_ce_ntl.shard_stats(
+        logits, inputs.local_target(logits.shape[1]), inputs.number_cols, inputs.a_table, block_v=block_v,
+        softmax_into=softmax_into,
+    )  # fmt: skip
+    return combine_kernel_stats(local, tp_group)
+
+
+def kernel_shard_softmax(
+    logits: torch.Tensor,
+    inputs: ShardInputs,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`kernel_shard_stats`, with the same kernel writing the shard's softmax over ``logits`` in place.
+
+    The kernel knows only this shard's statistics, so it writes ``exp(z - m_local) / S_local``; the
+    all-reduces then give the global ``m`` and ``S``, and the returned ``rescale [T]``,
+    ``S_local exp(m_local - m) / S``, turns each row into the global softmax. A per-token factor: the caller
+    folds it into what already scales each token (``P_h``'s rows, the weight gradient's hidden rows) instead
+    of another pass over ``[T, V_local]``. None on one device (the local statistics are the global ones:
+    the softmax written is final).
+
+    Returns:
+        ``max [T]``, number max ``[T]`` (-inf kept), ``sums [T, 4]`` (as :func:`kernel_shard_stats`) and
+        ``rescale`` (None on one device).
     """
     local = triton_ce_ntl.shard_stats(
-        logits, inputs.local_target(logits.shape[1]), inputs.number_cols, inputs.a_table, block_v=block_v
-    )
-    return combine_kernel_stats(local, tp_group)
+        logits, inputs.local_target(logits.shape[1]), inputs.number_cols, inputs.a_table, block_v=block_v,
+        softmax_into=logits,
+    )  # fmt: skip
+    max_all, number_max, sums = combine_kernel_stats(local, tp_group)
+    if group_size(tp_group) <= 1:
+        return max_all, number_max, sums, None
+    # S_local exp(m_local - m) is this shard's term of the SUM all-reduce (0 for a shard of -inf logits)
+    share = triton_ce_ntl.global_sums(local, torch.stack((max_all, number_max), dim=1))[:, 0]
+    return max_all, number_max, sums, share / sums[:, 0]
 
 
 KERNEL_FEATURES = ("z_loss_weight",)

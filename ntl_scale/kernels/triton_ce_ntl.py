@@ -14,6 +14,10 @@ in registers:
   :func:`global_sums` rescales them (``S * exp(m_local - m)``) before the SUM all-reduce of
   ``[S, z_y, SN, A]``. Both all-reduces are :mod:`ntl_scale.parallel`'s, the same two as on the
   PyTorch path; this module holds the per-shard math only and communicates nothing.
+  The same kernel can also write the shard's softmax after the statistics (``softmax_into``), over its
+  local statistics: final on one device; under tensor parallelism a per-token factor from the all-reduced
+  statistics corrects it, folded by the chunked op into its per-token products, so a chunk is one walk
+  of one kernel, the row's second read served from L2 (Liger's cross-entropy kernel does the same).
 * :func:`softmax_grad_`: ``out[t, j] = coef_t * exp(z_tj - m_t) / S_t - label_coef_t [j = y_t]``,
   then ``out[t, cols] = number_grad[t]`` on the number columns (stored, not added: their whole
   gradient, computed in fp32, is rounded to ``out``'s dtype once; adding to a value already rounded
@@ -114,8 +118,8 @@ def _kernels() -> tuple[Any, Any]:
     def stats_kernel(
         z_ptr, stride_zt, stride_zv, V,
         target_ptr, cols_ptr, K, a_ptr, stride_at, stride_ak,
-        out_ptr,
-        ACC: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        out_ptr, p_ptr, stride_pt, stride_pv,
+        ACC: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_SOFTMAX: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * stride_zt
@@ -149,6 +153,22 @@ def _kernels() -> tuple[Any, Any]:
             sn = sn * scale + tl.sum(ek, 0)
             an = an * scale + tl.sum(ek * ak, 0)
             mn = new_m
+        if WRITE_SOFTMAX:
+            # The shard's softmax exp(z - m) / s over its own statistics, in a second walk over the row, as
+            # grad_kernel writes it with coef 1 (the same arithmetic: on one device the same values). Final
+            # on one device; under TP the host rescales each row after the all-reduces. A shard whose logits
+            # are all -inf writes 0 (its share of the softmax), not NaN. After the label and number reads:
+            # p_ptr may be z_ptr (in place). The walk runs backwards, from the blocks this program read last:
+            # those most likely still in L2 on a GPU (a 128256-column bf16 row is 250 KiB).
+            p_row = p_ptr + row * stride_pt
+            base = tl.where(m == neg_inf, 0.0, m)
+            inv = tl.where(s == 0.0, 0.0, 1.0 / s)
+            blocks = tl.cdiv(V, BLOCK_V)
+            for i in range(0, blocks):
+                offs = (blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+                mask = offs < V
+                z = tl.load(z_row + offs * stride_zv, mask=mask, other=0.0).to(ACC)
+                tl.store(p_row + offs * stride_pv, (inv * tl.exp(z - base)).to(p_ptr.dtype.element_ty), mask=mask)
         out = out_ptr + row * 6
         tl.store(out + 0, m)
         tl.store(out + 1, s)
@@ -223,8 +243,14 @@ def shard_stats(
     a_table: torch.Tensor,
     *,
     block_v: int | None = None,
+    softmax_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token local statistics of a logits shard in one pass: ``[T, 6]`` = ``m, S, z_y, mN, SN, A``.
+
+    With ``softmax_into``, the same kernel then writes the shard's softmax ``exp(z - m) / S`` over its
+    local statistics there (on one device what :func:`softmax_grad_` writes with ``coef = 1``; under
+    tensor parallelism a per-token factor from the all-reduced statistics makes it the global softmax:
+    :func:`ntl_scale.parallel.kernel_shard_softmax`). A shard whose logits are all ``-inf`` writes 0.
 
     Args:
         logits: ``[T, V_local]`` (fp32/bf16/fp16/fp64; any strides).
@@ -233,6 +259,8 @@ def shard_stats(
         number_cols: local column of each number token in this shard, int64 ``[K]`` (may be empty).
         a_table: ``a_k`` per token and number column, ``[T, K]`` (an expanded view is fine).
         block_v: columns per block (a power of two; default up to 4096); the tests use small blocks.
+        softmax_into: ``[T, V_local]``, any float dtype, may be ``logits`` itself (in place: every read the
+            statistics need comes first), or None (the statistics only).
 
     Returns:
         fp32 (fp64 for fp64 logits) ``[T, 6]``: ``m`` the local max, ``S = sum exp(z - m)``, ``z_y``
@@ -245,7 +273,11 @@ def shard_stats(
     out = torch.empty(num_tokens, 6, dtype=cdt, device=logits.device)
     if num_tokens == 0:
         return out
-    args, meta = _stats_arguments(logits, target, number_cols, a_table, out, block_v)
+    if softmax_into is not None and softmax_into.shape != logits.shape:
+        raise ValueError(
+            f"softmax_into must have the logits' shape {tuple(logits.shape)}, got {tuple(softmax_into.shape)}"
+        )
+    args, meta = _stats_arguments(logits, target, number_cols, a_table, out, block_v, softmax_into)
     stats_kernel[(num_tokens,)](*args, **meta)
     return out
 
@@ -257,18 +289,27 @@ def _stats_arguments(
     a_table: torch.Tensor,
     out: torch.Tensor,
     block_v: int | None,
+    softmax_into: torch.Tensor | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The statistics kernel's arguments and meta-parameters (``benchmarks/triton_aot.py`` compiles from them)."""
     num_tokens, width = logits.shape
     k = number_cols.numel()
     a = a_table if k else torch.zeros(num_tokens, 1, dtype=out.dtype, device=logits.device)
     block_v = block_v or _block_v(width)
+    p = logits if softmax_into is None else softmax_into  # not written without WRITE_SOFTMAX
     args = (
         logits, logits.stride(0), logits.stride(1), width,
         target.contiguous(), number_cols.contiguous(), k, a, a.stride(0), a.stride(1),
-        out,
+        out, p, p.stride(0), p.stride(1),
     )  # fmt: skip
-    return args, {"ACC": _acc(logits.dtype), "BLOCK_V": block_v, "BLOCK_K": _block_k(k), "num_warps": _warps(block_v)}
+    meta = {
+        "ACC": _acc(logits.dtype),
+        "BLOCK_V": block_v,
+        "BLOCK_K": _block_k(k),
+        "WRITE_SOFTMAX": softmax_into is not None,
+        "num_warps": _warps(block_v),
+    }
+    return args, meta
 
 
 def global_sums(local: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:

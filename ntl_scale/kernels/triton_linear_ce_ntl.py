@@ -100,6 +100,33 @@ def _kernels() -> tuple[Any, Any]:
     import triton.language as tl
 
     @triton.jit
+    def _logits_tile(
+        h_ptr, stride_ht, stride_hh, w_ptr, stride_wv, stride_wh, H, rows, row_mask, ids, id_mask,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        # z = h[rows] W[ids]^T, [BLOCK_T, BLOCK_N] in fp32, over the hidden size in tiles of BLOCK_H: the one
+        # product of the forward's vocabulary tiles, its number columns and the backward's recomputation
+        z = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            ks = k0 + tl.arange(0, BLOCK_H)
+            k_mask = ks < H
+            h = tl.load(h_ptr + rows[:, None] * stride_ht + ks[None, :] * stride_hh,
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+            w = tl.load(w_ptr + ids[:, None] * stride_wv + ks[None, :] * stride_wh,
+                        mask=id_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+            z = tl.dot(
+                (h.to(tl.float32) if UPCAST else h),
+                tl.trans(w.to(tl.float32) if UPCAST else w),
+                z,
+                input_precision=PRECISION,
+            )
+        return z
+
+    # Triton resolves a called jit function among the kernel's module globals (a closure is not seen)
+    globals()["_logits_tile"] = _logits_tile
+
+    @triton.jit
     def forward_kernel(
         h_ptr, stride_ht, stride_hh, w_ptr, stride_wv, stride_wh, T, V, H,
         target_ptr, cols_ptr, K, a_ptr, stride_at, stride_ak,
@@ -118,20 +145,8 @@ def _kernels() -> tuple[Any, Any]:
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             col_mask = cols < V
-            z = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
-            for k0 in range(0, H, BLOCK_H):
-                ks = k0 + tl.arange(0, BLOCK_H)
-                k_mask = ks < H
-                h = tl.load(h_ptr + rows[:, None] * stride_ht + ks[None, :] * stride_hh,
-                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-                w = tl.load(w_ptr + cols[:, None] * stride_wv + ks[None, :] * stride_wh,
-                            mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-                z = tl.dot(
-                    (h.to(tl.float32) if UPCAST else h),
-                    tl.trans(w.to(tl.float32) if UPCAST else w),
-                    z,
-                    input_precision=PRECISION,
-                )
+            z = _logits_tile(h_ptr, stride_ht, stride_hh, w_ptr, stride_wv, stride_wh, H, rows, row_mask, cols,
+                            col_mask, PRECISION, UPCAST, BLOCK_T, BLOCK_V, BLOCK_H)  # fmt: skip
             z = tl.where(col_mask[None, :], z, neg_inf)
             z_y += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), 1)
             new_m = tl.maximum(m, tl.max(z, 1))
@@ -147,20 +162,8 @@ def _kernels() -> tuple[Any, Any]:
             kofs = n0 + tl.arange(0, BLOCK_K)
             n_mask = kofs < K
             ids = tl.load(cols_ptr + kofs, mask=n_mask, other=0)
-            zk = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-            for k0 in range(0, H, BLOCK_H):
-                ks = k0 + tl.arange(0, BLOCK_H)
-                k_mask = ks < H
-                h = tl.load(h_ptr + rows[:, None] * stride_ht + ks[None, :] * stride_hh,
-                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-                w = tl.load(w_ptr + ids[:, None] * stride_wv + ks[None, :] * stride_wh,
-                            mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-                zk = tl.dot(
-                    (h.to(tl.float32) if UPCAST else h),
-                    tl.trans(w.to(tl.float32) if UPCAST else w),
-                    zk,
-                    input_precision=PRECISION,
-                )
+            zk = _logits_tile(h_ptr, stride_ht, stride_hh, w_ptr, stride_wv, stride_wh, H, rows, row_mask, ids,
+                             n_mask, PRECISION, UPCAST, BLOCK_T, BLOCK_K, BLOCK_H)  # fmt: skip
             tl.store(zn_ptr + rows[:, None] * stride_znt + kofs[None, :] * stride_znk, zk,
                      mask=row_mask[:, None] & n_mask[None, :])  # fmt: skip
             ak = tl.load(a_ptr + rows[:, None] * stride_at + kofs[None, :] * stride_ak,
@@ -195,20 +198,8 @@ def _kernels() -> tuple[Any, Any]:
         cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         row_mask = rows < T
         col_mask = cols < V
-        z = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
-        for k0 in range(0, H, BLOCK_H):
-            ks = k0 + tl.arange(0, BLOCK_H)
-            k_mask = ks < H
-            h = tl.load(h_ptr + rows[:, None] * stride_ht + ks[None, :] * stride_hh,
-                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-            w = tl.load(w_ptr + cols[:, None] * stride_wv + ks[None, :] * stride_wh,
-                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-            z = tl.dot(
-                (h.to(tl.float32) if UPCAST else h),
-                tl.trans(w.to(tl.float32) if UPCAST else w),
-                z,
-                input_precision=PRECISION,
-            )
+        z = _logits_tile(h_ptr, stride_ht, stride_hh, w_ptr, stride_wv, stride_wh, H, rows, row_mask, cols, col_mask,
+                        PRECISION, UPCAST, BLOCK_T, BLOCK_V, BLOCK_H)  # fmt: skip
         m = tl.load(max_ptr + rows, mask=row_mask, other=0.0)
         scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)  # u_t / S_t; 0 past the tokens
         label_coef = tl.load(label_coef_ptr + rows, mask=row_mask, other=0.0)

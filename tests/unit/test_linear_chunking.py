@@ -216,3 +216,76 @@ def test_the_cuda_one_pass_cast_equals_the_cpu_two_pass_one(smoothing: bool) -> 
     torch.testing.assert_close(two.double(), want, rtol=2**-8, atol=1e-6)
     if not smoothing:
         assert torch.equal(one, two)
+
+
+def test_the_product_buffer_is_allocated_only_where_the_two_step_product_runs(monkeypatch) -> None:
+    """Issue 43, memory at the chunked peers' level: the ``[V, H]`` half-precision product buffer exists only
+    where the chunk's weight-gradient product is a half matmul then an fp32 add (the CPU). Where the
+    fp32-output GEMM adds into the accumulator (CUDA), it is never allocated: shown on meta tensors, which
+    have that GEMM, with the predicate patched here (the library takes it on CUDA only). On the CPU it is
+    allocated once and reused, and the accumulator is the float64 sum of the chunks' products."""
+    from ntl_scale import linear_op
+
+    g = torch.Generator().manual_seed(0)
+    chunks = [(torch.rand(40, 640, generator=g), torch.randn(40, 32, generator=g)) for _ in range(3)]
+    acc = torch.empty(640, 32)
+    buffer = linear_op._product_buffer(torch.empty(640, 32, dtype=torch.bfloat16), torch.float32)
+    assert buffer is not None and buffer._buffer is None  # nothing allocated before the first product
+    seen = set()
+    for i, (coef, rows) in enumerate(chunks):
+        linear_op._accumulate(acc, coef.bfloat16(), rows.bfloat16(), buffer, 64, first=i == 0)
+        seen.add(buffer._buffer.data_ptr())
+    assert len(seen) == 1  # one buffer, reused
+    want = sum(64 * c.bfloat16().double().t() @ r.bfloat16().double() for c, r in chunks)
+    torch.testing.assert_close(acc.double(), want, rtol=2e-2, atol=1e-2 * float(want.abs().max()))
+
+    monkeypatch.setattr(linear_op, "_fp32_output_gemm", lambda a: a.device.type == "meta" and a.dtype == torch.float32)
+    meta = torch.empty(640, 32, device="meta")
+    buffer = linear_op._product_buffer(torch.empty(640, 32, dtype=torch.bfloat16, device="meta"), torch.float32)
+    for i in range(3):
+        coef = torch.empty(40, 640, dtype=torch.bfloat16, device="meta")
+        linear_op._accumulate(
+            meta, coef, torch.empty(40, 32, dtype=torch.bfloat16, device="meta"), buffer, 64, first=i == 0
+        )
+    assert buffer is not None and buffer._buffer is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_op_holds_no_fp32_token_by_hidden_buffer(dtype: torch.dtype) -> None:
+    """Issue 43, memory at the chunked peers' level: for half-precision parameters ``P_h = pi W`` is kept in the
+    dtype its matmul writes (its values are those), and the backward completes each chunk's rows in fp32 and
+    rounds them once into the same buffer, which is returned as the input gradient: no ``[T, H]`` fp32 tensor
+    (``T H 4`` bytes; 128 MiB at 8192 x 4096) and no second ``[T, H]`` buffer for the gradient. The gradients
+    are the float64 reference's within the half dtype's rounding."""
+    torch.manual_seed(0)
+    t, v, h = 96, 640, 32
+    tokens = [f"w{i}" for i in range(v)]
+    for digit in range(10):
+        tokens[100 + digit] = str(digit)
+    vocab = ntl_scale.NumberVocab.from_id_to_token(tokens, vocab_size=v)
+    hidden = torch.randn(t, h).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h) * 0.1).to(dtype).requires_grad_()
+    labels = torch.randint(0, v, (t,))
+    labels[::3] = 100 + torch.randint(0, 10, (len(labels[::3]),))
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.made: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(x, torch.Tensor) and func._schema.name not in ("aten::view", "aten::detach"):
+                    self.made.append((tuple(x.shape), x.dtype))  # what holds memory of its own
+            return out
+
+    with Record() as record:
+        out = ntl_scale.linear_ce_with_ntl(hidden, weight, labels, vocab, chunk_tokens=40, impl="torch")
+        out.loss.backward()
+    assert ((t, h), torch.float32) not in record.made
+    assert record.made.count(((t, h), dtype)) == 1  # P_h, which becomes the input gradient
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ntl_scale.linear_ce_with_ntl(h64, w64, labels, vocab, chunk_tokens=40, impl="torch").loss.backward()
+    for got, want in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2 * float(want.abs().max()))

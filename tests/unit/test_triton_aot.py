@@ -84,6 +84,10 @@ def test_every_block_the_launchers_pick_is_compiled(records):
             grad = [r for r in records if (r["arch"], r["kernel"]) == (arch, "grad")]
             assert {r["numbers"] > 0 for r in grad} == {True, False}  # HAS_NUMBERS both ways
             assert any(r["dtype"] == "float64" for r in records if (r["arch"], r["kernel"]) == (arch, kernel))
+            # the statistics kernel writing the softmax (the chunked op on one device), as its launcher builds it
+            fused = [r for r in records if (r["arch"], r["kernel"]) == (arch, "stats_softmax")]
+            assert {r["dtype"] for r in fused} == {"float32", "bfloat16", "float16"}, arch
+            assert {r["width"] % 16 == 0 for r in fused} == {True, False}, arch
 
 
 def test_the_fused_linear_kernels_are_compiled_as_launched(records):

@@ -382,7 +382,100 @@ def test_linear_ce_with_ntl_uses_the_kernels_and_matches_float64(kernels_on_cpu,
         scale = float(b.abs().max())
         atol = (1e-5 if dtype == torch.float32 else 2e-2) * scale
         torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=atol)
-    assert kernels_on_cpu["stats"] == 3 and kernels_on_cpu["grad"] == 3  # one of each per chunk
+    # one kernel per chunk writes the statistics and then the softmax
+    assert kernels_on_cpu["stats"] == 3 and kernels_on_cpu["grad"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_statistics_kernel_writes_the_softmax_of_the_two_kernel_path(dtype, inplace):
+    """Issue 43, item 1: the statistics kernel also writes the softmax (``softmax_into``), the chunked op's
+    two walks over a chunk in one kernel. Its statistics are the statistics-only launch's, bit
+    for bit; its softmax is what the gradient kernel writes after them with ``coef = 1``, bit for bit (the
+    same arithmetic), and the float64 softmax within the output dtype's rounding. 203 columns in blocks of
+    16 (a partial last block), an ignored label, number columns at the block borders."""
+    logits, labels, ids, a = _problem(dtype=dtype)
+    inputs = _inputs(labels, ids, a, 0, 203)
+    z = logits.to(DEVICE)
+    args = (inputs.local_target(203), inputs.number_cols, inputs.a_table)
+    stats_only = tk.shard_stats(z, *args, block_v=16)
+    two_kernels = tk.softmax_grad_(z, torch.empty_like(z), stats_only[:, 0], stats_only[:, 1],
+                                   torch.ones(z.shape[0], dtype=stats_only.dtype), block_v=16)  # fmt: skip
+    work = z.clone()
+    into = work if inplace else torch.empty_like(z)
+    stats = tk.shard_stats(work, *args, block_v=16, softmax_into=into)
+    assert torch.equal(stats, stats_only)
+    assert torch.equal(into, two_kernels)
+    want = torch.softmax(logits.double(), dim=-1)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(into.double().cpu(), want, rtol=tol, atol=tol * float(want.max()))
+    with pytest.raises(ValueError, match="softmax_into must have the logits' shape"):
+        tk.shard_stats(z, *args, softmax_into=z[:, :5])
+
+
+def test_a_shard_of_minus_infinity_writes_a_zero_softmax():
+    """Under TP a shard may hold only -inf logits for a token (masked columns): its share of the softmax is
+    0, and the kernel writes 0 there (not the NaN of exp(-inf - -inf)), so the rescaled rows stay finite."""
+    logits, labels, ids, a = _problem()
+    logits[2] = float("-inf")
+    inputs = _inputs(labels, ids, a, 0, 203)
+    z = logits.to(DEVICE)
+    out = torch.full_like(z, 7.0)
+    stats = tk.shard_stats(z, inputs.local_target(203), inputs.number_cols, inputs.a_table, block_v=16,
+                           softmax_into=out)  # fmt: skip
+    assert float(stats[2, 1]) == 0 and torch.equal(out[2], torch.zeros_like(out[2]))
+    keep = torch.arange(9) != 2
+    torch.testing.assert_close(out[keep].double().cpu(), torch.softmax(logits[keep].double(), -1), rtol=1e-6, atol=1e-7)
+
+
+def test_linear_ce_with_ntl_under_tp_rescales_the_shard_softmax(kernels_on_cpu, monkeypatch):
+    """Under tensor parallelism one kernel per chunk writes the shard's softmax over its local statistics,
+    and the per-token factor ``S_local exp(m_local - m) / S`` from the all-reduces, folded into ``P_h``'s rows
+    and the weight gradient's hidden rows, makes it the global one: the shards' loss and gradients are the
+    float64 full-vocabulary reference's, with no second kernel. TP 2 (the 203 columns padded to 204, Megatron's way: two
+    shards of 102; number ids 60-69 in the first) in threads, each kernel launch serialised (the interpreter
+    is not thread-safe)."""
+    import threading
+
+    import ntl_scale
+
+    lock = threading.Lock()
+    for name in ("shard_stats", "softmax_grad_"):
+        counted = getattr(tk, name)
+
+        def serialised(*args, _launch=counted, **kwargs):
+            with lock:
+                return _launch(*args, **kwargs)
+
+        monkeypatch.setattr(tk, name, serialised)
+    _, labels, hidden, weight = _op_problem(torch.float32)
+    vocab = ntl_scale.NumberVocab.from_id_to_token({60 + d: str(d) for d in range(10)}, vocab_size=204)
+    weight = torch.cat([weight, weight[-1:] / 2])  # the padding row: a column like any other
+    h64, w64 = (t.double().requires_grad_() for t in (hidden, weight))
+    want = _op_reference(h64 @ w64.t(), labels, vocab)
+    want.backward()
+    bounds = [(0, 102), (102, 102)]
+
+    def rank(r):
+        start, width = bounds[r]
+        h = hidden.to(DEVICE, copy=True).requires_grad_()
+        w = weight[start : start + width].to(DEVICE, copy=True).requires_grad_()
+        got = ntl_scale.linear_ce_with_ntl(h, w, labels.to(DEVICE), vocab, tp_group=object(), chunk_tokens=4,
+                                           impl="triton").loss  # fmt: skip
+        got.backward()
+        return got.detach(), h.grad, w.grad
+
+    results, calls = run_ranks_in_threads(rank, 2)
+    for r in range(2):
+        torch.testing.assert_close(results[r][0].double().cpu(), want, rtol=1e-5, atol=1e-6)
+        start, width = bounds[r]
+        grad_w = w64.grad[start : start + width]
+        torch.testing.assert_close(results[r][2].double().cpu(), grad_w, rtol=0, atol=1e-5 * float(grad_w.abs().max()))
+    grad_h = sum(results[r][1].double().cpu() for r in range(2))  # the partial input gradients, summed by TP
+    torch.testing.assert_close(grad_h, h64.grad, rtol=0, atol=1e-5 * float(h64.grad.abs().max()))
+    assert kernels_on_cpu["stats"] == 6 and kernels_on_cpu["grad"] == 0  # per rank: one kernel per chunk
+    ops = [op for op, _ in calls[0]]
+    assert ops.count(torch.distributed.ReduceOp.MAX) == 3 and ops.count(torch.distributed.ReduceOp.SUM) >= 3
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -438,7 +531,7 @@ def test_linear_ce_with_ntl_without_gradients_launches_the_statistics_only(kerne
     assert kernels_on_cpu["stats"] == 3 and kernels_on_cpu["grad"] == 0
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-6)
     with_grad = ntl_scale.linear_ce_with_ntl(h, w, labels.to(DEVICE), vocab, chunk_tokens=4, impl="triton").loss
-    assert torch.equal(with_grad.detach(), got) and kernels_on_cpu["grad"] == 3
+    assert torch.equal(with_grad.detach(), got) and kernels_on_cpu["stats"] == 6  # the softmax in the same kernel
 
 
 def _half_ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
