@@ -253,6 +253,12 @@ def _kernel_inputs(x: Inputs):
     return logits, x.labels.contiguous(), cols, a_table
 
 
+def _stats_ce(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean CE ``log S + m - z_y`` from the statistics kernel's ``[T, 6]`` (loss and CE alike)."""
+    ce = (stats[:, 1].log() + stats[:, 0] - stats[:, 2]).mean()
+    return ce, ce
+
+
 def kernel_stats(x: Inputs) -> Built:
     """The statistics kernel alone on the whole ``[T, V]`` logits; its CE (``log S + m - z_y``) is checked."""
     triton_ce_ntl = importlib.import_module("ntl_scale.kernels.triton_ce_ntl")
@@ -261,11 +267,7 @@ def kernel_stats(x: Inputs) -> Built:
     _impl(x, True)
     logits, target, cols, a_table = _kernel_inputs(x)
 
-    def values(stats):
-        ce = (stats[:, 1].log() + stats[:, 0] - stats[:, 2]).mean()
-        return ce, ce
-
-    return Built(lambda: triton_ce_ntl.shard_stats(logits, target, cols, a_table), values=values,
+    return Built(lambda: triton_ce_ntl.shard_stats(logits, target, cols, a_table), values=_stats_ce,
                  note="statistics kernel (shard_stats), one launch over [T, V]")  # fmt: skip
 
 
@@ -290,11 +292,40 @@ def kernel_grad(x: Inputs) -> Built:
     return Built(step, note="gradient kernel (softmax_grad_), in place over [T, V], number columns stored")
 
 
+def kernel_stats_softmax(x: Inputs) -> Built:
+    """The statistics kernel writing the softmax too (``softmax_into``, the chunked op's one kernel per chunk)
+    over ``[T, V]``: against ``kernel_stats`` plus ``kernel_grad`` it shows how much of the second walk over
+    each row L2 serves (the cost model's assumption). Written into a second buffer, not in place, so that
+    every step reads the same logits (the same traffic: one read, one write); its CE is checked."""
+    triton_ce_ntl = importlib.import_module("ntl_scale.kernels.triton_ce_ntl")
+    if not triton_ce_ntl.triton_available():
+        raise Skip("triton not installed")
+    _impl(x, True)
+    logits, target, cols, a_table = _kernel_inputs(x)
+    probs = torch.empty_like(logits)
+
+    note = "statistics + softmax (shard_stats(softmax_into=)), one launch over [T, V]"
+    return Built(lambda: triton_ce_ntl.shard_stats(logits, target, cols, a_table, softmax_into=probs),
+                 values=_stats_ce, note=note)  # fmt: skip
+
+
 def liger(x: Inputs) -> Built:
     _needs_cuda(x, "Liger-Kernel (Triton)")
     module = _import("liger_kernel.transformers.fused_linear_cross_entropy", "liger-kernel")
     loss_fn = module.LigerFusedLinearCrossEntropyLoss()
     return Built(_on_hidden(x, lambda: _same(loss_fn(x.weight, x.hidden, x.labels))), note="Liger's defaults")
+
+
+def liger_fp32(x: Inputs) -> Built:
+    """Liger's fused linear CE accumulating the weight gradient in fp32 (``accum_dtype=torch.float32``, what
+    recipes that care pass): the accumulation ours always does, so its memory compares like for like."""
+    _needs_cuda(x, "Liger-Kernel (Triton)")
+    module = _import("liger_kernel.transformers.fused_linear_cross_entropy", "liger-kernel")
+    try:
+        loss_fn = module.LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32)
+    except TypeError as e:  # a Liger before accum_dtype
+        raise Skip(f"this Liger has no accum_dtype ({e})") from None
+    return Built(_on_hidden(x, lambda: _same(loss_fn(x.weight, x.hidden, x.labels))), note="accum_dtype=fp32")
 
 
 def cce(x: Inputs) -> Built:
@@ -438,9 +469,14 @@ ROWS = [
         model="kernel:stats kernel", **_TRITON),
     Row("kernel_grad", "ours: Triton gradient kernel alone, in place", "ours", "ours_kernel", kernel_grad,
         model="kernel:grad kernel", **_TRITON),
+    Row("kernel_stats_softmax", "ours: Triton statistics kernel writing the softmax, in place", "ours",
+        "ours_kernel", kernel_stats_softmax,
+        note="no model row of its own: 1x the logits read if L2 serves the second walk, 2x if not", **_TRITON),
     # 2. the eager peers
     Row("liger", "Liger fused linear CE", "peer", "ce_peer", liger, chunked=True, setup=("liger", 15.0),
         requires=_LIGER),
+    Row("liger_fp32", "Liger fused linear CE, fp32 weight-gradient accumulation", "peer", "ce_peer", liger_fp32,
+        chunked=True, setup=("liger", 15.0), requires=_LIGER),
     Row("cce", "Cut Cross-Entropy", "peer", "ce_peer", cce, chunked=True, model="linear_ce_on_chip",
         model_is_floor=True, setup=("cce", 15.0), requires=_CCE),
     Row("torch_linear_ce", "torch F.linear_cross_entropy", "peer", "ce_peer", torch_linear_ce, chunked=True,

@@ -101,14 +101,19 @@ def test_dry_run_layout_and_order(tmp_path):
     assert on_chip["path"] == "ce_ntl_on_chip" and not on_chip["floor"]
     assert on_chip["flops"] == 8 * 8192 * 128256 * 4096 + 6 * 8192 * 10 * 4096
     assert on_chip["bytes"] < by["ours_chunked_triton", 8192]["model"]["bytes"] / 4
-    # a row per chunked design (issue 43), each beside its own model: the device-chosen chunk with the folded
-    # passes (1.05x CE alone in the model, K = 10), the CPU's 523-token chunk (1.46x), 2048 tokens
+    # a row per chunked design (issue 43), each beside the model of its own chunk: the device-chosen chunk (six
+    # of 1368 tokens, math-bound), 2048 tokens (math-bound as well: the same time), the CPU's 523 (memory-bound)
     ce_ms = by["ce", 8192]["model"]["ms_h100_datasheet"]
     ratios = {k: by[k, 8192]["model"]["ms_h100_datasheet"] / ce_ms
               for k in ("ours_chunked_triton", "ours_chunked_triton_c523", "ours_chunked_triton_c2048")}  # fmt: skip
-    assert ratios["ours_chunked_triton"] == pytest.approx(1.051, abs=1e-3), ratios
-    assert ratios["ours_chunked_triton_c523"] == pytest.approx(1.458, abs=1e-3), ratios
-    assert ratios["ours_chunked_triton"] < ratios["ours_chunked_triton_c2048"] < ratios["ours_chunked_triton_c523"]
+    shape = bg.cost_model.Shape(8192, 128256, 4096, 10)
+    for key, chunk in (("ours_chunked_triton", None), ("ours_chunked_triton_c523", 523),
+                       ("ours_chunked_triton_c2048", 2048)):  # fmt: skip
+        want = bg.cost_model.cost(bg.cost_model.ce_ntl_chunked(shape, chunk)).seconds * 1e3 / ce_ms
+        assert ratios[key] == pytest.approx(want, rel=1e-9), (key, ratios)
+    assert bg.cost_model.chunk_rows(shape) == [1368] * 5 + [1352]  # the device's chunk, not a default
+    assert ratios["ours_chunked_triton"] == pytest.approx(ratios["ours_chunked_triton_c2048"], rel=1e-9)
+    assert ratios["ours_chunked_triton_c2048"] < ratios["ours_chunked_triton_c523"]
     # every verdict says not measured, for both sizes
     assert {(v["key"], v["T"]) for v in report["verdicts"]} == {
         (k, t) for k in ("fused_vs_megatron", "chunked_vs_peers", "compiled_chunked_roofline") for t in (8192, 16384)
