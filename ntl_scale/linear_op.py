@@ -165,6 +165,172 @@ def default_chunk_tokens(hidden: torch.Tensor, width: int) -> int:
     return choose_chunk_tokens(hidden.device.type, free, hidden.shape[0], width, hidden.shape[-1], hidden.dtype)
 
 
+class _ChunkWalk:
+    """The forward's walk over the token chunks: the per-token statistics every path needs and, where a
+    gradient is wanted, the dense products ``P_h`` and ``G_W`` built from each chunk's softmax.
+
+    ``dense``: whether ``P_h`` / ``G_W`` are built (a gradient wanted and not left to a recomputing
+    backward). ``kernels``: each chunk's statistics and softmax by the Triton kernel
+    (:meth:`triton_chunk`), else by the PyTorch code (:meth:`torch_chunk`). What the op keeps is read off
+    the attributes afterwards; the walk itself (its reused buffers) is then dropped.
+    """
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        inputs: ShardInputs,
+        tp_group: dist.ProcessGroup | None,
+        token_weights: torch.Tensor,
+        rows: list[slice],
+        *,
+        need_full: bool,
+        dense: tuple[bool, bool],
+        kernels: bool,
+        smoothing: bool,
+        z_weight: float,
+        cap: float | None,
+    ) -> None:
+        self.hidden, self.weight, self.inputs, self.tp_group = hidden, weight, inputs, tp_group
+        self.token_weights, self.rows = token_weights, rows
+        self.smoothing, self.z_weight, self.cap = smoothing, z_weight, cap
+        self.cdt = cdt = compute_dtype(hidden.dtype)
+        num_tokens, width, device = hidden.shape[0], weight.shape[0], hidden.device
+        cols = inputs.number_cols
+        if need_full:  # filled chunk by chunk from the chunk's logits: one matmul, one source of truth
+            self.number_logits = torch.empty(num_tokens, cols.numel(), dtype=cdt, device=device)
+        else:  # only the K number columns: a [T, K] matmul
+            self.number_logits = (hidden @ weight.index_select(0, cols).t()).to(cdt)
+            if cap is not None:  # soft-capped like every logit: z' = cap tanh(z / cap)
+                self.number_logits = self.number_logits.div_(cap).tanh_().mul_(cap)
+        self.maxes = torch.zeros(num_tokens, 2, dtype=cdt, device=device)
+        self.sums = torch.zeros(num_tokens, 6 if smoothing else 4, dtype=cdt, device=device)
+        self.number_exp = torch.zeros(num_tokens, cols.numel(), dtype=cdt, device=device)
+        self.dense_h = self.dense_w = None
+        if need_full and dense[0]:
+            # P_h in the dtype of its matmul's output (half precision for half parameters: its values are
+            # those already; the backward scales and completes each row in fp32 and rounds it once, into
+            # this same buffer, which becomes the input gradient: T H b bytes, not T H (4 + b))
+            half = hidden.dtype if hidden.dtype == weight.dtype else cdt
+            self.dense_h = torch.empty(num_tokens, hidden.shape[1], dtype=half, device=device)
+        if need_full and dense[1]:
+            # The weight gradient sums over every token: it accumulates in fp32 (fp64 for fp64), never
+            # in a half dtype (fp16 overflowed at 8k tokens, bf16 lost precision with the chunk count).
+            # Not zeroed: the first chunk's product writes it (_accumulate(first=True)), no [V, H] pass.
+            self.dense_w = torch.empty(width, hidden.shape[1], dtype=cdt, device=weight.device)
+        self.product = _product_buffer(weight, cdt) if self.dense_w is not None else None
+        self.wants_dense = self.dense_h is not None or self.dense_w is not None
+        self.fast = need_full and kernels
+        # per-token factors of P_h's rows (the one-kernel path under tensor parallelism), or None
+        self.dense_scale = (
+            torch.ones(num_tokens, dtype=cdt, device=device) if self.fast and self.dense_h is not None else None
+        )
+        # Reused buffers for the torch path (a fresh allocation per chunk costs a page fault per page on
+        # the CPU: 40 ms for a 64 MiB chunk here, about 5 % of the op at 2048 x 32768 x 512): the chunk's
+        # logits, in the parameters' dtype; for half-precision parameters also an fp32 work buffer of a
+        # quarter of the chunk's rows (half the bytes of the logits buffer, not twice), through which the
+        # softmax is computed in parts, twice: once for the sums, once more after their all-reduce, into
+        # the logits buffer as the half softmax both gradient matmuls read.
+        self.logits_buf = self.work_buf = None
+        self.parts_of = 1
+        if need_full and not self.fast:
+            self.logits_buf = ShardMath.chunk_buffer(hidden, rows, hidden.dtype, width)
+            if hidden.dtype != cdt:
+                self.parts_of = max(1, -(-self.logits_buf.shape[0] // 4))
+                self.work_buf = ShardMath.chunk_buffer(hidden, [slice(0, self.parts_of)], cdt, width)
+
+    def numbers_only(self) -> None:
+        """NTL alone: the statistics of the number columns only, no pass over the vocabulary."""
+        maxes, sums, number_logits, cols = self.maxes, self.sums, self.number_logits, self.inputs.number_cols
+        maxes[:, 1] = number_logits.max(dim=-1).values if cols.numel() else float("-inf")
+        all_reduce_max(maxes, self.tp_group)
+        self.number_exp = torch.exp(number_logits - ShardMath.safe_number_max(maxes[:, 1]).unsqueeze(1))
+        sums[:, 2] = self.number_exp.sum(dim=-1)
+        sums[:, 3] = (self.number_exp * self.inputs.a_table).sum(dim=-1)
+        all_reduce_sums(sums, self.tp_group)
+
+    def triton_chunk(self, sl: slice) -> None:
+        """A chunk by the Triton kernel (ntl_scale/kernels): one launch for the statistics and then the softmax
+        written in place; under tensor parallelism the shard's softmax, made global by a per-token factor."""
+        logits = self.hidden[sl] @ self.weight.t()
+        self.number_logits[sl] = logits.index_select(1, self.inputs.number_cols).to(self.cdt)  # before the kernel
+        rescale = None
+        if self.wants_dense:
+            max_all, self.maxes[sl, 1], self.sums[sl], rescale = kernel_shard_softmax(
+                logits, self.inputs.rows(sl), self.tp_group
+            )
+        else:  # no gradient wanted: the statistics only
+            max_all, self.maxes[sl, 1], self.sums[sl] = kernel_shard_stats(logits, self.inputs.rows(sl), self.tp_group)
+        self.maxes[sl, 0] = max_all
+        self._z_loss_weights(sl, max_all)
+        number_max = ShardMath.safe_number_max(self.maxes[sl, 1])
+        self.number_exp[sl] = torch.exp(self.number_logits[sl] - number_max.unsqueeze(1))
+        if self.wants_dense:
+            self.dense_products(sl, logits, rescale)
+
+    def torch_chunk(self, sl: slice) -> None:
+        """A chunk by the PyTorch code: the max, the two all-reduces' operands, and the softmax (soft-capping's
+        factor included) into the reused logits buffer."""
+        if self.logits_buf is None:
+            raise RuntimeError("internal: the torch path of the chunked op has no logits buffer")
+        cap, cdt, width, work_buf = self.cap, self.cdt, self.weight.shape[0], self.work_buf
+        logits = torch.mm(self.hidden[sl], self.weight.t(), out=self.logits_buf[: sl.stop - sl.start])
+        if cap is not None:  # soft-capping, in place: every statistic below is of the capped logits
+            logits.div_(cap).tanh_().mul_(cap)
+        self.number_logits[sl] = logits.index_select(1, self.inputs.number_cols).to(cdt)
+        # the max of half-precision logits in their dtype: exact, like the max of their fp32 copy
+        self.maxes[sl] = ShardMath.local_max(logits, self.number_logits[sl], [slice(None)], True)
+        all_reduce_max(self.maxes[sl], self.tp_group)
+        number_max, max_all = ShardMath.safe_number_max(self.maxes[sl, 1]), self.maxes[sl, 0]
+        # fp32/fp64: in place, the logits become exp(z - max), then the softmax pi; half precision:
+        # exp(z - max) part by part through the fp32 work buffer, the logits kept for the second pass
+        parts = [slice(None)] if work_buf is None else ShardMath.chunk_rows(logits.shape[0], width, self.parts_of)
+        self.sums[sl], self.number_exp[sl] = ShardMath.local_sums(
+            logits, self.number_logits[sl], self.inputs.rows(sl), max_all, number_max, parts, True,
+            work_buf is None, work_buf, self.smoothing,
+        )  # fmt: skip
+        all_reduce_sums(self.sums[sl], self.tp_group)
+        self._z_loss_weights(sl, max_all)
+        if not self.wants_dense:  # no gradient wanted: the statistics are all
+            return
+        inv_total = self.sums[sl, 0].reciprocal().unsqueeze(1)
+        # with soft-capping the dense part of the gradient is pi * (1 - (z'/cap)^2), z' the capped logit
+        if work_buf is None:
+            if cap is not None:  # z' = log(exp(z' - max)) + max; a 0 (underflow) gives factor 0, pi 0
+                logits.mul_(_cap_factor(logits.log().add_(max_all.unsqueeze(1)), cap))
+            logits.mul_(inv_total)
+        else:  # the softmax in the parameters' dtype (one rounding), shared by both matmuls
+            for part in parts:
+                work = shift_into(logits[part], max_all[part], work_buf[: part.stop - part.start]).exp_()
+                if cap is not None:
+                    work.mul_(_cap_factor(logits[part].to(cdt), cap))
+                logits[part].copy_(work.mul_(inv_total[part]))
+        self.dense_products(sl, logits)
+
+    def _z_loss_weights(self, sl: slice, max_all: torch.Tensor) -> None:
+        """The z-loss ``z_weight * lse^2`` rides on CE's weights: ``d/dz = (1 + 2 z_weight lse) pi``, so the
+        forward's weight gradient is built for these effective per-token weights."""
+        if self.z_weight:
+            lse = torch.log(self.sums[sl, 0]) + max_all
+            self.token_weights[sl] = self.token_weights[sl] * (1 + 2 * self.z_weight * lse)
+
+    def dense_products(self, sl: slice, probs: torch.Tensor, rescale: torch.Tensor | None = None) -> None:
+        """The chunk's dense gradient parts from its softmax: ``P_h = pi W`` and ``G_W += (w pi)^T h``;
+        ``rescale`` (per token, or None): ``probs`` is the shard's softmax over its local statistics and
+        ``rescale * probs`` the global one (the one-kernel path under tensor parallelism)."""
+        if self.dense_h is not None:
+            self.dense_h[sl] = probs @ self.weight
+            if rescale is not None and self.dense_scale is not None:  # applied in the backward's fp32
+                self.dense_scale[sl] = rescale
+        if self.dense_w is not None:
+            # sum_t w_t pi_t h_t^T of the chunk, as a mean over a power of two >= its length in half
+            # precision (no fp16 overflow, whatever the chunk's length) and added back in fp32
+            span = _mean_span(sl) if self.product is not None else 1
+            weights = self.token_weights[sl] if rescale is None else self.token_weights[sl] * rescale
+            rows_w = _weighted_rows(self.hidden[sl], weights, span, self.cdt)
+            _accumulate(self.dense_w, probs, rows_w, self.product, span, first=sl is self.rows[0])
+
+
 class _FusedLinearCENTL(torch.autograd.Function):
     """``hidden [T, H]``, ``weight [V_local, H]`` -> per-token ``ce, expect, mass, hit``."""
 
@@ -193,139 +359,28 @@ class _FusedLinearCENTL(torch.autograd.Function):
         plain_weights = token_weights  # the caller's CE weights (token_weights becomes CE + z-loss's below)
         if z_weight and need_full:  # becomes the effective weights of CE + z-loss, chunk by chunk
             token_weights = token_weights.clone()
-        cdt = compute_dtype(hidden.dtype)
-        num_tokens, width = hidden.shape[0], weight.shape[0]
-        cols = inputs.number_cols
-        if need_full:  # filled chunk by chunk from the chunk's logits: one matmul, one source of truth
-            number_logits = torch.empty(num_tokens, cols.numel(), dtype=cdt, device=hidden.device)
-        else:  # only the K number columns: a [T, K] matmul
-            number_logits = (hidden @ weight.index_select(0, cols).t()).to(cdt)
-            if cap is not None:  # soft-capped like every logit: z' = cap tanh(z / cap)
-                number_logits = number_logits.div_(cap).tanh_().mul_(cap)
-        rows = ShardMath.chunk_rows(num_tokens, width, chunk_tokens or default_chunk_tokens(hidden, width))
-        maxes = torch.zeros(num_tokens, 2, dtype=cdt, device=hidden.device)
         smoothing = need_full and inputs.smoothing != 0
         # soft-capping with label smoothing: the smoothed target's uniform part times the cap factor is dense
         # per token and column, with a coefficient (g_ce) other than the softmax's (u): no per-token P_h or
         # forward G_W carries it, so the backward recomputes each chunk's logits for both dense products
         recompute = smoothing and cap is not None
-        sums = torch.zeros(num_tokens, 6 if smoothing else 4, dtype=cdt, device=hidden.device)
-        number_exp = torch.zeros(num_tokens, cols.numel(), dtype=cdt, device=hidden.device)
-        dense_h = dense_w = None
+        width = weight.shape[0]
+        rows = ShardMath.chunk_rows(hidden.shape[0], width, chunk_tokens or default_chunk_tokens(hidden, width))
+        walk = _ChunkWalk(
+            hidden, weight, inputs, tp_group, token_weights, rows,
+            need_full=need_full, dense=(need_h and not recompute, need_w and not recompute), kernels=kernels,
+            smoothing=smoothing, z_weight=z_weight, cap=cap,
+        )  # fmt: skip
         if not need_full:  # NTL alone reads only the number columns: no pass over the vocabulary
-            maxes[:, 1] = number_logits.max(dim=-1).values if cols.numel() else float("-inf")
-            all_reduce_max(maxes, tp_group)
-            number_exp = torch.exp(number_logits - ShardMath.safe_number_max(maxes[:, 1]).unsqueeze(1))
-            sums[:, 2] = number_exp.sum(dim=-1)
-            sums[:, 3] = (number_exp * inputs.a_table).sum(dim=-1)
-            all_reduce_sums(sums, tp_group)
-        else:
-            if need_h and not recompute:
-                # P_h in the dtype of its matmul's output (half precision for half parameters: its values are
-                # those already; the backward scales and completes each row in fp32 and rounds it once, into
-                # this same buffer, which becomes the input gradient: T H b bytes, not T H (4 + b))
-                half = hidden.dtype if hidden.dtype == weight.dtype else cdt
-                dense_h = torch.empty(num_tokens, hidden.shape[1], dtype=half, device=hidden.device)
-            if need_w and not recompute:
-                # The weight gradient sums over every token: it accumulates in fp32 (fp64 for fp64), never
-                # in a half dtype (fp16 overflowed at 8k tokens, bf16 lost precision with the chunk count).
-                # Not zeroed: the first chunk's product writes it (_accumulate(first=True)), no [V, H] pass.
-                dense_w = torch.empty(width, hidden.shape[1], dtype=cdt, device=weight.device)
-        product = _product_buffer(weight, cdt) if dense_w is not None else None
-        fast = need_full and kernels
-        # Reused buffers for the torch path (a fresh allocation per chunk costs a page fault per page on
-        # the CPU: 40 ms for a 64 MiB chunk here, about 5 % of the op at 2048 x 32768 x 512): the chunk's
-        # logits, in the parameters' dtype; for half-precision parameters also an fp32 work buffer of a
-        # quarter of the chunk's rows (half the bytes of the logits buffer, not twice), through which the
-        # softmax is computed in parts, twice: once for the sums, once more after their all-reduce, into
-        # the logits buffer as the half softmax both gradient matmuls read.
-        logits_buf = work_buf = None
-        parts_of = 1
-        if need_full and not fast:
-            logits_buf = ShardMath.chunk_buffer(hidden, rows, hidden.dtype, width)
-            if hidden.dtype != cdt:
-                parts_of = max(1, -(-logits_buf.shape[0] // 4))
-                work_buf = ShardMath.chunk_buffer(hidden, [slice(0, parts_of)], cdt, width)
-
-        def dense_products(sl: slice, probs: torch.Tensor, rescale: torch.Tensor | None = None) -> None:
-            """The chunk's dense gradient parts from its softmax: ``P_h = pi W`` and ``G_W += (w pi)^T h``;
-            ``rescale`` (per token, or None): ``probs`` is the shard's softmax over its local statistics and
-            ``rescale * probs`` the global one (the one-kernel path under tensor parallelism)."""
-            if dense_h is not None:
-                dense_h[sl] = probs @ weight
-                if rescale is not None and dense_scale is not None:  # applied in the backward's fp32
-                    dense_scale[sl] = rescale
-            if dense_w is not None:
-                # sum_t w_t pi_t h_t^T of the chunk, as a mean over a power of two >= its length in half
-                # precision (no fp16 overflow, whatever the chunk's length) and added back in fp32
-                span = _mean_span(sl) if product is not None else 1
-                weights = token_weights[sl] if rescale is None else token_weights[sl] * rescale
-                rows_w = _weighted_rows(hidden[sl], weights, span, cdt)
-                _accumulate(dense_w, probs, rows_w, product, span, first=sl is rows[0])
-
-        wants_dense = dense_h is not None or dense_w is not None
-        # per-token factors of P_h's rows (the one-kernel path under tensor parallelism), or None
-        dense_scale = torch.ones(num_tokens, dtype=cdt, device=hidden.device) if fast and dense_h is not None else None
+            walk.numbers_only()
         for sl in rows if need_full else []:
-            if fast:  # Triton (ntl_scale/kernels): one kernel, the statistics and then the softmax in place
-                logits = hidden[sl] @ weight.t()
-                number_logits[sl] = logits.index_select(1, cols).to(cdt)  # read before the kernel writes
-                rescale = None
-                if wants_dense:  # under TP the shard's softmax, made global by a per-token factor (rescale)
-                    max_all, maxes[sl, 1], sums[sl], rescale = kernel_shard_softmax(logits, inputs.rows(sl), tp_group)
-                else:  # no gradient wanted: the statistics only
-                    max_all, maxes[sl, 1], sums[sl] = kernel_shard_stats(logits, inputs.rows(sl), tp_group)
-                maxes[sl, 0] = max_all
-                if z_weight:  # the effective weights of CE + z-loss, as on the torch path below
-                    token_weights[sl] = token_weights[sl] * (1 + 2 * z_weight * (torch.log(sums[sl, 0]) + max_all))
-                number_exp[sl] = torch.exp(number_logits[sl] - ShardMath.safe_number_max(maxes[sl, 1]).unsqueeze(1))
-                if not wants_dense:  # no gradient wanted: the statistics are all
-                    del logits
-                    continue
-                dense_products(sl, logits, rescale)
-                del logits
-                continue
-            if logits_buf is None:
-                raise RuntimeError("internal: the torch path of the chunked op has no logits buffer")
-            logits = torch.mm(hidden[sl], weight.t(), out=logits_buf[: sl.stop - sl.start])
-            if cap is not None:  # soft-capping, in place: every statistic below is of the capped logits
-                logits.div_(cap).tanh_().mul_(cap)
-            number_logits[sl] = logits.index_select(1, cols).to(cdt)
-            # the max of half-precision logits in their dtype: exact, like the max of their fp32 copy
-            maxes[sl] = ShardMath.local_max(logits, number_logits[sl], [slice(None)], True)
-            all_reduce_max(maxes[sl], tp_group)
-            number_max, max_all = ShardMath.safe_number_max(maxes[sl, 1]), maxes[sl, 0]
-            # fp32/fp64: in place, the logits become exp(z - max), then the softmax pi; half precision:
-            # exp(z - max) part by part through the fp32 work buffer, the logits kept for the second pass
-            parts = [slice(None)] if work_buf is None else ShardMath.chunk_rows(logits.shape[0], width, parts_of)
-            sums[sl], number_exp[sl] = ShardMath.local_sums(
-                logits, number_logits[sl], inputs.rows(sl), max_all, number_max, parts, True,
-                work_buf is None, work_buf, smoothing,
-            )  # fmt: skip
-            all_reduce_sums(sums[sl], tp_group)
-            if z_weight:
-                # the z-loss z_weight * lse^2 rides on CE's weights: d/dz = (1 + 2 z_weight lse) pi, so the
-                # forward's weight gradient is built for these effective per-token weights
-                lse = torch.log(sums[sl, 0]) + max_all
-                token_weights[sl] = token_weights[sl] * (1 + 2 * z_weight * lse)
-            if dense_h is None and dense_w is None:  # no gradient wanted: the statistics are all
-                del logits
-                continue
-            inv_total = sums[sl, 0].reciprocal().unsqueeze(1)
-            # with soft-capping the dense part of the gradient is pi * (1 - (z'/cap)^2), z' the capped logit
-            if work_buf is None:
-                if cap is not None:  # z' = log(exp(z' - max)) + max; a 0 (underflow) gives factor 0, pi 0
-                    logits.mul_(_cap_factor(logits.log().add_(max_all.unsqueeze(1)), cap))
-                logits.mul_(inv_total)
-            else:  # the softmax in the parameters' dtype (one rounding), shared by both matmuls
-                for part in parts:
-                    work = shift_into(logits[part], max_all[part], work_buf[: part.stop - part.start]).exp_()
-                    if cap is not None:
-                        work.mul_(_cap_factor(logits[part].to(cdt), cap))
-                    logits[part].copy_(work.mul_(inv_total[part]))
-            probs = logits
-            dense_products(sl, probs)
-            del logits, probs
+            if walk.fast:
+                walk.triton_chunk(sl)
+            else:
+                walk.torch_chunk(sl)
+        maxes, sums, number_logits, number_exp = walk.maxes, walk.sums, walk.number_logits, walk.number_exp
+        dense_h, dense_w, dense_scale = walk.dense_h, walk.dense_w, walk.dense_scale
+        del walk
         if dense_w is not None and not rows:  # no tokens: no chunk wrote the accumulator
             dense_w.zero_()
         if check_finite:
