@@ -296,7 +296,8 @@ def kernel_stats_softmax(x: Inputs) -> Built:
     """The statistics kernel writing the softmax too (``softmax_into``, the chunked op's one kernel per chunk)
     over ``[T, V]``: against ``kernel_stats`` plus ``kernel_grad`` it shows how much of the second walk over
     each row L2 serves (the cost model's assumption). Written into a second buffer, not in place, so that
-    every step reads the same logits (the same traffic: one read, one write); its CE is checked."""
+    every step reads the same logits (the same traffic: one read, one write). Checked: its CE, and the
+    softmax it wrote (each row sums to 1, within the logits dtype's rounding; else the check fails)."""
     triton_ce_ntl = importlib.import_module("ntl_scale.kernels.triton_ce_ntl")
     if not triton_ce_ntl.triton_available():
         raise Skip("triton not installed")
@@ -305,8 +306,16 @@ def kernel_stats_softmax(x: Inputs) -> Built:
     probs = torch.empty_like(logits)
 
     note = "statistics + softmax (shard_stats(softmax_into=)), one launch over [T, V]"
+
+    def values(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, ce = _stats_ce(stats)
+        rows = probs.float().sum(dim=-1)
+        if not bool(((rows - 1).abs() <= 1e-2).all()):  # a wrong softmax: the check against CE fails
+            return torch.full_like(loss, float("nan")), ce
+        return loss, ce
+
     return Built(lambda: triton_ce_ntl.shard_stats(logits, target, cols, a_table, softmax_into=probs),
-                 values=_stats_ce, note=note)  # fmt: skip
+                 values=values, note=note)  # fmt: skip
 
 
 def liger(x: Inputs) -> Built:
@@ -469,7 +478,7 @@ ROWS = [
         model="kernel:stats kernel", **_TRITON),
     Row("kernel_grad", "ours: Triton gradient kernel alone, in place", "ours", "ours_kernel", kernel_grad,
         model="kernel:grad kernel", **_TRITON),
-    Row("kernel_stats_softmax", "ours: Triton statistics kernel writing the softmax, in place", "ours",
+    Row("kernel_stats_softmax", "ours: Triton statistics kernel writing the softmax (to a second buffer)", "ours",
         "ours_kernel", kernel_stats_softmax,
         note="no model row of its own: 1x the logits read if L2 serves the second walk, 2x if not", **_TRITON),
     # 2. the eager peers

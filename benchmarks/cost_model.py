@@ -25,16 +25,18 @@ each so that they compare with the fused linear-CE kernels:
   NTL terms, as the code runs on a GPU: per chunk of ``C`` tokens (the device-chosen length,
   ``ntl_scale.linear_op.choose_chunk_tokens`` with :data:`MODEL_FREE_BYTES` free: six chunks of 1368 at
   8192 x 128256 x 4096 bf16) the logits GEMM, one kernel for the statistics and the softmax written in
-  place (the row read twice, the second time from L2: an assumption of the model, the design of Liger's
-  cross-entropy kernel; a row of 128256 bf16 logits is 250 KiB, one 16-warp program per SM in flight
-  holds 33 MiB of rows on an H100's 132 SMs against its 50 MiB of L2; ``ce_ntl_chunked_two_kernels``
-  counts both reads from HBM, the bound, and the two-kernel design before. Under tensor parallelism the
+  place (the row read twice, the second time from L2: the model's best case, Liger's cross-entropy
+  kernel's design; not a safe assumption: a row of 128256 bf16 logits is 250 KiB and the kernel runs four
+  16-warp programs per SM, so 528 rows, 135 MB (129 MiB), are in flight on an H100 against its 50 MB of
+  L2; ``ce_ntl_chunked_two_kernels`` counts both reads from HBM, the bound, and the two-kernel design
+  before; the GPU measures where between them it lands. Under tensor parallelism the
   kernel writes the shard's softmax over its local statistics and a per-token factor from the all-reduces,
   folded into ``P_h``'s rows and the weight gradient's hidden rows, makes it global: ``[C, H]`` work, not
   modelled; the model is of one device),
-  ``P_h = pi W`` (fp32 out), and ``G_W += (w pi)^T h`` with the fp32 ``[V, H]`` accumulator read and
-  written in the GEMM's epilogue (the first chunk's GEMM writes it: no zeroing pass); the backward
-  scales ``P_h``, adds the label and number columns (``O(T K H)``) and writes the weight gradient in
+  ``P_h = pi W`` (bf16 out, kept in bf16), and ``G_W += (w pi)^T h`` with the fp32 ``[V, H]`` accumulator
+  read and written in the GEMM's epilogue (the first chunk's GEMM writes it: no zeroing pass); the backward
+  completes ``P_h``'s rows in fp32 (times ``u``, the label and number columns, ``O(T K H)``), rounds them
+  once into ``P_h``'s buffer, the input gradient, and writes the weight gradient in
   bf16 from the accumulator with the scale applied in that one pass (issue 43's folded passes).
 * ``ce_ntl_chunked_cpu_chunk``: the same with the CPU's chunk, ``C = 2**26 // V`` (523 tokens at 128256).
 * ``ce_ntl_chunked_unfolded`` / ``ce_ntl_chunked_before``: the design before issue 43, for comparison
@@ -189,7 +191,10 @@ def _chunked(
             *softmax,
             # P_h[sl] = pi W: bf16 GEMM, its output copied into the fp32 P_h
             gemm("chunk: P_h = pi W", c, h, v, read=e * (c * v + v * h), write=e * c * h),
-            Kernel("chunk: P_h rows to fp32; w h rows", e * c * h + f * c * h + 2 * e * c * h),
+            # the weight gradient's hidden rows; before issue 43 also P_h's copy into an fp32 buffer
+            Kernel("chunk: w h rows (the weight gradient's hidden rows)", 2 * e * c * h)
+            if folded
+            else Kernel("chunk: P_h rows to fp32; w h rows", e * c * h + f * c * h + 2 * e * c * h),
             # fp32-output GEMM adding into the accumulator in its epilogue: G_W read and written
             gemm(
                 "chunk: G_W = (w pi)^T h (first chunk, beta=0)" if first else "chunk: G_W += (w pi)^T h",
@@ -199,7 +204,7 @@ def _chunked(
     t = s.tokens
     if folded:
         out += [
-            Kernel("backward: grad_h = u P_h", 2 * f * t * h),
+            Kernel("backward: grad_h rows: P_h to fp32, times u", e * t * h + 3 * f * t * h),
             Kernel("backward: label column rows (index_select, index_add)", e * t * h + 2 * f * t * h * 2),
             Kernel("backward: grad_h to bf16; grad_W = s G_W written in bf16", f * t * h + e * t * h + (f + e) * v * h),
         ]
@@ -292,8 +297,8 @@ PATHS: dict[str, tuple[str, Callable[[Shape], list[Kernel]]]] = {
     "ce_ntl_logits": ("CE + NTL fused on logits (ours, Triton)", ce_ntl_logits),
     "ce_chunked": ("CE alone, chunked from hidden states (our chunking, no NTL)", ce_chunked),
     "ce_ntl_chunked": (
-        "CE + NTL chunked from hidden states (ours, Triton: statistics and softmax in one kernel; "
-        "device-chosen chunk, folded passes)",
+        "CE + NTL chunked from hidden states (ours, Triton: statistics and softmax in one kernel, its second "
+        "walk all from L2, the best case; device-chosen chunk, folded passes)",
         ce_ntl_chunked,
     ),
     "ce_ntl_chunked_two_kernels": (
