@@ -61,6 +61,7 @@ from .parallel import (
     kernel_shard_stats,
 )
 from .shard_math import ShardInputs, ShardMath, compute_dtype, index_add, shift_into
+from .shards import group_size
 
 # Elements of one chunk of logits on the CPU: 2**26 (256 MiB in fp32) unless chunk_tokens says otherwise.
 # Smaller chunks save memory but re-read the [V, H] weight-gradient accumulator once per chunk (measured,
@@ -221,10 +222,10 @@ class _ChunkWalk:
         self.product = _product_buffer(weight, cdt) if self.dense_w is not None else None
         self.wants_dense = self.dense_h is not None or self.dense_w is not None
         self.fast = need_full and kernels
-        # per-token factors of P_h's rows (the one-kernel path under tensor parallelism), or None
-        self.dense_scale = (
-            torch.ones(num_tokens, dtype=cdt, device=device) if self.fast and self.dense_h is not None else None
-        )
+        # per-token factors of P_h's rows (the one-kernel path under tensor parallelism; on one device the
+        # kernel's softmax is final and there are none)
+        scaled = self.fast and self.dense_h is not None and group_size(tp_group) > 1
+        self.dense_scale = torch.ones(num_tokens, dtype=cdt, device=device) if scaled else None
         # Reused buffers for the torch path (a fresh allocation per chunk costs a page fault per page on
         # the CPU: 40 ms for a 64 MiB chunk here, about 5 % of the op at 2048 x 32768 x 512): the chunk's
         # logits, in the parameters' dtype; for half-precision parameters also an fp32 work buffer of a
@@ -320,7 +321,7 @@ class _ChunkWalk:
         ``rescale * probs`` the global one (the one-kernel path under tensor parallelism)."""
         if self.dense_h is not None:
             self.dense_h[sl] = probs @ self.weight
-            if rescale is not None and self.dense_scale is not None:  # applied in the backward's fp32
+            if rescale is not None and self.dense_scale is not None:  # (TP only) applied in the backward's fp32
                 self.dense_scale[sl] = rescale
         if self.dense_w is not None:
             # sum_t w_t pi_t h_t^T of the chunk, as a mean over a power of two >= its length in half
