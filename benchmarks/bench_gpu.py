@@ -292,12 +292,14 @@ def kernel_grad(x: Inputs) -> Built:
     return Built(step, note="gradient kernel (softmax_grad_), in place over [T, V], number columns stored")
 
 
-def kernel_stats_softmax(x: Inputs) -> Built:
+def kernel_stats_softmax(x: Inputs, per_row: bool = False) -> Built:
     """The statistics kernel writing the softmax too (``softmax_into``, the chunked op's one kernel per chunk)
     over ``[T, V]``: against ``kernel_stats`` plus ``kernel_grad`` it shows how much of the second walk over
-    each row L2 serves (the cost model's assumption). Written into a second buffer, not in place, so that
-    every step reads the same logits (the same traffic: one read, one write). Checked: its CE, and the
-    softmax it wrote (each row sums to 1, within the logits dtype's rounding; else the check fails)."""
+    each row L2 serves (the cost model's assumption). Launched as the op launches it on a GPU (a persistent
+    grid sized to L2, ``softmax_launch``), or with ``per_row`` one program per row (the launch before: more
+    rows in flight than L2 holds). Written into a second buffer, not in place, so that every step reads the
+    same logits (the same traffic: one read, one write). Checked: its CE, and the softmax it wrote (each row
+    sums to 1, within the logits dtype's rounding; else the check fails)."""
     triton_ce_ntl = importlib.import_module("ntl_scale.kernels.triton_ce_ntl")
     if not triton_ce_ntl.triton_available():
         raise Skip("triton not installed")
@@ -305,7 +307,9 @@ def kernel_stats_softmax(x: Inputs) -> Built:
     logits, target, cols, a_table = _kernel_inputs(x)
     probs = torch.empty_like(logits)
 
-    note = "statistics + softmax (shard_stats(softmax_into=)), one launch over [T, V]"
+    programs = logits.shape[0] if per_row else None
+    grid = "one program per row" if per_row else "persistent grid sized to L2"
+    note = f"statistics + softmax (shard_stats(softmax_into=)), one launch over [T, V], {grid}"
 
     def values(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         loss, ce = _stats_ce(stats)
@@ -314,8 +318,12 @@ def kernel_stats_softmax(x: Inputs) -> Built:
             return torch.full_like(loss, float("nan")), ce
         return loss, ce
 
-    return Built(lambda: triton_ce_ntl.shard_stats(logits, target, cols, a_table, softmax_into=probs),
-                 values=values, note=note)  # fmt: skip
+    return Built(lambda: triton_ce_ntl.shard_stats(logits, target, cols, a_table, softmax_into=probs,
+                                                   programs=programs), values=values, note=note)  # fmt: skip
+
+
+def kernel_stats_softmax_per_row(x: Inputs) -> Built:
+    return kernel_stats_softmax(x, per_row=True)
 
 
 def liger(x: Inputs) -> Built:
@@ -481,6 +489,9 @@ ROWS = [
     Row("kernel_stats_softmax", "ours: Triton statistics kernel writing the softmax (to a second buffer)", "ours",
         "ours_kernel", kernel_stats_softmax,
         note="no model row of its own: 1x the logits read if L2 serves the second walk, 2x if not", **_TRITON),
+    Row("kernel_stats_softmax_per_row", "ours: the same, one program per row (the launch before the persistent "
+        "grid)", "ours", "ours_kernel", kernel_stats_softmax_per_row,
+        note="against kernel_stats_softmax: what sizing the grid to L2 saves", **_TRITON),
     # 2. the eager peers
     Row("liger", "Liger fused linear CE", "peer", "ce_peer", liger, chunked=True, setup=("liger", 15.0),
         requires=_LIGER),

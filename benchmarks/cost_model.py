@@ -26,10 +26,11 @@ each so that they compare with the fused linear-CE kernels:
   ``ntl_scale.linear_op.choose_chunk_tokens`` with :data:`MODEL_FREE_BYTES` free: six chunks of 1368 at
   8192 x 128256 x 4096 bf16) the logits GEMM, one kernel for the statistics and the softmax written in
   place (the row read twice, the second time from L2: the model's best case, Liger's cross-entropy
-  kernel's design; not a safe assumption: a row of 128256 bf16 logits is 250 KiB and the kernel runs four
-  16-warp programs per SM, so 528 rows, 135 MB (129 MiB), are in flight on an H100 against its 50 MB of
-  L2; ``ce_ntl_chunked_two_kernels`` counts both reads from HBM, the bound, and the two-kernel design
-  before; the GPU measures where between them it lands. Under tensor parallelism the
+  kernel's design; ``ce_ntl_chunked_two_kernels`` counts both reads from HBM, the bound, and the
+  two-kernel design before; ``ce_ntl_chunked_persistent`` the launch the op makes on an H100, a persistent
+  grid sized to L2, with the share of second reads L2 serves from :func:`l2_hit_share`, a reuse-distance
+  model at 25 MiB of effective L2; ``ce_ntl_chunked_per_row`` the same model for one program per row, four
+  per SM: 528 rows of 250 KiB in flight; the GPU measures where they land). Under tensor parallelism the
   kernel writes the shard's softmax over its local statistics and a per-token factor from the all-reduces,
   folded into ``P_h``'s rows and the weight gradient's hidden rows, makes it global: ``[C, H]`` work, not
   modelled; the model is of one device),
@@ -65,6 +66,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's ntl_scale, run as a script
 from ntl_scale import linear_op
+from ntl_scale.kernels import triton_ce_ntl
 
 #: H100 SXM5 (80 GB HBM3): memory bandwidth and dense bf16 tensor-core throughput (no sparsity).
 #: Source: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column: 3.35 TB/s; 1,979 TFLOPS bf16 with
@@ -79,6 +81,42 @@ CHUNK_ELEMENTS = linear_op._CHUNK_ELEMENTS  # logits elements per chunk on the C
 #: weights, optimizer state and activations); at 8192 x 128256 x 4096 bf16 any value above 4 GiB gives
 #: the same 1368-token chunk (six of them).
 MODEL_FREE_BYTES = 40 * 2**30
+
+
+#: H100 SXM: 132 SMs and 50 MiB of L2 (what ``torch.cuda.get_device_properties`` reports: 52428800 bytes),
+#: in two partitions. The effective L2 of one row's data is modelled between one partition and the whole.
+H100_SMS = 132
+H100_L2 = 50 * 2**20
+L2_CAPACITIES = (H100_L2 // 2, H100_L2)
+
+
+def l2_hit_share(rows_in_flight: int, row_bytes: int, capacity: int) -> float:
+    """The share of the statistics-and-softmax kernel's second walk that L2 serves (a reuse-distance model).
+
+    Each program walks its row forwards, then backwards from the block it read last: the block ``x`` bytes
+    from the row's end is re-read after the program's own ``2 x`` bytes of walking, during which the other
+    programs in flight bring new lines in at the rate of their misses: all of their first walk, ``1 - h``
+    of their second. With LRU, a block hits when those ``rows x (2 - h) x`` bytes fit in ``capacity``:
+    ``h (2 - h) = min(1, capacity / (rows x row_bytes))``, so ``h = 1 - sqrt(1 - that)``. In place (the
+    chunked op's case), the writes land on the lines read, adding none.
+    """
+    ratio = min(1.0, capacity / max(1, rows_in_flight * row_bytes))
+    return 1.0 - (1.0 - ratio) ** 0.5
+
+
+def rows_in_flight(s: Shape, chunk: int, persistent: bool = True) -> int:
+    """Rows the statistics-and-softmax launch keeps in flight on an H100 at chunk ``chunk``: its persistent
+    grid (``triton_ce_ntl.softmax_launch``, a row per program), or one program per row (four 16-warp
+    programs per SM, ``docs/kernels.md``)."""
+    if persistent:
+        return triton_ce_ntl.softmax_launch(chunk, s.vocab, s.elem * s.vocab, s.elem, H100_SMS, H100_L2)[0]
+    return min(chunk, triton_ce_ntl.MAX_PROGRAMS_PER_SM * H100_SMS)
+
+
+def modelled_hits(s: Shape, persistent: bool = True) -> tuple[float, float]:
+    """:func:`l2_hit_share` of the default chunk's launch at the two :data:`L2_CAPACITIES`."""
+    rows = rows_in_flight(s, chunk_rows(s)[0], persistent)
+    return tuple(l2_hit_share(rows, s.elem * s.vocab, c) for c in L2_CAPACITIES)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -172,15 +210,23 @@ def chunk_rows(s: Shape, chunk_tokens: int | None = None) -> list[int]:
 
 
 def _chunked(
-    s: Shape, ntl: bool, chunk_tokens: int | None = None, folded: bool = True, one_kernel: bool = True
+    s: Shape,
+    ntl: bool,
+    chunk_tokens: int | None = None,
+    folded: bool = True,
+    one_kernel: bool = True,
+    l2_hits: float = 1.0,
 ) -> list[Kernel]:
     v, h, e, f, k = s.vocab, s.hidden, s.elem, s.f32, s.numbers
     out = [] if folded else [Kernel("G_W = 0 (fp32 [V, H])", f * v * h)]
     for i, c in enumerate(chunk_rows(s, chunk_tokens)):
         first = folded and i == 0  # the first chunk's GEMM writes the accumulator without reading it
         numbers = e * c * k + f * c * k if ntl else 0
-        if one_kernel:  # the statistics kernel writes the softmax too; the row's second read from L2
-            softmax = [Kernel("chunk: statistics and softmax, one kernel", 2 * e * c * v + numbers + f * c * 7)]
+        if one_kernel:  # the statistics kernel writes the softmax too; l2_hits of the row's second read from L2
+            second = (1.0 - l2_hits) * e * c * v
+            softmax = [
+                Kernel("chunk: statistics and softmax, one kernel", 2 * e * c * v + second + numbers + f * c * 7)
+            ]
         else:  # the logits read twice from HBM (two kernels, or one whose second reads all miss L2)
             softmax = [
                 Kernel("chunk: stats kernel", e * c * v + numbers + f * c * 7),
@@ -229,6 +275,14 @@ def ce_chunked(s: Shape, chunk_tokens: int | None = None) -> list[Kernel]:
 
 def ce_ntl_chunked(s: Shape, chunk_tokens: int | None = None) -> list[Kernel]:
     return _chunked(s, True, chunk_tokens)
+
+
+def ce_ntl_chunked_persistent(s: Shape) -> list[Kernel]:
+    return _chunked(s, True, None, l2_hits=modelled_hits(s, persistent=True)[0])
+
+
+def ce_ntl_chunked_per_row(s: Shape) -> list[Kernel]:
+    return _chunked(s, True, None, l2_hits=modelled_hits(s, persistent=False)[0])
 
 
 def ce_ntl_chunked_two_kernels(s: Shape) -> list[Kernel]:
@@ -300,6 +354,15 @@ PATHS: dict[str, tuple[str, Callable[[Shape], list[Kernel]]]] = {
         "CE + NTL chunked from hidden states (ours, Triton: statistics and softmax in one kernel, its second "
         "walk all from L2, the best case; device-chosen chunk, folded passes)",
         ce_ntl_chunked,
+    ),
+    "ce_ntl_chunked_persistent": (
+        "the same as launched on an H100: a persistent grid sized to L2 (rows in flight: a program each; "
+        "reuse-distance model of the second walk's L2 hits at 25 MiB effective L2)",
+        ce_ntl_chunked_persistent,
+    ),
+    "ce_ntl_chunked_per_row": (
+        "the same launched with one program per row (the launch before: four per SM; the same model)",
+        ce_ntl_chunked_per_row,
     ),
     "ce_ntl_chunked_two_kernels": (
         "the same if every row's second read missed L2 (the logits read twice from HBM: the bound; "

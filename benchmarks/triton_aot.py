@@ -104,6 +104,23 @@ def block_choices() -> tuple[list[int], list[int]]:
     return sorted({tk._block_v(n) for n in sizes}), sorted({tk._block_k(n) for n in sizes})
 
 
+def softmax_blocks() -> dict[str, list[int]]:
+    """Per logits dtype, every ``BLOCK_V`` the statistics-and-softmax launch's persistent grid can pick.
+
+    :func:`~ntl_scale.kernels.triton_ce_ntl.softmax_launch` over every power-of-two width and L2 size, in
+    place (a row's bytes: its logits); the blocks of its grids with fewer programs than rows.
+    """
+    out: dict[str, list[int]] = {}
+    rows = 1 << 20
+    for dtype in DTYPES:
+        elem = torch.empty((), dtype=dtype).element_size()
+        launches = [
+            tk.softmax_launch(rows, 1 << w, elem << w, elem, 132, 1 << l2) for w in range(25) for l2 in range(40)
+        ]
+        out[str(dtype).removeprefix("torch.")] = sorted({block for programs, block in launches if programs < rows})
+    return out
+
+
 @dataclass(frozen=True)
 class Config:
     """One launch configuration: the kernel, the logits dtype, the blocks, the shard's shape."""
@@ -152,6 +169,9 @@ def configs() -> list[Config]:
         name = str(dtype).removeprefix("torch.")
         out += [Config("stats_softmax", name, top_v, top_k, width, top_k) for width in (top_v, UNALIGNED_WIDTH)]
         out.append(Config("stats_softmax", name, top_v, tk._block_k(10), top_v, 10))
+    # and its persistent grid on a GPU (tk.softmax_launch: larger blocks), aligned and unaligned
+    for name, blocks in softmax_blocks().items():
+        out += [Config("stats_softmax", name, v, top_k, w, top_k) for v in blocks for w in (v, UNALIGNED_WIDTH)]
     # the fused linear CE + NTL (logits on chip): its launch tiles, aligned and unaligned vocabulary shards,
     # the backward with both gradients and, in bf16, with one (a frozen weight, a frozen input); no fp64 (refused)
     for dtype in DTYPES:
@@ -204,7 +224,9 @@ def launch_arguments(config: Config) -> tuple[Any, tuple[Any, ...], dict[str, An
         out = torch.empty(tokens, 6, dtype=cdt)
         a_table = torch.zeros(tokens, config.numbers, dtype=cdt)
         into = logits if config.kernel == "stats_softmax" else None  # in place, as the chunked op writes it
-        args, meta = tk._stats_arguments(logits, target, cols, a_table, out, None, into)
+        # the persistent grid's larger blocks, passed as shard_stats passes them on a GPU (softmax_launch)
+        block = config.block_v if into is not None and config.block_v > tk._block_v(config.width) else None
+        args, meta = tk._stats_arguments(logits, target, cols, a_table, out, block, into, block is not None)
         kernel = stats_kernel
     else:
         per_token = torch.ones(tokens, dtype=cdt)

@@ -115,13 +115,12 @@ def _kernels() -> tuple[Any, Any]:
     import triton.language as tl
 
     @triton.jit
-    def stats_kernel(
-        z_ptr, stride_zt, stride_zv, V,
+    def _stats_row(
+        row, z_ptr, stride_zt, stride_zv, V,
         target_ptr, cols_ptr, K, a_ptr, stride_at, stride_ak,
         out_ptr, p_ptr, stride_pt, stride_pv,
         ACC: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_SOFTMAX: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * stride_zt
         neg_inf = float("-inf")
         # online log-sum-exp over the columns: m the running max, s = sum exp(z - m)
@@ -176,6 +175,66 @@ def _kernels() -> tuple[Any, Any]:
         tl.store(out + 3, mn)
         tl.store(out + 4, sn)
         tl.store(out + 5, an)
+
+    # Triton resolves a called jit function among the kernel's module globals (a closure is not seen)
+    globals()["_stats_row"] = _stats_row
+
+    @triton.jit
+    def stats_kernel(
+        z_ptr, stride_zt, stride_zv, V,
+        target_ptr, cols_ptr, K, a_ptr, stride_at, stride_ak,
+        out_ptr, p_ptr, stride_pt, stride_pv, T,
+        ACC: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_SOFTMAX: tl.constexpr,
+        PERSISTENT: tl.constexpr,
+    ):  # fmt: skip
+        # One row per program; or (PERSISTENT) rows pid, pid + programs, ...: a grid of fewer programs keeps
+        # fewer rows in flight, so that a row's second walk (the softmax) finds it still in L2. Two bodies,
+        # not one loop: the loop costs the per-row launch a spill on some configurations (triton_aot.py).
+        if PERSISTENT:
+            for row in range(tl.program_id(0).to(tl.int64), T, tl.num_programs(0)):
+                _stats_row(
+                    row,
+                    z_ptr,
+                    stride_zt,
+                    stride_zv,
+                    V,
+                    target_ptr,
+                    cols_ptr,
+                    K,
+                    a_ptr,
+                    stride_at,
+                    stride_ak,
+                    out_ptr,
+                    p_ptr,
+                    stride_pt,
+                    stride_pv,
+                    ACC,
+                    BLOCK_V,
+                    BLOCK_K,
+                    WRITE_SOFTMAX,
+                )
+        else:
+            _stats_row(
+                tl.program_id(0).to(tl.int64),
+                z_ptr,
+                stride_zt,
+                stride_zv,
+                V,
+                target_ptr,
+                cols_ptr,
+                K,
+                a_ptr,
+                stride_at,
+                stride_ak,
+                out_ptr,
+                p_ptr,
+                stride_pt,
+                stride_pv,
+                ACC,
+                BLOCK_V,
+                BLOCK_K,
+                WRITE_SOFTMAX,
+            )
 
     @triton.jit
     def grad_kernel(
@@ -236,6 +295,57 @@ def _warps(block: int) -> int:
     return 16 if block >= 4096 else 8 if block >= 1024 else 4
 
 
+#: The share of L2 the statistics-and-softmax launch plans its rows in flight into (the rest: the other
+#: traffic, and the L2 of an H100 being two partitions); one program per row runs
+#: :data:`MAX_PROGRAMS_PER_SM` of them per SM (16-warp programs: 64 warps, an SM's limit); the persistent
+#: grid's one program per SM loads blocks of :data:`INFLIGHT_BYTES`, to keep HBM busy with fewer programs.
+L2_SHARE = 0.75
+MAX_PROGRAMS_PER_SM = 4
+INFLIGHT_BYTES = 32 * 1024
+
+
+def softmax_launch(rows: int, width: int, row_bytes: int, elem_bytes: int, sms: int, l2_bytes: int) -> tuple[int, int]:
+    """Programs and ``BLOCK_V`` of the statistics kernel writing the softmax, on a GPU with ``sms`` SMs.
+
+    The kernel reads each row twice (the statistics, then the softmax walking back from the blocks read
+    last), so the second walk is served from L2 when the rows in flight fit in it. One program per row puts
+    :data:`MAX_PROGRAMS_PER_SM` 16-warp programs on every SM (528 rows of 250 KiB on an H100, 135 MB,
+    against 50 MiB of L2). Where those rows do not fit in :data:`L2_SHARE` of L2, the grid is persistent:
+    one program per SM, each taking rows ``pid, pid + programs, ...`` (``sms`` rows in flight), balanced in
+    equal rounds, with blocks of :data:`INFLIGHT_BYTES` (16384 columns of half precision, 8192 of fp32) so
+    that an SM still has as much loading at once. Rows narrower than one such block, and fp64 (a reference
+    dtype), keep one program per row. A model's choice (``benchmarks/cost_model.py``), measured by
+    ``benchmarks/bench_gpu.py``'s ``kernel_stats_softmax`` rows against one program per row; the blocks
+    are the ones ``benchmarks/triton_aot.py`` compiles without spills.
+
+    Args:
+        rows: tokens (the grid's rows). width: the shard's columns. row_bytes: the bytes a row holds in
+        L2 during its two walks (the logits' row, plus the softmax's where it is written out of place).
+        elem_bytes: the logits' element size. sms: the GPU's SMs. l2_bytes: its L2.
+
+    Returns:
+        ``(programs, block_v)``: ``programs < rows`` is the persistent grid.
+    """
+    block = INFLIGHT_BYTES // elem_bytes
+    fits = MAX_PROGRAMS_PER_SM * sms * row_bytes <= L2_SHARE * l2_bytes
+    if fits or elem_bytes > 4 or width < block or rows <= sms:
+        return rows, _block_v(width)
+    rounds = -(-rows // sms)
+    return -(-rows // rounds), block
+
+
+@functools.lru_cache(maxsize=8)
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """SMs and L2 bytes of a CUDA device (``torch.cuda.get_device_properties``)."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.L2_cache_size
+
+
+def _gpu_limits(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """:func:`_device_limits` of a CUDA tensor's device; None elsewhere (one program per row)."""
+    return _device_limits(tensor.device) if tensor.is_cuda else None
+
+
 def shard_stats(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -244,6 +354,7 @@ def shard_stats(
     *,
     block_v: int | None = None,
     softmax_into: torch.Tensor | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """Per-token local statistics of a logits shard in one pass: ``[T, 6]`` = ``m, S, z_y, mN, SN, A``.
 
@@ -261,6 +372,9 @@ def shard_stats(
         block_v: columns per block (a power of two; default up to 4096); the tests use small blocks.
         softmax_into: ``[T, V_local]``, any float dtype, may be ``logits`` itself (in place: every read the
             statistics need comes first), or None (the statistics only).
+        programs: the grid: each program takes rows ``pid, pid + programs, ...`` (the results do not depend
+            on it). Default: one program per row; with ``softmax_into`` on CUDA :func:`softmax_launch`'s grid
+            (persistent where the rows in flight would not fit in L2) and blocks, unless ``block_v`` is given.
 
     Returns:
         fp32 (fp64 for fp64 logits) ``[T, 6]``: ``m`` the local max, ``S = sum exp(z - m)``, ``z_y``
@@ -277,8 +391,17 @@ def shard_stats(
         raise ValueError(
             f"softmax_into must have the logits' shape {tuple(logits.shape)}, got {tuple(softmax_into.shape)}"
         )
-    args, meta = _stats_arguments(logits, target, number_cols, a_table, out, block_v, softmax_into)
-    stats_kernel[(num_tokens,)](*args, **meta)
+    grid = num_tokens  # one program per row: the statistics alone read a row once
+    if programs is not None:
+        grid = max(1, min(int(programs), num_tokens))
+    elif softmax_into is not None and (limits := _gpu_limits(logits)) is not None:  # the grid sized to L2
+        elem, width = logits.element_size(), logits.shape[1]
+        in_place = softmax_into.data_ptr() == logits.data_ptr()
+        row_bytes = width * (elem + (0 if in_place else softmax_into.element_size()))
+        grid, launch_block = softmax_launch(num_tokens, width, row_bytes, elem, *limits)
+        block_v = block_v or launch_block
+    args, meta = _stats_arguments(logits, target, number_cols, a_table, out, block_v, softmax_into, grid < num_tokens)
+    stats_kernel[(grid,)](*args, **meta)
     return out
 
 
@@ -290,8 +413,10 @@ def _stats_arguments(
     out: torch.Tensor,
     block_v: int | None,
     softmax_into: torch.Tensor | None = None,
+    persistent: bool = False,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The statistics kernel's arguments and meta-parameters (``benchmarks/triton_aot.py`` compiles from them)."""
+    """The statistics kernel's arguments and meta-parameters (``benchmarks/triton_aot.py`` compiles from them);
+    ``persistent``: a grid of fewer programs than rows (each loops over its rows)."""
     num_tokens, width = logits.shape
     k = number_cols.numel()
     a = a_table if k else torch.zeros(num_tokens, 1, dtype=out.dtype, device=logits.device)
@@ -300,13 +425,14 @@ def _stats_arguments(
     args = (
         logits, logits.stride(0), logits.stride(1), width,
         target.contiguous(), number_cols.contiguous(), k, a, a.stride(0), a.stride(1),
-        out, p, p.stride(0), p.stride(1),
+        out, p, p.stride(0), p.stride(1), num_tokens,
     )  # fmt: skip
     meta = {
         "ACC": _acc(logits.dtype),
         "BLOCK_V": block_v,
         "BLOCK_K": _block_k(k),
         "WRITE_SOFTMAX": softmax_into is not None,
+        "PERSISTENT": persistent,
         "num_warps": _warps(block_v),
     }
     return args, meta

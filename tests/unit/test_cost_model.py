@@ -6,7 +6,8 @@
 2. Bytes: the model's largest terms are the sizes of the tensors the code makes: the logits (whole,
    and per chunk, as many chunks as the op makes), the output weight, the fp32 ``[V, H]`` accumulator
    of the chunked op, recorded with a dispatch mode while the op runs.
-3. The roofline arithmetic on hand-worked numbers (a memory-bound and a math-bound kernel).
+3. The roofline arithmetic on hand-worked numbers (a memory-bound and a math-bound kernel); the model of
+   the share of the statistics-and-softmax kernel's second walk that L2 serves, against an LRU simulation.
 4. docs/benchmarks.md holds the script's tables at 8192 x 128256 x 4096 (a model change updates the docs).
 """
 
@@ -18,11 +19,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import ntl_scale
 from ntl_scale.linear import linear_ce_with_ntl
+from tests.helpers.dispatch import OpOutputs
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("cost_model", ROOT / "benchmarks" / "cost_model.py")
@@ -89,28 +90,13 @@ def test_flops_of_the_chunked_path_match_the_flop_counter():
 # ------------------------------------------------------------------ 2. bytes against the tensors made
 
 
-class _Record(TorchDispatchMode):
-    """Every op's tensor outputs: (op name, shape, dtype, bytes)."""
-
-    def __init__(self):
-        super().__init__()
-        self.outputs: list[tuple[str, tuple[int, ...], torch.dtype, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.outputs.append((str(func), tuple(t.shape), t.dtype, t.numel() * t.element_size()))
-        return out
-
-
 def test_bytes_are_the_sizes_of_the_tensors_the_chunked_op_makes():
     vocab, (hidden, weight, labels) = _vocab(), _inputs(torch.bfloat16)
     shape = cm.Shape(T, V, H, len(vocab.ids))
-    with _Record() as record:
+    with OpOutputs() as record:
         linear_ce_with_ntl(hidden, weight, labels, vocab, chunk_tokens=CHUNK, impl="torch").loss.backward()
-    chunk_logits = [o for o in record.outputs if "mm" in o[0] and o[1][1:] == (V,) and o[2] == torch.bfloat16]
-    assert [o[1][0] for o in chunk_logits] == cm.chunk_rows(shape, CHUNK) == [40, 40, 16]
+    chunk_logits = [o for o in record.records if "mm" in o.op and o.shape[1:] == (V,) and o.dtype == torch.bfloat16]
+    assert [o.shape[0] for o in chunk_logits] == cm.chunk_rows(shape, CHUNK) == [40, 40, 16]
     kernels = cm.ce_ntl_chunked(shape, CHUNK)
     gemms = [k for k in kernels if k.name == "chunk: z = h W^T"]
     for (_, (c, _), _, nbytes), k in zip(chunk_logits, gemms, strict=True):
@@ -118,15 +104,15 @@ def test_bytes_are_the_sizes_of_the_tensors_the_chunked_op_makes():
         assert nbytes == c * V * shape.elem
     # the fp32 accumulator: written by the first chunk's product (no zeroing pass: none in the model either;
     # on the CPU the product is copied into it), then the weight gradient written once in bf16 from it
-    full = [o for o in record.outputs if o[1] == (V, H)]
-    assert not [o for o in full if "zero" in o[0] or "fill" in o[0]]
-    accumulators = [o for o in full if o[2] == torch.float32 and "copy_" in o[0]]
+    full = [o for o in record.records if o.shape == (V, H)]
+    assert not [o for o in full if "zero" in o.op or "fill" in o.op]
+    accumulators = [o for o in full if o.dtype == torch.float32 and "copy_" in o.op]
     assert len(accumulators) == 1 and not [k for k in kernels if k.name.startswith("G_W = 0")]
     first = next(k for k in kernels if k.name.startswith("chunk: G_W = "))
-    assert first.bytes - 2 * (CHUNK * V + CHUNK * H) == accumulators[0][3]  # writes it, reads no accumulator
-    grads = [o for o in full if o[2] == torch.bfloat16 and "_to_copy" in o[0]]
+    assert first.bytes - 2 * (CHUNK * V + CHUNK * H) == accumulators[0].bytes  # writes it, reads no accumulator
+    grads = [o for o in full if o.dtype == torch.bfloat16 and "_to_copy" in o.op]
     cast = next(k for k in kernels if "grad_W = s G_W written in bf16" in k.name)
-    assert len(grads) == 1 and cast.bytes - 6 * T * H == accumulators[0][3] + grads[0][3]
+    assert len(grads) == 1 and cast.bytes - 6 * T * H == accumulators[0].bytes + grads[0].bytes
     assert weight.numel() * weight.element_size() == V * H * shape.elem
 
 
@@ -174,6 +160,59 @@ def test_roofline_per_kernel():
     assert abs(memory_bound.seconds() - 1e-3) < 1e-12 and abs(math_bound.seconds() - 1e-3) < 1e-12
     both = cm.cost([memory_bound, math_bound])
     assert abs(both.seconds - 2e-3) < 1e-12 and abs(both.overlapped - 1e-3) < 1e-9
+
+
+def _lru_second_walk_hits(programs: int, blocks: int, capacity: int, rows_each: int = 6, seed: int = 0) -> float:
+    """An LRU cache of ``capacity`` blocks under ``programs`` programs, each walking ``rows_each`` rows of
+    ``blocks`` blocks forwards then backwards (the statistics-and-softmax kernel), one block per step in
+    turn, started at random offsets (programs drift out of phase on a GPU); the share of second-walk reads
+    that hit, after the first rows' warm-up."""
+    import random
+    from collections import OrderedDict
+
+    rnd = random.Random(seed)
+    streams = []
+    for p in range(programs):
+        walk = []
+        for r in range(rows_each):
+            row = p * rows_each + r
+            walk += [(row, b, 0) for b in range(blocks)] + [(row, b, 1) for b in reversed(range(blocks))]
+        streams.append([None] * rnd.randrange(2 * blocks) + walk)
+    cache: OrderedDict = OrderedDict()
+    hits = reads = 0
+    for step in range(max(map(len, streams))):
+        for walk in streams:
+            if step >= len(walk) or walk[step] is None:
+                continue
+            row, block, second = walk[step]
+            hit = (row, block) in cache
+            if hit:
+                cache.move_to_end((row, block))
+            else:
+                cache[(row, block)] = True
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+            if second and step >= 2 * blocks:
+                hits, reads = hits + hit, reads + 1
+    return hits / reads
+
+
+def test_l2_hit_model_against_an_lru_simulation():
+    """The closed form the chunked rows use for the share of the second walk served by L2 is within 0.1 of
+    an LRU simulation of the kernel's access pattern, from rows that all fit to rows five times L2; and the
+    persistent launch the op makes on an H100 beats one program per row in both."""
+    blocks = 32
+    for programs, capacity in ((60, 3200), (125, 3200), (125, 6400), (250, 3200), (528, 3200), (528, 6400)):
+        simulated = _lru_second_walk_hits(programs, blocks, capacity)
+        model = cm.l2_hit_share(programs, blocks, capacity)
+        assert abs(model - simulated) <= 0.1, (programs, capacity, model, simulated)
+    shape = cm.Shape(8192, 128256, 4096, 10)
+    chunk = cm.chunk_rows(shape)[0]
+    persistent, per_row = cm.rows_in_flight(shape, chunk), cm.rows_in_flight(shape, chunk, persistent=False)
+    assert persistent <= cm.H100_SMS < per_row
+    row_blocks = 32  # a 250 KiB row in 8 KiB blocks; L2 at 25 MiB = 3200 such blocks
+    assert _lru_second_walk_hits(persistent, row_blocks, 3200) > 2 * _lru_second_walk_hits(per_row, row_blocks, 3200)
+    assert cm.modelled_hits(shape, True)[0] > 2 * cm.modelled_hits(shape, False)[0]
 
 
 # ------------------------------------------------------------------ 4. the docs hold the model's output

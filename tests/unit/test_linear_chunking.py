@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ntl_scale
 from ntl_scale.linear_op import choose_chunk_tokens
+from tests.helpers.dispatch import OpOutputs
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("cost_model", ROOT / "benchmarks" / "cost_model.py")
@@ -111,20 +111,6 @@ def test_bad_arguments_are_refused(kwargs: dict, match: str) -> None:
         choose_chunk_tokens("cuda", GiB, dtype=torch.bfloat16, **args, **extra)
 
 
-class _LogitsMatmuls(TorchDispatchMode):
-    """Row counts of the ``[C, H] x [H, V]`` logits matmuls the op makes."""
-
-    def __init__(self, v: int) -> None:
-        super().__init__()
-        self.v, self.rows = v, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out) and out.dim() == 2 and out.shape[1] == self.v:
-            self.rows.append(out.shape[0])
-        return out
-
-
 def test_the_op_uses_the_chosen_chunk_on_cpu() -> None:
     t, v, h = 1100, 2**17, 4  # 2**26 // 2**17 = 512 tokens a chunk: 512, 512, 76
     tokens = [f"w{i}" for i in range(v)]
@@ -135,27 +121,12 @@ def test_the_op_uses_the_chosen_chunk_on_cpu() -> None:
     hidden = torch.randn(t, h, generator=g)
     weight = torch.randn(v, h, generator=g)
     labels = torch.randint(0, v, (t,), generator=g)
-    mode = _LogitsMatmuls(v)
-    with mode, torch.no_grad():  # the statistics only: the same chunks, a third of the work
+    with OpOutputs() as made, torch.no_grad():  # the statistics only: the same chunks, a third of the work
         ntl_scale.linear_ce_with_ntl(hidden, weight, labels, vocab, impl="torch")
-    assert mode.rows == [512, 512, 76]
+    assert [r.shape[0] for r in made.records if r.op == "mm" and r.shape[1:] == (v,)] == [512, 512, 76]
 
 
 # ------------------------------------------------------------------ the fixed [V, H] passes, folded (issue 43 item 2)
-
-
-class _FullPasses(TorchDispatchMode):
-    """The aten ops whose output is a whole ``[V, H]`` tensor (V * H elements: no other tensor has that many)."""
-
-    def __init__(self, numel: int) -> None:
-        super().__init__()
-        self.numel, self.ops = numel, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor) and out.numel() == self.numel:
-            self.ops.append(func.overloadpacket.__name__)
-        return out
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -175,19 +146,22 @@ def test_weight_gradient_has_no_zeroing_scaling_or_cast_pass(dtype: torch.dtype,
     hidden = torch.randn(t, h, generator=g).to(dtype).requires_grad_()
     weight = torch.randn(v, h, generator=g).to(dtype).requires_grad_()
     labels = torch.randint(0, v, (t,), generator=g)
-    forward, backward = _FullPasses(v * h), _FullPasses(v * h)
-    with forward:
+    with OpOutputs() as forward:
         out = ntl_scale.linear_ce_with_ntl(
             hidden, weight, labels, vocab, chunk_tokens=16, impl="torch", label_smoothing=smoothing
         )
-    with backward:
+    with OpOutputs() as backward:
         out.loss.backward()
-    assert not {"zeros", "zero_", "fill_", "zeros_like"} & set(forward.ops), forward.ops
-    dense = [op for op in backward.ops if op not in ("index_add_", "index_copy_", "empty", "detach")]
+
+    def full_passes(made: OpOutputs) -> list[str]:  # the ops writing a whole [V, H] tensor (no other is as big)
+        return [r.op for r in made.records if r.shape and r.bytes == v * h * r.dtype.itemsize]
+
+    assert not {"zeros", "zero_", "fill_", "zeros_like"} & set(full_passes(forward)), full_passes(forward)
+    dense = [op for op in full_passes(backward) if op not in ("index_add_", "index_copy_", "empty", "detach")]
     if dtype == torch.float32:  # one pass: the scale (and smoothing's row) written over the accumulator
-        assert dense == ["addcmul" if smoothing else "mul"], backward.ops
+        assert dense == ["addcmul" if smoothing else "mul"], full_passes(backward)
     else:  # the CPU's bf16 path: the scale in place (and the row), then the one cast; on CUDA one fused op
-        assert dense == (["mul_", "add_", "_to_copy"] if smoothing else ["mul_", "_to_copy"]), backward.ops
+        assert dense == (["mul_", "add_", "_to_copy"] if smoothing else ["mul_", "_to_copy"]), full_passes(backward)
     assert weight.grad is not None and weight.grad.dtype == dtype
 
 
@@ -268,23 +242,12 @@ def test_half_precision_op_holds_no_fp32_token_by_hidden_buffer(dtype: torch.dty
     labels = torch.randint(0, v, (t,))
     labels[::3] = 100 + torch.randint(0, 10, (len(labels[::3]),))
 
-    class Record(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.made: list[tuple[tuple[int, ...], torch.dtype]] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for x in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(x, torch.Tensor) and func._schema.name not in ("aten::view", "aten::detach"):
-                    self.made.append((tuple(x.shape), x.dtype))  # what holds memory of its own
-            return out
-
-    with Record() as record:
+    with OpOutputs() as record:
         out = ntl_scale.linear_ce_with_ntl(hidden, weight, labels, vocab, chunk_tokens=40, impl="torch")
         out.loss.backward()
-    assert ((t, h), torch.float32) not in record.made
-    assert record.made.count(((t, h), dtype)) == 1  # P_h, which becomes the input gradient
+    made = [(r.shape, r.dtype) for r in record.records if r.op not in ("view", "detach")]  # memory of their own
+    assert ((t, h), torch.float32) not in made
+    assert made.count(((t, h), dtype)) == 1  # P_h, which becomes the input gradient
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     ntl_scale.linear_ce_with_ntl(h64, w64, labels, vocab, chunk_tokens=40, impl="torch").loss.backward()
     for got, want in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):

@@ -67,6 +67,8 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def test_every_block_the_launchers_pick_is_compiled(records):
+    import torch
+
     from ntl_scale.kernels import triton_ce_ntl as tk
 
     widths = [1, 15, 16, 17, 100, 1000, 4095, 4097, 8000, 32000, 50257, 64128, 128256, 262144, 10**6]
@@ -88,6 +90,20 @@ def test_every_block_the_launchers_pick_is_compiled(records):
             fused = [r for r in records if (r["arch"], r["kernel"]) == (arch, "stats_softmax")]
             assert {r["dtype"] for r in fused} == {"float32", "bfloat16", "float16"}, arch
             assert {r["width"] % 16 == 0 for r in fused} == {True, False}, arch
+            # every block its persistent launch on a GPU can pick (tk.softmax_launch over the devices' shapes),
+            # aligned and unaligned, with 16 warps
+            for dtype in ("float32", "bfloat16", "float16"):
+                elem = getattr(torch, dtype).itemsize
+                picked = {
+                    tk.softmax_launch(rows, w, elem * w, elem, sms, l2)[1]
+                    for rows in (1368, 8192)
+                    for w in widths
+                    for sms, l2 in ((108, 40 << 20), (132, 50 << 20), (148, 126 << 20), (1, 0))
+                }
+                for aligned in (True, False):
+                    have = {r["block_v"] for r in fused if r["dtype"] == dtype and (r["width"] % 16 == 0) == aligned}
+                    assert {v for v in picked if v >= 4096} <= have, (arch, dtype, aligned)
+                assert {r["warps"] for r in fused if r["dtype"] == dtype} == {16}
 
 
 def test_the_fused_linear_kernels_are_compiled_as_launched(records):

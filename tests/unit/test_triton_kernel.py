@@ -413,6 +413,90 @@ def test_statistics_kernel_writes_the_softmax_of_the_two_kernel_path(dtype, inpl
         tk.shard_stats(z, *args, softmax_into=z[:, :5])
 
 
+@pytest.mark.parametrize("programs", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_v", [16, 256])
+def test_a_persistent_grid_gives_the_launch_per_row_bit_for_bit(programs, block_v):
+    """The statistics kernel's rows ``pid, pid + programs, ...`` (the persistent grid a GPU launch sizes to
+    its L2 for the softmax's second walk): statistics and softmax bit for bit those of one program per row,
+    in place and not, whatever the grid (9 rows: programs that take one row, two, three or all nine)."""
+    logits, labels, ids, a = _problem(dtype=torch.bfloat16)
+    inputs = _inputs(labels, ids, a, 0, 203)
+    z = logits.to(DEVICE)
+    args = (inputs.local_target(203), inputs.number_cols, inputs.a_table)
+    per_row_out = torch.empty_like(z)
+    per_row = tk.shard_stats(z, *args, block_v=block_v, softmax_into=per_row_out)
+    persistent_out = torch.full_like(z, 7.0)
+    assert torch.equal(
+        tk.shard_stats(z, *args, block_v=block_v, softmax_into=persistent_out, programs=programs), per_row
+    )
+    assert torch.equal(persistent_out, per_row_out)
+    work = z.clone()
+    assert torch.equal(tk.shard_stats(work, *args, block_v=block_v, softmax_into=work, programs=programs), per_row)
+    assert torch.equal(work, per_row_out)
+    assert torch.equal(tk.shard_stats(z, *args, block_v=block_v, programs=programs), per_row)  # statistics only
+
+
+def test_on_a_gpu_shard_stats_launches_the_grid_softmax_launch_chooses(monkeypatch):
+    """The CUDA branch of ``shard_stats`` (device limits patched in, since this machine has no GPU): with a
+    softmax to write and an L2 too small for one program per row, the launch is ``softmax_launch``'s
+    persistent grid with its 32 KiB blocks, and the result is bit for bit one program per row at the same
+    blocks; without the softmax (one walk), and where the rows fit, one program per row."""
+    stats_kernel, grad_kernel = tk._kernels()
+    grids: list[tuple[int, int, bool]] = []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                grids.append((grid[0], meta["BLOCK_V"], meta["PERSISTENT"]))
+                return stats_kernel[grid](*args, **meta)
+
+            return launch
+
+    monkeypatch.setattr(tk, "_kernels", lambda: (Recorded(), grad_kernel))
+    g = torch.Generator().manual_seed(5)
+    width, rows = 20000, 9  # wider than one 16384-column block: the persistent grid's blocks
+    z = (torch.randn(rows, width, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    target = torch.randint(0, width, (rows,), generator=g).to(DEVICE)
+    cols = torch.tensor([5, 17, 19999], device=DEVICE)
+    a_table = torch.rand(rows, 3, generator=g).to(DEVICE)
+    monkeypatch.setattr(tk, "_gpu_limits", lambda t: (2, 1024))  # 2 SMs, 1 KiB of L2
+    into = torch.empty_like(z)
+    stats = tk.shard_stats(z, target, cols, a_table, softmax_into=into)
+    assert grids == [(2, 16384, True)]  # 9 rows in 5 rounds of 2 programs
+    want_into = torch.empty_like(z)
+    want = tk.shard_stats(z, target, cols, a_table, block_v=16384, softmax_into=want_into, programs=rows)
+    assert grids[-1] == (rows, 16384, False)
+    assert torch.equal(stats, want) and torch.equal(into, want_into)
+    tk.shard_stats(z, target, cols, a_table)
+    assert grids[-1] == (rows, 4096, False)  # the statistics alone: one walk, one program per row
+    monkeypatch.setattr(tk, "_gpu_limits", lambda t: (132, 50 << 20))  # an H100: 9 rows fit in L2
+    tk.shard_stats(z, target, cols, a_table, softmax_into=into)
+    assert grids[-1] == (rows, 4096, False)
+
+
+def test_the_softmax_launch_fits_l2_and_balances_its_rounds():
+    """``softmax_launch`` (the GPU's grid for the statistics-and-softmax kernel), over shapes of A100/H100/
+    B200-like devices: one program per row where four per SM fit in L2_SHARE of L2 (or the rows are narrower
+    than a persistent block, or fp64); else a persistent grid of at most one program per SM, every row taken
+    (programs x rounds >= rows) in the fewest rounds, with 32 KiB blocks (those compiled ahead of time)."""
+    for sms, l2 in ((108, 40 << 20), (132, 50 << 20), (148, 126 << 20)):
+        for width in (1, 100, 4096, 16032, 32064, 50257, 128256, 262144):
+            for elem, extra in ((2, 0), (2, 2), (4, 0), (4, 2), (8, 0)):
+                row_bytes = width * (elem + extra)
+                for rows in (1, 7, 131, 132, 1368, 8192, 65536):
+                    programs, block = tk.softmax_launch(rows, width, row_bytes, elem, sms, l2)
+                    if 4 * sms * row_bytes <= tk.L2_SHARE * l2 or elem == 8 or rows <= sms or width * elem < 32768:
+                        assert (programs, block) == (rows, tk._block_v(width))
+                        continue
+                    rounds = -(-rows // programs)
+                    assert programs <= sms and rounds == -(-rows // sms) and (rounds - 1) * programs < rows
+                    assert block == 32768 // elem <= width
+    # the H100 chunk: 1368 bf16 rows of 128256 columns, in place: one program per SM (125, in 11 equal
+    # rounds), 32 KiB blocks; under TP 8 (16032 columns) one program per row (528 rows in flight fit)
+    assert tk.softmax_launch(1368, 128256, 2 * 128256, 2, 132, 50 << 20) == (125, 16384)
+    assert tk.softmax_launch(1368, 16032, 2 * 16032, 2, 132, 50 << 20) == (1368, 4096)
+
+
 def test_a_shard_of_minus_infinity_writes_a_zero_softmax():
     """Under TP a shard may hold only -inf logits for a token (masked columns): its share of the softmax is
     0, and the kernel writes 0 there (not the NaN of exp(-inf - -inf)), so the rescaled rows stay finite."""
