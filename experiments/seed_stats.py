@@ -145,7 +145,28 @@ def seed_tests(summary: dict[str, Any]) -> dict[str, Any]:
     for (a, arm, s, m), p in adjusted.items():
         tests[a][arm][s][m]["p_holm"] = p
     family = sum(1 for p in keys.values() if math.isfinite(p))
-    return {"baseline": baseline, "family_size": family, "tests": tests}
+    out = {"baseline": baseline, "family_size": family, "tests": tests}
+    declared = declared_family(preset)
+    if declared:  # a question's own family, declared in the preset: Holm over those tests, beside the study's
+        found = {key: keys.get(key, math.nan) for key in declared}
+        for key, p in holm(found, family=len(declared)).items():
+            if key in keys:
+                tests[key[0]][key[1]][key[2]][key[3]]["p_holm_declared"] = p
+        out["declared_family"] = [list(key) for key in declared]
+    return out
+
+
+def declared_family(preset: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
+    """The tests of a preset's ``declared_family`` (a question's own Holm family, stated before its runs):
+    entries ``{against, arms, split, metric}``, each giving a test per arm, as ``(against, arm, split, metric)``."""
+    keys: list[tuple[str, str, str, str]] = []
+    for entry in preset.get("declared_family") or []:
+        if not isinstance(entry, Mapping) or set(entry) != {"against", "arms", "split", "metric"}:
+            raise ValueError(
+                f"declared_family entries are {{against, arms, split, metric}} (arms a list), got {entry!r}"
+            )
+        keys += [(entry["against"], arm, entry["split"], entry["metric"]) for arm in entry["arms"]]
+    return keys
 
 
 def _p(p: float) -> str:
@@ -172,6 +193,14 @@ def markdown(tested: dict[str, Any]) -> str:
                     lines.append(f"| {against} | {arm} | {split} | {metric} | {t['n']} | {_g(t['mean_diff'])} "
                                  f"[{_g(low)}, {_g(high)}] | {_p(t['p_seed_t'])} | {_p(t['p_holm'])} | "
                                  f"{_p(t['p_sign_flip'])} |")  # fmt: skip
+    if tested.get("declared_family"):
+        lines += ["", f"The preset's declared family ({len(tested['declared_family'])} tests; Holm over them, a "
+                      "missing test counted at p = 1):", "", "| against | arm | split | metric | t-test p | Holm p, "
+                      "declared family | Holm p, study |", "|---|---|---|---|---:|---:|---:|"]  # fmt: skip
+        for against, arm, split, metric in tested["declared_family"]:
+            t = tested["tests"].get(against, {}).get(arm, {}).get(split, {}).get(metric)
+            cells = (_p(t["p_seed_t"]), _p(t["p_holm_declared"]), _p(t["p_holm"])) if t else ("not run",) * 3
+            lines.append(f"| {against} | {arm} | {split} | {metric} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

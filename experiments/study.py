@@ -15,7 +15,9 @@ budget); optionally ``prepare`` (commands run once first, e.g. generating the De
 launch/train.py; experiments/train_baselines.py adds the ``baseline.*`` overrides of DEL and the
 digit-only NTL-WAS), ``baseline`` (the arm the others are tested against; default the first),
 ``also_against`` (arms every other arm is also paired against, e.g. ``[CE + NTL-WAS]``:
-``paired_tests_against`` in results.json, a section each in results.md) and ``heldout_groups`` (a
+``paired_tests_against`` in results.json, a section each in results.md), ``declared_family`` (a
+question's own Holm family, stated before its runs: entries ``{against, arms, split, metric}``; each
+test's ``p_holm_declared`` beside the study-wide ``p_holm``) and ``heldout_groups`` (a
 pretraining corpus: name -> [first, stop)
 held-out sequence indices, each tabulated and tested as split ``heldout:<name>``; or the path of a
 corpus manifest of experiments/pretrain_corpus.py, whose ``heldout.groups`` are its prose and number
@@ -120,6 +122,13 @@ def load_preset(path: str) -> dict[str, Any]:
     against = preset.get("also_against", [])
     if not isinstance(against, list) or any(a not in preset["arms"] or a == preset.get("baseline") for a in against):
         raise SystemExit(f"{path}: also_against must list arms other than the baseline, got {against!r}")
+    try:
+        declared = seed_stats.declared_family(preset)
+    except ValueError as error:
+        raise SystemExit(f"{path}: {error}") from None
+    unknown = sorted({name for a, arm, _, _ in declared for name in (a, arm) if name not in preset["arms"]})
+    if unknown:
+        raise SystemExit(f"{path}: declared_family names {unknown}, not arms of the preset {list(preset['arms'])}")
     if preset.get("data_seed", "fixed") not in ("fixed", "with_seed"):
         raise SystemExit(f"{path}: data_seed must be 'fixed' (data.seed of the base config in every run) or "
                          f"'with_seed' (data.seed = the run's seed), got {preset['data_seed']!r}")  # fmt: skip

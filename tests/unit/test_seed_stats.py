@@ -136,3 +136,37 @@ def test_differences_equal_but_for_rounding_get_no_t_test():
     # on that spread would report p < 0.001 for two seeds
     test = seed_stats.seed_test([0.07, 0.045], [0.05, 0.025], "accuracy")
     assert 0.07 - 0.05 != 0.045 - 0.025 and math.isnan(test["p_seed_t"])
+
+
+def test_a_declared_family_is_adjusted_over_its_own_tests():
+    """A preset's ``declared_family`` (a question's own family): Holm over its tests only, by the textbook
+    procedure written here over scipy's t-test ps, a test of an arm not run yet counted at p = 1; the
+    study-wide ``p_holm`` is unchanged beside it; a malformed entry is refused with the expected form."""
+    ce = {"heldout": {"mae": {"seeds": [5.0, 5.5, 4.8, 5.1]}}, "prose": {"ppl": {"seeds": [3.0, 3.1, 2.9, 3.05]}}}
+    low = {"heldout": {"mae": {"seeds": [4.0, 4.6, 4.1, 4.0]}}, "prose": {"ppl": {"seeds": [3.1, 3.1, 3.0, 3.2]}}}
+    mid = {"heldout": {"mae": {"seeds": [4.9, 5.4, 4.8, 5.0]}}, "prose": {"ppl": {"seeds": [3.0, 3.2, 2.8, 3.1]}}}
+    family = [
+        {"against": "CE", "arms": ["low", "mid", "high"], "split": "heldout", "metric": "mae"},
+        {"against": "mid", "arms": ["low", "high"], "split": "prose", "metric": "ppl"},
+    ]
+    summary = {"preset": {"baseline": "CE", "also_against": ["mid"], "declared_family": family},
+               "results": {"CE": ce, "low": low, "mid": mid}}  # fmt: skip
+    out = seed_stats.seed_tests(summary)
+    chosen = [("CE", "low", "heldout", "mae"), ("CE", "mid", "heldout", "mae"), ("mid", "low", "prose", "ppl")]
+    ps = []
+    for against, arm, split, metric in chosen:
+        a = summary["results"][arm][split][metric]["seeds"]
+        b = summary["results"][against][split][metric]["seeds"]
+        ps.append(float(stats.ttest_rel(a, b).pvalue))
+    want = _holm_textbook([*ps, 1.0, 1.0])[:3]  # 5 declared, "high" not run: two tests at p = 1
+    got = [out["tests"][a][arm][s][m]["p_holm_declared"] for a, arm, s, m in chosen]
+    assert got == pytest.approx(want, rel=1e-12)
+    assert out["family_size"] == 6 and len(out["declared_family"]) == 5
+    study_wide = seed_stats.seed_tests({**summary, "preset": {"baseline": "CE", "also_against": ["mid"]}})
+    assert (
+        out["tests"]["CE"]["low"]["heldout"]["mae"]["p_holm"]
+        == study_wide["tests"]["CE"]["low"]["heldout"]["mae"]["p_holm"]
+    )
+    assert "declared family (5 tests" in seed_stats.markdown(out) and "not run" in seed_stats.markdown(out)
+    with pytest.raises(ValueError, match=r"\{against, arms, split, metric\}"):
+        seed_stats.seed_tests({**summary, "preset": {"baseline": "CE", "declared_family": [{"against": "CE"}]}})
