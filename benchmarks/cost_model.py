@@ -28,9 +28,10 @@ each so that they compare with the fused linear-CE kernels:
   place (the row read twice, the second time from L2: the model's best case, Liger's cross-entropy
   kernel's design; ``ce_ntl_chunked_two_kernels`` counts both reads from HBM, the bound, and the
   two-kernel design before; ``ce_ntl_chunked_persistent`` the launch the op makes on an H100, a persistent
-  grid sized to L2, with the share of second reads L2 serves from :func:`l2_hit_share`, a reuse-distance
-  model at 25 MiB of effective L2; ``ce_ntl_chunked_per_row`` the same model for one program per row, four
-  per SM: 528 rows of 250 KiB in flight; the GPU measures where they land). Under tensor parallelism the
+  grid of one program per SM (``softmax_launch``), with the share of second reads L2 serves from
+  :func:`l2_hit_share`, a reuse-distance model at 25 MiB of effective L2; ``ce_ntl_chunked_per_row`` the
+  same model for one program per row, four per SM: 528 rows of 250 KiB in flight; the GPU measures where
+  they land). Under tensor parallelism the
   kernel writes the shard's softmax over its local statistics and a per-token factor from the all-reduces,
   folded into ``P_h``'s rows and the weight gradient's hidden rows, makes it global: ``[C, H]`` work, not
   modelled; the model is of one device),
@@ -356,7 +357,7 @@ PATHS: dict[str, tuple[str, Callable[[Shape], list[Kernel]]]] = {
         ce_ntl_chunked,
     ),
     "ce_ntl_chunked_persistent": (
-        "the same as launched on an H100: a persistent grid sized to L2 (rows in flight: a program each; "
+        "the same as launched on an H100: a persistent grid, one program per SM (rows in flight: a program each; "
         "reuse-distance model of the second walk's L2 hits at 25 MiB effective L2)",
         ce_ntl_chunked_persistent,
     ),

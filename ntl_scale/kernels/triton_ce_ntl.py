@@ -188,53 +188,17 @@ def _kernels() -> tuple[Any, Any]:
         PERSISTENT: tl.constexpr,
     ):  # fmt: skip
         # One row per program; or (PERSISTENT) rows pid, pid + programs, ...: a grid of fewer programs keeps
-        # fewer rows in flight, so that a row's second walk (the softmax) finds it still in L2. Two bodies,
-        # not one loop: the loop costs the per-row launch a spill on some configurations (triton_aot.py).
+        # fewer rows in flight, so that a row's second walk (the softmax) finds it still in L2. Two calls, not
+        # one loop: a loop around every launch costs the per-row launch registers (a 4-byte spill on sm_90 with
+        # the persistent bounds; 40 registers, 75 % occupancy on sm_80 with a one-row loop: triton_aot.py).
         if PERSISTENT:
             for row in range(tl.program_id(0).to(tl.int64), T, tl.num_programs(0)):
-                _stats_row(
-                    row,
-                    z_ptr,
-                    stride_zt,
-                    stride_zv,
-                    V,
-                    target_ptr,
-                    cols_ptr,
-                    K,
-                    a_ptr,
-                    stride_at,
-                    stride_ak,
-                    out_ptr,
-                    p_ptr,
-                    stride_pt,
-                    stride_pv,
-                    ACC,
-                    BLOCK_V,
-                    BLOCK_K,
-                    WRITE_SOFTMAX,
-                )
+                _stats_row(row, z_ptr, stride_zt, stride_zv, V, target_ptr, cols_ptr, K, a_ptr, stride_at, stride_ak,
+                           out_ptr, p_ptr, stride_pt, stride_pv, ACC, BLOCK_V, BLOCK_K, WRITE_SOFTMAX)  # fmt: skip
         else:
-            _stats_row(
-                tl.program_id(0).to(tl.int64),
-                z_ptr,
-                stride_zt,
-                stride_zv,
-                V,
-                target_ptr,
-                cols_ptr,
-                K,
-                a_ptr,
-                stride_at,
-                stride_ak,
-                out_ptr,
-                p_ptr,
-                stride_pt,
-                stride_pv,
-                ACC,
-                BLOCK_V,
-                BLOCK_K,
-                WRITE_SOFTMAX,
-            )
+            _stats_row(tl.program_id(0).to(tl.int64), z_ptr, stride_zt, stride_zv, V, target_ptr, cols_ptr, K, a_ptr,
+                       stride_at, stride_ak, out_ptr, p_ptr, stride_pt, stride_pv, ACC, BLOCK_V, BLOCK_K,
+                       WRITE_SOFTMAX)  # fmt: skip
 
     @triton.jit
     def grad_kernel(
@@ -280,9 +244,7 @@ def _acc(dtype: torch.dtype) -> Any:
 
 
 def _block_v(width: int) -> int:
-    import triton
-
-    return min(4096, triton.next_power_of_2(max(width, 16)))
+    return min(4096, 1 << (max(width, 16) - 1).bit_length())  # the next power of two, 16 to 4096
 
 
 def _block_k(k: int) -> int:
@@ -313,7 +275,9 @@ def softmax_launch(rows: int, width: int, row_bytes: int, elem_bytes: int, sms: 
     against 50 MiB of L2). Where those rows do not fit in :data:`L2_SHARE` of L2, the grid is persistent:
     one program per SM, each taking rows ``pid, pid + programs, ...`` (``sms`` rows in flight), balanced in
     equal rounds, with blocks of :data:`INFLIGHT_BYTES` (16384 columns of half precision, 8192 of fp32) so
-    that an SM still has as much loading at once. Rows narrower than one such block, and fp64 (a reference
+    that an SM has 32 KiB loading at once (four half-precision programs per row load as much; fp32's 64 KiB).
+    Where ``sms`` rows exceed L2 too (wider vocabularies) the grid stays one program per SM: fewer rows in
+    flight than one per row, not all of them in L2. Rows narrower than one such block, and fp64 (a reference
     dtype), keep one program per row. A model's choice (``benchmarks/cost_model.py``), measured by
     ``benchmarks/bench_gpu.py``'s ``kernel_stats_softmax`` rows against one program per row; the blocks
     are the ones ``benchmarks/triton_aot.py`` compiles without spills.
@@ -327,7 +291,7 @@ def softmax_launch(rows: int, width: int, row_bytes: int, elem_bytes: int, sms: 
         ``(programs, block_v)``: ``programs < rows`` is the persistent grid.
     """
     block = INFLIGHT_BYTES // elem_bytes
-    fits = MAX_PROGRAMS_PER_SM * sms * row_bytes <= L2_SHARE * l2_bytes
+    fits = min(rows, MAX_PROGRAMS_PER_SM * sms) * row_bytes <= L2_SHARE * l2_bytes  # the rows in flight per row
     if fits or elem_bytes > 4 or width < block or rows <= sms:
         return rows, _block_v(width)
     rounds = -(-rows // sms)
@@ -372,9 +336,9 @@ def shard_stats(
         block_v: columns per block (a power of two; default up to 4096); the tests use small blocks.
         softmax_into: ``[T, V_local]``, any float dtype, may be ``logits`` itself (in place: every read the
             statistics need comes first), or None (the statistics only).
-        programs: the grid: each program takes rows ``pid, pid + programs, ...`` (the results do not depend
-            on it). Default: one program per row; with ``softmax_into`` on CUDA :func:`softmax_launch`'s grid
-            (persistent where the rows in flight would not fit in L2) and blocks, unless ``block_v`` is given.
+        programs: the grid, a positive int: each program takes rows ``pid, pid + programs, ...`` (the results
+            do not depend on it). Default: one program per row; with ``softmax_into`` on CUDA and no ``block_v``,
+            :func:`softmax_launch`'s grid (persistent where the rows in flight would not fit in L2) and blocks.
 
     Returns:
         fp32 (fp64 for fp64 logits) ``[T, 6]``: ``m`` the local max, ``S = sum exp(z - m)``, ``z_y``
@@ -393,8 +357,11 @@ def shard_stats(
         )
     grid = num_tokens  # one program per row: the statistics alone read a row once
     if programs is not None:
-        grid = max(1, min(int(programs), num_tokens))
-    elif softmax_into is not None and (limits := _gpu_limits(logits)) is not None:  # the grid sized to L2
+        if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+            raise ValueError(f"programs must be a positive int (the grid), got {programs!r}; leave it None for "
+                             "the default launch")  # fmt: skip
+        grid = min(programs, num_tokens)
+    elif softmax_into is not None and block_v is None and (limits := _gpu_limits(logits)) is not None:
         elem, width = logits.element_size(), logits.shape[1]
         in_place = softmax_into.data_ptr() == logits.data_ptr()
         row_bytes = width * (elem + (0 if in_place else softmax_into.element_size()))

@@ -472,6 +472,9 @@ def test_on_a_gpu_shard_stats_launches_the_grid_softmax_launch_chooses(monkeypat
     monkeypatch.setattr(tk, "_gpu_limits", lambda t: (132, 50 << 20))  # an H100: 9 rows fit in L2
     tk.shard_stats(z, target, cols, a_table, softmax_into=into)
     assert grids[-1] == (rows, 4096, False)
+    for bad in (0, -3, 2.7, True, "4"):  # the grid is a positive int, refused otherwise with the value named
+        with pytest.raises(ValueError, match="programs must be a positive int"):
+            tk.shard_stats(z, target, cols, a_table, softmax_into=into, programs=bad)
 
 
 def test_the_softmax_launch_fits_l2_and_balances_its_rounds():
@@ -485,7 +488,8 @@ def test_the_softmax_launch_fits_l2_and_balances_its_rounds():
                 row_bytes = width * (elem + extra)
                 for rows in (1, 7, 131, 132, 1368, 8192, 65536):
                     programs, block = tk.softmax_launch(rows, width, row_bytes, elem, sms, l2)
-                    if 4 * sms * row_bytes <= tk.L2_SHARE * l2 or elem == 8 or rows <= sms or width * elem < 32768:
+                    in_flight = min(rows, 4 * sms)  # one program per row: four 16-warp programs per SM at most
+                    if in_flight * row_bytes <= tk.L2_SHARE * l2 or elem == 8 or rows <= sms or width * elem < 32768:
                         assert (programs, block) == (rows, tk._block_v(width))
                         continue
                     rounds = -(-rows // programs)
@@ -495,6 +499,8 @@ def test_the_softmax_launch_fits_l2_and_balances_its_rounds():
     # rounds), 32 KiB blocks; under TP 8 (16032 columns) one program per row (528 rows in flight fit)
     assert tk.softmax_launch(1368, 128256, 2 * 128256, 2, 132, 50 << 20) == (125, 16384)
     assert tk.softmax_launch(1368, 16032, 2 * 16032, 2, 132, 50 << 20) == (1368, 4096)
+    # a short chunk whose rows all fit (200 rows of 50257 bf16 columns: 20 MB) keeps one program per row
+    assert tk.softmax_launch(200, 50257, 2 * 50257, 2, 132, 50 << 20) == (200, 4096)
 
 
 def test_a_shard_of_minus_infinity_writes_a_zero_softmax():
