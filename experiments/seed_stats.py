@@ -148,6 +148,12 @@ def seed_tests(summary: dict[str, Any]) -> dict[str, Any]:
     out = {"baseline": baseline, "family_size": family, "tests": tests}
     declared = declared_family(preset)
     if declared:  # a question's own family, declared in the preset: Holm over those tests, beside the study's
+        for against, arm, split, metric in declared:  # an arm not run yet is "not run"; a misspelt name is not
+            if arm in results and against in results and metric not in results[arm].get(split, {}):
+                raise ValueError(
+                    f"declared_family names split {split!r} / metric {metric!r}, which arm {arm!r} has not; its "
+                    f"splits: {sorted(results[arm])}"
+                )
         found = {key: keys.get(key, math.nan) for key in declared}
         for key, p in holm(found, family=len(declared)).items():
             if key in keys:

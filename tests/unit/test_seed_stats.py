@@ -166,5 +166,8 @@ def test_a_declared_family_is_adjusted_over_its_own_tests():
     for a, arm, s_, m in chosen:  # the study-wide adjustment untouched beside the declared one
         assert out["tests"][a][arm][s_][m]["p_holm"] == study_wide["tests"][a][arm][s_][m]["p_holm"]
     assert "declared family (5 tests" in seed_stats.markdown(out) and "not run" in seed_stats.markdown(out)
+    misspelt = [{"against": "CE", "arms": ["low"], "split": "held-out", "metric": "mae"}]
+    with pytest.raises(ValueError, match="split 'held-out' / metric 'mae'"):
+        seed_stats.seed_tests({**summary, "preset": {"baseline": "CE", "declared_family": misspelt}})
     with pytest.raises(ValueError, match=r"\{against, arms, split, metric\}"):
         seed_stats.seed_tests({**summary, "preset": {"baseline": "CE", "declared_family": [{"against": "CE"}]}})
