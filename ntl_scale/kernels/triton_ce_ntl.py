@@ -366,7 +366,7 @@ def shard_stats(
         in_place = softmax_into.data_ptr() == logits.data_ptr()
         row_bytes = width * (elem + (0 if in_place else softmax_into.element_size()))
         grid, launch_block = softmax_launch(num_tokens, width, row_bytes, elem, *limits)
-        block_v = block_v or launch_block
+        block_v = launch_block
     args, meta = _stats_arguments(logits, target, number_cols, a_table, out, block_v, softmax_into, grid < num_tokens)
     stats_kernel[(grid,)](*args, **meta)
     return out
