@@ -111,7 +111,7 @@ def rows_in_flight(s: Shape, chunk: int, persistent: bool = True) -> int:
     programs per SM, ``docs/kernels.md``)."""
     if persistent:
         return triton_ce_ntl.softmax_launch(chunk, s.vocab, s.elem * s.vocab, s.elem, H100_SMS, H100_L2)[0]
-    return min(chunk, triton_ce_ntl.MAX_PROGRAMS_PER_SM * H100_SMS)
+    return triton_ce_ntl.per_row_in_flight(chunk, H100_SMS)
 
 
 def modelled_hits(s: Shape, persistent: bool = True) -> tuple[float, float]:

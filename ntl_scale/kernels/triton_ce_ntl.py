@@ -266,6 +266,11 @@ MAX_PROGRAMS_PER_SM = 4
 INFLIGHT_BYTES = 32 * 1024
 
 
+def per_row_in_flight(rows: int, sms: int) -> int:
+    """Rows one program per row keeps in flight: :data:`MAX_PROGRAMS_PER_SM` 16-warp programs on each SM."""
+    return min(rows, MAX_PROGRAMS_PER_SM * sms)
+
+
 def softmax_launch(rows: int, width: int, row_bytes: int, elem_bytes: int, sms: int, l2_bytes: int) -> tuple[int, int]:
     """Programs and ``BLOCK_V`` of the statistics kernel writing the softmax, on a GPU with ``sms`` SMs.
 
@@ -291,7 +296,7 @@ def softmax_launch(rows: int, width: int, row_bytes: int, elem_bytes: int, sms: 
         ``(programs, block_v)``: ``programs < rows`` is the persistent grid.
     """
     block = INFLIGHT_BYTES // elem_bytes
-    fits = min(rows, MAX_PROGRAMS_PER_SM * sms) * row_bytes <= L2_SHARE * l2_bytes  # the rows in flight per row
+    fits = per_row_in_flight(rows, sms) * row_bytes <= L2_SHARE * l2_bytes
     if fits or elem_bytes > 4 or width < block or rows <= sms:
         return rows, _block_v(width)
     rounds = -(-rows // sms)
