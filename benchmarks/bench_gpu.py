@@ -224,21 +224,30 @@ def ours_chunked(triton: bool, weight: float = NTL_WEIGHT, chunk_tokens: int | N
     return build
 
 
-def on_chip_linear_ce_ntl(x: Inputs) -> Built:
+def on_chip_linear_ce_ntl(group: int | None = None) -> Callable[[Inputs], Built]:
     """``ntl_scale.linear_on_chip.fused_linear_ce_ntl`` (issue 43: the logits never leave the chip),
-    its per-token terms reduced as ``linear_ce_with_ntl`` reduces them (mean CE + 0.3 mean NTL-WAS)."""
-    _impl(x, True)
-    from ntl_scale.linear_on_chip import fused_linear_ce_ntl
-    from ntl_scale.reductions import combine_terms
+    its per-token terms reduced as ``linear_ce_with_ntl`` reduces them (mean CE + 0.3 mean NTL-WAS);
+    ``group``: the backward's token blocks per group (default the launch's; ``0``: all of them, the order
+    before grouping)."""
 
-    options = ntl_scale.NTLOptions()
+    def build(x: Inputs) -> Built:
+        _impl(x, True)
+        from ntl_scale.linear_on_chip import fused_linear_ce_ntl
+        from ntl_scale.reductions import combine_terms
 
-    def fn():
-        terms = fused_linear_ce_ntl(x.hidden, x.weight, x.labels, x.vocab, options, tp_group=x.tp_group)
-        out = combine_terms(terms, x.labels, x.vocab, options, NTL_WEIGHT, None, "mean")
-        return out.loss, out.ce
+        options = ntl_scale.NTLOptions()
+        blocks = (None, None if group is None else {"GROUP_T": group or x.hidden.numel() // x.hidden.shape[-1]})
 
-    return Built(_on_hidden(x, fn))
+        def fn():
+            terms = fused_linear_ce_ntl(
+                x.hidden, x.weight, x.labels, x.vocab, options, tp_group=x.tp_group, blocks=blocks
+            )
+            out = combine_terms(terms, x.labels, x.vocab, options, NTL_WEIGHT, None, "mean")
+            return out.loss, out.ce
+
+        return Built(_on_hidden(x, fn))
+
+    return build
 
 
 def _kernel_inputs(x: Inputs):
@@ -484,8 +493,12 @@ ROWS = [
         "ours_chunked", ours_chunked(True, chunk_tokens=2048), NTL_WEIGHT, chunked=True, model="ce_ntl_chunked",
         chunk_tokens=2048, note="issue 43: a chunk long enough for a math-bound weight-gradient GEMM", **_TRITON),
     Row("ours_linear_on_chip", "ours: fused linear CE + NTL, logits on chip (issue 43)", "ours", "ours_chunked",
-        on_chip_linear_ce_ntl, NTL_WEIGHT, chunked=True, model="ce_ntl_on_chip", setup=("triton_linear", 15.0),
+        on_chip_linear_ce_ntl(), NTL_WEIGHT, chunked=True, model="ce_ntl_on_chip", setup=("triton_linear", 15.0),
         slowdown=1.5),
+    Row("ours_linear_on_chip_ungrouped", "ours: the same, its backward in the order before (all token blocks "
+        "fastest)", "ours", "ours_chunked", on_chip_linear_ce_ntl(0), NTL_WEIGHT, chunked=True,
+        model="ce_ntl_on_chip_ungrouped", setup=("triton_linear", 15.0), slowdown=1.5,
+        note="issue 43: what the grouped order saves; the model puts it at several times the grouped row"),
     Row("kernel_stats", "ours: Triton statistics kernel alone", "ours", "ours_kernel", kernel_stats,
         model="kernel:stats kernel", **_TRITON),
     Row("kernel_grad", "ours: Triton gradient kernel alone, in place", "ours", "ours_kernel", kernel_grad,

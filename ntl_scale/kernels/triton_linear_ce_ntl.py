@@ -38,8 +38,11 @@ Cut Cross-Entropy accumulates the same per-tile products differently (``cce_back
 a lock-guarded read-add-write per 64-wide slice (``tl_lock_add``), in the gradient's dtype (bf16) unless
 ``accum_e_fp32`` / ``accum_c_fp32`` (fp32) or Kahan compensation is asked for, tiles whose ``|dz|`` is below
 ``filter_eps`` skipped, programs ordered in groups of 8 token blocks for L2 reuse. Here: hardware fp32
-``tl.atomic_add`` (no lock), no filtering (exact), the plain ``(token block, vocabulary tile)`` grid order;
-tuning these (filtering, the order, the tiles) waits for a GPU.
+``tl.atomic_add`` (no lock), no filtering (exact), and programs in groups of ``GROUP_T`` token blocks
+(``_grouped_tile``): in the plain ``(token block, vocabulary tile)`` order the programs in flight touch every
+``dH`` strip between two touches of one line, so ``dH`` is fetched again for every vocabulary tile (an LRU
+simulation in ``benchmarks/cost_model.py``: 732-781 GB at 8192 x 128256 x 4096 on an H100, against 84-101 GB
+in groups of 8; ``docs/kernels.md``). Tuning the group, the tiles and filtering waits for a GPU.
 
 Supported: fp32, bf16 and fp16 ``hidden`` and ``weight`` (fp32 dots at IEEE precision, no TF32), every
 NTL variant (``terms_from_stats`` forms them from the statistics), ``reweigh`` (its gradient is
@@ -79,8 +82,8 @@ FORWARD_BLOCKS = {
     "float32": {"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 32, "BLOCK_K": 16, "num_warps": 8},
 }
 BACKWARD_BLOCKS = {
-    "half": {"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 64, "num_warps": 8},
-    "float32": {"BLOCK_T": 32, "BLOCK_V": 64, "BLOCK_H": 32, "num_warps": 8},
+    "half": {"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 64, "GROUP_T": 8, "num_warps": 8},
+    "float32": {"BLOCK_T": 32, "BLOCK_V": 64, "BLOCK_H": 32, "GROUP_T": 8, "num_warps": 8},
 }
 
 
@@ -123,8 +126,20 @@ def _kernels() -> tuple[Any, Any]:
             )
         return z
 
+    @triton.jit
+    def _grouped_tile(pid, T, V, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, GROUP_T: tl.constexpr):
+        # the backward's (token block, vocabulary tile) of program ``pid`` in grouped order: consecutive
+        # programs take GROUP_T token blocks (fastest) times successive vocabulary tiles, the last group
+        # fewer token blocks, so the programs in flight share a few dH strips and dW tiles (the module docs)
+        blocks_t = tl.cdiv(T, BLOCK_T)
+        per_group = GROUP_T * tl.cdiv(V, BLOCK_V)
+        first_t = (pid // per_group) * GROUP_T
+        in_group = tl.minimum(blocks_t - first_t, GROUP_T)
+        return (first_t + (pid % per_group) % in_group).to(tl.int64), ((pid % per_group) // in_group).to(tl.int64)
+
     # Triton resolves a called jit function among the kernel's module globals (a closure is not seen)
     globals()["_logits_tile"] = _logits_tile
+    globals()["_grouped_tile"] = _grouped_tile
 
     @triton.jit
     def forward_kernel(
@@ -190,10 +205,9 @@ def _kernels() -> tuple[Any, Any]:
         max_ptr, scale_ptr, label_coef_ptr, target_ptr,
         dh_ptr, stride_dht, stride_dhh, dw_ptr, stride_dwv, stride_dwh,
         PRECISION: tl.constexpr, UPCAST: tl.constexpr, NEED_H: tl.constexpr, NEED_W: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_T: tl.constexpr,
     ):  # fmt: skip
-        pid_t = tl.program_id(0).to(tl.int64)
-        pid_v = tl.program_id(1).to(tl.int64)
+        pid_t, pid_v = _grouped_tile(tl.program_id(0), T, V, BLOCK_T, BLOCK_V, GROUP_T)
         rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         row_mask = rows < T
@@ -357,6 +371,6 @@ def backward_grads(
     if hidden.shape[0] == 0 or not (need_h or need_w):
         return grad_h, grad_w
     args, meta = _backward_arguments(hidden, weight, row_max, scale, label_coef, target, grad_h, grad_w, blocks)
-    grid = (triton.cdiv(hidden.shape[0], meta["BLOCK_T"]), triton.cdiv(weight.shape[0], meta["BLOCK_V"]))
+    grid = (triton.cdiv(hidden.shape[0], meta["BLOCK_T"]) * triton.cdiv(weight.shape[0], meta["BLOCK_V"]),)
     backward_kernel[grid](*args, **meta)
     return grad_h, grad_w

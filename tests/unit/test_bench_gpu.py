@@ -96,11 +96,14 @@ def test_dry_run_layout_and_order(tmp_path):
     assert by["ce", 16384]["model"]["ms_h100_datasheet"] > by["ce", 8192]["model"]["ms_h100_datasheet"]
     assert by["ours_logits_torch", 8192]["model"] is None
     # the on-chip fused linear CE + NTL (issue 43): its own model, not the floor: the backward recomputes the
-    # logits (8 T V H FLOPs and the number columns' 6 T K H), and no [T, V] pass (less traffic than chunked)
+    # logits (8 T V H FLOPs and the number columns' 6 T K H)
     on_chip = by["ours_linear_on_chip", 8192]["model"]
     assert on_chip["path"] == "ce_ntl_on_chip" and not on_chip["floor"]
     assert on_chip["flops"] == 8 * 8192 * 128256 * 4096 + 6 * 8192 * 10 * 4096
-    assert on_chip["bytes"] < by["ours_chunked_triton", 8192]["model"]["bytes"] / 4
+    # its backward in the order before grouping: its own row and model, several times the bytes
+    ungrouped = by["ours_linear_on_chip_ungrouped", 8192]["model"]
+    assert ungrouped["path"] == "ce_ntl_on_chip_ungrouped" and ungrouped["flops"] == on_chip["flops"]
+    assert ungrouped["bytes"] > 5 * on_chip["bytes"]
     # a row per chunked design (issue 43), each beside the model of its own chunk: the device-chosen chunk (six
     # of 1368 tokens, math-bound), 2048 tokens (math-bound as well: the same time), the CPU's 523 (memory-bound)
     ce_ms = by["ce", 8192]["model"]["ms_h100_datasheet"]

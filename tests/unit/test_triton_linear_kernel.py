@@ -57,7 +57,8 @@ if OWN_PROCESS and os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cove
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 T, V, H = 37, 203, 48
-SMALL = ({"BLOCK_T": 16, "BLOCK_V": 32, "BLOCK_H": 16}, {"BLOCK_T": 16, "BLOCK_V": 32, "BLOCK_H": 16})
+# three token blocks; the backward in groups of two (the second group has one token block)
+SMALL = ({"BLOCK_T": 16, "BLOCK_V": 32, "BLOCK_H": 16}, {"BLOCK_T": 16, "BLOCK_V": 32, "BLOCK_H": 16, "GROUP_T": 2})
 
 
 def _problem(dtype, seed=0):
@@ -123,6 +124,47 @@ def test_matches_float64(dtype, case):
     _close(got_h, gh, dtype, "hidden gradient")
     _close(got_w, gw, dtype, "weight gradient")
     assert got_h.dtype == dtype and got_w.dtype == dtype
+
+
+@pytest.mark.parametrize("group", [1, 3, 64], ids=["vocab-fastest", "one-group", "group-past-the-blocks"])
+def test_backward_launch_order_does_not_change_the_gradients(group):
+    """The backward's grouped order (GROUP_T token blocks fastest) with groups of 1 (vocabulary tiles fastest),
+    all three token blocks, and more than there are: the same float64 gradients (SMALL's groups of 2 above)."""
+    vocab, labels, hidden, weight, up = _problem(torch.float32, seed=2)
+    _, _, _, gh, gw = _reference(hidden, weight, labels, vocab, up)
+    blocks = (SMALL[0], {**SMALL[1], "GROUP_T": group})
+    _, got_h, got_w = _fused(hidden, weight, labels, vocab, up, blocks=blocks)
+    _close(got_h, gh, torch.float32, "hidden gradient")
+    _close(got_w, gw, torch.float32, "weight gradient")
+
+
+@pytest.mark.parametrize(("tokens", "width", "group"), [(37, 203, 2), (37, 203, 1), (64, 64, 4), (5, 300, 8)])
+def test_grouped_tile_order(monkeypatch, tokens, width, group):
+    """``_grouped_tile``, the backward's program -> (token block, vocabulary tile) map, recorded per program
+    under the interpreter: every tile exactly once, in the order of the nested loops written here (groups of
+    ``group`` token blocks, the last one shorter; in each, the vocabulary tiles in turn, token blocks fastest)."""
+    import triton.language as tl
+
+    fk._kernels()
+    monkeypatch.setattr(fk, "tl", tl, raising=False)  # the helper resolves tl among its module's globals
+
+    @triton.jit
+    def record(out, T, V, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, GROUP_T: tl.constexpr):
+        pid = tl.program_id(0)
+        pid_t, pid_v = fk._grouped_tile(pid, T, V, BLOCK_T, BLOCK_V, GROUP_T)
+        tl.store(out + 2 * pid, pid_t)
+        tl.store(out + 2 * pid + 1, pid_v)
+
+    blocks_t, tiles_v = -(-tokens // 16), -(-width // 32)
+    out = torch.full((blocks_t * tiles_v, 2), -1, dtype=torch.int64)
+    record[(blocks_t * tiles_v,)](out, tokens, width, 16, 32, group)
+    want = [
+        (t, v)
+        for first in range(0, blocks_t, group)
+        for v in range(tiles_v)
+        for t in range(first, min(first + group, blocks_t))
+    ]
+    assert [tuple(pair) for pair in out.tolist()] == want
 
 
 def test_default_tiles_and_a_frozen_weight():
