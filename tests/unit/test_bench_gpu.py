@@ -70,11 +70,13 @@ def test_dry_run_layout_and_order(tmp_path):
     assert report["ceilings"] is None and "absent" in report["ceilings_source"]
     rows = report["rows"]
     assert {r["status"] for r in rows} == {"not run (dry run)"}
-    # the order: at each T ours, then the peers; both sizes' eager rows before any compiled row
+    # the order: at each T ours, then the peers; both sizes' eager rows before any compiled row, the late rows last
     groups = [(r["group"], r["T"]) for r in rows]
-    eager = [g for g in groups if g[0] != "compiled"]
+    eager = [g for g in groups if g[0] not in ("compiled", "late")]
     assert eager == sorted(eager, key=lambda g: (g[1], g[0] != "ours")), eager
-    assert groups[: len(eager)] == eager and {g[0] for g in groups[len(eager) :]} == {"compiled"}
+    late = [g for g in groups if g[0] == "late"]
+    assert groups[: len(eager)] == eager and groups[len(groups) - len(late) :] == late and late
+    assert {g[0] for g in groups[len(eager) : len(groups) - len(late)]} == {"compiled"}
     assert rows[0]["key"] == "ours_logits_triton" and rows[0]["T"] == 8192
     # a compile is charged at every T (a new shape compiles again); our kernels' compile once, first
     compiled = [r for r in rows if r["group"] == "compiled" and "not installed" not in r["reason"]]
