@@ -224,11 +224,18 @@ def ours_chunked(triton: bool, weight: float = NTL_WEIGHT, chunk_tokens: int | N
     return build
 
 
-def on_chip_linear_ce_ntl(group: int | None = None) -> Callable[[Inputs], Built]:
+#: The on-chip backward at 128 x 128 tiles (bf16): half the fp32 atomics of the launch's 64 x 64 (269 GB instead of
+#: 538 at 8192 x 128256 x 4096), one 16-warp program per SM. A one-off compile for sm_80/90/100 (2026-11-27, triton
+#: 3.9.0, ``triton_aot.compile_one`` with these blocks) had no spills: 126 / 90 / 96 registers; it is not in the
+#: ahead-of-time table, which compiles the launches. The GPU says which tiles the launch keeps.
+ON_CHIP_T128 = {"BLOCK_T": 128, "BLOCK_V": 128, "BLOCK_H": 32, "GROUP_T": 4, "num_warps": 16}
+
+
+def on_chip_linear_ce_ntl(backward: dict[str, int] | None = None) -> Callable[[Inputs], Built]:
     """``ntl_scale.linear_on_chip.fused_linear_ce_ntl`` (issue 43: the logits never leave the chip),
     its per-token terms reduced as ``linear_ce_with_ntl`` reduces them (mean CE + 0.3 mean NTL-WAS);
-    ``group``: the backward's token blocks per group (default the launch's; ``0``: all of them, the order
-    before grouping)."""
+    ``backward``: overrides of the backward's launch (``BACKWARD_BLOCKS``; ``GROUP_T=0``: all token blocks
+    in one group, the order before grouping)."""
 
     def build(x: Inputs) -> Built:
         _impl(x, True)
@@ -236,7 +243,8 @@ def on_chip_linear_ce_ntl(group: int | None = None) -> Callable[[Inputs], Built]
         from ntl_scale.reductions import combine_terms
 
         options = ntl_scale.NTLOptions()
-        blocks = (None, None if group is None else {"GROUP_T": group or x.hidden.numel() // x.hidden.shape[-1]})
+        tokens = x.hidden.numel() // x.hidden.shape[-1]
+        blocks = (None, None if backward is None else {**backward, "GROUP_T": backward.get("GROUP_T") or tokens})
 
         def fn():
             terms = fused_linear_ce_ntl(
@@ -496,9 +504,12 @@ ROWS = [
         on_chip_linear_ce_ntl(), NTL_WEIGHT, chunked=True, model="ce_ntl_on_chip", setup=("triton_linear", 15.0),
         slowdown=1.5),
     Row("ours_linear_on_chip_ungrouped", "ours: the same, its backward in the order before (all token blocks "
-        "fastest)", "late", "ours_chunked", on_chip_linear_ce_ntl(0), NTL_WEIGHT, chunked=True,
+        "fastest)", "late", "ours_chunked", on_chip_linear_ce_ntl({"GROUP_T": 0}), NTL_WEIGHT, chunked=True,
         model="ce_ntl_on_chip_ungrouped", setup=("triton_linear", 15.0), slowdown=1.5,
         note="issue 43: what the grouped order saves; the model puts it at several times the grouped row"),
+    Row("ours_linear_on_chip_t128", "ours: the same, its backward in 128 x 128 tiles, groups of 4", "late",
+        "ours_chunked", on_chip_linear_ce_ntl(ON_CHIP_T128), NTL_WEIGHT, chunked=True, setup=("triton_linear", 15.0),
+        slowdown=2.0, note="issue 43: half the fp32 atomics of the 64 x 64 tiles (no model row)"),
     Row("kernel_stats", "ours: Triton statistics kernel alone", "ours", "ours_kernel", kernel_stats,
         model="kernel:stats kernel", **_TRITON),
     Row("kernel_grad", "ours: Triton gradient kernel alone, in place", "ours", "ours_kernel", kernel_grad,
