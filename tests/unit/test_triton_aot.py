@@ -122,6 +122,18 @@ def test_the_fused_linear_kernels_are_compiled_as_launched(records):
                 if kernel == "linear_bwd":
                     needs = {"hw", "h", "w"} if dtype == "bfloat16" else {"hw"}
                     assert {r["needs"] for r in mine} == needs, (arch, dtype)
+    # the cost model's programs in flight on an H100 (its LRU simulation of the on-chip backward) are the bf16
+    # backward's resident blocks per SM on sm_90, both gradients built
+    spec = importlib.util.spec_from_file_location("cost_model", ROOT / "benchmarks" / "cost_model.py")
+    assert spec is not None and spec.loader is not None
+    cm = sys.modules["cost_model"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cm)
+    h100 = [
+        r
+        for r in records
+        if (r["arch"], r["kernel"], r["dtype"], r["needs"]) == ("sm_90", "linear_bwd", "bfloat16", "hw")
+    ]
+    assert {r["blocks_per_sm"] for r in h100} == {cm.ON_CHIP_PROGRAMS_PER_SM}
 
 
 # ------------------------------------------------------------------ 2. every compile clean
