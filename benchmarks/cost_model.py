@@ -319,19 +319,31 @@ def linear_ce_on_chip(s: Shape) -> list[Kernel]:
 
 #: The on-chip backward's bf16 launch (``triton_linear_ce_ntl.BACKWARD_BLOCKS["half"]``: tiles and group).
 ON_CHIP_BLOCKS = lk.launch_blocks("backward", torch.bfloat16)
-#: Its programs resident per SM on an H100: 92 registers and 80 KiB of shared memory at 8 warps give 16 warps
-#: per SM (``docs/kernels.md``'s ahead-of-time table, sm_90), so 264 programs are in flight.
+#: Its programs resident per SM on an H100: 93 registers and 80 KiB of shared memory at 8 warps give 16 warps
+#: per SM (``docs/kernels.md``'s ahead-of-time table, sm_90; ``tests/unit/test_triton_aot.py`` checks), so 264
+#: programs are in flight.
 ON_CHIP_PROGRAMS_PER_SM = 2
+#: ``bench_gpu.py``'s alternative (row ``ours_linear_on_chip_t128``): 128 x 128 tiles in groups of 4, one 16-warp
+#: program per SM.
+ON_CHIP_T128 = {"BLOCK_T": 128, "BLOCK_V": 128, "GROUP_T": 4}
+#: How the simulated programs start: ``False`` out of phase (the first wave spread over one program's life),
+#: ``True`` in waves (the first wave all at once, as a launch starts it, then one as each ends: equal programs
+#: end together, so the waves persist). A GPU lies between or beyond (stalls desynchronise the programs).
+SCHEDULES = (False, True)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def on_chip_reuse(s: Shape, group: int, programs: int) -> tuple[float, float]:
+def _tiles(blocks: dict[str, int] | None) -> tuple[int, int]:
+    b = ON_CHIP_BLOCKS if blocks is None else blocks
+    return b["BLOCK_T"], b["BLOCK_V"]
+
+
+def on_chip_reuse(s: Shape, group: int, programs: int, blocks: dict[str, int] | None = None) -> tuple[float, float]:
     """Bytes the on-chip backward's programs touch between two touches of one line of a ``dH`` strip / a ``dW``
-    tile, repeats counted: an upper bound of the LRU reuse distance; where both fit in L2, the backward's
-    HBM bytes take a closed form (:func:`on_chip_backward_bytes`).
+    tile, repeats counted (an upper bound of the LRU reuse distance in the steady state).
 
     Programs run in grouped order (``_grouped_tile``): ``group`` token blocks fastest, then the vocabulary
     tiles, so the ``programs`` in flight span ``g = min(group, token blocks)`` token blocks and ``programs /
@@ -339,9 +351,11 @@ def on_chip_reuse(s: Shape, group: int, programs: int) -> tuple[float, float]:
     ``[BLOCK_V, H]`` tile, reading the matching hidden and weight rows: ``(BLOCK_T + BLOCK_V) H (4 + 2)``
     bytes, ``u``. A ``dH`` line is touched by the ``programs / g`` programs of its token block in flight, so
     between two touches all programs together touch ``g u`` bytes; a ``dW`` line by the ``g`` of its tile:
-    ``(programs / g) u``.
+    ``(programs / g) u``. From twice the largest of them, for a full group and for the last one, the
+    simulation gives the closed form of :func:`on_chip_backward_bytes` (at the change of group both groups
+    are in flight); just above them, up to 40 % more (``tests/unit/test_cost_model.py``).
     """
-    bt, bv = ON_CHIP_BLOCKS["BLOCK_T"], ON_CHIP_BLOCKS["BLOCK_V"]
+    bt, bv = _tiles(blocks)
     g = min(group, _cdiv(s.tokens, bt))
     u = (bt + bv) * s.hidden * (s.f32 + s.elem)
     return float(g * u), float(min(_cdiv(s.vocab, bv), programs / g) * u)
@@ -355,13 +369,22 @@ SIM_SLICES, SIM_TILES = 8, 40
 
 @functools.lru_cache(maxsize=64)
 def _simulate_backward(
-    blocks_t: int, tiles_v: int, slices: int, programs: int, group: int, capacity: float, strip: int, tile: int
+    blocks_t: int,
+    tiles_v: int,
+    slices: int,
+    programs: int,
+    group: int,
+    capacity: float,
+    strip: float,
+    tile: float,
+    waves: bool = False,
 ) -> float:
     """HBM bytes of the on-chip backward's program sequence through an LRU cache of ``capacity`` bytes.
 
     Programs ``(t, v)`` in grouped order (``group`` token blocks fastest, then the vocabulary tiles), at most
     ``programs`` in flight, the first of them started over one program's life (``programs / (6 slices)`` a
-    round) and then one whenever one ends, so they run out of phase; each advances one access per round. A
+    round; ``waves``: all in the first round) and then one whenever one ends; each advances one access per
+    round (:data:`SCHEDULES`). A
     program reads its hidden rows and weight rows slice by slice (the logits recomputed), then per slice reads
     both again and adds into its fp32 ``dH`` strip and ``dW`` tile. ``strip`` and ``tile``: rows of a token
     block and a vocabulary tile times the slice's columns. A miss reads the line from HBM, an evicted line
@@ -388,7 +411,7 @@ def _simulate_backward(
     cache: OrderedDict[tuple[int, int, int], list] = OrderedDict()
     used = moved = 0.0
     live: list[Iterator[tuple[tuple[int, int, int], int, bool]]] = []
-    started, per_round = 0, _cdiv(programs, 6 * slices)  # the first wave spread over one program's life
+    started, per_round = 0, programs if waves else _cdiv(programs, 6 * slices)
     while started < len(order) or live:
         for _ in range(per_round):
             if started < len(order) and len(live) < programs:
@@ -415,20 +438,29 @@ def _simulate_backward(
     return moved + sum(size for size, dirty in cache.values() if dirty)
 
 
-def on_chip_backward_bytes(s: Shape, group: int, programs: int, capacity: float) -> float:
+def on_chip_backward_bytes(
+    s: Shape,
+    group: int,
+    programs: int,
+    capacity: float,
+    waves: bool = False,
+    blocks: dict[str, int] | None = None,
+) -> float:
     """HBM bytes of the on-chip backward kernel (operand rows read, fp32 ``dH``/``dW`` accumulators read and
     written) in grouped order with ``capacity`` bytes of L2: :func:`_simulate_backward` at this shape's token
-    blocks, ``programs`` and ``capacity`` (whole tiles; the hidden size in :data:`SIM_SLICES` slices), over
-    :data:`SIM_TILES` and twice as many vocabulary tiles, extrapolated linearly to the vocabulary's.
+    blocks, ``programs``, ``capacity`` and schedule (``waves``), at the launch's tiles or ``blocks`` (whole
+    tiles; the hidden size in :data:`SIM_SLICES` slices), over enough vocabulary tiles and twice as many,
+    extrapolated linearly to the vocabulary's.
 
-    Where both bounds of :func:`on_chip_reuse` fit in ``capacity`` it gives the closed form (each ``dH`` strip
-    and its hidden rows once, each ``dW`` tile and its weight rows once per group); with no L2, every
-    program's strip and tile, read twice and added into once (``tests/unit/test_cost_model.py`` checks both).
+    From twice the bounds of :func:`on_chip_reuse` (while the vocabulary's tiles outgrow the cache) it gives the
+    closed form: each ``dH`` strip and its hidden rows once, each ``dW`` tile and its weight rows once per
+    group; with no L2, every program's strip and tile, read twice and added into once
+    (``tests/unit/test_cost_model.py`` checks both).
     """
-    bt, bv = ON_CHIP_BLOCKS["BLOCK_T"], ON_CHIP_BLOCKS["BLOCK_V"]
+    bt, bv = _tiles(blocks)
     blocks_t, tiles_v = _cdiv(s.tokens, bt), _cdiv(s.vocab, bv)
     cols = s.hidden / SIM_SLICES
-    args = (SIM_SLICES, programs, min(group, blocks_t), float(capacity), bt * cols, bv * cols)
+    args = (SIM_SLICES, programs, min(group, blocks_t), float(capacity), bt * cols, bv * cols, waves)
     # past the point where a sweep's dW tiles (and weight rows) outgrow twice the cache, nothing of one sweep
     # is left for the next, and each further tile adds the same bytes
     tiles = max(SIM_TILES, _cdiv(int(2 * capacity), bv * s.hidden * (s.f32 + s.elem)))
@@ -439,25 +471,35 @@ def on_chip_backward_bytes(s: Shape, group: int, programs: int, capacity: float)
     return low + (high - low) / tiles * (tiles_v - tiles)
 
 
-def on_chip_atomics_payload(s: Shape) -> float:
+def on_chip_atomics_payload(s: Shape, blocks: dict[str, int] | None = None) -> float:
     """Bytes of fp32 atomic adds the on-chip backward sends to L2: a ``[BLOCK_T, H]`` and a ``[BLOCK_V, H]``
     product per program, ``4 T H V / BLOCK_V + 4 V H T / BLOCK_T`` whatever the order."""
-    bt, bv = ON_CHIP_BLOCKS["BLOCK_T"], ON_CHIP_BLOCKS["BLOCK_V"]
+    bt, bv = _tiles(blocks)
     return float(s.f32 * s.hidden * (s.tokens * _cdiv(s.vocab, bv) + s.vocab * _cdiv(s.tokens, bt)))
 
 
 def on_chip_order_table(s: Shape, groups: tuple[int, ...] = (4, 8, 12, 16)) -> str:
-    """The on-chip backward kernel's HBM traffic (:func:`on_chip_backward_bytes`) per launch order and L2 size."""
+    """The on-chip backward kernel's HBM traffic (:func:`on_chip_backward_bytes`) per launch order, L2 size and
+    schedule (out of phase / in waves), and at ``bench_gpu.py``'s 128 x 128 tiles."""
     programs, blocks_t = H100_SMS * ON_CHIP_PROGRAMS_PER_SM, _cdiv(s.tokens, ON_CHIP_BLOCKS["BLOCK_T"])
     capacities = (15 * 2**20, *L2_CAPACITIES)
     lines = [
-        "| backward launch order | " + " | ".join(f"{c / 2**20:.0f} MiB of L2 (GB)" for c in capacities) + " |",
+        "| backward launch order | "
+        + " | ".join(f"{c / 2**20:.0f} MiB of L2: out of phase / in waves (GB)" for c in capacities)
+        + " |",
         "|---|" + "---:|" * len(capacities),
     ]
+    rows: list[tuple[str, int, int, dict[str, int] | None]] = []
     for group in (*groups, blocks_t):
         name = f"groups of {group} token blocks" if group < blocks_t else "all token blocks fastest (before)"
-        name += " (the launch)" if group == ON_CHIP_BLOCKS["GROUP_T"] else ""
-        cells = " | ".join(f"{on_chip_backward_bytes(s, group, programs, c) / 1e9:.0f}" for c in capacities)
+        rows.append((name + (" (the launch)" if group == ON_CHIP_BLOCKS["GROUP_T"] else ""), group, programs, None))
+    t128 = ON_CHIP_T128
+    rows.append((f"128 x 128 tiles, groups of {t128['GROUP_T']} (one program per SM)", t128["GROUP_T"], H100_SMS, t128))
+    for name, group, inflight, blocks in rows:
+        cells = " | ".join(
+            " / ".join(f"{on_chip_backward_bytes(s, group, inflight, c, w, blocks) / 1e9:.0f}" for w in SCHEDULES)
+            for c in capacities
+        )
         lines.append(f"| {name} | {cells} |")
     return "\n".join(lines)
 
@@ -472,13 +514,13 @@ def on_chip_atomics_line(s: Shape, peak: float = H100_BF16_FLOPS) -> str:
     )
 
 
-def ce_ntl_on_chip(s: Shape, group: int | None = None, capacity: float = H100_L2) -> list[Kernel]:
+def ce_ntl_on_chip(s: Shape, group: int | None = None, capacity: float = H100_L2, waves: bool = False) -> list[Kernel]:
     """Ours, logits on chip: the forward, the host's work, the backward kernel (z recomputed, both gradients'
     atomics) with :func:`on_chip_backward_bytes` at ``capacity`` bytes of L2 in grouped order (``group`` token
-    blocks per group; default the launch's)."""
+    blocks per group; default the launch's), its programs out of phase or in ``waves``."""
     t, v, h, e, f, k = s.tokens, s.vocab, s.hidden, s.elem, s.f32, s.numbers
     group = ON_CHIP_BLOCKS["GROUP_T"] if group is None else group
-    backward = on_chip_backward_bytes(s, group, H100_SMS * ON_CHIP_PROGRAMS_PER_SM, capacity)
+    backward = on_chip_backward_bytes(s, group, H100_SMS * ON_CHIP_PROGRAMS_PER_SM, capacity, waves)
     return [
         gemm("forward kernel: z = h W^T on chip, online LSE, z_y", t, v, h, read=e * (t * h + v * h), write=f * t * 6),
         gemm(
@@ -500,12 +542,24 @@ def ce_ntl_on_chip(s: Shape, group: int | None = None, capacity: float = H100_L2
     ]
 
 
+def ce_ntl_on_chip_waves(s: Shape) -> list[Kernel]:
+    return ce_ntl_on_chip(s, waves=True)
+
+
 def ce_ntl_on_chip_small_l2(s: Shape) -> list[Kernel]:
     return ce_ntl_on_chip(s, capacity=L2_CAPACITIES[0])
 
 
+def ce_ntl_on_chip_small_l2_waves(s: Shape) -> list[Kernel]:
+    return ce_ntl_on_chip(s, capacity=L2_CAPACITIES[0], waves=True)
+
+
 def ce_ntl_on_chip_ungrouped(s: Shape) -> list[Kernel]:
     return ce_ntl_on_chip(s, group=_cdiv(s.tokens, ON_CHIP_BLOCKS["BLOCK_T"]))
+
+
+def ce_ntl_on_chip_ungrouped_waves(s: Shape) -> list[Kernel]:
+    return ce_ntl_on_chip(s, group=_cdiv(s.tokens, ON_CHIP_BLOCKS["BLOCK_T"]), waves=True)
 
 
 def ce_ntl_on_chip_no_l2(s: Shape) -> list[Kernel]:
@@ -547,14 +601,17 @@ PATHS: dict[str, tuple[str, Callable[[Shape], list[Kernel]]]] = {
     "linear_ce_on_chip": ("fused linear CE, logits never in HBM (CCE's design; floor)", linear_ce_on_chip),
     "ce_ntl_on_chip": (
         "CE + NTL fused linear, logits on chip (ours, Triton; grouped order; its atomics through an LRU "
-        "simulation of 50 MiB of L2)",
+        "simulation of 50 MiB of L2, programs out of phase)",
         ce_ntl_on_chip,
     ),
-    "ce_ntl_on_chip_small_l2": ("the same at 25 MiB of effective L2", ce_ntl_on_chip_small_l2),
+    "ce_ntl_on_chip_waves": ("the same, programs in waves", ce_ntl_on_chip_waves),
+    "ce_ntl_on_chip_small_l2": ("the same at 25 MiB of effective L2, out of phase", ce_ntl_on_chip_small_l2),
+    "ce_ntl_on_chip_small_l2_waves": ("the same at 25 MiB, in waves", ce_ntl_on_chip_small_l2_waves),
     "ce_ntl_on_chip_ungrouped": (
-        "the same launched in the order before (all token blocks fastest), 50 MiB",
+        "the same launched in the order before (all token blocks fastest), 50 MiB, out of phase",
         ce_ntl_on_chip_ungrouped,
     ),
+    "ce_ntl_on_chip_ungrouped_waves": ("the order before, 50 MiB, in waves", ce_ntl_on_chip_ungrouped_waves),
     "ce_ntl_on_chip_no_l2": (
         "the same if L2 kept nothing (every program's strip, tile and rows from HBM: the bound)",
         ce_ntl_on_chip_no_l2,

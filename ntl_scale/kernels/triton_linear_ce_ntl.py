@@ -29,20 +29,24 @@ Why atomics for ``dW`` (and ``dH``): the alternative without atomics, one kernel
 blocks for ``dH`` and one over vocabulary tiles for ``dW``, recomputes ``z`` twice (8 ``T V H`` FLOPs in the
 backward instead of 6). A per-block split-K reduction of ``dW`` instead (each token block writing its own
 ``[V, H]`` partial, summed afterwards) writes ``T / BLOCK_T`` fp32 copies of ``[V, H]`` (269 GB at 8192 x
-128256 x 4096), where the atomics cost the fp32 buffers' one read and write if L2 resolves them (CCE's
-reasoning; not measured here; resolved in HBM they would cost more: ``benchmarks/cost_model.py``'s upper
-bound). The price: fp32 sums in an order the hardware picks, so the
-gradients are not bitwise reproducible run to run on a GPU (they are in the interpreter). Both
-accumulators are fp32 and rounded to the parameters' dtype once, at the end.
+128256 x 4096) and reads them back. The atomics send as many bytes to L2 (538 GB for ``dH`` and ``dW``, in
+any order), but what they move to HBM depends on what the programs in flight share:
+
+* in the plain ``(token block, vocabulary tile)`` order the programs in flight touch every ``dH`` strip
+  between two touches of one line, so ``dH`` is fetched again for every vocabulary tile;
+* so programs run in groups of ``GROUP_T`` token blocks (``_grouped_tile``), as Cut Cross-Entropy orders its
+  own. An LRU simulation of the launch (``benchmarks/cost_model.py``; H100, 15-50 MiB of L2, programs out of
+  phase or in waves) gives 84-221 GB in groups of 8, 395-799 GB in the plain order (``docs/kernels.md``).
+
+Whether L2 absorbs the 538 GB of atomics fast enough is not modelled. The price of atomics: fp32 sums in
+an order the hardware picks, so the gradients are not bitwise reproducible run to run on a GPU (they are
+in the interpreter). Both accumulators are fp32 and rounded to the parameters' dtype once, at the end.
 Cut Cross-Entropy accumulates the same per-tile products differently (``cce_backward.py``, read for this):
 a lock-guarded read-add-write per 64-wide slice (``tl_lock_add``), in the gradient's dtype (bf16) unless
 ``accum_e_fp32`` / ``accum_c_fp32`` (fp32) or Kahan compensation is asked for, tiles whose ``|dz|`` is below
 ``filter_eps`` skipped, programs ordered in groups of 8 token blocks for L2 reuse. Here: hardware fp32
-``tl.atomic_add`` (no lock), no filtering (exact), and programs in groups of ``GROUP_T`` token blocks
-(``_grouped_tile``): in the plain ``(token block, vocabulary tile)`` order the programs in flight touch every
-``dH`` strip between two touches of one line, so ``dH`` is fetched again for every vocabulary tile (an LRU
-simulation in ``benchmarks/cost_model.py``: 732-781 GB at 8192 x 128256 x 4096 on an H100, against 84-101 GB
-in groups of 8; ``docs/kernels.md``). Tuning the group, the tiles and filtering waits for a GPU.
+``tl.atomic_add`` (no lock), no filtering (exact), groups of ``GROUP_T``. Tuning the group, the tiles and
+filtering waits for a GPU (``benchmarks/bench_gpu.py``'s late rows).
 
 Supported: fp32, bf16 and fp16 ``hidden`` and ``weight`` (fp32 dots at IEEE precision, no TF32), every
 NTL variant (``terms_from_stats`` forms them from the statistics), ``reweigh`` (its gradient is

@@ -152,26 +152,30 @@ def _whole(s):
     return blocks_t, tiles_v, blocks_t * bt, tiles_v * bv
 
 
-@pytest.mark.parametrize(("blocks", "tiles", "group", "programs"), [(10, 30, 4, 12), (7, 20, 3, 9), (5, 9, 8, 40)])
-def test_on_chip_backward_simulation_meets_its_limits(blocks, tiles, group, programs):
+@pytest.mark.parametrize("waves", [False, True], ids=["out-of-phase", "waves"])
+@pytest.mark.parametrize(("blocks", "tiles", "group", "programs"), [(10, 30, 4, 12), (7, 60, 3, 9), (5, 9, 8, 40)])
+def test_on_chip_backward_simulation_meets_its_limits(blocks, tiles, group, programs, waves):
     """The LRU simulation of the on-chip backward's atomics against two counts written here from the launch:
 
-    * L2 twice both reuse bounds (``on_chip_reuse``; the change from one group to the next holds both): each
+    * L2 twice the reuse bounds (``on_chip_reuse``) of a full and of the last group (the change from one group to
+      the next holds both): each
       ``dH`` strip and its hidden rows once, each ``dW`` tile and its weight rows once per group of token blocks
-      (the last group shorter); 10 bytes per element (fp32 read and written, the bf16 operand read);
+      (the last group shorter; the vocabulary's tiles outgrow the cache); 10 bytes per element (fp32 read and
+      written, the bf16 operand read);
     * no L2: every program reads its hidden and weight rows twice (the recompute, the gradients) and reads and
       writes its strip and its tile: ``(BLOCK_T + BLOCK_V) H (2 + 2 + 4 + 4)`` bytes a program.
     """
     bt, bv = cm.ON_CHIP_BLOCKS["BLOCK_T"], cm.ON_CHIP_BLOCKS["BLOCK_V"]
     s = cm.Shape(blocks * bt, tiles * bv, 8 * 16, 10)
     _, _, t, v = _whole(s)
-    reuse = max(cm.on_chip_reuse(s, group, programs))
+    last = blocks - (-(-blocks // group) - 1) * group  # the last group's token blocks
+    reuse = max(*cm.on_chip_reuse(s, group, programs), *cm.on_chip_reuse(s, last, programs))
     sweeps = -(-blocks // group)
-    fits = cm.on_chip_backward_bytes(s, group, programs, 2 * reuse)  # room for the change of group
+    fits = cm.on_chip_backward_bytes(s, group, programs, 2 * reuse, waves)  # room for the change of group
     assert fits == t * s.hidden * 10 + sweeps * v * s.hidden * 10
-    nothing = cm.on_chip_backward_bytes(s, group, programs, 0)
+    nothing = cm.on_chip_backward_bytes(s, group, programs, 0, waves)
     assert nothing == blocks * tiles * (bt + bv) * s.hidden * 12
-    assert fits < cm.on_chip_backward_bytes(s, group, programs, reuse / 4) < nothing
+    assert fits < cm.on_chip_backward_bytes(s, group, programs, reuse / 4, waves) < nothing
 
 
 def test_on_chip_backward_extrapolation_and_the_launch_order():
