@@ -159,7 +159,8 @@ def fused_linear_ce_ntl(
     otherwise unused (no chunk of logits is ever stored); ``token_weights`` is checked and unused (the
     backward recomputes the logits for whatever upstream gradient comes, so nothing is prebuilt for
     them), and so is ``proportional_grad``. ``blocks``: overrides of the kernels' ``FORWARD_BLOCKS`` and
-    ``BACKWARD_BLOCKS`` (:mod:`ntl_scale.kernels.triton_linear_ce_ntl`; tests). Refused: see that module's docs.
+    ``BACKWARD_BLOCKS`` (:mod:`ntl_scale.kernels.triton_linear_ce_ntl`; tests and benchmarks), each a key of
+    those tables set to a positive int (else a ``ValueError``). Refused: see that module's docs.
     """
     options = NTLOptions() if options is None else options
     if not isinstance(options, NTLOptions):

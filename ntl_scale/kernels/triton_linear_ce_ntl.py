@@ -97,6 +97,19 @@ def launch_blocks(kind: str, dtype: torch.dtype) -> dict[str, int]:
     return dict(table["float32" if dtype == torch.float32 else "half"])
 
 
+def _launch(kind: str, dtype: torch.dtype, blocks: dict[str, int] | None) -> dict[str, int]:
+    """:func:`launch_blocks` with the caller's overrides, each a key of that table and a positive int (a
+    ``GROUP_T`` of 0 would divide by zero inside the kernel: on a GPU, silently wrong gradients)."""
+    launch = launch_blocks(kind, dtype)
+    for key, value in (blocks or {}).items():
+        if key not in launch or isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"blocks for the {kind} kernel: {key}={value!r}; expected one of {sorted(launch)} set to a "
+                f"positive int (the launch's: {launch})"
+            )
+    return {**launch, **(blocks or {})}
+
+
 #: The inputs' dtypes the kernels take.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -286,7 +299,7 @@ def _forward_arguments(
         target.contiguous(), cols, k, a, a.stride(0), a.stride(1),
         out, zn, zn.stride(0), zn.stride(1),
     )  # fmt: skip
-    return args, {**_precision(hidden.dtype), **launch_blocks("forward", hidden.dtype), **(blocks or {})}
+    return args, {**_precision(hidden.dtype), **_launch("forward", hidden.dtype, blocks)}
 
 
 def _backward_arguments(
@@ -311,7 +324,7 @@ def _backward_arguments(
         dh, dh.stride(0), dh.stride(1), dw, dw.stride(0), dw.stride(1),
     )  # fmt: skip
     meta = {**_precision(hidden.dtype), "NEED_H": grad_h is not None, "NEED_W": grad_w is not None}
-    return args, {**meta, **launch_blocks("backward", hidden.dtype), **(blocks or {})}
+    return args, {**meta, **_launch("backward", hidden.dtype, blocks)}
 
 
 def forward_stats(

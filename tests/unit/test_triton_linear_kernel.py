@@ -299,3 +299,16 @@ def test_refusals_name_the_alternative(change, message):
     with pytest.raises(error, match=message) as info:
         fused_linear_ce_ntl(hidden.to(DEVICE), weight.to(DEVICE), labels.to(DEVICE), vocab, options, **extra)
     assert "linear_ce_ntl" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "backward",
+    [{"GROUP_T": 0}, {"GROUP_T": -2}, {"BLOCK_T": 16.0}, {"GROUP": 4}],
+    ids=["zero", "negative", "float", "key"],
+)
+def test_bad_launch_overrides_are_refused(backward):
+    """A group of 0 would divide by zero inside the backward kernel (on a GPU: wrong gradients, no error)."""
+    vocab, labels, hidden, weight, up = _problem(torch.float32)
+    with pytest.raises(ValueError, match="blocks for the backward kernel") as info:
+        _fused(hidden, weight, labels, vocab, up, blocks=(SMALL[0], {**SMALL[1], **backward}))
+    assert repr(next(iter(backward.values()))) in str(info.value)
