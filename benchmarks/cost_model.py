@@ -332,8 +332,12 @@ ON_CHIP_T128 = {"BLOCK_T": 128, "BLOCK_V": 128, "GROUP_T": 4}
 SCHEDULES = (False, True)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+_cdiv = linear_op._ceil_div
+
+
+def _token_blocks(s: Shape) -> int:
+    """The on-chip backward's token blocks: one group of them all is the order before grouping."""
+    return _cdiv(s.tokens, ON_CHIP_BLOCKS["BLOCK_T"])
 
 
 def _tiles(blocks: dict[str, int] | None) -> tuple[int, int]:
@@ -481,7 +485,7 @@ def on_chip_atomics_payload(s: Shape, blocks: dict[str, int] | None = None) -> f
 def on_chip_order_table(s: Shape, groups: tuple[int, ...] = (4, 8, 12, 16)) -> str:
     """The on-chip backward kernel's HBM traffic (:func:`on_chip_backward_bytes`) per launch order, L2 size and
     schedule (out of phase / in waves), and at ``bench_gpu.py``'s 128 x 128 tiles."""
-    programs, blocks_t = H100_SMS * ON_CHIP_PROGRAMS_PER_SM, _cdiv(s.tokens, ON_CHIP_BLOCKS["BLOCK_T"])
+    programs, blocks_t = H100_SMS * ON_CHIP_PROGRAMS_PER_SM, _token_blocks(s)
     capacities = (15 * 2**20, *L2_CAPACITIES)
     lines = [
         "| backward launch order | "
@@ -555,11 +559,11 @@ def ce_ntl_on_chip_small_l2_waves(s: Shape) -> list[Kernel]:
 
 
 def ce_ntl_on_chip_ungrouped(s: Shape) -> list[Kernel]:
-    return ce_ntl_on_chip(s, group=_cdiv(s.tokens, ON_CHIP_BLOCKS["BLOCK_T"]))
+    return ce_ntl_on_chip(s, group=_token_blocks(s))
 
 
 def ce_ntl_on_chip_ungrouped_waves(s: Shape) -> list[Kernel]:
-    return ce_ntl_on_chip(s, group=_cdiv(s.tokens, ON_CHIP_BLOCKS["BLOCK_T"]), waves=True)
+    return ce_ntl_on_chip(s, group=_token_blocks(s), waves=True)
 
 
 def ce_ntl_on_chip_no_l2(s: Shape) -> list[Kernel]:

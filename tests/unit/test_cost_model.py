@@ -145,29 +145,21 @@ def test_on_chip_path_counts_its_recompute_and_atomics():
     assert chunked[2 * T, 2 * V] - chunked[2 * T, V] - chunked[T, 2 * V] + chunked[T, V] > 0  # it writes them
 
 
-def _whole(s):
-    """Token blocks, vocabulary tiles and their whole-tile sizes at the on-chip backward's tiles."""
-    bt, bv = cm.ON_CHIP_BLOCKS["BLOCK_T"], cm.ON_CHIP_BLOCKS["BLOCK_V"]
-    blocks_t, tiles_v = -(-s.tokens // bt), -(-s.vocab // bv)
-    return blocks_t, tiles_v, blocks_t * bt, tiles_v * bv
-
-
 @pytest.mark.parametrize("waves", [False, True], ids=["out-of-phase", "waves"])
 @pytest.mark.parametrize(("blocks", "tiles", "group", "programs"), [(10, 30, 4, 12), (7, 60, 3, 9), (5, 9, 8, 40)])
 def test_on_chip_backward_simulation_meets_its_limits(blocks, tiles, group, programs, waves):
     """The LRU simulation of the on-chip backward's atomics against two counts written here from the launch:
 
     * L2 twice the reuse bounds (``on_chip_reuse``) of a full and of the last group (the change from one group to
-      the next holds both): each
-      ``dH`` strip and its hidden rows once, each ``dW`` tile and its weight rows once per group of token blocks
-      (the last group shorter; the vocabulary's tiles outgrow the cache); 10 bytes per element (fp32 read and
-      written, the bf16 operand read);
+      the next holds both): each ``dH`` strip and its hidden rows once, each ``dW`` tile and its weight rows once
+      per group of token blocks (the last group shorter; the vocabulary's tiles outgrow the cache); 10 bytes per
+      element (fp32 read and written, the bf16 operand read);
     * no L2: every program reads its hidden and weight rows twice (the recompute, the gradients) and reads and
       writes its strip and its tile: ``(BLOCK_T + BLOCK_V) H (2 + 2 + 4 + 4)`` bytes a program.
     """
     bt, bv = cm.ON_CHIP_BLOCKS["BLOCK_T"], cm.ON_CHIP_BLOCKS["BLOCK_V"]
     s = cm.Shape(blocks * bt, tiles * bv, 8 * 16, 10)
-    _, _, t, v = _whole(s)
+    t, v = s.tokens, s.vocab  # whole tiles
     last = blocks - (-(-blocks // group) - 1) * group  # the last group's token blocks
     reuse = max(*cm.on_chip_reuse(s, group, programs), *cm.on_chip_reuse(s, last, programs))
     sweeps = -(-blocks // group)

@@ -124,10 +124,9 @@ def test_the_fused_linear_kernels_are_compiled_as_launched(records):
                     assert {r["needs"] for r in mine} == needs, (arch, dtype)
     # the cost model's programs in flight on an H100 (its LRU simulation of the on-chip backward) are the bf16
     # backward's resident blocks per SM on sm_90, both gradients built
-    spec = importlib.util.spec_from_file_location("cost_model", ROOT / "benchmarks" / "cost_model.py")
-    assert spec is not None and spec.loader is not None
-    cm = sys.modules["cost_model"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cm)
+    from tests.helpers.scripts import load_script
+
+    cm = load_script("benchmarks/cost_model.py", "cost_model")
     h100 = [
         r
         for r in records
