@@ -366,13 +366,24 @@ def liger_fp32(x: Inputs) -> Built:
     return Built(_on_hidden(x, lambda: _same(loss_fn(x.weight, x.hidden, x.labels))), note="accum_dtype=fp32")
 
 
-def cce(x: Inputs) -> Built:
-    _needs_cuda(x, "Cut Cross-Entropy (Triton)")
-    module = _import("cut_cross_entropy", "cut-cross-entropy")
-    return Built(
-        _on_hidden(x, lambda: _same(module.linear_cross_entropy(x.hidden, x.weight, x.labels))),
-        note="CCE's defaults (impl 'cce', filter_eps 'high': small gradients skipped)",
-    )
+def cce(exact: bool) -> Callable[[Inputs], Built]:
+    """Cut Cross-Entropy's ``linear_cross_entropy``: its defaults, or ``filter_eps=None`` (``exact``)."""
+
+    def build(x: Inputs) -> Built:
+        _needs_cuda(x, "Cut Cross-Entropy (Triton)")
+        module = _import("cut_cross_entropy", "cut-cross-entropy")
+        kwargs: dict[str, Any] = {"filter_eps": None} if exact else {}
+        note = (
+            "filter_eps=None: no gradient tile skipped (the gradients accumulated in the dtype the installed "
+            "CCE uses: bf16 in 25.1.1)"
+            if exact
+            else "CCE's defaults (impl 'cce', filter_eps: a gradient tile whose every entry lies below bf16's eps / "
+            "32 is skipped; how many depends on the logits)"
+        )
+        return Built(_on_hidden(x, lambda: _same(module.linear_cross_entropy(x.hidden, x.weight, x.labels, **kwargs))),
+                     note=note)  # fmt: skip
+
+    return build
 
 
 def torch_linear_ce(x: Inputs) -> Built:
@@ -529,8 +540,11 @@ ROWS = [
         requires=_LIGER),
     Row("liger_fp32", "Liger fused linear CE, fp32 weight-gradient accumulation", "peer", "ce_peer", liger_fp32,
         chunked=True, setup=("liger", 15.0), requires=_LIGER),
-    Row("cce", "Cut Cross-Entropy", "peer", "ce_peer", cce, chunked=True, model="linear_ce_on_chip",
+    Row("cce", "Cut Cross-Entropy", "peer", "ce_peer", cce(False), chunked=True, model="linear_ce_filtered",
         model_is_floor=True, setup=("cce", 15.0), requires=_CCE),
+    Row("cce_exact", "Cut Cross-Entropy, no gradient filtering (filter_eps=None)", "peer", "ce_peer", cce(True),
+        chunked=True, model="linear_ce_recompute", model_is_floor=True, setup=("cce", 15.0), requires=_CCE,
+        note="exact, as ours: the design of ours_linear_on_chip without NTL"),
     Row("torch_linear_ce", "torch F.linear_cross_entropy", "peer", "ce_peer", torch_linear_ce, chunked=True,
         note="chunked or materialised: decided by the installed torch"),
     Row("megatron", "Megatron fused vocab-parallel CE (TP 1), eager", "peer", "megatron", megatron(False),
@@ -552,8 +566,8 @@ ROWS = [
         **_COMPILED),
     Row("compiled_ce", "torch.compile(F.cross_entropy) on logits", "compiled", "ce_peer", materialised_ce(True),
         model="ce_logits", model_is_floor=True, setup=("compiled_ce", 45.0), **_COMPILED),
-    Row("cce_autotune", "Cut Cross-Entropy, CCE_AUTOTUNE=1", "compiled", "ce_peer", cce, chunked=True,
-        model="linear_ce_on_chip", model_is_floor=True, env={"CCE_AUTOTUNE": "1"}, setup=("cce_autotune", 240.0),
+    Row("cce_autotune", "Cut Cross-Entropy, CCE_AUTOTUNE=1", "compiled", "ce_peer", cce(False), chunked=True,
+        model="linear_ce_filtered", model_is_floor=True, env={"CCE_AUTOTUNE": "1"}, setup=("cce_autotune", 240.0),
         requires=_CCE),
 ]  # fmt: skip
 ROW_BY_KEY = {r.key: r for r in ROWS}

@@ -44,8 +44,17 @@ each so that they compare with the fused linear-CE kernels:
 * ``ce_ntl_chunked_unfolded`` / ``ce_ntl_chunked_before``: the design before issue 43, for comparison
   (not runnable any more): the fixed ``[V, H]`` passes separate (``G_W`` zeroed, scaled in place, cast),
   at the device-chosen chunk / at the CPU's 523-token chunk (the op's GPU default before).
-* ``linear_ce_on_chip``: a fused linear CE that never writes the logits (CCE's design): the three
-  GEMMs' operands and outputs only; the floor of every path.
+* ``linear_ce_recompute``: a fused linear CE that never writes the logits (Cut Cross-Entropy's design, exact:
+  ``filter_eps=None``): a forward kernel (the log-sum-exp) and a backward kernel that recomputes each logits
+  tile before its two gradient products, ``8 T V H`` FLOPs, operands read once and gradients written once: the
+  floor of an exact design whose logits never reach HBM. ``linear_ce_filtered``: the same with every gradient
+  tile skipped (CCE's default ``filter_eps`` skips a tile whose every entry of ``softmax - onehot`` is below
+  bf16's eps / 32; how many it skips depends on the logits): ``4 T V H``, the floor of a filtering design.
+  ``linear_ce_no_recompute``: the three GEMMs of the materialised path with the logits neither stored nor
+  recomputed, ``6 T V H``: a bound no design reaches (a vocabulary row's weight gradient sums over the tokens
+  each divided by its normaliser, known only once that token's whole row of logits is: a second pass over the
+  logits, ``2 T V H`` more, whether ``dh`` is accumulated online in the first or not), which this table called
+  "the floor of every path" before it had the recompute row.
 * ``ce_ntl_on_chip``: ours, ``ntl_scale/kernels/triton_linear_ce_ntl.py`` (logits on chip, CE + NTL): the
   forward kernel (``z`` tile by tile, ``[T, 6]`` statistics and the ``[T, K]`` number logits out), the
   host's per-token work, a backward kernel that **recomputes** ``z`` (8 ``T V H`` FLOPs in all instead of
@@ -308,13 +317,31 @@ def ce_ntl_chunked_before(s: Shape) -> list[Kernel]:
     return _chunked(s, True, cpu_chunk(s), folded=False, one_kernel=False)
 
 
-def linear_ce_on_chip(s: Shape) -> list[Kernel]:
+def linear_ce_no_recompute(s: Shape) -> list[Kernel]:
     t, v, h, e = s.tokens, s.vocab, s.hidden, s.elem
     return [
         gemm("forward: z = h W^T on chip, LSE", t, v, h, read=e * (t * h + v * h), write=4 * t),
-        gemm("backward: dh (z recomputed on chip)", t, h, v, read=e * (t * h + v * h), write=e * t * h),
-        gemm("backward: dW (z recomputed on chip)", v, h, t, read=e * (t * h + v * h), write=e * v * h),
+        gemm("backward: dh (z at hand: no design has it)", t, h, v, read=e * (t * h + v * h), write=e * t * h),
+        gemm("backward: dW (z at hand: no design has it)", v, h, t, read=e * (t * h + v * h), write=e * v * h),
     ]
+
+
+def linear_ce_recompute(s: Shape, kept: float = 1.0) -> list[Kernel]:
+    """A fused linear CE whose logits never reach HBM, as Cut Cross-Entropy runs it: a forward kernel (``z``
+    tile by tile, the log-sum-exp out) and one backward kernel that recomputes each ``z`` tile and, for the
+    share ``kept`` of the tiles its filter keeps, adds the tile's ``dh`` and ``dW`` products. Operands read once
+    and gradients written once: the bound of that design (its read-modify-write gradient traffic left out)."""
+    t, v, h, e = s.tokens, s.vocab, s.hidden, s.elem
+    tvh = 2.0 * t * v * h
+    return [
+        gemm("forward: z = h W^T on chip, LSE", t, v, h, read=e * (t * h + v * h), write=4 * t),
+        Kernel(f"backward: z recomputed; dh, dW on {kept:.0%} of the tiles", 2 * e * (t * h + v * h),
+               tvh * (1 + 2 * kept)),
+    ]  # fmt: skip
+
+
+def linear_ce_filtered(s: Shape) -> list[Kernel]:
+    return linear_ce_recompute(s, kept=0.0)
 
 
 #: The on-chip backward's bf16 launch (``triton_linear_ce_ntl.BACKWARD_BLOCKS["half"]``: tiles and group).
@@ -602,7 +629,21 @@ PATHS: dict[str, tuple[str, Callable[[Shape], list[Kernel]]]] = {
         "the same, 2**26/V-token chunk, not folded (the design before issue 43)",
         ce_ntl_chunked_before,
     ),
-    "linear_ce_on_chip": ("fused linear CE, logits never in HBM (CCE's design; floor)", linear_ce_on_chip),
+    "linear_ce_recompute": (
+        "fused linear CE, logits never in HBM, recomputed in the backward (CCE's design, exact: no tile "
+        "filtered; the floor of an exact design without the logits in HBM)",
+        linear_ce_recompute,
+    ),
+    "linear_ce_filtered": (
+        "the same with every gradient tile filtered (CCE's default filter at its limit: the forward and the "
+        "recompute alone; the floor of a filtering design)",
+        linear_ce_filtered,
+    ),
+    "linear_ce_no_recompute": (
+        "fused linear CE with the logits neither in HBM nor recomputed (6 T V H: a bound no design reaches; "
+        "this table's 'floor' before the correction)",
+        linear_ce_no_recompute,
+    ),
     "ce_ntl_on_chip": (
         "CE + NTL fused linear, logits on chip (ours, Triton; grouped order; its atomics through an LRU "
         "simulation of 50 MiB of L2, programs out of phase)",

@@ -84,7 +84,7 @@ def test_dry_run_layout_and_order(tmp_path):
     assert rows[0]["estimate_s"] > 15 > rows[1]["estimate_s"]
     keys8k = [r["key"] for r in rows if r["T"] == 8192]
     for key in ("ours_logits_triton", "ours_logits_triton_inplace", "ours_logits_torch", "ours_chunked_triton",
-                "ours_chunked_torch", "liger", "cce", "torch_linear_ce", "megatron", "ce", "ce_ntloss",
+                "ours_chunked_torch", "liger", "cce", "cce_exact", "torch_linear_ce", "megatron", "ce", "ce_ntloss",
                 "megatron_jit", "compiled_ce", "cce_autotune", "kernel_stats", "kernel_grad"):  # fmt: skip
         assert key in keys8k, key
     for key in ("ours_logits_triton", "ours_logits_torch", "ours_chunked_triton", "ours_chunked_torch"):
@@ -102,6 +102,12 @@ def test_dry_run_layout_and_order(tmp_path):
     on_chip = by["ours_linear_on_chip", 8192]["model"]
     assert on_chip["path"] == "ce_ntl_on_chip" and not on_chip["floor"]
     assert on_chip["flops"] == 8 * 8192 * 128256 * 4096 + 6 * 8192 * 10 * 4096
+    # CCE beside the floor of its design: exact (filter_eps=None) the recompute's 8 T V H, ours' less its number
+    # columns; its default filter beside the 4 T V H of every gradient tile skipped (a floor: it keeps some)
+    exact, filtered = by["cce_exact", 8192]["model"], by["cce", 8192]["model"]
+    assert exact["path"] == "linear_ce_recompute" and exact["floor"] and filtered["floor"]
+    assert exact["flops"] == on_chip["flops"] - 6 * 8192 * 10 * 4096 == 2 * filtered["flops"]
+    assert by["cce_autotune", 8192]["model"]["path"] == filtered["path"] == "linear_ce_filtered"
     # its backward in the order before grouping: its own row and model, several times the bytes
     ungrouped = by["ours_linear_on_chip_ungrouped", 8192]["model"]
     assert ungrouped["path"] == "ce_ntl_on_chip_ungrouped" and ungrouped["flops"] == on_chip["flops"]

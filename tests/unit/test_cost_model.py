@@ -130,6 +130,62 @@ def test_bytes_of_the_logits_paths_are_the_logits_sizes():
     assert 0 < extra < 100 * T * shape.numbers
 
 
+def _logits_free_ce(hidden, weight, labels, tile: int, online_dh: bool, keep=lambda g: True):
+    """CE's gradients without the [T, V] logits ever held, float64, vocabulary tile by tile: pass 1 the
+    log-sum-exp (and, with ``online_dh``, ``dh`` accumulated online, rescaled as the running max moves, as flash
+    attention accumulates its output), pass 2 the logits recomputed for ``dW`` (and ``dh``); ``keep(g)``: whether
+    a tile's gradient products run (a filter)."""
+    h, w = hidden.double(), weight.double()
+    t = h.shape[0]
+    m = torch.full((t,), -torch.inf, dtype=torch.float64)
+    s = torch.zeros(t, dtype=torch.float64)
+    acc = torch.zeros_like(h)
+    for v0 in range(0, w.shape[0], tile):
+        z = h @ w[v0 : v0 + tile].T
+        m_new = torch.maximum(m, z.max(1).values)
+        s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(1)
+        if online_dh:
+            acc = acc * torch.exp(m - m_new)[:, None] + torch.exp(z - m_new[:, None]) @ w[v0 : v0 + tile]
+        m = m_new
+    lse = m + torch.log(s)
+    dh = acc / s[:, None] - w[labels] if online_dh else torch.zeros_like(h)
+    dw = torch.zeros_like(w)
+    for v0 in range(0, w.shape[0], tile):
+        g = torch.exp(h @ w[v0 : v0 + tile].T - lse[:, None])
+        rows = (labels >= v0) & (labels < v0 + tile)
+        g[rows, labels[rows] - v0] -= 1.0
+        if keep(g):
+            if not online_dh:
+                dh += g @ w[v0 : v0 + tile]
+            dw[v0 : v0 + tile] = g.T @ h
+    return (lse - (h * w[labels]).sum(1)).mean(), dh / t, dw / t
+
+
+@pytest.mark.parametrize("online_dh", [False, True], ids=["dh-in-pass-2", "dh-online-in-pass-1"])
+def test_logits_free_floor_counts_the_recompute(online_dh):
+    """The floor of a design whose logits never reach HBM: an independent float64 two-pass CE (above) gives
+    autograd's gradients, and FlopCounterMode counts 8 T V H for it (``linear_ce_recompute``), with ``dh`` in
+    either pass; with every gradient tile filtered 4 T V H (``linear_ce_filtered``); the 6 T V H bound row is
+    below both passes' count."""
+    _, (hidden, weight, labels) = _vocab(), _inputs()
+    shape = cm.Shape(T, V, H, 10)
+    h, w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    F.cross_entropy(h @ w.T, labels).backward()
+    got = {}
+    with FlopCounterMode(display=False) as counter:
+        got["loss"], got["dh"], got["dw"] = _logits_free_ce(hidden.detach(), weight.detach(), labels, 64, online_dh)
+    torch.testing.assert_close(got["loss"], F.cross_entropy(h.detach() @ w.detach().T, labels))
+    torch.testing.assert_close(got["dh"], h.grad)
+    torch.testing.assert_close(got["dw"], w.grad)
+    assert counter.get_total_flops() == cm.cost(cm.linear_ce_recompute(shape)).flops == 8 * T * V * H
+    with FlopCounterMode(display=False) as counter:
+        _logits_free_ce(hidden.detach(), weight.detach(), labels, 64, False, keep=lambda g: False)
+    assert counter.get_total_flops() == cm.cost(cm.linear_ce_filtered(shape)).flops == 4 * T * V * H
+    assert cm.cost(cm.linear_ce_no_recompute(shape)).flops == 6 * T * V * H
+    # ours does what the exact floor does, plus the number columns' 6 T K H
+    assert cm.cost(cm.ce_ntl_on_chip(shape)).flops - 6 * T * 10 * H == cm.cost(cm.linear_ce_recompute(shape)).flops
+
+
 def test_on_chip_path_counts_its_recompute_and_atomics():
     """The fused linear CE + NTL (logits on chip) row: 8 T V H FLOPs (the backward recomputes the logits) plus
     the number columns' 6 T K H; no [T, V] term in its bytes while its atomics stay in L2."""
