@@ -23,13 +23,10 @@ __all__ = ["patch_for_cpu", "tiny_gpt"]
 
 def tiny_gpt(vocab_size: int, seq_length: int, *, tp: int, pp: int, seed: int = 1234, model_class=None):
     """The example's GPTModel builder (launch/megatron_example.py), smaller: hidden 16, 2 heads."""
-    import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "launch" / "megatron_example.py"
-    spec = importlib.util.spec_from_file_location("megatron_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    from tests.helpers.scripts import load_script
+
+    example = load_script("launch/megatron_example.py", "megatron_example")
     torch.manual_seed(seed)
     return example.build_model(
         vocab_size,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
+
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,10 +17,5 @@ def run_overrides(preset: dict[str, Any], overrides: list[str]) -> tuple[list[st
     entry = preset.get("entry", "launch/train.py")
     if entry == "launch/train.py":
         return overrides, None
-    path = ROOT / entry
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(f"preset entry {entry} cannot be loaded")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(entry, Path(entry).stem)
     return module.split_overrides(overrides)

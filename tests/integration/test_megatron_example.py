@@ -11,7 +11,6 @@ have read host batches and moved them.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import WorkerContext, run_workers
+from tests.helpers.scripts import load_script
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.distributed
@@ -36,9 +36,7 @@ def _worker(ctx: WorkerContext, workdir: str) -> None:
     host_guard.install(files={str(EXAMPLE)})
     read = GPTDataset.__getitem__
     GPTDataset.__getitem__ = lambda self, i: host_guard._wrap(read(self, i))  # the data arrive on the host
-    spec = importlib.util.spec_from_file_location("megatron_example", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("launch/megatron_example.py", "megatron_example")
     args = example.parse_args(
         f"--tp 2 --pp 2 --steps 30 --micro-batches 2 --ntl-weight 0.3 --workdir {workdir}".split()
     )
@@ -75,8 +73,6 @@ TINY = "configs/megatron/tiny_cpu.yaml"
 def test_every_flag_of_the_tiny_config_reaches_the_example():
     """Each ``megatron_args`` key of tiny_cpu.yaml is a flag of the example and arrives with the file's value."""
     import yaml
-
-    from tests.helpers.scripts import load_script
 
     example = load_script("launch/megatron_example.py", "megatron_example_flags")
     flags = yaml.safe_load((ROOT / TINY).read_text())["megatron_args"]

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -30,12 +29,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench_gpu.py"
-_spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
-assert _spec is not None and _spec.loader is not None
-bg = sys.modules["bench_gpu"] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up
-_spec.loader.exec_module(bg)
+bg = load_script("benchmarks/bench_gpu.py", "bench_gpu")
 
 
 def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:

@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,12 +23,10 @@ from torch.utils.flop_counter import FlopCounterMode
 import ntl_scale
 from ntl_scale.linear import linear_ce_with_ntl
 from tests.helpers.dispatch import OpOutputs
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("cost_model", ROOT / "benchmarks" / "cost_model.py")
-assert _spec is not None and _spec.loader is not None
-cm = sys.modules["cost_model"] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up
-_spec.loader.exec_module(cm)
+cm = load_script("benchmarks/cost_model.py", "cost_model")
 
 T, V, H, CHUNK = 96, 640, 32, 40  # 3 chunks, the last one shorter
 

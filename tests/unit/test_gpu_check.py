@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -26,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 OUT_FILES = {"gpu_check.log", "gpu_check.json", "gpu_check.md", "summary.txt", "ceilings.json"}
@@ -33,11 +34,7 @@ OUT_FILES |= {"bench.json", "bench.md"}
 
 
 def _module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(str(path.relative_to(ROOT)), name)
 
 
 gpu_check = _module("gpu_check_script", ROOT / "scripts" / "gpu_check.py")

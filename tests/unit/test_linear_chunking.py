@@ -14,8 +14,6 @@ CPU with synthetic inputs. References, each independent of the code under test:
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,12 +22,10 @@ import torch
 import ntl_scale
 from ntl_scale.linear_op import choose_chunk_tokens
 from tests.helpers.dispatch import OpOutputs
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("cost_model", ROOT / "benchmarks" / "cost_model.py")
-assert _spec is not None and _spec.loader is not None
-cm = sys.modules["cost_model"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cm)
+cm = load_script("benchmarks/cost_model.py", "cost_model")
 
 GiB = 2**30
 H100 = {"bandwidth": 3.35e12, "peak": 989e12}  # the datasheet numbers, written out here

@@ -21,6 +21,7 @@ import ntl_scale
 from ntl_scale.integrations import megatron as ntl_megatron
 from tests.helpers.data import random_labels, random_logits
 from tests.helpers.reference import naive_per_token
+from tests.helpers.scripts import load_script
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -202,13 +203,10 @@ def test_pretrain_entry_without_megatron_lm_says_how_to_fix(tmp_path):
 
 @pytest.mark.parametrize("name", ["granite-3.2-2b_ntl.yaml", "llama-3.2-3b_ntl.yaml", "tiny_cpu.yaml"])
 def test_megatron_configs_give_valid_ntl_settings(name):
-    import importlib.util
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("megatron_args", root / "launch" / "megatron_args.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("launch/megatron_args.py", "megatron_args")
     path = root / "configs" / "megatron" / name
     argv = module.to_argv(str(path))
     args, rest = _parser().parse_known_args(argv)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import calendar
 import hashlib
-import importlib.util
 import json
 import re
 import subprocess
@@ -22,15 +21,12 @@ from pathlib import Path
 import pytest
 
 from ntl_scale.training.tokenizer import ALPHABET
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "pretrain_corpus.py"
 
-_spec = importlib.util.spec_from_file_location("pretrain_corpus", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-pc = importlib.util.module_from_spec(_spec)
-sys.modules["pretrain_corpus"] = pc
-_spec.loader.exec_module(pc)
+pc = load_script("experiments/pretrain_corpus.py", "pretrain_corpus")
 
 SMALL = {"number_documents": 240, "prose_chars": 40_000, "questions": 60, "heldout_sequences": 16,
          "heldout_prose_sequences": 8, "seq_length": 64}  # fmt: skip

@@ -21,7 +21,6 @@ dtype and block configuration the launchers can pick for the three architectures
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -31,6 +30,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
 _jit = pytest.importorskip("triton.runtime.jit")
 if not hasattr(triton, "knobs") or not hasattr(_jit.JITFunction, "_pack_args"):  # the AOT path of triton 3.9
@@ -39,10 +40,7 @@ if not hasattr(triton, "knobs") or not hasattr(_jit.JITFunction, "_pack_args"): 
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "triton_aot.py"
-_spec = importlib.util.spec_from_file_location("triton_aot", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-aot = sys.modules["triton_aot"] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up
-_spec.loader.exec_module(aot)
+aot = load_script(str(SCRIPT.relative_to(ROOT)), "triton_aot")
 
 
 def _run(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
@@ -124,8 +122,6 @@ def test_the_fused_linear_kernels_are_compiled_as_launched(records):
                     assert {r["needs"] for r in mine} == needs, (arch, dtype)
     # the cost model's programs in flight on an H100 (its LRU simulation of the on-chip backward) are the bf16
     # backward's resident blocks per SM on sm_90, both gradients built
-    from tests.helpers.scripts import load_script
-
     cm = load_script("benchmarks/cost_model.py", "cost_model")
     h100 = [
         r
