@@ -811,15 +811,18 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
     return written
 
 
-def _utc_today(text: str) -> float:
-    """``HH:MM`` (UTC) today as a time.time()."""
+def _utc_next(text: str, now: float | None = None) -> float:
+    """``HH:MM`` (UTC) as a time.time(): its next occurrence (today's, or tomorrow's once today's has passed),
+    as ``shutdown HH:MM`` reads it; a study at 23:40 told ``--start-until 00:30`` runs past midnight."""
     import calendar
 
     match = re.fullmatch(r"([01]?\d|2[0-3]):([0-5]\d)", text)
     if not match:
         raise SystemExit(f"--start-until {text!r}: expected HH:MM (UTC), e.g. 10:05")
-    day = time.gmtime()
-    return calendar.timegm((day.tm_year, day.tm_mon, day.tm_mday, int(match[1]), int(match[2]), 0, 0, 0, 0))
+    now = time.time() if now is None else now
+    day = time.gmtime(now)
+    at = calendar.timegm((day.tm_year, day.tm_mon, day.tm_mday, int(match[1]), int(match[2]), 0, 0, 0, 0))
+    return at if at > now else at + 86400
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -838,7 +841,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "tabulate the seeds at which every arm has finished (a study under way; results.json's "
                              "preset lists those seeds)")  # fmt: skip
     parser.add_argument("--start-until", default=None, metavar="HH:MM",
-                        help="start no run after this time (UTC, today): the started runs finish, the study stops "
+                        help="start no run after this time (UTC; its next occurrence, tomorrow's once today's has "
+                             "passed): the started runs finish, the study stops "
                              "without tabulating (a machine shared on a schedule)")  # fmt: skip
     args = parser.parse_args(argv)
     if not os.path.isfile(args.preset):
@@ -857,7 +861,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs = finished_runs(preset, out, args.keep)
         preset["seeds"] = [int(os.path.basename(d).removeprefix("seed")) for d in next(iter(runs.values()))]
     else:
-        runs = run_all(preset, out, args.keep, _utc_today(args.start_until) if args.start_until else None)
+        until = _utc_next(args.start_until) if args.start_until else None
+        if until is not None:
+            print(f"[study] no run starts after {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(until))} "
+                  f"(--start-until; in {(until - time.time()) / 60:.0f} min)", flush=True)  # fmt: skip
+        runs = run_all(preset, out, args.keep, until)
     groups = _groups(preset, runs)
     table = aggregate(runs, groups)
     baseline = preset.get("baseline", next(iter(preset["arms"])))

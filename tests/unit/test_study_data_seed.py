@@ -8,6 +8,7 @@ manifest. Checked against the corpus files themselves, not against the study's b
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import json
 from pathlib import Path
@@ -87,10 +88,16 @@ def test_bad_data_seed_settings_are_refused(tmp_path, extra, message):
         study.load_preset(str(_preset(tmp_path, **extra)))
 
 
-def test_start_until_takes_a_clock_time():
+def test_start_until_takes_a_clock_time_at_its_next_occurrence():
     with pytest.raises(SystemExit, match="expected HH:MM"):
-        study._utc_today("25:00")
-    assert study._utc_today("10:05") % 86400 == 10 * 3600 + 5 * 60
+        study._utc_next("25:00")
+    assert study._utc_next("10:05") % 86400 == 10 * 3600 + 5 * 60
+    now = calendar.timegm((2026, 11, 27, 23, 40, 0, 0, 0, 0))  # a study started at 23:40 UTC
+    assert study._utc_next("23:50", now) == now + 10 * 60  # later today
+    assert study._utc_next("00:30", now) == now + 50 * 60  # past midnight: tomorrow's, not today's (passed)
+    assert study._utc_next("23:40", now) == now + 86400  # now counts as passed
+    for text in ("00:00", "12:00", "23:39", "23:41"):
+        assert 0 < study._utc_next(text, now) - now <= 86400, text
 
 
 def test_no_run_tabulates_only_the_seeds_every_arm_finished(tmp_path):
