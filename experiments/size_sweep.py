@@ -454,7 +454,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=None, help="output folder (default: runs/<sweep name>)")
     parser.add_argument("--no-run", action="store_true", help="tabulate the sizes whose results exist; run nothing")
     parser.add_argument("--start-until", default=None, metavar="HH:MM",
-                        help="start no run after this time (UTC, next occurrence, as study.py): sweep stops")  # fmt: skip
+                        help="start no run after this time (UTC, its next occurrence, as study.py): the sweep "
+                             "stops")  # fmt: skip
     parser.add_argument("--publish", default=None, metavar="STEM",
                         help="also write sweep.json and the figure to STEM.json, STEM.png")  # fmt: skip
     parser.add_argument("--doc", default=None, metavar="PAGE",
