@@ -472,6 +472,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"{args.sweep}: expected a non-empty {key!r} list")
     out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.sweep))[0])
     os.makedirs(out, exist_ok=True)
+    # one deadline for every size: resolved once here, passed as a moment (a study resolving HH:MM itself after
+    # the deadline would take tomorrow's)
+    at = study._utc_next(args.start_until) if args.start_until else None
+    deadline = time.strftime("%Y-%m-%dT%H:%M", time.gmtime(at)) if at is not None else None
     start = time.time()
     sizes, left_out = [], []
     for entry in sweep["sizes"]:
@@ -497,7 +501,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"[sweep] {entry['label']}: no {path}; left out (--no-run)", flush=True)
                 left_out.append(entry["label"])
                 continue
-            until = ["--start-until", args.start_until] if args.start_until else []
+            until = ["--start-until", deadline] if deadline else []
             study.main(["--preset", preset_path, "--out", entry["out"], *keep, *until])
         if not os.path.isfile(path):
             raise SystemExit(f"[sweep] {entry['label']}: {path} missing; run its preset {entry['preset']}")

@@ -812,16 +812,21 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
 
 
 def _utc_next(text: str, now: float | None = None) -> float:
-    """``HH:MM`` (UTC) as a time.time(): its next occurrence (today's, or tomorrow's once today's has passed),
-    as ``shutdown HH:MM`` reads it; a study at 23:40 told ``--start-until 00:30`` runs past midnight."""
+    """``--start-until`` as a time.time(): ``HH:MM`` (UTC) is its next occurrence (today's, or tomorrow's once
+    today's has passed), as ``shutdown HH:MM`` reads it, so a study at 23:40 told ``00:30`` runs past midnight;
+    ``YYYY-MM-DDTHH:MM`` (UTC) is that moment (what ``size_sweep.py`` passes each size, so that one deadline
+    holds for the whole sweep)."""
     import calendar
 
-    match = re.fullmatch(r"([01]?\d|2[0-3]):([0-5]\d)", text)
+    match = re.fullmatch(r"(?:(\d{4})-(\d{2})-(\d{2})T)?([01]?\d|2[0-3]):([0-5]\d)", text)
     if not match:
-        raise SystemExit(f"--start-until {text!r}: expected HH:MM (UTC), e.g. 10:05")
+        raise SystemExit(f"--start-until {text!r}: expected HH:MM (UTC, e.g. 10:05) or YYYY-MM-DDTHH:MM (UTC)")
+    hour, minute = int(match[4]), int(match[5])
+    if match[1]:
+        return calendar.timegm((int(match[1]), int(match[2]), int(match[3]), hour, minute, 0, 0, 0, 0))
     now = time.time() if now is None else now
     day = time.gmtime(now)
-    at = calendar.timegm((day.tm_year, day.tm_mon, day.tm_mday, int(match[1]), int(match[2]), 0, 0, 0, 0))
+    at = calendar.timegm((day.tm_year, day.tm_mon, day.tm_mday, hour, minute, 0, 0, 0, 0))
     return at if at > now else at + 86400
 
 
@@ -842,7 +847,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "preset lists those seeds)")  # fmt: skip
     parser.add_argument("--start-until", default=None, metavar="HH:MM",
                         help="start no run after this time (UTC; its next occurrence, tomorrow's once today's has "
-                             "passed): the started runs finish, the study stops "
+                             "passed; or YYYY-MM-DDTHH:MM): the started runs finish, the study stops "
                              "without tabulating (a machine shared on a schedule)")  # fmt: skip
     args = parser.parse_args(argv)
     if not os.path.isfile(args.preset):
@@ -863,8 +868,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         until = _utc_next(args.start_until) if args.start_until else None
         if until is not None:
+            left = (until - time.time()) / 3600
+            later = "; over 12 h away: today's time had passed, so tomorrow's was taken" if left > 12 else ""
             print(f"[study] no run starts after {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(until))} "
-                  f"(--start-until; in {(until - time.time()) / 60:.0f} min)", flush=True)  # fmt: skip
+                  f"(--start-until; in {left:.1f} h{later})", flush=True)  # fmt: skip
         runs = run_all(preset, out, args.keep, until)
     groups = _groups(preset, runs)
     table = aggregate(runs, groups)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import calendar
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,12 @@ def test_start_until_takes_a_clock_time_at_its_next_occurrence():
     assert study._utc_next("23:40", now) == now + 86400  # now counts as passed
     for text in ("00:00", "12:00", "23:39", "23:41"):
         assert 0 < study._utc_next(text, now) - now <= 86400, text
+    # a moment is that moment, passed or not (size_sweep.py resolves HH:MM once and passes each size the moment)
+    assert study._utc_next("2026-11-28T00:30", now) == now + 50 * 60
+    assert study._utc_next("2026-11-27T23:00", now) == now - 40 * 60
+    for bad in ("24:00", "12:60", "1200", "2026-11-27 23:00", "2026-11-27T"):
+        with pytest.raises(SystemExit, match="expected HH:MM"):
+            study._utc_next(bad, now)
 
 
 def test_no_run_tabulates_only_the_seeds_every_arm_finished(tmp_path):
@@ -114,3 +121,39 @@ def test_no_run_tabulates_only_the_seeds_every_arm_finished(tmp_path):
     assert (out / "ce" / "seed0" / "eval.json").is_file()  # restored from the kept folder
     with pytest.raises(SystemExit, match="no seed"):
         study.finished_runs({"seeds": [1], "arms": {"CE": [], "CE + NTL-WAS": []}}, str(tmp_path / "x"), str(keep))
+
+
+def test_a_sweep_passes_every_size_the_one_deadline_it_resolved(tmp_path, monkeypatch):
+    """size_sweep.py resolves ``--start-until HH:MM`` once and passes each size's study that moment, so a size
+    started after the deadline does not read the same HH:MM as tomorrow's (it would run for up to a day)."""
+    sweep_script = load_script("experiments/size_sweep.py", "size_sweep_deadline_under_test")
+    preset = "configs/study/pretrain_ci.yaml"
+    sweep = {
+        "baseline": "CE",
+        "arms": ["CE + NTL-WAS"],
+        "sizes": [{"label": f"size {i}", "preset": preset, "out": str(tmp_path / f"s{i}")} for i in range(2)],
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    calls: list[list[str]] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_study(argv: list[str]) -> None:  # a size's study: its argv recorded, its results written
+        calls.append(argv)
+        if len(calls) == 2:
+            raise Stop
+        out = Path(argv[argv.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"results": {"CE": {}, "CE + NTL-WAS": {}}}))
+
+    monkeypatch.setattr(sweep_script.study, "main", fake_study)
+    clock = time.strftime("%H:%M", time.gmtime(time.time() + 3600))
+    want = study._utc_next(clock)
+    with pytest.raises(Stop):
+        sweep_script.main(["--sweep", str(path), "--out", str(tmp_path / "out"), "--start-until", clock])
+    moments = [argv[argv.index("--start-until") + 1] for argv in calls]
+    assert len(moments) == 2 and moments[0] == moments[1], moments
+    # read by the second size's study a minute after the deadline: still that deadline, not tomorrow's
+    assert study._utc_next(moments[1], now=want + 60) == want
