@@ -49,12 +49,16 @@ each so that they compare with the fused linear-CE kernels:
   tile before its two gradient products, ``8 T V H`` FLOPs, operands read once and gradients written once: the
   floor of an exact design whose logits never reach HBM. ``linear_ce_filtered``: the same with every gradient
   tile skipped (CCE's default ``filter_eps`` skips a tile whose every entry of ``softmax - onehot`` is below
-  bf16's eps / 32; how many it skips depends on the logits): ``4 T V H``, the floor of a filtering design.
+  bf16's eps / 32; how many it skips depends on the logits): ``4 T V H``, the floor of CCE's filtering design,
+  which recomputes every tile before deciding (a design that kept per-tile maxima from the forward could skip
+  the recompute too: ``(2 + 6 k) T V H`` at a share ``k`` of tiles kept; not modelled).
   ``linear_ce_no_recompute``: the three GEMMs of the materialised path with the logits neither stored nor
-  recomputed, ``6 T V H``: a bound no design reaches (a vocabulary row's weight gradient sums over the tokens
-  each divided by its normaliser, known only once that token's whole row of logits is: a second pass over the
-  logits, ``2 T V H`` more, whether ``dh`` is accumulated online in the first or not), which this table called
-  "the floor of every path" before it had the recompute row.
+  recomputed, ``6 T V H``: a bound no design reaches at this table's shapes (a vocabulary row's weight gradient
+  sums over the tokens each divided by its normaliser, known only once that token's whole row of logits is: a
+  second pass over the logits, ``2 T V H`` more, whether ``dh`` is accumulated online in the first or not; a
+  token block's whole row fits on chip only at vocabularies far below these, and with a frozen output layer
+  one pass with ``dh`` online suffices, ``4 T V H``), which this table called "the floor of every path"
+  before it had the recompute row.
 * ``ce_ntl_on_chip``: ours, ``ntl_scale/kernels/triton_linear_ce_ntl.py`` (logits on chip, CE + NTL): the
   forward kernel (``z`` tile by tile, ``[T, 6]`` statistics and the ``[T, K]`` number logits out), the
   host's per-token work, a backward kernel that **recomputes** ``z`` (8 ``T V H`` FLOPs in all instead of
@@ -636,7 +640,7 @@ PATHS: dict[str, tuple[str, Callable[[Shape], list[Kernel]]]] = {
     ),
     "linear_ce_filtered": (
         "the same with every gradient tile filtered (CCE's default filter at its limit: the forward and the "
-        "recompute alone; the floor of a filtering design)",
+        "recompute alone; the floor of CCE's filtering design)",
         linear_ce_filtered,
     ),
     "linear_ce_no_recompute": (

@@ -165,7 +165,8 @@ def test_without_cuda_it_dry_runs_and_reads_the_ceilings(tmp_path):
 def _row(key: str, ms: float | None, peak: float = 1000.0, t: int = 8192, **over) -> dict:
     row = bg.ROW_BY_KEY[key]
     record = {"key": key, "family": row.family, "group": row.group, "T": t, "T_run": t, "H": 4096, "V": 128256,
-              "ntl_weight": row.ntl_weight, "chunked": row.chunked, "status": "measured" if ms else "skipped",
+              "ntl_weight": row.ntl_weight, "chunked": row.chunked, "approximate": row.approximate,
+              "status": "measured" if ms else "skipped",
               "ms": ms, "peak_mib": peak, "check_ok": True}  # fmt: skip
     return {**record, **over}
 
@@ -200,9 +201,9 @@ def test_fused_verdict():
 
 def test_chunked_verdict():
     torch_materialised = _row("torch_linear_ce", 10.0, peak=9000.0, chunked=False)  # not a chunked peer
-    peers = [_row("liger", 60.0, peak=4000.0), _row("cce", 40.0, peak=1200.0), torch_materialised]
+    peers = [_row("liger", 60.0, peak=4000.0), _row("cce_exact", 40.0, peak=1200.0), torch_materialised]
     v = _verdict([_row("ours_chunked_triton", 43.6, peak=1200.0), *peers], "chunked_vs_peers")
-    assert v["result"] == "pass" and v["ratio"] == pytest.approx(1.09) and v["reference"]["row"] == "cce"
+    assert v["result"] == "pass" and v["ratio"] == pytest.approx(1.09) and v["reference"]["row"] == "cce_exact"
     v = _verdict([_row("ours_chunked_triton", 44.4, peak=1000.0), *peers], "chunked_vs_peers")
     assert v["result"] == "fail" and v["ratio"] == pytest.approx(1.11)
     v = _verdict([_row("ours_chunked_triton", 30.0, peak=1300.0), *peers], "chunked_vs_peers")  # faster, heavier
@@ -216,8 +217,17 @@ def test_chunked_verdict():
                  "chunked_vs_peers")  # fmt: skip
     assert v["result"] == "not measured" and "peer" in v["reason"]
     # a peer's peak unknown: not measured, never passed
-    v = _verdict([_row("ours_chunked_triton", 1.0, peak=1.0), _row("cce", 40.0, peak=None)], "chunked_vs_peers")
+    v = _verdict([_row("ours_chunked_triton", 1.0, peak=1.0), _row("cce_exact", 40.0, peak=None)], "chunked_vs_peers")
     assert v["result"] == "not measured"
+    # CCE with its default filter skips gradient tiles: shown beside, never the reference of our exact rows
+    exact = [_row("cce_exact", 40.0, peak=1200.0), _row("liger", 60.0, peak=4000.0)]
+    v = _verdict([_row("ours_chunked_triton", 43.6, peak=1200.0), _row("cce", 20.0, peak=900.0), *exact],
+                 "chunked_vs_peers")  # fmt: skip
+    assert v["result"] == "pass" and v["reference"]["row"] == "cce_exact" and v["ratio"] == pytest.approx(1.09)
+    assert [p["row"] for p in v["approximate_peers"]] == ["cce"]
+    v = _verdict([_row("ours_chunked_triton", 1.0, peak=1.0), _row("cce", 20.0, peak=900.0),
+                  _row("cce_autotune", 15.0, peak=900.0)], "chunked_vs_peers")  # fmt: skip
+    assert v["result"] == "not measured" and "exact gradients" in v["reason"] and len(v["approximate_peers"]) == 2
 
 
 def test_roofline_verdict_and_nothing_measured():
@@ -261,6 +271,8 @@ def test_a_measured_report_renders(tmp_path):
                  reason="")  # fmt: skip
         if r["key"] == "megatron":
             r["ms"] = 40.0
+        if r["key"] == "cce":  # the fastest, with its filter's approximate gradients: no one's reference
+            r["ms"] = 10.0
         bg.add_rates(r, report["ceilings"])
     by = {r["key"]: r for r in report["rows"]}
     stats = by["kernel_stats"]
@@ -278,6 +290,8 @@ def test_a_measured_report_renders(tmp_path):
     md = bg.markdown(report)
     cells = {c[1]: c for c in _table(md)}
     assert cells["F.cross_entropy on logits"][4] == "1.250"  # 50 ms against Megatron's 40, the fastest CE-only
+    assert cells["Cut Cross-Entropy"][4] == "0.250"  # shown against it, not made the reference
+    assert [p["row"] for p in results["chunked_vs_peers"]["approximate_peers"]] == ["cce", "cce_autotune"]
     assert "TB/s (" in md and "% of copy" in md and "% of matmul" in md
     assert "| fused_vs_megatron | 8192 | **fail** | 1.250x (limit 1.05x)" in md
     assert len(_table(md)) == len(report["rows"])
