@@ -375,8 +375,7 @@ def cce(exact: bool) -> Callable[[Inputs], Built]:
         module = _import("cut_cross_entropy", "cut-cross-entropy")
         kwargs: dict[str, Any] = {"filter_eps": None} if exact else {}
         note = (
-            "filter_eps=None: no gradient tile skipped (the gradients accumulated in the dtype the installed "
-            "CCE uses: bf16 in 25.1.1)"
+            "filter_eps=None"
             if exact
             else "CCE's defaults (impl 'cce', filter_eps: a gradient tile whose every entry lies below bf16's eps / "
             "32 is skipped; how many depends on the logits)"
@@ -1000,12 +999,8 @@ def markdown(report: dict) -> str:
     ]
     best: dict[int, float] = {}  # the fastest CE-only row per T (GPU runs only: CPU timings are no ratios)
     for r in report["rows"] if report["mode"] == "gpu" else []:
-        if (
-            r["family"] in ("megatron", "ce_peer")
-            and r.get("ms")
-            and r.get("check_ok") is not False
-            and not (r.get("approximate"))
-        ):
+        exact = r["family"] in ("megatron", "ce_peer") and not r.get("approximate")
+        if exact and r.get("ms") and r.get("check_ok") is not False:
             best[r["T"]] = min(best.get(r["T"], math.inf), r["ms"])
     for i, r in enumerate(report["rows"], 1):
         m = r.get("model") or {}
