@@ -454,8 +454,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=None, help="output folder (default: runs/<sweep name>)")
     parser.add_argument("--no-run", action="store_true", help="tabulate the sizes whose results exist; run nothing")
     parser.add_argument("--start-until", default=None, metavar="HH:MM",
-                        help="start no run after this time (UTC, its next occurrence, as study.py): the sweep "
-                             "stops")  # fmt: skip
+                        help="start no run after this time (UTC: HH:MM, its next occurrence, or "
+                             "YYYY-MM-DDTHH:MM, as study.py): the sweep stops")  # fmt: skip
     parser.add_argument("--publish", default=None, metavar="STEM",
                         help="also write sweep.json and the figure to STEM.json, STEM.png")  # fmt: skip
     parser.add_argument("--doc", default=None, metavar="PAGE",
@@ -476,6 +476,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # the deadline would take tomorrow's)
     at = study._utc_next(args.start_until) if args.start_until else None
     deadline = time.strftime("%Y-%m-%dT%H:%M", time.gmtime(at)) if at is not None else None
+    if at is not None:
+        print(f"[sweep] {study._deadline_line(args.start_until, at, time.time())}; every size", flush=True)
     start = time.time()
     sizes, left_out = [], []
     for entry in sweep["sizes"]:

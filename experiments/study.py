@@ -816,18 +816,35 @@ def _utc_next(text: str, now: float | None = None) -> float:
     today's has passed), as ``shutdown HH:MM`` reads it, so a study at 23:40 told ``00:30`` runs past midnight;
     ``YYYY-MM-DDTHH:MM`` (UTC) is that moment (what ``size_sweep.py`` passes each size, so that one deadline
     holds for the whole sweep)."""
-    import calendar
+    import datetime
 
     match = re.fullmatch(r"(?:(\d{4})-(\d{2})-(\d{2})T)?([01]?\d|2[0-3]):([0-5]\d)", text)
     if not match:
         raise SystemExit(f"--start-until {text!r}: expected HH:MM (UTC, e.g. 10:05) or YYYY-MM-DDTHH:MM (UTC)")
     hour, minute = int(match[4]), int(match[5])
     if match[1]:
-        return calendar.timegm((int(match[1]), int(match[2]), int(match[3]), hour, minute, 0, 0, 0, 0))
+        try:
+            moment = datetime.datetime(int(match[1]), int(match[2]), int(match[3]), hour, minute,
+                                       tzinfo=datetime.timezone.utc)  # fmt: skip
+        except ValueError as e:  # 2026-02-30, month 13
+            raise SystemExit(f"--start-until {text!r}: no such date ({e}); expected YYYY-MM-DDTHH:MM (UTC)") from None
+        return moment.timestamp()
     now = time.time() if now is None else now
-    day = time.gmtime(now)
-    at = calendar.timegm((day.tm_year, day.tm_mon, day.tm_mday, hour, minute, 0, 0, 0, 0))
+    today = datetime.datetime.fromtimestamp(now, datetime.timezone.utc)
+    at = today.replace(hour=hour, minute=minute, second=0, microsecond=0).timestamp()
     return at if at > now else at + 86400
+
+
+def _deadline_line(text: str, until: float, now: float) -> str:
+    """What a study prints of its ``--start-until``: the moment, how far, and why if it is not what HH:MM reads
+    as today (tomorrow's, since today's had passed) or has passed already (a moment: nothing will start)."""
+    when = f"no run starts after {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(until))}"
+    if until <= now:
+        return f"{when} (--start-until {text}: already passed, {(now - until) / 3600:.1f} h ago: no run will start)"
+    why = ""
+    if "T" not in text and time.gmtime(until).tm_yday != time.gmtime(now).tm_yday:
+        why = f"; today's {text} had passed, so tomorrow's was taken"
+    return f"{when} (--start-until {text}: in {(until - now) / 3600:.1f} h{why})"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -868,10 +885,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         until = _utc_next(args.start_until) if args.start_until else None
         if until is not None:
-            left = (until - time.time()) / 3600
-            later = "; over 12 h away: today's time had passed, so tomorrow's was taken" if left > 12 else ""
-            print(f"[study] no run starts after {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(until))} "
-                  f"(--start-until; in {left:.1f} h{later})", flush=True)  # fmt: skip
+            print(f"[study] {_deadline_line(args.start_until, until, time.time())}", flush=True)
         runs = run_all(preset, out, args.keep, until)
     groups = _groups(preset, runs)
     table = aggregate(runs, groups)

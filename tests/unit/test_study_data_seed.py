@@ -105,6 +105,16 @@ def test_start_until_takes_a_clock_time_at_its_next_occurrence():
     for bad in ("24:00", "12:60", "1200", "2026-11-27 23:00", "2026-11-27T"):
         with pytest.raises(SystemExit, match="expected HH:MM"):
             study._utc_next(bad, now)
+    for bad in ("2026-13-01T10:00", "2026-02-30T10:00"):  # no such date: refused, never normalised to March
+        with pytest.raises(SystemExit, match="no such date"):
+            study._utc_next(bad, now)
+    # the printed line says why a deadline is tomorrow's only when it is; and a passed moment starts nothing
+    assert "tomorrow's was taken" in study._deadline_line("00:30", study._utc_next("00:30", now), now)
+    morning = calendar.timegm((2026, 11, 28, 1, 0, 0, 0, 0, 0))
+    line = study._deadline_line("23:00", study._utc_next("23:00", morning), morning)
+    assert "in 22.0 h" in line and "tomorrow" not in line  # today's 23:00, 22 h away: no false reason
+    assert "tomorrow" not in study._deadline_line("2026-11-28T00:30", now + 50 * 60, now)
+    assert "no run will start" in study._deadline_line("2026-11-27T23:00", now - 40 * 60, now)
 
 
 def test_no_run_tabulates_only_the_seeds_every_arm_finished(tmp_path):
