@@ -1035,6 +1035,9 @@ def markdown(report: dict) -> str:
             if v.get("roofline_ms") is not None:
                 numbers += f" vs roofline {v['roofline_ms']:.2f} ms"
             numbers += f"; {v['reason']}" if v.get("reason") else ""
+        if v.get("approximate_peers"):
+            beside = ", ".join(f"{b['row']} {b['ms']:.2f} ms" for b in v["approximate_peers"])
+            numbers += f"; beside, approximate gradients: {beside}"
         lines.append(f"| {v['key']} | {v['T']} | **{v['result']}** | {numbers} | {v['rule']} |")
     return "\n".join(lines) + "\n"
 

@@ -294,6 +294,7 @@ def test_a_measured_report_renders(tmp_path):
     assert [p["row"] for p in results["chunked_vs_peers"]["approximate_peers"]] == ["cce", "cce_autotune"]
     assert "TB/s (" in md and "% of copy" in md and "% of matmul" in md
     assert "| fused_vs_megatron | 8192 | **fail** | 1.250x (limit 1.05x)" in md
+    assert "beside, approximate gradients: cce 10.00 ms, cce_autotune 50.00 ms" in md
     assert len(_table(md)) == len(report["rows"])
 
 
