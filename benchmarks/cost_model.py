@@ -321,10 +321,16 @@ def ce_ntl_chunked_before(s: Shape) -> list[Kernel]:
     return _chunked(s, True, cpu_chunk(s), folded=False, one_kernel=False)
 
 
+def _lse_forward(s: Shape) -> Kernel:
+    """A fused linear CE's forward kernel: ``z`` tile by tile on chip, the log-sum-exp out."""
+    t, v, h, e = s.tokens, s.vocab, s.hidden, s.elem
+    return gemm("forward: z = h W^T on chip, LSE", t, v, h, read=e * (t * h + v * h), write=4 * t)
+
+
 def linear_ce_no_recompute(s: Shape) -> list[Kernel]:
     t, v, h, e = s.tokens, s.vocab, s.hidden, s.elem
     return [
-        gemm("forward: z = h W^T on chip, LSE", t, v, h, read=e * (t * h + v * h), write=4 * t),
+        _lse_forward(s),
         gemm("backward: dh (z at hand: no design has it)", t, h, v, read=e * (t * h + v * h), write=e * t * h),
         gemm("backward: dW (z at hand: no design has it)", v, h, t, read=e * (t * h + v * h), write=e * v * h),
     ]
@@ -338,7 +344,7 @@ def linear_ce_recompute(s: Shape, kept: float = 1.0) -> list[Kernel]:
     t, v, h, e = s.tokens, s.vocab, s.hidden, s.elem
     tvh = 2.0 * t * v * h
     return [
-        gemm("forward: z = h W^T on chip, LSE", t, v, h, read=e * (t * h + v * h), write=4 * t),
+        _lse_forward(s),
         Kernel(f"backward: z recomputed; dh, dW on {kept:.0%} of the tiles", 2 * e * (t * h + v * h),
                tvh * (1 + 2 * kept)),
     ]  # fmt: skip

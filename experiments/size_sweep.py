@@ -474,9 +474,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     # one deadline for every size: resolved once here, passed as a moment (a study resolving HH:MM itself after
     # the deadline would take tomorrow's)
-    at = study._utc_next(args.start_until) if args.start_until else None
-    deadline = time.strftime("%Y-%m-%dT%H:%M", time.gmtime(at)) if at is not None else None
-    if at is not None:
+    deadline = None
+    if args.start_until:
+        at = study._utc_next(args.start_until)
+        deadline = time.strftime("%Y-%m-%dT%H:%M", time.gmtime(at))
         print(f"[sweep] {study._deadline_line(args.start_until, at, time.time())}; every size", flush=True)
     start = time.time()
     sizes, left_out = [], []
