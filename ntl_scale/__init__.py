@@ -5,27 +5,13 @@ and import their framework lazily.
 """
 
 from ._checks import set_debug_checks
+from ._validation import check_number_level_table
 from .linear import linear_ce_ntl, linear_ce_with_ntl
-from .losses import (
-    LOSS_KINDS,
-    REDUCTIONS,
-    CENTLOutput,
-    CEWithNTL,
-    NTLOptions,
-    NumberPrediction,
-    NumberTokenLoss,
-    PerTokenTerms,
-    ce_with_ntl,
-    check_number_level_table,
-    ntl_counts,
-    ntl_positions,
-    number_token_loss,
-    per_token_ce_ntl,
-    predict_numbers,
-    reduce_loss,
-    vocab_parallel_ce_ntl,
-)
+from .losses import CEWithNTL, NumberTokenLoss, ce_with_ntl, number_token_loss, vocab_parallel_ce_ntl
 from .number_vocab import NumberVocab, VocabShard, add_digit_tokens, pad_vocab_size, parse_number_token
+from .options import LOSS_KINDS, REDUCTIONS, NTLOptions
+from .reductions import CENTLOutput, reduce_loss
+from .terms import NumberPrediction, PerTokenTerms, ntl_counts, ntl_positions, per_token_ce_ntl, predict_numbers
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,6 @@ Layers, bottom up (one definition of the math; each module imports only the ones
    arguments, ``impl=`` chooses the code per call) and the ``nn.Module`` wrappers
    :class:`NumberTokenLoss` and :class:`CEWithNTL`.
 
-Every name this module exported before the split is still importable from it.
 """
 
 from __future__ import annotations
@@ -21,38 +20,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._validation import check_number_level_table, check_reduction, check_weights
+from ._validation import check_reduction, check_weights
 from .number_vocab import NumberVocab
-from .options import LOSS_KINDS, REDUCTIONS, NTLOptions, check_ntl_weight
+from .options import NTLOptions, check_ntl_weight
 from .reductions import CENTLOutput, combine_terms, reduce_loss
-from .terms import (
-    NumberPrediction,
-    PerTokenTerms,
-    ntl_counts,
-    ntl_positions,
-    per_token_ce_ntl,
-    predict_numbers,
-)
-from .terms import shard_start as shard_start  # importable from here before the split
-from .terms import terms_from_stats as terms_from_stats
+from .terms import per_token_ce_ntl
 
 __all__ = [
-    "LOSS_KINDS",
-    "REDUCTIONS",
-    "CENTLOutput",
     "CEWithNTL",
-    "NTLOptions",
-    "NumberPrediction",
     "NumberTokenLoss",
-    "PerTokenTerms",
     "ce_with_ntl",
-    "check_number_level_table",
-    "ntl_counts",
-    "ntl_positions",
     "number_token_loss",
-    "per_token_ce_ntl",
-    "predict_numbers",
-    "reduce_loss",
     "vocab_parallel_ce_ntl",
 ]
 

@@ -26,7 +26,7 @@ communicates, and Liger its ops from its functional API):
   :class:`_FusedCENTL`, by the chunked op (:mod:`ntl_scale.linear`) and around the Triton statistics
   (:func:`kernel_shard_stats`); the kernel choice per call (:func:`use_triton`); the autograd Functions
   and :func:`fused_shard_stats`. ``tp_group=None`` (or a group of size 1) is the same code without
-  collectives. The names of the two modules below stay importable from here.
+  collectives.
 """
 
 from __future__ import annotations
@@ -37,22 +37,16 @@ import torch.distributed as dist
 from .kernels import triton_ce_ntl
 from .options import check_chunk_tokens, check_impl
 from .shard_math import ShardInputs, ShardMath, compute_dtype, index_add, shift_into
-from .shards import LocalShard, dtensor_vocab_shard, group_size, is_dtensor, resolve_vocab_shard
+from .shards import group_size
 
 __all__ = [
     "KERNEL_FEATURES",
-    "LocalShard",
-    "ShardInputs",
-    "ShardMath",
     "all_reduce_max",
     "all_reduce_sums",
-    "check_chunk_tokens",
-    "dtensor_vocab_shard",
+    "combine_kernel_stats",
     "fused_shard_stats",
-    "index_add",
-    "is_dtensor",
+    "kernel_shard_softmax",
     "kernel_shard_stats",
-    "resolve_vocab_shard",
     "use_triton",
 ]
 

@@ -17,6 +17,4 @@ Nothing is imported here; each module imports only torch, and its framework on f
 | `torchtitan` | torchtitan (0.3.0): `NTLLoss` (a `BaseLoss`), `NTLTrainer`, `config_registry` for `--module` |
 
 ``ntl_scale.integrations.hf``, ``.megatron`` and ``.deepspeed`` re-export their modules' names.
-Deprecated aliases, kept for one release: ``hf_loss`` (now ``hf.loss``), ``hf_chunked``
-(``hf.chunked``), ``megatron_lm`` (``megatron.lm``), ``deepspeed_tp`` (``deepspeed.autotp``).
 """

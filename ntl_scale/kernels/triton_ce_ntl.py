@@ -1,6 +1,6 @@
 """CE + NTL statistics of a logits shard in one pass (Triton), and the gradient written in place.
 
-The PyTorch path (:class:`ntl_scale.parallel.ShardMath`) walks over each logits chunk several times
+The PyTorch path (:class:`ntl_scale.shard_math.ShardMath`) walks over each logits chunk several times
 (an fp32 copy for half precision, the max, ``exp``, the sum, the normalisation). These two kernels
 read each row once per phase, in the logits' own dtype, with fp32 (fp64 for fp64 logits) arithmetic
 in registers:
@@ -36,7 +36,6 @@ before Triton is imported; ``docs/kernels.md``).
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 import torch
@@ -47,35 +46,10 @@ __all__ = [
     "logits_grad_",
     "number_exp_of",
     "runs_on",
-    "set_triton_kernels",
     "shard_stats",
     "softmax_grad_",
     "triton_available",
 ]
-
-# Whether impl="auto" takes the kernels on CUDA: not until the GPU check (scripts/gpu_check.sh) has run them
-# on a GPU. Only the deprecated set_triton_kernels changes it.
-_ENABLED = False
-
-
-def set_triton_kernels(enabled: bool) -> bool:
-    """Deprecated: choose the code per call with ``impl="triton"`` (``ntl.impl``, ``--ntl-impl``) instead.
-
-    Makes ``impl="auto"`` take the Triton kernels on CUDA tensors in this process (True) or not (False,
-    the default); returns the previous setting. An explicit ``impl="torch"`` or ``impl="triton"`` is
-    not affected. Kept for one release.
-    """
-    warnings.warn(
-        "set_triton_kernels is deprecated and will be removed in the next release: pass impl='triton' (or "
-        "impl='torch') to the loss call instead (ntl.impl in a run config, --ntl-impl for Megatron)",
-        FutureWarning,
-        stacklevel=2,
-    )
-    global _ENABLED
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_triton_kernels takes True or False, got {enabled!r}")
-    previous, _ENABLED = _ENABLED, enabled
-    return previous
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,11 +63,10 @@ def triton_available() -> bool:
 
 
 def enabled(tensor: torch.Tensor) -> bool:
-    """Whether ``impl="auto"`` takes these kernels for ``tensor``: nowhere by default (see the module docs).
-
-    Never while ``torch.compile`` traces: Inductor generates its own fused kernels from the PyTorch code.
-    """
-    return _ENABLED and tensor.is_cuda and not torch.compiler.is_compiling() and triton_available()
+    """Whether ``impl="auto"`` takes these kernels for ``tensor``: nowhere until the GPU check has run them
+    on a GPU (see the module docs); ``impl="triton"`` takes them explicitly."""
+    del tensor  # the rule will depend on the device (CUDA, not while torch.compile traces) once measured
+    return False
 
 
 def interpreting() -> bool:
@@ -419,7 +392,7 @@ def global_sums(local: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
             device the local ones).
 
     Returns:
-        ``[T, 4]``, contiguous: what :meth:`ntl_scale.parallel.ShardMath.local_sums` computes after the
+        ``[T, 4]``, contiguous: what :meth:`ntl_scale.shard_math.ShardMath.local_sums` computes after the
         MAX all-reduce, so the SUM all-reduce adds the same terms on both paths.
     """
 

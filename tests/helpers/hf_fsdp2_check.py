@@ -1,17 +1,17 @@
-"""``apply_ntl`` and the NTL ``Trainer`` under accelerate's FSDP2, 2 CPU processes over gloo (test only).
+"""``apply_ntl_to_hf_model`` and the NTL ``Trainer`` under accelerate's FSDP2, 2 CPU processes over gloo (test only).
 
     torchrun --nproc_per_node 2 tests/helpers/hf_fsdp2_check.py OUT_DIR
 
-1. ``apply_ntl`` on the logits (``model.loss_function``) and with ``chunked=True`` (the loss from the final
+1. ``apply_ntl_to_hf_model`` on the logits (``model.loss_function``) and with ``chunked=True`` (the loss from the final
    hidden states, inside the output layer's forward), for a GPT-2 with an untied and with a tied
    ``lm_head``, prepared by ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))``:
-   every parameter is a ``Shard(0)`` DTensor, the ``lm_head`` weight included; ``apply_ntl`` called before
+   every parameter is a ``Shard(0)`` DTensor, the ``lm_head`` weight included; ``apply_ntl_to_hf_model`` called before
    ``prepare`` and (chunked) after it. Each rank runs half of
    the batch with the whole batch's ``[tokens, numbers]`` as ``num_items_in_batch``; the sum of the
    ranks' losses and the gathered gradients (FSDP2 averages them over the 2 ranks) equal the float64
    naive reference on the whole batch in one process. Writes ``OUT_DIR/apply_ntl.pt`` (the errors).
 2. One ``ntl_trainer_class()`` SGD step per split under FSDP2 (``fsdp_config={"version": 2}``), with and
-   without ``apply_ntl(chunked=True)``: ``hf_trainer_step.step`` writes the weights beside the weights
+   without ``apply_ntl_to_hf_model(chunked=True)``: ``hf_trainer_step.step`` writes the weights beside the weights
    of one float64 SGD step on the whole batch in one process.
 
 accelerate drops an FSDP plugin on CPU: :mod:`tests.helpers.fsdp2_cpu` makes the one decision it makes
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, ROOT)
 
-# (tied lm_head, chunked, apply_ntl after accelerator.prepare)
+# (tied lm_head, chunked, apply_ntl_to_hf_model after accelerator.prepare)
 CASES = [(False, False, False), (False, True, False), (True, False, False), (True, True, False), (False, True, True)]
 TRAINER_STEPS = [(2, 1, "fsdp2"), (1, 2, "fsdp2"), (2, 1, "fsdp2-chunked"), (1, 2, "fsdp2-chunked")]
 
@@ -60,7 +60,7 @@ def main() -> None:
 
 
 def check_apply_ntl(tied: bool, chunked: bool, after: bool) -> dict:
-    """Loss and gradients of ``apply_ntl`` under FSDP2 against the one-process float64 reference."""
+    """Loss and gradients of ``apply_ntl_to_hf_model`` under FSDP2 against the one-process float64 reference."""
     import transformers
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -69,7 +69,7 @@ def check_apply_ntl(tied: bool, chunked: bool, after: bool) -> dict:
 
     import ntl_scale
     from ntl_scale.data import collate, encode, generate
-    from ntl_scale.integrations.hf import apply_ntl
+    from ntl_scale.integrations.hf import apply_ntl_to_hf_model
     from ntl_scale.training.tokenizer import build_char_tokenizer
     from tests.helpers.reference import naive_per_token
 
@@ -97,7 +97,7 @@ def check_apply_ntl(tied: bool, chunked: bool, after: bool) -> dict:
     reference.backward()
 
     if not after:
-        apply_ntl(model, vocab, ntl_weight=0.3, chunked=chunked, chunk_tokens=16 if chunked else None)
+        apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3, chunked=chunked, chunk_tokens=16 if chunked else None)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GPT2Block"]
     )
@@ -110,7 +110,7 @@ def check_apply_ntl(tied: bool, chunked: bool, after: bool) -> dict:
     # the weight for the loss and resharding after the forward, its pre-backward hook gathers it again
     assert isinstance(model.get_output_embeddings(), FSDPModule)
     if after:  # on the sharded model: the install-time check of the head is skipped, as under ZeRO-3
-        apply_ntl(model, vocab, ntl_weight=0.3, chunked=chunked, chunk_tokens=16 if chunked else None)
+        apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3, chunked=chunked, chunk_tokens=16 if chunked else None)
     errors = {}
     model.train()
     rows = slice(rank * 2, rank * 2 + 2)  # this rank's half of the batch, the whole batch's counts

@@ -1,11 +1,12 @@
-"""``apply_ntl`` on a Hugging Face model loaded with ``tp_plan="auto"`` (tensor parallelism) vs the same model whole.
+"""``apply_ntl_to_hf_model`` on a Hugging Face model loaded with ``tp_plan="auto"`` (tensor parallelism) vs
+the same model whole.
 
     torchrun --nproc_per_node 2 tests/helpers/hf_tp_loss.py OUT.pt
 
 Every process saves nothing but waits while rank 0 writes a tiny Llama checkpoint (seed 0), loads it
 with ``tp_plan="auto"`` (its output layer and MLP are split over the processes) and, separately,
-whole; both get ``apply_ntl`` and one forward + backward on the same batch. Rank 0 saves the two
-losses and the two sets of full gradients, and the message with which ``apply_ntl(chunked=True)``
+whole; both get ``apply_ntl_to_hf_model`` and one forward + backward on the same batch. Rank 0 saves the two
+losses and the two sets of full gradients, and the message with which ``apply_ntl_to_hf_model(chunked=True)``
 refuses the tensor-parallel model. Test only.
 """
 
@@ -26,7 +27,7 @@ def main() -> None:
     import transformers
 
     import ntl_scale
-    from ntl_scale.integrations.hf import apply_ntl
+    from ntl_scale.integrations.hf import apply_ntl_to_hf_model
 
     out = sys.argv[1]
     dist.init_process_group("gloo")
@@ -47,7 +48,7 @@ def main() -> None:
     results = {}
     for name, plan in (("tp", "auto"), ("whole", None)):
         model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan=plan, dtype=torch.float32)
-        apply_ntl(model, vocab, ntl_weight=0.3)
+        apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3)
         out_ = model(input_ids=ids, labels=labels)
         out_.loss.backward()
         grads = {n: getattr(p.grad, "full_tensor", p.grad.detach)().detach() for n, p in model.named_parameters()}
@@ -55,7 +56,7 @@ def main() -> None:
         results[name] = {"loss": float(out_.loss), "grads": grads, "logits_width": width}
     model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     try:
-        apply_ntl(model, vocab, chunked=True)
+        apply_ntl_to_hf_model(model, vocab, chunked=True)
         results["chunked_error"] = None
     except ValueError as error:
         results["chunked_error"] = str(error)

@@ -11,7 +11,8 @@ A tiny GPT-2 (built from a config, seed 0) takes one SGD step (lr 0.1, no clippi
 arithmetic examples whatever the split: ``MICRO`` per device x ``ACCUMULATION`` steps x N devices = 4.
 ``zero3`` runs the ``Trainer`` under DeepSpeed ZeRO-3 (set ``DS_ACCELERATOR=cpu``), ``fsdp2`` under accelerate's
 FSDP2 (``fsdp_config={"version": 2}``; on CPU with the test-only :mod:`tests.helpers.fsdp2_cpu`); a ``-chunked``
-suffix installs ``apply_ntl(model, vocab, chunked=True)`` first (the loss from the hidden states). Rank 0 saves the
+suffix installs ``apply_ntl_to_hf_model(model, vocab, chunked=True)`` first (the loss from the hidden states).
+Rank 0 saves the
 updated weights, the step's logs and, before the step, the reference CE and NTL of the whole batch
 from ``ntl_scale.ce_with_ntl`` on the model's logits, and (``fsdp2``) the weights one plain SGD step on the whole
 batch gives in this process (float64 autograd through the naive reference of ``tests/helpers/reference.py``). Test only.
@@ -97,9 +98,9 @@ def step(out: str, micro: int, accumulation: int, kind: str) -> None:
     reference = hf.causal_lm_ce_with_ntl(logits, whole["labels"], vocab, ntl_weight=0.3)
     expected = expected_step(model, whole, vocab) if kind.startswith("fsdp2") else None
     if chunked:
-        from ntl_scale.integrations.hf import apply_ntl
+        from ntl_scale.integrations.hf import apply_ntl_to_hf_model
 
-        apply_ntl(model, vocab, ntl_weight=0.3, chunked=True, chunk_tokens=32)
+        apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3, chunked=True, chunk_tokens=32)
     common = dict(
         output_dir=os.path.join(os.path.dirname(out), f"hf-{kind}-{chunked}-{micro}x{accumulation}"),
         per_device_train_batch_size=micro,

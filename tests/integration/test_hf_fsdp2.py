@@ -3,14 +3,14 @@
 ``tests/helpers/hf_fsdp2_check.py`` runs, in one ``torchrun`` of 2 processes (accelerate 1.15's CPU
 refusal of an FSDP plugin undone by the test-only :mod:`tests.helpers.fsdp2_cpu`):
 
-1. ``apply_ntl`` on the logits and with ``chunked=True`` (the loss from the hidden states with the
+1. ``apply_ntl_to_hf_model`` on the logits and with ``chunked=True`` (the loss from the hidden states with the
    ``lm_head`` weight a ``Shard(0)`` DTensor between steps), untied and tied ``lm_head``, installed before
    ``Accelerator.prepare`` and (chunked) after it: the ranks' losses summed and the gathered gradients equal
    the one-process float64 naive reference on the whole batch (``tests/helpers/reference.py``). accelerate
    shards the output layer as its own FSDP2 unit (its hooks gather the weight for the forward and the
    backward; with ``reshard_after_forward``, accelerate's default, it is sharded in between).
 2. ``ntl_trainer_class()`` SGD steps under FSDP2 (``fsdp_config={"version": 2}``), 2 x 1 and 1 x 2 (per-device
-   batch x accumulation), with and without ``apply_ntl(chunked=True)``: the weights equal one float64 SGD
+   batch x accumulation), with and without ``apply_ntl_to_hf_model(chunked=True)``: the weights equal one float64 SGD
    step on the whole batch in one process, the logged ``ce`` and ``ntl`` equal ``ce_with_ntl`` on the
    whole batch.
 """
@@ -52,7 +52,7 @@ def test_apply_ntl_under_fsdp2_equals_one_process(launch):
     results = torch.load(launch / "apply_ntl.pt", weights_only=False)
     assert len(results) == 5
     for (tied, chunked, after), errors in results.items():
-        what = f"tied={tied} chunked={chunked} apply_ntl after prepare={after}: {errors}"
+        what = f"tied={tied} chunked={chunked} apply_ntl_to_hf_model after prepare={after}: {errors}"
         assert errors["loss"] < LOSS_RTOL, what
         assert errors["grad"] < GRAD_RTOL, what
         assert errors["parameters"] == (28 if tied else 29), what  # every gradient compared

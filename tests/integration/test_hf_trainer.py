@@ -4,11 +4,11 @@ Sections:
 1. ``Trainer``: one SGD step on the same four examples gives the same weights for per-device batch x
    accumulation x devices = 1 x 4 x 1, 4 x 1 x 1, 2 x 1 x 2, 1 x 2 x 2, and 2 x 1 x 2 under DeepSpeed
    ZeRO-3 (1e-6); the logged loss, CE and NTL of the one-process step equal ``ce_with_ntl`` on the
-   whole batch. With ``apply_ntl(model, chunked=True)`` (no logits built; under ZeRO-3 the head's
+   whole batch. With ``apply_ntl_to_hf_model(model, chunked=True)`` (no logits built; under ZeRO-3 the head's
    weight is gathered inside its forward) the step is the same (1e-5).
 2. TRL ``SFTTrainer`` through ``ntl_trainer_class(SFTTrainer)``: TRL's own metrics are still logged
    next to ``ce`` and ``ntl``, and the terms match ``ce_with_ntl``.
-3. Hugging Face tensor parallelism (``tp_plan="auto"``): ``apply_ntl`` gives the whole model's loss and
+3. Hugging Face tensor parallelism (``tp_plan="auto"``): ``apply_ntl_to_hf_model`` gives the whole model's loss and
    gradients; the chunked route refuses it clearly.
 
 The steps of sections 1 and 2 run in two launches (module-scoped): those with one process one after

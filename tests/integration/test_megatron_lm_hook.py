@@ -1,11 +1,12 @@
-"""``apply_ntl`` on a megatron.core ``GPTModel`` (the wheel), one CPU process, against the naive reference.
+"""``apply_ntl_to_megatron_model`` on a megatron.core ``GPTModel`` (the wheel), one CPU process, against the
+naive reference.
 
 Sections:
 1. The per-token loss keeps the value of Megatron's own CE; its gradient is the gradient of
    ``mean CE + 0.3 * mean NTL over number tokens`` computed the obvious way from the same model's
    logits (``tests/helpers/reference.py``), for the micro-batch mean and for global counts.
 2. Non-finite logits reach Megatron's checks as a NaN loss instead of raising.
-3. ``apply_ntl`` is idempotent and ``remove_ntl`` restores Megatron's loss bit for bit.
+3. ``apply_ntl_to_megatron_model`` is idempotent and ``remove_ntl`` restores Megatron's loss bit for bit.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def _worker(ctx: WorkerContext) -> None:
         return per_token.detach(), _grads(model)
 
     # 1. Micro-batch mean.
-    hook = megatron_lm.apply_ntl(model, NTLSettings(weight=0.3), vocab, tp_group=None)
-    assert megatron_lm.apply_ntl(model, NTLSettings(weight=0.3), vocab, tp_group=None) is hook
+    hook = megatron_lm.apply_ntl_to_megatron_model(model, NTLSettings(weight=0.3), vocab, tp_group=None)
+    assert megatron_lm.apply_ntl_to_megatron_model(model, NTLSettings(weight=0.3), vocab, tp_group=None) is hook
     per_token, got = hooked_grads()
     torch.testing.assert_close(per_token, plain_ce, atol=1e-6, rtol=1e-6)
     numbers = (vocab.number_mask(labels).float() * mask).sum()

@@ -12,7 +12,8 @@ objective written from the definitions (``tests/helpers/reference.py``) on the s
    ``context_parallel_size=2`` number-level NTL cuts numbers at the slice seam (the reference cut the same);
    called with ``loss_mask``, ``T`` and ``K`` are the mask's, so Megatron's masked mean is the masked
    objective (it counted every position).
-2. The Megatron-LM hook (``apply_ntl``): the per-token value is the reference CE, the main head's NTL sums
+2. The Megatron-LM hook (``apply_ntl_to_megatron_model``): the per-token value is the reference CE, the main
+   head's NTL sums
    are the reference's, the gradient is the reference's micro-batch objective, for every setting;
    ``chunk_tokens`` comes from the settings; ``normalization="global"`` without the step's counts
    (``NTLForwardStep``) raises instead of training with the micro-batch mean.
@@ -138,7 +139,7 @@ def _worker(ctx: WorkerContext) -> None:
             # 2. The Megatron-LM hook.
             model = tiny_gpt(VOCAB, SEQ, tp=1, pp=1)
             model.load_state_dict(plain.state_dict())
-            hook = megatron_lm.apply_ntl(model, settings, vocab, tp_group=None)
+            hook = megatron_lm.apply_ntl_to_megatron_model(model, settings, vocab, tp_group=None)
             assert hook.chunk_tokens == settings.chunk_tokens, what
             plain.zero_grad(set_to_none=True)
             ce, ntl, is_number = reference(plain, variant)
@@ -226,7 +227,9 @@ def _worker(ctx: WorkerContext) -> None:
 
     # the hook: global normalisation needs NTLForwardStep's counts; chunk_tokens must agree with the settings
     model = tiny_gpt(VOCAB, SEQ, tp=1, pp=1)
-    megatron_lm.apply_ntl(model, ntl_megatron.NTLSettings(weight=WEIGHT, normalization="global"), vocab, tp_group=None)
+    megatron_lm.apply_ntl_to_megatron_model(
+        model, ntl_megatron.NTLSettings(weight=WEIGHT, normalization="global"), vocab, tp_group=None
+    )
     with pytest.raises(RuntimeError, match="needs the step's global counts"):
         model(*inputs, labels=labels, loss_mask=mask)
     with torch.no_grad():  # evaluation has no step counts and needs none
@@ -236,9 +239,11 @@ def _worker(ctx: WorkerContext) -> None:
     with pytest.raises(
         ValueError, match=r"apply_ntl_to_megatron_model\(chunk_tokens=5\) contradicts settings.chunk_tokens=3"
     ):
-        megatron_lm.apply_ntl(model, chunked, vocab, tp_group=None, chunk_tokens=5)
+        megatron_lm.apply_ntl_to_megatron_model(model, chunked, vocab, tp_group=None, chunk_tokens=5)
     with pytest.raises(ValueError, match=r"--ntl-chunk-tokens=5 applies to the chunked route only"):
-        megatron_lm.apply_ntl(model, ntl_megatron.NTLSettings(weight=WEIGHT), vocab, tp_group=None, chunk_tokens=5)
+        megatron_lm.apply_ntl_to_megatron_model(
+            model, ntl_megatron.NTLSettings(weight=WEIGHT), vocab, tp_group=None, chunk_tokens=5
+        )
     parallel_state.destroy_model_parallel()
 
 

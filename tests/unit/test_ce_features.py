@@ -299,7 +299,7 @@ def test_hf_chunked_route_takes_gemmas_own_soft_capping(smoothing):
     the model does; loss and gradients equal CE + 0.3 NTL of the model's own (capped) logits in float64, with
     label smoothing too (refused there with soft-capping before issue 43): torch's smoothed CE, NTL's hard target."""
     transformers = pytest.importorskip("transformers")
-    from ntl_scale.integrations.hf import apply_ntl
+    from ntl_scale.integrations.hf import apply_ntl_to_hf_model
 
     config = transformers.Gemma2Config(
         vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -319,7 +319,7 @@ def test_hf_chunked_route_takes_gemmas_own_soft_capping(smoothing):
     reference.backward()
     want = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
-    apply_ntl(model, _vocab(), ntl_weight=0.3, chunked=True, options=NTLOptions(label_smoothing=smoothing))
+    apply_ntl_to_hf_model(model, _vocab(), ntl_weight=0.3, chunked=True, options=NTLOptions(label_smoothing=smoothing))
     model.train()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()

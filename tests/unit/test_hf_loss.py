@@ -4,7 +4,7 @@ Sections:
 1. ``NTLCausalLMLoss`` against the naive reference (``tests/helpers/reference.py``) for each meaning of
    ``num_items_in_batch`` (none, ``[tokens, numbers]``, a token count), and against Hugging Face's
    own ``ForCausalLMLoss`` with weight 0; ``shift_labels`` equals the shift of ``labels``.
-2. ``apply_ntl``: the model's loss becomes CE + NTL, a second call is the same, other settings are
+2. ``apply_ntl_to_hf_model``: the model's loss becomes CE + NTL, a second call is the same, other settings are
    refused, ``remove_ntl`` gives back the model's own loss bit for bit.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ntl_scale
-from ntl_scale.integrations.hf import NTLCausalLMLoss, apply_ntl, remove_ntl
+from ntl_scale.integrations.hf import NTLCausalLMLoss, apply_ntl_to_hf_model, remove_ntl
 from tests.helpers import tokenizers as tk
 from tests.helpers.data import text_labels
 from tests.helpers.reference import naive_per_token
@@ -71,10 +71,10 @@ def test_apply_ntl_is_idempotent_and_reversible(setup):
     model, vocab, labels = setup
     inputs = labels.clamp_min(0)
     own = model(input_ids=inputs, labels=labels).loss
-    installed = apply_ntl(model, vocab, ntl_weight=0.3)
-    assert apply_ntl(model, vocab, ntl_weight=0.3) is installed
+    installed = apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3)
+    assert apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3) is installed
     with pytest.raises(ValueError, match="other settings"):
-        apply_ntl(model, vocab, ntl_weight=0.5)
+        apply_ntl_to_hf_model(model, vocab, ntl_weight=0.5)
     out = model(input_ids=inputs, labels=labels)
     ce_sum, tokens, ntl_sum, numbers = _naive(out.logits.detach(), labels, vocab)
     torch.testing.assert_close(out.loss.double(), ce_sum / tokens + 0.3 * ntl_sum / numbers)
@@ -88,10 +88,10 @@ def test_table_larger_than_the_model_is_refused(setup):
         {5 + d: str(d) for d in range(10)}, vocab_size=model.config.vocab_size + 64
     )
     with pytest.raises(ValueError, match="vocab_size="):
-        apply_ntl(model, big)
+        apply_ntl_to_hf_model(model, big)
 
 
-# -- 3. apply_ntl(chunked=True): the hidden-state loss ------------------------------------------------
+# -- 3. apply_ntl_to_hf_model(chunked=True): the hidden-state loss ------------------------------------------------
 
 
 # the decoder size of every Llama-family model these tests build from a config
@@ -131,15 +131,15 @@ def test_chunked_training_loss_equals_the_logits_path(setup, kind):
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         return out, grads
 
-    apply_ntl(model, vocab)
+    apply_ntl_to_hf_model(model, vocab)
     dense, dense_grads = step(num_items_in_batch=counts)
     ce_sum, _, ntl_sum, _ = _naive(own_logits, labels, vocab)
     torch.testing.assert_close(dense.loss.double(), ce_sum / 90 + 0.3 * ntl_sum / 14)
     remove_ntl(model)
-    installed = apply_ntl(model, vocab, chunked=True, chunk_tokens=16)
-    assert apply_ntl(model, vocab, chunked=True, chunk_tokens=16) is installed
+    installed = apply_ntl_to_hf_model(model, vocab, chunked=True, chunk_tokens=16)
+    assert apply_ntl_to_hf_model(model, vocab, chunked=True, chunk_tokens=16) is installed
     with pytest.raises(ValueError, match="other settings"):
-        apply_ntl(model, vocab)
+        apply_ntl_to_hf_model(model, vocab)
     chunked, chunked_grads = step(num_items_in_batch=counts)
     assert chunked.logits is None  # no logits were built
     torch.testing.assert_close(chunked.loss, dense.loss, rtol=1e-5, atol=1e-6)
@@ -175,11 +175,11 @@ def test_chunked_refuses_what_it_cannot_reproduce(setup):
     # soft-capping is the loss's logit_softcap on the chunked route (tests/unit/test_ce_features.py); capping
     # twice is refused on either route
     with pytest.raises(ValueError, match="would cap them twice"):
-        apply_ntl(gemma, vocab, chunked=True, options=ntl_scale.NTLOptions(logit_softcap=30.0))
+        apply_ntl_to_hf_model(gemma, vocab, chunked=True, options=ntl_scale.NTLOptions(logit_softcap=30.0))
     with pytest.raises(ValueError, match="would cap them twice"):
-        apply_ntl(gemma, vocab, options=ntl_scale.NTLOptions(logit_softcap=30.0))
+        apply_ntl_to_hf_model(gemma, vocab, options=ntl_scale.NTLOptions(logit_softcap=30.0))
     assert "_ntl_scale_loss" not in gemma.__dict__ and "forward" not in gemma.__dict__
-    apply_ntl(gemma, vocab)  # the logits path reproduces the soft-capping: it is the model's own logits
+    apply_ntl_to_hf_model(gemma, vocab)  # the logits path reproduces the soft-capping: it is the model's own logits
     assert remove_ntl(gemma)
     # an unknown transform between the hidden states and the logits is caught by comparing them
     llama = _tiny("llama", vocab.vocab_size)
@@ -191,7 +191,7 @@ def test_chunked_refuses_what_it_cannot_reproduce(setup):
         transformers.GPTJConfig(vocab_size=vocab.vocab_size, n_embd=16, n_layer=1, n_head=2, rotary_dim=4)
     )
     with pytest.raises(ValueError, match="bias-free"):
-        apply_ntl(gptj, vocab, chunked=True)
+        apply_ntl_to_hf_model(gptj, vocab, chunked=True)
 
 
 def test_the_options_ignore_index_is_honoured():

@@ -2,9 +2,8 @@
 
 Sections:
 1. Every module of ``ntl_scale.integrations`` imports with only torch (the frameworks are blocked).
-2. The old import paths keep working for one release: ``ntl_scale.integrations.hf`` and ``.megatron``
-   export every name they exported as flat modules; ``hf_loss``, ``hf_chunked``, ``megatron_lm`` and
-   ``deepspeed_tp`` are aliases of the same objects (renamed functions included) and warn.
+2. No compatibility layer before 1.0: the old module paths and names of 0.2.x are gone (an import or an
+   attribute look-up fails), the package faces export every route's names.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ MODULES = [
     "ntl_scale.startup",
 ]
 
-# issue 41 item 5: the DeepSpeed trainer's modules moved from ntl_scale.training, look-alikes renamed
+# the DeepSpeed trainer's modules that moved out of ntl_scale.training in 0.2.x (old -> new)
 MOVED_MODULES = {
     "ntl_scale.training.trainer": "ntl_scale.integrations.deepspeed.trainer",
     "ntl_scale.training.engine": "ntl_scale.integrations.deepspeed.engine",
@@ -54,19 +53,6 @@ MOVED_MODULES = {
     "ntl_scale.training.evaluate": "ntl_scale.training.scoring",
     "ntl_scale.training.data": "ntl_scale.training.sources",
     "ntl_scale.training.inputs": "ntl_scale.training.model_inputs",
-}
-# what each old module's callers imported from it (the repository's imports before the move)
-MOVED_NAMES = {
-    "ntl_scale.training.trainer": ["Trainer", "check_inputs"],
-    "ntl_scale.training.engine": ["Engine", "check_inputs"],
-    "ntl_scale.training.checkpoint": ["Checkpointer"],
-    "ntl_scale.training.resume": ["Layout", "load_rng", "plan_resume", "read_layout", "save_rng", "to_universal"],
-    "ntl_scale.training.resolved": ["RESOLVED_FILE", "Resolved", "accelerator_has_bf16", "resolve_run"],
-    "ntl_scale.training.steps": ["global_counts", "loss_from_terms", "ntl_options", "shift_for_causal"],
-    "ntl_scale.training.evaluator": ["Evaluator", "heldout_micro_batches", "heldout_qa_batches"],
-    "ntl_scale.training.evaluate": ["HELDOUT_COLUMNS", "evaluate_generation", "heldout_metrics", "sequence_stats"],
-    "ntl_scale.training.data": ["Batches", "PACKED_SOURCES", "eval_sets", "heldout_batches", "train_dataset"],
-    "ntl_scale.training.inputs": ["Inputs", "load_data", "to_device", "tokenizer_and_table"],
 }
 
 
@@ -106,9 +92,9 @@ def test_training_modules_left_import_without_deepspeed():
         assert "import deepspeed" not in text and "from deepspeed" not in text, path
 
 
-# -- 2. the old paths ---------------------------------------------------------------------------------
-# What the flat modules exported before the split (their __all__ and the names the repo imported).
-OLD_HF = [
+# -- 2. the old paths are gone ----------------------------------------------------------------------
+# What each package face exports (the names of its route modules).
+HF_NAMES = [
     "ChunkedLossCausalLM",
     "causal_lm_ce_with_ntl",
     "count_step_numbers",
@@ -116,7 +102,7 @@ OLD_HF = [
     "number_vocab_from_pretrained",
     "shift_labels",
 ]
-OLD_MEGATRON = [
+MEGATRON_NAMES = [
     "NORMALIZATIONS",
     "VOCAB_RULES",
     "GlobalCounts",
@@ -131,80 +117,42 @@ OLD_MEGATRON = [
     "plain_loss_func",
     "sequence_first_terms",
 ]
-# old module -> {old name: (new module, new name)}
-ALIASES = {
-    "hf_loss": {
-        name: ("hf.loss", name)
-        for name in ["NTLCausalLMLoss", "apply_ntl", "installed_loss", "is_chunked", "remove_ntl"]
-    },
-    "hf_chunked": {
-        "check_head": ("hf.chunked", "check_head"),
-        "chunked_forward": ("hf.chunked", "chunked_forward"),
-        "hidden_state_terms": ("hf.chunked", "hidden_state_terms"),
-        "linear_head": ("hf.chunked", "linear_head"),
-        "logit_multiplier": ("hf.chunked", "logit_multiplier"),
-        "install_chunked_head": ("hf.chunked", "install_linear_loss_head"),
-        "remove_chunked_head": ("hf.chunked", "remove_linear_loss_head"),
-    },
-    "megatron_lm": {
-        name: ("megatron.lm", name)
-        for name in [
-            "GPTModelNTL",
-            "MicroBatchScale",
-            "NTLForwardStep",
-            "NTLStats",
-            "StepGroups",
-            "apply_ntl",
-            "find_language_model",
-            "remove_ntl",
-        ]
-    },
-    "deepspeed_tp": {
-        "HeadShard": ("deepspeed.autotp", "HeadShard"),
-        "head_shard": ("deepspeed.autotp", "head_shard"),
-        "full_logits": ("deepspeed.autotp", "full_logits"),
-        "gathered_weights": ("deepspeed.autotp", "gathered_weights"),
-        "install_chunked_head": ("deepspeed.autotp", "install_vocab_parallel_loss_head"),
-    },
+REMOVED_MODULES = [
+    "ntl_scale._deprecation",
+    "ntl_scale.integrations.hf_loss",
+    "ntl_scale.integrations.hf_chunked",
+    "ntl_scale.integrations.megatron_lm",
+    "ntl_scale.integrations.deepspeed_tp",
+    *MOVED_MODULES,
+]
+# module -> names removed from it (renamed: apply_ntl_to_hf_model, apply_ntl_to_megatron_model, impl="triton";
+# moved: resolved.resolve_deepspeed_config)
+REMOVED_NAMES = {
+    "ntl_scale.integrations.hf": ["apply_ntl"],
+    "ntl_scale.integrations.hf.loss": ["apply_ntl"],
+    "ntl_scale.integrations.megatron.lm": ["apply_ntl"],
+    "ntl_scale.integrations.deepspeed.steps": ["resolve_deepspeed_config"],
+    "ntl_scale.kernels.triton_ce_ntl": ["set_triton_kernels", "_ENABLED"],
 }
 
 
-@pytest.mark.parametrize(("package", "names"), [("hf", OLD_HF), ("megatron", OLD_MEGATRON)])
-def test_package_keeps_the_flat_modules_names(package, names):
+@pytest.mark.parametrize(("package", "names"), [("hf", HF_NAMES), ("megatron", MEGATRON_NAMES)])
+def test_package_exports_its_modules_names(package, names):
     module = importlib.import_module(f"ntl_scale.integrations.{package}")
     missing = [name for name in names if not hasattr(module, name)]
     assert not missing, f"ntl_scale.integrations.{package} lost {missing}"
 
 
-@pytest.mark.parametrize("old", list(ALIASES))
-def test_deprecated_module_is_an_alias_that_warns(old):
-    path = f"ntl_scale.integrations.{old}"
-    sys.modules.pop(path, None)  # imported afresh, so its warning fires here
-    with pytest.warns(DeprecationWarning, match=rf"{path} is deprecated"):
-        module = importlib.import_module(path)
-    for name, (new, new_name) in ALIASES[old].items():
-        target = importlib.import_module(f"ntl_scale.integrations.{new}")
-        assert getattr(module, name) is getattr(target, new_name), f"{path}.{name}"
-    assert sorted(module.__all__) == sorted(ALIASES[old])
+def test_old_modules_and_names_are_gone():
+    """An old path fails at import (no alias, no import hook on ``sys.meta_path``); an old name is no attribute."""
+    import ntl_scale.training  # noqa: F401  (it registered the hook before 0.3)
 
-
-@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
-def test_moved_training_module_is_the_new_module_and_warns(old):
-    new = importlib.import_module(MOVED_MODULES[old])
-    sys.modules.pop(old, None)  # imported afresh, so its warning fires here
-    with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated; import {MOVED_MODULES[old]}"):
-        module = importlib.import_module(old)
-    assert module is new  # one module object: a monkeypatch through either name is seen by both
-    assert module.__spec__.name == MOVED_MODULES[old]  # its own spec, not the alias's
-    missing = [name for name in MOVED_NAMES[old] if not hasattr(module, name)]
-    assert not missing, f"{old} lost {missing}"
-
-
-def test_resolve_deepspeed_config_moved_beside_what_the_run_resolves():
-    from ntl_scale.integrations.deepspeed import resolved, steps
-
-    with pytest.warns(DeprecationWarning, match="steps.resolve_deepspeed_config is moved to"):
-        old = steps.resolve_deepspeed_config
-    assert old is resolved.resolve_deepspeed_config
-    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
-        steps.no_such_name  # noqa: B018
+    hooks = [type(finder).__name__ for finder in sys.meta_path if "ntl_scale" in type(finder).__module__]
+    assert not hooks, hooks
+    for old in REMOVED_MODULES:
+        sys.modules.pop(old, None)
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    for module, names in REMOVED_NAMES.items():
+        present = [name for name in names if hasattr(importlib.import_module(module), name)]
+        assert not present, f"{module} still has {present}"

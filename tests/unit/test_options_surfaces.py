@@ -10,8 +10,7 @@ Each front end is introspected, not the spec's own tables:
 3. Megatron (both routes): the actions of the parser ``add_ntl_args`` builds (flags, defaults,
    choices); ``NTLSettings.from_args`` carries every option into ``NTLOptions``.
 4. Hugging Face: ``apply_ntl_to_hf_model``'s signature and the defaults of ``NTLOptions()`` its ``options``
-   means (the deprecated names ``apply_ntl`` of both integrations: a warning, the same call); torchtitan:
-   ``NTLLoss.Config``'s fields.
+   means; torchtitan: ``NTLLoss.Config``'s fields.
 5. Config files: every ``ntl.*`` key of the study presets and train configs, and every ``ntl-*`` key of
    the Megatron configs, is an option of its front end; every train config and preset arm loads.
 
@@ -249,36 +248,6 @@ def test_torchtitan_config_has_every_option_with_its_default(name):
     assert fields[spelled[5:]].default == surface_default(name, "torchtitan"), name
 
 
-@pytest.mark.parametrize(
-    ("module", "new"),
-    [
-        ("ntl_scale.integrations.hf", "apply_ntl_to_hf_model"),
-        ("ntl_scale.integrations.megatron.lm", "apply_ntl_to_megatron_model"),
-    ],
-)
-def test_the_old_apply_ntl_names_warn_and_call_the_new_ones(module, new):
-    """Same signature; a call warns naming the new name and ends as the new function's call does."""
-    import importlib
-    import warnings
-
-    mod = importlib.import_module(module)
-    old, target = mod.apply_ntl, getattr(mod, new)
-    assert inspect.signature(old) == inspect.signature(target)
-
-    def outcome(fn):
-        try:
-            fn(object(), None, None, tp_group=None) if "megatron" in new else fn(object(), None)
-        except Exception as error:  # the model is no model: both end in the new function's refusal
-            return type(error), str(error)
-        raise AssertionError(f"{fn} accepted an object() as its model")
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = outcome(old)
-    assert [w.category for w in caught] == [DeprecationWarning] and new in str(caught[0].message)
-    assert got == outcome(target)
-
-
 # ------------------------------------------------------------------------------------ 5. config files
 
 
@@ -432,7 +401,7 @@ def _surfaces(name: str, value: float) -> dict[str, object]:
         hf_kwargs = {"options": None}  # built in the attempt: NTLOptions refuses the value itself
 
     def hf() -> None:
-        from ntl_scale.integrations.hf import apply_ntl
+        from ntl_scale.integrations.hf import apply_ntl_to_hf_model as apply_ntl
 
         kwargs = dict(hf_kwargs)
         if "options" in kwargs:
@@ -491,7 +460,7 @@ def test_valid_values_of_every_numeric_option_still_pass_every_front_end():
 
 def test_chunk_tokens_without_the_chunked_route_is_refused_on_every_front_end():
     """chunk_tokens was read by the chunked route only and ignored without it (YAML, Megatron, apply_ntl)."""
-    from ntl_scale.integrations.hf import apply_ntl
+    from ntl_scale.integrations.hf import apply_ntl_to_hf_model as apply_ntl
     from ntl_scale.integrations.megatron import NTLSettings
 
     vocab = ntl_scale.NumberVocab.from_id_to_token({i: str(i) for i in range(10)}, vocab_size=12)

@@ -18,7 +18,7 @@ float64 computations written out here with plain torch ops:
    PyTorch path alike; the chunked op without gradients launches the statistics kernel only.
 5. Selection per call: ``impl="torch"`` launches no kernel and ``impl="triton"`` does, call after call in
    one process; ``impl="auto"`` takes them nowhere by default; ``impl="triton"`` where they cannot run
-   is refused; the deprecated ``set_triton_kernels`` warns and still steers ``auto``.
+   is refused.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def test_interpreter_tests_in_their_own_process():
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
 
 from ntl_scale.kernels import triton_ce_ntl as tk  # noqa: E402
-from ntl_scale.parallel import ShardInputs, ShardMath, combine_kernel_stats  # noqa: E402
+from ntl_scale.parallel import combine_kernel_stats  # noqa: E402
+from ntl_scale.shard_math import ShardInputs, ShardMath  # noqa: E402
 from tests.helpers.distributed import run_ranks_in_threads  # noqa: E402
 
 
@@ -707,7 +708,7 @@ def test_impl_is_chosen_per_call(kernels_on_cpu):
 def test_auto_takes_the_kernels_nowhere_by_default(kernels_on_cpu):
     import ntl_scale
 
-    assert tk._ENABLED is False  # auto: the PyTorch code until the kernels have passed the GPU suite
+    # auto: the PyTorch code until the kernels have passed the GPU suite
     assert tk.enabled(torch.zeros(1)) is False
     vocab, labels, hidden, weight = _op_problem(torch.float32)
     ntl_scale.ce_with_ntl((hidden @ weight.t()).to(DEVICE), labels.to(DEVICE), vocab)
@@ -725,18 +726,3 @@ def test_triton_where_the_kernels_cannot_run_is_refused(monkeypatch):
         ntl_scale.ce_with_ntl(hidden @ weight.t(), labels, vocab, impl="triton")
     with pytest.raises(ValueError, match=r"impl='triton' .* on cpu"):
         ntl_scale.linear_ce_with_ntl(hidden, weight, labels, vocab, impl="triton")
-
-
-def test_deprecated_switch_warns_and_still_steers_auto():
-    with pytest.warns(FutureWarning, match="impl='triton'"):
-        previous = tk.set_triton_kernels(True)
-    try:
-        assert previous is False
-        assert tk._ENABLED is True
-        assert tk.enabled(torch.zeros(1)) is False  # CPU tensors never take the kernels under auto
-    finally:
-        with pytest.warns(FutureWarning):
-            tk.set_triton_kernels(previous)
-    assert tk._ENABLED is False
-    with pytest.warns(FutureWarning), pytest.raises(TypeError, match="True or False"):
-        tk.set_triton_kernels("no")  # type: ignore[arg-type]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..._deprecation import moved_names
 from ...normalization import micro_batch_sums, objective, step_counts
 from ...number_vocab import NumberVocab
 from ...options import NTLOptions
@@ -18,9 +17,6 @@ from ...terms import PerTokenTerms
 from ...training.config import NTLConfig
 
 __all__ = ["global_counts", "loss_from_terms", "shift_for_causal"]
-
-# moved in 0.2.0: what the run resolves from its config is ntl_scale.integrations.deepspeed.resolved's
-__getattr__ = moved_names(__name__, {"resolve_deepspeed_config": "ntl_scale.integrations.deepspeed.resolved"})
 
 
 def shift_for_causal(labels: torch.Tensor) -> torch.Tensor:

@@ -32,22 +32,21 @@ import torch
 
 from ...training.collectives import largest_over_ranks, sum_over
 from ...training.config import RunConfig
-from ...training.metrics import STEP_SUMS, MetricsLogger, print_summary, tokens_read
+from ...training.metrics import STEP_SUMS, MetricsLogger, tokens_read
 from ...training.model_inputs import (
     Inputs,
     check_one_token_per_digit,
     check_position_ids,
     load_data,
-    to_device,
     tokenizer_and_table,
 )
 from .checkpointer import Checkpointer
-from .engine import Engine, check_inputs
-from .heldout import Evaluator, heldout_micro_batches, heldout_qa_batches
+from .engine import Engine
+from .heldout import Evaluator, heldout_micro_batches
 from .resolved import RESOLVED_FILE, accelerator_has_bf16, resolve_run
 from .steps import global_counts, loss_from_terms, ntl_options
 
-__all__ = ["Trainer", "check_inputs", "heldout_qa_batches", "print_summary", "to_device"]
+__all__ = ["Trainer"]
 
 
 class Trainer:

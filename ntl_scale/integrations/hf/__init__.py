@@ -13,14 +13,13 @@ torch to import; ``transformers`` is imported on first use.
 """
 
 from .chunked import ChunkedLossCausalLM
-from .loss import NTLCausalLMLoss, apply_ntl, apply_ntl_to_hf_model, causal_lm_ce_with_ntl, remove_ntl, shift_labels
+from .loss import NTLCausalLMLoss, apply_ntl_to_hf_model, causal_lm_ce_with_ntl, remove_ntl, shift_labels
 from .trainer import count_step_numbers, ntl_trainer_class
 from .vocab import number_vocab_from_pretrained
 
 __all__ = [
     "ChunkedLossCausalLM",
     "NTLCausalLMLoss",
-    "apply_ntl",
     "apply_ntl_to_hf_model",
     "causal_lm_ce_with_ntl",
     "count_step_numbers",

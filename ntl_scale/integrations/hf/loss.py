@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from ..._deprecation import deprecated_alias
 from ..._validation import check_number_level_table
 from ...losses import ce_with_ntl
 from ...normalization import micro_batch_sums, objective
@@ -46,7 +45,6 @@ from ...terms import PerTokenTerms, per_token_ce_ntl
 
 __all__ = [
     "NTLCausalLMLoss",
-    "apply_ntl",
     "apply_ntl_to_hf_model",
     "causal_lm_ce_with_ntl",
     "installed_loss",
@@ -289,6 +287,3 @@ def remove_ntl(model: Any) -> bool:
             model.__dict__["forward"] = record["forward"]
         remove_linear_loss_head(model.get_output_embeddings())
     return True
-
-
-apply_ntl = deprecated_alias(apply_ntl_to_hf_model, "ntl_scale.integrations.hf.apply_ntl")

@@ -12,7 +12,8 @@ The names of `args`, `core` and `terms` are importable from here (what
 `ntl_scale.integrations.megatron.lm`. Megatron is imported on first use.
 """
 
-from .args import NORMALIZATIONS, VOCAB_RULES, NTLSettings, add_ntl_args, build_number_vocab
+from ...options import NORMALIZATIONS, VOCAB_RULES
+from .args import NTLSettings, add_ntl_args, build_number_vocab
 from .core import (
     GlobalCounts,
     NTLLanguageModelMixin,

@@ -20,7 +20,6 @@ from typing import Any
 from ..._validation import check_number_level_table
 from ...number_vocab import NumberVocab
 from ...options import (
-    NORMALIZATIONS,
     NUMERIC_CHECKS,
     VOCAB_RULES,
     NTLOptions,
@@ -35,7 +34,7 @@ from ...options import (
     variant_of,
 )
 
-__all__ = ["NORMALIZATIONS", "VOCAB_RULES", "NTLSettings", "add_ntl_args", "build_number_vocab"]
+__all__ = ["NTLSettings", "add_ntl_args", "build_number_vocab"]
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..._deprecation import deprecated_alias
 from ...normalization import factors, micro_batch_sums, step_counts
 from ...number_vocab import NumberVocab
 from ...options import check_chunk_route
@@ -50,7 +49,6 @@ __all__ = [
     "NTLForwardStep",
     "NTLStats",
     "StepGroups",
-    "apply_ntl",
     "apply_ntl_to_megatron_model",
     "find_language_model",
     "forward_step_from_args",
@@ -568,9 +566,6 @@ class _ReportNTL:
         report["ntl loss"] = ntl.float()
         report["number accuracy"] = hits.float()
         return loss, num_tokens, report
-
-
-apply_ntl = deprecated_alias(apply_ntl_to_megatron_model, "ntl_scale.integrations.megatron.lm.apply_ntl")
 
 
 def forward_step_from_args(forward_step: Any, args: Any, parallel_state: Any, *, tokenizer: Any = None) -> Any:
