@@ -239,7 +239,8 @@ def test_under_no_grad_the_loss_is_the_plain_cross_entropy(table: str, features:
 @pytest.mark.parametrize("features", FEATURES, ids=lambda f: "-".join(f))
 def test_training_logs_smoothed_ce_without_the_z_loss_and_the_z_loss(table: str, features: dict, weight: float) -> None:
     """In training the loss and its gradient are the objective (smoothed CE + z-loss + weight * NTL); the logged
-    ce_mean is the smoothed CE alone (F.cross_entropy(label_smoothing=eps)) and z_loss_mean the z-loss."""
+    ce_mean is the smoothed CE alone (F.cross_entropy(label_smoothing=eps)), z_loss_mean the z-loss, ntl_mean
+    the NTL and number_accuracy_mean the share of NTL positions whose label is the arg-max."""
     loss_fn = NTLLoss.Config(number_vocab=table, vocab_size=V, weight=weight, **features).build()
     logits, labels = _batch(seed=9)
     valid = (labels != -100).reshape(-1)
@@ -263,6 +264,10 @@ def test_training_logs_smoothed_ce_without_the_z_loss_and_the_z_loss(table: str,
         torch.testing.assert_close(logged["loss_metrics/ce_mean"], (ce / tokens).detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(logged[Z_LOSS_METRIC], (z_loss / tokens).detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(logged["loss_metrics/ntl_mean"], (ntl.sum() / mask.sum()).detach())
+        hits = (capped.detach().argmax(-1) == labels) & mask.reshape(labels.shape)  # arg-max over the vocabulary
+        torch.testing.assert_close(
+            logged["loss_metrics/number_accuracy_mean"].double(), hits.sum().double() / mask.sum()
+        )
     assert tuple(loss_fn.step_metrics()) == (*METRICS, Z_LOSS_METRIC)
 
 
