@@ -14,13 +14,18 @@ split torchtitan's ``_LossParallelCrossEntropy`` uses and DTensor's):
 3. DTensor logits and labels (torchtitan's ``full_dtensor`` backend), split on the vocabulary or on the
    batch: the loss (a DTensor, as torchtitan's CE returns) and gradient;
 4. errors naming the value and the fix: a DTensor sharded on another dimension, DTensor labels placed
-   unlike the logits, a plain shard of the wrong width (a table for another vocabulary).
+   unlike the logits, a plain shard of the wrong width (a table for another vocabulary);
+5. label smoothing and z-loss on, on each of the three shard forms: under no grad without
+   ``global_valid_tokens`` (torchtitan's ``Validator``) the loss is the plain CE sum of the full logits
+   (torch's ``F.cross_entropy`` in float64); in training the loss and gradient are the objective's, the
+   logged ``ce_mean`` the smoothed CE without the z-loss and ``z_loss_mean`` the z-loss.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.helpers import reference
 from tests.helpers.distributed import WorkerContext, run_workers
@@ -30,6 +35,7 @@ pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 (scripts/setup.sh --d
 pytestmark = pytest.mark.distributed
 
 V, WEIGHT = 37, 0.3
+SMOOTHING, Z_LOSS = 0.1, 1e-2
 
 
 def _table(path: str):  # type: ignore[no-untyped-def]
@@ -139,6 +145,68 @@ def _check(ctx: WorkerContext, path: str) -> None:
         loss_fn(by_batch, labels, tokens)
     with pytest.raises(ValueError, match=r"need labels placed \(Shard\(dim=0\),\).*got \(Replicate\(\),\)"):
         loss_fn(by_batch, distribute_tensor(labels, mesh, [Replicate()]), tokens)
+
+    # 5. label smoothing and z-loss: the validator's plain CE; training's objective, smoothed ce and z_loss
+    _features(ctx, mesh, path, logits, labels, (start, end))
+
+
+def _features(ctx: WorkerContext, mesh, path: str, logits, labels, columns) -> None:  # type: ignore[no-untyped-def]
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    from ntl_scale.integrations.torchtitan import NTLLoss
+
+    start, end = columns
+    tokens = (labels != -100).sum()
+    flat, targets = logits.reshape(-1, V), labels.reshape(-1)
+    plain = F.cross_entropy(flat, targets, reduction="sum")  # the held-out CE sum, from torch's definition
+    z = logits.clone().requires_grad_(True)
+    zf = z.reshape(-1, V)
+    ce = F.cross_entropy(zf, targets, label_smoothing=SMOOTHING, reduction="sum") / tokens
+    z_loss = Z_LOSS * torch.logsumexp(zf, -1)[targets != -100].square().sum() / tokens
+    features = {"label_smoothing": SMOOTHING, "z_loss_weight": Z_LOSS}
+    loss_fn = NTLLoss.Config(number_vocab=path, vocab_size=V, weight=WEIGHT, **features).build()
+    _, ntl, mask = reference.naive_per_token(z, labels, loss_fn.vocab)
+    expected = ce + z_loss + WEIGHT * ntl.sum() / mask.sum()
+    expected.backward()
+
+    def shard_forms():  # type: ignore[no-untyped-def]
+        """(name, logits as the loss gets them, labels, the local leaf) for each of the three forms."""
+        set_spmd_backend("spmd_types")
+        with set_current_spmd_mesh(mesh):
+            local = logits[..., start:end].clone().requires_grad_(True)
+            yield "plain shard", local, labels, local
+        set_spmd_backend("partial_dtensor")
+        local = logits[..., start:end].clone().requires_grad_(True)
+        dlogits = DTensor.from_local(
+            local, mesh, [Shard(2)], run_check=False, shape=logits.shape, stride=logits.stride()
+        )
+        yield "Shard(-1)", dlogits, labels, local
+        for placements, label_placements in (([Shard(2)], [Replicate()]), ([Shard(0)], [Shard(0)])):
+            dpred = distribute_tensor(logits.clone(), mesh, placements).detach().requires_grad_(True)
+            yield f"full_dtensor {placements}", dpred, distribute_tensor(labels, mesh, label_placements), dpred
+
+    for name, pred, targets_form, leaf in shard_forms():
+        with torch.no_grad():  # torchtitan's Validator: no grad, no global_valid_tokens
+            held_out, metrics = loss_fn(pred, targets_form)
+        held_out = held_out.full_tensor() if isinstance(held_out, DTensor) else held_out
+        torch.testing.assert_close(held_out, plain, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+        assert metrics == {}
+        loss_fn.begin_step(mask.sum())
+        loss, metrics = loss_fn(pred, targets_form, tokens)
+        loss.backward()
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        grad = leaf.grad.full_tensor() if isinstance(leaf.grad, DTensor) else leaf.grad
+        want = z.grad if grad.shape == z.grad.shape else z.grad[..., start:end]
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+        # the metrics are this rank's parts (a batch split: the two ranks' parts add up)
+        parts = torch.stack([metrics["loss_metrics/ce_mean"], metrics["loss_metrics/z_loss_mean"]])
+        if "Shard(dim=0)" in name:
+            torch.distributed.all_reduce(parts, group=ctx.tp_group)
+        torch.testing.assert_close(parts[0], ce.detach(), rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(parts[1], z_loss.detach(), rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_plain_and_dtensor_vocabulary_shards(tmp_path) -> None:

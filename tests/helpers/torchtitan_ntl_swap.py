@@ -21,6 +21,12 @@ torchtitan's CE protocol returns a **sum** when no ``global_valid_tokens`` is gi
 ``sum CE + weight * sum NTL`` (``NTLLoss`` with a count of 1), except at weight 0, where ``NTLLoss``'s own
 call without a count (the CE sum) is run.
 
+A one-process group that an upstream file starts on a fixed TCP port
+(``TestGradAccumulatorDTensor.setUpClass``: ``init_method="tcp://localhost:12358"``, ``world_size=1``) gets its
+store on a port the OS picks instead (:func:`_any_free_port`): ``EADDRINUSE`` when another process holds
+12358 was the file's only tie to that port. The multi-rank cases rendezvous through a file
+(``MultiProcessTestCase``) and are not touched.
+
 With ``--ntl-calls DIR`` every stand-in records each use, one file per process (``DIR/<pid>.tsv``: the
 test and ``built`` or ``called``), so a run can show that the loss it tested was ``NTLLoss``, on every rank.
 """
@@ -33,6 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 
@@ -173,6 +180,8 @@ def install(weight: float, calls: str | None = None) -> None:
     tt_loss.CrossEntropyLoss.Config._owner = NTLAsCrossEntropy
     _STATE["start"] = MultiProcessTestCase._start_processes
     MultiProcessTestCase._start_processes = _spawn_with_swap(_STATE["start"])  # type: ignore[method-assign]
+    _STATE["init_process_group"] = torch.distributed.init_process_group
+    torch.distributed.init_process_group = _any_free_port(_STATE["init_process_group"])
 
 
 def uninstall() -> None:
@@ -186,6 +195,7 @@ def uninstall() -> None:
 
     tt_loss.CrossEntropyLoss.Config._owner = _STATE["owner"]
     MultiProcessTestCase._start_processes = _STATE["start"]  # type: ignore[method-assign]
+    torch.distributed.init_process_group = _STATE["init_process_group"]
     for module in _STATE["modules"]:
         for name, original in _STATE["originals"].items():
             if getattr(module, name, None) is _REPLACEMENTS[name]:
@@ -201,6 +211,34 @@ def swap_module(module: Any) -> None:
             setattr(module, name, _REPLACEMENTS[name])
             if module not in _STATE["modules"]:
                 _STATE["modules"].append(module)
+
+
+def _any_free_port(original: Any) -> Any:
+    """``init_process_group`` that gives a one-process ``tcp://host:port`` rendezvous a store on a port the OS
+    picks (``TCPStore(host, 0)``: bound atomically, no window for another process to take it).
+
+    A group of one has no peer that must find the port, so the fixed port the caller wrote is not needed;
+    any other call (more ranks, another ``init_method``, a store of its own) is passed on unchanged.
+    """
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        method = kwargs.get("init_method")
+        if (
+            not args[1:]
+            and isinstance(method, str)
+            and method.startswith("tcp://")
+            and kwargs.get("world_size") == 1
+            and kwargs.get("rank", 0) == 0
+            and kwargs.get("store") is None
+        ):
+            del kwargs["init_method"]
+            host = urlparse(method).hostname or "localhost"
+            kwargs["store"] = torch.distributed.TCPStore(host, 0, world_size=1, is_master=True)
+            kwargs["rank"] = 0
+        return original(*args, **kwargs)
+
+    return init_process_group
 
 
 def _spawn_with_swap(original: Any) -> Any:

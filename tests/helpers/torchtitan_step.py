@@ -12,6 +12,11 @@ its first collective. Each rank writes ``OUT_DIR/<TAG>.rank<r>.pt`` with:
 * at step 1: ``hidden`` (the input of ``lm_head``, the chunks in order), ``labels`` (this rank's
   micro-batch), and, gathered from their DTensor shards, the ``lm_head`` weight and its gradient as the
   optimizer receives it (after torchtitan's clipping: runs pass a large ``--training.max_norm``).
+* with ``--validator.enable``: torchtitan's own ``Validator.validate`` runs after each step it asks for
+  (``should_validate``), as torchtitan's ``Trainer.train`` runs it; ``validation`` is a list, one entry
+  per validation, of ``{"step", "logits", "labels"}``: the (gathered) ``lm_head`` outputs of this rank's
+  validation batches and their labels, the chunks and batches in order along the sequence (token ``t``
+  of ``logits`` predicts ``labels[..., t]``). Its logged ``validation_metrics/loss`` is in ``logged``.
 
 The CPU patches of :mod:`tests.helpers.torchtitan_cpu` are applied first.
 """
@@ -41,14 +46,19 @@ def run(tag: str, args: list[str], out: str) -> None:
 
     config = ConfigManager().parse_args(args)
     trainer = config.build()
-    record: dict = {"losses": [], "logged": [], "hidden": []}
+    record: dict = {"losses": [], "logged": [], "hidden": [], "validation": []}
     lm_head = trainer.model_parts[0].lm_head
+    validating: list[dict] = []  # the validation under way, if any
 
     def keep_hidden(module, inputs):  # type: ignore[no-untyped-def]
-        if trainer.step == 1:
+        if trainer.step == 1 and not validating:
             record["hidden"].append(_full(inputs[0]))
 
-    hook = lm_head.register_forward_pre_hook(keep_hidden)
+    def keep_logits(module, inputs, output):  # type: ignore[no-untyped-def]
+        if validating:
+            validating[0]["logits"].append(_full(output))
+
+    hooks = [lm_head.register_forward_pre_hook(keep_hidden), lm_head.register_forward_hook(keep_logits)]
     log, metric_log, optimizer_step = (
         trainer.metrics_processor.log,
         trainer.metrics_processor.logger.log,
@@ -79,11 +89,32 @@ def run(tag: str, args: list[str], out: str) -> None:
                 record.setdefault("labels", []).append(labels.clone())
             yield inputs, labels
 
+    if config.validator.enable:
+        prepare = trainer.validator.post_dataloading_process
+
+        def keep_labels(input_dict, labels, model_parts):  # type: ignore[no-untyped-def]
+            validating[0]["labels"].append(labels.clone())
+            return prepare(input_dict, labels, model_parts)
+
+        trainer.validator.post_dataloading_process = keep_labels
+
     data = labels_of(trainer.batch_generator(trainer.dataloader))
     while trainer.step < config.training.steps:
         trainer.step += 1
         trainer.train_step(data)
-    hook.remove()
+        if config.validator.enable and trainer.validator.should_validate(trainer.step):  # as Trainer.train
+            validating.append({"step": trainer.step, "logits": [], "labels": []})
+            trainer.validator.validate(trainer.model_parts, trainer.step)
+            done = validating.pop()
+            record["validation"].append(
+                {
+                    "step": done["step"],
+                    "logits": torch.cat(done["logits"], dim=1),
+                    "labels": torch.cat(done["labels"], dim=1),
+                }
+            )
+    for hook in hooks:
+        hook.remove()
     record["hidden"] = torch.cat(record["hidden"], dim=1)
     record["labels"] = torch.cat(record["labels"], dim=0)
     rank = torch.distributed.get_rank()

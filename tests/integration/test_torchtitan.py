@@ -9,9 +9,12 @@ FSDP2 (``dp_shard 2``) and tensor parallel 2 (vocabulary-sharded DTensor logits)
 
 Sections:
 1. NTL at weight 0: torchtitan's logged loss is its own CE run's, bit for bit, step by step.
-2. NTL at 0.3: the step-1 loss, the ``lm_head`` gradient and the logged ``ce`` / ``ntl`` equal a
-   one-process float64 computation from the gathered hidden states, labels and weight
-   (``tests/helpers/reference.py``: full-vocabulary softmax, global counts of the step).
+2. NTL at 0.3 with label smoothing 0.1 and z-loss 1e-3: the step-1 loss, the ``lm_head`` gradient and the
+   logged ``ce`` (smoothed, without the z-loss) / ``z_loss`` / ``ntl`` equal a one-process float64
+   computation from the gathered hidden states, labels and weight (torch's ``F.cross_entropy`` with
+   ``label_smoothing``, ``logsumexp``, ``tests/helpers/reference.py``: global counts of the step); torchtitan's
+   own ``Validator`` (run after step 1) logs the **plain** CE of its batches' logits, torch's
+   ``F.cross_entropy`` in float64 on the same logits (no smoothing, no z-loss).
 3. ``llama3_3b_ntl`` (the Llama-3.2-3B shape, Llama 3's multi-digit number table) steps at reduced
    width and depth (``tests.helpers.torchtitan_cpu.small_llama3``: vocabulary, tying and RoPE kept), in
    one process with torchtitan's default ``spmd_backend``: the logged loss is ``ce + 0.3 * ntl`` and falls.
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.helpers import reference
 from tests.helpers.distributed import free_port, run_launch
@@ -39,6 +43,9 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 WEIGHT = 0.3
+SMOOTHING, Z_LOSS = 0.1, 1e-3  # the CE features of the weight-0.3 runs
+NTL_FEATURES = ["--loss.loss-fn.label_smoothing", str(SMOOTHING), "--loss.loss-fn.z_loss_weight", str(Z_LOSS)]
+VALIDATOR = ["--validator.enable", "--validator.steps", "1", "--validator.freq", "1000"]  # after step 1 only
 # partial_dtensor: torch 2.13's FSDP2 cannot shard spmd_types' plain parameters (docs/torchtitan.md)
 MULTI = [
     "--override.imports",
@@ -81,13 +88,19 @@ def _launch(
     *,
     nproc: int = 2,
     tokenizer: str = "tokenizer",
+    validate: bool = False,
 ) -> list[dict]:
+    validator = (
+        [*VALIDATOR, "--validator.dataloader.dataset", "c4_test", "--validator.dataloader.dataset_path", assets["data"]]
+        if validate
+        else ["--validator.no-enable"]
+    )
     args = [
         "--module", module, "--config", config,
         "--hf_assets_path", assets[tokenizer], "--dataloader.dataset_path", assets["data"],
         "--dump_folder", str(Path(assets["out"]) / f"{tag}_outputs"),
         "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", str(STEPS),
-        "--training.disable_cuda_graphs", "--validator.no-enable", "--checkpoint.no-enable",
+        "--training.disable_cuda_graphs", "--checkpoint.no-enable", *validator,
         "--training.mixed_precision_param", "float32", "--training.max_norm", "1e9", "--debug.seed", "7",
         "--loss.num-chunks", "4", *extra, "activation-checkpoint:none",
     ]  # fmt: skip
@@ -110,7 +123,14 @@ def runs(request: pytest.FixtureRequest, assets: dict[str, str]) -> dict[str, ob
         "layout": layout,
         "ce": _launch(assets, f"{layout}_ce", "llama3", "llama3_debugmodel", extra),
         "ntl0": _launch(assets, f"{layout}_ntl0", ntl, "llama3_debugmodel_ntl", [*extra, "--loss.loss-fn.weight", "0"]),
-        "ntl": _launch(assets, f"{layout}_ntl", ntl, "llama3_debugmodel_ntl", [*extra, "--loss.loss-fn.weight", "0.3"]),
+        "ntl": _launch(
+            assets,
+            f"{layout}_ntl",
+            ntl,
+            "llama3_debugmodel_ntl",
+            [*extra, "--loss.loss-fn.weight", "0.3", *NTL_FEATURES],
+            validate=True,
+        ),
         "tokenizer": assets["tokenizer"],
     }
 
@@ -129,8 +149,11 @@ def test_weight_zero_logs_torchtitans_own_ce_loss(runs: dict) -> None:
 # ------------------------------------------------------------------------ 2. NTL = float64 reference
 
 
-def _reference(runs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step-1 loss, lm_head gradient, CE and NTL in float64 from the gathered inputs of the loss."""
+def _reference(runs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step-1 loss, lm_head gradient, smoothed CE, z-loss and NTL in float64 from the gathered inputs of the loss.
+
+    CE: torch's ``F.cross_entropy(..., label_smoothing)``; z-loss: ``Z_LOSS * logsumexp**2``; NTL: the
+    reference's full-vocabulary softmax over the number tokens; each a mean over the step's global count."""
     from transformers import AutoTokenizer
 
     from ntl_scale import NumberVocab
@@ -144,27 +167,55 @@ def _reference(runs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
         hidden, labels = ranks[0]["hidden"].double(), ranks[0]["labels"]
     weight = ranks[0]["weight"].double().requires_grad_(True)
     vocab = NumberVocab.from_tokenizer(AutoTokenizer.from_pretrained(runs["tokenizer"]), vocab_size=weight.shape[0])
-    ce, ntl, mask = reference.naive_per_token(hidden @ weight.T, labels, vocab)
-    tokens, numbers = (labels != -100).sum(), mask.sum()
+    logits = hidden @ weight.T
+    _, ntl, mask = reference.naive_per_token(logits, labels, vocab)
+    valid = labels != -100
+    tokens, numbers = valid.sum(), mask.sum()
     assert numbers > 0
-    ce_mean, ntl_mean = ce.sum() / tokens, ntl.sum() / numbers
-    loss = ce_mean + WEIGHT * ntl_mean
+    flat, targets = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    ce_mean = F.cross_entropy(flat, targets, label_smoothing=SMOOTHING, reduction="sum") / tokens
+    z_mean = Z_LOSS * torch.logsumexp(flat, -1)[valid.reshape(-1)].square().sum() / tokens
+    ntl_mean = ntl.sum() / numbers
+    loss = ce_mean + z_mean + WEIGHT * ntl_mean
     loss.backward()
-    return loss.detach(), weight.grad, ce_mean.detach(), ntl_mean.detach()
+    return loss.detach(), weight.grad, ce_mean.detach(), z_mean.detach(), ntl_mean.detach()
+
+
+def _close(value: float, expected: torch.Tensor) -> None:
+    """A float32 run's number against its float64 reference: float32 rounding of sums of a few hundred terms."""
+    torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), expected, rtol=1e-5, atol=0)
 
 
 def test_ntl_loss_and_gradient_equal_float64_reference(runs: dict) -> None:
-    loss, grad, ce, ntl = _reference(runs)
+    loss, grad, ce, z_loss, ntl = _reference(runs)
     rank0 = runs["ntl"][0]
-    torch.testing.assert_close(torch.tensor(rank0["losses"][0], dtype=torch.float64), loss, rtol=1e-5, atol=0)
+    _close(rank0["losses"][0], loss)
     torch.testing.assert_close(rank0["grad"].double(), grad, rtol=1e-4, atol=1e-6)
     logged = next(m for m in rank0["logged"] if "loss_metrics/ce_mean" in m)  # NTLTrainer's log of step 1
-    torch.testing.assert_close(torch.tensor(logged["loss_metrics/ce_mean"], dtype=torch.float64), ce, rtol=1e-5, atol=0)
-    torch.testing.assert_close(
-        torch.tensor(logged["loss_metrics/ntl_mean"], dtype=torch.float64), ntl, rtol=1e-5, atol=0
-    )
+    _close(logged["loss_metrics/ce_mean"], ce)  # the smoothed CE, without the z-loss
+    _close(logged["loss_metrics/z_loss_mean"], z_loss)
+    _close(logged["loss_metrics/ntl_mean"], ntl)
     assert 0 <= logged["loss_metrics/number_accuracy_mean"] <= 1
     assert runs["ntl"][1]["grad"].equal(rank0["grad"])  # gathered: the same full gradient on both ranks
+
+
+def test_validator_logs_the_plain_cross_entropy(runs: dict) -> None:
+    """torchtitan's Validator calls the loss (label smoothing and z-loss on) under no grad without a count:
+    its logged loss is the plain CE of its batches' logits (torch's F.cross_entropy in float64)."""
+    ranks = runs["ntl"]
+    batches = [r["validation"][0] for r in ranks]
+    assert all(b["step"] == 1 for b in batches) and all(len(r["validation"]) == 1 for r in ranks)
+    if runs["layout"] == "tp2":  # tensor parallel: one batch, the same on both ranks
+        torch.testing.assert_close(batches[0]["logits"], batches[1]["logits"], rtol=0, atol=0)
+        batches = batches[:1]
+    ce_sum = sum(
+        F.cross_entropy(b["logits"].double().flatten(0, 1), b["labels"].flatten(), reduction="sum") for b in batches
+    )
+    tokens = sum((b["labels"] != -100).sum() for b in batches)
+    expected = ce_sum / tokens
+    for rank in ranks:
+        (logged,) = [m["validation_metrics/loss"] for m in rank["logged"] if "validation_metrics/loss" in m]
+        _close(logged, expected)
 
 
 # ------------------------------------------------------------------------ 3. the 3B shape, reduced

@@ -16,11 +16,17 @@ report says what passed; each process's record of its ``NTLLoss`` calls, that th
    unchunked, chunk counts, the FSDP unshard order, the traced chunked loss, gradients, the SPMD
    vocabulary split under strict type checking, graph_trainer's param-grad wrapper bit for bit) pass
    with NTL in the loss; those comparing against ``F.cross_entropy`` itself do not apply (NTL adds to it).
+
+Every run holds port 12358 (:func:`holding`), the fixed port of ``test_loss.py``'s one-process group
+(``TestGradAccumulatorDTensor``), as another job on a shared machine may: the plugin gives that group a port
+the OS picks, so the run passes whoever holds 12358 (before, those two tests failed with ``EADDRINUSE``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import tarfile
@@ -61,6 +67,8 @@ CHUNKED = (
     "test_does_not_touch_dot_grad",
 )
 """Tests that compute a loss: each must have called ``NTLLoss`` (in the test process)."""
+UPSTREAM_PORT = 12358
+"""``tests/unit_tests/test_loss.py``'s ``TestGradAccumulatorDTensor.setUpClass``: ``tcp://localhost:12358``."""
 RANKS = {"test_spmd_matches_eager_and_types": 2, NOT_AT_03: 4}
 RANKS_DTENSOR = {
     "test_legacy_tp_replicated_logits": 8,
@@ -86,6 +94,19 @@ def upstream_tests() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def holding(port: int):  # type: ignore[no-untyped-def]
+    """Listens on ``port`` (all IPv4 interfaces) while the block runs, as another process on the machine
+    might; when someone else already holds it, the block runs as it is (the port is held either way)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+            sock.listen()
+        except OSError:
+            pass  # held by another process already
+        yield
+
+
 def run_upstream(
     weight: float, files: tuple[str, ...], tmp_path: Path, *extra: str
 ) -> tuple[dict[str, str], dict[str, set[int]]]:
@@ -104,7 +125,8 @@ def run_upstream(
     command = [sys.executable, "-m", "pytest", "-p", "tests.helpers.torchtitan_ntl_swap", "--ntl-weight", str(weight)]
     command += ["--ntl-calls", str(calls)]
     command += ["-p", "no:cacheprovider", "-q", f"--junitxml={report}", "--rootdir", str(tests), *extra, *files]
-    done = subprocess.run(command, cwd=tests, env=env, capture_output=True, text=True, timeout=1200)
+    with holding(UPSTREAM_PORT):
+        done = subprocess.run(command, cwd=tests, env=env, capture_output=True, text=True, timeout=1200)
     if not report.is_file():
         raise AssertionError(f"no report from torchtitan's tests (exit {done.returncode}):\n{done.stdout[-6000:]}")
     outcomes = {}

@@ -9,6 +9,11 @@ Sections:
    gradient, with and without ``global_valid_tokens``);
    inside torchtitan's ``ChunkedLossWrapper`` (4 chunks) the hidden-state and ``lm_head``
    gradients equal the reference's; without ``global_valid_tokens`` (torchtitan's validator) the CE sum.
+   With label smoothing and z-loss on: under no grad (torchtitan's ``Validator``), plain or inside the
+   wrapper, the loss is the **plain** CE of the (soft-capped) logits (torch's ``F.cross_entropy`` in
+   float64); in training the loss is the objective (gradient included) while the logged ``ce_mean`` is the
+   smoothed CE without the z-loss and ``z_loss_mean`` the z-loss; an evaluation call adds nothing to the
+   step's metrics.
 3. Errors that name the value and the fix: a number table for another vocabulary (saved JSON; logits of
    another width), no step count, a chunk count that does not divide the sequence, no tokenizer.
 4. The registry's configs: the debug model's and the Llama-3.2-3B shape's NTL settings.
@@ -20,6 +25,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 (scripts/setup.sh --dev)")
 
@@ -165,6 +171,104 @@ def test_without_global_valid_tokens_the_loss_is_the_ce_sum(table: str) -> None:
     logits, labels = _batch(seed=3)
     ce, _, _ = reference.naive_per_token(logits, labels, loss_fn.vocab)
     torch.testing.assert_close(loss_fn(logits, labels)[0], ce.sum(), rtol=1e-12, atol=1e-12)
+
+
+FEATURES = [
+    {"label_smoothing": 0.1, "z_loss_weight": 1e-2},
+    {"label_smoothing": 0.1, "z_loss_weight": 1e-2, "logit_softcap": 3.0},
+]
+"""The training-only CE terms on (and soft-capping, which is the model's and stays in evaluation)."""
+Z_LOSS_METRIC = "loss_metrics/z_loss_mean"  # the name users see in TensorBoard / W&B
+
+
+def _capped(logits: torch.Tensor, features: dict) -> torch.Tensor:
+    """The model's logits in float64: ``c * tanh(z / c)`` when the features cap them (differentiable)."""
+    z = logits.double()
+    cap = features.get("logit_softcap")
+    return z if cap is None else cap * torch.tanh(z / cap)
+
+
+def _plain_ce_sum(logits: torch.Tensor, labels: torch.Tensor, features: dict) -> torch.Tensor:
+    """The held-out CE sum from the definition: torch's F.cross_entropy in float64, no smoothing, no z-loss."""
+    z = _capped(logits.detach(), features)
+    return F.cross_entropy(z.reshape(-1, V), labels.reshape(-1), reduction="sum")
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.3])
+@pytest.mark.parametrize("features", FEATURES, ids=lambda f: "-".join(f))
+def test_under_no_grad_the_loss_is_the_plain_cross_entropy(table: str, features: dict, weight: float) -> None:
+    """torchtitan's Validator calls the loss under torch.no_grad() without global_valid_tokens and logs
+    sum / tokens: that is the plain CE, whatever smoothing and z-loss train with (on full logits and
+    inside ChunkedLossWrapper, as the validator runs it); a count under no grad gives the plain CE mean and
+    leaves the step's training metrics alone."""
+    loss_fn = NTLLoss.Config(number_vocab=table, vocab_size=V, weight=weight, **features).build()
+    logits, labels = _batch(seed=7)
+    expected = _plain_ce_sum(logits, labels, features)
+    with torch.no_grad():
+        loss, metrics = loss_fn(logits, labels)
+        if weight == 0 and "logit_softcap" not in features:  # torchtitan's own CE op, which computes in float32
+            assert torch.equal(loss, CrossEntropyLoss.Config(global_vocab_size=V).build()(logits, labels)[0])
+    rtol = 1e-12 if loss.dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(loss.double(), expected, rtol=rtol, atol=0)
+    assert metrics == {}
+
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(2, 8, 6, generator=g, dtype=torch.float64)
+    head = torch.nn.Linear(6, V, bias=False).double()
+    wrapper = ChunkedLossWrapper.Config(
+        num_chunks=4, loss_fn=NTLLoss.Config(number_vocab=table, vocab_size=V, weight=weight, **features)
+    ).build()
+    wrapper.set_lm_head(head)
+    with torch.no_grad():
+        chunked, _ = wrapper(hidden, labels)
+        expected = _plain_ce_sum(hidden @ head.weight.T, labels, features)
+    torch.testing.assert_close(chunked.double(), expected, rtol=1e-6, atol=0)  # the wrapper sums in float32
+
+    tokens = (labels != -100).sum()
+    loss_fn.begin_step(1)
+    with torch.no_grad():
+        _, metrics = loss_fn(logits, labels, tokens)
+    ce_mean = metrics["loss_metrics/ce_mean"]
+    rtol = 1e-12 if ce_mean.dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(ce_mean.double(), _plain_ce_sum(logits, labels, features) / tokens, rtol=rtol, atol=0)
+    assert Z_LOSS_METRIC not in metrics
+    assert all(float(v) == 0 for v in loss_fn.step_metrics().values())  # evaluation is not in the training log
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.3])
+@pytest.mark.parametrize("features", FEATURES, ids=lambda f: "-".join(f))
+def test_training_logs_smoothed_ce_without_the_z_loss_and_the_z_loss(table: str, features: dict, weight: float) -> None:
+    """In training the loss and its gradient are the objective (smoothed CE + z-loss + weight * NTL); the logged
+    ce_mean is the smoothed CE alone (F.cross_entropy(label_smoothing=eps)), z_loss_mean the z-loss, ntl_mean
+    the NTL and number_accuracy_mean the share of NTL positions whose label is the arg-max."""
+    loss_fn = NTLLoss.Config(number_vocab=table, vocab_size=V, weight=weight, **features).build()
+    logits, labels = _batch(seed=9)
+    valid = (labels != -100).reshape(-1)
+    tokens = valid.sum()
+    z = logits.detach().clone().requires_grad_(True)
+    capped = _capped(z, features)
+    flat = capped.reshape(-1, V)
+    ce = F.cross_entropy(flat, labels.reshape(-1), label_smoothing=features["label_smoothing"], reduction="sum")
+    z_loss = features["z_loss_weight"] * torch.logsumexp(flat, -1)[valid].square().sum()
+    _, ntl, mask = reference.naive_per_token(capped, labels, loss_fn.vocab)
+    expected = (ce + z_loss) / tokens + weight * ntl.sum() / mask.sum()
+    expected.backward()
+
+    loss_fn.begin_step(mask.sum())
+    ours = logits.clone().requires_grad_(True)
+    loss, metrics = loss_fn(ours, labels, tokens)
+    loss.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours.grad, z.grad, rtol=1e-10, atol=1e-12)
+    for logged in (metrics, loss_fn.step_metrics()):
+        torch.testing.assert_close(logged["loss_metrics/ce_mean"], (ce / tokens).detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(logged[Z_LOSS_METRIC], (z_loss / tokens).detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(logged["loss_metrics/ntl_mean"], (ntl.sum() / mask.sum()).detach())
+        hits = (capped.detach().argmax(-1) == labels) & mask.reshape(labels.shape)  # arg-max over the vocabulary
+        torch.testing.assert_close(
+            logged["loss_metrics/number_accuracy_mean"].double(), hits.sum().double() / mask.sum()
+        )
+    assert tuple(loss_fn.step_metrics()) == (*METRICS, Z_LOSS_METRIC)
 
 
 # ---------------------------------------------------------------------------------- 3. errors

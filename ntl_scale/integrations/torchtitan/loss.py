@@ -39,13 +39,23 @@ the NTL metrics come from a forward-only pass of the fused op (its two all-reduc
 Under torchtitan's strict SPMD type checking the loss and the metrics get the types torchtitan gives its
 CE's loss (:data:`LOSS_TYPE`), so ``ChunkedLossWrapper`` can add them.
 
-Without ``global_valid_tokens`` (torchtitan's validator) the loss is the CE **sum**, so the logged
-validation loss is CE, comparable across NTL weights.
+Evaluation: a call with gradients disabled (``torch.is_grad_enabled()`` False: torchtitan's ``Validator.validate``
+runs under ``@torch.no_grad()``, its pipeline ``schedule.eval`` inside it, and a training loss is never called
+without grad, since it is back-propagated) uses :meth:`NTLOptions.for_evaluation`: the **plain** cross
+entropy of the (soft-capped) logits, no label smoothing, no z-loss. The validator calls the loss without
+``global_valid_tokens`` and gets the plain CE **sum**, so its logged ``validation_metrics/loss`` (the sum over
+its batches / their tokens) is the held-out CE, comparable across NTL weights and CE features. A call with
+grad enabled and no ``global_valid_tokens`` (torchtitan's CE protocol in its own tests) returns the sum of
+the training CE term (smoothed, plus the z-loss), the one that is back-propagated.
 
 Metrics (returned per call, named by torchtitan's rule so ``ChunkedLossWrapper`` sums them over
-chunks, and accumulated over the step for :class:`NTLTrainer`'s log): ``loss_metrics/ce_mean``,
-``loss_metrics/ntl_mean`` and ``loss_metrics/number_accuracy_mean`` (the share of NTL positions whose
-label is the arg-max over the whole vocabulary), each this call's part of the step's global value.
+chunks, and accumulated over the step for :class:`NTLTrainer`'s log): ``loss_metrics/ce_mean`` (the
+objective's CE term without the z-loss: label-smoothed when ``label_smoothing > 0``, as
+``F.cross_entropy(..., label_smoothing=eps)`` reports it), ``loss_metrics/ntl_mean``,
+``loss_metrics/number_accuracy_mean`` (the share of NTL positions whose label is the arg-max over the
+whole vocabulary) and, when ``z_loss_weight > 0``, ``loss_metrics/z_loss_mean`` (``z_loss_weight * lse**2``,
+mean over the CE tokens), each this call's part of the step's global value. Calls under no grad return
+theirs (plain CE) but add nothing to the step's log.
 """
 
 from __future__ import annotations
@@ -79,11 +89,15 @@ from ...options import (
 from ...shards import is_dtensor
 from ...terms import per_token_ce_ntl
 
-__all__ = ["METRICS", "NOT_CONFIG_FIELDS", "NTLLoss", "number_table"]
+__all__ = ["METRICS", "NOT_CONFIG_FIELDS", "Z_LOSS_METRIC", "NTLLoss", "number_table"]
 
 METRICS = ("loss_metrics/ce_mean", "loss_metrics/ntl_mean", "loss_metrics/number_accuracy_mean")
 """The metric names: torchtitan's rule (a ``_mean`` suffix) makes ``ChunkedLossWrapper`` add the chunks'
 parts, which are already divided by the step's global counts."""
+
+Z_LOSS_METRIC = "loss_metrics/z_loss_mean"
+"""The z-loss ``z_loss_weight * lse**2`` (mean over the CE tokens), a metric after :data:`METRICS` when
+``z_loss_weight > 0`` (:attr:`NTLLoss.metric_names`); ``ce_mean`` is then the CE without it."""
 
 NOT_CONFIG_FIELDS = {
     "chunked": "torchtitan's ChunkedLossWrapper is the chunked route: ChunkedLossWrapper.Config(loss_fn="
@@ -157,11 +171,16 @@ class NTLLoss(BaseLoss):
             logger.warning("NTLLoss is not compiled: 'loss' in compile.components is ignored for it")
         self.config = config
         self.options = config.options()
+        self.eval_options = self.options.for_evaluation()
+        """The options of a call under no grad (torchtitan's validator): plain CE, no smoothing, no z-loss."""
+        self.metric_names = METRICS + ((Z_LOSS_METRIC,) if self.options.z_loss_weight else ())
+        """The names of the training metrics (:meth:`step_metrics`): :data:`METRICS`, then the z-loss if on."""
         self.vocab = number_table(config)
         self.weight = float(config.weight)
         # torchtitan's own CE op computes the loss (bit for bit) only where ours adds nothing to it: NTL at
         # weight 0 and none of the CE features (z-loss, label smoothing, soft-capping), which it lacks
         self._torchtitan_ce = self.weight == 0 and not self.options.ce_features
+        self._torchtitan_eval_ce = self.weight == 0 and not self.eval_options.ce_features
         self._numbers: torch.Tensor | None = None
         self._metrics: torch.Tensor | None = None
 
@@ -178,12 +197,21 @@ class NTLLoss(BaseLoss):
         self._metrics = None
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
-        """This rank's parts of the step's metrics (:data:`METRICS`), summed over the step's calls.
+        """This rank's parts of the step's metrics (:attr:`metric_names`), summed over the step's training calls.
 
         Sum them over the loss mesh (data x context parallel) for the global values; 0 before any call.
+        Calls under no grad (evaluation) are not in them.
         """
-        values = torch.zeros(len(METRICS), dtype=torch.float64) if self._metrics is None else self._metrics
-        return dict(zip(METRICS, values.unbind()))
+        names = self.metric_names
+        values = torch.zeros(len(names), dtype=torch.float64) if self._metrics is None else self._metrics
+        return dict(zip(names, values.unbind()))
+
+    def _mode(self) -> tuple[NTLOptions, bool]:
+        """The options of this call and whether torchtitan's own CE op computes its loss: the training ones,
+        or under no grad (torchtitan's validator, any evaluation) :meth:`NTLOptions.for_evaluation`'s."""
+        if torch.is_grad_enabled():
+            return self.options, self._torchtitan_ce
+        return self.eval_options, self._torchtitan_eval_ce
 
     # ---------------------------------------------------------------------------- the call
 
@@ -204,7 +232,7 @@ class NTLLoss(BaseLoss):
                 DTensor placed like ``pred`` with the vocabulary split replaced by ``Replicate``; -100 is
                 ignored.
             global_valid_tokens: torchtitan's count of the step's non-ignored labels; None (validation):
-                return the CE sum.
+                return the CE sum (under no grad, as torchtitan's validator calls it: the plain CE).
             **kwargs: torchtitan's extra loss inputs (``positions``), unused.
         """
         del kwargs
@@ -252,11 +280,13 @@ class NTLLoss(BaseLoss):
 
         At weight 0 without CE features the loss is torchtitan's own CE (``torchtitan_ce``: the same op, so
         the same bits and SPMD types), and the NTL metrics come from a forward-only pass of the fused op.
+        Under no grad the CE features are those of :meth:`NTLOptions.for_evaluation` (:meth:`_mode`).
         """
+        options, use_torchtitan_ce = self._mode()
         is_type_checking = spmd.is_type_checking()
-        ce_sum = torchtitan_ce() if self._torchtitan_ce else None
+        ce_sum = torchtitan_ce() if use_torchtitan_ce else None
         with spmd.no_typecheck(), torch.set_grad_enabled(torch.is_grad_enabled() and ce_sum is None):
-            sums = self._sums(logits, labels, tp_group, vocab_start)
+            sums, z_sum = self._sums(logits, labels, tp_group, vocab_start, options)
         if ce_sum is None:
             ce_sum = sums.ce
             if global_valid_tokens is None and is_type_checking:
@@ -264,7 +294,7 @@ class NTLLoss(BaseLoss):
         if global_valid_tokens is None:
             return ce_sum, {}
         with spmd.no_typecheck():
-            loss, metrics = self._scaled(ce_sum, sums, global_valid_tokens)
+            loss, metrics = self._scaled(ce_sum, sums, z_sum, global_valid_tokens, options)
             if is_type_checking:
                 for value in (loss, *metrics.values()):
                     spmd.assert_type(value, LOSS_TYPE)
@@ -276,31 +306,54 @@ class NTLLoss(BaseLoss):
         labels: torch.Tensor,
         tp_group: dist.ProcessGroup | None,
         vocab_start: int | None,
-    ) -> MicroBatchSums:
+        options: NTLOptions,
+    ) -> tuple[MicroBatchSums, torch.Tensor | None]:
+        """The call's sums under ``options``, and its z-loss sum ``z_loss_weight * sum lse**2`` over the CE
+        tokens (detached, for the log; None without z-loss): ``sums.ce`` includes it, as the objective does."""
         terms = per_token_ce_ntl(
             logits,
             labels,
             self.vocab,
-            self.options,
+            options,
             tp_group=tp_group,
             vocab_start=vocab_start,
             chunk_tokens=self.config.chunk_tokens,
         )
-        return micro_batch_sums(terms, labels != self.options.ignore_index)
+        mask = labels != options.ignore_index
+        z_sum = None
+        if options.z_loss_weight:
+            lse = terms.lse.detach()
+            z_sum = options.z_loss_weight * (lse.square() * mask.to(lse.dtype)).sum()
+        return micro_batch_sums(terms, mask), z_sum
 
     def _scaled(
-        self, ce_sum: torch.Tensor, sums: MicroBatchSums, global_valid_tokens: torch.Tensor | int
+        self,
+        ce_sum: torch.Tensor,
+        sums: MicroBatchSums,
+        z_sum: torch.Tensor | None,
+        global_valid_tokens: torch.Tensor | int,
+        options: NTLOptions,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``CE / global_valid_tokens + weight * NTL / K`` and this call's metrics (accumulated for the step)."""
+        """``CE / global_valid_tokens + weight * NTL / K`` and this call's metrics (accumulated for the step's
+        log when ``options`` are the training ones; a call under no grad adds nothing to it).
+
+        The logged ``ce_mean`` is the objective's CE term without the z-loss (``ce_sum - z_sum``); the z-loss
+        is ``z_loss_mean``."""
         # N is torchtitan's global_valid_tokens (no rescale: torchtitan divides by nothing else); K the step's
         sums = sums._replace(ce=ce_sum)
         counts = (global_valid_tokens, self._step_numbers().to(device=sums.ntl.device, dtype=sums.ntl.dtype))
         loss = objective(sums, counts, self.weight)  # weight 0: torchtitan's CE / global_valid_tokens, bit for bit
-        ce, ntl = means(sums, counts)
-        values = (ce.detach(), ntl.detach(), means(sums._replace(ntl=sums.hits), counts)[1].detach())
-        metrics = torch.stack([v.to(torch.float64) for v in values])
-        self._metrics = metrics if self._metrics is None else self._metrics + metrics
-        return loss, dict(zip(METRICS, values))
+        logged_ce = ce_sum.detach() if z_sum is None else ce_sum.detach() - z_sum
+        ce, ntl = means(sums._replace(ce=logged_ce), counts)
+        values = [ce, ntl.detach(), means(sums._replace(ntl=sums.hits), counts)[1].detach()]
+        names: tuple[str, ...] = METRICS
+        if z_sum is not None:
+            values.append(means(sums._replace(ce=z_sum), counts)[0])
+            names = (*METRICS, Z_LOSS_METRIC)
+        if options is self.options:
+            metrics = torch.stack([v.to(torch.float64) for v in values])
+            self._metrics = metrics if self._metrics is None else self._metrics + metrics
+        return loss, dict(zip(names, values))
 
     def _call_full_dtensor(
         self, pred: torch.Tensor, labels: Any, global_valid_tokens: torch.Tensor | None
@@ -346,20 +399,21 @@ class NTLLoss(BaseLoss):
             vocab_start = int(compute_local_shape_and_global_offset(pred.shape, mesh, placements)[1][vocab_dim])
         if is_dtensor(global_valid_tokens):
             global_valid_tokens = global_valid_tokens.full_tensor()  # type: ignore[union-attr]
-        if self._torchtitan_ce:
+        options, use_torchtitan_ce = self._mode()  # under no grad (the validator): plain CE
+        if use_torchtitan_ce:
             loss = torchtitan_cross_entropy(pred, labels)  # torchtitan's own CE, bit for bit
             if global_valid_tokens is None:
                 return loss, {}
             with torch.no_grad():
-                sums = self._sums(pred.to_local(), labels.to_local(), tp_group, vocab_start)
-            return loss / global_valid_tokens, self._scaled(sums.ce, sums, global_valid_tokens)[1]
+                sums, z_sum = self._sums(pred.to_local(), labels.to_local(), tp_group, vocab_start, options)
+            return loss / global_valid_tokens, self._scaled(sums.ce, sums, z_sum, global_valid_tokens, options)[1]
         found: dict[str, dict[str, torch.Tensor]] = {}
 
         def local_loss(pred_local: torch.Tensor, labels_local: torch.Tensor) -> torch.Tensor:
-            sums = self._sums(pred_local, labels_local, tp_group, vocab_start)
+            sums, z_sum = self._sums(pred_local, labels_local, tp_group, vocab_start, options)
             if global_valid_tokens is None:
                 return sums.ce
-            loss, found["metrics"] = self._scaled(sums.ce, sums, global_valid_tokens)
+            loss, found["metrics"] = self._scaled(sums.ce, sums, z_sum, global_valid_tokens, options)
             return loss
 
         loss = local_map(

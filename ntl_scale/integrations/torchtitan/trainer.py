@@ -8,10 +8,15 @@
    all-reduce of one float64** (torchtitan's ``dist_sum_tensor``, as for its ``global_valid_tokens``),
    hands it to the loss (:meth:`NTLLoss.begin_step`) and runs torchtitan's own ``train_step`` on those
    micro-batches;
-2. on logging steps it sums the loss's step metrics (``ce``, ``ntl``, number-token accuracy) over the
-   loss mesh (one all-reduce of three floats, logging steps only) and logs them to torchtitan's metric
-   loggers (TensorBoard / W&B) and to the console. torchtitan 0.3.0's ``Trainer`` drops the metrics a
-   loss returns, hence this.
+2. on logging steps it sums the loss's step metrics (``ce``, ``ntl``, number-token accuracy, and
+   ``z_loss`` when ``z_loss_weight > 0``) over the loss mesh (one all-reduce of three or four floats,
+   logging steps only) and logs them to torchtitan's metric loggers (TensorBoard / W&B) and to the
+   console. torchtitan 0.3.0's ``Trainer`` drops the metrics a loss returns, hence this. ``ce`` is the
+   training objective's CE term without the z-loss (label-smoothed when ``label_smoothing > 0``).
+
+torchtitan's ``Validator`` runs the same loss under ``torch.no_grad()``, where :class:`NTLLoss` computes the
+plain CE (:meth:`ntl_scale.NTLOptions.for_evaluation`): its ``validation_metrics/loss`` is the held-out CE;
+validation calls add nothing to the training metrics above.
 
 It also fills the loss config from the run before building: ``tokenizer_path`` from ``hf_assets_path``
 and ``vocab_size`` from the model, when they are not set.
@@ -31,7 +36,7 @@ from torchtitan.trainer import Trainer
 
 from ...options import table_source
 from ...terms import ntl_counts
-from .loss import METRICS, NTLLoss
+from .loss import Z_LOSS_METRIC, NTLLoss
 
 __all__ = ["NTLTrainer"]
 
@@ -64,7 +69,7 @@ class NTLTrainer(Trainer):
         self.ntl_pieces = ntl_pieces(config)
 
     def train_step(self, data_iterator: Any) -> None:
-        """torchtitan's step, after counting the step's NTL positions; logs ce / ntl / accuracy."""
+        """torchtitan's step, after counting the step's NTL positions; logs ce / ntl / accuracy (/ z_loss)."""
         micro_batches = self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches
         batches = [next(data_iterator) for _ in range(micro_batches)]
         self.ntl_loss.begin_step(self._step_ntl_positions([labels for _, labels in batches]))
@@ -88,10 +93,13 @@ class NTLTrainer(Trainer):
         values = torch.stack(list(self.ntl_loss.step_metrics().values())).to(self.device)
         if self.parallel_dims.dp_cp_enabled:
             values = dist_utils.dist_sum_tensor(values, self.parallel_dims.get_optional_mesh("loss"))
-        metrics = dict(zip(METRICS, values.tolist()))
+        metrics = dict(zip(self.ntl_loss.metric_names, values.tolist()))
         self.metrics_processor.logger.log(metrics, self.step)
-        ce, ntl, accuracy = metrics.values()
-        logger.info(f"step: {self.step:2}  ce: {ce:8.5f}  ntl: {ntl:8.5f}  number accuracy: {accuracy:.4f}")
+        ce, ntl, accuracy = list(metrics.values())[:3]
+        line = f"step: {self.step:2}  ce: {ce:8.5f}  ntl: {ntl:8.5f}  number accuracy: {accuracy:.4f}"
+        if Z_LOSS_METRIC in metrics:
+            line += f"  z_loss: {metrics[Z_LOSS_METRIC]:8.5f}"
+        logger.info(line)
 
 
 def ntl_pieces(config: Trainer.Config) -> int:
