@@ -300,3 +300,39 @@ def test_trainer_keeps_evaluation_batches_out_of_the_training_logs(tmp_path, chu
     want_loss = sum(h["ce"] + 0.3 * h["ntl"] for h in halves) / 2
     for log in eval_logs:
         assert abs(log["eval_loss"] - want_loss) <= 1e-10 * want_loss, (log, want_loss)
+
+
+def test_chunked_route_under_no_grad_is_evaluation(setup):
+    """``apply_ntl(chunked=True)`` with smoothing and a z-loss, the model in training mode: a forward under
+    ``torch.no_grad()`` (a held-out loop that left the model in training mode) runs the hidden-state head with
+    the evaluation options, so its loss is the plain CE + 0.3 NTL of the model's logits (float64, torch's
+    ``F.cross_entropy``) and its sums are the evaluation totals; with gradients, the training objective."""
+    import torch.nn.functional as F
+
+    _, vocab, labels = setup
+    model = _tiny("llama", vocab.vocab_size).double().train()
+    inputs = labels.clamp_min(0)
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    z = logits.reshape(-1, logits.shape[-1])
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    valid = targets != -100
+    _, ntl, is_number = naive_per_token(z, targets, vocab)
+    ntl_mean = ntl.sum() / is_number.sum()
+    plain = F.cross_entropy(z, targets, ignore_index=-100)
+    smoothed = F.cross_entropy(z, targets, ignore_index=-100, label_smoothing=0.1)
+    z_loss = 1e-2 * torch.logsumexp(z[valid], -1).square().mean()
+    options = ntl_scale.NTLOptions(label_smoothing=0.1, z_loss_weight=1e-2)
+    installed = apply_ntl(model, vocab, ntl_weight=0.3, options=options, chunked=True, chunk_tokens=16)
+    try:
+        with torch.no_grad():
+            evaluation = model(input_ids=inputs, labels=labels).loss
+        training = model(input_ids=inputs, labels=labels).loss
+    finally:
+        remove_ntl(model)
+    torch.testing.assert_close(evaluation, plain + 0.3 * ntl_mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(training.detach(), smoothed + z_loss + 0.3 * ntl_mean, rtol=1e-12, atol=1e-12)
+    evaluated, trained = installed.pop_means(evaluation=True), installed.pop_means()
+    assert abs(evaluated["ce"] - float(plain)) <= 1e-12 * float(plain) and "z_loss" not in evaluated
+    assert abs(trained["ce"] - float(smoothed)) <= 1e-12 * float(smoothed)
+    assert abs(trained["z_loss"] - float(z_loss)) <= 1e-12 * float(z_loss)
