@@ -105,8 +105,10 @@ def _reference(model, batches, vocab) -> dict[str, float]:
     text_ce = (sums["ce"] - sums["number_ce"]) / (sums["tokens"] - sums["numbers"])
     return {
         "ce": ce, "ppl": math.exp(ce), "ntl": ntl, "loss": ce + WEIGHT * ntl,
-        "number_acc": sums["hits"] / sums["numbers"], "text_ppl": math.exp(text_ce),
+        "number_acc": sums["hits"] / sums["numbers"], "text_ce": text_ce, "text_ppl": math.exp(text_ce),
+        "number_token_ce": sums["number_ce"] / sums["numbers"],
         "number_token_ppl": math.exp(sums["number_ce"] / sums["numbers"]),
+        "tokens": sums["tokens"], "number_tokens": sums["numbers"],
         "number_token_acc": sums["hits"] / sums["numbers"], "number_token_mae": sums["abs_error"] / sums["numbers"],
     }  # fmt: skip
 
@@ -156,6 +158,7 @@ def test_training_sums_log_the_smoothed_ce_and_the_z_loss_apart(setup, chunked):
     smoothed = F.cross_entropy(z, flat, label_smoothing=SMOOTHING, reduction="sum", ignore_index=-100)
     z_loss = Z_WEIGHT * torch.logsumexp(z[valid], -1).square().sum()
     _, ntl, is_number = naive_per_token(z, flat, vocab)
+    hits = float(((z.argmax(-1) == flat) & is_number).sum())
     tokens, numbers = float(valid.sum()), float(is_number.sum())
     engine = _engine(model, vocab, chunked)
     config = NTLConfig(weight=WEIGHT, label_smoothing=SMOOTHING, z_loss_weight=Z_WEIGHT)
@@ -166,8 +169,8 @@ def test_training_sums_log_the_smoothed_ce_and_the_z_loss_apart(setup, chunked):
         _restore(model)
     objective = (smoothed + z_loss) / tokens + WEIGHT * ntl.sum() / numbers
     assert abs(float(loss.detach()) - float(objective)) <= 1e-10 * float(objective)
-    ce_sum, ntl_sum, got_tokens, got_numbers, _ = stats.tolist()
-    assert (got_tokens, got_numbers) == (tokens, numbers)
+    ce_sum, ntl_sum, got_tokens, got_numbers, got_hits = stats.tolist()
+    assert (got_tokens, got_numbers, got_hits) == (tokens, numbers, hits)
     assert abs(ce_sum - float(smoothed)) <= 1e-10 * float(smoothed), (ce_sum, float(smoothed), float(z_loss))
     assert abs(ntl_sum - float(ntl.sum())) <= 1e-10 * float(ntl.sum())
     from ntl_scale.integrations.deepspeed.steps import z_loss_sum  # added with the fix
