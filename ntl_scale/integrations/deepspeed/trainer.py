@@ -165,8 +165,9 @@ class Trainer:
         seconds = time.perf_counter() - step_start  # data, forward, backward, optimizer, logging reduce
         row = self.metrics.step_row(step, totals[: len(STEP_SUMS)], lr=engine.lr, grad_norm=engine.grad_norm(),
                                     seconds=seconds, data_s=data_s)  # fmt: skip
-        if z_weight:  # the mean z-loss per target token: ce + z_loss is the objective's CE term
-            row["z_loss"] = totals[len(STEP_SUMS)] / max(totals[STEP_SUMS.index("tokens")], 1.0)
+        tokens = totals[STEP_SUMS.index("tokens")]
+        if z_weight and tokens > 0:  # the mean z-loss per target token: ce + z_loss is the objective's CE term
+            row["z_loss"] = totals[len(STEP_SUMS)] / tokens
         return row
 
     def stop_requested(self) -> int:
