@@ -15,7 +15,9 @@ suffix installs ``apply_ntl_to_hf_model(model, vocab, chunked=True)`` first (the
 Rank 0 saves the
 updated weights, the step's logs and, before the step, the reference CE and NTL of the whole batch
 from ``ntl_scale.ce_with_ntl`` on the model's logits, and (``fsdp2``) the weights one plain SGD step on the whole
-batch gives in this process (float64 autograd through the naive reference of ``tests/helpers/reference.py``). Test only.
+batch gives in this process (float64 autograd through the naive reference of ``tests/helpers/reference.py``);
+(``trainer``) ``evaluate()``'s metrics on the four rows after the step, with ``ce_with_ntl`` of the updated
+model's logits. Test only.
 """
 
 from __future__ import annotations
@@ -143,6 +145,13 @@ def step(out: str, micro: int, accumulation: int, kind: str) -> None:
         extra = {"train_dataset": rows}
     trainer = trainer_class(model=model, args=args, data_collator=collator, number_vocab=vocab, ntl_weight=0.3, **extra)
     trainer.train()
+    evaluation = None
+    if kind == "trainer":  # evaluate() on the four rows after the step: eval_* over all processes, no training log
+        metrics = trainer.evaluate(eval_dataset=rows)
+        with torch.no_grad():
+            logits = model(input_ids=whole["input_ids"], attention_mask=whole["attention_mask"]).logits
+        after = hf.causal_lm_ce_with_ntl(logits, whole["labels"], vocab, ntl_weight=0.3)
+        evaluation = {"metrics": metrics, "reference": {"ce": float(after.ce), "ntl": float(after.ntl)}}
     parameters = list(model.parameters())
     if kind == "zero3":  # ZeRO-3 partitions the parameters: gather them (a collective on every rank)
         import deepspeed
@@ -160,6 +169,7 @@ def step(out: str, micro: int, accumulation: int, kind: str) -> None:
                 "logs": trainer.state.log_history,
                 "reference": {"ce": float(reference.ce), "ntl": float(reference.ntl)},
                 "expected": expected,
+                "evaluation": evaluation,
             },
             out,
         )

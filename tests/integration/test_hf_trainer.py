@@ -5,7 +5,8 @@ Sections:
    accumulation x devices = 1 x 4 x 1, 4 x 1 x 1, 2 x 1 x 2, 1 x 2 x 2, and 2 x 1 x 2 under DeepSpeed
    ZeRO-3 (1e-6); the logged loss, CE and NTL of the one-process step equal ``ce_with_ntl`` on the
    whole batch. With ``apply_ntl_to_hf_model(model, chunked=True)`` (no logits built; under ZeRO-3 the head's
-   weight is gathered inside its forward) the step is the same (1e-5).
+   weight is gathered inside its forward) the step is the same (1e-5). ``evaluate()`` after the step gives
+   ``eval_ce`` / ``eval_ntl`` of the whole batch over all processes.
 2. TRL ``SFTTrainer`` through ``ntl_trainer_class(SFTTrainer)``: TRL's own metrics are still logged
    next to ``ce`` and ``ntl``, and the terms match ``ce_with_ntl``.
 3. Hugging Face tensor parallelism (``tp_plan="auto"``): ``apply_ntl_to_hf_model`` gives the whole model's loss and
@@ -87,6 +88,13 @@ def test_trainer_step_is_independent_of_the_split_and_logs_the_terms(results):
     want = runs[0]["reference"]
     assert abs(log["ce"] - want["ce"]) < 1e-5 and abs(log["ntl"] - want["ntl"]) < 1e-5, (log, want)
     assert abs(log["loss"] - (want["ce"] + 0.3 * want["ntl"])) < 1e-5, (log, want)
+    # evaluate() after the step (1 and 2 processes): eval_ce / eval_ntl are the four rows' under the updated
+    # weights, summed over the processes; no training log follows with evaluation tokens in it
+    for micro, accumulation, devices in SPLITS:
+        evaluation = results[devices, "trainer", micro, accumulation]["evaluation"]
+        metrics, want = evaluation["metrics"], evaluation["reference"]
+        assert abs(metrics["eval_ce"] - want["ce"]) < 1e-5 and abs(metrics["eval_ntl"] - want["ntl"]) < 1e-5, (
+            metrics, want)  # fmt: skip
 
 
 def test_sft_trainer_keeps_its_metrics(results):

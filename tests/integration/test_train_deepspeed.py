@@ -301,7 +301,8 @@ def test_runs_from_another_directory_without_the_optional_packages(elsewhere):
 
 
 TP_CONFIG = ("--config", str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"))
-TP_COMMON = ("train.steps=3", "eval.at_end=false", "tracking.wandb=disabled", "train.log_every=1")
+TP_COMMON = ("train.steps=3", "eval.at_end=false", "tracking.wandb=disabled", "train.log_every=1",
+             "train.eval_every=3", "ntl.label_smoothing=0.1", "ntl.z_loss_weight=1e-3")  # fmt: skip
 
 
 def _layout(run: Path, rank: int) -> dict:
@@ -315,7 +316,10 @@ def test_tensor_parallel_equals_one_process(tmp_path):
     ZeRO-2 at TP=2, that run with the chunked loss): per-step CE, NTL, number accuracy and gradient
     norm equal the one-process run (1e-5) for 3 steps, and for 2 more when the TP 2 x DP 2 run resumes
     as TP 1 x DP 2; the logits the loss sees are the local vocabulary shard (80 ids split 40/40), also
-    with the chunked loss; the exported Hugging Face model is whole.
+    with the chunked loss; the exported Hugging Face model is whole. With label smoothing and a z-loss on, the
+    logged ``z_loss`` agrees too, and the held-out ``eval/ce`` / ``eval/ppl`` / ``eval/ntl`` of step 3 (the plain
+    CE: the chunked head on the vocabulary shard computes it without the smoothing, issue 51) equal the
+    one-process logits path's (``tests/unit/test_deepspeed_heldout.py`` checks that one against float64 torch).
     """
     zero2 = "train.deepspeed_config=configs/deepspeed/zero2.json"
     runs = {
@@ -342,10 +346,13 @@ def test_tensor_parallel_equals_one_process(tmp_path):
         "tensor-parallel ranks, global batch 4"
     ) in resumed.stdout
     metrics["tp2_dp2_then_tp1_dp2"] = _metrics(tmp_path / "tp2_dp2")
+    assert "eval/ce" in reference[2] and "z_loss" in reference[0]
     for name, rows in metrics.items():
         for want, got in zip(reference[: len(rows)], rows, strict=True):
-            for key in ("ce", "ntl", "number_acc", "grad_norm"):
+            for key in ("ce", "ntl", "number_acc", "grad_norm", "z_loss"):
                 assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (name, key, want, got)
+        for key in ("eval/ce", "eval/ppl", "eval/ntl", "eval/number_acc"):  # the held-out metrics of step 3
+            assert abs(rows[2][key] - reference[2][key]) <= 1e-5 * max(1.0, reference[2][key]), (name, key)
     for name in ("tp2", "tp2_zero2_chunked"):
         assert [_layout(tmp_path / name, r)["vocab_shard"] for r in (0, 1)] == [[0, 40], [40, 80]]
     from transformers import AutoModelForCausalLM

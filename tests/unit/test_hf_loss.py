@@ -210,3 +210,129 @@ def test_the_options_ignore_index_is_honoured():
     # a caller's explicit ignore_index still wins (a per-call argument, as in Hugging Face's own loss)
     relabelled = torch.where(labels == -1, -100, labels)
     torch.testing.assert_close(loss(logits, relabelled, ignore_index=-100), want.loss)
+
+
+# -- 4. ntl_trainer_class: training logs see training batches, evaluate() its own ---------------------
+
+
+def _trainer_reference(model, batch, vocab, *, smoothing: float = 0.0, z_loss_weight: float = 0.0) -> dict:
+    """The logged means of one collated batch from its logits in float64: CE as torch's ``F.cross_entropy``
+    (label-smoothed with ``smoothing``), z-loss ``w * logsumexp**2``, NTL of the naive reference, arg-max hits."""
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+    targets = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:].reshape(-1)
+    z = logits.reshape(-1, logits.shape[-1])
+    valid = targets != -100
+    ce = F.cross_entropy(z, targets, label_smoothing=smoothing, reduction="sum", ignore_index=-100)
+    z_loss = z_loss_weight * torch.logsumexp(z[valid], -1).square().sum()
+    _, ntl, is_number = naive_per_token(z, targets, vocab)
+    hits = (z.argmax(-1) == targets) & is_number
+    tokens, numbers = float(valid.sum()), float(is_number.sum())
+    return {"ce": float(ce) / tokens, "z_loss": float(z_loss) / tokens, "ntl": float(ntl.sum()) / numbers,
+            "number_accuracy": float(hits.sum()) / numbers}  # fmt: skip
+
+
+@pytest.mark.parametrize(("chunked", "features"), [(False, False), (False, True), (True, True)])
+def test_trainer_keeps_evaluation_batches_out_of_the_training_logs(tmp_path, chunked, features):
+    """Issue 51 item 2: ``Trainer.evaluate`` runs the same loss object; its batches were added to the training
+    running totals, so the first training ``ce``/``ntl`` log after each evaluation averaged training and
+    evaluation tokens. A 1-layer Llama (float64) at learning rate 0, logging and evaluating every 2 steps,
+    one epoch of the 4 training rows per 2 steps: every training log is the training set's float64 means
+    (``ce`` label-smoothed as optimised, without the z-loss; ``z_loss`` apart), every evaluation log the
+    evaluation set's, with the plain CE (``eval_ce``: no smoothing, no z-loss); also on the chunked route
+    (the hidden-state loss in training, the model's own forward in evaluation). ``features``: label smoothing
+    0.1 and z-loss 1e-2 on (off: the logged ``ce`` of steps 4 and 6 was the training/evaluation mix)."""
+    from ntl_scale.data import EncodedExample, collate, encode, generate
+    from ntl_scale.integrations.hf import ntl_trainer_class
+    from ntl_scale.training.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer, vocab_size=96)
+
+    def rows(seed: int) -> list[dict]:  # every token a label (a pretraining text), 4 rows
+        encoded = [encode(tokenizer, e, max_length=48) for e in generate(4, seed=seed)]
+        return [{"input_ids": e.input_ids, "labels": list(e.input_ids)} for e in encoded]
+
+    def collator(batch: list[dict]) -> dict:
+        return collate([EncodedExample(r["input_ids"], r["labels"]) for r in batch], tokenizer.pad_token_id)
+
+    train_rows, eval_rows = rows(0), rows(1)
+    config = transformers.LlamaConfig(vocab_size=96, **{**TINY, "hidden_size": 32, "intermediate_size": 64})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).double()
+    smoothing, z_weight = (0.1, 1e-2) if features else (0.0, 0.0)
+    options = ntl_scale.NTLOptions(label_smoothing=smoothing, z_loss_weight=z_weight)
+    train_want = _trainer_reference(model, collator(train_rows), vocab, smoothing=smoothing, z_loss_weight=z_weight)
+    eval_want = _trainer_reference(model, collator(eval_rows), vocab)  # evaluation: the plain CE
+    assert abs(train_want["ce"] - eval_want["ce"]) > 1e-3  # a mix of the two would show
+    if chunked:
+        apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3, options=options, chunked=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=6,
+        learning_rate=0.0, optim="sgd", lr_scheduler_type="constant", logging_strategy="steps", logging_steps=2,
+        eval_strategy="steps", eval_steps=2, save_strategy="no", use_cpu=True, report_to=[],
+        remove_unused_columns=False, seed=0,
+    )  # fmt: skip
+    trainer = ntl_trainer_class()(
+        model=model, args=args, data_collator=collator, train_dataset=train_rows, eval_dataset=eval_rows,
+        number_vocab=vocab, ntl_weight=0.3, ntl_options=options,
+    )  # fmt: skip
+    trainer.train()
+    history = trainer.state.log_history
+    train_logs = [log for log in history if "loss" in log]
+    eval_logs = [log for log in history if "eval_loss" in log]
+    assert [log["step"] for log in train_logs] == [2, 4, 6] and [log["step"] for log in eval_logs] == [2, 4, 6]
+    # ce and ntl of every log first (the mix showed in those of steps 4 and 6), then the metrics added with the fix
+    names = ("ce", "ntl", "number_accuracy", "z_loss") if features else ("ce", "ntl", "number_accuracy")
+    for name, log in [(name, log) for name in names for log in train_logs]:
+        assert abs(log[name] - train_want[name]) <= 1e-10 * max(1.0, abs(train_want[name])), (name, log)
+    for log in train_logs:
+        assert ("z_loss" in log) == features and not any(key.startswith("eval_") for key in log), log
+    for log in eval_logs:
+        for name in ("ce", "ntl", "number_accuracy"):
+            got = log[f"eval_{name}"]
+            assert abs(got - eval_want[name]) <= 1e-10 * max(1.0, abs(eval_want[name])), (name, log)
+        assert "eval_z_loss" not in log and "ce" not in log, log
+    # eval_loss is Trainer's mean of the per-batch losses (2 batches of 2 rows): plain CE + 0.3 NTL of each
+    halves = [_trainer_reference(model, collator(eval_rows[i : i + 2]), vocab) for i in (0, 2)]
+    want_loss = sum(h["ce"] + 0.3 * h["ntl"] for h in halves) / 2
+    for log in eval_logs:
+        assert abs(log["eval_loss"] - want_loss) <= 1e-10 * want_loss, (log, want_loss)
+
+
+def test_chunked_route_under_no_grad_is_evaluation(setup):
+    """``apply_ntl_to_hf_model(chunked=True)`` with smoothing and a z-loss, the model in training mode: a forward under
+    ``torch.no_grad()`` (a held-out loop that left the model in training mode) runs the hidden-state head with
+    the evaluation options, so its loss is the plain CE + 0.3 NTL of the model's logits (float64, torch's
+    ``F.cross_entropy``) and its sums are the evaluation totals; with gradients, the training objective."""
+    import torch.nn.functional as F
+
+    _, vocab, labels = setup
+    model = _tiny("llama", vocab.vocab_size).double().train()
+    inputs = labels.clamp_min(0)
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    z = logits.reshape(-1, logits.shape[-1])
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    valid = targets != -100
+    _, ntl, is_number = naive_per_token(z, targets, vocab)
+    ntl_mean = ntl.sum() / is_number.sum()
+    plain = F.cross_entropy(z, targets, ignore_index=-100)
+    smoothed = F.cross_entropy(z, targets, ignore_index=-100, label_smoothing=0.1)
+    z_loss = 1e-2 * torch.logsumexp(z[valid], -1).square().mean()
+    options = ntl_scale.NTLOptions(label_smoothing=0.1, z_loss_weight=1e-2)
+    installed = apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3, options=options, chunked=True, chunk_tokens=16)
+    try:
+        with torch.no_grad():
+            evaluation = model(input_ids=inputs, labels=labels).loss
+        training = model(input_ids=inputs, labels=labels).loss
+    finally:
+        remove_ntl(model)
+    torch.testing.assert_close(evaluation, plain + 0.3 * ntl_mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(training.detach(), smoothed + z_loss + 0.3 * ntl_mean, rtol=1e-12, atol=1e-12)
+    evaluated, trained = installed.pop_means(evaluation=True), installed.pop_means()
+    assert abs(evaluated["ce"] - float(plain)) <= 1e-12 * float(plain) and "z_loss" not in evaluated
+    assert abs(trained["ce"] - float(smoothed)) <= 1e-12 * float(smoothed)
+    assert abs(trained["z_loss"] - float(z_loss)) <= 1e-12 * float(z_loss)

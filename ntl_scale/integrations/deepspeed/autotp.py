@@ -63,7 +63,8 @@ def install_vocab_parallel_loss_head(
 
     The hidden states enter through DeepSpeed's column-parallel input op (identity forward, TP
     all-reduce of their gradient in the backward), so the hidden-state gradient is the sum of every
-    shard's part; the weight gradient stays local. ``head(hidden)`` is the layer's own forward.
+    shard's part; the weight gradient stays local. ``head(hidden)`` is the layer's own forward. Under
+    ``torch.no_grad()`` (held-out evaluation) the terms are ``options.for_evaluation()``'s (the plain CE).
     """
     from deepspeed.module_inject.layers import ColumnParallel
 
@@ -73,8 +74,9 @@ def install_vocab_parallel_loss_head(
         if targets is None:
             return type(layer).forward(layer, hidden)
         hidden = ColumnParallel.apply(layer.mp_group, hidden)
+        used = options if torch.is_grad_enabled() else options.for_evaluation()  # held-out: the plain CE
         terms = linear_ce_ntl(
-            hidden, layer.weight, targets, vocab, options, tp_group=layer.mp_group, chunk_tokens=chunk_tokens,
+            hidden, layer.weight, targets, vocab, used, tp_group=layer.mp_group, chunk_tokens=chunk_tokens,
             vocab_start=shard.start, proportional_grad=not options.reweigh,  # CE summed over valid targets
         )  # fmt: skip
         return tuple(terms)

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import socket
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -114,13 +113,6 @@ class Engine:
         # the model's own soft-capping (Gemma 2/3) carried to a loss built from the hidden states; refused
         # with ntl.logit_softcap on such a model, on both paths (its logits would be capped twice)
         head = head_options(model, options)
-        if train.chunked_loss and options.label_smoothing:
-            warnings.warn(
-                f"ntl.label_smoothing={options.label_smoothing} with train.chunked_loss=true: the held-out ce and "
-                "perplexities include the smoothing term (the loss head computes the training objective); the "
-                "logits path (train.chunked_loss=false) reports the model's own CE",
-                stacklevel=2,
-            )
         trained: torch.nn.Module = model
         if train.chunked_loss:  # CE + NTL from the hidden states: the logits are never materialised
             if model_cfg.kind != "causal":
@@ -197,19 +189,17 @@ class Engine:
     def heldout_terms(
         self, batch: dict[str, torch.Tensor], target: torch.Tensor
     ) -> tuple[PerTokenTerms, torch.Tensor | None]:
-        """:meth:`forward_terms` and, on the logits path, the per-token absolute error of the expected
-        value over the number tokens (NTL-MAE of the same logits; ``None`` with the chunked loss, whose
-        head computes the run's own variant only)."""
-        if self.chunked:  # the head computes the run's objective: its z-loss is taken out with the returned lse
-            terms = self.forward_terms(batch, target)
-            if self.options.z_loss_weight:
-                z_loss = self.options.z_loss_weight * terms.lse.square()
-                valid = target.reshape(terms.ce.shape) != self.options.ignore_index
-                terms = terms._replace(ce=terms.ce - torch.where(valid, z_loss, torch.zeros_like(z_loss)))
-            return terms, None
-        logits = self.ds(**self.model_inputs(batch, target)).logits
-        mae = self.terms_of_logits(logits, target, NTLOptions(loss="mae"), need_ce=False).ntl
-        return self.terms_of_logits(logits, target, self.options.for_evaluation()), mae
+        """Per-token terms of one held-out micro-batch without gradients, CE being the plain cross entropy of
+        the (capped) logits (:meth:`~ntl_scale.NTLOptions.for_evaluation`: no label smoothing, no z-loss; NTL
+        as in training), and, on the logits path, the per-token absolute error of the expected value over the
+        number tokens (NTL-MAE of the same logits; ``None`` with the chunked loss, whose head computes the
+        run's own variant only). The chunked head computes the evaluation terms itself under no_grad."""
+        with torch.no_grad():
+            if self.chunked:
+                return self.forward_terms(batch, target), None
+            logits = self.ds(**self.model_inputs(batch, target)).logits
+            mae = self.terms_of_logits(logits, target, NTLOptions(loss="mae"), need_ce=False).ntl
+            return self.terms_of_logits(logits, target, self.options.for_evaluation()), mae
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:

@@ -16,7 +16,7 @@ from ...options import NTLOptions
 from ...terms import PerTokenTerms
 from ...training.config import NTLConfig
 
-__all__ = ["global_counts", "loss_from_terms", "shift_for_causal"]
+__all__ = ["global_counts", "loss_from_terms", "shift_for_causal", "z_loss_sum"]
 
 
 def shift_for_causal(labels: torch.Tensor) -> torch.Tensor:
@@ -69,14 +69,28 @@ def loss_from_terms(
     Returns the loss and its logging sums ``[ce_sum, ntl_sum, tokens, numbers, hits]`` as one float64
     tensor on the loss's device: nothing is read on the host here, so a training step queues its
     micro-batches without waiting for the device; the caller adds them up and reads them once per step.
+    ``ce_sum`` is the CE term without the z-loss (label-smoothed with ``ntl.label_smoothing``, as it is
+    optimised); the z-loss part is :func:`z_loss_sum`'s, logged apart.
     """
-    sums = micro_batch_sums(terms, targets != -100)
+    valid = targets != -100
+    sums = micro_batch_sums(terms, valid)
     if ntl.normalization == "global":
         if counts is None:
             raise ValueError("ntl.normalization=global needs the step's global counts")
         loss = objective(sums, counts, ntl.weight, scale=scale)  # scale: the engine's ga x dp, undone by it
     else:
         loss = objective(sums, (sums.tokens, sums.numbers), ntl.weight)
-    stats = torch.stack([sums.ce.detach().double(), sums.ntl.detach().double(), sums.tokens.double(),
+    ce_sum = sums.ce.detach().double() - z_loss_sum(terms, targets, ntl.options().z_loss_weight)
+    stats = torch.stack([ce_sum, sums.ntl.detach().double(), sums.tokens.double(),
                          sums.numbers.double(), sums.hits.double()])  # fmt: skip
     return loss, stats
+
+
+def z_loss_sum(terms: PerTokenTerms, targets: torch.Tensor, z_loss_weight: float) -> torch.Tensor:
+    """The z-loss part of a micro-batch's CE term, ``z_loss_weight * sum lse**2`` over its targets that are
+    not ignored (float64 0-d, detached, on the terms' device; no host read): what the training ``z_loss``
+    logs (per target token), apart from ``ce``."""
+    if not z_loss_weight:
+        return torch.zeros((), dtype=torch.float64, device=terms.ce.device)
+    valid = (targets != -100).reshape(terms.lse.shape)
+    return z_loss_weight * (terms.lse.detach().double().square() * valid).sum()

@@ -44,7 +44,7 @@ from .checkpointer import Checkpointer
 from .engine import Engine
 from .heldout import Evaluator, heldout_micro_batches
 from .resolved import RESOLVED_FILE, accelerator_has_bf16, resolve_run
-from .steps import global_counts, loss_from_terms, ntl_options
+from .steps import global_counts, loss_from_terms, ntl_options, z_loss_sum
 
 __all__ = ["Trainer"]
 
@@ -149,7 +149,9 @@ class Trainer:
         data_s = time.perf_counter() - step_start
         targets = [engine.targets_of(b) for b in batches]
         counts = global_counts(targets, self.vocab, None if dp == 1 else engine.dp_group, self.options)
-        sums = torch.zeros(len(STEP_SUMS), dtype=torch.float64, device=self.device)
+        z_weight = self.options.z_loss_weight
+        # STEP_SUMS, then the z-loss sum (logged apart from ce as z_loss)
+        sums = torch.zeros(len(STEP_SUMS) + 1, dtype=torch.float64, device=self.device)
         for batch, target in zip(batches, targets):
             terms = engine.forward_terms(batch, target)
             loss, stats = loss_from_terms(terms, target, cfg.ntl, counts=counts, scale=ga * dp)
@@ -157,10 +159,15 @@ class Trainer:
             sums[:5] += stats
             sums[5] += tokens_read(batch, cfg.model.kind)
             sums[6] += engine.flops.of_batch(batch)
+            sums[7] += z_loss_sum(terms, target, z_weight)
         totals = sum_over(sums, engine.dp_group).cpu().tolist()  # TP ranks hold the same sums: DP only
         seconds = time.perf_counter() - step_start  # data, forward, backward, optimizer, logging reduce
-        return self.metrics.step_row(step, totals, lr=engine.lr, grad_norm=engine.grad_norm(), seconds=seconds,
-                                     data_s=data_s)  # fmt: skip
+        row = self.metrics.step_row(step, totals[: len(STEP_SUMS)], lr=engine.lr, grad_norm=engine.grad_norm(),
+                                    seconds=seconds, data_s=data_s)  # fmt: skip
+        tokens = totals[STEP_SUMS.index("tokens")]
+        if z_weight and tokens > 0:  # the mean z-loss per target token: ce + z_loss is the objective's CE term
+            row["z_loss"] = totals[len(STEP_SUMS)] / tokens
+        return row
 
     def stop_requested(self) -> int:
         """The largest signal any rank received (0: none); every rank agrees."""

@@ -178,7 +178,10 @@ def install_linear_loss_head(
     head: torch.nn.Linear, vocab: NumberVocab, options: NTLOptions, chunk_tokens: int | None = None
 ) -> None:
     """Makes a whole (unsharded) ``nn.Linear`` output layer compute the loss: ``head(hidden, targets)``
-    returns the per-token (CE, NTL, number mask, hit) chunk by chunk; ``head(hidden)`` is unchanged.
+    returns the per-token (CE, NTL, number mask, hit, lse) chunk by chunk; ``head(hidden)`` is unchanged.
+
+    With gradients enabled the terms are ``options``' (the training objective); under ``torch.no_grad()``
+    (held-out evaluation) ``options.for_evaluation()``'s: CE is the model's plain cross entropy.
 
     Undone by :func:`remove_linear_loss_head`. For DeepSpeed AutoTP's vocabulary shard see
     :func:`ntl_scale.integrations.deepspeed.install_vocab_parallel_loss_head`.
@@ -197,13 +200,14 @@ def install_linear_loss_head(
                 "calling the output layer directly"
             )
         # the callers (apply_ntl_to_hf_model's forward, ChunkedLossCausalLM with launch/train.py) sum CE over the valid
-        # targets, so the backward may reuse the forward's weight gradient without a host-side check
+        # targets, so the backward may reuse the forward's weight gradient without a host-side check.
+        # Under no_grad (held-out evaluation) the plain CE: no label smoothing, no z-loss (the cap stays).
         terms = linear_ce_ntl(
             hidden,
             layer.weight,
             targets,
             vocab,
-            options,
+            options if torch.is_grad_enabled() else options.for_evaluation(),
             chunk_tokens=chunk_tokens,
             proportional_grad=not options.reweigh,
         )
@@ -284,7 +288,8 @@ class ChunkedLossCausalLM(torch.nn.Module):
     weight there and again for the backward, as for any layer; pass this module to
     ``deepspeed.initialize``. Granite's ``logits_scaling`` is applied to the hidden states (the map is
     linear); Gemma's soft-capping is applied to each chunk's logits as the model's forward applies it
-    (:func:`head_options`).
+    (:func:`head_options`). Under ``torch.no_grad()`` the terms are the evaluation ones (plain CE, no label
+    smoothing or z-loss: :meth:`ntl_scale.NTLOptions.for_evaluation`).
 
     Args:
         model: a ``*ForCausalLM`` with a bias-free linear output layer.

@@ -22,7 +22,12 @@ follows Hugging Face's, by what ``num_items_in_batch`` carries:
 
 Logits scaling that models apply before the loss (Granite's ``logits_scaling``) reaches the loss as
 it is; soft-capped logits are reproduced too (the loss sees the model's own logits). The terms of
-the last calls are kept (:attr:`NTLCausalLMLoss.totals`) for logging.
+the last calls are kept for logging, training and evaluation apart (:meth:`NTLCausalLMLoss.pop_means`).
+
+Training and evaluation: a call with gradients enabled is training and computes the objective with every
+option (label smoothing, z-loss); a call under ``torch.no_grad()`` (``Trainer.evaluate``, a held-out loop)
+is evaluation and computes CE without the training regularisers (:meth:`ntl_scale.NTLOptions.for_evaluation`:
+the model's own cross entropy; NTL as in training), so its loss and its ``eval_ce`` are the plain CE.
 
 For a custom loop on the logits, :func:`causal_lm_ce_with_ntl` is :func:`ntl_scale.ce_with_ntl` with
 the causal-LM label convention (:func:`shift_labels`).
@@ -44,6 +49,7 @@ from ...reductions import CENTLOutput
 from ...terms import PerTokenTerms, per_token_ce_ntl
 
 __all__ = [
+    "TOTALS",
     "NTLCausalLMLoss",
     "apply_ntl_to_hf_model",
     "causal_lm_ce_with_ntl",
@@ -54,6 +60,17 @@ __all__ = [
 ]
 
 _MARK = "_ntl_scale_loss"
+
+TOTALS = ("ce_sum", "tokens", "ntl_sum", "numbers", "hits", "z_loss_sum")
+"""The running sums of :class:`NTLCausalLMLoss` (``totals`` and ``eval_totals``), in order. ``ce_sum`` is the
+CE term the loss optimises, z-loss included; ``z_loss_sum`` is its z-loss part (0 in evaluation)."""
+
+
+def evaluating() -> bool:
+    """Whether a loss call is evaluation: gradients are off (``torch.no_grad()``, as ``Trainer.evaluate`` and
+    held-out loops run). A call that can be back-propagated is training, whatever ``model.training`` says,
+    so the objective a gradient sees never changes."""
+    return not torch.is_grad_enabled()
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -105,8 +122,10 @@ class NTLCausalLMLoss:
         if self.options.loss == "number":
             check_number_level_table(vocab)  # refused when the loss is built, not at the first step
         self.causal = causal
-        # Detached running sums since the last reset: ce_sum, tokens, ntl_sum, numbers.
-        self.totals = torch.zeros(4, dtype=torch.float64)
+        # Detached running sums since the last reset (TOTALS: ce_sum, tokens, ntl_sum, numbers, hits, z_loss_sum):
+        # the training calls' and, apart, the evaluation calls'
+        self.totals = torch.zeros(len(TOTALS), dtype=torch.float64)
+        self.eval_totals = torch.zeros(len(TOTALS), dtype=torch.float64)
 
     def targets(self, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
         """The labels each logit position predicts (shifted for causal LMs)."""
@@ -131,7 +150,7 @@ class NTLCausalLMLoss:
                 raise ValueError("NTLCausalLMLoss needs labels or shift_labels")
             shift_labels = self.targets(labels, ignore_index)
         targets = shift_labels.to(logits.device)
-        options = self.options
+        options = self.options.for_evaluation() if evaluating() else self.options
         if options.ignore_index != ignore_index:
             options = dataclasses.replace(options, ignore_index=ignore_index)
         if vocab_size is not None and logits.shape[-1] != vocab_size:
@@ -143,12 +162,28 @@ class NTLCausalLMLoss:
     def reduce(
         self, terms: PerTokenTerms, targets: torch.Tensor, num_items_in_batch: Any = None, ignore_index: int = -100
     ) -> torch.Tensor:
-        """``CE + weight * NTL`` from per-token terms, normalised by what ``num_items_in_batch`` carries."""
-        sums = micro_batch_sums(terms, targets != ignore_index)
-        step = torch.stack([sums.ce, sums.tokens, sums.ntl, sums.numbers]).detach().to(torch.float64)
-        if self.totals.device != step.device:  # kept where the loss runs: logging reads it, training never syncs
-            self.totals = self.totals.to(step.device)
-        self.totals += step
+        """``CE + weight * NTL`` from per-token terms, normalised by what ``num_items_in_batch`` carries.
+
+        The terms' sums go to :attr:`totals` (training) or, under ``torch.no_grad()``, to :attr:`eval_totals`;
+        evaluation terms are expected without the training regularisers (``options.for_evaluation()``, as
+        :meth:`__call__` and the hidden-state head compute them there).
+        """
+        valid = targets != ignore_index
+        sums = micro_batch_sums(terms, valid)
+        evaluation = evaluating()
+        z_weight = 0.0 if evaluation else self.options.z_loss_weight
+        if z_weight:  # the z-loss part of the CE term: logged apart as z_loss, out of the logged ce
+            z_sum = z_weight * (terms.lse.detach().double().square() * valid).sum()
+        else:
+            z_sum = torch.zeros((), dtype=torch.float64, device=sums.ce.device)
+        step = torch.stack([sums.ce.detach().double(), sums.tokens.double(), sums.ntl.detach().double(),
+                            sums.numbers.double(), sums.hits.double(), z_sum])  # fmt: skip
+        name = "eval_totals" if evaluation else "totals"
+        totals = getattr(self, name)
+        if totals.device != step.device:  # kept where the loss runs: logging reads it, training never syncs
+            totals = totals.to(step.device)
+            setattr(self, name, totals)
+        totals += step
         counts = num_items_in_batch
         if counts is None:  # the micro-batch normalisation
             return objective(sums, (sums.tokens, sums.numbers), self.ntl_weight)
@@ -161,17 +196,30 @@ class NTLCausalLMLoss:
         step_numbers = sums.numbers * tokens / sums.tokens.clamp_min(1)
         return objective(sums, (tokens, step_numbers), self.ntl_weight)
 
-    def pop_means(self, reduce: Any = None) -> dict[str, float]:
-        """``{"ce": ..., "ntl": ...}`` means since the last call, then resets.
+    def pop_means(self, reduce: Any = None, *, evaluation: bool = False) -> dict[str, float]:
+        """The means since the last call, then resets: ``ce``, ``ntl``, ``number_accuracy`` and, when the
+        options have a z-loss (training only), ``z_loss``.
+
+        ``ce`` is the mean CE per label token without the z-loss: in training the CE the loss optimises
+        (label-smoothed with ``label_smoothing``), in evaluation the plain CE. ``z_loss`` is the mean of
+        ``z_loss_weight * logsumexp**2`` over the same tokens (the objective's CE term is ``ce + z_loss``).
+        ``ntl`` is the mean NTL per NTL position; ``number_accuracy`` the share of NTL positions whose label
+        is the arg-max over the whole vocabulary.
 
         Args:
-            reduce: sums the 4 running totals across processes (e.g. ``accelerator.reduce(t, "sum")``, a
+            reduce: sums the running totals across processes (e.g. ``accelerator.reduce(t, "sum")``, a
                 collective every process must call); None: this process's batches only.
+            evaluation: the evaluation calls' totals (made under ``torch.no_grad()``) instead of training's.
         """
-        totals = self.totals if reduce is None else reduce(self.totals.clone())
-        ce_sum, tokens, ntl_sum, numbers = totals.tolist()  # the one host read, at logging
-        self.totals.zero_()
-        return {"ce": ce_sum / max(tokens, 1.0), "ntl": ntl_sum / max(numbers, 1.0)}
+        own = self.eval_totals if evaluation else self.totals
+        totals = own if reduce is None else reduce(own.clone())
+        ce_sum, tokens, ntl_sum, numbers, hits, z_sum = totals.tolist()  # the one host read, at logging
+        own.zero_()
+        tokens, numbers = max(tokens, 1.0), max(numbers, 1.0)
+        means = {"ce": (ce_sum - z_sum) / tokens, "ntl": ntl_sum / numbers, "number_accuracy": hits / numbers}
+        if self.options.z_loss_weight and not evaluation:
+            means["z_loss"] = z_sum / tokens
+        return means
 
 
 def apply_ntl_to_hf_model(

@@ -68,8 +68,11 @@ def ntl_trainer_class(base: Any = None) -> Any:
     Returns:
         The subclass; its constructor takes ``number_vocab``, ``ntl_weight`` (0.3), ``ntl_options``
         (an :class:`ntl_scale.NTLOptions`) and ``causal`` (True: labels are shifted inside, as
-        Hugging Face causal LMs do) besides the usual Trainer arguments. Logs gain ``ce`` and ``ntl``
-        (the means over all processes since the previous log).
+        Hugging Face causal LMs do) besides the usual Trainer arguments. Training logs gain ``ce``, ``ntl``,
+        ``number_accuracy`` and, with a z-loss, ``z_loss``: the means over all processes of the training
+        batches since the previous log (:meth:`~ntl_scale.integrations.hf.loss.NTLCausalLMLoss.pop_means`;
+        ``ce`` without the z-loss, label-smoothed as optimised). ``evaluate()`` adds ``eval_ce`` (the plain
+        CE), ``eval_ntl`` and ``eval_number_accuracy`` of its own batches (any ``metric_key_prefix``).
     """
     transformers = require("transformers", "hf", "ntl_scale.integrations.hf.ntl_trainer_class")
     from .chunked import head_options
@@ -153,12 +156,32 @@ def ntl_trainer_class(base: Any = None) -> Any:
                 self._shift_labels = inputs.pop("shift_labels", None)
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
+        def _reduce(self) -> Any:
+            """Sums the loss's running totals over the processes (a collective), or None in one process."""
+            if self.args.world_size <= 1:
+                return None
+            return lambda totals: self.accelerator.reduce(totals, "sum")
+
+        def evaluation_loop(
+            self,
+            dataloader: Any,
+            description: str,
+            prediction_loss_only: bool | None = None,
+            ignore_keys: list[str] | None = None,
+            metric_key_prefix: str = "eval",
+        ) -> Any:
+            # The loop's calls run under no_grad: the loss keeps their sums apart from training's (and computes
+            # the plain CE); they are this loop's metrics, never the next training log's.
+            self.ntl_loss.eval_totals.zero_()  # a no-grad call outside a loop is not this loop's
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)  # fmt: skip
+            means = self.ntl_loss.pop_means(self._reduce(), evaluation=True)  # every process runs the loop
+            output.metrics.update({f"{metric_key_prefix}_{name}": value for name, value in means.items()})
+            return output
+
         def log(self, logs: dict, *args: Any, **kwargs: Any) -> None:
             if "loss" in logs:  # every process logs a training step (Trainer gathers the loss there too)
-                reduce = None
-                if self.args.world_size > 1:
-                    reduce = lambda totals: self.accelerator.reduce(totals, "sum")  # noqa: E731
-                logs = {**logs, **self.ntl_loss.pop_means(reduce)}
+                logs = {**logs, **self.ntl_loss.pop_means(self._reduce())}
             super().log(logs, *args, **kwargs)
 
     return NTLTrainer
