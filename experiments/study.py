@@ -743,9 +743,15 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for arm, dirs in runs.items():
         curves = [_read_jsonl(os.path.join(d, "metrics.jsonl")) for d in dirs]
-        steps = [r["step"] for r in curves[0]]
         for ax, key in zip(axes, ("ce", "ntl")):
-            ax.plot(steps, [statistics.fmean(c[i][key] for c in curves) for i in range(len(steps))], label=arm)
+            # per step, the mean over the seeds that logged it (a step without such tokens has no value: metrics.py)
+            by_step: dict[int, list[float]] = {}
+            for curve in curves:
+                for row in curve:
+                    if key in row:
+                        by_step.setdefault(row["step"], []).append(row[key])
+            steps = sorted(by_step)
+            ax.plot(steps, [statistics.fmean(by_step[step]) for step in steps], label=arm)
     # each arm logs the NTL term of its own loss (the CE arm: NTL-WAS at weight 0, logged only)
     for ax, title in zip(axes, ("cross entropy", "NTL term of the arm's loss")):
         ax.set_title(title)
