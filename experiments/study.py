@@ -567,7 +567,8 @@ def paired_tests(
                     continue
                 a, b = table[arm][split][metric]["seeds"], table[baseline][split][metric]["seeds"]
                 test = seed_stats.seed_test(a, b, metric)
-                result[metric] = {k: test[k] for k in ("n", "mean_diff", "ci95", "p_seed_t", "p_sign_flip")}
+                kept = ("n", "mean_diff", "ci95", "p_seed_t", "p_sign_flip", "no_spread")
+                result[metric] = {k: test[k] for k in kept}
             if split == "heldout" or split.startswith("heldout:"):
                 first, stop = (groups or {}).get(split.partition(":")[2], (0, None))
                 _sequence_tests(result, dirs, runs[baseline], slice(first, stop))
@@ -657,10 +658,8 @@ def markdown(table: dict[str, Any], preset_path: str, seeds: list[int], tests: d
 
 
 def _interval(t: dict[str, Any]) -> str:
-    low, high = t.get("ci95", [math.nan, math.nan])
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return f"{t['mean_diff']:+.4g}"
-    return f"{t['mean_diff']:+.4g} [{low:+.4g}, {high:+.4g}]"
+    """The mean difference and its interval; equal per-seed differences: "no spread over n seeds" (no interval)."""
+    return seed_stats.interval_text(t)
 
 
 def _tests_markdown(tests: dict[str, Any], split: str, baseline: str, metrics: Any) -> list[str]:
