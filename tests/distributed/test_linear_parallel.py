@@ -104,8 +104,8 @@ def _check_z_loss(ctx, vocab, labels, hidden64, weight64, rows, dtype, tol) -> N
         _, ntl, mask = naive_per_token(logits, labels, vocab)
         loss = (ce.view_as(lse) + lse**2)[valid].mean() + 0.3 * ntl[mask].mean()
         loss.backward()
-        effective = 1 + 2 * lse.detach()[valid]
-        assert float(effective.max()) < 0 if regime == "negative" else float(effective.min()) < 0 < float(effective.max())
+        low, high = float((1 + 2 * lse.detach()[valid]).min()), float((1 + 2 * lse.detach()[valid]).max())
+        assert high < 0 if regime == "negative" else low < 0 < high  # the effective weights' signs
         hidden = h64.to(dtype).clone().requires_grad_()
         shard = w64[rows].to(dtype).contiguous().requires_grad_()
         out = linear_ce_with_ntl(hidden, shard, labels, vocab, tp_group=ctx.tp_group, chunk_tokens=5, z_loss_weight=1.0)
