@@ -295,6 +295,61 @@ def test_chunked_z_loss_gradients_for_either_sign_of_the_effective_weights(z_wei
         _close(weight.grad, w_ref.grad, tol, "weight grad " + what)
 
 
+def _tied_at_the_cap() -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Logits ``[2, V]`` whose two largest raw values, 20 and 24 at a cap of 2, both round to the cap in fp32
+    (``tanh(10)`` and ``tanh(12)`` are 1 - 4e-9 and 1 - 8e-11: 1.0 in fp32, apart in fp64): in row 0 the label (7)
+    has the smaller raw logit and the lower index, in row 1 (label 9) the smaller raw logit and the higher index."""
+    logits = torch.linspace(-3.0, 3.0, V, dtype=torch.float64).repeat(2, 1)
+    logits[0, 7], logits[0, 9] = 20.0, 24.0
+    logits[1, 9], logits[1, 7] = 20.0, 24.0
+    return logits, torch.tensor([7, 9]), 2.0
+
+
+def test_a_tie_at_the_soft_cap_is_a_hit_by_the_same_rule_in_every_op():
+    """Issue 51, item 5: capped logits that round to the same fp32 value (the cap) while the raw ones differ. The
+    documented rule (docs/math.md, "Number accuracy"): a hit is the label's (capped) logit equal to the largest of
+    the vocabulary, as the op rounds them; a tie counts for every tied label. Checked on the logits op and the chunked
+    op (fp32), against that rule written here on the capped fp32 logits; torch.argmax, whose first index wins a tie,
+    and the raw logits' arg-max differ on row 1 (what the rule does not claim: the accuracy is at most the share of
+    positions tied with another token above torch.argmax's)."""
+    logits, labels, cap = _tied_at_the_cap()
+    capped32 = (cap * torch.tanh(logits / cap)).float()
+    assert torch.equal(capped32[:, 7], capped32[:, 9]) and not torch.equal(logits[:, 7], logits[:, 9])
+    rule = capped32.gather(1, labels.unsqueeze(1)).squeeze(1) == capped32.amax(-1)
+    assert rule.tolist() == [True, True]
+    assert (capped32.argmax(-1) == labels).tolist() == [True, False]  # torch.argmax: the first tied index
+    assert (logits.argmax(-1) == labels).tolist() == [False, False]  # the raw logits: the other token wins
+    options = NTLOptions(logit_softcap=cap)
+    hit_logits = ntl_scale.per_token_ce_ntl(logits.float(), labels, _vocab(), options).hit
+    eye = torch.eye(2, dtype=torch.float32)  # hidden @ weight.T is the logits exactly (products with 1 and 0)
+    hit_chunked = ntl_scale.linear_ce_ntl(eye, logits.float().T.contiguous(), labels, _vocab(), options).hit
+    assert hit_logits.tolist() == rule.tolist() == hit_chunked.tolist()
+    accuracy = ntl_scale.ce_with_ntl(logits.float(), labels, _vocab(), logit_softcap=cap).number_accuracy
+    assert float(accuracy) == 1.0
+
+
+def test_a_tie_across_vocabulary_shards_is_a_hit_on_every_rank():
+    """The same rule under tensor parallelism (two shards in threads, the all-reduces in memory): the tied columns 7
+    and 9 on different shards (shard 0 holds ids 0-8), the hit from z_y and the global max alike on both ranks."""
+    from tests.helpers.distributed import run_ranks_in_threads
+
+    logits, labels, cap = _tied_at_the_cap()
+    logits = logits[:, :36]  # an even split: columns 0-17 and 18-35; move column 9 onto the second shard
+    logits[:, [9, 20]] = logits[:, [20, 9]]
+    labels = torch.where(labels == 9, 20, labels)
+    capped32 = (cap * torch.tanh(logits / cap)).float()
+    rule = (capped32.gather(1, labels.unsqueeze(1)).squeeze(1) == capped32.amax(-1)).tolist()
+    vocab = ntl_scale.NumberVocab(list(range(5, 15)), list(range(10)), 36)
+
+    def rank(r: int) -> list[bool]:
+        shard = logits[:, 18 * r : 18 * (r + 1)].float()
+        terms = ntl_scale.per_token_ce_ntl(shard, labels, vocab, NTLOptions(logit_softcap=cap), tp_group=object())
+        return terms.hit.tolist()
+
+    results, _ = run_ranks_in_threads(rank, 2)
+    assert rule == [True, True] and results[0] == results[1] == rule
+
+
 # ------------------------------------------------------------------------------------ 4. kernels, surfaces
 
 

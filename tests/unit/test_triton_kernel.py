@@ -640,6 +640,27 @@ def test_z_loss_with_negative_effective_weights_on_the_kernels(kernels_on_cpu, s
     assert kernels_on_cpu["stats"] > 0
 
 
+def test_a_tie_at_the_maximum_is_a_hit_on_the_kernels_as_in_the_pytorch_code(kernels_on_cpu):
+    """Issue 51, item 5 (docs/math.md, "Number accuracy"): a hit is the label's logit equal to the vocabulary's
+    largest, a tie counting for every tied label. The kernels (no soft-capping: a tie of equal logits) give the
+    same hits as the PyTorch code and as that rule written here; torch.argmax (first index) differs on row 1."""
+    import ntl_scale
+
+    vocab, labels, hidden, weight = _op_problem(torch.float32)
+    logits = (hidden @ weight.t()).contiguous()
+    labels = labels.clone()
+    labels[:2] = torch.tensor([61, 64])
+    logits[:2, 61] = logits[:2, 64] = float(logits.max()) + 1.0  # rows 0 and 1: columns 61 and 64 tie at the max
+    rule = logits.gather(1, labels.clamp_min(0).unsqueeze(1)).squeeze(1) == logits.amax(-1)
+    assert rule[:2].tolist() == [True, True] and (logits[:2].argmax(-1) == labels[:2]).tolist() == [True, False]
+    hits = {}
+    for impl in ("torch", "triton"):
+        options = ntl_scale.NTLOptions(impl=impl)
+        hits[impl] = ntl_scale.per_token_ce_ntl(logits.to(DEVICE), labels.to(DEVICE), vocab, options).hit.cpu()
+    assert torch.equal(hits["triton"], hits["torch"]) and torch.equal(hits["torch"], rule & (labels != -100))
+    assert kernels_on_cpu["stats"] > 0
+
+
 def test_linear_ce_with_ntl_without_gradients_launches_the_statistics_only(kernels_on_cpu):
     """Issue 29, item 8, on the kernel path: under ``no_grad`` no chunk writes its softmax (that feeds
     only the gradient matmuls); the loss is the float64 reference's and the with-gradient call's."""
