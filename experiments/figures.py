@@ -167,8 +167,8 @@ def sweep_figure(sweep: dict[str, Any], path: str) -> str:
                 grid = [min(xs), max(xs)]
                 ax.plot(grid, [trend["intercept"] + trend["slope"] * math.log10(g) for g in grid],
                         linestyle=":", color=f"C{k + 1}", linewidth=1)  # fmt: skip
-                verdicts += [f"{arm}: {trend['slope']:+.2f} [{trend['low']:+.2f}, {trend['high']:+.2f}] per 10x",
-                             f"{trend['verdict']}"]  # fmt: skip
+                bounds = "(no spread)" if trend.get("no_spread") else f"[{trend['low']:+.2f}, {trend['high']:+.2f}]"
+                verdicts += [f"{arm}: {trend['slope']:+.2f} {bounds} per 10x", f"{trend['verdict']}"]
         ax.axhline(0, color="0.3", linewidth=0.8)
         ax.set_xscale("log")
         sizes = sweep["sizes"]  # ticks at the sizes, named as the tables name them
@@ -227,7 +227,8 @@ def factorial_figure(sweep: dict[str, Any], path: str) -> str:
                                 label=f"{size}" + (f" ({arm})" if len(sweep["arms"]) > 1 else ""))  # fmt: skip
                 fit = sweep.get("factorial", {}).get("slopes", {}).get(arm, {}).get(size, {}).get(key)
                 if fit:
-                    notes.append(f"{size}: {fit['slope']:+.2f} [{fit['low']:+.2f}, {fit['high']:+.2f}]/doubling")
+                    bounds = "(no spread)" if fit.get("no_spread") else f"[{fit['low']:+.2f}, {fit['high']:+.2f}]"
+                    notes.append(f"{size}: {fit['slope']:+.2f} {bounds}/doubling")
         ax.axhline(0, color="0.3", linewidth=0.8)
         ax.set_xscale("log", base=2)
         levels = sorted({row["tokens_per_parameter"] for row in rows})

@@ -101,22 +101,55 @@ def holm(pvalues: Mapping[Any, float], family: int | None = None) -> dict[Any, f
     return out
 
 
+def no_spread(values: Sequence[float], scale: float | None = None) -> bool:
+    """Whether two or more values are all equal up to rounding (within ``1e-12 * scale``; default: their
+    largest magnitude): no spread, so no interval and no test, only the note :func:`spread_note`."""
+    clean = [float(v) for v in values if v is not None and math.isfinite(v)]
+    if len(clean) < 2:
+        return False
+    scale = max(abs(v) for v in clean) if scale is None else scale
+    return max(clean) - min(clean) <= 1e-12 * scale
+
+
+def spread_note(n: int) -> str:
+    """What a test of ``n`` equal per-seed differences says instead of an interval and a verdict."""
+    return f"no spread over {n} seeds"
+
+
 def seed_test(arm: Sequence[float | None], baseline: Sequence[float | None], metric: str) -> dict[str, Any]:
-    """One arm against the baseline on one metric, paired by seed (index)."""
+    """One arm against the baseline on one metric, paired by seed (index).
+
+    Per-seed differences that are all equal (up to rounding) have no spread: a t-interval of width 0 and
+    no t-test would read as certainty, so ``ci95`` is ``[nan, nan]``, ``p_seed_t`` NaN (no test, out of any
+    Holm family) and ``no_spread`` True (say :func:`spread_note`, never a verdict). The sign-flip p is
+    still exact (every seed's difference has the same sign, or is 0: p = 1)."""
     from scipy import stats
 
     pairs = [(float(x), float(y)) for x, y in zip(arm, baseline)
              if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)]  # fmt: skip
     diffs = [x - y for x, y in pairs]
     mean, low, high = t_interval(diffs, bounds=difference_range(metric))
-    if len(diffs) < 2:
+    scale = max((abs(x) + abs(y) for x, y in pairs), default=0.0)
+    flat = no_spread(diffs, scale)  # equal differences up to rounding: no interval, no test
+    if len(diffs) < 2 or flat:
         low = high = math.nan
     p_t = math.nan
-    scale = max((abs(x) + abs(y) for x, y in pairs), default=0.0)
-    if len(diffs) > 1 and max(diffs) - min(diffs) > 1e-12 * scale:  # equal differences up to rounding: no test
+    if len(diffs) > 1 and not flat:
         p_t = float(stats.ttest_rel([x for x, _ in pairs], [y for _, y in pairs]).pvalue)
     return {"n": len(diffs), "diffs": diffs, "mean_diff": mean, "ci95": [low, high], "p_seed_t": p_t,
-            "p_sign_flip": sign_flip_p(diffs) if diffs else math.nan}  # fmt: skip
+            "p_sign_flip": sign_flip_p(diffs) if diffs else math.nan, "no_spread": flat}  # fmt: skip
+
+
+def interval_text(t: Mapping[str, Any], number: Any = None) -> str:
+    """``diff [low, high]`` of a :func:`seed_test`, or ``diff (no spread over n seeds)``, or ``diff`` alone
+    (one seed). ``number``: the formatter of one value (default ``+.4g``)."""
+    fmt = number or (lambda x: "n/a" if not math.isfinite(x) else f"{x:+.4g}")
+    low, high = t.get("ci95", [math.nan, math.nan])
+    if t.get("no_spread"):
+        return f"{fmt(t['mean_diff'])} ({spread_note(t['n'])})"
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return fmt(t["mean_diff"])
+    return f"{fmt(t['mean_diff'])} [{fmt(low)}, {fmt(high)}]"
 
 
 def seed_tests(summary: dict[str, Any]) -> dict[str, Any]:
@@ -195,10 +228,8 @@ def markdown(tested: dict[str, Any]) -> str:
         for arm, by_split in by_arm.items():
             for split, by_metric in by_split.items():
                 for metric, t in by_metric.items():
-                    low, high = t["ci95"]
-                    lines.append(f"| {against} | {arm} | {split} | {metric} | {t['n']} | {_g(t['mean_diff'])} "
-                                 f"[{_g(low)}, {_g(high)}] | {_p(t['p_seed_t'])} | {_p(t['p_holm'])} | "
-                                 f"{_p(t['p_sign_flip'])} |")  # fmt: skip
+                    lines.append(f"| {against} | {arm} | {split} | {metric} | {t['n']} | {interval_text(t, _g)} | "
+                                 f"{_p(t['p_seed_t'])} | {_p(t['p_holm'])} | {_p(t['p_sign_flip'])} |")  # fmt: skip
     if tested.get("declared_family"):
         lines += ["", f"The preset's declared family ({len(tested['declared_family'])} tests; Holm over them, a "
                       "missing test counted at p = 1):", "", "| against | arm | split | metric | t-test p | Holm p, "

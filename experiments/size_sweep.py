@@ -164,12 +164,12 @@ def difference(results: dict[str, Any], arm: str, baseline: str, key: str) -> di
     scale = 100.0 / statistics.fmean(y for _, y in pairs) if relative else 100.0
     seeds = [(x - y) * scale for x, y in pairs]
     mean, low, high = seed_stats.t_interval(seeds, bounds=RANGES[key])
-    if len(seeds) < 2:  # one seed: a difference, no interval (not a zero-width one)
-        low = high = math.nan
     # the test is seed_stats' (differences equal but for rounding get none; a t-test is scale-free)
-    p = seed_stats.seed_test([x for x, _ in pairs], [y for _, y in pairs], metric)["p_seed_t"]
-    return {"seeds": seeds, "mean": mean, "low": low, "high": high, "p_seed_t": p,
-            "p_sign_flip": seed_stats.sign_flip_p(seeds), "n": len(pairs)}  # fmt: skip
+    test = seed_stats.seed_test([x for x, _ in pairs], [y for _, y in pairs], metric)
+    if len(seeds) < 2 or test["no_spread"]:  # one seed, or no spread: no interval (not a zero-width one)
+        low = high = math.nan
+    return {"seeds": seeds, "mean": mean, "low": low, "high": high, "p_seed_t": test["p_seed_t"],
+            "p_sign_flip": seed_stats.sign_flip_p(seeds), "n": len(pairs), "no_spread": test["no_spread"]}  # fmt: skip
 
 
 def trend(points: list[tuple[float, float]]) -> dict[str, Any] | None:
@@ -181,9 +181,10 @@ def trend(points: list[tuple[float, float]]) -> dict[str, Any] | None:
 
     if len({x for x, _ in points}) < 2 or len(points) < 3:
         return None
-    if len({y for _, y in points}) < 2:  # the same difference at every seed and size: nothing to fit
-        return {"slope": 0.0, "low": 0.0, "high": 0.0, "intercept": points[0][1], "p": math.nan,
-                "n": len(points), "verdict": "no difference at any size"}  # fmt: skip
+    if seed_stats.no_spread([y for _, y in points]):  # the same difference at every seed and size: nothing to fit
+        verdict = f"not given: no spread over {len(points)} seeds (every difference {points[0][1]:+.3g})"
+        return {"slope": 0.0, "low": math.nan, "high": math.nan, "intercept": points[0][1], "p": math.nan,
+                "n": len(points), "no_spread": True, "verdict": verdict}  # fmt: skip
     fit = stats.linregress([math.log10(x) for x, _ in points], [y for _, y in points])
     half = float(stats.t.ppf(0.975, len(points) - 2)) * float(fit.stderr)
     slope = float(fit.slope)
@@ -217,6 +218,9 @@ def slope_per_doubling(points: list[tuple[float, float]]) -> dict[str, Any] | No
 
     if len({x for x, _ in points}) < 2 or len(points) < 3:
         return None
+    if seed_stats.no_spread([y for _, y in points]):  # every difference the same: no interval, no test
+        return {"slope": 0.0, "low": math.nan, "high": math.nan, "intercept": points[0][1], "p": math.nan,
+                "n": len(points), "no_spread": True}  # fmt: skip
     fit = stats.linregress([math.log2(x) for x, _ in points], [y for _, y in points])
     half = float(stats.t.ppf(0.975, len(points) - 2)) * float(fit.stderr)
     return {"slope": float(fit.slope), "low": float(fit.slope) - half, "high": float(fit.slope) + half,
@@ -232,8 +236,9 @@ def contrast(a: list[float], b: list[float]) -> dict[str, Any] | None:
         return None
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     diff = statistics.fmean(a) - statistics.fmean(b)
-    if va + vb == 0:
-        return {"diff": diff, "low": diff, "high": diff, "p": math.nan, "df": math.nan, "n": [len(a), len(b)]}
+    if va + vb == 0:  # no spread in either cell: no interval (not a zero-width one), no test, no reading
+        return {"diff": diff, "low": math.nan, "high": math.nan, "p": math.nan, "df": math.nan, "n": [len(a), len(b)],
+                "no_spread": True}  # fmt: skip
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     half = float(stats.t.ppf(0.975, df)) * math.sqrt(va + vb)
     p = float(stats.ttest_ind(a, b, equal_var=False).pvalue)
@@ -243,7 +248,7 @@ def contrast(a: list[float], b: list[float]) -> dict[str, Any] | None:
 def _reading(low: float, high: float, better: int, p_holm: float, smaller: str, larger: str) -> str:
     """The pre-registered reading of an interval on a gain's change: ``smaller`` where the interval
     lies wholly on the side of a smaller gain and Holm's p < 0.05, ``larger`` on the other side, else
-    not resolved."""
+    not resolved (also with no interval: one seed, or no spread)."""
     if not (math.isfinite(low) and math.isfinite(high)) or not math.isfinite(p_holm) or p_holm >= 0.05:
         return "not resolved"
     lo, hi = sorted((low * better, high * better))
@@ -348,12 +353,21 @@ def _cell(cell: dict[str, Any] | None) -> str:
         return "-"
     if cell["n"] < 2:  # a size with one seed so far: a difference, no interval and no test
         return f"{cell['mean']:+.2f} (one seed: no interval, no test)"
+    if cell.get("no_spread"):  # every seed's difference the same: no interval, no t-test, no verdict
+        return f"{cell['mean']:+.2f} ({seed_stats.spread_note(cell['n'])}: no interval, no t-test)"
     flip = cell.get("p_sign_flip")
     extra = f"; sign-flip {figures.p_label(flip)}" if flip is not None and math.isfinite(flip) else ""
     return (
         f"{cell['mean']:+.2f} [{cell['low']:+.2f}, {cell['high']:+.2f}], "
         f"{figures.p_label(cell['p_seed_t']) or 'p n/a'}{extra}"
     )
+
+
+def _bounds(fit: dict[str, Any]) -> str:
+    """``[low, high]`` of an interval, or why there is none (no spread: every difference the same)."""
+    if fit.get("no_spread"):
+        return "(no spread: no interval)"
+    return f"[{fit['low']:+.2f}, {fit['high']:+.2f}]"
 
 
 def _tpp(row: dict[str, Any]) -> str:
@@ -384,7 +398,7 @@ def markdown(table: dict[str, Any]) -> str:
             t = table["trend"].get(arm, {}).get(key)
             if t:
                 counts = ", ".join(str((row["differences"][arm][key] or {}).get("n", 0)) for row in table["sizes"])
-                fit = f"{t['slope']:+.2f} [{t['low']:+.2f}, {t['high']:+.2f}]"
+                fit = f"{t['slope']:+.2f} " + _bounds(t)
                 p = figures.p_label(t["p"]) or "p n/a"
                 on_means = t.get("on_size_means")
                 means = ""
@@ -413,7 +427,7 @@ def _factorial_markdown(table: dict[str, Any], arm: str) -> list[str]:
             holm = figures.p_label(fit["p_holm"]) or ("(secondary)" if key not in fac["primary"] else "n/a")
             levels = ", ".join(f"{x:.1f}" for x in fit["levels"])
             lines.append(f"| {size} | {labels[key]['label']} | {levels} | {fit['n']} | {fit['slope']:+.2f} "
-                         f"[{fit['low']:+.2f}, {fit['high']:+.2f}] | {figures.p_label(fit['p']) or 'n/a'} | "
+                         f"{_bounds(fit)} | {figures.p_label(fit['p']) or 'n/a'} | "
                          f"{holm} | {fit['reading'] if key in fac['primary'] else '(secondary)'} |")  # fmt: skip
     lines += ["", "Q2, contrasts: cell a's mean difference minus cell b's, Welch's 95 % interval and p, Holm's p; "
               "reading.", "", "| contrast | a - b | difference | a - b [95 % interval] | p | Holm p | reading |",
@@ -422,7 +436,7 @@ def _factorial_markdown(table: dict[str, Any], arm: str) -> list[str]:
         for key, got in by_key.items():
             primary = key in fac["primary"]
             lines.append(f"| {name} | {got['a']} - {got['b']} | {labels[key]['label']} | {got['diff']:+.2f} "
-                         f"[{got['low']:+.2f}, {got['high']:+.2f}] | {figures.p_label(got['p']) or 'n/a'} | "
+                         f"{_bounds(got)} | {figures.p_label(got['p']) or 'n/a'} | "
                          f"{(figures.p_label(got['p_holm']) or 'n/a') if primary else '(secondary)'} | "
                          f"{got['reading'] if primary else '(secondary)'} |")  # fmt: skip
     return lines

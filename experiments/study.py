@@ -567,7 +567,8 @@ def paired_tests(
                     continue
                 a, b = table[arm][split][metric]["seeds"], table[baseline][split][metric]["seeds"]
                 test = seed_stats.seed_test(a, b, metric)
-                result[metric] = {k: test[k] for k in ("n", "mean_diff", "ci95", "p_seed_t", "p_sign_flip")}
+                kept = ("n", "mean_diff", "ci95", "p_seed_t", "p_sign_flip", "no_spread")
+                result[metric] = {k: test[k] for k in kept}
             if split == "heldout" or split.startswith("heldout:"):
                 first, stop = (groups or {}).get(split.partition(":")[2], (0, None))
                 _sequence_tests(result, dirs, runs[baseline], slice(first, stop))
@@ -657,10 +658,8 @@ def markdown(table: dict[str, Any], preset_path: str, seeds: list[int], tests: d
 
 
 def _interval(t: dict[str, Any]) -> str:
-    low, high = t.get("ci95", [math.nan, math.nan])
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return f"{t['mean_diff']:+.4g}"
-    return f"{t['mean_diff']:+.4g} [{low:+.4g}, {high:+.4g}]"
+    """The mean difference and its interval; equal per-seed differences: "no spread over n seeds" (no interval)."""
+    return seed_stats.interval_text(t)
 
 
 def _tests_markdown(tests: dict[str, Any], split: str, baseline: str, metrics: Any) -> list[str]:
@@ -743,9 +742,15 @@ def plots(runs: dict[str, list[str]], out: str) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for arm, dirs in runs.items():
         curves = [_read_jsonl(os.path.join(d, "metrics.jsonl")) for d in dirs]
-        steps = [r["step"] for r in curves[0]]
         for ax, key in zip(axes, ("ce", "ntl")):
-            ax.plot(steps, [statistics.fmean(c[i][key] for c in curves) for i in range(len(steps))], label=arm)
+            # per step, the mean over the seeds that logged it (a step without such tokens has no value: metrics.py)
+            by_step: dict[int, list[float]] = {}
+            for curve in curves:
+                for row in curve:
+                    if key in row:
+                        by_step.setdefault(row["step"], []).append(row[key])
+            steps = sorted(by_step)
+            ax.plot(steps, [statistics.fmean(by_step[step]) for step in steps], label=arm)
     # each arm logs the NTL term of its own loss (the CE arm: NTL-WAS at weight 0, logged only)
     for ax, title in zip(axes, ("cross entropy", "NTL term of the arm's loss")):
         ax.set_title(title)

@@ -131,7 +131,8 @@ class BaselineTrainer(Trainer):
         row = self.metrics.step_row(step, totals[:7], lr=engine.lr, grad_norm=engine.grad_norm(), seconds=seconds,
                                     data_s=data_s)  # fmt: skip
         row["baseline"] = totals[7] / max(digits_global, 1.0)
-        row["objective"] = row["ce"] + cfg.ntl.weight * row["ntl"] + weight * row["baseline"]
+        # each term 0 where its count is (normalization.objective); the row leaves such means out (metrics.py)
+        row["objective"] = row.get("ce", 0.0) + cfg.ntl.weight * row.get("ntl", 0.0) + weight * row["baseline"]
         return row
 
 

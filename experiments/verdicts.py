@@ -8,7 +8,8 @@ level: the mean of the per-seed differences with its 95 % t-interval clipped to 
 the paired t-test, Holm's adjustment over that study's whole family of seed-level tests (every arm x
 split x metric of its results file, :func:`seed_stats.seed_tests`, recomputed here from the per-seed
 values) and the exact sign-flip test. The reading: *shown* where Holm's p < 0.05, else *not shown*,
-with the interval as the effects the data exclude (a null excludes only what lies outside it).
+with the interval as the effects the data exclude (a null excludes only what lies outside it); per-seed
+differences that are all equal have neither interval nor test: *unresolved: no spread over n seeds*.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ def rows(verdicts: Sequence[dict[str, Any]] = VERDICTS, root: str = ".") -> list
                 base = summary["results"][baseline][split][metric]["mean"]
                 low, high = t["ci95"]
                 holm = t["p_holm"]
-                if math.isfinite(holm) and holm < 0.05:
+                if t.get("no_spread"):  # every seed's difference the same: no interval, no test, no verdict
+                    reading = "unresolved: " + seed_stats.spread_note(t["n"])
+                elif math.isfinite(holm) and holm < 0.05:
                     better = (t["mean_diff"] > 0) == higher
                     reading = "shown: " + ("better" if better else "worse")
                 else:
@@ -87,7 +90,7 @@ def rows(verdicts: Sequence[dict[str, Any]] = VERDICTS, root: str = ".") -> list
                             "label": label, "unit": unit, "scale": scale, "higher_is_better": higher,
                             "baseline_mean": base, "mean_diff": t["mean_diff"], "ci95": [low, high],
                             "p_seed_t": t["p_seed_t"], "p_holm": holm, "p_sign_flip": t["p_sign_flip"],
-                            "reading": reading})  # fmt: skip
+                            "no_spread": bool(t.get("no_spread")), "reading": reading})  # fmt: skip
     return out
 
 
@@ -106,12 +109,12 @@ def markdown(table: Sequence[dict[str, Any]]) -> str:
     lines = ["| study (file in `docs/img`) | seeds | family | arm | metric (CE's mean) | arm - CE [95 % interval] "
              "| t p | Holm p | sign-flip p | reading |", "|---|---:|---:|---|---|---|---:|---:|---:|---|"]  # fmt: skip
     for r in table:
-        low, high = r["ci95"]
         unit = f" {r['unit']}" if r["unit"] else ""
         ce = f"{r['baseline_mean'] * r['scale']:.3g}" + (" %" if r["unit"] == "points" else "")
+        test = {"mean_diff": r["mean_diff"], "ci95": r["ci95"], "n": r["seeds"], "no_spread": r.get("no_spread")}
+        diff = seed_stats.interval_text(test, lambda x, scale=r["scale"]: _num(x, scale))
         lines.append(f"| {r['study']} (`{os.path.basename(r['file'])}`) | {r['seeds']} | {r['family']} | {r['arm']} | "
-                     f"{r['label']} ({ce}) | {_num(r['mean_diff'], r['scale'])} [{_num(low, r['scale'])}, "
-                     f"{_num(high, r['scale'])}]{unit} | {_p(r['p_seed_t'])} | {_p(r['p_holm'])} | "
+                     f"{r['label']} ({ce}) | {diff}{unit} | {_p(r['p_seed_t'])} | {_p(r['p_holm'])} | "
                      f"{_p(r['p_sign_flip'])} | {r['reading']} |")  # fmt: skip
     return "\n".join(lines)
 

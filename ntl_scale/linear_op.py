@@ -716,19 +716,28 @@ def _accumulate(
 
 
 def _scale_of(u: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``s`` with ``u == s * weights``, for a caller that guarantees the proportion; on the device, no sync."""
+    """``s`` with ``u == s * weights``, for a caller that guarantees the proportion; on the device, no sync.
+
+    The pivot is the weight of largest magnitude, whatever its sign: with the z-loss the effective weights
+    ``w (1 + 2 z_weight lse)`` are negative wherever ``lse < -1 / (2 z_weight)``, possibly on every token, and
+    may be zero; ``s`` is 0 only when every weight is (then the dense part ``s G_W`` is 0 whatever ``s``).
+    """
     if u.numel() == 0:
         return torch.zeros((), dtype=u.dtype, device=u.device)
-    pivot = torch.argmax(weights).reshape(1)
+    pivot = torch.argmax(weights.abs()).reshape(1)
     at = weights.gather(0, pivot).to(u.dtype)
-    return torch.where(at > 0, u.gather(0, pivot) / torch.where(at > 0, at, 1), 0).reshape(())
+    nonzero = at != 0
+    return torch.where(nonzero, u.gather(0, pivot) / torch.where(nonzero, at, 1), 0).reshape(())
 
 
 def _common_scale(u: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-    """``s`` with ``u == s * weights`` (within rounding), or None. Host syncs: for per-token callers only."""
+    """``s`` with ``u == s * weights`` (within rounding), or None. Host syncs: for per-token callers only.
+
+    Pivots on the weight of largest magnitude, as :func:`_scale_of` (the z-loss's effective weights may all
+    be negative)."""
     if u.numel() == 0:
         return torch.zeros((), dtype=u.dtype, device=u.device)
-    pivot = int(torch.argmax(weights))
+    pivot = int(torch.argmax(weights.abs()))
     if float(weights[pivot]) == 0:
         return torch.zeros((), dtype=u.dtype, device=u.device) if not bool(u.any()) else None
     scale = u[pivot] / weights[pivot]

@@ -207,7 +207,10 @@ class ShardMath:
         smoothing ``eps`` (``sums`` ``[T, 6]``: the vocabulary's sum of logits and size ``V``),
         ``ce = lse - (1 - eps) z_y - eps/V sum_j z_j``.
         ``hit``: the label's logit is the largest of the whole vocabulary (greedy prediction is
-        right; ties count as right), known from ``z_y`` and the global max without a collective.
+        right), known from ``z_y`` and the global max without a collective. A tie at the maximum (capped
+        logits that round to the cap included) is a hit for every tied label, not ``torch.argmax``'s first
+        index: the rule of every op and kernel, documented with its reason in ``docs/math.md`` ("Number
+        accuracy").
         """
         total, target, number_total, weighted = sums[:, :4].unbind(dim=1)
         zero = torch.zeros_like(total)

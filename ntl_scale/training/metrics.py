@@ -81,19 +81,22 @@ class MetricsLogger:
 
     def step_row(self, step: int, sums: list[float], *, lr: float, grad_norm: float, seconds: float,
                  data_s: float) -> dict[str, Any]:  # fmt: skip
-        """The metrics row of optimizer step ``step`` from its :data:`STEP_SUMS` (all data-parallel ranks)."""
+        """The metrics row of optimizer step ``step`` from its :data:`STEP_SUMS` (all data-parallel ranks).
+
+        A mean over no positions is left out of the row, not written as a number: ``ce`` when no label of the
+        step was a target (every label ignored), ``ntl`` and ``number_acc`` when none was an NTL position. The
+        row keeps the rest (``lr``, ``grad_norm``, ``tokens`` read, times, FLOPs), so the step is logged and
+        training goes on; a reader takes a missing key as "no such tokens this step" (wandb's own meaning of a
+        key not logged at a step).
+        """
         ce_sum, ntl_sum, tokens, numbers, hits, read, flops = sums
-        row: dict[str, Any] = {
-            "step": step,
-            "ce": ce_sum / tokens,
-            "ntl": ntl_sum / max(numbers, 1),
-            "number_acc": hits / max(numbers, 1),
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens": int(read),
-            "time_s": seconds,
-            "data_s": data_s,
-        }
+        row: dict[str, Any] = {"step": step}
+        if tokens > 0:
+            row["ce"] = ce_sum / tokens
+        if numbers > 0:
+            row["ntl"] = ntl_sum / numbers
+            row["number_acc"] = hits / numbers
+        row.update({"lr": lr, "grad_norm": grad_norm, "tokens": int(read), "time_s": seconds, "data_s": data_s})
         row["flops"] = flops  # model FLOPs of the step, all ranks (each token once)
         row.update(self.flops.rates(int(read), flops, seconds, self.world))
         return row
@@ -119,8 +122,12 @@ class MetricsLogger:
                                      self.world)  # fmt: skip
             mfu = f"MFU {rates['mfu']:.1%}" if rates.get("mfu") is not None else "MFU n/a"
             evals = f"  eval ppl {row['eval/ppl']:.3f}" if "eval/ppl" in row else ""
+            shown = "  ".join(
+                f"{name} {row[key]:.{digits}f}" if key in row else f"{name} n/a"
+                for name, key, digits in (("ce", "ce", 4), ("ntl", "ntl", 4), ("number acc", "number_acc", 3))
+            )
             print(
-                f"step {step}/{steps}  ce {row['ce']:.4f}  ntl {row['ntl']:.4f}  number acc {row['number_acc']:.3f}"
+                f"step {step}/{steps}  {shown}"
                 f"{evals}  {interval['tokens'] / max(interval['seconds'], 1e-9):.0f} tok/s "
                 f"({rates['tokens_per_s_per_device']:.0f}/device)  {rates['tflops']:.3g} TFLOP/s/device  {mfu}  "
                 f"eta {eta:.0f}s",

@@ -78,10 +78,9 @@ def plot_curves(metrics_path: str, png_path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = read_metric_rows(metrics_path)
-    steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["ce"] for r in rows], label="CE")
-    ax.plot(steps, [r["ntl"] for r in rows], label="NTL")
+    for key, label in (("ce", "CE"), ("ntl", "NTL")):  # a step without such tokens has no value (metrics.py)
+        ax.plot([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r], label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()

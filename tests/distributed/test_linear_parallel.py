@@ -78,8 +78,43 @@ def _check(ctx: WorkerContext, dtype: torch.dtype, tol: float) -> None:
                 grad_h = hidden.grad.clone()
                 dist.all_reduce(grad_h, group=ctx.tp_group)
                 _close(grad_h, h_ref.grad, tol, f"{what} {mode} d hidden (summed over TP)")
+        if layout == "split":
+            _check_z_loss(ctx, vocab, labels, hidden64, weight64, rows, dtype, tol)
         if layout == "first_shard":  # really a rank without number tokens
             assert any(len(vocab.shard(r, ctx.tp_size).table_index) == 0 for r in range(ctx.tp_size))
+
+
+def _check_z_loss(ctx, vocab, labels, hidden64, weight64, rows, dtype, tol) -> None:
+    """The z-loss (weight 1) on vocab shards with the logits shifted per token (a constant hidden feature over a
+    weight column of ones): every lse negative, or every other one, so that the effective weights
+    ``1 + 2 lse`` of the forward-built weight gradient are all negative, or of both signs (issue 51, item 3).
+    Against F.cross_entropy + ``logsumexp**2`` and the naive NTL in float64."""
+    valid = labels != -100
+    for regime in ("negative", "mixed"):
+        what = f"z-loss {regime} {dtype} rank {ctx.rank}"
+        shift = torch.full(labels.shape, -10.0, dtype=torch.float64)
+        if regime == "mixed":
+            shift[..., 1::2] = 0.0
+        h64 = torch.cat([hidden64, shift.unsqueeze(-1)], dim=-1)
+        w64 = torch.cat([weight64, torch.ones(weight64.shape[0], 1, dtype=torch.float64)], dim=-1)
+        h_ref, w_ref = h64.clone().requires_grad_(), w64.clone().requires_grad_()
+        logits = h_ref @ w_ref.t()
+        lse = torch.logsumexp(logits, dim=-1)
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none")
+        _, ntl, mask = naive_per_token(logits, labels, vocab)
+        loss = (ce.view_as(lse) + lse**2)[valid].mean() + 0.3 * ntl[mask].mean()
+        loss.backward()
+        low, high = float((1 + 2 * lse.detach()[valid]).min()), float((1 + 2 * lse.detach()[valid]).max())
+        assert high < 0 if regime == "negative" else low < 0 < high  # the effective weights' signs
+        hidden = h64.to(dtype).clone().requires_grad_()
+        shard = w64[rows].to(dtype).contiguous().requires_grad_()
+        out = linear_ce_with_ntl(hidden, shard, labels, vocab, tp_group=ctx.tp_group, chunk_tokens=5, z_loss_weight=1.0)
+        out.loss.backward()
+        _close(out.loss, loss, tol, what + " loss")
+        _close(shard.grad, w_ref.grad[rows], tol, what + " d weight shard")
+        grad_h = hidden.grad.clone()
+        dist.all_reduce(grad_h, group=ctx.tp_group)
+        _close(grad_h, h_ref.grad, tol, what + " d hidden (summed over TP)")
 
 
 def _check_each_dtype(ctx: WorkerContext) -> None:

@@ -386,4 +386,4 @@ def test_pretrain_study_preset_end_to_end(tmp_path):
             slope = float(np.polyfit(xs, ys, 1)[0])
             assert trend["slope"] == pytest.approx(slope, rel=1e-6, abs=1e-9)
         else:
-            assert trend["verdict"] == "no difference at any size"
+            assert trend["verdict"].startswith("not given: no spread")

@@ -211,6 +211,145 @@ def test_linear_ce_with_ntl_soft_caps_and_smooths_like_torch():
     _close(weight.grad, w_ref.grad, 1e-12, "weight grad")
 
 
+Z_WEIGHTS = [0.0, 0.1, 1.0, 10.0]
+# per-token shifts of the logits (a constant hidden feature times a weight column of ones): every lse negative,
+# every lse positive, or both in one batch; with the z-loss the effective weights w (1 + 2 z_weight lse) are then
+# all negative (z_weight >= 1 below), all positive, or of both signs (and 0 where the loss weight is 0)
+SHIFTS = {"negative": (-8.0, -8.0), "positive": (0.0, 0.0), "mixed": (-8.0, 0.0)}
+
+
+def _shifted_problem(regime: str, seed: int = 11):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    w = torch.randn(V, H, generator=gen, dtype=torch.float64) * 0.3
+    low, high = SHIFTS[regime]
+    shift = torch.tensor([low if t % 2 == 0 else high for t in range(T)], dtype=torch.float64)
+    h = torch.cat([h, shift.unsqueeze(1)], dim=1)
+    w = torch.cat([w, torch.ones(V, 1, dtype=torch.float64)], dim=1)
+    weights = torch.rand(T, generator=gen, dtype=torch.float64) + 0.5
+    weights[5] = 0.0  # a masked token: effective weight 0
+    return h, w, weights
+
+
+def _z_loss_reference(h, w, weights, z_weight):
+    """CE (torch's F.cross_entropy) + z_weight * logsumexp**2, weighted mean over the non-ignored tokens, plus 0.3
+    times NTL (tests/helpers/reference.naive_per_token) weighted by the same weights over the number labels; the
+    gradients of h and w by float64 autograd over the full logits; and the per-token lse."""
+    from tests.helpers.reference import naive_per_token
+
+    h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
+    logits = h_ref @ w_ref.T
+    labels = _labels()
+    valid = labels != -100
+    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
+    lse = torch.logsumexp(logits, dim=-1)
+    per_token = torch.where(valid, ce + z_weight * lse**2, 0)
+    _, ntl, is_number = naive_per_token(logits, labels, _vocab())
+    cw, nw = weights * valid, weights * is_number
+    loss = (per_token * cw).sum() / cw.sum() + 0.3 * (ntl * nw).sum() / nw.sum()
+    loss.backward()
+    return loss.detach(), h_ref.grad, w_ref.grad, lse.detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("regime", sorted(SHIFTS))
+@pytest.mark.parametrize("z_weight", Z_WEIGHTS)
+def test_chunked_z_loss_gradients_for_either_sign_of_the_effective_weights(z_weight, regime, dtype):
+    """Issue 51, item 3: the forward-built weight gradient of CE + z-loss is ``s G_W`` for the effective weights
+    ``w (1 + 2 z_weight lse)``; ``s`` was read at the largest effective weight and taken as 0 when that was not
+    positive, so with every lse below ``-1 / (2 z_weight)`` the dense part of the weight gradient was dropped
+    (relative error 0.93 at z_weight 1). Exact now for every accepted z_weight and every sign pattern, on
+    ``linear_ce_with_ntl`` (mean with loss weights) and on ``linear_ce_ntl`` with a proportional upstream gradient
+    (``proportional_grad`` True: the scale read on the device; False: checked on the host)."""
+    h, w, weights = _shifted_problem(regime)
+    loss, grad_h, grad_w, lse = _z_loss_reference(h, w, weights, z_weight)
+    effective = (weights * (1 + 2 * z_weight * lse))[_labels() != -100]
+    if z_weight >= 1.0 and regime == "negative":  # the regime the test is about: no positive effective weight
+        assert float(effective.max()) <= 0.0
+    if z_weight >= 1.0 and regime == "mixed":
+        assert float(effective.min()) < 0.0 < float(effective.max())
+    tol = TOLERANCE[dtype]
+    hidden, weight = h.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
+    out = ntl_scale.linear_ce_with_ntl(
+        hidden, weight, _labels(), _vocab(), ntl_weight=0.3, z_loss_weight=z_weight, loss_weights=weights.to(dtype),
+        chunk_tokens=4, impl="torch",
+    )  # fmt: skip
+    out.loss.backward()
+    _close(out.loss, loss, tol, f"loss z_weight {z_weight} {regime}")
+    _close(hidden.grad, grad_h, tol, f"hidden grad z_weight {z_weight} {regime}")
+    _close(weight.grad, grad_w, tol, f"weight grad z_weight {z_weight} {regime}")
+    # the per-token op with an upstream gradient proportional to the token weights (CE only: the z-loss is in ce)
+    valid = _labels() != -100
+    for proportional in (True, False):
+        h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
+        ce, _ = reference_ce_features(h_ref @ w_ref.T, _labels(), z_loss_weight=z_weight)
+        (ce * weights * valid).sum().mul(0.37).backward()
+        hidden, weight = h.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
+        terms = ntl_scale.linear_ce_ntl(
+            hidden, weight, _labels(), _vocab(), NTLOptions(z_loss_weight=z_weight, impl="torch"), chunk_tokens=4,
+            token_weights=weights.to(dtype), proportional_grad=proportional,
+        )  # fmt: skip
+        (terms.ce * (0.37 * weights).to(dtype)).sum().backward()
+        what = f"z_weight {z_weight} {regime} proportional_grad={proportional}"
+        _close(hidden.grad, h_ref.grad, tol, "hidden grad " + what)
+        _close(weight.grad, w_ref.grad, tol, "weight grad " + what)
+
+
+def _tied_at_the_cap() -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Logits ``[2, V]`` whose two largest raw values, 20 and 24 at a cap of 2, both round to the cap in fp32
+    (``tanh(10)`` and ``tanh(12)`` are 1 - 4e-9 and 1 - 8e-11: 1.0 in fp32, apart in fp64): in row 0 the label (7)
+    has the smaller raw logit and the lower index, in row 1 (label 9) the smaller raw logit and the higher index."""
+    logits = torch.linspace(-3.0, 3.0, V, dtype=torch.float64).repeat(2, 1)
+    logits[0, 7], logits[0, 9] = 20.0, 24.0
+    logits[1, 9], logits[1, 7] = 20.0, 24.0
+    return logits, torch.tensor([7, 9]), 2.0
+
+
+def test_a_tie_at_the_soft_cap_is_a_hit_by_the_same_rule_in_every_op():
+    """Issue 51, item 5: capped logits that round to the same fp32 value (the cap) while the raw ones differ. The
+    documented rule (docs/math.md, "Number accuracy"): a hit is the label's (capped) logit equal to the largest of
+    the vocabulary, as the op rounds them; a tie counts for every tied label. Checked on the logits op and the chunked
+    op (fp32), against that rule written here on the capped fp32 logits; torch.argmax, whose first index wins a tie,
+    and the raw logits' arg-max differ on row 1 (what the rule does not claim: the accuracy is at most the share of
+    positions tied with another token above torch.argmax's)."""
+    logits, labels, cap = _tied_at_the_cap()
+    capped32 = (cap * torch.tanh(logits / cap)).float()
+    assert torch.equal(capped32[:, 7], capped32[:, 9]) and not torch.equal(logits[:, 7], logits[:, 9])
+    rule = capped32.gather(1, labels.unsqueeze(1)).squeeze(1) == capped32.amax(-1)
+    assert rule.tolist() == [True, True]
+    assert (capped32.argmax(-1) == labels).tolist() == [True, False]  # torch.argmax: the first tied index
+    assert (logits.argmax(-1) == labels).tolist() == [False, False]  # the raw logits: the other token wins
+    options = NTLOptions(logit_softcap=cap)
+    hit_logits = ntl_scale.per_token_ce_ntl(logits.float(), labels, _vocab(), options).hit
+    eye = torch.eye(2, dtype=torch.float32)  # hidden @ weight.T is the logits exactly (products with 1 and 0)
+    hit_chunked = ntl_scale.linear_ce_ntl(eye, logits.float().T.contiguous(), labels, _vocab(), options).hit
+    assert hit_logits.tolist() == rule.tolist() == hit_chunked.tolist()
+    accuracy = ntl_scale.ce_with_ntl(logits.float(), labels, _vocab(), logit_softcap=cap).number_accuracy
+    assert float(accuracy) == 1.0
+
+
+def test_a_tie_across_vocabulary_shards_is_a_hit_on_every_rank():
+    """The same rule under tensor parallelism (two shards in threads, the all-reduces in memory): the tied columns 7
+    and 9 on different shards (shard 0 holds ids 0-8), the hit from z_y and the global max alike on both ranks."""
+    from tests.helpers.distributed import run_ranks_in_threads
+
+    logits, labels, cap = _tied_at_the_cap()
+    logits = logits[:, :36]  # an even split: columns 0-17 and 18-35; move column 9 onto the second shard
+    logits[:, [9, 20]] = logits[:, [20, 9]]
+    labels = torch.where(labels == 9, 20, labels)
+    capped32 = (cap * torch.tanh(logits / cap)).float()
+    rule = (capped32.gather(1, labels.unsqueeze(1)).squeeze(1) == capped32.amax(-1)).tolist()
+    vocab = ntl_scale.NumberVocab(list(range(5, 15)), list(range(10)), 36)
+
+    def rank(r: int) -> list[bool]:
+        shard = logits[:, 18 * r : 18 * (r + 1)].float()
+        terms = ntl_scale.per_token_ce_ntl(shard, labels, vocab, NTLOptions(logit_softcap=cap), tp_group=object())
+        return terms.hit.tolist()
+
+    results, _ = run_ranks_in_threads(rank, 2)
+    assert rule == [True, True] and results[0] == results[1] == rule
+
+
 # ------------------------------------------------------------------------------------ 4. kernels, surfaces
 
 

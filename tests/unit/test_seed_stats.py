@@ -171,3 +171,25 @@ def test_a_declared_family_is_adjusted_over_its_own_tests():
         seed_stats.seed_tests({**summary, "preset": {"baseline": "CE", "declared_family": misspelt}})
     with pytest.raises(ValueError, match=r"\{against, arms, split, metric\}"):
         seed_stats.seed_tests({**summary, "preset": {"baseline": "CE", "declared_family": [{"against": "CE"}]}})
+
+
+@pytest.mark.parametrize("diff", [0.125, 0.0, -0.0625])
+def test_equal_differences_have_no_spread_and_no_interval(diff):
+    """Issue 51, item 5: per-seed differences all equal gave a zero-width interval [d, d] and p = NaN, which read as
+    certainty. Now no interval (NaN bounds), no t-test, ``no_spread`` set and said as "no spread over n seeds" in
+    the table; the sign-flip p stays the exact enumeration (every seed's sign the same)."""
+    baseline = [0.5, 0.25, 0.75, 0.125]
+    arm = [b + diff for b in baseline]
+    assert len({a - b for a, b in zip(arm, baseline)}) == 1  # exactly equal differences (binary fractions)
+    test = seed_stats.seed_test(arm, baseline, "accuracy")
+    assert test["no_spread"] is True and test["n"] == 4 and test["mean_diff"] == pytest.approx(diff, abs=1e-15)
+    assert all(math.isnan(x) for x in test["ci95"]) and math.isnan(test["p_seed_t"])
+    assert test["p_sign_flip"] == _enumerated([diff] * 4)
+    tested = seed_stats.seed_tests({"results": {"CE": {"q": {"accuracy": {"seeds": baseline}}},
+                                                "A": {"q": {"accuracy": {"seeds": arm}}}}})  # fmt: skip
+    assert tested["family_size"] == 0 and math.isnan(tested["tests"]["CE"]["A"]["q"]["accuracy"]["p_holm"])
+    text = seed_stats.markdown(tested)
+    assert "no spread over 4 seeds" in text and "[" not in text.splitlines()[-1]
+    # a control: differences that vary get their interval and test
+    varied = seed_stats.seed_test([b + diff + 0.01 * i for i, b in enumerate(baseline)], baseline, "accuracy")
+    assert varied["no_spread"] is False and all(math.isfinite(x) for x in varied["ci95"])

@@ -186,3 +186,23 @@ def test_a_factorial_slope_with_a_one_seed_level_gets_no_reading_and_no_place_in
     assert fit["slope"] == pytest.approx(slope, rel=1e-10)
     assert fit["reading"] == "no reading yet: a level has one seed"
     assert out["tests_run"] == 0 and math.isnan(fit["p_holm"])
+
+
+def test_equal_differences_are_stated_as_no_spread_never_a_verdict():
+    """Issue 51, item 5: every seed's difference the same (exactly: binary fractions) is no spread over n seeds: no
+    interval in the cell (not a zero-width one), no t-test; the trend over sizes and the factorial's slope and
+    contrast give no interval and no verdict either."""
+    ce, ntl = [0.5, 0.25, 0.75, 0.125], [0.625, 0.375, 0.875, 0.25]  # each + 0.125: 12.5 points
+    results = {arm: {"questions": {"accuracy": {"seeds": seeds}}} for arm, seeds in (("CE", ce), ("NTL", ntl))}
+    cell = sweep.difference(results, "NTL", "CE", "question_acc")
+    assert cell["no_spread"] and cell["n"] == 4 and cell["mean"] == 12.5
+    assert math.isnan(cell["low"]) and math.isnan(cell["high"]) and math.isnan(cell["p_seed_t"])
+    text = sweep._cell(cell)
+    assert "[" not in text and "no spread over 4 seeds" in text
+    trend = sweep.trend([(1e5, 12.5), (1e5, 12.5), (1e6, 12.5), (1e6, 12.5)])
+    assert trend["verdict"].startswith("not given: no spread") and math.isnan(trend["low"])
+    slope = sweep.slope_per_doubling([(2.4, 12.5), (9.6, 12.5), (38.4, 12.5)])
+    assert slope["no_spread"] and math.isnan(slope["low"]) and math.isnan(slope["p"])
+    got = sweep.contrast([12.5, 12.5], [6.25, 6.25])
+    assert got["no_spread"] and math.isnan(got["low"]) and math.isnan(got["p"])
+    assert sweep._reading(got["low"], got["high"], 1, got["p"], "smaller", "larger") == "not resolved"

@@ -15,6 +15,7 @@ Sections:
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 from pathlib import Path
 
@@ -113,7 +114,42 @@ def test_a_step_row_holds_the_ratios_of_its_sums(tmp_path):
     assert row["tflops"] == pytest.approx(6.6e6 / 2.0 / 2 / 1e12, rel=1e-15)
     assert row["mfu"] == pytest.approx(row["tflops"] / 100.0, rel=1e-15)
     no_numbers = logger.step_row(1, [4.0, 0.0, 2.0, 0.0, 0.0, 2.0, 0.0], lr=0.0, grad_norm=0.0, seconds=1, data_s=0)
-    assert (no_numbers["ntl"], no_numbers["number_acc"]) == (0.0, 0.0)  # no number targets: 0, not a division error
+    # no number targets: no NTL mean and no accuracy (a 0 would read as 0 % right), CE as before
+    assert "ntl" not in no_numbers and "number_acc" not in no_numbers and no_numbers["ce"] == 2.0
+
+
+def _strict_json(line: str) -> dict:
+    """A metrics.jsonl row parsed as strict JSON: NaN / Infinity (which json.dumps writes) refused."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} in a metrics row: {line}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_a_step_whose_labels_are_all_ignored_is_logged_without_its_means(tmp_path, capsys):
+    """Issue 51, item 5: a step with no target token (every label ignored: tokens == 0) raised ZeroDivisionError in
+    step_row and stopped the run. Now its row has no ``ce`` / ``ntl`` / ``number_acc`` (no null, no NaN), keeps
+    everything else, goes to metrics.jsonl and the progress line (``n/a``), and the steps around it are logged as
+    before; the loss plot's reader skips the missing values."""
+    logger = _logger(tmp_path, steps=3, log_every=1)
+    logger.open(0, {})
+    empty = [0.0, 0.0, 0.0, 0.0, 0.0, 12.0, 3e6]  # ce ntl tokens numbers hits read flops: nothing to average
+    for step, sums in ((1, [8.0, 1.0, 4.0, 2.0, 1.0, 4.0, 1e6]), (2, empty), (3, [6.0, 3.0, 3.0, 1.0, 1.0, 4.0, 1e6])):
+        logger.log(logger.step_row(step, sums, lr=1e-3, grad_norm=0.5, seconds=0.5, data_s=0.1))
+    rows = [_strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert not {"ce", "ntl", "number_acc"} & set(rows[1]) and None not in rows[1].values()
+    assert (rows[1]["tokens"], rows[1]["flops"], rows[1]["lr"], rows[1]["grad_norm"]) == (12, 3e6, 1e-3, 0.5)
+    assert (rows[0]["ce"], rows[0]["ntl"], rows[0]["number_acc"]) == (8.0 / 4.0, 1.0 / 2.0, 1.0 / 2.0)
+    assert (rows[2]["ce"], rows[2]["ntl"], rows[2]["number_acc"]) == (6.0 / 3.0, 3.0 / 1.0, 1.0 / 1.0)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert "ce n/a  ntl n/a  number acc n/a" in lines[1] and "ce 2.0000  ntl 0.5000" in lines[0]
+    if importlib.util.find_spec("matplotlib") is not None:
+        from ntl_scale.training.tracking import plot_curves
+
+        plot_curves(str(tmp_path / "metrics.jsonl"), str(tmp_path / "curves.png"))
+        assert (tmp_path / "curves.png").stat().st_size > 0
 
 
 def test_metrics_are_cut_back_to_the_resumed_step_and_logged(tmp_path, capsys):

@@ -609,6 +609,59 @@ def test_z_loss_on_the_kernels_matches_float64(kernels_on_cpu, inplace):
     assert kernels_on_cpu["stats"] > 0 and kernels_on_cpu["grad"] > 0
 
 
+@pytest.mark.parametrize("shift", [-12.0, "mixed"])
+def test_z_loss_with_negative_effective_weights_on_the_kernels(kernels_on_cpu, shift):
+    """Issue 51, item 3, on the kernel path: logits shifted so that every lse (``-12``), or every other one
+    (``mixed``), is below ``-1 / (2 z_weight)`` at z_weight 1: the effective weights ``1 + 2 lse`` of the
+    forward-built weight gradient all negative, or of both signs. The chunked op's weight gradient against
+    float64 autograd of torch's CE plus ``logsumexp**2`` and the naive NTL (it was dropped, relative error ~1)."""
+    import ntl_scale
+    from tests.helpers.reference import naive_per_token
+
+    vocab, labels, hidden, weight = _op_problem(torch.float32)
+    valid = labels != -100
+    per_token = torch.tensor([-12.0 if shift != "mixed" or t % 2 == 0 else 0.0 for t in range(len(labels))])
+    hidden = torch.cat([hidden, per_token.unsqueeze(1)], dim=1)  # logits + the shift: a column of ones in weight
+    weight = torch.cat([weight, torch.ones(weight.shape[0], 1)], dim=1)
+
+    def reference(logits64):
+        ce = F.cross_entropy(logits64, labels, reduction="none", ignore_index=-100)
+        _, ntl, is_number = naive_per_token(logits64, labels, vocab)
+        return (ce + torch.logsumexp(logits64, -1) ** 2)[valid].mean() + 0.3 * ntl[is_number].mean()
+
+    h64, w64 = (t.double().requires_grad_() for t in (hidden, weight))
+    reference(h64 @ w64.t()).backward()
+    lse = torch.logsumexp(h64.detach() @ w64.detach().t(), -1)[valid]
+    assert float((1 + 2 * lse).max()) < 0 if shift != "mixed" else float((1 + 2 * lse).min()) < 0 < float(lse.max())
+    h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
+    got = ntl_scale.linear_ce_with_ntl(h, w, labels.to(DEVICE), vocab, z_loss_weight=1.0, chunk_tokens=4, impl="triton")
+    got.loss.backward()
+    for a, b in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=1e-5 * float(b.abs().max()))
+    assert kernels_on_cpu["stats"] > 0
+
+
+def test_a_tie_at_the_maximum_is_a_hit_on_the_kernels_as_in_the_pytorch_code(kernels_on_cpu):
+    """Issue 51, item 5 (docs/math.md, "Number accuracy"): a hit is the label's logit equal to the vocabulary's
+    largest, a tie counting for every tied label. The kernels (no soft-capping: a tie of equal logits) give the
+    same hits as the PyTorch code and as that rule written here; torch.argmax (first index) differs on row 1."""
+    import ntl_scale
+
+    vocab, labels, hidden, weight = _op_problem(torch.float32)
+    logits = (hidden @ weight.t()).contiguous()
+    labels = labels.clone()
+    labels[:2] = torch.tensor([61, 64])
+    logits[:2, 61] = logits[:2, 64] = float(logits.max()) + 1.0  # rows 0 and 1: columns 61 and 64 tie at the max
+    rule = logits.gather(1, labels.clamp_min(0).unsqueeze(1)).squeeze(1) == logits.amax(-1)
+    assert rule[:2].tolist() == [True, True] and (logits[:2].argmax(-1) == labels[:2]).tolist() == [True, False]
+    hits = {}
+    for impl in ("torch", "triton"):
+        options = ntl_scale.NTLOptions(impl=impl)
+        hits[impl] = ntl_scale.per_token_ce_ntl(logits.to(DEVICE), labels.to(DEVICE), vocab, options).hit.cpu()
+    assert torch.equal(hits["triton"], hits["torch"]) and torch.equal(hits["torch"], rule & (labels != -100))
+    assert kernels_on_cpu["stats"] > 0
+
+
 def test_linear_ce_with_ntl_without_gradients_launches_the_statistics_only(kernels_on_cpu):
     """Issue 29, item 8, on the kernel path: under ``no_grad`` no chunk writes its softmax (that feeds
     only the gradient matmuls); the loss is the float64 reference's and the with-gradient call's."""

@@ -108,6 +108,22 @@ def test_reading_is_shown_only_after_holm_and_says_the_direction(tmp_path):
     assert "shown: better" in text and f"{mae['mean_diff']:+.3g}" in text
 
 
+def test_equal_differences_are_unresolved_not_a_verdict(tmp_path):
+    """Issue 51, item 5: per-seed differences all the same gave a zero-width interval and p = NaN, read "not shown"
+    beside "[d, d]": a certainty the data do not give. Now the row says "unresolved: no spread over n seeds", with
+    no interval in the table."""
+    ce = [0.5, 0.25, 0.75, 0.125]
+    results = {"CE": {"questions": {"accuracy": {"seeds": ce, "mean": float(np.mean(ce))}}},
+               "A": {"questions": {"accuracy": {"seeds": [x + 0.125 for x in ce]}}}}  # fmt: skip
+    name = _write(tmp_path, results)
+    spec = [{"study": "x", "file": name, "arms": ["A"], "metrics": [("questions", "accuracy")]}]
+    (row,) = verdicts.rows(spec, root=str(tmp_path))
+    assert row["reading"] == "unresolved: no spread over 4 seeds" and row["no_spread"]
+    assert all(math.isnan(x) for x in row["ci95"]) and math.isnan(row["p_holm"])
+    line = verdicts.markdown([row]).splitlines()[-1]
+    assert "+12.5 (no spread over 4 seeds) points" in line and "[" not in line
+
+
 def test_an_arm_missing_from_the_file_is_named(tmp_path):
     name = _write(tmp_path, {"CE": {"questions": {"accuracy": {"seeds": [0.1, 0.2], "mean": 0.15}}}})
     spec = [{"study": "x", "file": name, "arms": ["Z"], "metrics": [("questions", "accuracy")]}]
