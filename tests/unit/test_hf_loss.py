@@ -65,6 +65,12 @@ def test_loss_function_normalisations(setup):
     assert torch.equal(loss(logits, None, v, shift_labels=shifted), loss(logits, labels, v))
     means = loss.pop_means()
     assert means["ntl"] > 0 and means["ce"] > 0 and loss.totals.sum() == 0
+    # every label ignored since the last log: the means without a count are left out, never logged as 0
+    loss(logits, torch.full_like(labels, -100), v)
+    assert loss.pop_means() == {}
+    no_numbers = torch.where(torch.isin(labels, vocab.ids), torch.tensor(-100), labels)
+    loss(logits, no_numbers, v)
+    assert set(loss.pop_means()) == {"ce"}
 
 
 def test_apply_ntl_is_idempotent_and_reversible(setup):

@@ -204,7 +204,8 @@ class NTLCausalLMLoss:
         (label-smoothed with ``label_smoothing``), in evaluation the plain CE. ``z_loss`` is the mean of
         ``z_loss_weight * logsumexp**2`` over the same tokens (the objective's CE term is ``ce + z_loss``).
         ``ntl`` is the mean NTL per NTL position; ``number_accuracy`` the share of NTL positions whose label
-        is the arg-max over the whole vocabulary.
+        is the arg-max over the whole vocabulary. A mean whose count is 0 (no label token, no NTL position
+        since the last call) is left out.
 
         Args:
             reduce: sums the running totals across processes (e.g. ``accelerator.reduce(t, "sum")``, a
@@ -215,10 +216,13 @@ class NTLCausalLMLoss:
         totals = own if reduce is None else reduce(own.clone())
         ce_sum, tokens, ntl_sum, numbers, hits, z_sum = totals.tolist()  # the one host read, at logging
         own.zero_()
-        tokens, numbers = max(tokens, 1.0), max(numbers, 1.0)
-        means = {"ce": (ce_sum - z_sum) / tokens, "ntl": ntl_sum / numbers, "number_accuracy": hits / numbers}
-        if self.options.z_loss_weight and not evaluation:
-            means["z_loss"] = z_sum / tokens
+        means = {}  # a mean without a count is left out (as the DeepSpeed trainer's step rows), never logged as 0
+        if tokens:
+            means["ce"] = (ce_sum - z_sum) / tokens
+            if self.options.z_loss_weight and not evaluation:
+                means["z_loss"] = z_sum / tokens
+        if numbers:
+            means["ntl"], means["number_accuracy"] = ntl_sum / numbers, hits / numbers
         return means
 
 
