@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ._validation import check_float_level, check_inputs, check_reduction, check_weights
 from .linear_op import _FusedLinearCENTL
 from .number_vocab import NumberVocab
-from .options import NTLOptions, check_chunk_tokens, check_ntl_weight
+from .options import NTLOptions, check_option
 from .parallel import use_triton
 from .reductions import CENTLOutput, combine_terms
 from .shard_math import compute_dtype
@@ -213,7 +213,7 @@ def linear_ce_ntl(
     stand_in = torch.empty(*hidden.shape[:-1], weight.shape[0], dtype=hidden.dtype, device="meta")
     check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start, source="the output weight's first dimension")
     check_float_level(vocab, options)
-    check_chunk_tokens(chunk_tokens)
+    check_option("chunk_tokens", chunk_tokens)
     kernels = use_triton(options.impl, hidden, options.ce_features)
     shape, width = labels.shape, weight.shape[0]
     dtype = compute_dtype(hidden.dtype)
@@ -271,10 +271,11 @@ def linear_ce_with_ntl(
     features of :class:`NTLOptions`). Returns a :class:`ntl_scale.CENTLOutput`.
     """
     check_reduction(reduction)
-    check_ntl_weight(ntl_weight)
+    check_option("weight", ntl_weight, "ntl_weight")
     options = NTLOptions(
-        loss, squash_factor, reweigh, huber_delta, float_level, ignore_index, impl, z_loss_weight, label_smoothing,
-        logit_softcap,
+        loss=loss, squash_factor=squash_factor, reweigh=reweigh, huber_delta=huber_delta, float_level=float_level,
+        ignore_index=ignore_index, impl=impl, z_loss_weight=z_loss_weight, label_smoothing=label_smoothing,
+        logit_softcap=logit_softcap,
     )  # fmt: skip
     terms = linear_ce_ntl(
         hidden,

@@ -21,7 +21,7 @@ from ._validation import check_float_level, check_inputs, check_weights
 from .kernels import triton_ce_ntl
 from .kernels.triton_linear_ce_ntl import DTYPES, backward_grads, forward_stats
 from .number_vocab import NumberVocab
-from .options import NTLOptions, check_chunk_tokens
+from .options import NTLOptions, check_option
 from .parallel import _raise_if_not_finite, combine_kernel_stats
 from .shard_math import ShardInputs, ShardMath
 from .shards import group_rank, group_size, is_dtensor
@@ -182,7 +182,7 @@ def fused_linear_ce_ntl(
     stand_in = torch.empty(*hidden.shape[:-1], weight.shape[0], dtype=hidden.dtype, device="meta")
     check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start, source="the output weight's first dimension")
     check_float_level(vocab, options)
-    check_chunk_tokens(chunk_tokens)
+    check_option("chunk_tokens", chunk_tokens)
     width = weight.shape[0]
     flat_labels = labels.reshape(-1)
     start = shard_start(vocab_start, tp_rank, width)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ._validation import check_reduction, check_weights
 from .number_vocab import NumberVocab
-from .options import NTLOptions, check_ntl_weight
+from .options import NTLOptions, check_option
 from .reductions import CENTLOutput, combine_terms, reduce_loss
 from .terms import per_token_ce_ntl
 
@@ -101,8 +101,9 @@ def vocab_parallel_ce_ntl(
         first digit of each number). Identical on every TP rank.
     """
     options = NTLOptions(
-        loss, squash_factor, reweigh, huber_delta, float_level, ignore_index, impl, z_loss_weight, label_smoothing,
-        logit_softcap,
+        loss=loss, squash_factor=squash_factor, reweigh=reweigh, huber_delta=huber_delta, float_level=float_level,
+        ignore_index=ignore_index, impl=impl, z_loss_weight=z_loss_weight, label_smoothing=label_smoothing,
+        logit_softcap=logit_softcap,
     )  # fmt: skip
     terms = per_token_ce_ntl(
         logits_shard,
@@ -162,7 +163,15 @@ def number_token_loss(
         Exactly 0 with zero gradient when the batch holds no number label.
     """
     check_reduction(reduction)
-    options = NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index, impl)
+    options = NTLOptions(
+        loss=loss,
+        squash_factor=squash_factor,
+        reweigh=reweigh,
+        huber_delta=huber_delta,
+        float_level=float_level,
+        ignore_index=ignore_index,
+        impl=impl,
+    )
     terms = per_token_ce_ntl(logits, labels, vocab, options, check_finite=check_finite, need_ce=False)
     weights = check_weights(loss_weights, labels, terms.ntl.dtype)
     return reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
@@ -224,10 +233,11 @@ def ce_with_ntl(
         A :class:`CENTLOutput` ``(loss, ce, ntl, num_tokens, num_number_tokens, number_accuracy)``.
     """
     check_reduction(reduction)
-    check_ntl_weight(ntl_weight)
+    check_option("weight", ntl_weight, "ntl_weight")
     options = NTLOptions(
-        loss, squash_factor, reweigh, huber_delta, float_level, ignore_index, impl, z_loss_weight, label_smoothing,
-        logit_softcap,
+        loss=loss, squash_factor=squash_factor, reweigh=reweigh, huber_delta=huber_delta, float_level=float_level,
+        ignore_index=ignore_index, impl=impl, z_loss_weight=z_loss_weight, label_smoothing=label_smoothing,
+        logit_softcap=logit_softcap,
     )  # fmt: skip
     terms = per_token_ce_ntl(
         logits,
@@ -292,7 +302,7 @@ class CEWithNTL(torch.nn.Module):
         **options: object,
     ) -> None:
         super().__init__()
-        check_ntl_weight(ntl_weight)
+        check_option("weight", ntl_weight, "ntl_weight")
         self.vocab, self.ntl_weight, self.tp_group = vocab, ntl_weight, tp_group
         self.reduction = str(options.pop("reduction", "mean"))
         self.inplace = bool(options.pop("inplace", False))

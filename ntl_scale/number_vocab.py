@@ -34,7 +34,7 @@ import torch
 
 from ._tracing import is_tracing
 from .atomic import write_json_atomically
-from .options import check_squash_factor
+from .options import check_option
 
 __all__ = [
     "NumberVocab",
@@ -456,7 +456,7 @@ class NumberVocab:
         diff = (self._values.unsqueeze(0) - self._values.unsqueeze(1)).abs()
         if squash_factor is None:
             return diff
-        check_squash_factor(squash_factor)  # finite and > 1: inf would give 0 * inf = NaN entries
+        check_option("squash_factor", squash_factor)  # finite and > 1: inf would give 0 * inf = NaN entries
         nonzero = diff.masked_fill(diff == 0, torch.finfo(diff.dtype).max)
         smallest, largest = nonzero.min(), diff.max()
         # branch-free (torch.compile traces it): all distances equal, or none nonzero, keeps |v_i - v_j|

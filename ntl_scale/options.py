@@ -38,23 +38,14 @@ than this module declares.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import inspect
-import itertools
 import math
 import numbers
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
-
-import torch
-import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from .number_vocab import NumberVocab
+from typing import Any, TypeVar
 
 __all__ = [
     "IMPLS",
@@ -66,19 +57,13 @@ __all__ = [
     "VOCAB_RULES",
     "NTLOptions",
     "NTLRunOptions",
+    "NumericRange",
     "OptionField",
     "check_chunk_route",
-    "check_chunk_tokens",
-    "check_huber_delta",
     "check_impl",
-    "check_label_smoothing",
-    "check_logit_softcap",
-    "check_ntl_weight",
     "check_numeric_options",
     "check_option",
     "check_run_options",
-    "check_squash_factor",
-    "check_z_loss_weight",
     "option_field",
     "option_fields",
     "surface_default",
@@ -111,112 +96,93 @@ def check_impl(impl: object) -> str:
     return impl
 
 
-def _is_number(value: object) -> bool:
-    """A real number, not a bool (``True`` is an int to Python, never an option value)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+@dataclass(frozen=True)
+class NumericRange:
+    """The allowed values of one numeric option (a row of :data:`NUMERIC_CHECKS`).
+
+    Attributes:
+        low: the lower bound; ``open_low``: excluded (``> low``) or included (``>= low``).
+        high: the upper bound (included), or None.
+        whole: a whole number (an ``int``; a float such as 2.5 or ``inf`` is refused), else any finite real.
+        optional: None is a value (the option's "off" or "default").
+        meaning: what the option is, said in the error.
+        fix: what to do instead, appended to the error.
+    """
+
+    low: float
+    open_low: bool
+    meaning: str
+    high: float | None = None
+    whole: bool = False
+    optional: bool = False
+    fix: str = ""
+
+    def expected(self) -> str:
+        """The rule in words: ``a finite number > 1``, ``a whole number >= 1``, ``a finite number in [0, 1]``."""
+        kind = "a whole number" if self.whole else "a finite number"
+        low = int(self.low) if float(self.low).is_integer() else self.low
+        if self.high is not None:
+            return f"{kind} in {'(' if self.open_low else '['}{low}, {int(self.high)}]"
+        return f"{kind} {'>' if self.open_low else '>='} {low}"
 
 
-def check_ntl_weight(weight: object, name: str = "ntl_weight") -> float:
-    """The NTL weight as a float, or a ``ValueError`` naming ``name`` (the spelling of the front end that
-    passed it: ``ntl_weight``, ``ntl.weight``, ``--ntl-weight``). A finite number >= 0; not a bool."""
-    if not _is_number(weight) or not math.isfinite(weight) or not weight >= 0:  # type: ignore[arg-type, operator]
-        raise ValueError(f"{name} must be a finite number >= 0 (0.3 in the paper, 0 = CE alone), got {weight!r}")
-    return float(weight)  # type: ignore[arg-type]
-
-
-def check_squash_factor(value: object, name: str = "squash_factor") -> float | None:
-    """``squash_factor`` as a float (or None): a finite number > 1; a ``ValueError`` naming ``name`` otherwise.
-
-    ``inf`` is refused: the squashed distance table would hold ``0 * inf`` (NaN) entries."""
-    if value is None:
-        return None
-    if not _is_number(value) or not math.isfinite(value) or not value > 1:  # type: ignore[arg-type, operator]
-        raise ValueError(
-            f"{name} must be a finite number > 1 (how much worse the farthest number is than the closest wrong one; "
-            f"1 would turn NTL-WAS into cross entropy), got {value!r}; use None for plain |v_i - v_j|"
-        )
-    return float(value)  # type: ignore[arg-type]
-
-
-def check_huber_delta(value: object, name: str = "huber_delta") -> float:
-    """``huber_delta`` as a float: a finite number > 0; a ``ValueError`` naming ``name`` otherwise."""
-    if not _is_number(value) or not math.isfinite(value) or not value > 0:  # type: ignore[arg-type, operator]
-        raise ValueError(
-            f"{name} must be a finite number > 0 (the Huber loss's threshold between its quadratic and linear "
-            f"parts; 1.0 by default), got {value!r}"
-        )
-    return float(value)  # type: ignore[arg-type]
-
-
-def check_chunk_tokens(value: object, name: str = "chunk_tokens") -> int | None:
-    """``chunk_tokens`` as an int (or None): a whole number >= 1; a ``ValueError`` naming ``name`` otherwise
-    (0 or less made empty chunks; a float such as 2.5 or ``inf`` is not a token count)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(
-            f"{name} must be a whole number >= 1 (tokens per chunk) or None, got {value!r}; "
-            "pass e.g. chunk_tokens=512, or None for the default budget"
-        )
-    return int(value)
-
-
-def check_z_loss_weight(value: object, name: str = "z_loss_weight") -> float:
-    """``z_loss_weight`` as a float: a finite number >= 0; a ``ValueError`` naming ``name`` otherwise."""
-    if not _is_number(value) or not math.isfinite(value) or not value >= 0:  # type: ignore[arg-type, operator]
-        raise ValueError(
-            f"{name} must be a finite number >= 0 (the weight of the z-loss z_loss_weight * logsumexp(z)**2 added to "
-            f"CE; 1e-4 in PaLM and OLMo 2, 0 = off), got {value!r}"
-        )
-    return float(value)  # type: ignore[arg-type]
-
-
-def check_label_smoothing(value: object, name: str = "label_smoothing") -> float:
-    """``label_smoothing`` as a float: a finite number in ``[0, 1]``; a ``ValueError`` naming ``name`` otherwise."""
-    if not _is_number(value) or not math.isfinite(value) or not 0 <= value <= 1:  # type: ignore[arg-type, operator]
-        raise ValueError(
-            f"{name} must be a finite number in [0, 1] (the share of the CE target spread uniformly over the whole "
-            f"vocabulary, as torch's F.cross_entropy(label_smoothing=); 0 = off, 0.1 is usual), got {value!r}"
-        )
-    return float(value)  # type: ignore[arg-type]
-
-
-def check_logit_softcap(value: object, name: str = "logit_softcap") -> float | None:
-    """``logit_softcap`` as a float (or None): a finite number > 0; a ``ValueError`` naming ``name`` otherwise."""
-    if value is None:
-        return None
-    if not _is_number(value) or not math.isfinite(value) or not value > 0:  # type: ignore[arg-type, operator]
-        raise ValueError(
-            f"{name} must be a finite number > 0 (logits become cap * tanh(z / cap); 30.0 in Gemma 2) or None "
-            f"(no capping), got {value!r}"
-        )
-    return float(value)  # type: ignore[arg-type]
-
-
-NUMERIC_CHECKS = {
-    "weight": check_ntl_weight,
-    "squash_factor": check_squash_factor,
-    "huber_delta": check_huber_delta,
-    "chunk_tokens": check_chunk_tokens,
-    "z_loss_weight": check_z_loss_weight,
-    "label_smoothing": check_label_smoothing,
-    "logit_softcap": check_logit_softcap,
-}
-"""The one check of every numeric option (finite, in range, the right type), by option name: every front
-end (the Python API, the YAML sections, torchtitan's ``NTLLoss.Config``, Megatron's flags and
-``NTLSettings``, Hugging Face's ``apply_ntl_to_hf_model``) calls :func:`check_option` with its own spelling."""
+NUMERIC_CHECKS: dict[str, NumericRange] = {
+    "weight": NumericRange(0, False, "0.3 in the paper, 0 = CE alone"),
+    "squash_factor": NumericRange(
+        1, True, "how much worse the farthest number is than the closest wrong one; 1 would turn NTL-WAS into "
+        "cross entropy; inf would put 0 * inf = NaN in the distance table", optional=True,
+        fix="; use None for plain |v_i - v_j|",
+    ),
+    "huber_delta": NumericRange(
+        0, True, "the Huber loss's threshold between its quadratic and linear parts; 1.0 by default"
+    ),
+    "chunk_tokens": NumericRange(
+        1, False, "tokens per chunk", whole=True, optional=True,
+        fix="; pass e.g. chunk_tokens=512, or None for the default budget",
+    ),
+    "z_loss_weight": NumericRange(
+        0, False, "the weight of the z-loss z_loss_weight * logsumexp(z)**2 added to CE; 1e-4 in PaLM and "
+        "OLMo 2, 0 = off",
+    ),
+    "label_smoothing": NumericRange(
+        0, False, "the share of the CE target spread uniformly over the whole vocabulary, as torch's "
+        "F.cross_entropy(label_smoothing=); 0 = off, 0.1 is usual", high=1,
+    ),
+    "logit_softcap": NumericRange(
+        0, True, "logits become cap * tanh(z / cap); 30.0 in Gemma 2; None = no capping", optional=True
+    ),
+}  # fmt: skip
+"""The one check of every numeric option, by option name: every front end (the Python API, the YAML sections,
+torchtitan's ``NTLLoss.Config``, Megatron's flags and ``NTLSettings``, Hugging Face's ``apply_ntl_to_hf_model``)
+calls :func:`check_option` with its own spelling."""
 
 
 def check_option(name: str, value: object, spelling: str | None = None) -> Any:
-    """Checks the numeric option ``name`` (:data:`NUMERIC_CHECKS`); returns it converted (float, int or None).
+    """Checks the numeric option ``name`` against its :data:`NUMERIC_CHECKS` row; returns it as a float, an
+    int or None.
 
     Raises:
-        ValueError: naming ``spelling`` (the front end's name of the option; default ``name``), the value
-            and what is expected. Non-finite values (``inf``, ``nan``) are refused for every option.
+        ValueError: naming ``spelling`` (the front end's name of the option; default ``name``), the value,
+            what is expected and what the option is. Non-finite values and bools are refused for every option.
     """
     if name not in NUMERIC_CHECKS:
         raise ValueError(f"{name!r} is not a numeric NTL option; the numeric options are {sorted(NUMERIC_CHECKS)}")
-    return NUMERIC_CHECKS[name](value, spelling or name)
+    rule = NUMERIC_CHECKS[name]
+    if value is None and rule.optional:
+        return None
+    number = isinstance(value, numbers.Integral if rule.whole else numbers.Real) and not isinstance(value, bool)
+    fits = (
+        number
+        and math.isfinite(value)  # type: ignore[arg-type]
+        and (value > rule.low if rule.open_low else value >= rule.low)  # type: ignore[operator]
+        and (rule.high is None or value <= rule.high)  # type: ignore[operator]
+    )
+    if not fits:
+        none = " or None" if rule.optional else ""
+        raise ValueError(
+            f"{spelling or name} must be {rule.expected()}{none} ({rule.meaning}), got {value!r}{rule.fix}"
+        )
+    return int(value) if rule.whole else float(value)  # type: ignore[arg-type, call-overload]
 
 
 def check_numeric_options(settings: object, spell: Callable[[str], str | None]) -> None:
@@ -227,47 +193,69 @@ def check_numeric_options(settings: object, spell: Callable[[str], str | None]) 
             check_option(name, getattr(settings, name), spell(name))
 
 
-@dataclass(frozen=True)
-class NTLOptions:
-    """Which NTL variant one loss call computes, and with which code.
+def _documented(default: Any, doc: str) -> Any:
+    """A dataclass field with its documentation in ``metadata["doc"]``, read by :func:`option_fields` (help
+    texts, generated configs) without parsing this module's source."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
 
-    ``NTLOptions(loss, squash_factor, reweigh, huber_delta, float_level, ignore_index)`` positionally,
-    as before ``impl`` was added; invalid values raise a ValueError (TypeError for a wrong type)
-    naming the value and the fix.
+
+@dataclass(frozen=True, kw_only=True)
+class NTLOptions:
+    """Which NTL variant one loss call computes, and with which code (keyword arguments only).
+
+    Invalid values raise a ValueError (TypeError for a wrong type) naming the value and the fix. Each field's
+    documentation is its ``doc`` (:func:`option_fields`).
     """
 
-    loss: str = "was"
-    """``was`` (Wasserstein-1 between the number-token distribution and the label, the paper's
-    default), ``mse``, ``mae``, ``huber`` (point loss of the expected value) or ``number``
-    (number-level symmetric MAPE of whole numbers rebuilt from digit tokens; needs a digit table)."""
-    squash_factor: float | None = None
-    """``was`` only: map the nonzero distances onto ``[1, squash_factor]`` (> 1); None: ``|v_k - t|``."""
-    reweigh: bool = False
-    """Scale NTL by the probability mass on number tokens and charge the rest ``1.01 * max loss``
-    (the reference's default; not used in the paper)."""
-    huber_delta: float = 1.0
-    """``huber`` only: the threshold between the quadratic and the linear part (> 0)."""
-    float_level: bool = False
-    """``number`` only: a decimal point between two digits joins them into one number."""
-    ignore_index: int = -100
-    """The label value that carries no loss (a per-call argument: run configs mask with -100)."""
-    impl: str = "auto"
-    """Which code computes the fused statistics: ``auto`` (the PyTorch code today; the Triton kernels
-    on CUDA once they have passed the GPU suite), ``torch``, or ``triton`` (CUDA tensors, ``triton``
-    installed; the PyTorch code while ``torch.compile`` traces). The numbers agree to rounding.
-    The Triton kernels compute the z-loss of the CE features below, not label smoothing or soft-capping:
-    with those ``auto`` runs the PyTorch code and ``triton`` is refused."""
-    z_loss_weight: float = 0.0
-    """Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to each token's CE (PaLM, OLMo 2,
-    Chameleon; 1e-4 there), on the same positions and weights as CE; 0: off. Exact under tensor
-    parallelism (the log-sum-exp is the all-reduced one); the per-token log-sum-exp is returned
-    (``PerTokenTerms.lse``) for logging."""
-    label_smoothing: float = 0.0
-    """CE against ``(1 - eps) * onehot(y) + eps / V`` over the **whole** vocabulary ``V`` (all TP shards),
-    as torch's ``F.cross_entropy(label_smoothing=eps)``; NTL keeps the hard number target. 0: off."""
-    logit_softcap: float | None = None
-    """Soft-capping of the logits, ``cap * tanh(z / cap)`` (Gemma 2: 30.0), before CE, z-loss and NTL
-    (all of them see the capped logits); None: off. Leave None where the model already caps its output."""
+    loss: str = _documented(
+        "was",
+        "``was`` (Wasserstein-1 between the number-token distribution and the label, the paper's default), "
+        "``mse``, ``mae``, ``huber`` (point loss of the expected value) or ``number`` (number-level symmetric "
+        "MAPE of whole numbers rebuilt from digit tokens; needs a digit table).",
+    )
+    squash_factor: float | None = _documented(
+        None, "``was`` only: map the nonzero distances onto ``[1, squash_factor]`` (> 1); None: ``|v_k - t|``."
+    )
+    reweigh: bool = _documented(
+        False,
+        "Scale NTL by the probability mass on number tokens and charge the rest ``1.01 * max loss`` (the "
+        "reference's default; not used in the paper).",
+    )
+    huber_delta: float = _documented(
+        1.0, "``huber`` only: the threshold between the quadratic and the linear part (> 0)."
+    )
+    float_level: bool = _documented(
+        False, "``number`` only: a decimal point between two digits joins them into one number."
+    )
+    ignore_index: int = _documented(
+        -100, "The label value that carries no loss (a per-call argument: run configs mask with -100)."
+    )
+    impl: str = _documented(
+        "auto",
+        "Which code computes the fused statistics: ``auto`` (the PyTorch code today; the Triton kernels on CUDA "
+        "once they have passed the GPU suite), ``torch``, or ``triton`` (CUDA tensors, ``triton`` installed; the "
+        "PyTorch code while ``torch.compile`` traces). The numbers agree to rounding. The Triton kernels compute "
+        "the z-loss of the CE features below, not label smoothing or soft-capping: with those ``auto`` runs the "
+        "PyTorch code and ``triton`` is refused.",
+    )
+    z_loss_weight: float = _documented(
+        0.0,
+        "Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to each token's CE (PaLM, OLMo 2, "
+        "Chameleon; 1e-4 there), on the same positions and weights as CE; 0: off. Exact under tensor parallelism "
+        "(the log-sum-exp is the all-reduced one); the per-token log-sum-exp is returned (``PerTokenTerms.lse``) "
+        "for logging. A training regulariser: held-out CE is computed without it (:meth:`for_evaluation`).",
+    )
+    label_smoothing: float = _documented(
+        0.0,
+        "CE against ``(1 - eps) * onehot(y) + eps / V`` over the **whole** vocabulary ``V`` (all TP shards), as "
+        "torch's ``F.cross_entropy(label_smoothing=eps)``; NTL keeps the hard number target. 0: off. A training "
+        "regulariser: held-out CE is computed without it (:meth:`for_evaluation`).",
+    )
+    logit_softcap: float | None = _documented(
+        None,
+        "Soft-capping of the logits, ``cap * tanh(z / cap)`` (Gemma 2: 30.0), before CE, z-loss and NTL (all of "
+        "them see the capped logits); None: off. Leave None where the model already caps its output.",
+    )
 
     def __post_init__(self) -> None:
         if self.loss not in LOSS_KINDS:
@@ -277,8 +265,8 @@ class NTLOptions:
                 raise ValueError(f"squash_factor applies to loss='was' only, got loss={self.loss!r}")
             if isinstance(self.squash_factor, bool) or not isinstance(self.squash_factor, numbers.Real):
                 raise TypeError(f"squash_factor must be a finite number > 1 or None, got {self.squash_factor!r}")
-            check_squash_factor(self.squash_factor)
-        check_huber_delta(self.huber_delta)
+        for name in ("squash_factor", "huber_delta", "z_loss_weight", "label_smoothing", "logit_softcap"):
+            check_option(name, getattr(self, name))
         if self.huber_delta != 1.0 and self.loss != "huber":  # ignored otherwise: say so, like squash_factor
             raise ValueError(
                 f"huber_delta={self.huber_delta!r} applies to loss='huber' only, got loss={self.loss!r}; "
@@ -289,9 +277,6 @@ class NTLOptions:
         if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
         check_impl(self.impl)
-        check_z_loss_weight(self.z_loss_weight)
-        check_label_smoothing(self.label_smoothing)
-        check_logit_softcap(self.logit_softcap)
 
     @property
     def ce_features(self) -> tuple[str, ...]:
@@ -303,27 +288,6 @@ class NTLOptions:
         """These options without the training regularisers of CE (z-loss, label smoothing), so that a
         held-out CE and perplexity are the model's own; soft-capping stays (it is part of the model's logits)."""
         return dataclasses.replace(self, z_loss_weight=0.0, label_smoothing=0.0)
-
-    def point_loss(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Element-wise loss between an expected value and its target (mse/mae/huber)."""
-        if self.loss == "mse":
-            return (pred - target).square()
-        if self.loss == "mae":
-            return (pred - target).abs()
-        return F.huber_loss(pred, target, reduction="none", delta=float(self.huber_delta))
-
-    def max_loss(self, vocab: NumberVocab) -> torch.Tensor:
-        """The largest value the per-token loss can take (the reweighing constant's base).
-
-        A 0-dim float64 CPU tensor (usable with tensors on any device, like a Python number): no
-        host read, so ``torch.compile`` traces it without a graph break.
-        """
-        if self.loss == "number":
-            return torch.ones((), dtype=torch.float64)
-        if self.loss == "was":
-            return vocab.distance_table(self.squash_factor).max().double()
-        low, high = vocab.values.min(), vocab.values.max()
-        return torch.maximum(self.point_loss(low, high).abs(), self.point_loss(high, low).abs()).double()
 
 
 _T = TypeVar("_T")
@@ -370,14 +334,18 @@ class NTLRunOptions:
     not fields here.
     """
 
-    weight: float = 0.3
-    """Weight of NTL in ``CE + weight * NTL`` (0.3 in the paper); 0 trains with CE alone."""
-    digit_level: bool = True
-    """Number table of the ten digits (True) or of multi-digit tokens (False); ``loss=number`` needs digits.
-    (Megatron spells it ``--ntl-number-vocab digits|multi-digit|PATH``; torchtitan ``loss.digit_level``, or a
-    saved table in ``loss.number_vocab``; Hugging Face takes the ``NumberVocab`` itself.)"""
-    normalization: str = "global"
-    """``global`` (sum / count of the whole global batch) or ``micro-batch`` (mean per micro-batch)."""
+    weight: float = _documented(
+        0.3, "Weight of NTL in ``CE + weight * NTL`` (0.3 in the paper); 0 trains with CE alone."
+    )
+    digit_level: bool = _documented(
+        True,
+        "Number table of the ten digits (True) or of multi-digit tokens (False); ``loss=number`` needs digits. "
+        "(Megatron spells it ``--ntl-number-vocab digits|multi-digit|PATH``; torchtitan ``loss.digit_level``, or "
+        "a saved table in ``loss.number_vocab``; Hugging Face takes the ``NumberVocab`` itself.)",
+    )
+    normalization: str = _documented(
+        "global", "``global`` (sum / count of the whole global batch) or ``micro-batch`` (mean per micro-batch)."
+    )
 
     def __post_init__(self) -> None:
         check_run_options(self, "yaml")
@@ -531,32 +499,6 @@ _ROUTE = (
 )
 
 
-def attribute_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass (a string literal right under a field), by field name.
-
-    Empty where the source is not available (a frozen application without ``.py`` files).
-    """
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    node = ast.parse(textwrap.dedent(source)).body[0]
-    if not isinstance(node, ast.ClassDef):
-        raise TypeError(f"attribute_docs takes a class, got {cls!r}")
-    body = node.body
-    docs = {}
-    for field, after in itertools.pairwise(body):
-        if (
-            isinstance(field, ast.AnnAssign)
-            and isinstance(field.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[field.target.id] = inspect.cleandoc(after.value.value)
-    return docs
-
-
 @functools.lru_cache(maxsize=1)
 def option_fields() -> tuple[OptionField, ...]:
     """Every NTL option a front end exposes, with its type, default, documentation and choices.
@@ -568,11 +510,10 @@ def option_fields() -> tuple[OptionField, ...]:
     """
     fields: list[OptionField] = []
     for cls, level in ((NTLOptions, "variant"), (NTLRunOptions, "run")):
-        docs = attribute_docs(cls)
         for f in dataclasses.fields(cls):
             if f.name == "ignore_index" or any(o.name == f.name for o in fields):
                 continue
-            doc = docs.get(f.name, "")
+            doc = f.metadata.get("doc", "")
             fields.append(OptionField(f.name, str(f.type), f.default, doc, _CHOICES.get(f.name), level))
     return (*fields, *_ROUTE)
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .kernels import triton_ce_ntl
-from .options import check_chunk_tokens, check_impl
+from .options import check_impl, check_option
 from .shard_math import ShardInputs, ShardMath, compute_dtype, index_add, shift_into
 from .shards import group_size
 
@@ -413,7 +413,7 @@ def fused_shard_stats(
         label is the arg-max of the full vocabulary; only with ``need_full``) and ``lse``, the whole
         vocabulary's log-sum-exp (0 without ``need_full``; differentiable), identical on every TP rank.
     """
-    check_chunk_tokens(chunk_tokens)
+    check_option("chunk_tokens", chunk_tokens)
     if not need_full:
         return _NumberColumnsNTL.apply(logits, inputs, check_finite, tp_group)
     kernels = use_triton(impl, logits, features)

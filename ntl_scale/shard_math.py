@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ._tracing import is_tracing
-from .options import check_chunk_tokens
+from .options import check_option
 
 __all__ = ["ShardInputs", "ShardMath", "compute_dtype", "index_add", "shift_into"]
 
@@ -105,7 +105,7 @@ class ShardMath:
     @staticmethod
     def chunk_rows(num_tokens: int, num_cols: int, chunk_tokens: int | None) -> list[slice]:
         """Token slices whose ``[chunk, V_local]`` temporaries stay below a fixed element budget."""
-        check_chunk_tokens(chunk_tokens)
+        check_option("chunk_tokens", chunk_tokens)
         step = chunk_tokens or max(1, _CHUNK_ELEMENTS // max(num_cols, 1))
         return [slice(i, min(i + step, num_tokens)) for i in range(0, num_tokens, step)]
 

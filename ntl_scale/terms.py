@@ -14,11 +14,12 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ._validation import check_float_level, check_inputs, check_number_level_table, check_width
 from .number_level import assemble_numbers, number_starts, symmetric_mape
 from .number_vocab import NumberVocab
-from .options import NTLOptions, check_chunk_tokens
+from .options import NTLOptions, check_option
 from .parallel import fused_shard_stats
 from .shard_math import ShardInputs, compute_dtype
 from .shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
@@ -26,9 +27,11 @@ from .shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
 __all__ = [
     "NumberPrediction",
     "PerTokenTerms",
+    "max_loss",
     "ntl_counts",
     "ntl_positions",
     "per_token_ce_ntl",
+    "point_loss",
     "predict_numbers",
     "shard_inputs",
     "shard_start",
@@ -99,7 +102,7 @@ def per_token_ce_ntl(
     check_plain_labels(labels)
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     check_inputs(logits_shard, labels, vocab, options, tp_size, vocab_start)
-    check_chunk_tokens(chunk_tokens)
+    check_option("chunk_tokens", chunk_tokens)
     if inplace and logits_shard.dtype not in (torch.float32, torch.float64):
         raise ValueError(
             f"inplace=True reuses the logits buffer for fp32 math and needs float32/float64 logits, "
@@ -148,6 +151,29 @@ def check_plain_labels(labels: object) -> None:
         )
 
 
+def point_loss(options: NTLOptions, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Element-wise loss between an expected value and its target (``options.loss``: mse, mae or huber)."""
+    if options.loss == "mse":
+        return (pred - target).square()
+    if options.loss == "mae":
+        return (pred - target).abs()
+    return F.huber_loss(pred, target, reduction="none", delta=float(options.huber_delta))
+
+
+def max_loss(options: NTLOptions, vocab: NumberVocab) -> torch.Tensor:
+    """The largest value the per-token loss can take (the reweighing constant's base).
+
+    A 0-dim float64 CPU tensor (usable with tensors on any device, like a Python number): no host read, so
+    ``torch.compile`` traces it without a graph break.
+    """
+    if options.loss == "number":
+        return torch.ones((), dtype=torch.float64)
+    if options.loss == "was":
+        return vocab.distance_table(options.squash_factor).max().double()
+    low, high = vocab.values.min(), vocab.values.max()
+    return torch.maximum(point_loss(options, low, high).abs(), point_loss(options, high, low).abs()).double()
+
+
 def terms_from_stats(
     ce: torch.Tensor,
     expect: torch.Tensor,
@@ -185,9 +211,9 @@ def terms_from_stats(
     else:
         mask = is_number
         targets = vocab.values.to(device=ce.device, dtype=dtype)[row.clamp_min(0)]
-        ntl = options.point_loss(expect, targets)
+        ntl = point_loss(options, expect, targets)
     if reweigh:
-        penalty = _REWEIGH_MARGIN * options.max_loss(vocab)
+        penalty = _REWEIGH_MARGIN * max_loss(options, vocab)
         ntl = ntl * mass + penalty * (1 - mass)
     ntl = torch.where(mask, ntl, zero)
     if options.z_loss_weight:

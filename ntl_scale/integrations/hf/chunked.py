@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ...linear import linear_ce_ntl
 from ...number_vocab import NumberVocab
-from ...options import NTLOptions, check_chunk_tokens
+from ...options import NTLOptions, check_option
 from ...shards import is_dtensor
 from ...terms import PerTokenTerms
 
@@ -186,7 +186,7 @@ def install_linear_loss_head(
     Undone by :func:`remove_linear_loss_head`. For DeepSpeed AutoTP's vocabulary shard see
     :func:`ntl_scale.integrations.deepspeed.install_vocab_parallel_loss_head`.
     """
-    check_chunk_tokens(chunk_tokens)  # refused when installed, not at the first training step
+    check_option("chunk_tokens", chunk_tokens)  # refused when installed, not at the first training step
 
     def head_forward(layer: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         if targets is None:

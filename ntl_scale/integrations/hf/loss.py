@@ -44,7 +44,7 @@ from ..._validation import check_number_level_table
 from ...losses import ce_with_ntl
 from ...normalization import micro_batch_sums, objective
 from ...number_vocab import NumberVocab
-from ...options import NTLOptions, check_chunk_route, check_ntl_weight, check_option
+from ...options import NTLOptions, check_chunk_route, check_option
 from ...reductions import CENTLOutput
 from ...terms import PerTokenTerms, per_token_ce_ntl
 
@@ -117,7 +117,7 @@ class NTLCausalLMLoss:
     ) -> None:
         if not isinstance(vocab, NumberVocab):
             raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
-        self.vocab, self.ntl_weight = vocab, check_ntl_weight(ntl_weight)
+        self.vocab, self.ntl_weight = vocab, check_option("weight", ntl_weight, "ntl_weight")
         self.options = options or NTLOptions()
         if self.options.loss == "number":
             check_number_level_table(vocab)  # refused when the loss is built, not at the first step
