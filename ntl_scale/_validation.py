@@ -7,17 +7,28 @@ and the fix. Checks of device values (label ids, loss weights) go through
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ._checks import device_check
-from .number_vocab import NumberVocab
-from .options import REDUCTIONS, NTLOptions
+from .number_vocab import (
+    DIGIT_LEVEL_WAS,
+    SCALE_TOLERANCE,
+    NumberTableWarning,
+    NumberVocab,
+    digit_scale_squash_factor,
+    untrained_was,
+)
+from .options import REDUCTIONS, NTLOptions, surface_name
 
 __all__ = [
     "check_float_level",
     "check_inputs",
     "check_number_level_table",
     "check_reduction",
+    "check_table",
+    "check_table_scale",
     "check_weights",
     "check_width",
 ]
@@ -198,3 +209,88 @@ def check_float_level(vocab: NumberVocab, options: NTLOptions) -> None:
     """Refuses ``float_level=True`` with a number table that does not know the ``'.'`` token."""
     if options.loss == "number" and options.float_level and vocab.decimal_point_id is None:
         raise ValueError("float_level=True needs the '.' token id; the number table has no decimal_point_id")
+
+
+def check_table(vocab: NumberVocab, options: NTLOptions, surface: str = "hf") -> None:
+    """The number table against the NTL variant, when a front end builds its loss (not at the first step).
+
+    ``loss="number"`` needs a digit table (:func:`check_number_level_table`); the token-level losses need the
+    table's scale (:func:`check_table_scale`). ``surface`` (one of ``ntl_scale.options.SURFACES``) spells
+    the options in the messages.
+    """
+    if options.loss == "number":
+        check_number_level_table(vocab)
+    else:
+        check_table_scale(vocab, options, surface)
+
+
+def _point_scale(values: list[float], options: NTLOptions) -> float:
+    """A point loss of an untrained model (uniform predictions: ``yhat`` the mean value) over uniform targets."""
+    guess = sum(values) / len(values)
+    delta = options.huber_delta
+
+    def point(error: float) -> float:
+        if options.loss == "mse":
+            return error * error
+        if options.loss == "huber" and abs(error) <= delta:
+            return 0.5 * error * error
+        return abs(error) - 0.5 * delta if options.loss == "huber" else abs(error)
+
+    return sum(point(guess - t) for t in values) / len(values)
+
+
+def check_table_scale(vocab: NumberVocab, options: NTLOptions, surface: str = "hf") -> None:
+    """Refuses a number table that puts token-level NTL far off the digit level's scale, where a weight was tuned.
+
+    An untrained model spreads its number-token probability evenly, so its NTL is a property of the table
+    (:func:`ntl_scale.number_vocab.untrained_was`): 3.3 for the ten digits, about 333 for a Llama 3-style table
+    of 0-999, which at weight 0.3 would be 13x CE. Beyond :data:`~ntl_scale.number_vocab.SCALE_TOLERANCE`:
+
+    * NTL-WAS without a squash factor is a ValueError naming the factor that matches the digit level
+      (:func:`ntl_scale.number_vocab.digit_scale_squash_factor`);
+    * NTL-WAS with a squash factor that misses the digit level (either way), or a point loss (``mse``, ``mae``,
+      ``huber``: no squash factor applies), is a :class:`~ntl_scale.number_vocab.NumberTableWarning`.
+
+    Checked once per table and variant (the table is immutable).
+    """
+    key = ("_ntl_scale_ok", options.loss, options.squash_factor, options.huber_delta)
+    checked = getattr(vocab, "_ntl_scale_checked", set())
+    if key in checked:
+        return
+    values = vocab.values.double().tolist()
+    low, high = min(values), max(values)
+    squash_name = surface_name("squash_factor", surface)
+    table_name = surface_name("digit_level", surface) or "NumberVocab.from_tokenizer(tokenizer, digit_level=True)"
+    described = f"this {len(values)}-token number table (values {low:g} to {high:g})"
+    if options.loss == "was":
+        scale = untrained_was(values, options.squash_factor)
+        ratio = scale / DIGIT_LEVEL_WAS
+        squash = digit_scale_squash_factor(values)
+        fix = f"{squash_name}={squash:.1f}" if squash is not None else f"{table_name} (a digit table)"
+        if options.squash_factor is None and ratio > SCALE_TOLERANCE:
+            raise ValueError(
+                f"NTL-WAS on {described} starts at {scale:.1f} for an untrained model, {ratio:.0f}x the digit "
+                f"table's {DIGIT_LEVEL_WAS} that the NTL weight is tuned for, so NTL would swamp CE. Set {fix}: "
+                "derived from the table so that an untrained model's NTL is the digit level's "
+                "(ntl_scale.number_vocab.digit_scale_squash_factor(vocab.values); docs/number_vocab.md, recipes)"
+            )
+        if options.squash_factor is not None and not 1 / SCALE_TOLERANCE <= ratio <= SCALE_TOLERANCE:
+            warnings.warn(
+                f"{squash_name}={options.squash_factor:g} puts NTL-WAS on {described} at {scale:.2f} for an "
+                f"untrained model, {ratio:.2f}x the digit level's {DIGIT_LEVEL_WAS}; {fix} matches it",
+                NumberTableWarning,
+                stacklevel=3,
+            )
+    else:
+        scale = _point_scale(values, options)
+        digit = _point_scale([float(d) for d in range(10)], options)
+        if scale / digit > SCALE_TOLERANCE:
+            warnings.warn(
+                f"loss={options.loss!r} on {described} starts at {scale:.1f} for an untrained model, "
+                f"{scale / digit:.0f}x its {digit:.2f} on the ten digits, so at the same weight NTL would swamp "
+                f"CE (no squash factor applies to a point loss). Use loss='was' with "
+                f"{squash_name}={digit_scale_squash_factor(values) or 1:.1f}, or a digit table ({table_name})",
+                NumberTableWarning,
+                stacklevel=3,
+            )
+    object.__setattr__(vocab, "_ntl_scale_checked", checked | {key})

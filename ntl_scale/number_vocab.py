@@ -17,10 +17,17 @@ Token rules (see ``docs/number_vocab.md``):
   underscores, ``inf`` or ``nan``.
 
 The tokenizer is never modified; :func:`add_digit_tokens` is the explicit opt-in for that.
+
+Building a table takes a census of the tokenizer's number tokens (:func:`number_token_census`): a table
+that leaves out most of them (the digit rule on a Llama 3-style tokenizer, whose numbers are 1-3 digit
+tokens) is warned about with the fix. A multi-digit table's NTL-WAS is kept on the digit level's scale by
+a squash factor derived from its values (:func:`digit_scale_squash_factor`): an untrained model's expected
+NTL is then the digit table's, so a weight means the same on both (``docs/number_vocab.md``, recipes).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -37,11 +44,18 @@ from .atomic import write_json_atomically
 from .options import check_option
 
 __all__ = [
+    "DIGIT_LEVEL_WAS",
+    "SCALE_TOLERANCE",
+    "NumberCensus",
+    "NumberTableWarning",
     "NumberVocab",
     "VocabShard",
     "add_digit_tokens",
+    "digit_scale_squash_factor",
+    "number_token_census",
     "pad_vocab_size",
     "parse_number_token",
+    "untrained_was",
 ]
 
 _FORMAT = "ntl_scale.NumberVocab"
@@ -98,6 +112,223 @@ def pad_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp_size: int = 1
             raise ValueError(f"pad_vocab_size: {name} must be a positive int, got {value!r}")
     multiple = divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
+
+
+DIGIT_LEVEL_WAS = 3.3
+"""NTL-WAS of an untrained model on the ten-digit table: uniform predictions over 0-9, targets uniform over
+0-9, so ``mean |i - j| = 99 / 30``. The scale a weight (0.3 in the paper) was tuned at."""
+SCALE_TOLERANCE = 3.0
+"""How far (a factor, either way) a table's untrained NTL-WAS may sit from :data:`DIGIT_LEVEL_WAS` before the
+front ends refuse (no squash factor) or warn (a squash factor that misses it). Tables of values up to about 30
+pass unsquashed; a Llama 3-style table of 0-999 (about 100x) does not."""
+
+
+class NumberTableWarning(UserWarning):
+    """A number table leaves out most of its tokenizer's number tokens, or puts NTL off the digit level's scale."""
+
+
+def _pair_statistics(values: Sequence[float]) -> tuple[float, float, float, float]:
+    """Over all ordered pairs (i, j) of ``values`` (float64): the mean ``|v_i - v_j|``, the share of pairs with
+    different values, and the smallest and largest nonzero distance (0, 0 when all values are equal).
+
+    O(n log n) from the sorted values, so a table of any size costs no ``n x n`` matrix."""
+    ordered = sorted(float(v) for v in values)
+    n = len(ordered)
+    if n == 0:
+        raise ValueError("the table has no values")
+    # sum over i < j of (v_j - v_i) = sum_j v_j * (2 j - n + 1) for sorted v
+    total = math.fsum(v * (2 * j - n + 1) for j, v in enumerate(ordered))
+    mean = 2 * total / (n * n)
+    same = math.fsum(float(count) ** 2 for count in _run_lengths(ordered))
+    gaps = [b - a for a, b in itertools.pairwise(ordered) if b > a]
+    smallest, largest = (min(gaps), ordered[-1] - ordered[0]) if gaps else (0.0, 0.0)
+    return mean, 1 - same / (n * n), smallest, largest
+
+
+def _run_lengths(ordered: list[float]) -> list[int]:
+    runs: list[int] = []
+    for i, value in enumerate(ordered):
+        if i and value == ordered[i - 1]:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs
+
+
+def untrained_was(values: Sequence[float] | torch.Tensor, squash_factor: float | None = None) -> float:
+    """NTL-WAS of an untrained model on a table of these values: predictions uniform over the table's tokens,
+    targets uniform over them, i.e. the mean over all token pairs of the (squashed) distance, in float64.
+
+    An untrained model's logits are nearly equal, so its number-token distribution is nearly uniform; this is
+    the term's starting scale, which :data:`DIGIT_LEVEL_WAS` is for the ten digits.
+
+    Args:
+        values: the table's values (``NumberVocab.values``), one per token (repeats counted).
+        squash_factor: None (``|v_i - v_j|``) or the squash factor (> 1) of ``NumberVocab.distance_table``.
+
+    Returns:
+        The expected NTL-WAS.
+    """
+    listed = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    mean, differ, smallest, largest = _pair_statistics(listed)
+    if squash_factor is None or largest <= smallest:  # the squash keeps |v_i - v_j| when all distances are equal
+        return mean
+    slope = (check_option("squash_factor", squash_factor) - 1) / (largest - smallest)
+    # nonzero d maps to 1 + (d - smallest) * slope; zero stays zero
+    return differ * (1 - smallest * slope) + slope * mean
+
+
+def digit_scale_squash_factor(values: Sequence[float] | torch.Tensor) -> float | None:
+    """The squash factor that puts a table's untrained NTL-WAS at the digit level's (:data:`DIGIT_LEVEL_WAS`).
+
+    Why this scale: the weight of NTL (0.3 in the paper) was tuned on the ten-digit table, whose untrained
+    NTL-WAS is 3.3. Plain distances on a Llama 3-style table of 0-999 start at about 333 (100x), so the same
+    weight would make NTL dominate CE; squashing the nonzero distances onto ``[1, s]`` keeps the table's order
+    and its closest miss at 1 (as for digits) and, with this ``s``, its starting scale at 3.3. For 0-999 it is
+    7.9 (7.5 when the leading-zero chunks ``00``-``099`` are tokens too).
+
+    Args:
+        values: the table's values, one per token.
+
+    Returns:
+        The factor (> 1), or None when squashing cannot change the distances (fewer than two distinct ones).
+    """
+    listed = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    mean, differ, smallest, largest = _pair_statistics(listed)
+    if largest <= smallest:
+        return None
+    # untrained_was(s) = differ * (1 - smallest * c) + c * mean with c = (s - 1) / (largest - smallest)
+    slope = (DIGIT_LEVEL_WAS - differ) / (mean - differ * smallest)
+    return 1 + slope * (largest - smallest)
+
+
+@dataclass(frozen=True)
+class NumberCensus:
+    """What a tokenizer's vocabulary holds in number tokens, and what one table rule keeps of them.
+
+    Attributes:
+        tokens: how many tokens the vocabulary has.
+        digits: the bare ASCII digit tokens found (``"0"`` ... ``"9"``), sorted.
+        multi_digit: bare number tokens that are not one digit (``"202"``, ``"2.5"``, ``"-5"``).
+        prefixed: word-prefixed number tokens (``"▁3"``, ``"Ġ12"``, ``"##4"``).
+        digit_level: the rule taken the census of: the ten digits (True) or multi-digit literals.
+        include_prefixed: whether that rule includes the prefixed tokens.
+        kept: number tokens the rule puts in the table.
+        left_out: number tokens (bare or prefixed) it leaves out.
+        examples: a few of the left-out tokens, for messages.
+        multi_digit_squash: :func:`digit_scale_squash_factor` of the multi-digit table (None without one).
+    """
+
+    tokens: int
+    digits: tuple[str, ...]
+    multi_digit: int
+    prefixed: int
+    digit_level: bool
+    include_prefixed: bool
+    kept: int
+    left_out: int
+    examples: tuple[str, ...]
+    multi_digit_squash: float | None
+
+    @property
+    def loses_most(self) -> bool:
+        """The rule leaves out more bare number tokens than it keeps: the digit rule on a tokenizer that writes
+        numbers as multi-digit tokens, where NTL would only see labels that happen to be single digits.
+        (Left-out prefixed tokens alone do not count: leaving them out is the documented default.)"""
+        return self.digit_level and self.multi_digit > self.kept
+
+    def recipe(self) -> str:
+        """The table this tokenizer's numbers call for, and the options to set (``docs/number_vocab.md``)."""
+        if self.multi_digit > len(self.digits):
+            squash = f"{self.multi_digit_squash:.1f}" if self.multi_digit_squash is not None else "None"
+            prefixed = f"; its {self.prefixed} word-prefixed number tokens need prefixed=True" if self.prefixed else ""
+            return (
+                "multi-digit table (digit_level=False; Megatron --ntl-number-vocab multi-digit; YAML "
+                f"ntl.digit_level: false) with squash_factor={squash} (the digit level's NTL scale){prefixed}"
+            )
+        if len(self.digits) == 10:
+            return "digit table (digit_level=True, the default); no squash factor"
+        if self.prefixed:
+            return "digit table with prefixed=True (its digits are word-prefixed), or ntl_scale.add_digit_tokens"
+        return "ntl_scale.add_digit_tokens(tokenizer), then the digit table"
+
+    def summary(self) -> str:
+        """A few lines for people: what was found, what the rule keeps and leaves out, and the recipe."""
+        rule = "digit" if self.digit_level else "multi-digit"
+        rule += " + prefixed" if self.include_prefixed else ""
+        found = (
+            f"{self.tokens} tokens: {len(self.digits)} digit tokens, {self.multi_digit} multi-digit number "
+            f"tokens, {self.prefixed} word-prefixed number tokens"
+        )
+        lost = f" (e.g. {', '.join(map(repr, self.examples))})" if self.examples else ""
+        lines = [found, f"the {rule} table keeps {self.kept} and leaves out {self.left_out}{lost}"]
+        if self.loses_most:
+            lines.append("WARNING: NTL would only see labels that happen to be single digits")
+        lines.append(f"recipe: {self.recipe()}")
+        return "\n".join(lines)
+
+
+def _id_to_token(tokenizer: Any) -> Mapping[int, str]:
+    """The id -> token string mapping of a tokenizer (Hugging Face, Megatron, SentencePiece) or of a mapping."""
+    if isinstance(tokenizer, Mapping):
+        return {int(i): str(t) for i, t in tokenizer.items()}
+    if isinstance(tokenizer, Sequence) and not isinstance(tokenizer, str):
+        return dict(enumerate(map(str, tokenizer)))
+    if hasattr(tokenizer, "get_vocab"):
+        return {int(i): t for t, i in tokenizer.get_vocab().items()}
+    if hasattr(tokenizer, "inv_vocab"):
+        return dict(tokenizer.inv_vocab)
+    if hasattr(tokenizer, "id_to_piece") and hasattr(tokenizer, "get_piece_size"):
+        return {i: tokenizer.id_to_piece(i) for i in range(tokenizer.get_piece_size())}
+    raise TypeError(
+        f"unsupported tokenizer type {type(tokenizer).__name__}; expected a Hugging Face tokenizer (get_vocab), a "
+        "Megatron tokenizer (inv_vocab), a SentencePieceProcessor, or an id -> token mapping"
+    )
+
+
+def number_token_census(tokenizer: Any, *, digit_level: bool = True, prefixed: bool = False) -> NumberCensus:
+    """Counts a vocabulary's number tokens and what the table rule ``digit_level``/``prefixed`` keeps of them.
+
+    Args:
+        tokenizer: a Hugging Face, Megatron or SentencePiece tokenizer, or an id -> token mapping or list.
+        digit_level: the rule: the ten digits (True) or multi-digit literals (False).
+        prefixed: whether the rule includes word-prefixed number tokens.
+
+    Returns:
+        The :class:`NumberCensus` (``summary()`` for people, ``recipe()`` for the table to build).
+    """
+    mapping = _id_to_token(tokenizer)
+    digits, multi, prefixed_count, kept, multi_values = [], 0, 0, 0, []
+    examples: list[str] = []
+    for _, token in sorted(mapping.items()):
+        bare = parse_number_token(token, digit_level=False)
+        if bare is None and parse_number_token(token, digit_level=False, prefixed=True) is None:
+            continue
+        if bare is not None:
+            multi_values.append(bare)
+            if parse_number_token(token) is not None:
+                digits.append(token)
+            else:
+                multi += 1
+        else:
+            prefixed_count += 1
+        if parse_number_token(token, digit_level=digit_level, prefixed=prefixed) is not None:
+            kept += 1
+        elif len(examples) < 5:
+            examples.append(token)
+    total = multi + len(digits) + prefixed_count
+    return NumberCensus(
+        tokens=len(mapping),
+        digits=tuple(sorted(digits)),
+        multi_digit=multi,
+        prefixed=prefixed_count,
+        digit_level=bool(digit_level),
+        include_prefixed=bool(prefixed),
+        kept=kept,
+        left_out=total - kept,
+        examples=tuple(examples),
+        multi_digit_squash=digit_scale_squash_factor(multi_values) if multi_values else None,
+    )
 
 
 def _count_below(ordered: list[int], bound: int) -> int:
@@ -233,7 +464,8 @@ class NumberVocab:
             prefixed: include word-prefixed number tokens (``▁3``, ``Ġ3``, ``##3``).
 
         Returns:
-            The table.
+            The table. A :class:`NumberTableWarning` says when the rule leaves out most of the number tokens
+            (:func:`number_token_census`), with the table to build instead.
         """
         items = id_to_token.items() if isinstance(id_to_token, Mapping) else enumerate(id_to_token)
         pairs = [(int(i), str(t)) for i, t in items]
@@ -257,6 +489,16 @@ class NumberVocab:
                 f"(digit_level={digit_level}, prefixed={prefixed}); expected e.g. the tokens '0'..'9'. "
                 "Fix: call ntl_scale.add_digit_tokens(tokenizer) and resize the model's embeddings, "
                 "or try prefixed=True for tokenizers that only have '▁3'/'Ġ3' style digits."
+            )
+        census = number_token_census(dict(pairs), digit_level=digit_level, prefixed=prefixed)
+        if census.loses_most:
+            warnings.warn(
+                f"NumberVocab: the digit table keeps {census.kept} number tokens and leaves out {census.left_out} "
+                f"(e.g. {', '.join(map(repr, census.examples))}), of which {census.multi_digit} multi-digit: this "
+                "tokenizer writes numbers as multi-digit tokens, so NTL would only see the labels that happen to "
+                f"be single digits. Fix: the {census.recipe()}; see docs/number_vocab.md (recipes)",
+                NumberTableWarning,
+                stacklevel=3,
             )
         if digit_level:
             missing = sorted(set(range(10)) - {int(v) for v in values})
@@ -292,19 +534,15 @@ class NumberVocab:
         Returns:
             The table.
         """
-        if hasattr(tokenizer, "get_vocab"):
-            vocab = tokenizer.get_vocab()
-            mapping: Mapping[int, str] = {int(i): t for t, i in vocab.items()}
-        elif hasattr(tokenizer, "inv_vocab"):
-            mapping = dict(tokenizer.inv_vocab)
-        elif hasattr(tokenizer, "id_to_piece") and hasattr(tokenizer, "get_piece_size"):
-            mapping = {i: tokenizer.id_to_piece(i) for i in range(tokenizer.get_piece_size())}
-        else:
+        if isinstance(tokenizer, (Mapping, Sequence)):
             raise TypeError(
-                f"NumberVocab.from_tokenizer: unsupported tokenizer type {type(tokenizer).__name__}; "
-                "expected a Hugging Face tokenizer (get_vocab), a Megatron tokenizer (inv_vocab) or a "
-                "SentencePieceProcessor. For anything else use NumberVocab.from_id_to_token(mapping)."
+                f"NumberVocab.from_tokenizer: got a {type(tokenizer).__name__}; for an id -> token mapping use "
+                "NumberVocab.from_id_to_token(mapping)"
             )
+        try:
+            mapping = _id_to_token(tokenizer)
+        except TypeError as e:
+            raise TypeError(f"NumberVocab.from_tokenizer: {e} (from_id_to_token takes any mapping)") from None
         return cls.from_id_to_token(mapping, vocab_size=vocab_size, digit_level=digit_level, prefixed=prefixed)
 
     @classmethod

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..._validation import check_table
 from ...training.collectives import largest_over_ranks, sum_over
 from ...training.config import RunConfig
 from ...training.metrics import STEP_SUMS, MetricsLogger, tokens_read
@@ -89,6 +90,7 @@ class Trainer:
             self.resolved.save(os.path.join(cfg.run_dir, RESOLVED_FILE))
 
         self.tokenizer, self.vocab, vocab_size = tokenizer_and_table(cfg.model, cfg.ntl.digit_level)
+        check_table(self.vocab, self.options, "yaml")  # before any data is read
         if cfg.data.position_coupling:
             check_one_token_per_digit(self.tokenizer, self.vocab, cfg.model.tokenizer)
         train_set, eval_splits = load_data(cfg.data, self.tokenizer, kind=cfg.model.kind, seq_length=train.seq_length,

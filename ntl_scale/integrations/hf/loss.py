@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..._validation import check_number_level_table
+from ..._validation import check_table
 from ...losses import ce_with_ntl
 from ...normalization import micro_batch_sums, objective
 from ...number_vocab import NumberVocab
@@ -119,8 +119,7 @@ class NTLCausalLMLoss:
             raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
         self.vocab, self.ntl_weight = vocab, check_option("weight", ntl_weight, "ntl_weight")
         self.options = options or NTLOptions()
-        if self.options.loss == "number":
-            check_number_level_table(vocab)  # refused when the loss is built, not at the first step
+        check_table(vocab, self.options, "hf")  # refused when the loss is built, not at the first step
         self.causal = causal
         # Detached running sums since the last reset (TOTALS: ce_sum, tokens, ntl_sum, numbers, hits, z_loss_sum):
         # the training calls' and, apart, the evaluation calls'

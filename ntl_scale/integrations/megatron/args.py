@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..._validation import check_number_level_table
+from ..._validation import check_table
 from ...number_vocab import NumberVocab
 from ...options import (
     NUMERIC_CHECKS,
@@ -189,8 +189,7 @@ def build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size:
         The table, sized to the padded vocabulary.
     """
     vocab = _build_number_vocab(settings, tokenizer, padded_vocab_size)
-    if settings.options().loss == "number":
-        check_number_level_table(vocab)  # a saved table of other tokens, refused before the first step
+    check_table(vocab, settings.options(), "megatron")  # a saved table of other tokens, refused before the first step
     return vocab
 
 

@@ -76,6 +76,7 @@ from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.tools.logging import logger
 
+from ..._validation import check_table
 from ...normalization import MicroBatchSums, means, micro_batch_sums, objective
 from ...number_vocab import NumberVocab
 from ...options import (
@@ -176,6 +177,7 @@ class NTLLoss(BaseLoss):
         self.metric_names = METRICS + ((Z_LOSS_METRIC,) if self.options.z_loss_weight else ())
         """The names of the training metrics (:meth:`step_metrics`): :data:`METRICS`, then the z-loss if on."""
         self.vocab = number_table(config)
+        check_table(self.vocab, self.options, "torchtitan")
         self.weight = float(config.weight)
         # torchtitan's own CE op computes the loss (bit for bit) only where ours adds nothing to it: NTL at
         # weight 0 and none of the CE features (z-loss, label smoothing, soft-capping), which it lacks
