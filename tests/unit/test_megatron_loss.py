@@ -86,11 +86,16 @@ def test_number_vocab_from_megatron_tokenizer_and_file(tmp_path):
     padded = ntl_scale.pad_vocab_size(len(TOKENS), divisible_by=32, tp_size=2)
     digits = ntl_megatron.build_number_vocab(ntl_megatron.NTLSettings(), tokenizer, padded)
     assert len(digits) == 10 and digits.vocab_size == padded == 64
-    multi = ntl_megatron.build_number_vocab(ntl_megatron.NTLSettings(number_vocab="multi-digit"), tokenizer, padded)
+    squash = 16.0  # values 0-345 unsquashed would start NTL-WAS at 17x the digit level's (refused)
+    multi = ntl_megatron.build_number_vocab(
+        ntl_megatron.NTLSettings(number_vocab="multi-digit", squash_factor=squash), tokenizer, padded
+    )
     assert sorted(multi.values.tolist())[-2:] == [12.0, 345.0]
     path = tmp_path / "numbers.json"
     multi.save(path)
-    loaded = ntl_megatron.build_number_vocab(ntl_megatron.NTLSettings(number_vocab=str(path)), None, 128)
+    loaded = ntl_megatron.build_number_vocab(
+        ntl_megatron.NTLSettings(number_vocab=str(path), squash_factor=squash), None, 128
+    )
     assert loaded == multi.with_vocab_size(128)
     with pytest.raises(ValueError, match=r"neither one of .* nor an existing file"):
         ntl_megatron.build_number_vocab(ntl_megatron.NTLSettings(number_vocab="digitz"), tokenizer, padded)

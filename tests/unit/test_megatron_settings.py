@@ -136,7 +136,7 @@ def test_number_vocab_is_honoured_by_build_number_vocab():
 
     digits = ntl_megatron.build_number_vocab(ntl_megatron.NTLSettings(weight=WEIGHT), Tokenizer(), 64)
     multi = ntl_megatron.build_number_vocab(
-        ntl_megatron.NTLSettings(weight=WEIGHT, number_vocab="multi-digit"), Tokenizer(), 64
+        ntl_megatron.NTLSettings(weight=WEIGHT, number_vocab="multi-digit", squash_factor=16.0), Tokenizer(), 64
     )
     assert sorted(digits.values.tolist()) == list(range(10))
     assert {12.0, 345.0} <= set(multi.values.tolist()) and len(multi) == 12

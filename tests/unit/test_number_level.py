@@ -93,7 +93,7 @@ def test_megatron_refuses_a_saved_table_of_other_tokens_when_building_it(tmp_pat
     settings = ntl_megatron.NTLSettings(weight=0.3, loss="number", number_vocab=str(path))
     with pytest.raises(ValueError, match="digit_level=True"):
         ntl_megatron.build_number_vocab(settings, None, V)
-    was = ntl_megatron.NTLSettings(weight=0.3, loss="was", number_vocab=str(path))
+    was = ntl_megatron.NTLSettings(weight=0.3, loss="was", squash_factor=9.0, number_vocab=str(path))
     assert len(ntl_megatron.build_number_vocab(was, None, V)) == 7
 
 
