@@ -318,7 +318,7 @@ def test_registry_configs() -> None:
     model = big.model_spec.model
     assert (model.dim, len(model.layers), model.vocab_size) == (3072, 28, 128256)
     ntl = big.loss.loss_fn
-    assert (ntl.digit_level, ntl.squash_factor, ntl.vocab_size) == (False, 10.0, 128256)
+    assert (ntl.digit_level, ntl.squash_factor, ntl.vocab_size) == (False, 8.0, 128256)
 
 
 def test_number_level_loss_under_context_parallelism_is_refused() -> None:
