@@ -8,6 +8,8 @@ Each builder trains a tiny tokenizer of one family the project must support:
 * ``byte_level_bpe``: GPT-2 style byte-level BPE (``"Ġ3"``), digits split into single tokens;
 * ``llama3_style_bpe``: byte-level BPE whose pre-tokenizer splits numbers into 1-3 digit groups,
   so multi-digit tokens such as ``"123"`` exist;
+* ``mistral_style_sentencepiece``: a Llama 2 / Mistral-style BPE SentencePiece model (digits split,
+  byte fallback), the SentencePiece family of Mistral and Gemma;
 * ``wordpiece_fast`` / ``wordpiece_slow``: BERT style WordPiece (``"##3"`` continuations).
 """
 
@@ -59,6 +61,26 @@ def sentencepiece_model(vocab_size: int = 120) -> str:
         bos_id=-1,
         split_digits=True,
         hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    return f"{prefix}.model"
+
+
+@functools.cache
+def mistral_style_sentencepiece(vocab_size: int = 300) -> str:
+    """Path of a BPE SentencePiece model with ``split_digits`` and ``byte_fallback`` (Llama 2, Mistral v1-v3, Gemma)."""
+    import sentencepiece as spm
+
+    text = _workdir() / "corpus.txt"
+    text.write_text("\n".join(corpus()), encoding="utf-8")
+    prefix = _workdir() / f"mistral{vocab_size}"
+    spm.SentencePieceTrainer.train(
+        input=str(text),
+        model_prefix=str(prefix),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        split_digits=True,
+        byte_fallback=True,
         minloglevel=2,
     )
     return f"{prefix}.model"
