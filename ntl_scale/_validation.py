@@ -254,7 +254,7 @@ def check_table_scale(vocab: NumberVocab, options: NTLOptions, surface: str = "h
     Checked once per table and variant (the table is immutable).
     """
     key = ("_ntl_scale_ok", options.loss, options.squash_factor, options.huber_delta)
-    checked = getattr(vocab, "_ntl_scale_checked", set())
+    checked: set[tuple[object, ...]] = getattr(vocab, "_ntl_scale_checked", set())
     if key in checked:
         return
     values = vocab.values.double().tolist()

@@ -67,9 +67,9 @@ def llama3_3b_ntl() -> NTLTrainer.Config:
 
     Llama 3 writes numbers in tokens of 1-3 digits, so the table holds the multi-digit tokens
     (``digit_level=False``, values 0-999) and ``squash_factor=8`` maps the WAS distances onto 1-8 so that an
-    untrained model's NTL is the digit level's (docs/number_vocab.md, recipes; as the shipped Llama 3 configs). Training settings are
-    torchtitan's ``llama3_debugmodel``'s with the 3B model; set ``--hf_assets_path`` to the Llama-3.2-3B
-    tokenizer, the data, the batch and the parallelism for your cluster.
+    untrained model's NTL is the digit level's (docs/number_vocab.md, recipes; as the shipped Llama 3 configs).
+    Training settings are torchtitan's ``llama3_debugmodel``'s with the 3B model; set ``--hf_assets_path`` to
+    the Llama-3.2-3B tokenizer, the data, the batch and the parallelism for your cluster.
     """
     config = llama3.llama3_debugmodel()
     config.model_spec = llama3.model_registry("3B")
