@@ -433,23 +433,29 @@ class NTLLanguageModelMixin:
         model = NTLGPTModel(config=..., ...)
         model.configure_ntl(settings, vocab, tp_group)
 
-    The per-token loss becomes ``ce_t + weight * ntl_t * T / K`` with ``T`` the loss-mask weight of the
-    micro-batch's label positions and ``K`` that of its NTL positions, so that Megatron's masked token
-    mean of it is the mean CE plus ``weight`` times the mean NTL over the number tokens the loss mask
-    keeps. The model sees the loss mask when it is passed to its call (``model(..., labels=labels,
-    loss_mask=loss_mask)``, which ``GPTModel.forward`` takes); without it every position counts (exact
-    when the loss mask keeps every position, as in pretraining without padding). MTP heads, whose labels
-    Megatron rolls, count every position of their labels.
+    The per-token loss becomes ``a ce_t + weight * ntl_t * b`` with ``(a, b) = (n / T, n / K)``: ``T`` the
+    loss-mask weight of the micro-batch's label positions, ``K`` that of its NTL positions and ``n`` Megatron's
+    ``num_tokens`` (the mask's sum truncated, :func:`~ntl_scale.integrations.megatron.terms.megatron_num_tokens`;
+    ``n = T`` and ``a = 1`` for a 0/1 mask), so that Megatron's ``loss_func`` (the masked sum divided by ``n``)
+    gives the mean CE plus ``weight`` times the mean NTL over the number tokens the loss mask keeps, for any
+    mask weights. ``ce_t`` is the objective's CE term (label-smoothed, plus the z-loss, with those options);
+    in evaluation (no gradient, or ``model.eval()``: Megatron's ``evaluate``) it is the plain cross entropy
+    (:meth:`~ntl_scale.NTLOptions.for_evaluation`). The model sees the loss mask when it is passed to its
+    call (``model(..., labels=labels, loss_mask=loss_mask)``, which ``GPTModel.forward`` takes); without it
+    every position counts (exact when the loss mask keeps every position, as in pretraining without
+    padding). MTP heads, whose labels Megatron rolls, count every position of their labels.
+
+    The context-parallel size (number-level NTL cuts numbers at the slice borders) is the model's
+    ``TransformerConfig.context_parallel_size``.
 
     ``normalization="global"`` uses the Megatron-LM route's mechanism: before each training forward the
     caller sets :attr:`ntl_scale` to the step's :class:`~ntl_scale.integrations.megatron.lm.MicroBatchScale`
-    (the step's ``T`` and ``K`` from :class:`GlobalCounts` or :func:`ntl_scale.normalization.step_counts`,
-    the micro-batch count ``m``, the data x context parallel size ``r``, ``--calculate-per-token-loss``),
-    as ``NTLForwardStep`` sets ``hook.scale``. The main head's per-token loss is then ``a ce + b w ntl``
-    with ``(a, b) = ntl_scale.weights(n)`` (``n`` the micro-batch's mask sum), so that after Megatron's
-    division by ``n``, ``m`` and ``r`` (or by the step's token count with per-token loss) the summed
-    gradient is that of ``CE_sum / T + w NTL_sum / K`` over the whole step. A training forward (grad
-    mode) under ``global`` without :attr:`ntl_scale` raises; evaluation (no grad) and MTP heads use the
+    (the step's ``T``, ``K`` and, for ``--calculate-per-token-loss``, Megatron's divisor ``D`` from
+    :class:`GlobalCounts`, the micro-batch count ``m``, the data x context parallel size ``r``), as
+    ``NTLForwardStep`` sets ``hook.scale``. The main head's per-token loss is then ``a ce + b w ntl`` with
+    ``(a, b) = ntl_scale.weights(n)``, so that after Megatron's division by ``n``, ``m`` and ``r`` (or by ``D``
+    with per-token loss) the summed gradient is that of ``CE_sum / T + w NTL_sum / K`` over the whole step. A
+    training forward under ``global`` without :attr:`ntl_scale` raises; evaluation and MTP heads use the
     micro-batch mean. Under ``micro-batch`` :attr:`ntl_scale` is ignored.
     """
 

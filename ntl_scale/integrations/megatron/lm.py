@@ -481,12 +481,15 @@ class NTLForwardStep:
     * installs :func:`apply_ntl_to_megatron_model` on each model chunk on its first call;
     * on the last pipeline stage, at the first micro-batch of every training step, pulls the step's
       micro-batches from the data iterator, counts their tokens and number tokens from
-      ``labels`` and ``loss_mask`` and reduces the counts with one SUM all-reduce of two numbers over
-      ``groups.count_group``; Megatron's ``get_batch`` then reads the same micro-batches from a
-      replaying iterator. The counts give global normalisation (``--ntl-normalization global``) and
-      a defined ``ntl loss`` in steps without number tokens. Evaluation (no gradient) pulls nothing;
-    * adds ``ntl loss`` and ``number accuracy`` (``[sum, count]`` pairs, reduced like ``lm loss``)
-      to the report of ``loss_func``.
+      ``labels`` and ``loss_mask`` and reduces the counts with one SUM all-reduce over
+      ``groups.count_group`` (two numbers; with ``per_token_loss`` also Megatron's divisor, the sum of the
+      micro-batches' truncated mask sums, and the count of mask values other than 0 and 1, which context
+      parallelism with per-token loss refuses); Megatron's ``get_batch`` then reads the same micro-batches
+      from a replaying iterator. The counts give global normalisation (``--ntl-normalization global``) and
+      a defined ``ntl loss`` in steps without number tokens. Evaluation (no gradient or ``model.eval()``:
+      Megatron's ``evaluate``) pulls nothing;
+    * adds ``ntl loss``, ``number accuracy`` and, in training with ``--ntl-z-loss-weight``, ``z loss``
+      (``[sum, count]`` pairs, reduced like ``lm loss``) to the report of ``loss_func``.
 
     Args:
         forward_step: Megatron's ``forward_step``.
@@ -636,7 +639,7 @@ class NTLForwardStep:
 
 
 class _ReportNTL:
-    """``loss_func`` plus ``ntl loss`` and ``number accuracy`` in its report."""
+    """``loss_func`` plus ``ntl loss``, ``number accuracy`` (and ``z loss``) in its report."""
 
     def __init__(self, loss_func: Any, stats: NTLStats, numbers_in_step: torch.Tensor | None) -> None:
         self.loss_func, self.stats, self.numbers_in_step = loss_func, stats, numbers_in_step
