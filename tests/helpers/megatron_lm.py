@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -68,6 +68,7 @@ class Run:
     returncode: int
     output: str
     trace: list[dict]
+    validations: list[dict[str, float]] = field(default_factory=list)  # each evaluation's totals, in order
 
     def losses(self, key: str = "lm loss") -> dict[int, float]:
         return {r["iteration"]: r["losses"][key] for r in self.trace if key in r["losses"]}
@@ -108,7 +109,9 @@ def run(tag: str, script: str | Path, args: list[str], *, nproc: int, workdir: P
     ]  # fmt: skip
     done = run_launch(command, cwd=path, env=env, timeout=timeout)
     records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
-    return Run(done.returncode, done.stdout + done.stderr, records)
+    training = [r for r in records if "validation" not in r]
+    validations = [r["validation"] for r in records if "validation" in r]
+    return Run(done.returncode, done.stdout + done.stderr, training, validations)
 
 
 def run_tool(tag: str, script: str, args: list[str], *, timeout: int = 300) -> subprocess.CompletedProcess:

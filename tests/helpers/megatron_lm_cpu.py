@@ -217,7 +217,8 @@ def patch_megatron() -> None:
 
 
 def trace_training_log(path: str) -> None:
-    """Appends each iteration's losses and gradient norm at full precision to ``path`` (JSON lines).
+    """Appends each iteration's losses and gradient norm at full precision to ``path`` (JSON lines), and
+    each evaluation's totals (``{"validation": {...}}`` lines).
 
     Megatron prints them rounded (the gradient norm to 3 decimals); the tests compare more closely.
     Only the rank that holds a loss (the last pipeline stage) writes.
@@ -245,6 +246,20 @@ def trace_training_log(path: str) -> None:
         return original(*args, **kwargs)
 
     training.training_log = training_log
+
+    evaluate = training.evaluate
+
+    def traced_evaluate(*args, **kwargs):
+        """Megatron's ``evaluate``: its totals (``lm loss`` and every other key, before the drop-in takes the NTL
+        metrics to their own line) at full precision, one ``{"validation": {...}}`` line per evaluation."""
+        result = evaluate(*args, **kwargs)
+        totals = result[0] if isinstance(result, tuple) and result else None
+        if isinstance(totals, dict) and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"validation": {k: float(v) for k, v in totals.items()}}) + "\n")
+        return result
+
+    training.evaluate = traced_evaluate
 
 
 def main() -> None:

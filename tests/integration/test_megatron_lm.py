@@ -241,13 +241,21 @@ def test_chunked_route_matches_logits_route(tag, tmp_path, shared):
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)
 def test_multi_token_prediction(tag, tmp_path, numbers_json):
-    """MTP heads train with NTL on their own labels: the logged main and MTP losses stay Megatron's CE."""
+    """MTP heads train with NTL on their own labels: the logged main and MTP losses stay Megatron's CE.
+
+    The NTL run has a z-loss too (issue 51): the training ``lm loss`` and ``mtp_1 loss`` are the cross entropy
+    without it (plain Megatron's, the reference), the z-loss is logged as ``z loss`` of its own, and Megatron's
+    own evaluation (no gradient, ``model.eval()``) reports the plain cross entropy: with ``--lr 0`` both runs keep
+    their initial weights, so the validation ``lm loss`` (and its perplexity) equals plain Megatron's.
+    """
     import re
 
     args = [*mlm.tiny_args(iters=2), *MOCK, "--mtp-num-layers", "1", "--position-embedding-type", "rope",
-            "--ntl-number-vocab", numbers_json]  # fmt: skip
+            "--ntl-number-vocab", numbers_json, "--lr", "0", "--split", "80,20,0", "--eval-interval", "2",
+            "--eval-iters", "1"]  # fmt: skip
     off = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-weight", "0"], nproc=1, workdir=tmp_path))
-    on = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-weight", "0.3"], nproc=1, workdir=tmp_path))
+    z_loss = ["--ntl-z-loss-weight", "0.01"]
+    on = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-weight", "0.3", *z_loss], nproc=1, workdir=tmp_path))
 
     def mtp_losses(run):
         return [float(v) for v in re.findall(r"mtp_1 loss: ([0-9.E+-]+)", run.output)]
@@ -256,3 +264,12 @@ def test_multi_token_prediction(tag, tmp_path, numbers_json):
     _close({1: on.losses()[1]}, {1: off.losses()[1]}, 1e-6)
     assert on.losses("ntl loss")[1] > 0
     assert not math.isclose(on.grad_norms()[1], off.grad_norms()[1], rel_tol=1e-3)  # NTL reaches the gradient
+    # the z-loss, 0.01 * lse**2 with lse about log(128) at initialisation, logged on its own
+    z = on.losses("z loss")
+    assert set(z) == {1, 2} and all(0.01 * 3.0**2 < v < 0.01 * 7.0**2 for v in z.values()), z
+    assert "z loss" not in off.trace[0]["losses"]
+    # Megatron's evaluation: the plain cross entropy, as plain Megatron's; no z-loss in it
+    assert on.validations and len(on.validations) == len(off.validations), (on.validations, off.validations)
+    plain = dict(enumerate(v["lm loss"] for v in off.validations))
+    _close(dict(enumerate(v["lm loss"] for v in on.validations)), plain, 1e-6)
+    assert all("z loss" not in v for v in on.validations) and any(v["ntl loss"] > 0 for v in on.validations)

@@ -9,6 +9,8 @@ Sections:
 3. The mixin's chunked loss (no logits) equals the same model computing logits at TP = 2 (in the TP = 2
    processes of section 2, after its check), for NTL off, micro-batch and global normalisation (the step's
    ``MicroBatchScale`` set on both models).
+4. Context parallelism (in the same TP = 2 processes, re-initialised at CP = 2): the ``megatron.core`` routes
+   read the context-parallel size from ``parallel_state`` (a contradicting argument is refused).
 """
 
 from __future__ import annotations
@@ -244,11 +246,56 @@ def _chunked_worker(ctx: WorkerContext) -> None:
     parallel_state.destroy_model_parallel()
 
 
+def _context_parallel_worker(ctx: WorkerContext) -> None:
+    """Section 4: the ``megatron.core`` routes read the context-parallel size from ``parallel_state`` (issue 51).
+
+    ``make_loss_func``, ``GlobalCounts`` and ``make_forward_step`` defaulted ``context_parallel_size`` to 1, so a
+    caller under context parallelism who left it out joined number-level NTL's numbers across the slice seam.
+    With ``parallel_state`` at CP = 2 and the argument left out, rank 0's local sequence ``5 6 | 7 8`` (global
+    slices 0 and 3) holds two numbers; an argument that contradicts ``parallel_state`` is refused, and so is
+    leaving it out in several processes without ``parallel_state`` (nothing can tell the size then).
+    """
+    from megatron.core import parallel_state
+
+    import ntl_scale
+    from ntl_scale.integrations import megatron as ntl_megatron
+    from tests.helpers.megatron_cpu import patch_for_cpu
+
+    patch_for_cpu()
+    vocab = ntl_scale.NumberVocab.from_id_to_token(TOKENS, vocab_size=VOCAB)
+    number = ntl_megatron.NTLSettings(weight=0.3, loss="number")
+    digit = {d: TOKENS.index(str(d)) for d in range(10)}
+    local = torch.tensor([[digit[5], digit[6], digit[7], digit[8]]])  # rank 0: slices 0 and 3 of "5 6 a a a a 7 8"
+    mask = torch.ones(local.shape)
+    logits = torch.randn(1, 4, VOCAB, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    assert not parallel_state.model_parallel_is_initialized()
+    with pytest.raises(ValueError, match=r"make_loss_func needs context_parallel_size="):
+        ntl_megatron.make_loss_func(number, vocab, tp_group=None)
+    with pytest.raises(ValueError, match=r"make_loss_func needs data_parallel_size="):
+        ntl_megatron.make_loss_func(
+            ntl_megatron.NTLSettings(weight=0.3, normalization="global"), vocab, tp_group=None,
+            global_counts=ntl_megatron.GlobalCounts(vocab),
+        )  # fmt: skip
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    assert parallel_state.get_context_parallel_world_size() == 2
+    _, _, report = ntl_megatron.make_loss_func(number, vocab, tp_group=None)(local, mask, logits.clone())
+    assert float(report["ntl loss"][1]) == 2  # 5 6 and 7 8: cut at the seam (joined, one number: 1)
+    counts = ntl_megatron.GlobalCounts(vocab, None, number.options())
+    counts.set_step([(local, mask)])
+    assert float(counts.numbers) == 2
+    with pytest.raises(ValueError, match=r"make_loss_func\(context_parallel_size=1\) contradicts megatron.core."):
+        ntl_megatron.make_loss_func(number, vocab, tp_group=None, context_parallel_size=1)
+    with pytest.raises(ValueError, match=r"make_loss_func\(data_parallel_size=1\) contradicts"):
+        ntl_megatron.make_loss_func(number, vocab, tp_group=None, data_parallel_size=1)
+    parallel_state.destroy_model_parallel()
+
+
 def _tp2_worker(ctx: WorkerContext, ref_path: str) -> None:
     _parallel_worker(ctx, 2, 1, ref_path)
     _chunked_worker(ctx)
+    _context_parallel_worker(ctx)
 
 
 def test_tp2_matches_the_reference_and_the_chunked_loss_without_logits_matches(reference_path):
-    """Sections 2 (the TP = 2 layout) and 3 in one pair of processes."""
+    """Sections 2 (the TP = 2 layout), 3 and 4 in one pair of processes."""
     run_workers(2, 2, _tp2_worker, reference_path)

@@ -27,6 +27,8 @@ objective written from the definitions (``tests/helpers/reference.py``) on the s
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -110,7 +112,13 @@ def _worker(ctx: WorkerContext) -> None:
                 pieces = 2 if cp == 2 else 1
                 mixin = tiny_gpt(VOCAB, SEQ, tp=1, pp=1, model_class=NTLGPTModel)
                 mixin.load_state_dict(plain.state_dict())
-                mixin.configure_ntl(settings, vocab, None, context_parallel_size=cp)
+                # the context-parallel size is the model's TransformerConfig's (issue 51; it defaulted to 1): a
+                # CP rank's view, this process's batch standing for the rank's two slices
+                mixin.config.context_parallel_size = cp
+                if cp > 1:
+                    with pytest.raises(ValueError, match=r"context_parallel_size=1\) contradicts the model's "):
+                        mixin.configure_ntl(settings, vocab, None, context_parallel_size=1)
+                mixin.configure_ntl(settings, vocab, None)
                 assert mixin._ntl_chunked == (chunked, 3 if chunked else None), what
                 plain.zero_grad(set_to_none=True)
                 ce, ntl, is_number = reference(plain, variant, pieces)
@@ -244,7 +252,159 @@ def _worker(ctx: WorkerContext) -> None:
         megatron_lm.apply_ntl_to_megatron_model(
             model, ntl_megatron.NTLSettings(weight=WEIGHT), vocab, tp_group=None, chunk_tokens=5
         )
+
+    _through_megatrons_schedule(plain, vocab, NTLGPTModel)
     parallel_state.destroy_model_parallel()
+
+
+FEATURES = dict(z_loss_weight=1e-2, label_smoothing=0.1, logit_softcap=5.0)
+
+
+def _reference_terms(logits: torch.Tensor, labels: torch.Tensor, vocab, *, evaluation: bool = False):
+    """float64 per-token ``(ce, z, ntl, is_number)`` of ``[b, s, V]`` logits from the definitions: ``ce`` torch's
+    ``F.cross_entropy`` of the capped logits (label-smoothed unless ``evaluation``), ``z`` the z-loss."""
+    from tests.helpers.reference import naive_per_token, reference_ce_features
+
+    flat, shape = logits.reshape(-1, VOCAB).double(), labels.shape
+    smoothing = 0.0 if evaluation else FEATURES["label_smoothing"]
+    ce, lse = reference_ce_features(flat, labels.reshape(-1), label_smoothing=smoothing, logit_softcap=5.0)
+    capped = 5.0 * torch.tanh(flat / 5.0)
+    _, ntl, is_number = naive_per_token(capped, labels.reshape(-1), vocab)
+    z = FEATURES["z_loss_weight"] * lse**2
+    return ce.view(shape), z.view(shape), ntl.view(shape), is_number.view(shape).double()
+
+
+def _through_megatrons_schedule(plain, vocab, mixin_class) -> None:
+    """4. Issue 51 through Megatron's own schedule (``get_forward_backward_func``, Megatron's DDP and
+    ``finalize_model_grads``) on the three routes, with every CE feature on.
+
+    (a) A loss mask of weights 0, 0.5 and 1.5 over a step of 3 micro-batches: Megatron divides each micro-batch's
+    loss by its truncated mask sum (or, with ``--calculate-per-token-loss``, the step's gradients by the sum of
+    those); the gradient is that of the float64 ``sum m CE / N + w sum m NTL / K`` (the CE term with the label
+    smoothing and the z-loss), with and without per-token loss. (b) The reports of the same step: ``lm loss`` is
+    the label-smoothed CE without the z-loss, ``z loss`` the z-loss. (c) Megatron's evaluation (``model.eval()``,
+    no gradient, ``forward_only``): ``lm loss`` is the plain CE of the capped logits, no ``z loss``; the mixin's
+    per-token loss holds the plain CE.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from ntl_scale.integrations import megatron as ntl_megatron
+    from ntl_scale.integrations.megatron import lm as megatron_lm
+    from tests.helpers.megatron_cpu import tiny_gpt
+
+    g = torch.Generator().manual_seed(23)
+    step_tokens = torch.randint(0, len(TOKENS), (6, SEQ + 1), generator=g)
+    digits = torch.randint(4, 14, (6, SEQ + 1), generator=g)
+    step_tokens = torch.where(torch.rand(step_tokens.shape, generator=g) < 0.5, digits, step_tokens)
+    labels = step_tokens[:, 1:].contiguous()
+    weighted = torch.tensor([0.0, 0.5, 1.5])[torch.randint(0, 3, (6, SEQ), generator=g)]
+    binary = (torch.rand(6, SEQ, generator=g) < 0.8).float()
+    attention = torch.ones(1, 1, SEQ, SEQ).tril() < 0.5
+    rows = [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert any(float(weighted[r].sum()) % 1 for r in rows)  # Megatron's truncated count is not the weight
+
+    def inputs(r):
+        tokens = step_tokens[r, :-1]
+        return tokens, torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ), attention
+
+    plain.zero_grad(set_to_none=True)
+    logits = plain(*inputs(slice(None)))
+    ce, z, ntl, is_number = _reference_terms(logits, labels, vocab)
+    m = weighted.double()
+    objective = ((ce + z) * m).sum() / m.sum() + WEIGHT * (ntl * is_number * m).sum() / (is_number * m).sum()
+    objective.backward()
+    want = _grads(plain)
+    with torch.no_grad():
+        ce, z, ntl, is_number = _reference_terms(plain(*inputs(slice(None))), labels, vocab)
+        plain_ce, *_ = _reference_terms(plain(*inputs(slice(None))), labels, vocab, evaluation=True)
+    settings = ntl_megatron.NTLSettings(weight=WEIGHT, normalization="global", **FEATURES)
+
+    def pretrain_gpt_loss_func(loss_mask, output_tensor):  # pretrain_gpt.py's arithmetic
+        losses, mask = output_tensor.view(-1).float(), loss_mask.view(-1).float()
+        loss, num_tokens = torch.sum(losses * mask), mask.sum().clone().detach().to(torch.int)
+        return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+    def run(route: str, mask: torch.Tensor, per_token: bool, evaluation: bool = False):
+        """One step (or evaluation pass) of the route through the schedule: the reports and the main grads."""
+        model = tiny_gpt(VOCAB, SEQ, tp=1, pp=1, model_class=mixin_class if route == "mixin" else None)
+        model.load_state_dict(plain.state_dict())
+        model.config.calculate_per_token_loss = per_token
+        model.config.finalize_model_grads_func = finalize_model_grads
+        ddp = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(), module=model)
+        batches = [
+            {"tokens": inputs(r)[0], "position_ids": inputs(r)[1], "attention_mask": attention, "labels": labels[r],
+             "loss_mask": mask[r]}
+            for r in rows
+        ]  # fmt: skip
+        if route == "megatron_core":
+
+            def get_batch(iterator):
+                b = next(iterator)
+                return b["tokens"], b["labels"], b["loss_mask"], b["attention_mask"], b["position_ids"]
+
+            forward_step = ntl_megatron.make_forward_step(
+                settings, vocab, get_batch, tp_group=None, num_microbatches=3, calculate_per_token_loss=per_token
+            )
+        else:
+
+            def forward_step(iterator, model):  # pretrain_gpt.py's: the model computes the per-token loss
+                b = next(iterator)
+                output = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"],
+                               loss_mask=b["loss_mask"])  # fmt: skip
+                return output, functools.partial(pretrain_gpt_loss_func, b["loss_mask"])
+
+            if route == "megatron_lm":
+                groups = megatron_lm.StepGroups(
+                    tp_group=None, cp_group=None, count_group=None, dp_cp_size=1, reads_data=True, counts_data=True
+                )
+                forward_step = megatron_lm.NTLForwardStep(forward_step, settings, vocab, groups, 3, per_token)
+            else:
+                model.configure_ntl(settings, vocab, None)
+                counts = ntl_megatron.GlobalCounts(vocab, None, settings.options())
+                counts.set_step([(b["labels"], b["loss_mask"]) for b in batches])
+                model.ntl_scale = megatron_lm.MicroBatchScale(
+                    tokens=counts.tokens.float(), numbers=counts.numbers.float(), microbatches=3, dp_cp_size=1,
+                    per_token_loss=per_token, divisor=counts.divisor,
+                )  # fmt: skip
+        ddp.zero_grad_buffer()
+        if evaluation:
+            ddp.eval()
+        with torch.set_grad_enabled(not evaluation):
+            reports = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp], num_microbatches=3,
+                seq_length=SEQ, micro_batch_size=2, forward_only=evaluation,
+            )  # fmt: skip
+        grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+        total = {k: sum(r[k].double() for r in reports) for k in reports[0]}
+        return total, grads, model
+
+    for route in ("megatron_core", "megatron_lm", "mixin"):
+        for per_token in (False, True):
+            what = f"schedule {route} per_token_loss={per_token}"
+            total, grads, _ = run(route, weighted, per_token)
+            _close_grads(grads, want, what)  # (a)
+            if route == "mixin":
+                continue
+            # (b) lm loss: the label-smoothed CE without the z-loss (megatron_core's count is the mask's weight,
+            # pretrain_gpt.py's its truncated sum); z loss over the mask's weight
+            torch.testing.assert_close(total["lm loss"][0], (ce * m).sum(), rtol=1e-5, atol=0, msg=what)
+            z_mean = (z * m).sum() / m.sum()
+            torch.testing.assert_close(total["z loss"][0] / total["z loss"][1], z_mean, rtol=1e-5, atol=0, msg=what)
+        # (c) evaluation: the plain CE of the capped logits
+        b = binary.double()
+        total, _, model = run(route, binary, False, evaluation=True)
+        if route == "mixin":  # its per-token loss is the micro-batch objective: the plain CE plus weight x NTL
+            with torch.no_grad():
+                model.eval()
+                out = model(*inputs(rows[0]), labels=labels[rows[0]], loss_mask=binary[rows[0]]).double()
+            b0, n0 = binary[rows[0]].double(), is_number[rows[0]] * binary[rows[0]].double()
+            want_out = plain_ce[rows[0]] + WEIGHT * ntl[rows[0]] * b0.sum() / n0.sum()
+            torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5, msg="mixin evaluation")
+            continue
+        torch.testing.assert_close(total["lm loss"][0] / total["lm loss"][1], (plain_ce * b).sum() / b.sum(),
+                                   rtol=1e-5, atol=0, msg=f"evaluation {route}")  # fmt: skip
+        assert "z loss" not in total, route
 
 
 def test_every_setting_on_the_model_side_routes():

@@ -6,16 +6,19 @@ where a Megatron object is needed); the flags and settings are in :mod:`.args`:
 
 * :func:`make_loss_func`: a ``loss_func`` with Megatron's contract ``(loss, num_tokens, report)``
   that computes CE + NTL from the vocab-sharded logits with the fused op (no extra collective) and
-  reports ``lm loss``, ``ntl loss`` and ``number accuracy`` as ``[sum, count]`` pairs;
+  reports ``lm loss`` (the cross entropy; in evaluation the plain one), ``ntl loss``, ``number accuracy``
+  and, in training with a z-loss, ``z loss`` as ``[sum, count]`` pairs;
 * :class:`GlobalCounts`: the token and number-token counts of the whole global batch, computed once
   per step from the labels of all micro-batches (for ``--ntl-normalization global``);
 * :func:`make_forward_step`: a ``forward_step(data_iterator, model)`` with both;
 * :class:`NTLLanguageModelMixin`: NTL inside the model's ``compute_language_model_loss`` (MTP heads).
 
 Normalisation (``docs/normalization.md``; the counts, sums and ``L`` are :mod:`ntl_scale.normalization`'s):
-Megatron divides what ``loss_func`` returns by the ``num_tokens`` it returns and by the number of
-micro-batches (or, with ``--calculate-per-token-loss``, the gradients by the global token count). The
-NTL term has its own denominator, so it is pre-scaled here (Megatron's rescale):
+Megatron divides what ``loss_func`` returns by the whole ``num_tokens`` it returns and by the number of
+micro-batches (or, with ``--calculate-per-token-loss``, the gradients by the sum of those ``num_tokens``).
+The loss is pre-scaled here so that after those divisions it is the objective, for any non-negative
+loss mask (``num_tokens`` is the mask's sum truncated, :func:`~.terms.megatron_num_tokens`, which differs
+from the sum for weights such as 0.5 and 1.5):
 
 * ``micro-batch`` (the paper's semantics): NTL is the mean over the number tokens of each
   micro-batch, added to that micro-batch's mean CE;
@@ -27,6 +30,7 @@ NTL term has its own denominator, so it is pre-scaled here (Megatron's rescale):
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,8 +42,16 @@ from ...number_vocab import NumberVocab
 from ...options import NTLOptions, check_chunk_route, check_option
 from ...terms import PerTokenTerms, ntl_counts
 from .args import NTLSettings
-from .lm import MicroBatchScale
-from .terms import batch_first_terms, context_parallel_pieces, output_layer_terms, sequence_first_terms
+from .lm import MicroBatchScale, micro_batch_weights
+from .terms import (
+    batch_first_terms,
+    context_parallel_pieces,
+    is_evaluation,
+    megatron_num_tokens,
+    output_layer_terms,
+    sequence_first_terms,
+    z_loss_terms,
+)
 
 __all__ = [
     "GlobalCounts",
@@ -60,12 +72,54 @@ def count_targets(
     return ntl_counts(labels, vocab, options, loss_mask=loss_mask)
 
 
+def _from_parallel_state(name: str) -> int | None:
+    """``megatron.core.parallel_state``'s context-parallel size (``name="cp"``) or data x context parallel size
+    (``"dp_cp"``), when its groups are initialised in this process; None otherwise (it is not imported here)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None or not (dist.is_available() and dist.is_initialized()) or not ps.model_parallel_is_initialized():
+        return None
+    if name == "cp":
+        return int(ps.get_context_parallel_world_size())
+    return int(ps.get_data_parallel_world_size(with_context_parallel=True))
+
+
+def _parallel_size(given: int | None, name: str, argument: str, where: str, needed: bool) -> int:
+    """A parallel size of the run: the argument when given (it must agree with an initialised
+    ``parallel_state``), else ``parallel_state``'s, else 1 in a single process; where it matters (``needed``)
+    and none of these can tell, a ValueError asking for the argument."""
+    known = _from_parallel_state(name)
+    if given is not None:
+        if known is not None and given != known:
+            raise ValueError(
+                f"{where}({argument}={given!r}) contradicts megatron.core.parallel_state, whose "
+                f"{'context' if name == 'cp' else 'data x context'}-parallel size is {known}: leave {argument} out "
+                "(it is read from parallel_state) or pass that value"
+            )
+        return given
+    if known is not None:
+        return known
+    if not needed or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return 1
+    what = "--context-parallel-size" if name == "cp" else "data x context-parallel size"
+    raise ValueError(
+        f"{where} needs {argument}= (Megatron's {what}): "
+        "torch.distributed runs several processes but megatron.core.parallel_state is not initialised, so it "
+        f"cannot be read; pass {argument} explicitly"
+    )
+
+
+def _context_parallel_size(given: int | None, options: NTLOptions, where: str) -> int:
+    """The context-parallel size (:func:`_parallel_size`); it matters to number-level NTL only."""
+    return _parallel_size(given, "cp", "context_parallel_size", where, needed=options.loss == "number")
+
+
 class GlobalCounts:
     """Token and number-token counts of one global batch, reduced once per step.
 
     Call :meth:`set_step` with the ``(labels, loss_mask)`` of all micro-batches of the step that
     this rank sees (before the first forward); one SUM all-reduce over ``group`` (data x context
-    parallel) makes them global (:func:`ntl_scale.normalization.step_counts`).
+    parallel) makes them global (the counts of :func:`ntl_scale.normalization.step_counts`, and beside them
+    :attr:`divisor`).
 
     Args:
         vocab: the number table.
@@ -73,7 +127,17 @@ class GlobalCounts:
         options: the NTL variant (what NTL's denominator counts: :func:`ntl_scale.ntl_positions`).
         context_parallel_size: Megatron's context-parallel size; the labels are this rank's local
             sequences (two load-balanced slices), whose numbers number-level NTL cuts at the slice borders
-            (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`), as the loss does.
+            (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`), as the loss does. None
+            (default): read from ``megatron.core.parallel_state`` when its groups are initialised, else 1 in
+            a single process; number-level NTL in several processes without either is refused.
+
+    Attributes:
+        tokens: ``T``, the loss-mask weight of the step (float64, after :meth:`set_step`).
+        numbers: ``K``, that of its NTL positions.
+        divisor: ``D``, the sum of the micro-batches' Megatron ``num_tokens``
+            (:func:`~ntl_scale.integrations.megatron.terms.megatron_num_tokens`, the truncated mask sums):
+            what Megatron divides the step's gradients by with ``--calculate-per-token-loss``. ``D = T`` for a
+            0/1 loss mask.
     """
 
     def __init__(
@@ -82,20 +146,27 @@ class GlobalCounts:
         group: dist.ProcessGroup | None = None,
         options: NTLOptions | None = None,
         *,
-        context_parallel_size: int = 1,
+        context_parallel_size: int | None = None,
     ) -> None:
         self.vocab, self.group, self.options = vocab, group, options
-        self.pieces = context_parallel_pieces(context_parallel_size, options or NTLOptions())
+        options = options or NTLOptions()
+        cp = _context_parallel_size(context_parallel_size, options, "GlobalCounts")
+        self.pieces = context_parallel_pieces(cp, options)
         self.tokens: torch.Tensor | None = None
         self.numbers: torch.Tensor | None = None
+        self.divisor: torch.Tensor | None = None
 
     def set_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Counts the labels of one step's micro-batches and reduces the counts across ``group``."""
         if not batches:
             raise ValueError("GlobalCounts.set_step needs the (labels, loss_mask) of at least one micro-batch")
         labels, masks = [b[0] for b in batches], [b[1] for b in batches]
-        counts = step_counts(labels, self.vocab, self.options, loss_masks=masks, pieces=self.pieces, group=self.group)
-        self.tokens, self.numbers = counts[0], counts[1]
+        local = step_counts(labels, self.vocab, self.options, loss_masks=masks, pieces=self.pieces)
+        divisor = torch.stack([megatron_num_tokens(m).to(local.device, torch.float64) for m in masks]).sum()
+        counts = torch.cat([local, divisor.view(1)])
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(counts, group=self.group)  # one collective for the three
+        self.tokens, self.numbers, self.divisor = counts[0], counts[1], counts[2]
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.tokens is None or self.numbers is None:
@@ -114,10 +185,10 @@ def make_loss_func(
     calculate_per_token_loss: bool = False,
     global_counts: GlobalCounts | None = None,
     num_microbatches: Callable[[], int] | int = 1,
-    data_parallel_size: int = 1,
+    data_parallel_size: int | None = None,
     inplace: bool = False,
-    context_parallel_size: int = 1,
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]:
+    context_parallel_size: int | None = None,
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor, dict]]:
     """A Megatron ``loss_func(labels, loss_mask, logits)`` computing CE + weight * NTL.
 
     Bind ``labels`` and ``loss_mask`` with ``functools.partial`` in ``forward_step``, as
@@ -133,53 +204,87 @@ def make_loss_func(
         num_microbatches: micro-batches per step (a value or Megatron's ``get_num_microbatches``);
             global normalisation without per-token loss undoes the schedule's division by it.
         data_parallel_size: data-parallel size x context-parallel size (Megatron averages gradients
-            over it when not computing per-token loss).
+            over it when not computing per-token loss). None (default): read from
+            ``megatron.core.parallel_state`` when its groups are initialised, else 1 in a single process;
+            refused (global normalisation in several processes) when neither can tell.
         inplace: reuse the fp32 logits buffer (the logits are not used after the loss).
         context_parallel_size: Megatron's context-parallel size: the labels and logits are this rank's two
             load-balanced slices of each sequence, and number-level NTL cuts numbers at the slice borders
-            (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`; ``global_counts`` counts so too).
+            (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`; ``global_counts`` counts so
+            too). None (default): read from ``megatron.core.parallel_state`` as ``data_parallel_size``; a
+            value that contradicts it is refused.
 
     Every field of ``settings`` is read: the variant and ``impl``, ``weight``, ``normalization``;
     ``chunked`` (``--ntl-chunked``) is refused, since a ``loss_func`` of logits never sees the hidden
     states (use :class:`NTLLanguageModelMixin` or the Megatron-LM route for it); ``number_vocab`` is how
     ``vocab`` was built (:func:`~ntl_scale.integrations.megatron.build_number_vocab`).
 
+    The loss is exact for any non-negative ``loss_mask``: ``num_tokens`` is Megatron's whole
+    :func:`~ntl_scale.integrations.megatron.terms.megatron_num_tokens` and the loss is scaled so that after
+    Megatron's divisions its gradient is that of ``sum m CE / N + w sum m NTL / K`` (``N``, ``K`` the mask's
+    weights; the step's under ``global``, the micro-batch's otherwise).
+
+    Reported (``[sum, count]`` pairs, which Megatron sums over micro-batches and ranks and divides):
+    ``lm loss`` the cross entropy under the mask (in training label-smoothed with ``label_smoothing``, without
+    the z-loss; in evaluation, i.e. without gradient as in Megatron's ``evaluate``, the plain cross entropy of
+    :meth:`~ntl_scale.NTLOptions.for_evaluation`), ``ntl loss`` and ``number accuracy`` over the NTL positions,
+    and in training with ``z_loss_weight`` ``z loss``, the z-loss ``z_loss_weight * lse**2`` over the CE tokens.
+
     Returns:
-        ``loss_func(labels, loss_mask, logits) -> (loss, num_tokens, report)``.
+        ``loss_func(labels, loss_mask, logits, *, evaluation=None) -> (loss, num_tokens, report)``;
+        ``evaluation`` None: no gradient (:func:`~ntl_scale.integrations.megatron.terms.is_evaluation`).
     """
     _refuse_chunked(settings, "make_loss_func / make_forward_step")
     if settings.normalization == "global" and global_counts is None:
         raise ValueError("--ntl-normalization global needs a GlobalCounts (global_counts=...)")
     options = settings.options()
-    pieces = context_parallel_pieces(context_parallel_size, options)
+    eval_options = options.for_evaluation()
+    pieces = context_parallel_pieces(_context_parallel_size(context_parallel_size, options, "make_loss_func"), options)
     if global_counts is not None and global_counts.pieces != pieces:
         raise ValueError(
             f"the GlobalCounts cut numbers into {global_counts.pieces} piece(s) per sequence but this loss into "
             f"{pieces}; build both with the same context_parallel_size"
         )
+    needs_dp = settings.normalization == "global" and not calculate_per_token_loss
+    dp_cp = _parallel_size(data_parallel_size, "dp_cp", "data_parallel_size", "make_loss_func", needed=needs_dp)
 
-    def loss_func(labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor):
-        terms = batch_first_terms(logits, labels, vocab, options, pieces=pieces, tp_group=tp_group, inplace=inplace)
+    def loss_func(
+        labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor, *, evaluation: bool | None = None
+    ):
+        evaluation = is_evaluation() if evaluation is None else evaluation
+        run_options = eval_options if evaluation else options
+        terms = batch_first_terms(logits, labels, vocab, run_options, pieces=pieces, tp_group=tp_group, inplace=inplace)
         sums = micro_batch_sums(terms, loss_mask)
         ce_sum, ntl_sum, num_tokens, num_numbers, hits = sums
-        if settings.normalization == "global" and not calculate_per_token_loss:
-            # Megatron's micro-batch scale: the schedule divides what loss_func returns by num_tokens and by
-            # the micro-batches m, and DDP averages over the data x context parallel ranks.
-            m = num_microbatches() if callable(num_microbatches) else num_microbatches
-            megatron_scale = num_tokens.clamp_min(1) * m * data_parallel_size
-            loss = objective(sums, global_counts.get(), settings.weight, scale=megatron_scale)  # type: ignore[union-attr]
+        n = megatron_num_tokens(loss_mask).to(ce_sum.device)  # what Megatron divides by: a whole number
+        if settings.normalization == "global" and not evaluation:
+            counts = global_counts.get()  # type: ignore[union-attr]
+            if calculate_per_token_loss:
+                # Megatron divides the step's summed gradients by D, the sum of the num_tokens returned.
+                divisor = global_counts.divisor  # type: ignore[union-attr]
+                a, b = factors(counts, scale=divisor.to(ce_sum.dtype))  # type: ignore[union-attr]
+                loss = a * ce_sum + settings.weight * ntl_sum * b
+            else:
+                # Megatron's micro-batch scale: the schedule divides what loss_func returns by num_tokens and by
+                # the micro-batches m, and DDP averages over the data x context parallel ranks.
+                m = num_microbatches() if callable(num_microbatches) else num_microbatches
+                megatron_scale = n.clamp_min(1).to(ce_sum.dtype) * (m * dp_cp)
+                loss = objective(sums, counts, settings.weight, scale=megatron_scale)
         else:
-            # Megatron divides by the token count itself (this micro-batch's, or the step's with
-            # --calculate-per-token-loss): CE stays a sum, NTL enters with weight N / K.
-            counts = (num_tokens, num_numbers) if settings.normalization == "micro-batch" else global_counts.get()  # type: ignore[union-attr]
-            a, b = factors(counts)
+            # The micro-batch's own means (evaluation too: no step counts there), after Megatron's division by n.
+            a, b = micro_batch_weights(num_tokens, num_numbers, n, calculate_per_token_loss)
             loss = a * ce_sum + settings.weight * ntl_sum * b
+        weight = loss_mask.to(terms.ce.dtype)
+        z = z_loss_terms(terms, labels, run_options).detach()
+        z_sum = (z * weight).sum()
         report = {
-            "lm loss": torch.stack([ce_sum, num_tokens]).detach(),
+            "lm loss": torch.stack([((terms.ce.detach() - z) * weight).sum(), num_tokens]).detach(),
             "ntl loss": torch.stack([ntl_sum, num_numbers]).detach(),
             "number accuracy": torch.stack([hits, num_numbers]).detach(),
         }
-        return loss, num_tokens.to(torch.int), report
+        if run_options.z_loss_weight:
+            report["z loss"] = torch.stack([z_sum, num_tokens]).detach()
+        return loss, n, report
 
     return loss_func
 
@@ -219,8 +324,8 @@ def make_forward_step(
     count_group: dist.ProcessGroup | None = None,
     num_microbatches: Callable[[], int] | int = 1,
     calculate_per_token_loss: bool = False,
-    data_parallel_size: int = 1,
-    context_parallel_size: int = 1,
+    data_parallel_size: int | None = None,
+    context_parallel_size: int | None = None,
 ) -> Callable:
     """A Megatron ``forward_step(data_iterator, model)`` with CE + NTL.
 
@@ -229,9 +334,11 @@ def make_forward_step(
     (the schedule never calls their ``loss_func``). With ``--ntl-weight 0`` the model computes its
     own CE and :func:`plain_loss_func` reduces it: the plain Megatron run.
 
-    For ``normalization="global"`` the first call of every step pulls all ``num_microbatches``
+    For ``normalization="global"`` the first call of every training step pulls all ``num_microbatches``
     micro-batches, counts their (number) tokens and reduces the counts over ``count_group`` (data x
-    context parallel) once; later calls of the step are served from that buffer.
+    context parallel) once; later calls of the step are served from that buffer. Evaluation (no gradient or
+    ``model.eval()``, as in Megatron's ``evaluate``) pulls one micro-batch per call and counts nothing: its
+    ``lm loss`` is the plain cross entropy (:func:`make_loss_func`).
 
     Args:
         settings: the NTL settings.
@@ -242,9 +349,11 @@ def make_forward_step(
         count_group: data x context parallel group for the global counts.
         num_microbatches: micro-batches per step, or Megatron's ``get_num_microbatches``.
         calculate_per_token_loss: Megatron's ``--calculate-per-token-loss``.
-        data_parallel_size: data-parallel x context-parallel size.
+        data_parallel_size: data-parallel x context-parallel size (None: read from ``parallel_state``, as
+            :func:`make_loss_func` reads it).
         context_parallel_size: Megatron's context-parallel size (``get_batch`` returns this rank's slices;
-            number-level NTL cuts numbers at their borders, in the loss and the counts alike).
+            number-level NTL cuts numbers at their borders, in the loss and the counts alike). None: read
+            from ``megatron.core.parallel_state`` (:func:`make_loss_func`).
 
     Every field of ``settings`` is read, as by :func:`make_loss_func` (``chunked`` is refused there).
 
@@ -271,8 +380,15 @@ def make_forward_step(
         )
     pending: list[Batch] = []
 
-    def next_batch(data_iterator: Iterator | None) -> Batch:
+    def next_batch(data_iterator: Iterator | None, evaluation: bool) -> Batch:
         if counts is None:
+            return get_batch(data_iterator)
+        if evaluation:  # Megatron's evaluate: its own data and micro-batch count, never mixed into a step
+            if pending:
+                raise RuntimeError(
+                    f"an evaluation pass started while {len(pending)} micro-batches of a training step were still "
+                    "pending; NTL's step bookkeeping would mix them"
+                )
             return get_batch(data_iterator)
         if not pending:
             m = num_microbatches() if callable(num_microbatches) else num_microbatches
@@ -283,12 +399,13 @@ def make_forward_step(
         return pending.pop(0)
 
     def forward_step(data_iterator: Iterator | None, model: torch.nn.Module):
-        tokens, labels, loss_mask, attention_mask, position_ids = next_batch(data_iterator)
+        evaluation = is_evaluation(model)
+        tokens, labels, loss_mask, attention_mask, position_ids = next_batch(data_iterator, evaluation)
         if loss_func is None:
             output = model(tokens, position_ids, attention_mask, labels=labels)
             return output, functools.partial(plain_loss_func, loss_mask)
         output = model(tokens, position_ids, attention_mask)
-        return output, functools.partial(loss_func, labels, loss_mask)
+        return output, functools.partial(loss_func, labels, loss_mask, evaluation=evaluation)
 
     return forward_step
 
@@ -316,23 +433,29 @@ class NTLLanguageModelMixin:
         model = NTLGPTModel(config=..., ...)
         model.configure_ntl(settings, vocab, tp_group)
 
-    The per-token loss becomes ``ce_t + weight * ntl_t * T / K`` with ``T`` the loss-mask weight of the
-    micro-batch's label positions and ``K`` that of its NTL positions, so that Megatron's masked token
-    mean of it is the mean CE plus ``weight`` times the mean NTL over the number tokens the loss mask
-    keeps. The model sees the loss mask when it is passed to its call (``model(..., labels=labels,
-    loss_mask=loss_mask)``, which ``GPTModel.forward`` takes); without it every position counts (exact
-    when the loss mask keeps every position, as in pretraining without padding). MTP heads, whose labels
-    Megatron rolls, count every position of their labels.
+    The per-token loss becomes ``a ce_t + weight * ntl_t * b`` with ``(a, b) = (n / T, n / K)``: ``T`` the
+    loss-mask weight of the micro-batch's label positions, ``K`` that of its NTL positions and ``n`` Megatron's
+    ``num_tokens`` (the mask's sum truncated, :func:`~ntl_scale.integrations.megatron.terms.megatron_num_tokens`;
+    ``n = T`` and ``a = 1`` for a 0/1 mask), so that Megatron's ``loss_func`` (the masked sum divided by ``n``)
+    gives the mean CE plus ``weight`` times the mean NTL over the number tokens the loss mask keeps, for any
+    mask weights. ``ce_t`` is the objective's CE term (label-smoothed, plus the z-loss, with those options);
+    in evaluation (no gradient, or ``model.eval()``: Megatron's ``evaluate``) it is the plain cross entropy
+    (:meth:`~ntl_scale.NTLOptions.for_evaluation`). The model sees the loss mask when it is passed to its
+    call (``model(..., labels=labels, loss_mask=loss_mask)``, which ``GPTModel.forward`` takes); without it
+    every position counts (exact when the loss mask keeps every position, as in pretraining without
+    padding). MTP heads, whose labels Megatron rolls, count every position of their labels.
+
+    The context-parallel size (number-level NTL cuts numbers at the slice borders) is the model's
+    ``TransformerConfig.context_parallel_size``.
 
     ``normalization="global"`` uses the Megatron-LM route's mechanism: before each training forward the
     caller sets :attr:`ntl_scale` to the step's :class:`~ntl_scale.integrations.megatron.lm.MicroBatchScale`
-    (the step's ``T`` and ``K`` from :class:`GlobalCounts` or :func:`ntl_scale.normalization.step_counts`,
-    the micro-batch count ``m``, the data x context parallel size ``r``, ``--calculate-per-token-loss``),
-    as ``NTLForwardStep`` sets ``hook.scale``. The main head's per-token loss is then ``a ce + b w ntl``
-    with ``(a, b) = ntl_scale.weights(n)`` (``n`` the micro-batch's mask sum), so that after Megatron's
-    division by ``n``, ``m`` and ``r`` (or by the step's token count with per-token loss) the summed
-    gradient is that of ``CE_sum / T + w NTL_sum / K`` over the whole step. A training forward (grad
-    mode) under ``global`` without :attr:`ntl_scale` raises; evaluation (no grad) and MTP heads use the
+    (the step's ``T``, ``K`` and, for ``--calculate-per-token-loss``, Megatron's divisor ``D`` from
+    :class:`GlobalCounts`, the micro-batch count ``m``, the data x context parallel size ``r``), as
+    ``NTLForwardStep`` sets ``hook.scale``. The main head's per-token loss is then ``a ce + b w ntl`` with
+    ``(a, b) = ntl_scale.weights(n)``, so that after Megatron's division by ``n``, ``m`` and ``r`` (or by ``D``
+    with per-token loss) the summed gradient is that of ``CE_sum / T + w NTL_sum / K`` over the whole step. A
+    training forward under ``global`` without :attr:`ntl_scale` raises; evaluation and MTP heads use the
     micro-batch mean. Under ``micro-batch`` :attr:`ntl_scale` is ignored.
     """
 
@@ -347,7 +470,7 @@ class NTLLanguageModelMixin:
         *,
         chunked: bool | None = None,
         chunk_tokens: int | None = None,
-        context_parallel_size: int = 1,
+        context_parallel_size: int | None = None,
     ) -> None:
         """Turns NTL on for this model (a no-op loss change when ``settings.weight`` is 0).
 
@@ -370,12 +493,22 @@ class NTLLanguageModelMixin:
             chunk_tokens: tokens per chunk of it (None: ``settings.chunk_tokens``).
             context_parallel_size: Megatron's context-parallel size: the labels are this rank's two
                 load-balanced slices, and number-level NTL cuts numbers at the slice borders
-                (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`).
+                (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`). None (default): the
+                model's ``TransformerConfig.context_parallel_size``; a value that contradicts it is refused.
         """
         chunked = bool(_agree("chunked", chunked, settings.chunked, False))
         chunk_tokens = _agree("chunk_tokens", chunk_tokens, settings.chunk_tokens, None)
         check_option("chunk_tokens", chunk_tokens)
         check_chunk_route(chunked, chunk_tokens, "megatron")
+        configured = getattr(getattr(self, "config", None), "context_parallel_size", None)
+        if context_parallel_size is None:
+            context_parallel_size = 1 if configured is None else configured
+        elif configured is not None and context_parallel_size != configured:
+            raise ValueError(
+                f"configure_ntl(context_parallel_size={context_parallel_size!r}) contradicts the model's "
+                f"TransformerConfig.context_parallel_size={configured!r}; leave the keyword out (the config's value "
+                "is used)"
+            )
         pieces = context_parallel_pieces(context_parallel_size, settings.options())
         self._ntl = (settings, vocab, tp_group)
         self._ntl_chunked = (chunked, chunk_tokens)
@@ -407,27 +540,34 @@ class NTLLanguageModelMixin:
             self._ntl_call = (None, None)
 
     def _ntl_scaled(self, terms: PerTokenTerms, labels: torch.Tensor, settings: NTLSettings) -> torch.Tensor:
-        """``a ce + weight * ntl * b``: the micro-batch's ``(1, T / K)`` under the loss mask the model was called
-        with (main head), or under ``global`` the step's :attr:`ntl_scale` weights."""
+        """``a ce + weight * ntl * b``: the micro-batch's means under the loss mask the model was called with
+        (main head: after Megatron's division by its whole ``num_tokens``), or under ``global`` the step's
+        :attr:`ntl_scale` weights."""
         main_labels, mask = getattr(self, "_ntl_call", (None, None))
         if mask is None or labels is not main_labels:
             weight = torch.ones_like(terms.ce)
         else:
             weight = mask.to(device=terms.ce.device, dtype=terms.ce.dtype).reshape(terms.ce.shape)
-        main = labels is main_labels or not getattr(getattr(self, "config", None), "mtp_num_layers", None)
-        if main and settings.normalization == "global" and torch.is_grad_enabled():
+        config = getattr(self, "config", None)
+        main = labels is main_labels or not getattr(config, "mtp_num_layers", None)
+        numbers = (terms.number_mask.to(weight.dtype) * weight).sum()
+        if main and settings.normalization == "global" and not is_evaluation(self):
             if self.ntl_scale is None:
                 raise RuntimeError(
                     "normalization='global' (--ntl-normalization global) needs the step's global counts before "
                     "each training forward: set model.ntl_scale = MicroBatchScale(tokens=T, numbers=K, "
-                    "microbatches=m, dp_cp_size=r, per_token_loss=...) from GlobalCounts / step_counts of the "
-                    "step's micro-batches, or use normalization='micro-batch'"
+                    "microbatches=m, dp_cp_size=r, per_token_loss=..., divisor=D) from GlobalCounts / step_counts "
+                    "of the step's micro-batches, or use normalization='micro-batch'"
                 )
-            # Megatron divides by the mask's sum n, the micro-batches and the DP x CP ranks (or by T itself).
-            a, b = self.ntl_scale.weights(weight.sum())
+            # Megatron divides by the whole num_tokens n, the micro-batches and the DP x CP ranks (or by D itself).
+            a, b = self.ntl_scale.weights(megatron_num_tokens(weight).to(weight.dtype))
+        elif main:
+            # Megatron sums the returned per-token loss under the mask and divides by its whole num_tokens.
+            per_token_loss = bool(getattr(config, "calculate_per_token_loss", False))
+            a, b = micro_batch_weights(weight.sum(), numbers, megatron_num_tokens(weight), per_token_loss)
         else:
-            # Megatron sums the returned per-token loss under the mask and divides by the mask's sum itself.
-            a, b = factors((weight.sum(), (terms.number_mask.to(weight.dtype) * weight).sum()))
+            # MTP heads: Megatron divides each head's masked sum by its (rolled) mask's float sum itself.
+            a, b = factors((weight.sum(), numbers))
         return a * terms.ce + settings.weight * terms.ntl * b
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -437,8 +577,15 @@ class NTLLanguageModelMixin:
         if settings is None or vocab is None or not settings.enabled:
             return super().compute_language_model_loss(labels, logits)  # type: ignore[misc]
         pieces = getattr(self, "_ntl_pieces", 1)
-        terms = sequence_first_terms(logits, labels, vocab, settings.options(), tp_group=tp_group, pieces=pieces)
+        terms = sequence_first_terms(
+            logits, labels, vocab, self._ntl_options(settings), tp_group=tp_group, pieces=pieces
+        )
         return self._ntl_scaled(terms, labels, settings)
+
+    def _ntl_options(self, settings: NTLSettings) -> NTLOptions:
+        """The settings' options; in evaluation (:func:`~.terms.is_evaluation`) without label smoothing and z-loss."""
+        options = settings.options()
+        return options.for_evaluation() if is_evaluation(self) else options
 
     def _chunked_loss(self, labels, hidden, settings, vocab, tp_group) -> torch.Tensor:
         """Per-token ``ce + weight * ntl * T / K`` from hidden states ``[s(/tp), b, H]``, no logits."""
@@ -446,7 +593,8 @@ class NTLLanguageModelMixin:
         shared = getattr(self, "_ntl_weight", None)
         weight = shared if shared is not None else layer.weight
         terms = output_layer_terms(
-            layer, hidden, weight, labels, vocab, settings.options(), tp_group, chunk_tokens=self._ntl_chunked[1],
+            layer, hidden, weight, labels, vocab, self._ntl_options(settings), tp_group,
+            chunk_tokens=self._ntl_chunked[1],
             pieces=getattr(self, "_ntl_pieces", 1),
         )  # fmt: skip
         if not settings.enabled:

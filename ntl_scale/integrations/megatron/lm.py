@@ -11,15 +11,24 @@ idempotent, reversible with :func:`remove_ntl`), so everything around it stays M
 checks, MTP rolling and logging, the schedules and their normalisation.
 
 The per-token tensor handed back to Megatron has the **value** of the cross entropy (so ``lm loss``
-and the MTP losses log exactly what they log without NTL) and the **gradient** of
+and the MTP losses log the cross entropy, as without NTL) and the **gradient** of
 
     a * CE + weight * b * NTL
 
-where ``a`` and ``b`` carry the normalisation (:class:`MicroBatchScale`). The trick is
-``ce + (x - x.detach())`` with ``x = (a - 1) * ce + weight * b * ntl``: ``x - x.detach()`` is exactly
-0 when ``x`` is finite and NaN when it is not, so Megatron's NaN/Inf checks on the loss still see a
-non-finite NTL. The NTL sums of the main head (``ntl loss``, ``number accuracy``) are kept for the
-caller's ``loss_func`` report (:meth:`GPTModelNTL.pop_stats`).
+where ``CE`` is the objective's CE term (label-smoothed, plus the z-loss, with those options) and ``a``
+and ``b`` carry the normalisation (:class:`MicroBatchScale`). The trick is
+``(ce - z) + (x - x.detach())`` with ``x = (a - 1) * ce + weight * b * ntl`` and ``z`` the z-loss part of
+``ce`` (detached): ``x - x.detach()`` is exactly 0 when ``x`` is finite and NaN when it is not, so
+Megatron's NaN/Inf checks on the loss still see a non-finite NTL. What the value is:
+
+* in training, the cross entropy without the z-loss (label-smoothed with ``--ntl-label-smoothing``, as
+  ``F.cross_entropy(label_smoothing=)`` reports it); the z-loss is logged as ``z loss`` of its own;
+* in evaluation (Megatron's ``evaluate``: no gradient, ``model.eval()``, :func:`~.terms.is_evaluation`), the
+  plain cross entropy (:meth:`~ntl_scale.NTLOptions.for_evaluation`: no smoothing, no z-loss), so the
+  validation ``lm loss`` and its perplexity are the model's own.
+
+The NTL sums of the main head (``ntl loss``, ``number accuracy``, and ``z loss``) are kept for the caller's
+``loss_func`` report (:meth:`GPTModelNTL.pop_stats`).
 
 With ``chunked=True`` the output layer hands its input through and the loss is computed from the
 hidden states and the (vocab-parallel) output weight with :func:`ntl_scale.linear_ce_ntl`, never
@@ -38,10 +47,17 @@ import torch.distributed as dist
 
 from ...normalization import factors, micro_batch_sums, step_counts
 from ...number_vocab import NumberVocab
-from ...options import check_chunk_route
+from ...options import NTLOptions, check_chunk_route
 from ...terms import PerTokenTerms
 from .args import NTLSettings
-from .terms import context_parallel_pieces, output_layer_terms, sequence_first_terms
+from .terms import (
+    context_parallel_pieces,
+    is_evaluation,
+    megatron_num_tokens,
+    output_layer_terms,
+    sequence_first_terms,
+    z_loss_terms,
+)
 
 __all__ = [
     "GPTModelNTL",
@@ -65,10 +81,14 @@ class MicroBatchScale:
 
     Megatron divides what ``loss_func`` returns by its ``num_tokens`` ``n`` (at least 1) and by the
     number of micro-batches ``m``, and DDP averages over the ``r`` data x context parallel ranks; with
-    ``--calculate-per-token-loss`` it instead divides the summed gradients by the global token count.
-    For ``CE_sum / T + weight * NTL_sum / K`` over the global batch (``T`` tokens, ``K`` number
-    tokens) the per-token weights are ``a = n m r / T`` and ``b = n m r / K``, or ``a = 1`` and
-    ``b = T / K`` with per-token loss. ``n`` is only known inside the model, so the scale keeps the
+    ``--calculate-per-token-loss`` it instead divides the summed gradients by the step's divisor ``D``, the
+    sum of the ``num_tokens`` of all micro-batches on all data x context parallel ranks. ``n`` is a whole
+    number, :func:`~.terms.megatron_num_tokens`: the loss mask's sum truncated. For
+    ``CE_sum / T + weight * NTL_sum / K`` over the global batch (``T`` the loss-mask weight, ``K`` that of
+    the NTL positions) the per-token weights are ``a = n m r / T`` and ``b = n m r / K``, or ``a = D / T``
+    and ``b = D / K`` with per-token loss. With a 0/1 loss mask ``D = T``; with other weights (0.5, 1.5)
+    they differ, and ``divisor`` must carry ``D`` (:class:`~ntl_scale.integrations.megatron.GlobalCounts`
+    and :class:`NTLForwardStep` count it). ``n`` is only known inside the model, so the scale keeps the
     factors and :meth:`weights` finishes them.
 
     Attributes:
@@ -78,6 +98,7 @@ class MicroBatchScale:
         microbatches: ``m``.
         dp_cp_size: ``r``.
         per_token_loss: Megatron's ``--calculate-per-token-loss``.
+        divisor: ``D`` for ``per_token_loss``; None: ``T`` (exact for a 0/1 loss mask).
     """
 
     tokens: torch.Tensor
@@ -85,22 +106,45 @@ class MicroBatchScale:
     microbatches: int
     dp_cp_size: int
     per_token_loss: bool
+    divisor: torch.Tensor | None = None
 
-    def weights(self, local_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(a, b)`` for a micro-batch whose loss mask sums to ``local_tokens``."""
-        if self.per_token_loss:  # Megatron divides by the global token count itself
-            return factors((self.tokens, self.numbers))
-        megatron_scale = local_tokens.clamp_min(1) * (self.microbatches * self.dp_cp_size)
+    def weights(self, num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a, b)`` for a micro-batch whose Megatron ``num_tokens`` is ``num_tokens``
+        (:func:`~.terms.megatron_num_tokens` of its loss mask: what Megatron divides its loss by), best given as a
+        float of the per-token loss's dtype (the weights take the dtype of ``num_tokens`` and the counts)."""
+        if not num_tokens.is_floating_point():
+            num_tokens = num_tokens.to(self.tokens.dtype)
+        if self.per_token_loss:  # Megatron divides the summed gradients by the step's divisor D itself
+            divisor = self.tokens if self.divisor is None else self.divisor
+            return factors((self.tokens, self.numbers), scale=divisor.to(num_tokens.dtype))
+        megatron_scale = num_tokens.clamp_min(1) * (self.microbatches * self.dp_cp_size)
         return factors((self.tokens, self.numbers), scale=megatron_scale)
+
+
+def micro_batch_weights(
+    sums_tokens: torch.Tensor, sums_numbers: torch.Tensor, num_tokens: torch.Tensor, per_token_loss: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)`` of a micro-batch's mean CE plus ``weight`` times its mean NTL (``normalization="micro-batch"``)
+    under Megatron's division by its whole ``num_tokens`` ``n`` (:func:`~.terms.megatron_num_tokens`):
+    ``a = n / N``, ``b = n / K`` with ``N``, ``K`` the micro-batch's loss-mask weights (``n`` at least 1, as
+    the schedule clamps it; not clamped with ``--calculate-per-token-loss``, where Megatron adds ``n`` to the
+    step's divisor). With a 0/1 mask ``n = N`` and ``a = 1``."""
+    n = num_tokens if per_token_loss else num_tokens.clamp_min(1)
+    return factors((sums_tokens, sums_numbers), scale=n.to(sums_tokens.dtype))
 
 
 @dataclass(frozen=True)
 class NTLStats:
-    """The main head's NTL sums of one micro-batch (detached): ``[sum, count]`` material for reports."""
+    """The main head's sums of one micro-batch (detached): ``[sum, count]`` material for reports.
+
+    ``z_sum`` (the z-loss ``z_loss_weight * lse**2`` summed under the loss mask) and ``tokens`` (the mask's
+    weight) are set in training with a z-loss, None otherwise."""
 
     ntl_sum: torch.Tensor
     numbers: torch.Tensor
     hits: torch.Tensor
+    z_sum: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
 
 
 def find_language_model(model: Any) -> Any:
@@ -234,7 +278,7 @@ class GPTModelNTL:
             )
         return pieces
 
-    def _terms(self, labels: torch.Tensor, logits_or_hidden: torch.Tensor) -> PerTokenTerms:
+    def _terms(self, labels: torch.Tensor, logits_or_hidden: torch.Tensor, options: NTLOptions) -> PerTokenTerms:
         # Megatron's NaN/Inf checks judge the loss, so non-finite logits must reach them as a NaN
         # loss instead of raising here (check_finite=False).
         pieces = self._pieces()
@@ -250,14 +294,16 @@ class GPTModelNTL:
                 logits_or_hidden,
                 labels,
                 self.vocab,
-                self.options,
+                options,
                 tp_group=self.tp_group,
                 check_finite=False,
                 pieces=pieces,
             )
-        return self._chunked_terms(labels, logits_or_hidden, pieces)
+        return self._chunked_terms(labels, logits_or_hidden, options, pieces)
 
-    def _chunked_terms(self, labels: torch.Tensor, hidden: torch.Tensor, pieces: int = 1) -> PerTokenTerms:
+    def _chunked_terms(
+        self, labels: torch.Tensor, hidden: torch.Tensor, options: NTLOptions, pieces: int = 1
+    ) -> PerTokenTerms:
         """Terms from hidden states ``[s(/tp), b, H]`` and the output weight, without the logits."""
         layer = self.model.output_layer
         shared = self._call.get("weight") if self._call else None
@@ -267,7 +313,7 @@ class GPTModelNTL:
             shared if shared is not None else layer.weight,
             labels,
             self.vocab,
-            self.options,
+            options,
             self.tp_group,
             chunk_tokens=self.chunk_tokens,
             check_finite=False,
@@ -280,26 +326,41 @@ class GPTModelNTL:
         main = labels is call["labels"] or not getattr(self.model.config, "mtp_num_layers", None)
         if not main:
             call["mtp"] += 1  # MTP heads run before the main head, in order (both supported releases)
-        terms = self._terms(labels, logits)
-        sums = micro_batch_sums(terms, self._mask_of_head(labels, 0 if main else call["mtp"]))
+        evaluation = is_evaluation(self.model)
+        options = self.options.for_evaluation() if evaluation else self.options
+        terms = self._terms(labels, logits, options)
+        mask = self._mask_of_head(labels, 0 if main else call["mtp"])
+        sums = micro_batch_sums(terms, mask)
         local_tokens, local_numbers = sums.tokens, sums.numbers
-        if main and self.scale is None and self.settings.normalization == "global" and torch.is_grad_enabled():
+        if main and self.scale is None and self.settings.normalization == "global" and not evaluation:
             raise RuntimeError(
                 "--ntl-normalization global needs the step's global counts, which NTLForwardStep sets before each "
                 "training forward (hook.scale); wrap forward_step in NTLForwardStep (launch/pretrain_gpt_ntl.py "
                 "does), or use normalization='micro-batch'"
             )
-        if main and self.scale is not None and torch.is_grad_enabled():
-            a, b = self.scale.weights(local_tokens)
+        if main and self.scale is not None and not evaluation:
+            a, b = self.scale.weights(megatron_num_tokens(mask).to(local_tokens.dtype))
+        elif main:
+            # The micro-batch mean of CE and of NTL over number tokens, after Megatron's division by its whole
+            # num_tokens (the per-token loss's setting is the model config's, as the schedule reads it).
+            per_token_loss = bool(getattr(self.model.config, "calculate_per_token_loss", False))
+            a, b = micro_batch_weights(local_tokens, local_numbers, megatron_num_tokens(mask), per_token_loss)
         else:
-            # The micro-batch mean of NTL over number tokens, beside Megatron's token mean of CE (and
-            # Megatron's own per-head normalisation of MTP losses).
+            # MTP heads: Megatron divides each head's masked sum by its (rolled) mask's float sum itself.
             a, b = factors((local_tokens, local_numbers))
         ce = terms.ce
+        z = z_loss_terms(terms, labels, options).detach()
         extra = (a - 1) * ce + (self.settings.weight * b) * (terms.ntl * terms.number_mask)
         if main:
-            self._stats = NTLStats(ntl_sum=sums.ntl.detach(), numbers=local_numbers.detach(), hits=sums.hits.detach())
-        return ce + (extra - extra.detach())
+            with_z = bool(options.z_loss_weight)
+            self._stats = NTLStats(
+                ntl_sum=sums.ntl.detach(),
+                numbers=local_numbers.detach(),
+                hits=sums.hits.detach(),
+                z_sum=(z * mask.to(z.dtype)).sum() if with_z else None,
+                tokens=local_tokens.detach() if with_z else None,
+            )
+        return (ce - z) + (extra - extra.detach())
 
 
 def apply_ntl_to_megatron_model(
@@ -418,12 +479,15 @@ class NTLForwardStep:
     * installs :func:`apply_ntl_to_megatron_model` on each model chunk on its first call;
     * on the last pipeline stage, at the first micro-batch of every training step, pulls the step's
       micro-batches from the data iterator, counts their tokens and number tokens from
-      ``labels`` and ``loss_mask`` and reduces the counts with one SUM all-reduce of two numbers over
-      ``groups.count_group``; Megatron's ``get_batch`` then reads the same micro-batches from a
-      replaying iterator. The counts give global normalisation (``--ntl-normalization global``) and
-      a defined ``ntl loss`` in steps without number tokens. Evaluation (no gradient) pulls nothing;
-    * adds ``ntl loss`` and ``number accuracy`` (``[sum, count]`` pairs, reduced like ``lm loss``)
-      to the report of ``loss_func``.
+      ``labels`` and ``loss_mask`` and reduces the counts with one SUM all-reduce over
+      ``groups.count_group`` (two numbers; with ``per_token_loss`` also Megatron's divisor, the sum of the
+      micro-batches' truncated mask sums, and the count of mask values other than 0 and 1, which context
+      parallelism with per-token loss refuses); Megatron's ``get_batch`` then reads the same micro-batches
+      from a replaying iterator. The counts give global normalisation (``--ntl-normalization global``) and
+      a defined ``ntl loss`` in steps without number tokens. Evaluation (no gradient or ``model.eval()``:
+      Megatron's ``evaluate``) pulls nothing;
+    * adds ``ntl loss``, ``number accuracy`` and, in training with ``--ntl-z-loss-weight``, ``z loss``
+      (``[sum, count]`` pairs, reduced like ``lm loss``) to the report of ``loss_func``.
 
     Args:
         forward_step: Megatron's ``forward_step``.
@@ -468,7 +532,7 @@ class NTLForwardStep:
         )
         key = id(hook)
         step: MicroBatchScale | None = None
-        if getattr(hook.model, "post_process", True) and torch.is_grad_enabled():
+        if getattr(hook.model, "post_process", True) and not is_evaluation(hook.model):
             data_iterator, step = self._step(key, data_iterator)
         elif self._left.get(key):
             raise RuntimeError(
@@ -509,15 +573,32 @@ class NTLForwardStep:
             # cuts numbers at the borders of the 2 x CP slices the ranks hold (GPTModelNTL._pieces), and so
             # does the count.
             cp = dist.get_world_size(self.groups.cp_group) if self.groups.cp_group is not None else 1
+            options = self.settings.options()
+            masks = [item["loss_mask"] for item in counted]
+            group = self.groups.count_group
             counts = step_counts(
                 [item["labels"] for item in counted],
                 self.vocab,
-                self.settings.options(),
-                loss_masks=[item["loss_mask"] for item in counted],
-                pieces=context_parallel_pieces(cp, self.settings.options(), whole_sequence=True),
-                group=self.groups.count_group,
+                options,
+                loss_masks=masks,
+                pieces=context_parallel_pieces(cp, options, whole_sequence=True),
+                group=None if self.per_token_loss else group,  # the step's one collective
                 device=self.groups.device,
             )
+            divisor = None
+            if self.per_token_loss:  # Megatron's divisor D too, in the same collective
+                counts = torch.cat([counts, self._divisor_counts(masks, counts)])
+                if group is not None and dist.get_world_size(group) > 1:
+                    dist.all_reduce(counts, group=group)
+                if cp > 1 and float(counts[3]) > 0:  # a host read only in this configuration
+                    raise ValueError(
+                        f"--calculate-per-token-loss with --context-parallel-size {cp} and a loss_mask whose "
+                        f"values are not all 0 or 1 ({int(counts[3])} positions of this step): Megatron divides "
+                        "the gradients by the sum over the context-parallel ranks of each rank's truncated mask "
+                        "sum, which NTL cannot count from the whole sequences, so global normalisation would be "
+                        "off. Use a 0/1 loss_mask, or drop --calculate-per-token-loss, or --context-parallel-size 1"
+                    )
+                divisor = counts[2].float()
             self._left[key] = m
             self._scale[key] = MicroBatchScale(
                 tokens=counts[0].float(),
@@ -525,9 +606,22 @@ class NTLForwardStep:
                 microbatches=m,
                 dp_cp_size=self.groups.dp_cp_size,
                 per_token_loss=self.per_token_loss,
+                divisor=divisor,
             )
         self._left[key] -= 1
         return (replay if replay.source is not None else data_iterator), self._scale[key]
+
+    def _divisor_counts(self, masks: list[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
+        """``[D, B]`` of this rank's counted micro-batches: ``D`` the sum of Megatron's ``num_tokens``
+        (:func:`~.terms.megatron_num_tokens`, summed on the device Megatron sums them on), the per-token-loss
+        divisor; ``B`` the positions whose loss-mask value is neither 0 nor 1 (under context parallelism each
+        rank's ``num_tokens`` is of its own slices, which the whole sequences give only for a 0/1 mask)."""
+        extra = torch.zeros(2, dtype=torch.float64, device=local.device)
+        for mask in masks:
+            mask = mask.to(local.device)
+            extra[0] += megatron_num_tokens(mask).to(torch.float64)
+            extra[1] += ((mask != 0) & (mask != 1)).sum().to(torch.float64)
+        return extra
 
     @staticmethod
     def _checked(item: Any) -> dict:
@@ -543,7 +637,7 @@ class NTLForwardStep:
 
 
 class _ReportNTL:
-    """``loss_func`` plus ``ntl loss`` and ``number accuracy`` in its report."""
+    """``loss_func`` plus ``ntl loss``, ``number accuracy`` (and ``z loss``) in its report."""
 
     def __init__(self, loss_func: Any, stats: NTLStats, numbers_in_step: torch.Tensor | None) -> None:
         self.loss_func, self.stats, self.numbers_in_step = loss_func, stats, numbers_in_step
@@ -565,6 +659,8 @@ class _ReportNTL:
         report = dict(report)
         report["ntl loss"] = ntl.float()
         report["number accuracy"] = hits.float()
+        if s.z_sum is not None and s.tokens is not None:  # training with a z-loss: its mean over the CE tokens
+            report["z loss"] = torch.stack([s.z_sum, s.tokens]).float()
         return loss, num_tokens, report
 
 

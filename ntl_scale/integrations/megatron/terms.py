@@ -2,7 +2,10 @@
 
 * :func:`sequence_first_terms`: the terms of the vocab-sharded ``[s, b, V/tp]`` logits for ``[b, s]`` labels;
 * :func:`output_layer_terms`: the terms of the (column-parallel) output layer applied to the final
-  hidden states, chunk by chunk, without the logits.
+  hidden states, chunk by chunk, without the logits;
+* the reporting pieces both routes share: :func:`is_evaluation` (Megatron's ``evaluate``: no gradient,
+  ``model.eval()``), :func:`z_loss_terms` (the z-loss part of ``terms.ce``, logged as ``z loss``) and
+  :func:`megatron_num_tokens` (the whole number Megatron divides a micro-batch's loss by).
 
 ``megatron.core`` is imported on first use (by :func:`output_layer_terms`).
 """
@@ -19,7 +22,45 @@ from ...number_vocab import NumberVocab
 from ...options import NTLOptions
 from ...terms import PerTokenTerms, per_token_ce_ntl
 
-__all__ = ["batch_first_terms", "context_parallel_pieces", "output_layer_terms", "sequence_first_terms"]
+__all__ = [
+    "batch_first_terms",
+    "context_parallel_pieces",
+    "is_evaluation",
+    "megatron_num_tokens",
+    "output_layer_terms",
+    "sequence_first_terms",
+    "z_loss_terms",
+]
+
+
+def is_evaluation(model: Any = None) -> bool:
+    """Whether this forward is an evaluation: no gradient (Megatron's ``evaluate`` runs ``forward_step`` under
+    ``torch.no_grad()``) or the model in eval mode (``evaluate`` calls ``model.eval()`` first).
+
+    Evaluation reports the plain cross entropy (:meth:`ntl_scale.NTLOptions.for_evaluation`: no label smoothing,
+    no z-loss), so ``lm loss`` and its perplexity are the model's own; NTL and number accuracy as in training.
+    """
+    return not torch.is_grad_enabled() or not getattr(model, "training", True)
+
+
+def z_loss_terms(terms: PerTokenTerms, labels: torch.Tensor, options: NTLOptions) -> torch.Tensor:
+    """The z-loss part of ``terms.ce``: ``options.z_loss_weight * lse**2`` where the label is not ignored, else
+    0 (as :func:`ntl_scale.per_token_ce_ntl` adds it); zeros without z-loss. ``terms.ce - z`` is the cross
+    entropy (label-smoothed with ``options.label_smoothing``): what ``lm loss`` reports in training."""
+    if not options.z_loss_weight:
+        return torch.zeros_like(terms.ce)
+    valid = labels.reshape(terms.ce.shape) != options.ignore_index
+    z = options.z_loss_weight * terms.lse.square()
+    return torch.where(valid.to(z.device), z, torch.zeros_like(z))
+
+
+def megatron_num_tokens(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The ``num_tokens`` Megatron-LM's GPT ``loss_func`` returns for this loss mask, and so what the schedule
+    divides the micro-batch's loss by (``clamp(num_tokens, 1)``) or, with ``--calculate-per-token-loss``, adds
+    up into the step's divisor: ``loss_mask.view(-1).float().sum().to(torch.int)``, Megatron's own expression
+    (the float sum truncated to a whole number: 3.5 for a mask of weights 0.5 and 1.5 counts as 3). A 0-d
+    ``torch.int`` tensor on the mask's device; no host read."""
+    return loss_mask.reshape(-1).float().sum().to(torch.int)
 
 
 def context_parallel_pieces(context_parallel_size: int, options: NTLOptions, *, whole_sequence: bool = False) -> int:
