@@ -25,18 +25,20 @@ documents, checked against each run's held-out sequences). Each run
 lands in ``OUT/<arm>/seed<S>/`` (a finished run is not redone, so an interrupted study continues
 where it stopped). With ``--keep DIR`` (a folder of the repository, e.g. ``experiments/finished_runs/<study>``),
 the small files of each finished run (:data:`KEPT_FILES`: no checkpoint) are copied to
-``DIR/<arm>/seed<S>/`` as it ends, every ``*.jsonl`` compressed (``metrics.jsonl.xz``: the per-step
-metrics are 0.8 MB a run as text, 0.15 MB compressed), and a run found there is restored into ``OUT``
-(decompressed, byte for byte the files the run wrote) instead of being trained: committed with the
-repository, a study that takes longer than one machine's life continues on the next machine. Then
-``OUT`` gets:
+``DIR/<arm>/seed<S>/`` as it ends, every ``*.jsonl`` compressed (``*.jsonl.xz``), its per-step metrics
+compacted (:func:`compact_metrics`: the loss curves at every :data:`KEPT_EVERY`-th step and each column's
+mean over every step, 4 KB a run instead of 0.15 MB), and a run found there is restored into ``OUT``
+(decompressed: the files the run wrote, its ``metrics.jsonl`` the compacted rows) instead of being
+trained: committed with the repository, a study that takes longer than one machine's life continues on
+the next machine. Then ``OUT`` gets:
 
 * ``results.json`` and ``results.md``: mean and spread (sample standard deviation) over seeds of
   exact-match accuracy, MAE, log-MAE and R^2 on the interpolation and extrapolation splits, every
   seed's numbers, the seed-level tests of each arm against the baseline with Holm's adjustment over
   the study (``seed_tests``: :mod:`seed_stats`; first in ``results.md``) and per split the paired
   differences with the counts over questions and sequences (see :func:`paired_tests`);
-* ``loss_curves.png``: CE and NTL per step (mean over seeds) for each arm;
+* ``loss_curves.png``: CE and NTL per step (mean over seeds) for each arm (every :data:`KEPT_EVERY`-th
+  step for a run restored from ``--keep``);
 * ``verdict.png``: every seed of each arm and the arm's mean with its 95 % t-interval, per headline
   metric (:mod:`figures`, from ``results.json``);
 * ``error_by_digits.png``: accuracy and MAE by the number of digits of the true answer (an accuracy
@@ -68,7 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/fi
 import figures  # noqa: E402
 import seed_stats  # noqa: E402
 
-from ntl_scale.atomic import atomic_write, write_atomically  # noqa: E402
+from ntl_scale.atomic import atomic_write, write_atomically, write_json_atomically  # noqa: E402
 from ntl_scale.eval.numbers import extract_number  # noqa: E402
 from ntl_scale.training.scoring import HELDOUT_COLUMNS, heldout_metrics  # noqa: E402
 
@@ -165,12 +167,47 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
 
 
-KEPT_FILES = ("eval.json", "config.json", "metrics.jsonl", "heldout_sequences.jsonl", "baseline.json", "run.json")
-"""The files of a finished run that the tables, tests and plots read (besides ``predictions_*.jsonl``), and
-its ``run.json`` (:func:`provenance`)."""
+SUMMARY = "metrics_summary.json"
+"""A kept run's summary of its whole ``metrics.jsonl`` (:func:`compact_metrics`)."""
+KEPT_FILES = ("eval.json", "config.json", "heldout_sequences.jsonl", "baseline.json", "run.json", SUMMARY)
+"""The files of a finished run that the tables, tests and plots read, kept as the run wrote them (besides
+every ``predictions_*.jsonl``, and ``metrics.jsonl`` compacted: :func:`compact_metrics`), and its
+``run.json`` (:func:`provenance`)."""
 KEPT_SUFFIX = ".xz"
 """A kept run holds each ``*.jsonl`` as ``*.jsonl.xz`` (xz, :mod:`lzma`): JSON lines of floats shrink about
-6x, and what the repository carries (to a GPU machine too) stays small; restored, they are the same bytes."""
+6x, and what the repository carries (to a GPU machine too) stays small; restored, they are the same bytes
+(``metrics.jsonl``: the compacted rows)."""
+KEPT_EVERY = 10
+"""The steps whose metrics a kept run keeps: every ``KEPT_EVERY``-th, the first and the last."""
+KEPT_COLUMNS = ("step", "ce", "ntl")
+"""The per-step columns a kept run keeps: those ``loss_curves.png`` plots (:func:`plots`)."""
+OBJECTIVE_TERMS = ("ce", "ntl", "baseline")
+"""Loss terms whose per-step ratio to the logged ``objective`` (experiments/train_baselines.py) is averaged
+over every step into :data:`SUMMARY` (a term's share of the objective: its weight x that mean)."""
+
+
+def compact_metrics(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The kept form of a run's ``metrics.jsonl`` rows: the rows of every :data:`KEPT_EVERY`-th step, the
+    first and the last, with the columns of :data:`KEPT_COLUMNS` as logged; and its :data:`SUMMARY`: the
+    steps logged, ``kept_every``, each training column's mean over every step that logged a number in it
+    (``mean``; not the ``eval/`` columns, whose last values are ``eval.json``), and where the run logs an
+    ``objective``, each :data:`OBJECTIVE_TERMS` term's mean over the steps of term / objective
+    (``mean_over_objective``)."""
+    last = rows[-1]["step"] if rows else None
+    kept = [{k: row[k] for k in KEPT_COLUMNS if k in row} for i, row in enumerate(rows)
+            if i == 0 or row["step"] == last or row["step"] % KEPT_EVERY == 0]  # fmt: skip
+    values: dict[str, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "step" and not key.startswith("eval") and type(value) in (int, float) and math.isfinite(value):
+                values.setdefault(key, []).append(value)
+    summary: dict[str, Any] = {"steps": len(rows), "kept_every": KEPT_EVERY,
+                               "mean": {k: statistics.fmean(v) for k, v in values.items()}}  # fmt: skip
+    shares = {term: [row[term] / row["objective"] for row in rows if row.get("objective") and term in row]
+              for term in OBJECTIVE_TERMS}  # fmt: skip
+    if any(shares.values()):
+        summary["mean_over_objective"] = {term: statistics.fmean(v) for term, v in shares.items() if v}
+    return kept, summary
 
 
 def checkout() -> dict[str, Any]:
@@ -262,7 +299,7 @@ def _kept_names(run_dir: str) -> list[str]:
     """The files of ``run_dir`` that are kept (as the run wrote them, or in their kept form ``*.jsonl.xz``)."""
 
     def kept(name: str) -> bool:
-        return name in KEPT_FILES or (name.startswith("predictions_") and name.endswith(".jsonl"))
+        return name in (*KEPT_FILES, "metrics.jsonl") or (name.startswith("predictions_") and name.endswith(".jsonl"))
 
     names = sorted(os.listdir(run_dir))
     return [n for n in names if kept(n) or (n.endswith(".jsonl" + KEPT_SUFFIX) and kept(n[: -len(KEPT_SUFFIX)]))]
@@ -286,20 +323,30 @@ def _copy(source_dir: str, target_dir: str, name: str, target_name: str) -> None
 
 def keep_run(run_dir: str, keep_dir: str) -> None:
     """Copies a finished run's small files (:data:`KEPT_FILES`, ``predictions_*.jsonl``) to ``keep_dir``,
-    each ``*.jsonl`` compressed (:data:`KEPT_SUFFIX`); ``eval.json`` last, so a copy interrupted half-way is
-    not taken for a finished run."""
+    each ``*.jsonl`` compressed (:data:`KEPT_SUFFIX`), its ``metrics.jsonl`` compacted
+    (:func:`compact_metrics`; a run restored from a kept folder is compact already: its summary is copied);
+    ``eval.json`` last, so a copy interrupted half-way is not taken for a finished run."""
+    import lzma
+
     os.makedirs(keep_dir, exist_ok=True)
     names = _kept_names(run_dir)
     if "eval.json" not in names:
         raise SystemExit(f"{run_dir} has no eval.json: only a finished run is kept")
-    for name in [n for n in names if n != "eval.json"] + ["eval.json"]:
+    for name in [n for n in names if n not in ("eval.json", "metrics.jsonl")]:
         _copy(run_dir, keep_dir, name, name + KEPT_SUFFIX if name.endswith(".jsonl") else name)
+    if "metrics.jsonl" in names:
+        rows, summary = compact_metrics(_read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+        text = "".join(json.dumps(row) + "\n" for row in rows)
+        write_atomically(os.path.join(keep_dir, "metrics.jsonl" + KEPT_SUFFIX), lzma.compress(text.encode()))
+        if SUMMARY not in names:
+            write_json_atomically(summary, os.path.join(keep_dir, SUMMARY), indent=1)
+    _copy(run_dir, keep_dir, "eval.json", "eval.json")
 
 
 def restore_run(keep_dir: str, run_dir: str) -> bool:
-    """Copies a kept run back into ``run_dir`` as the run wrote it (``*.jsonl.xz`` decompressed; a plain
-    ``*.jsonl`` of a run kept before they were compressed copied as it is), ``eval.json`` last; False if
-    ``keep_dir`` holds none."""
+    """Copies a kept run back into ``run_dir`` as the run wrote it (``*.jsonl.xz`` decompressed, the
+    ``metrics.jsonl`` as kept: compacted; a plain ``*.jsonl`` of a run kept before they were compressed
+    copied as it is), ``eval.json`` last; False if ``keep_dir`` holds none."""
     if not os.path.isfile(os.path.join(keep_dir, "eval.json")):
         return False
     os.makedirs(run_dir, exist_ok=True)
@@ -904,8 +951,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         against[other] = paired_tests({other: runs[other], **tested}, table, other, groups) if tested else {}
     records = read_provenance(runs)
     with open(os.path.join(out, "results.json"), "w") as f:
-        summary = {"preset": preset, "results": table, "paired_tests": tests, "seconds": time.time() - start,
-                   "runs": records}  # fmt: skip
+        summary: dict[str, Any] = {"preset": preset, "results": table, "paired_tests": tests,
+                                   "seconds": time.time() - start, "runs": records}  # fmt: skip
         if against:
             summary["paired_tests_against"] = against
         summary["seed_tests"] = seed_stats.seed_tests(summary)  # the study's family, Holm-adjusted

@@ -1,11 +1,14 @@
 """experiments/study.py ``--keep``: finished runs kept in a repository folder and restored from it.
 
 1. ``keep_run`` copies exactly the files the tables, tests and plots read (``eval.json``, the config,
-   the metrics, every ``predictions_*.jsonl``, the held-out sequences, the baseline settings), every
-   ``*.jsonl`` as ``*.jsonl.xz`` (read back by the ``xz`` program, smaller than the text), and nothing
-   else (no checkpoint, no log); ``restore_run`` gives back the run's files byte for byte, also from a
-   folder kept before the JSON lines were compressed; an unfinished run (no ``eval.json``) is refused.
-   Every run kept in the repository is in the compressed form and holds every step's metrics.
+   every ``predictions_*.jsonl``, the held-out sequences, the baseline settings), every ``*.jsonl`` as
+   ``*.jsonl.xz`` (read back by the ``xz`` program, smaller than the text), the metrics compacted (the
+   loss curves' columns at every 10th step, the first and the last, as logged; each column's mean over
+   every step and each loss term's mean share of the objective in ``metrics_summary.json``), and nothing
+   else (no checkpoint, no log); ``restore_run`` gives back those files byte for byte, also from a folder
+   kept before the JSON lines were compressed; a restored run kept again gives the same kept files (its
+   summary copied, not recomputed from the compacted rows); an unfinished run (no ``eval.json``) is
+   refused. Every run kept in the repository is in the compact form.
 2. ``run_all`` with ``keep``: a run kept there is restored into the output folder and not trained (no
    process is started); a run finished in the output folder but not yet kept is kept; the run
    directories returned are the output folder's, as without ``keep``.
@@ -46,6 +49,9 @@ SMALL = {
     "baseline.json": '{"loss": "del", "weight": 0.01}',
 }
 LARGE = {"train.log": "step 1\n", "checkpoints/step_2/model.pt": "weights", "export/config.json": "{}"}
+SUMMARY = '{\n "steps": 1,\n "kept_every": 10,\n "mean": {\n  "ce": 2.0,\n  "ntl": 0.5\n }\n}\n'
+KEPT = {**SMALL, "metrics_summary.json": SUMMARY}
+"""What keeping SMALL's run keeps, as restored (its one metrics row as it is, and the summary of it)."""
 
 
 def _finished_run(path: Path) -> None:
@@ -67,22 +73,38 @@ def _kept(path: Path) -> dict[str, str]:
             for n, p in files.items()}  # fmt: skip
 
 
-def test_keep_copies_the_small_files_only_with_json_lines_compressed(tmp_path):
+def test_keep_copies_the_small_files_only_with_json_lines_compressed_and_metrics_compacted(tmp_path):
     run, kept = tmp_path / "run", tmp_path / "kept"
     _finished_run(run)
-    rows = "".join(json.dumps({"step": i, "ce": 1 / (i + 1), "ntl": 0.5 / (i + 1)}) + "\n" for i in range(2000))
-    (run / "metrics.jsonl").write_text(rows)  # a real run's size: compression must pay
-    small = {**SMALL, "metrics.jsonl": rows}
+    logged = [{"step": i, "ce": 1 / i, "ntl": 0.5 / i, "lr": 1e-3, "mfu": None, "baseline": 2 / i, "objective": 4 / i}
+              for i in range(1, 2001)]  # fmt: skip
+    logged[-1] |= {"eval/ce": 9.0}  # an evaluation row: not a training column, left out of the means
+    full = "".join(json.dumps(r) + "\n" for r in logged)
+    (run / "metrics.jsonl").write_text(full)  # a real run's length
     study.keep_run(str(run), str(kept))
     names = sorted(p.name for p in kept.iterdir())
-    assert names == sorted(n + ".xz" if n.endswith(".jsonl") else n for n in SMALL)
+    assert names == sorted(n + ".xz" if n.endswith(".jsonl") else n for n in KEPT)
+    curve = "".join(
+        json.dumps({k: r[k] for k in ("step", "ce", "ntl")}) + "\n"
+        for r in logged
+        if r["step"] == 1 or r["step"] % 10 == 0
+    )  # the last, 2000, among them
+    small = {**SMALL, "metrics.jsonl": curve}
     for name in (n for n in names if n.endswith(".xz")):  # read back by the xz program, not by lzma
         text = subprocess.run(["xz", "-dc", str(kept / name)], capture_output=True, check=True).stdout.decode()
         assert text == small[name.removesuffix(".xz")]
-    assert (kept / "metrics.jsonl.xz").stat().st_size * 4 < len(rows)
+    summary = json.loads((kept / "metrics_summary.json").read_text())
+    means = {k: sum(r[k] for r in logged) / 2000 for k in ("ce", "ntl", "lr", "baseline", "objective")}
+    assert summary["steps"] == 2000 and summary["kept_every"] == 10 and summary["mean"] == pytest.approx(means)
+    assert list(summary["mean"]) == list(means)  # numbers only (no mfu), no eval/ column
+    assert summary["mean_over_objective"] == pytest.approx({"ce": 0.25, "ntl": 0.125, "baseline": 0.5})
+    assert (kept / "metrics.jsonl.xz").stat().st_size * 50 < len(full)
     restored = tmp_path / "restored"
     assert study.restore_run(str(kept), str(restored))
-    assert _files(restored) == small
+    assert _files(restored) == {**small, "metrics_summary.json": (kept / "metrics_summary.json").read_text()}
+    again = tmp_path / "again"  # a restored run kept again: the same files (the summary of every step, copied)
+    study.keep_run(str(restored), str(again))
+    assert {p.name: p.read_bytes() for p in again.iterdir()} == {p.name: p.read_bytes() for p in kept.iterdir()}
 
 
 def test_a_run_kept_before_compression_is_restored_as_it_is(tmp_path):
@@ -94,16 +116,18 @@ def test_a_run_kept_before_compression_is_restored_as_it_is(tmp_path):
     assert _files(tmp_path / "restored") == SMALL
 
 
-def test_the_runs_kept_in_the_repository_are_compressed_and_complete():
+def test_the_runs_kept_in_the_repository_are_compressed_and_compact():
     runs = sorted(p.parent for p in (ROOT / "experiments" / "finished_runs").glob("*/*/seed*/eval.json"))
-    assert len(runs) >= 68
+    assert len(runs) >= 136
     for run in runs:
         names = {p.name for p in run.iterdir()}
         assert not any(n.endswith(".jsonl") for n in names), f"{run}: plain JSON lines ({sorted(names)})"
-        assert {"config.json", "metrics.jsonl.xz"} <= names, run
+        assert {"config.json", "metrics.jsonl.xz", "metrics_summary.json"} <= names, run
         steps = json.loads((run / "config.json").read_text())["train"]["steps"]
         rows = [json.loads(line) for line in lzma.decompress((run / "metrics.jsonl.xz").read_bytes()).splitlines()]
-        assert [r["step"] for r in rows] == list(range(1, steps + 1)), run  # every step: the loss curves
+        assert [r["step"] for r in rows] == sorted({1, steps, *range(10, steps + 1, 10)}), run
+        assert all(set(r) <= {"step", "ce", "ntl"} for r in rows), run
+        assert json.loads((run / "metrics_summary.json").read_text())["steps"] == steps, run
 
 
 def test_an_unfinished_run_is_not_kept_nor_restored(tmp_path):
@@ -138,8 +162,8 @@ def test_run_all_restores_kept_runs_and_keeps_finished_ones(tmp_path, monkeypatc
         "CE + NTL": [str(out / "ce_ntl" / "seed0"), str(out / "ce_ntl" / "seed1")],
     }
     for arm in ("ce", "ce_ntl"):
-        assert _files(out / arm / "seed0") == SMALL  # restored
-        assert _kept(keep / arm / "seed1") == SMALL  # kept now
+        assert _files(out / arm / "seed0") == KEPT  # restored
+        assert _kept(keep / arm / "seed1") == KEPT  # kept now
         assert _files(out / arm / "seed1") == {**SMALL, **LARGE}  # the finished run itself untouched
 
 
@@ -170,7 +194,7 @@ def test_a_run_trained_here_is_kept_as_it_ends(tmp_path, monkeypatch):
     assert started == [out / "ce" / "seed0"]
     kept = _kept(keep / "ce" / "seed0")
     record = json.loads(kept.pop("run.json"))
-    assert kept == SMALL and not (out / "ce" / "seed0" / "run.json.tmp").exists()
+    assert kept == KEPT and not (out / "ce" / "seed0" / "run.json.tmp").exists()
     # its run.json, against torch and the clock read here
     assert (record["commit"], record["dirty"], len(checkouts)) == ("read1", False, 1)
     assert record["torch"] == torch.__version__ and (record["threads_per_run"], record["runs_at_a_time"]) == (3, 1)
@@ -251,8 +275,8 @@ def test_eval_json_is_copied_last(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "copyfile", recording_copy)
     monkeypatch.setattr(study.os, "replace", recording_replace)
     study.keep_run(str(run), str(tmp_path / "kept"))
-    assert sorted(written) == sorted(n + ".xz" if n.endswith(".jsonl") else n for n in SMALL)
+    assert sorted(written) == sorted(n + ".xz" if n.endswith(".jsonl") else n for n in KEPT)
     assert written[-1] == "eval.json"
     written.clear()
     study.restore_run(str(tmp_path / "kept"), str(tmp_path / "restored"))
-    assert sorted(written) == sorted(SMALL) and written[-1] == "eval.json"
+    assert sorted(written) == sorted(KEPT) and written[-1] == "eval.json"
