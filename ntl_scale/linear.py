@@ -17,7 +17,7 @@ the split hold the same tokens; its gradient is returned as ``Partial`` over the
 so DTensor sums it when it is redistributed. A plain ``hidden`` beside a row-split weight is refused:
 it does not say whether the ranks share the tokens (tensor parallelism) or hold their own (an FSDP2
 ``fully_shard`` weight used outside its module's forward is the same ``Shard(0)`` DTensor over
-data-parallel ranks; taking it for a vocabulary split mixed the ranks' tokens, issue 40). For the plain
+data-parallel ranks; taken for a vocabulary split, it would mix the ranks' tokens). For the plain
 route pass ``weight.to_local()`` with ``tp_group`` and ``vocab_start``; for FSDP2 call the loss inside the
 module's forward, or gather the weight with ``weight.redistribute(placements=[Replicate()]).to_local(
 grad_placements=[Partial("avg")])`` (each rank its own tokens, the weight gradient averaged over the
