@@ -1,4 +1,4 @@
-"""The Triton CE + NTL kernels (``ntl_scale/kernels/triton_ce_ntl.py``) under Triton's CPU interpreter.
+"""The Triton CE + NTL kernels (``ntl_scale/ops/triton_ce_ntl.py``) under Triton's CPU interpreter.
 
 ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors (slowly: sizes stay small). Compared with
 float64 computations written out here with plain torch ops:
@@ -47,9 +47,9 @@ def test_interpreter_tests_in_their_own_process():
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
 
-from ntl_scale.kernels import triton_ce_ntl as tk  # noqa: E402
-from ntl_scale.parallel import combine_kernel_stats  # noqa: E402
-from ntl_scale.shard_math import ShardInputs, ShardMath  # noqa: E402
+from ntl_scale.ops import triton_ce_ntl as tk  # noqa: E402
+from ntl_scale.ops.logits import combine_kernel_stats  # noqa: E402
+from ntl_scale.ops.shard_math import ShardInputs, ShardMath  # noqa: E402
 from tests.helpers.distributed import run_ranks_in_threads  # noqa: E402
 
 
