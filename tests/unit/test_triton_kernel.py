@@ -496,7 +496,7 @@ def test_the_softmax_launch_fits_l2_and_balances_its_rounds():
                     rounds = -(-rows // programs)
                     assert programs <= sms and rounds == -(-rows // sms) and (rounds - 1) * programs < rows
                     assert block == 32768 // elem <= width
-    # the H100 chunk: 1368 bf16 rows of 128256 columns, in place: one program per SM (125, in 11 equal
+    # a chunk of 1368 bf16 rows of 128256 columns, in place: one program per SM (125, in 11 equal
     # rounds), 32 KiB blocks; under TP 8 (16032 columns) one program per row (528 rows in flight fit)
     assert tk.softmax_launch(1368, 128256, 2 * 128256, 2, 132, 50 << 20) == (125, 16384)
     assert tk.softmax_launch(1368, 16032, 2 * 16032, 2, 132, 50 << 20) == (1368, 4096)
