@@ -233,14 +233,15 @@ ON_CHIP_T128 = {**cost_model.ON_CHIP_T128, "BLOCK_H": 32, "num_warps": 16}
 
 
 def on_chip_linear_ce_ntl(backward: dict[str, int] | None = None) -> Callable[[Inputs], Built]:
-    """``ntl_scale.linear_on_chip.fused_linear_ce_ntl`` (issue 43: the logits never leave the chip),
+    """``lab.on_chip.linear_on_chip.fused_linear_ce_ntl`` (the logits never leave the chip; a design in ``lab/``,
+    imported when the row runs, from the checkout's root),
     its per-token terms reduced as ``linear_ce_with_ntl`` reduces them (mean CE + 0.3 mean NTL-WAS);
     ``backward``: overrides of the backward's launch (``BACKWARD_BLOCKS``; ``GROUP_T=0``: all token blocks
     in one group, the order before grouping)."""
 
     def build(x: Inputs) -> Built:
         _impl(x, True)
-        from ntl_scale.linear_on_chip import fused_linear_ce_ntl
+        from lab.on_chip.linear_on_chip import fused_linear_ce_ntl
         from ntl_scale.reductions import combine_terms
 
         options = ntl_scale.NTLOptions()
@@ -279,7 +280,7 @@ def _stats_ce(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def kernel_stats(x: Inputs) -> Built:
     """The statistics kernel alone on the whole ``[T, V]`` logits; its CE (``log S + m - z_y``) is checked."""
-    triton_ce_ntl = importlib.import_module("ntl_scale.kernels.triton_ce_ntl")
+    triton_ce_ntl = importlib.import_module("ntl_scale.ops.triton_ce_ntl")
     if not triton_ce_ntl.triton_available():
         raise Skip("triton not installed")
     _impl(x, True)
@@ -291,7 +292,7 @@ def kernel_stats(x: Inputs) -> Built:
 
 def kernel_grad(x: Inputs) -> Built:
     """The gradient kernel alone, written in place over the logits (number columns included)."""
-    triton_ce_ntl = importlib.import_module("ntl_scale.kernels.triton_ce_ntl")
+    triton_ce_ntl = importlib.import_module("ntl_scale.ops.triton_ce_ntl")
     if not triton_ce_ntl.triton_available():
         raise Skip("triton not installed")
     _impl(x, True)
@@ -319,7 +320,7 @@ def kernel_stats_softmax(x: Inputs, per_row: bool = False) -> Built:
     place (the values stay finite: the softmax of a softmax; the traffic is the same). Checked after the
     timing, on the logits copied back: its CE, and the softmax it wrote (each row sums to 1 within the logits
     dtype's rounding; else the check fails)."""
-    triton_ce_ntl = importlib.import_module("ntl_scale.kernels.triton_ce_ntl")
+    triton_ce_ntl = importlib.import_module("ntl_scale.ops.triton_ce_ntl")
     if not triton_ce_ntl.triton_available():
         raise Skip("triton not installed")
     _impl(x, True)

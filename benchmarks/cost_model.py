@@ -4,7 +4,7 @@
     python benchmarks/cost_model.py --tokens 8192 --vocab 128256 --hidden 4096 --numbers 1110
 
 Counts the bytes each kernel of a path reads and writes in HBM and its FLOPs, from what the code
-does (``ntl_scale/kernels/triton_ce_ntl.py``, ``ntl_scale/parallel.py``, ``ntl_scale/linear.py``
+does (``ntl_scale/ops/triton_ce_ntl.py``, ``ntl_scale/ops/logits.py``, ``ntl_scale/linear.py``
 with ``impl="triton"``), and turns them into H100 SXM times with a roofline per kernel:
 ``time = sum over kernels of max(bytes / bandwidth, FLOPs / matmul peak)`` (kernels run one after
 the other; within one, memory and math overlap). Also given: the whole path's
@@ -22,11 +22,11 @@ each so that they compare with the fused linear-CE kernels:
   ``inplace=True`` takes fp32 logits only; the traffic is the same either way); NTL adds the
   ``K`` number columns (their gather, ``exp(z_N - mN)``, the ``[T, K]`` gradient terms).
 * ``ce_chunked`` / ``ce_ntl_chunked``: ``linear_ce_with_ntl(..., impl="triton")`` without / with the
-  NTL terms, as the code runs on a GPU: per chunk of ``C`` tokens (the device-chosen length,
-  ``ntl_scale.linear_op.choose_chunk_tokens`` with :data:`MODEL_FREE_BYTES` free: six chunks of 1368 at
-  8192 x 128256 x 4096 bf16) the logits GEMM, one kernel for the statistics and the softmax written in
-  place (the row read twice, the second time from L2: the model's best case, Liger's cross-entropy
-  kernel's design; ``ce_ntl_chunked_two_kernels`` counts both reads from HBM, the bound, and the
+  NTL terms, as the code runs on a GPU: per chunk of ``C`` tokens (the op's GPU default,
+  ``ntl_scale.ops.chunked_linear.choose_chunk_tokens``: ``2**28 // V``, chunks of 2092 at 8192 x 128256 x
+  4096) the logits GEMM, one kernel for the statistics and the softmax written in place (the row read
+  twice, the second time from L2: the model's best case, Liger's cross-entropy kernel's design;
+  ``ce_ntl_chunked_two_kernels`` counts both reads from HBM, the bound, and the
   two-kernel design before; ``ce_ntl_chunked_persistent`` the launch the op makes on an H100, a persistent
   grid of one program per SM (``softmax_launch``), with the share of second reads L2 serves from
   :func:`l2_hit_share`, a reuse-distance model at 25 MiB of effective L2; ``ce_ntl_chunked_per_row`` the
@@ -59,7 +59,7 @@ each so that they compare with the fused linear-CE kernels:
   token block's whole row fits on chip only at vocabularies far below these, and with a frozen output layer
   one pass with ``dh`` online suffices, ``4 T V H``), which this table called "the floor of every path"
   before it had the recompute row.
-* ``ce_ntl_on_chip``: ours, ``ntl_scale/kernels/triton_linear_ce_ntl.py`` (logits on chip, CE + NTL): the
+* ``ce_ntl_on_chip``: ours, ``lab/on_chip/triton_linear_ce_ntl.py`` (logits on chip, CE + NTL): the
   forward kernel (``z`` tile by tile, ``[T, 6]`` statistics and the ``[T, K]`` number logits out), the
   host's per-token work, a backward kernel that **recomputes** ``z`` (8 ``T V H`` FLOPs in all instead of
   6) and adds ``dH`` and ``dW`` into zeroed fp32 buffers with atomics, the number columns' two small
@@ -84,23 +84,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's ntl_scale, run as a script
-from ntl_scale import linear_op
-from ntl_scale.kernels import triton_ce_ntl
-from ntl_scale.kernels import triton_linear_ce_ntl as lk
+from lab.on_chip import triton_linear_ce_ntl as lk
+from ntl_scale.ops import chunked_linear, triton_ce_ntl
 
 #: H100 SXM5 (80 GB HBM3): memory bandwidth and dense bf16 tensor-core throughput (no sparsity).
 #: Source: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column: 3.35 TB/s; 1,979 TFLOPS bf16 with
 #: sparsity, so 989 TFLOP/s dense).
-#: (The numbers live in ntl_scale.linear_op, which derives the GPU chunk length from their ratio.)
-H100_BANDWIDTH = linear_op.H100_BANDWIDTH  # bytes / s
-H100_BF16_FLOPS = linear_op.H100_BF16_FLOPS  # FLOP / s
+H100_BANDWIDTH = 3.35e12  # bytes / s
+H100_BF16_FLOPS = 989e12  # FLOP / s
 
-CHUNK_ELEMENTS = linear_op._CHUNK_ELEMENTS  # logits elements per chunk on the CPU (2**26)
-
-#: Free GPU memory the model assumes when the op chooses its chunk (an 80 GB H100 holding a model's
-#: weights, optimizer state and activations); at 8192 x 128256 x 4096 bf16 any value above 4 GiB gives
-#: the same 1368-token chunk (six of them).
-MODEL_FREE_BYTES = 40 * 2**30
+CHUNK_ELEMENTS = chunked_linear.CPU_CHUNK_ELEMENTS  # logits elements per chunk on the CPU (2**26)
 
 
 #: H100 SXM: 132 SMs and 50 MiB of L2 (what ``torch.cuda.get_device_properties`` reports: 52428800 bytes),
@@ -213,9 +206,8 @@ def ce_ntl_logits(s: Shape) -> list[Kernel]:
 
 
 def device_chunk(s: Shape) -> int:
-    """The chunk the op chooses on the modelled GPU (``choose_chunk_tokens``, :data:`MODEL_FREE_BYTES` free)."""
-    dtype = {2: torch.bfloat16, 4: torch.float32}[s.elem]
-    return linear_op.choose_chunk_tokens("cuda", MODEL_FREE_BYTES, s.tokens, s.vocab, s.hidden, dtype)
+    """The chunk the op chooses on a GPU (``choose_chunk_tokens``: ``2**28 // V`` tokens, at most ``T``)."""
+    return chunked_linear.choose_chunk_tokens("cuda", s.tokens, s.vocab)
 
 
 def cpu_chunk(s: Shape) -> int:
@@ -369,7 +361,8 @@ ON_CHIP_T128 = {"BLOCK_T": 128, "BLOCK_V": 128, "GROUP_T": 4}
 SCHEDULES = (False, True)
 
 
-_cdiv = linear_op._ceil_div
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _token_blocks(s: Shape) -> int:

@@ -3,10 +3,11 @@
     python benchmarks/triton_aot.py --markdown          # the table of docs/kernels.md
     python benchmarks/triton_aot.py --json out.json     # every compile as a record (the test reads it)
 
-Each kernel of ``ntl_scale/kernels/triton_ce_ntl.py`` is compiled for ``sm_80``, ``sm_90`` (Triton
-emits ``sm_90a``) and ``sm_100`` (``sm_100a``) through ``triton.compile(ASTSource(...),
-target=GPUTarget("cuda", cc, 32))``: Python -> TTIR -> TTGIR -> LLVM IR -> PTX, then the ``ptxas``
-bundled in the triton wheel (CUDA 12.9's for sm_80, ``ptxas-blackwell``, CUDA 13.x, for sm_90 and
+Each kernel of ``ntl_scale/ops/triton_ce_ntl.py`` (and of ``lab/on_chip/triton_linear_ce_ntl.py``) is
+compiled for ``sm_80``, ``sm_90`` (Triton emits ``sm_90a``) and ``sm_100`` (``sm_100a``) through
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``: Python -> TTIR -> TTGIR -> LLVM IR
+-> PTX, then the ``ptxas`` bundled in the triton wheel (CUDA 12.9's for sm_80, ``ptxas-blackwell``, CUDA 13.x,
+for sm_90 and
 later) -> cubin. Nothing is launched and nothing reads a device.
 
 What is compiled is what the launchers would compile on a GPU: the arguments come from the
@@ -55,8 +56,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ntl_scale.kernels import triton_ce_ntl as tk
-from ntl_scale.kernels import triton_linear_ce_ntl as lk
+from lab.on_chip import triton_linear_ce_ntl as lk
+from ntl_scale.ops import triton_ce_ntl as tk
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def block_choices() -> tuple[list[int], list[int]]:
 def softmax_blocks() -> dict[str, list[int]]:
     """Per logits dtype, every ``BLOCK_V`` the statistics-and-softmax launch's persistent grid can pick.
 
-    :func:`~ntl_scale.kernels.triton_ce_ntl.softmax_launch` over every power-of-two width and L2 size, in
+    :func:`~ntl_scale.ops.triton_ce_ntl.softmax_launch` over every power-of-two width and L2 size, in
     place (a row's bytes: its logits); the blocks of its grids with fewer programs than rows.
     """
     out: dict[str, list[int]] = {}

@@ -1,7 +1,7 @@
 """CE + NTL straight from hidden states: the output layer, the softmax and the loss in token chunks.
 
 The functional layer: argument checks, autocast, DTensor resolution and dispatch to the op layer
-(:mod:`ntl_scale.linear_op`: the autograd Function, the chunk math and the chunk length; the
+(:mod:`ntl_scale.ops.chunked_linear`: the autograd Function, the chunk math and the chunk length; the
 mathematics is documented there).
 
 Under tensor parallelism ``weight`` is the local vocab shard ``[V/tp, H]`` and ``hidden`` the full
@@ -11,7 +11,7 @@ summed over the TP group by the caller's layer, as Megatron's ``ColumnParallelLi
 
 ``weight`` may be a ``DTensor`` split on its rows (``Shard(0)``: a vocabulary-parallel output layer,
 uneven splits included) or replicated: its group and offset replace ``tp_group`` and ``vocab_start``
-(:func:`ntl_scale.parallel.dtensor_vocab_shard`); the gradient reaches it as a DTensor with its
+(:func:`ntl_scale.ops.shards.dtensor_vocab_shard`); the gradient reaches it as a DTensor with its
 placements. ``hidden`` is then a replicated DTensor on the weight's mesh, which says that the ranks of
 the split hold the same tokens; its gradient is returned as ``Partial`` over the split's mesh dimension,
 so DTensor sums it when it is redistributed. A plain ``hidden`` beside a row-split weight is refused:
@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 
 from ._validation import check_float_level, check_inputs, check_reduction, check_weights
-from .linear_op import _FusedLinearCENTL
 from .number_vocab import NumberVocab
+from .ops.chunked_linear import ChunkedLinearCENTL
+from .ops.logits import use_triton
+from .ops.shard_math import compute_dtype
+from .ops.shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
 from .options import NTLOptions, check_option
-from .parallel import use_triton
 from .reductions import CENTLOutput, combine_terms
-from .shard_math import compute_dtype
-from .shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
 from .terms import PerTokenTerms, check_plain_labels, shard_inputs, shard_start, terms_from_stats
 
 __all__ = ["linear_ce_ntl", "linear_ce_with_ntl"]
@@ -161,10 +161,9 @@ def linear_ce_ntl(
         tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
             The gradient of ``hidden`` is then this shard's part (see the module docs).
         check_finite: raise when the logits hold NaN/Inf (one host sync; default off, NaN reaches the loss).
-        chunk_tokens: tokens per chunk. Default (:func:`ntl_scale.linear_op.choose_chunk_tokens`): on
-            the CPU chunks of about 2**26 logits (256 MiB in fp32); on a GPU equal chunks long enough for
-            each chunk's weight-gradient GEMM to be math-bound (>= 1276 tokens at 128256 x 4096 bf16 on an
-            H100: six chunks of 1368 for 8192 tokens), capped by a quarter of the free memory.
+        chunk_tokens: tokens per chunk. Default (:func:`ntl_scale.ops.chunked_linear.choose_chunk_tokens`):
+            a fixed budget of logits per chunk, ``2**26 // V_local`` tokens on the CPU (256 MiB in fp32) and
+            ``2**28 // V_local`` on a GPU (2092 tokens at 128256 columns), at most ``T``.
         need_ce: False skips the vocabulary pass when neither CE nor reweighing needs it.
         token_weights: the non-negative weights ``[...]`` the caller's reduction applies to CE (e.g.
             the loss mask); with them the weight gradient is built in the forward. Default: 1 on
@@ -221,7 +220,7 @@ def linear_ce_ntl(
     inputs, row = shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
     weights = check_weights(token_weights, labels, dtype)
     weights = inputs.valid.to(dtype) if weights is None else weights.reshape(-1) * inputs.valid
-    ce, expect, mass, hit, lse = _FusedLinearCENTL.apply(
+    ce, expect, mass, hit, lse = ChunkedLinearCENTL.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         inputs,

@@ -4,8 +4,8 @@ Layers, bottom up (one definition of the math; each module imports only the ones
 
 1. :mod:`ntl_scale.options`: the option spec (:class:`NTLOptions`, the loss kinds, the impls).
 2. :mod:`ntl_scale._validation`: checks of the user's tensors and options.
-3. :mod:`ntl_scale.parallel` (with :mod:`ntl_scale.kernels`): per-token ``ce``, ``expect``, ``mass`` of a
-   logits shard; the only place with the two TP all-reduces (none when ``tp_group`` is None).
+3. :mod:`ntl_scale.ops.logits` (with :mod:`ntl_scale.ops.triton_ce_ntl`): per-token ``ce``, ``expect``,
+   ``mass`` of a logits shard; the only place with the two TP all-reduces (none when ``tp_group`` is None).
 4. :mod:`ntl_scale.terms`: per-token CE, per-token NTL of the chosen kind and the mask of the
    positions that carry NTL (:func:`per_token_ce_ntl`, :func:`ntl_positions`).
 5. :mod:`ntl_scale.reductions`: means and sums with loss weights (:func:`reduce_loss`).

@@ -1,6 +1,6 @@
 """Per-token CE and NTL: the layer between the fused op and the reductions.
 
-:func:`ntl_scale.parallel.fused_shard_stats` gives three per-token statistics of a logits shard
+:func:`ntl_scale.ops.logits.fused_shard_stats` gives three per-token statistics of a logits shard
 (``ce``, ``expect``, ``mass``; ``docs/math.md``); :func:`terms_from_stats` turns them into per-token
 CE and the NTL variant of :class:`~ntl_scale.options.NTLOptions`. Point losses, reweighing and
 number-level assembly act on ``[T]`` vectors here, so they cost nothing next to the vocabulary-wide
@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from ._validation import check_float_level, check_inputs, check_number_level_table, check_width
 from .number_level import assemble_numbers, number_starts, symmetric_mape
 from .number_vocab import NumberVocab
+from .ops.logits import fused_shard_stats
+from .ops.shard_math import ShardInputs, compute_dtype
+from .ops.shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
 from .options import NTLOptions, check_option
-from .parallel import fused_shard_stats
-from .shard_math import ShardInputs, compute_dtype
-from .shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
 
 __all__ = [
     "NumberPrediction",
@@ -88,7 +88,7 @@ def per_token_ce_ntl(
 
     ``logits_shard`` may be a ``DTensor`` split on the vocabulary (``Shard(-1)``, uneven splits
     included) or replicated; its process group and offset replace ``tp_group`` and ``vocab_start``
-    (:func:`ntl_scale.parallel.dtensor_vocab_shard`). The labels stay a plain tensor, the same on
+    (:func:`ntl_scale.ops.shards.dtensor_vocab_shard`). The labels stay a plain tensor, the same on
     every rank of that group; the outputs are plain tensors.
     """
     options = NTLOptions() if options is None else options

@@ -100,7 +100,7 @@ def _check_logits(ctx: WorkerContext) -> None:
         ce_ref, ntl_ref, mask_ref, grad_ref = _reference(full, labels, vocab, g_ce, g_ntl, **variant)
         logits = distribute_tensor(full.detach().clone(), mesh, [Shard(-1)]).requires_grad_()
         ce, ntl, mask = ntl_scale.vocab_parallel_ce_ntl(logits, labels, vocab, **variant)
-        assert not ntl_scale.shards.is_dtensor(ce)  # plain per-token outputs, the same on every rank
+        assert not ntl_scale.ops.shards.is_dtensor(ce)  # plain per-token outputs, the same on every rank
         ((ce * g_ce).sum() + (ntl * g_ntl).sum()).backward()
         assert logits.grad.placements == (Shard(2),)
         assert torch.equal(mask, mask_ref), what
@@ -165,7 +165,7 @@ def _check_loss_parallel(ctx: WorkerContext) -> None:
     ours = distribute_tensor(flat.clone(), mesh, [Shard(1)]).requires_grad_()
     out = ntl_scale.ce_with_ntl(ours, flat_labels, vocab, ntl_weight=0.0)
     out.loss.backward()
-    reference_value = reference.full_tensor() if ntl_scale.shards.is_dtensor(reference) else reference
+    reference_value = reference.full_tensor() if ntl_scale.ops.shards.is_dtensor(reference) else reference
     _close(out.loss, reference_value, "CE vs loss_parallel")
     _close(ours.grad.to_local(), theirs.grad.to_local(), "CE grad vs loss_parallel")
 
@@ -254,7 +254,7 @@ def _check_fsdp2_weight(ctx: WorkerContext) -> None:
         return ce_mean, ntl_mean, w.grad
 
     hidden, labels = rank_inputs(ctx.rank)
-    assert ntl_scale.shards.is_dtensor(layer.weight) and layer.weight.to_local().shape == (12, 8)
+    assert ntl_scale.ops.shards.is_dtensor(layer.weight) and layer.weight.to_local().shape == (12, 8)
     with pytest.raises(ValueError, match=r"FSDP2 fully_shard parameter used outside its module's forward"):
         ntl_scale.linear_ce_with_ntl(hidden, layer.weight, labels, vocab)
     with pytest.raises(ValueError, match=r"Partial\('avg'\)"):
@@ -292,7 +292,7 @@ def _check_colwise_parallel(ctx: WorkerContext) -> None:
     parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
     h = hidden.clone().requires_grad_()
     logits = head(h)
-    assert ntl_scale.shards.is_dtensor(logits) and logits.to_local().shape[-1] == (7, 6)[ctx.rank]
+    assert ntl_scale.ops.shards.is_dtensor(logits) and logits.to_local().shape[-1] == (7, 6)[ctx.rank]
     out = ntl_scale.ce_with_ntl(logits, labels, vocab, ntl_weight=0.3)
     out.loss.backward()
     _close(out.ce, ce_t.sum() / (labels != -100).sum(), "ColwiseParallel ce")

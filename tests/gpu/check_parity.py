@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import ntl_scale  # noqa: E402
-from ntl_scale.kernels import triton_ce_ntl  # noqa: E402
+from ntl_scale.ops import triton_ce_ntl  # noqa: E402
 from tests.helpers.reference import dense_per_token  # noqa: E402
 
 NTL_WEIGHT = 0.3

@@ -7,7 +7,7 @@
    (``impl="triton"``), the fused op in place too.
 3. A CUDA graph captures a forward + backward of ``ce_with_ntl`` and replays it with new values; the
    same for the chunked op ``linear_ce_with_ntl``; each with ``impl="auto"`` and ``impl="triton"``.
-4. The Triton kernels (``ntl_scale/kernels``, ``impl="triton"``) against the PyTorch code
+4. The Triton kernels (``ntl_scale/ops/triton_ce_ntl.py``, ``impl="triton"``) against the PyTorch code
    (``impl="torch"``), both ops, fp32 and bf16, at a vocabulary that spans many blocks.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ntl_scale
-from ntl_scale.kernels import triton_ce_ntl
+from ntl_scale.ops import triton_ce_ntl
 from tests.helpers.reference import naive_per_token
 
 pytestmark = [

@@ -1,5 +1,5 @@
 """The process the Triton interpreter tests run in (``tests/unit/test_triton_kernel.py``,
-``tests/unit/test_triton_linear_kernel.py``).
+``lab/on_chip/test_triton_linear_kernel.py``).
 
 Triton reads ``TRITON_INTERPRET`` when it is imported. A test file run alone sets it before that
 (:func:`own_process`); in a whole-suite session an earlier module (megatron-core, torch's inductor) may

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import ntl_scale
+from ntl_scale.ops.logits import use_triton
 from ntl_scale.options import NTLOptions
-from ntl_scale.parallel import use_triton
 from tests.helpers.reference import reference_ce_features
 
 V, H, T = 37, 8, 9

@@ -124,6 +124,14 @@ REMOVED_MODULES = [
     "ntl_scale.integrations.megatron_lm",
     "ntl_scale.integrations.deepspeed_tp",
     *MOVED_MODULES,
+    # the op layer moved under ntl_scale.ops; the on-chip op to lab/on_chip (outside the package)
+    "ntl_scale.parallel",
+    "ntl_scale.linear_op",
+    "ntl_scale.shards",
+    "ntl_scale.shard_math",
+    "ntl_scale.kernels",
+    "ntl_scale.kernels.triton_ce_ntl",
+    "ntl_scale.linear_on_chip",
 ]
 # module -> names removed from it (renamed: apply_ntl_to_hf_model, apply_ntl_to_megatron_model, impl="triton";
 # moved: resolved.resolve_deepspeed_config)
@@ -132,7 +140,7 @@ REMOVED_NAMES = {
     "ntl_scale.integrations.hf.loss": ["apply_ntl"],
     "ntl_scale.integrations.megatron.lm": ["apply_ntl"],
     "ntl_scale.integrations.deepspeed.steps": ["resolve_deepspeed_config"],
-    "ntl_scale.kernels.triton_ce_ntl": ["set_triton_kernels", "_ENABLED"],
+    "ntl_scale.ops.triton_ce_ntl": ["set_triton_kernels", "_ENABLED"],
 }
 
 

@@ -20,14 +20,13 @@ PACKAGE = pathlib.Path(ntl_scale.__file__).parent
 
 PENDING: set[str] = set()
 
-LAYERS = [  # bottom up
-    {"options", "_tracing", "_checks", "_optional", "atomic", "number_level", "kernels",
-     "kernels.triton_ce_ntl", "shards", "startup"},
-    {"number_vocab", "shard_math", "kernels.triton_linear_ce_ntl"},
-    {"_validation", "parallel"},
-    {"terms"},
-    {"reductions", "normalization", "linear_on_chip"},
-    {"linear_op"},
+LAYERS = [  # bottom up; ops.* is the op layer, under the functional layer (terms, reductions, losses, linear)
+    {"options", "_tracing", "_checks", "_optional", "atomic", "number_level", "ops.triton_ce_ntl", "ops.shards",
+     "startup"},
+    {"number_vocab", "ops.shard_math"},
+    {"_validation", "ops.logits"},
+    {"ops.chunked_linear", "terms"},
+    {"reductions", "normalization"},
     {"losses", "linear"},
 ]  # fmt: skip
 

@@ -1,110 +1,46 @@
-"""The chunked op's default chunk length (``ntl_scale.linear_op.choose_chunk_tokens``, issue 43 item 1) and
-its weight gradient's fixed [V, H] passes, folded (item 1, second bullet).
+"""The chunked op's default chunk length (``ntl_scale.ops.chunked_linear.choose_chunk_tokens``) and its weight
+gradient's fixed [V, H] passes, folded.
 
-A pure function of (device kind, free bytes, T, V, H, dtype), so its CUDA branch is checked here on the
-CPU with synthetic inputs. References, each independent of the code under test:
-
-* math-boundness: the GPU cost model's own roofline of the weight-gradient GEMM
-  (``benchmarks/cost_model.py``'s ``gemm`` with its bytes written out there), at H100 numbers;
-* memory: the bytes of the chunk's logits and their fp32 copy, counted from the shape here;
-* the CPU: ``2**26 // V``, the chunk ``docs/benchmarks.md`` measured best;
-* the op itself: ``linear_ce_ntl`` with ``chunk_tokens=None`` makes the chunks the chooser gives (its
-  logits matmuls counted with a dispatch mode).
+The default is a fixed budget of logits per chunk, checked here against its one-line definition written out
+independently: ``min(max(T, 1), max(1, budget // V))`` with ``budget = 2**28`` on CUDA and ``2**26`` elsewhere
+(the CPU's, the chunk ``docs/benchmarks.md`` measured best there); and the op itself: ``linear_ce_ntl`` with
+``chunk_tokens=None`` makes the chunks the chooser gives (its logits matmuls counted with a dispatch mode).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 
 import ntl_scale
-from ntl_scale.linear_op import choose_chunk_tokens
+from ntl_scale.ops.chunked_linear import choose_chunk_tokens
 from tests.helpers.dispatch import OpOutputs
-from tests.helpers.scripts import load_script
-
-ROOT = Path(__file__).resolve().parents[2]
-cm = load_script("benchmarks/cost_model.py", "cost_model")
-
-GiB = 2**30
-H100 = {"bandwidth": 3.35e12, "peak": 989e12}  # the datasheet numbers, written out here
 
 
-def _gw_gemm_math_bound(c: int, v: int, h: int, elem: int, acc: int) -> bool:
-    # the cost model's G_W kernel: bf16 operands read, the fp32 accumulator read and written
-    k = cm.gemm("G_W", v, h, c, read=elem * (c * v + c * h) + acc * v * h, write=acc * v * h)
-    return k.flops / H100["peak"] >= k.bytes / H100["bandwidth"]
+def _rule(device: str, t: int, v: int) -> int:  # the documented rule, written out here
+    return min(max(t, 1), max(1, (2**28 if device == "cuda" else 2**26) // max(v, 1)))
 
 
-@pytest.mark.parametrize("t", [8192, 20000, 1 << 20])
-@pytest.mark.parametrize(
-    ("v", "h", "dtype"),
-    [(128256, 4096, torch.bfloat16), (128256, 2048, torch.bfloat16), (151936, 3584, torch.float16),
-     (32000, 4096, torch.bfloat16), (128256, 4096, torch.float32)],
-)  # fmt: skip
-def test_cuda_chunks_are_all_math_bound_and_no_longer_than_needed(t: int, v: int, h: int, dtype: torch.dtype) -> None:
-    elem = torch.empty((), dtype=dtype).element_size()
-    c = choose_chunk_tokens("cuda", 80 * GiB, t, v, h, dtype)
-    lengths = [min(c, t - i) for i in range(0, t, c)]
-    # every chunk's weight-gradient GEMM math-bound in the cost model, the last (shorter) one included while
-    # there are few chunks (with hundreds, the rounding to 8 tokens may leave the last one short)
-    tail = lengths if len(lengths) <= 32 else lengths[:-1]
-    assert all(_gw_gemm_math_bound(n, v, h, elem, 4) for n in tail), lengths
-    assert c % 8 == 0
-    # no longer than needed (the least memory): the fewest math-bound tokens by the cost model, found by a
-    # scan here (or the CPU's element budget where that is longer: it is never undercut), spread evenly over
-    # as many chunks as fit, or one fewer (where the rounding to multiples of 8 left the last one short)
-    least = max(next(n for n in range(1, t + 1) if _gw_gemm_math_bound(n, v, h, elem, 4)), 2**26 // v)
-    assert c <= -(-t // max(1, t // least - 1)) + 8, (c, least, lengths)
+@pytest.mark.parametrize("device", ["cuda", "cpu", "meta"])
+@pytest.mark.parametrize("t", [0, 1, 300, 8192, 20000, 1 << 20])
+@pytest.mark.parametrize("v", [1, 640, 16032, 32000, 128256, 131072, 151936, 1 << 30])
+def test_default_chunk_is_the_one_line_rule(device: str, t: int, v: int) -> None:
+    assert choose_chunk_tokens(device, t, v) == _rule(device, t, v)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-@pytest.mark.parametrize("free", [1 * GiB, 3 * GiB, 512 * 2**20])
-def test_cuda_chunk_is_capped_by_a_quarter_of_free_memory(free: int, dtype: torch.dtype) -> None:
-    v, h = 128256, 4096
-    c = choose_chunk_tokens("cuda", free, 8192, v, h, dtype)
-    elem = torch.empty((), dtype=dtype).element_size()
-    logits_and_fp32_copy = c * v * (elem + (4 if elem < 4 else 0))
-    assert 1 <= c and logits_and_fp32_copy <= free / 4
-    # one more token would not have fitted, unless the chunk is already the math-bound length
-    if c < choose_chunk_tokens("cuda", 80 * GiB, 8192, v, h, dtype):
-        assert (c + 1) * v * (elem + (4 if elem < 4 else 0)) > free / 4
+def test_chunk_at_the_documented_shapes() -> None:
+    assert choose_chunk_tokens("cuda", 8192, 128256) == 2092  # docs/benchmarks.md, benchmarks/cost_model.py
+    assert choose_chunk_tokens("cuda", 8192, 128256 // 8) == 8192  # a TP shard of 1/8: one chunk
+    assert choose_chunk_tokens("cpu", 8192, 131072) == 512  # docs/benchmarks.md (measured on CPU)
+    assert choose_chunk_tokens("cpu", 100, 131072) == 100  # at most T
+    assert choose_chunk_tokens("cuda", 0, 128256) == 1  # no tokens: still 1
 
 
-def test_cuda_chunk_bounds() -> None:
-    assert choose_chunk_tokens("cuda", 80 * GiB, 300, 128256, 4096, torch.bfloat16) == 300  # at most T
-    assert choose_chunk_tokens("cuda", 80 * GiB, 0, 128256, 4096, torch.bfloat16) == 1  # no tokens: still 1
-    assert choose_chunk_tokens("cuda", 1000, 8192, 128256, 4096, torch.bfloat16) == 1  # no memory: 1
-    # a TP shard of 1/8 of the vocabulary: the CPU's element budget (4185 tokens) is the floor, already
-    # math-bound; 8192 tokens hold one such chunk, not two (the second would be shorter): one of 8192
-    c = choose_chunk_tokens("cuda", 80 * GiB, 8192, 128256 // 8, 4096, torch.bfloat16)
-    assert c == 8192 and 2**26 // (128256 // 8) == 4185
-    c = choose_chunk_tokens("cuda", 80 * GiB, 32768, 128256 // 8, 4096, torch.bfloat16)
-    assert c == 4688 and -(-32768 // c) == 7 and 32768 - 6 * c >= 4185  # 7 equal chunks, the last one too
-    # a hidden size too small for any chunk to be math-bound: the memory cap or T
-    assert choose_chunk_tokens("cuda", 80 * GiB, 8192, 128256, 64, torch.bfloat16) == 8192
-
-
-@pytest.mark.parametrize("v", [32768, 131072, 640])
-def test_cpu_chunk_is_the_measured_element_budget(v: int) -> None:
-    for device, free in (("cpu", None), ("cpu", 80 * GiB), ("cuda", None)):
-        assert choose_chunk_tokens(device, free, 1 << 20, v, 512, torch.float32) == 2**26 // v
-    assert choose_chunk_tokens("cpu", None, 8192, 131072, 2048, torch.float32) == 512  # docs/benchmarks.md
-    assert choose_chunk_tokens("cpu", None, 100, 131072, 2048, torch.float32) == 100
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [({"tokens": -1}, "tokens"), ({"vocab": 2.5}, "vocab"), ({"memory_fraction": 0.0}, "memory_fraction"),
-     ({"flops_per_byte": -3.0}, "flops_per_byte")],
-)  # fmt: skip
+@pytest.mark.parametrize(("kwargs", "match"), [({"tokens": -1}, "tokens"), ({"vocab": 2.5}, "vocab")])
 def test_bad_arguments_are_refused(kwargs: dict, match: str) -> None:
-    args = {"tokens": 8, "vocab": 64, "hidden": 16}
-    extra = {k: kwargs.pop(k) for k in list(kwargs) if k in ("memory_fraction", "flops_per_byte")}
-    args.update(kwargs)
+    args = {"tokens": 8, "vocab": 64, **kwargs}
     with pytest.raises(ValueError, match=match):
-        choose_chunk_tokens("cuda", GiB, dtype=torch.bfloat16, **args, **extra)
+        choose_chunk_tokens("cuda", **args)
 
 
 def test_the_op_uses_the_chosen_chunk_on_cpu() -> None:
@@ -163,9 +99,9 @@ def test_weight_gradient_has_no_zeroing_scaling_or_cast_pass(dtype: torch.dtype,
 
 @pytest.mark.parametrize("smoothing", [False, True])
 def test_the_cuda_one_pass_cast_equals_the_cpu_two_pass_one(smoothing: bool) -> None:
-    """``_scaled_cast``'s CUDA form (``mul``/``addcmul`` writing bf16 from fp32) run here on CPU tensors against
+    """``scaled_cast``'s CUDA form (``mul``/``addcmul`` writing bf16 from fp32) run here on CPU tensors against
     the CPU form (scale in place, then cast) and against float64 written out: the same one rounding."""
-    from ntl_scale.linear_op import _scaled_cast
+    from ntl_scale.ops.chunked_linear import scaled_cast
 
     g = torch.Generator().manual_seed(3)
     v, h, t = 300, 40, 25
@@ -179,8 +115,8 @@ def test_the_cuda_one_pass_cast_equals_the_cpu_two_pass_one(smoothing: bool) -> 
     if uniform is not None:
         want -= (uniform.double().unsqueeze(1) * hidden.double()).sum(0)
     want[cols] += number_rows.double()
-    one = _scaled_cast(acc.clone(), scale, number_rows, cols, torch.bfloat16, hidden, uniform, 0.1, fused=True)
-    two = _scaled_cast(acc.clone(), scale, number_rows, cols, torch.bfloat16, hidden, uniform, 0.1, fused=False)
+    one = scaled_cast(acc.clone(), scale, number_rows, cols, torch.bfloat16, hidden, uniform, 0.1, fused=True)
+    two = scaled_cast(acc.clone(), scale, number_rows, cols, torch.bfloat16, hidden, uniform, 0.1, fused=False)
     assert one.dtype == two.dtype == torch.bfloat16
     torch.testing.assert_close(one.double(), want, rtol=2**-8, atol=1e-6)  # one bf16 rounding of the fp64 value
     torch.testing.assert_close(two.double(), want, rtol=2**-8, atol=1e-6)
@@ -194,30 +130,31 @@ def test_the_product_buffer_is_allocated_only_where_the_two_step_product_runs(mo
     fp32-output GEMM adds into the accumulator (CUDA), it is never allocated: shown on meta tensors, which
     have that GEMM, with the predicate patched here (the library takes it on CUDA only). On the CPU it is
     allocated once and reused, and the accumulator is the float64 sum of the chunks' products."""
-    from ntl_scale import linear_op
+    from ntl_scale.ops import chunked_linear
 
     g = torch.Generator().manual_seed(0)
     chunks = [(torch.rand(40, 640, generator=g), torch.randn(40, 32, generator=g)) for _ in range(3)]
     acc = torch.empty(640, 32)
-    buffer = linear_op._product_buffer(torch.empty(640, 32, dtype=torch.bfloat16), torch.float32)
-    assert buffer is not None and buffer._buffer is None  # nothing allocated before the first product
+    buffer = chunked_linear.product_buffer(torch.empty(640, 32, dtype=torch.bfloat16), torch.float32)
+    assert buffer is not None and buffer.buffer is None  # nothing allocated before the first product
     seen = set()
     for i, (coef, rows) in enumerate(chunks):
-        linear_op._accumulate(acc, coef.bfloat16(), rows.bfloat16(), buffer, 64, first=i == 0)
-        seen.add(buffer._buffer.data_ptr())
+        chunked_linear.accumulate(acc, coef.bfloat16(), rows.bfloat16(), buffer, 64, first=i == 0)
+        seen.add(buffer.buffer.data_ptr())
     assert len(seen) == 1  # one buffer, reused
     want = sum(64 * c.bfloat16().double().t() @ r.bfloat16().double() for c, r in chunks)
     torch.testing.assert_close(acc.double(), want, rtol=2e-2, atol=1e-2 * float(want.abs().max()))
 
-    monkeypatch.setattr(linear_op, "_fp32_output_gemm", lambda a: a.device.type == "meta" and a.dtype == torch.float32)
+    meta_gemm = lambda a: a.device.type == "meta" and a.dtype == torch.float32  # noqa: E731
+    monkeypatch.setattr(chunked_linear, "fp32_output_gemm", meta_gemm)
     meta = torch.empty(640, 32, device="meta")
-    buffer = linear_op._product_buffer(torch.empty(640, 32, dtype=torch.bfloat16, device="meta"), torch.float32)
+    buffer = chunked_linear.product_buffer(torch.empty(640, 32, dtype=torch.bfloat16, device="meta"), torch.float32)
     for i in range(3):
         coef = torch.empty(40, 640, dtype=torch.bfloat16, device="meta")
-        linear_op._accumulate(
+        chunked_linear.accumulate(
             meta, coef, torch.empty(40, 32, dtype=torch.bfloat16, device="meta"), buffer, 64, first=i == 0
         )
-    assert buffer is not None and buffer._buffer is None
+    assert buffer is not None and buffer.buffer is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

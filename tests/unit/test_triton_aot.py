@@ -6,7 +6,7 @@ dtype and block configuration the launchers can pick for the three architectures
 
 1. Coverage: every ``BLOCK_V`` and ``BLOCK_K`` the launchers pick for widths met in practice
    (vocabulary shards 1 to 10**6 columns, 0 to 5000 number columns) was compiled, for every kernel,
-   dtype and architecture; the fused linear CE + NTL's two kernels (``triton_linear_ce_ntl.py``) at the
+   dtype and architecture; the fused linear CE + NTL's two kernels (``lab/on_chip/triton_linear_ce_ntl.py``) at the
    tiles their launchers pick per dtype, aligned and unaligned vocabularies, the backward building both
    gradients and (bf16) each alone.
 2. Every compile succeeded, with zero spill stores and loads and no stack frame (ptxas -v), registers
@@ -67,7 +67,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_every_block_the_launchers_pick_is_compiled(records):
     import torch
 
-    from ntl_scale.kernels import triton_ce_ntl as tk
+    from ntl_scale.ops import triton_ce_ntl as tk
 
     widths = [1, 15, 16, 17, 100, 1000, 4095, 4097, 8000, 32000, 50257, 64128, 128256, 262144, 10**6]
     numbers = [0, 1, 10, 11, 50, 100, 129, 1000, 5000]
@@ -107,7 +107,7 @@ def test_every_block_the_launchers_pick_is_compiled(records):
 def test_the_fused_linear_kernels_are_compiled_as_launched(records):
     import torch
 
-    from ntl_scale.kernels import triton_linear_ce_ntl as lk
+    from lab.on_chip import triton_linear_ce_ntl as lk
 
     for arch in ("sm_80", "sm_90", "sm_100"):
         for dtype in ("float32", "bfloat16", "float16"):

@@ -1,4 +1,4 @@
-"""The Triton CE + NTL kernels (``ntl_scale/kernels/triton_ce_ntl.py``) under Triton's CPU interpreter.
+"""The Triton CE + NTL kernels (``ntl_scale/ops/triton_ce_ntl.py``) under Triton's CPU interpreter.
 
 ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors (slowly: sizes stay small). Compared with
 float64 computations written out here with plain torch ops:
@@ -47,9 +47,9 @@ def test_interpreter_tests_in_their_own_process():
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
 
-from ntl_scale.kernels import triton_ce_ntl as tk  # noqa: E402
-from ntl_scale.parallel import combine_kernel_stats  # noqa: E402
-from ntl_scale.shard_math import ShardInputs, ShardMath  # noqa: E402
+from ntl_scale.ops import triton_ce_ntl as tk  # noqa: E402
+from ntl_scale.ops.logits import combine_kernel_stats  # noqa: E402
+from ntl_scale.ops.shard_math import ShardInputs, ShardMath  # noqa: E402
 from tests.helpers.distributed import run_ranks_in_threads  # noqa: E402
 
 
@@ -496,7 +496,7 @@ def test_the_softmax_launch_fits_l2_and_balances_its_rounds():
                     rounds = -(-rows // programs)
                     assert programs <= sms and rounds == -(-rows // sms) and (rounds - 1) * programs < rows
                     assert block == 32768 // elem <= width
-    # the H100 chunk: 1368 bf16 rows of 128256 columns, in place: one program per SM (125, in 11 equal
+    # a chunk of 1368 bf16 rows of 128256 columns, in place: one program per SM (125, in 11 equal
     # rounds), 32 KiB blocks; under TP 8 (16032 columns) one program per row (528 rows in flight fit)
     assert tk.softmax_launch(1368, 128256, 2 * 128256, 2, 132, 50 << 20) == (125, 16384)
     assert tk.softmax_launch(1368, 16032, 2 * 16032, 2, 132, 50 << 20) == (1368, 4096)

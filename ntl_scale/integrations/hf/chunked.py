@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from ...linear import linear_ce_ntl
 from ...number_vocab import NumberVocab
+from ...ops.shards import is_dtensor
 from ...options import NTLOptions, check_option
-from ...shards import is_dtensor
 from ...terms import PerTokenTerms
 
 __all__ = [

@@ -24,7 +24,7 @@ The vocabulary split is found the way torchtitan's own CE finds it:
   and rank ``r`` holds columns ``[min(V, r*c), min(V, (r+1)*c))`` with ``c = ceil(V / tp)``
   (``_LossParallelCrossEntropy``'s split); ``V`` is the number table's ``vocab_size``;
 * ``DTensor`` logits (``partial_dtensor``): ``Shard(-1)`` (or replicated), group and offset from the
-  placement (:func:`ntl_scale.parallel.dtensor_vocab_shard`);
+  placement (:func:`ntl_scale.ops.shards.dtensor_vocab_shard`);
 * ``DTensor`` logits and labels (``full_dtensor``): as torchtitan's ``_cross_entropy_via_local_map``, the
   labels placed like the logits with the vocabulary split replaced by ``Replicate``, each rank's tokens
   computed locally (``local_map``), the loss a DTensor ``Partial`` over the mesh dims that split tokens;
@@ -79,6 +79,7 @@ from torchtitan.tools.logging import logger
 from ..._validation import check_table
 from ...normalization import MicroBatchSums, means, micro_batch_sums, objective
 from ...number_vocab import NumberVocab
+from ...ops.shards import is_dtensor
 from ...options import (
     NTLOptions,
     check_run_options,
@@ -87,7 +88,6 @@ from ...options import (
     variant_fields,
     variant_of,
 )
-from ...shards import is_dtensor
 from ...terms import per_token_ce_ntl
 
 __all__ = ["METRICS", "NOT_CONFIG_FIELDS", "Z_LOSS_METRIC", "NTLLoss", "number_table"]

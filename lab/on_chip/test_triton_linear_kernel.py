@@ -1,4 +1,4 @@
-"""The fused linear CE + NTL kernels (``ntl_scale/kernels/triton_linear_ce_ntl.py``) under Triton's CPU interpreter.
+"""The fused linear CE + NTL kernels (``lab/on_chip/triton_linear_ce_ntl.py``) under Triton's CPU interpreter.
 
 Logits never written: the forward's statistics and the backward's recomputed ``dz`` stay in the tile.
 Compared with a float64 full-logit reference written from the definitions (``tests/helpers/reference.py``:
@@ -14,7 +14,7 @@ blocks, vocabulary tiles and hidden slices, none dividing its dimension):
    columns), the two all-reduces, each shard's weight gradient and the summed hidden gradient.
 4. A kernel without the label term is caught; the refusals name what to do instead.
 
-Like ``test_triton_kernel.py`` the tests run in one process of their own with ``TRITON_INTERPRET=1`` when
+Like ``tests/unit/test_triton_kernel.py`` the tests run in one process of their own with ``TRITON_INTERPRET=1`` when
 Triton was imported before this file (a whole-suite session).
 """
 
@@ -41,9 +41,9 @@ def test_interpreter_tests_in_their_own_process():
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; dev extra)")
 
 import ntl_scale  # noqa: E402
-import ntl_scale.linear_on_chip  # noqa: E402
-from ntl_scale.kernels import triton_linear_ce_ntl as fk  # noqa: E402
-from ntl_scale.linear_on_chip import fused_linear_ce_ntl  # noqa: E402
+from lab.on_chip import linear_on_chip  # noqa: E402
+from lab.on_chip import triton_linear_ce_ntl as fk  # noqa: E402
+from lab.on_chip.linear_on_chip import fused_linear_ce_ntl  # noqa: E402
 from tests.helpers.reference import naive_per_token  # noqa: E402
 
 
@@ -276,7 +276,7 @@ def test_a_kernel_without_the_label_term_is_caught(monkeypatch):
     def no_label(hidden, weight, row_max, scale, label_coef, target, needs, *, blocks=None):
         return backward(hidden, weight, row_max, scale, 0 * label_coef, target, needs, blocks=blocks)
 
-    monkeypatch.setattr(ntl_scale.linear_on_chip, "backward_grads", no_label)  # the name the op calls
+    monkeypatch.setattr(linear_on_chip, "backward_grads", no_label)  # the name the op calls
     *_, got_w = _fused(hidden, weight, labels, vocab, up)
     with pytest.raises(AssertionError):
         _close(got_w, gw, torch.float32, "weight gradient")

@@ -1,7 +1,8 @@
 """CE + NTL from hidden states with the logits kept on chip: the Triton kernels of a fused linear CE + NTL.
 
 The op around them (autograd, the all-reduces, the NTL terms, the refusals) is
-:func:`ntl_scale.linear_on_chip.fused_linear_ce_ntl`, one layer up; this module imports only the other kernels.
+:func:`lab.on_chip.linear_on_chip.fused_linear_ce_ntl`, one layer up; this module imports only the package's
+CE + NTL kernel.
 
 :func:`ntl_scale.linear_ce_ntl` (the chunked op) writes each chunk's ``[C, V]`` logits to memory and
 reads them back for the softmax and both gradient GEMMs. Here no logit ever reaches HBM (Cut
@@ -14,8 +15,8 @@ Cross-Entropy's design, with NTL's number-column statistics added):
   columns' logits ``z_N = h W_N^T`` come from one more small ``tl.dot`` per block of number columns
   (``K x H`` weight rows); they are written (``[T, K]``, small) and their local max ``mN``,
   ``SN = sum exp(z_k - mN)`` and ``A = sum exp(z_k - mN) a_k`` are formed on the fly. The per-token
-  statistics are :func:`ntl_scale.kernels.triton_ce_ntl.shard_stats`'s ``[T, 6]``, relative to the
-  local maxima, so the two all-reduces of :func:`ntl_scale.parallel.combine_kernel_stats` (MAX of
+  statistics are :func:`ntl_scale.ops.triton_ce_ntl.shard_stats`'s ``[T, 6]``, relative to the
+  local maxima, so the two all-reduces of :func:`ntl_scale.ops.logits.combine_kernel_stats` (MAX of
   ``[m, mN]``, then SUM of ``[S, z_y, SN, A]``) run on the host between the forward and the backward
   launch, as on every other path; ``ShardMath.finalize`` turns them into ``ce, expect, mass, lse``.
 * **backward** (:func:`backward_grads`), one program per (token block, vocabulary tile): ``z`` is
@@ -72,7 +73,7 @@ from typing import Any
 
 import torch
 
-from . import triton_ce_ntl
+from ntl_scale.ops import triton_ce_ntl
 
 __all__ = ["backward_grads", "forward_stats", "launch_blocks"]
 
@@ -347,7 +348,7 @@ def forward_stats(
         blocks: overrides of :data:`FORWARD_BLOCKS` (the tests use small tiles).
 
     Returns:
-        fp32 ``[T, 6]`` = ``m, S, z_y, mN, SN, A`` as :func:`ntl_scale.kernels.triton_ce_ntl.shard_stats`
+        fp32 ``[T, 6]`` = ``m, S, z_y, mN, SN, A`` as :func:`ntl_scale.ops.triton_ce_ntl.shard_stats`
         returns them for the logits, and the number columns' logits fp32 ``[T, K]``.
     """
     forward_kernel, _ = _kernels()

@@ -8,7 +8,7 @@ local tensor, the process group of the sharding mesh dimension and the shard's f
 (DTensor's own split, uneven ones included); :func:`resolve_vocab_shard` does that for the losses and
 checks the call.
 
-Layers: this module and :mod:`ntl_scale.shard_math` (per-shard math) are below :mod:`ntl_scale.parallel`
+Layers: this module and :mod:`ntl_scale.ops.shard_math` (per-shard math) are below :mod:`ntl_scale.ops.logits`
 (the fused op: the TP collectives, the kernel choice and the autograd Functions).
 """
 

@@ -2,12 +2,13 @@
 
 The kernels and their design (an online log-sum-exp over vocabulary tiles in the forward, a backward that
 recomputes the logits per tile and adds ``dH``/``dW`` with fp32 atomics) are in
-:mod:`ntl_scale.kernels.triton_linear_ce_ntl`, which imports nothing of the package but the other kernels.
-This module is the host side, one layer up, as :mod:`ntl_scale.linear_op` is for the chunked op: the
+:mod:`lab.on_chip.triton_linear_ce_ntl`, which imports nothing of the package but its CE + NTL kernel.
+This module is the host side, one layer up, as :mod:`ntl_scale.ops.chunked_linear` is for the chunked op: the
 autograd Function, the two all-reduces between the launches under tensor parallelism
-(:func:`ntl_scale.parallel.combine_kernel_stats`), the NTL terms formed from the statistics, and the
+(:func:`ntl_scale.ops.logits.combine_kernel_stats`), the NTL terms formed from the statistics, and the
 refusals. :func:`fused_linear_ce_ntl` takes :func:`ntl_scale.linear_ce_ntl`'s arguments and returns its
-:class:`ntl_scale.PerTokenTerms`; it is not behind ``impl=`` (``docs/kernels.md``).
+:class:`ntl_scale.PerTokenTerms`; it is not behind ``impl=`` and lives in ``lab/``, outside the package,
+until a GPU measures it (``lab/README.md``).
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._validation import check_float_level, check_inputs, check_weights
-from .kernels import triton_ce_ntl
-from .kernels.triton_linear_ce_ntl import DTYPES, backward_grads, forward_stats
-from .number_vocab import NumberVocab
-from .options import NTLOptions, check_option
-from .parallel import _raise_if_not_finite, combine_kernel_stats
-from .shard_math import ShardInputs, ShardMath
-from .shards import group_rank, group_size, is_dtensor
-from .terms import PerTokenTerms, check_plain_labels, shard_inputs, shard_start, terms_from_stats
+from ntl_scale._validation import check_float_level, check_inputs, check_weights
+from ntl_scale.number_vocab import NumberVocab
+from ntl_scale.ops import triton_ce_ntl
+from ntl_scale.ops.logits import combine_kernel_stats, raise_if_not_finite
+from ntl_scale.ops.shard_math import ShardInputs, ShardMath
+from ntl_scale.ops.shards import group_rank, group_size, is_dtensor
+from ntl_scale.options import NTLOptions, check_option
+from ntl_scale.terms import PerTokenTerms, check_plain_labels, shard_inputs, shard_start, terms_from_stats
+
+from .triton_linear_ce_ntl import DTYPES, backward_grads, forward_stats
 
 __all__ = ["fused_linear_ce_ntl"]
 
@@ -52,7 +54,7 @@ class _OnChipLinearCENTL(torch.autograd.Function):
         # the two all-reduces of every other path: MAX of [m, mN], then SUM of [S, z_y, SN, A]
         max_all, number_max_raw, sums = combine_kernel_stats(local, tp_group)
         if check_finite:
-            _raise_if_not_finite(torch.stack((max_all, number_max_raw), 1), sums, True)
+            raise_if_not_finite(torch.stack((max_all, number_max_raw), 1), sums, True)
         number_max = ShardMath.safe_number_max(number_max_raw)
         ce, expect, mass, hit, lse = ShardMath.finalize(max_all, sums, number_max, inputs.valid, True)
         number_exp = torch.exp(number_logits - number_max.unsqueeze(1))
@@ -159,7 +161,7 @@ def fused_linear_ce_ntl(
     otherwise unused (no chunk of logits is ever stored); ``token_weights`` is checked and unused (the
     backward recomputes the logits for whatever upstream gradient comes, so nothing is prebuilt for
     them), and so is ``proportional_grad``. ``blocks``: overrides of the kernels' ``FORWARD_BLOCKS`` and
-    ``BACKWARD_BLOCKS`` (:mod:`ntl_scale.kernels.triton_linear_ce_ntl`; tests and benchmarks), each a key of
+    ``BACKWARD_BLOCKS`` (:mod:`lab.on_chip.triton_linear_ce_ntl`; tests and benchmarks), each a key of
     those tables set to a positive int (else a ``ValueError``). Refused: see that module's docs.
     """
     options = NTLOptions() if options is None else options

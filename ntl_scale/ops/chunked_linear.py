@@ -6,7 +6,7 @@ stays the public module.
 
 The logits ``z = h W^T`` (``[T, V]``, the largest activation of a large-vocabulary model) never exist
 whole: the op walks over the tokens in chunks of ``C`` and keeps only per-token statistics
-(``ce``, ``expect``, ``mass``; see :mod:`ntl_scale.parallel`) and what the gradients need.
+(``ce``, ``expect``, ``mass``; see :mod:`ntl_scale.ops.logits`) and what the gradients need.
 
 The gradient w.r.t. the logits of ``sum_t g_ce_t ce_t + g_e_t expect_t + g_m_t mass_t`` is
 
@@ -47,123 +47,54 @@ same all-reduces. With a gradient for one of them only (a frozen output layer) o
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .parallel import (
-    _raise_if_not_finite,
+from .logits import (
     all_reduce_max,
     all_reduce_sums,
     kernel_shard_softmax,
     kernel_shard_stats,
+    raise_if_not_finite,
 )
 from .shard_math import ShardInputs, ShardMath, compute_dtype, index_add, shift_into
 from .shards import group_size
 
-# Elements of one chunk of logits on the CPU: 2**26 (256 MiB in fp32) unless chunk_tokens says otherwise.
-# Smaller chunks save memory but re-read the [V, H] weight-gradient accumulator once per chunk (measured,
-# docs/benchmarks.md: 8192 x 131072 x 2048 on CPU, 128-token chunks 1.24x the materialised time,
-# 512-token chunks 0.91x).
-_CHUNK_ELEMENTS = 1 << 26
+#: Elements of one chunk of logits on the CPU: ``2**26`` (256 MiB in fp32). Smaller chunks save memory but
+#: re-read the ``[V, H]`` weight-gradient accumulator once per chunk (measured, docs/benchmarks.md: 8192 x
+#: 131072 x 2048 on CPU, 128-token chunks 1.24x the materialised time, 512-token chunks 0.91x).
+CPU_CHUNK_ELEMENTS = 1 << 26
 
-#: H100 SXM5 (80 GB HBM3): memory bandwidth and dense bf16 tensor-core throughput (no sparsity), the
-#: GPU the default chunk length is derived for. Source: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM
-#: column: 3.35 TB/s; 1,979 TFLOPS bf16 with sparsity, so 989 TFLOP/s dense). benchmarks/cost_model.py
-#: models the GPU with these same numbers.
-H100_BANDWIDTH = 3.35e12  # bytes / s
-H100_BF16_FLOPS = 989e12  # FLOP / s
-
-#: The share of the device's free memory one chunk's temporaries may take on a GPU.
-GPU_MEMORY_FRACTION = 0.25
-
-#: GPU chunk lengths are rounded up to a multiple of this (the tensor cores' operand multiple).
-_GPU_CHUNK_ALIGN = 8
+#: Elements of one chunk of logits on a GPU: ``2**28`` (512 MiB in bf16, plus the backward's fp32 copy:
+#: 1.5 GiB of temporaries). At 128256 x 4096 that is 2092-token chunks, long enough for each chunk's
+#: ``[V, H]`` weight-gradient GEMM not to be bound by re-reading its fp32 accumulator (``benchmarks/cost_model.py``
+#: puts that bound near 1280 tokens on an H100). A provisional rule: the measured table comes from the GPU check
+#: (``benchmarks/bench_gpu.py``, ``docs/gpu.md``).
+GPU_CHUNK_ELEMENTS = 1 << 28
 
 
-def math_bound_chunk(vocab: int, hidden: int, elem: int, acc: int, flops_per_byte: float) -> float:
-    """The fewest tokens ``C`` for which one chunk's weight-gradient GEMM ``G_W += (w pi)^T h`` is
-    math-bound on a device of ``flops_per_byte`` (peak matmul FLOP/s over HBM bytes/s); ``inf`` if none.
+def choose_chunk_tokens(device_type: str, tokens: int, vocab: int) -> int:
+    """Tokens per chunk of the chunked op when the caller gives none: a fixed budget of logits per chunk.
 
-    The GEMM does ``2 V H C`` FLOPs and moves ``2 acc V H`` bytes (the ``[V, H]`` accumulator read and
-    written, ``acc`` bytes an element) plus ``elem C (V + H)`` (its half-precision operands). Math-bound
-    when ``2 V H C / peak >= bytes / bandwidth``, i.e. ``C >= acc r / (1 - elem r (1/H + 1/V) / 2)`` with
-    ``r = flops_per_byte``. At 128256 x 4096 bf16 on an H100 (``r = 295``): 1276 tokens (8192 tokens:
-    six chunks of 1368).
+    ``min(max(tokens, 1), max(1, budget // vocab))`` with ``budget`` :data:`GPU_CHUNK_ELEMENTS` (``2**28``) on
+    ``"cuda"``, else :data:`CPU_CHUNK_ELEMENTS` (``2**26``; 512-token chunks at 131072 columns, what
+    ``docs/benchmarks.md`` measured best on the CPU). ``vocab`` is the local vocabulary (a TP shard's rows).
+    The GPU budget is provisional: the measured table will come from the GPU check.
     """
-    denominator = 1.0 - elem * flops_per_byte * (1.0 / hidden + 1.0 / vocab) / 2.0
-    return acc * flops_per_byte / denominator if denominator > 0 else math.inf
-
-
-def choose_chunk_tokens(
-    device_type: str,
-    free_bytes: int | None,
-    tokens: int,
-    vocab: int,
-    hidden: int,
-    dtype: torch.dtype,
-    *,
-    flops_per_byte: float = H100_BF16_FLOPS / H100_BANDWIDTH,
-    memory_fraction: float = GPU_MEMORY_FRACTION,
-) -> int:
-    """Tokens per chunk of the chunked op when the caller gives none: a pure function of its inputs.
-
-    * CPU (any device but ``"cuda"``, or ``free_bytes`` None): ``2**26 // vocab``, what
-      ``docs/benchmarks.md`` measured best there (512-token chunks at 131072 columns, 0.91x the
-      materialised time, against 1.24x for 128-token chunks).
-    * CUDA: chunks long enough for each chunk's weight-gradient GEMM to be math-bound
-      (:func:`math_bound_chunk`, at least the CPU's chunk): the ``T`` tokens split into as many equal
-      chunks as that allows (so the last one is not a short, memory-bound remainder: 8192 tokens at 128256
-      x 4096 are six chunks of 1368, not six of 1280 and one of 512), rounded up to a multiple of 8 (so the last
-      chunk may fall short of the bound by up to 8 tokens per chunk: with ~20 chunks of 1344 the last can
-      hold 1266, a negligible loss);
-      capped so that the chunk's temporaries (its logits in ``dtype`` and, for half precision, an fp32
-      copy of them: the backward's recomputation) take at most ``memory_fraction`` of ``free_bytes``.
-
-    Always between 1 and ``max(tokens, 1)``. ``vocab`` is the local vocabulary (a TP shard's rows).
-    """
-    for name, value in (("tokens", tokens), ("vocab", vocab), ("hidden", hidden)):
+    for name, value in (("tokens", tokens), ("vocab", vocab)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
-    if not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
-    if not flops_per_byte > 0:
-        raise ValueError(f"flops_per_byte must be > 0 (peak FLOP/s over bytes/s), got {flops_per_byte!r}")
-    upper = max(tokens, 1)
-    default = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
-    if device_type != "cuda" or free_bytes is None:
-        return min(default, upper)
-    elem = dtype.itemsize
-    acc = max(elem, 4)  # the accumulator: fp32, fp64 for fp64
-    per_token = max(vocab, 1) * (elem + (acc if elem < acc else 0))
-    by_memory = max(1, int(memory_fraction * max(free_bytes, 0)) // per_token)
-    needed = math_bound_chunk(max(vocab, 1), max(hidden, 1), elem, acc, flops_per_byte)
-    if math.isinf(needed):
-        target = upper
-    else:  # n equal chunks of at least the math-bound length: n = T // that length
-        least = max(default, math.ceil(needed))
-        chunks = max(1, upper // least)
-        target = _ceil_div(_ceil_div(upper, chunks), _GPU_CHUNK_ALIGN) * _GPU_CHUNK_ALIGN
-        if chunks > 1 and upper - (_ceil_div(upper, target) - 1) * target < least:  # the rounding left it short
-            target = _ceil_div(_ceil_div(upper, chunks - 1), _GPU_CHUNK_ALIGN) * _GPU_CHUNK_ALIGN
-    return max(1, min(target, by_memory, upper))
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+    budget = GPU_CHUNK_ELEMENTS if device_type == "cuda" else CPU_CHUNK_ELEMENTS
+    return min(max(tokens, 1), max(1, budget // max(vocab, 1)))
 
 
 def default_chunk_tokens(hidden: torch.Tensor, width: int) -> int:
-    """:func:`choose_chunk_tokens` for ``hidden [T, H]`` and a weight shard of ``width`` rows, with the
-    device's free memory read from CUDA: the driver's free bytes plus what torch's caching allocator holds
-    unused (not while compiling: the CPU's budget then)."""
-    free = None
-    if hidden.is_cuda and not torch.compiler.is_compiling():
-        cached = torch.cuda.memory_reserved(hidden.device) - torch.cuda.memory_allocated(hidden.device)
-        free = torch.cuda.mem_get_info(hidden.device)[0] + max(cached, 0)
-    return choose_chunk_tokens(hidden.device.type, free, hidden.shape[0], width, hidden.shape[-1], hidden.dtype)
+    """:func:`choose_chunk_tokens` for ``hidden [T, H]`` and a weight shard of ``width`` rows (the CPU's
+    budget while compiling)."""
+    device_type = "cpu" if torch.compiler.is_compiling() else hidden.device.type
+    return choose_chunk_tokens(device_type, hidden.shape[0], width)
 
 
 class _ChunkWalk:
@@ -217,9 +148,9 @@ class _ChunkWalk:
         if need_full and dense[1]:
             # The weight gradient sums over every token: it accumulates in fp32 (fp64 for fp64), never
             # in a half dtype (fp16 overflowed at 8k tokens, bf16 lost precision with the chunk count).
-            # Not zeroed: the first chunk's product writes it (_accumulate(first=True)), no [V, H] pass.
+            # Not zeroed: the first chunk's product writes it (accumulate(first=True)), no [V, H] pass.
             self.dense_w = torch.empty(width, hidden.shape[1], dtype=cdt, device=weight.device)
-        self.product = _product_buffer(weight, cdt) if self.dense_w is not None else None
+        self.product = product_buffer(weight, cdt) if self.dense_w is not None else None
         self.wants_dense = self.dense_h is not None or self.dense_w is not None
         self.fast = need_full and kernels
         # per-token factors of P_h's rows (the one-kernel path under tensor parallelism; on one device the
@@ -251,8 +182,9 @@ class _ChunkWalk:
         all_reduce_sums(sums, self.tp_group)
 
     def triton_chunk(self, sl: slice) -> None:
-        """A chunk by the Triton kernel (ntl_scale/kernels): one launch for the statistics and then the softmax
-        written in place; under tensor parallelism the shard's softmax, made global by a per-token factor."""
+        """A chunk by the Triton kernel (:mod:`ntl_scale.ops.triton_ce_ntl`): one launch for the statistics and
+        then the softmax written in place; under tensor parallelism the shard's softmax, made global by a
+        per-token factor."""
         logits = self.hidden[sl] @ self.weight.t()
         self.number_logits[sl] = logits.index_select(1, self.inputs.number_cols).to(self.cdt)  # before the kernel
         rescale = None
@@ -329,10 +261,10 @@ class _ChunkWalk:
             span = _mean_span(sl) if self.product is not None else 1
             weights = self.token_weights[sl] if rescale is None else self.token_weights[sl] * rescale
             rows_w = _weighted_rows(self.hidden[sl], weights, span, self.cdt)
-            _accumulate(self.dense_w, probs, rows_w, self.product, span, first=sl is self.rows[0])
+            accumulate(self.dense_w, probs, rows_w, self.product, span, first=sl is self.rows[0])
 
 
-class _FusedLinearCENTL(torch.autograd.Function):
+class ChunkedLinearCENTL(torch.autograd.Function):
     """``hidden [T, H]``, ``weight [V_local, H]`` -> per-token ``ce, expect, mass, hit``."""
 
     @staticmethod
@@ -385,7 +317,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         if dense_w is not None and not rows:  # no tokens: no chunk wrote the accumulator
             dense_w.zero_()
         if check_finite:
-            _raise_if_not_finite(maxes, sums, need_full)
+            raise_if_not_finite(maxes, sums, need_full)
         number_max = ShardMath.safe_number_max(maxes[:, 1])
         eps = inputs.smoothing if smoothing else 0.0
         ce, expect, mass, hit, lse = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, need_full, eps)
@@ -411,7 +343,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         # autocast off, as in the forward (linear_ce_ntl): a backward called under autocast would
         # otherwise cast its fp32 products to half precision
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
-            return _FusedLinearCENTL._backward(ctx, g_ce, g_expect, g_mass, g_lse)
+            return ChunkedLinearCENTL._backward(ctx, g_ce, g_expect, g_mass, g_lse)
 
     @staticmethod
     def _backward(
@@ -491,7 +423,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         label_grad = -(1 - eps) * g_ce if ctx.cap is None else -(1 - eps) * g_ce * ctx.cap[1]
         label_coef_all = torch.where(owned, label_grad, torch.zeros_like(g_ce)).unsqueeze(1)
         weight_sum = None
-        if uniform is not None and not ctx.recompute:  # (folded: in _scaled_cast)
+        if uniform is not None and not ctx.recompute:  # (folded: in scaled_cast)
             # without soft-capping the uniform part is a rank-one term, c_t = eps/V g_ce_t:
             # dh_t -= c_t sum_j W_j (in the loop below), dW_j -= sum_t c_t h_t for every local row j
             weight_sum = weight.sum(dim=0, dtype=cdt) if grad_h is not None else None
@@ -521,7 +453,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
                 index_add(grad_w, 0, index, label_coef * hidden[sl].to(cdt))
                 index_add(grad_w, 0, cols, number_coef[sl].t() @ hidden[sl].to(cdt))
         if fold and grad_w is not None and scale is not None:
-            grad_w = _scaled_cast(grad_w, scale, number_rows, cols, weight.dtype, hidden, uniform, eps)
+            grad_w = scaled_cast(grad_w, scale, number_rows, cols, weight.dtype, hidden, uniform, eps)
         # one rounding to the weight's dtype, at the end (grad_w is the fp32/fp64 accumulator)
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
@@ -530,7 +462,7 @@ class _FusedLinearCENTL(torch.autograd.Function):
         )
 
 
-def _scaled_cast(
+def scaled_cast(
     acc: torch.Tensor,
     scale: torch.Tensor,
     number_rows: torch.Tensor,
@@ -596,7 +528,7 @@ def _recompute_dense(
     grad_w = torch.empty(weight.shape, dtype=cdt, device=weight.device) if need_w else None
     if grad_w is not None and not rows:
         grad_w.zero_()
-    product = _product_buffer(weight, cdt) if need_w else None
+    product = product_buffer(weight, cdt) if need_w else None
     for sl in rows:
         logits = hidden[sl] @ weight.t()
         if cap is not None:
@@ -611,7 +543,7 @@ def _recompute_dense(
         if grad_h is not None:
             grad_h[sl] = work.to(weight.dtype) @ weight
         if grad_w is not None:
-            _accumulate(grad_w, work, hidden[sl], product, 1, first=sl is rows[0])
+            accumulate(grad_w, work, hidden[sl], product, 1, first=sl is rows[0])
         del logits, work, factor
     return grad_h, grad_w
 
@@ -624,29 +556,29 @@ def _cap_factor(capped: torch.Tensor, cap: float) -> torch.Tensor:
     return capped.div_(cap).clamp_(-1, 1).square_().neg_().add_(1)
 
 
-class _ProductBuffer:
+class ProductBuffer:
     """A reused ``[V_local, H]`` buffer for one chunk's weight-gradient product in the weight's half dtype
     (the matmul runs at half-precision speed), allocated when first needed: where the fp32-output GEMM adds
-    straight into the accumulator (:func:`_fp32_output_gemm`: CUDA) it never is, and the op's peak holds no
+    straight into the accumulator (:func:`fp32_output_gemm`: CUDA) it never is, and the op's peak holds no
     ``V H b`` bytes for it."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self._like = weight
-        self._buffer: torch.Tensor | None = None
+        self.buffer: torch.Tensor | None = None  # None until the first product needs it
 
     def get(self) -> torch.Tensor:
-        if self._buffer is None:
-            self._buffer = torch.empty_like(self._like)
-        return self._buffer
+        if self.buffer is None:
+            self.buffer = torch.empty_like(self._like)
+        return self.buffer
 
 
-def _product_buffer(weight: torch.Tensor, cdt: torch.dtype) -> _ProductBuffer | None:
+def product_buffer(weight: torch.Tensor, cdt: torch.dtype) -> ProductBuffer | None:
     """The weight-gradient product's buffer for half-precision weights (allocated on first use); None when
     the weight is already fp32/fp64 (the product is computed in the accumulator's dtype)."""
-    return None if weight.dtype == cdt else _ProductBuffer(weight)
+    return None if weight.dtype == cdt else ProductBuffer(weight)
 
 
-def _fp32_output_gemm(acc: torch.Tensor) -> bool:
+def fp32_output_gemm(acc: torch.Tensor) -> bool:
     """Whether ``torch.addmm(..., out_dtype=torch.float32)`` with half-precision inputs can add into the fp32
     accumulator ``acc`` in its epilogue: on CUDA (torch has no CPU kernel of it), not while compiling."""
     return acc.is_cuda and acc.dtype == torch.float32 and not torch.compiler.is_compiling()
@@ -667,11 +599,11 @@ def _mean_span(sl: slice) -> int:
     return 1 << max(0, (sl.stop - sl.start - 1).bit_length())
 
 
-def _accumulate(
+def accumulate(
     acc: torch.Tensor,
     coef: torch.Tensor,
     rows: torch.Tensor,
-    product: _ProductBuffer | None,
+    product: ProductBuffer | None,
     span: int,
     first: bool = False,
 ) -> None:
@@ -691,7 +623,7 @@ def _accumulate(
         else:
             acc.addmm_(coef.t(), rows, alpha=span)
         return
-    if _fp32_output_gemm(acc):
+    if fp32_output_gemm(acc):
         # one GEMM with half-precision inputs and an fp32 output that adds the accumulator in its
         # epilogue: no extra [V, H] pass per chunk (the path below re-reads the accumulator); the first
         # chunk with beta=0, which neither reads the uninitialised accumulator nor propagates its NaN

@@ -2,8 +2,8 @@
 
 :class:`ShardMath` holds the steps of the PyTorch path (local maxima, partial sums ``[S, z_y, S_N, A]``,
 the per-token terms from the reduced ones, the gradient of a chunk); :class:`ShardInputs` what they need
-besides the logits. The two all-reduces between the steps are :mod:`ntl_scale.parallel`'s, which also
-chooses between these steps and the Triton kernels (:mod:`ntl_scale.kernels`). The math is in
+besides the logits. The two all-reduces between the steps are :mod:`ntl_scale.ops.logits`'s, which also
+chooses between these steps and the Triton kernels (:mod:`ntl_scale.ops.triton_ce_ntl`). The math is in
 ``docs/math.md``.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._tracing import is_tracing
-from .options import check_option
+from .._tracing import is_tracing
+from ..options import check_option
 
 __all__ = ["ShardInputs", "ShardMath", "compute_dtype", "index_add", "shift_into"]
 

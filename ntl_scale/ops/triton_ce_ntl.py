@@ -1,6 +1,6 @@
 """CE + NTL statistics of a logits shard in one pass (Triton), and the gradient written in place.
 
-The PyTorch path (:class:`ntl_scale.shard_math.ShardMath`) walks over each logits chunk several times
+The PyTorch path (:class:`ntl_scale.ops.shard_math.ShardMath`) walks over each logits chunk several times
 (an fp32 copy for half precision, the max, ``exp``, the sum, the normalisation). These two kernels
 read each row once per phase, in the logits' own dtype, with fp32 (fp64 for fp64 logits) arithmetic
 in registers:
@@ -12,7 +12,7 @@ in registers:
   NTL-WAS or the value ``v_k``; ``docs/math.md``). The statistics are relative to the *local*
   maxima, so a shard needs no second pass after the MAX all-reduce of ``[m, mN]``:
   :func:`global_sums` rescales them (``S * exp(m_local - m)``) before the SUM all-reduce of
-  ``[S, z_y, SN, A]``. Both all-reduces are :mod:`ntl_scale.parallel`'s, the same two as on the
+  ``[S, z_y, SN, A]``. Both all-reduces are :mod:`ntl_scale.ops.logits`'s, the same two as on the
   PyTorch path; this module holds the per-shard math only and communicates nothing.
   The same kernel can also write the shard's softmax after the statistics (``softmax_into``), over its
   local statistics: final on one device; under tensor parallelism a per-token factor from the all-reduced
@@ -303,7 +303,7 @@ def shard_stats(
     With ``softmax_into``, the same kernel then writes the shard's softmax ``exp(z - m) / S`` over its
     local statistics there (on one device what :func:`softmax_grad_` writes with ``coef = 1``; under
     tensor parallelism a per-token factor from the all-reduced statistics makes it the global softmax:
-    :func:`ntl_scale.parallel.kernel_shard_softmax`). A shard whose logits are all ``-inf`` writes 0.
+    :func:`ntl_scale.ops.logits.kernel_shard_softmax`). A shard whose logits are all ``-inf`` writes 0.
 
     Args:
         logits: ``[T, V_local]`` (fp32/bf16/fp16/fp64; any strides).
@@ -392,7 +392,7 @@ def global_sums(local: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
             device the local ones).
 
     Returns:
-        ``[T, 4]``, contiguous: what :meth:`ntl_scale.shard_math.ShardMath.local_sums` computes after the
+        ``[T, 4]``, contiguous: what :meth:`ntl_scale.ops.shard_math.ShardMath.local_sums` computes after the
         MAX all-reduce, so the SUM all-reduce adds the same terms on both paths.
     """
 

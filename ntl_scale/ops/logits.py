@@ -17,13 +17,13 @@ collective: every gradient is a local expression of the local logits and those r
 Layers (as Megatron-core's ``VocabParallelCrossEntropy`` separates per-shard steps from the Function that
 communicates, and Liger its ops from its functional API):
 
-* :mod:`ntl_scale.shards`: which columns a rank holds and in which group (``DTensor`` inputs resolved to
+* :mod:`ntl_scale.ops.shards`: which columns a rank holds and in which group (``DTensor`` inputs resolved to
   the local shard, its process group and first vocabulary id); no math, no collective.
-* :mod:`ntl_scale.shard_math`: the per-shard steps of the PyTorch path (:class:`ShardMath`,
-  :class:`ShardInputs`); :mod:`ntl_scale.kernels.triton_ce_ntl` the same on the GPU. No collective.
+* :mod:`ntl_scale.ops.shard_math`: the per-shard steps of the PyTorch path (:class:`ShardMath`,
+  :class:`ShardInputs`); :mod:`ntl_scale.ops.triton_ce_ntl` the same on the GPU. No collective.
 * Here, the op: the TP collectives of the loss, written here only behind two helpers,
   :func:`all_reduce_max` (``[T, 2]``) and :func:`all_reduce_sums` (``[T, 4]``), used by
-  :class:`_FusedCENTL`, by the chunked op (:mod:`ntl_scale.linear`) and around the Triton statistics
+  :class:`_FusedCENTL`, by the chunked op (:mod:`ntl_scale.ops.chunked_linear`) and around the Triton statistics
   (:func:`kernel_shard_stats`); the kernel choice per call (:func:`use_triton`); the autograd Functions
   and :func:`fused_shard_stats`. ``tp_group=None`` (or a group of size 1) is the same code without
   collectives.
@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .kernels import triton_ce_ntl
-from .options import check_impl, check_option
+from ..options import check_impl, check_option
+from . import triton_ce_ntl
 from .shard_math import ShardInputs, ShardMath, compute_dtype, index_add, shift_into
 from .shards import group_size
 
@@ -80,7 +80,7 @@ def combine_kernel_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global ``max [T]``, number max ``[T]`` (-inf kept) and sums ``[T, 4]`` from the kernel's local statistics.
 
-    ``local`` is :func:`~ntl_scale.kernels.triton_ce_ntl.shard_stats`'s ``[T, 6]``; the same two
+    ``local`` is :func:`~ntl_scale.ops.triton_ce_ntl.shard_stats`'s ``[T, 6]``; the same two
     all-reduces as the PyTorch path: MAX of ``[T, 2]``, then SUM of ``[T, 4]``.
     """
     maxes = all_reduce_max(local[:, [0, 3]].clone(), tp_group)
@@ -101,7 +101,7 @@ def kernel_shard_stats(
     What :meth:`ShardMath.local_max` and :meth:`ShardMath.local_sums` compute with the two
     all-reduces, in one pass over the logits; ``ShardMath.finalize`` turns them into the terms.
     ``softmax_into`` (one device only: the statistics are then final in the kernel): the softmax written
-    there by the same kernel (:func:`~ntl_scale.kernels.triton_ce_ntl.shard_stats`).
+    there by the same kernel (:func:`~ntl_scale.ops.triton_ce_ntl.shard_stats`).
     """
     if softmax_into is not None and group_size(tp_group) > 1:
         raise ValueError(
@@ -155,7 +155,7 @@ coefficient of the softmax); the others (label smoothing, soft-capping) run the 
 def use_triton(impl: str, tensor: torch.Tensor, features: tuple[str, ...] = ()) -> bool:
     """Whether an op called with ``impl`` runs the Triton kernels on ``tensor``: the per-call kernel choice.
 
-    ``"torch"``: never. ``"auto"``: where :func:`ntl_scale.kernels.triton_ce_ntl.enabled` says (nowhere
+    ``"torch"``: never. ``"auto"``: where :func:`ntl_scale.ops.triton_ce_ntl.enabled` says (nowhere
     until the kernels have passed the GPU suite), and never with a CE feature the kernels lack
     (``features``: :attr:`ntl_scale.options.NTLOptions.ce_features`, less :data:`KERNEL_FEATURES`; the
     PyTorch code computes those).
@@ -224,7 +224,7 @@ class _FusedCENTL(torch.autograd.Function):
         number_logits = logits.index_select(1, inputs.number_cols).to(cdt)
 
         fast = need_full and kernels
-        if fast:  # Triton (ntl_scale/kernels): the statistics in one pass, the same two all-reduces
+        if fast:  # Triton (ntl_scale/ops/triton_ce_ntl.py): the statistics in one pass, the same two all-reduces
             max_all, raw_number_max, sums = kernel_shard_stats(logits, inputs, tp_group)
             maxes = torch.stack((max_all, raw_number_max), dim=1)
             number_max = ShardMath.safe_number_max(raw_number_max)
@@ -240,7 +240,7 @@ class _FusedCENTL(torch.autograd.Function):
             )  # fmt: skip
             all_reduce_sums(sums, tp_group)
         if check_finite:
-            _raise_if_not_finite(maxes, sums, need_full)
+            raise_if_not_finite(maxes, sums, need_full)
         smoothing = inputs.smoothing if need_full else 0.0
         ce, expect, mass, hit, lse = ShardMath.finalize(max_all, sums, number_max, inputs.valid, need_full, smoothing)
         ctx.mark_non_differentiable(hit)
@@ -309,7 +309,14 @@ class _FusedCENTL(torch.autograd.Function):
         return out, None, None, None, None, None, None, None
 
 
-def _raise_if_not_finite(maxes: torch.Tensor, sums: torch.Tensor, need_full: bool) -> None:
+def raise_if_not_finite(maxes: torch.Tensor, sums: torch.Tensor, need_full: bool) -> None:
+    """Raise ``ValueError`` naming the token positions whose reduced statistics are not finite.
+
+    ``maxes`` ``[T, 2]`` and ``sums`` ``[T, >= 4]`` after their all-reduces (:func:`all_reduce_max`,
+    :func:`all_reduce_sums`); ``need_full``: the full-vocabulary columns are checked too, else only the
+    number columns'. Used by every op that forms the statistics (a host sync: callers pass
+    ``check_finite=False`` to skip it).
+    """
     # After the SUM all-reduce a NaN/Inf on any rank shows up in the reduced sums on every rank,
     # so every rank takes the same branch here and none is left waiting in a collective.
     checked = sums[:, [0, 2]] if need_full else sums[:, 2:3]
@@ -355,7 +362,7 @@ class _NumberColumnsNTL(torch.autograd.Function):
         )
         all_reduce_sums(sums, tp_group)
         if check_finite:
-            _raise_if_not_finite(maxes, sums, False)
+            raise_if_not_finite(maxes, sums, False)
         ce, expect, mass, hit, lse = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, False)
         ctx.mark_non_differentiable(hit)
         ctx.inputs, ctx.shape, ctx.dtype = inputs, logits.shape, logits.dtype
