@@ -4,7 +4,7 @@
 and import their framework lazily.
 """
 
-from ._checks import set_debug_checks
+from ._runtime import set_debug_checks
 from ._validation import check_number_level_table
 from .linear import linear_ce_ntl, linear_ce_with_ntl
 from .losses import CEWithNTL, NumberTokenLoss, ce_with_ntl, number_token_loss, vocab_parallel_ce_ntl

@@ -2,7 +2,7 @@
 
 Each check raises a ValueError (TypeError for a wrong type) that names the value, what was expected
 and the fix. Checks of device values (label ids, loss weights) go through
-:func:`ntl_scale._checks.device_check`: no host synchronisation unless ``set_debug_checks(True)``.
+:func:`ntl_scale._runtime.device_check`: no host synchronisation unless ``set_debug_checks(True)``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from ._checks import device_check
+from ._runtime import device_check
 from .number_vocab import (
     DIGIT_LEVEL_WAS,
     SCALE_TOLERANCE,

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ._tracing import is_tracing
+from ._runtime import is_tracing
 from .atomic import write_json_atomically
 from .options import check_option
 
@@ -565,7 +565,7 @@ class NumberVocab:
         Returns:
             The table.
         """
-        from ._optional import require
+        from ._runtime import require
 
         sentencepiece = require("sentencepiece", "hf", "NumberVocab.from_sentencepiece")
         if not os.path.isfile(model_file):

@@ -21,10 +21,10 @@ from ntl_scale.number_vocab import NumberTableWarning, NumberVocab, number_token
 
 def _tokenizer(path: str) -> Any:
     if os.path.isdir(path):
-        from ntl_scale._optional import require
+        from ntl_scale._runtime import require
 
         return require("transformers", "hf", "save_number_vocab").AutoTokenizer.from_pretrained(path)
-    from ntl_scale._optional import require
+    from ntl_scale._runtime import require
 
     return require("sentencepiece", "hf", "save_number_vocab").SentencePieceProcessor(model_file=path)
 

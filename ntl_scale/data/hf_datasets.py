@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .._optional import require
+from .._runtime import require
 from .collate import EncodedExample, encode_pairs, fits
 from .packing import PackingStats, logger, pack_documents
 

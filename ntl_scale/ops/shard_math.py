@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._tracing import is_tracing
+from .._runtime import is_tracing
 from ..options import check_option
 
 __all__ = ["ShardInputs", "ShardMath", "compute_dtype", "index_add", "shift_into"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import string
 from typing import Any
 
-from .._optional import require
+from .._runtime import require
 
 ALPHABET = string.digits + string.ascii_letters + " ?.,+-*/()=#:'\n"
 SPECIALS = ("<pad>", "<eos>", "<unk>")

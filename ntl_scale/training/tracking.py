@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from .._optional import require
+from .._runtime import require
 
 __all__ = ["Tracker", "plot_curves"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..._optional import require
+from ..._runtime import require
 from ...normalization import step_counts
 from ...number_vocab import NumberVocab
 from ...options import NTLOptions

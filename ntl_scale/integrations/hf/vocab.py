@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ..._optional import require
+from ..._runtime import require
 from ...number_vocab import NumberVocab
 
 __all__ = ["number_vocab_from_pretrained"]
