@@ -71,6 +71,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import ntl_scale  # noqa: E402
 from benchmarks import cost_model  # noqa: E402
+from lab.on_chip import cost_model as on_chip_cost  # noqa: E402
 from ntl_scale.atomic import atomic_write  # noqa: E402
 
 SCHEMA = "ntl_scale.bench_gpu/1"
@@ -131,7 +132,8 @@ class Row:
     build: Callable[[Inputs], Built]
     ntl_weight: float | None = None  # None: CE only
     chunked: bool = False  # from hidden states without the whole [T, V] logits
-    model: str | None = None  # cost_model.PATHS key (or a kernel of ce_ntl_logits: "kernel:<name prefix>")
+    # a cost_model.PATHS or lab.on_chip.cost_model.PATHS key (or a kernel of ce_ntl_logits: "kernel:<name prefix>")
+    model: str | None = None
     model_is_floor: bool = False  # the model path is a lower bound for this code, not a model of it
     chunk_tokens: int | None = None
     setup: tuple[str, float] = ("torch", 2.0)  # a one-off cost (imports, compiles) paid by the first row of its tag
@@ -228,8 +230,8 @@ def ours_chunked(triton: bool, weight: float = NTL_WEIGHT, chunk_tokens: int | N
 #: The on-chip backward at 128 x 128 tiles (bf16): half the fp32 atomics of the launch's 64 x 64 (269 GB instead of
 #: 538 at 8192 x 128256 x 4096), one 16-warp program per SM. Compiled once for sm_80/90/100 (2026-11-27, triton
 #: 3.9.0, ``triton_aot.compile_one`` with these blocks): no spills, 128 / 88 / 98 registers; it is not in the
-#: ahead-of-time table, which compiles the launches. The tiles and group of ``cost_model.ON_CHIP_T128``.
-ON_CHIP_T128 = {**cost_model.ON_CHIP_T128, "BLOCK_H": 32, "num_warps": 16}
+#: ahead-of-time table, which compiles the launches. The tiles and group of ``lab.on_chip.cost_model.ON_CHIP_T128``.
+ON_CHIP_T128 = {**on_chip_cost.ON_CHIP_T128, "BLOCK_H": 32, "num_warps": 16}
 
 
 def on_chip_linear_ce_ntl(backward: dict[str, int] | None = None) -> Callable[[Inputs], Built]:
@@ -598,7 +600,7 @@ def model_kernels(row: Row, shape: cost_model.Shape) -> list[cost_model.Kernel] 
     if row.model.startswith("kernel:"):
         prefix = row.model.split(":", 1)[1]
         return [k for k in cost_model.ce_ntl_logits(shape) if k.name.startswith(prefix)]
-    fn = cost_model.PATHS[row.model][1]
+    fn = {**cost_model.PATHS, **on_chip_cost.PATHS}[row.model][1]
     return fn(shape, row.chunk_tokens) if row.chunk_tokens else fn(shape)  # type: ignore[call-arg]
 
 

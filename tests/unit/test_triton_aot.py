@@ -122,13 +122,14 @@ def test_the_fused_linear_kernels_are_compiled_as_launched(records):
                     assert {r["needs"] for r in mine} == needs, (arch, dtype)
     # the cost model's programs in flight on an H100 (its LRU simulation of the on-chip backward) are the bf16
     # backward's resident blocks per SM on sm_90, both gradients built
-    cm = load_script("benchmarks/cost_model.py", "cost_model")
+    from lab.on_chip import cost_model as on_chip_cost
+
     h100 = [
         r
         for r in records
         if (r["arch"], r["kernel"], r["dtype"], r["needs"]) == ("sm_90", "linear_bwd", "bfloat16", "hw")
     ]
-    assert {r["blocks_per_sm"] for r in h100} == {cm.ON_CHIP_PROGRAMS_PER_SM}
+    assert {r["blocks_per_sm"] for r in h100} == {on_chip_cost.ON_CHIP_PROGRAMS_PER_SM}
 
 
 # ------------------------------------------------------------------ 2. every compile clean
