@@ -43,6 +43,7 @@ from baselines import BASELINES, digit_mask  # noqa: E402
 
 from ntl_scale.integrations.deepspeed.steps import global_counts, loss_from_terms  # noqa: E402
 from ntl_scale.integrations.deepspeed.trainer import Trainer  # noqa: E402
+from ntl_scale.normalization import objective_of_means  # noqa: E402
 from ntl_scale.training.collectives import sum_over  # noqa: E402
 from ntl_scale.training.metrics import STEP_SUMS, tokens_read  # noqa: E402
 
@@ -131,8 +132,8 @@ class BaselineTrainer(Trainer):
         row = self.metrics.step_row(step, totals[:7], lr=engine.lr, grad_norm=engine.grad_norm(), seconds=seconds,
                                     data_s=data_s)  # fmt: skip
         row["baseline"] = totals[7] / max(digits_global, 1.0)
-        # each term 0 where its count is (normalization.objective); the row leaves such means out (metrics.py)
-        row["objective"] = row.get("ce", 0.0) + cfg.ntl.weight * row.get("ntl", 0.0) + weight * row["baseline"]
+        # a mean the row leaves out (its count 0, metrics.py) counts as 0, as in normalization.objective
+        row["objective"] = objective_of_means(row, cfg.ntl.weight) + weight * row["baseline"]
         return row
 
 

@@ -19,7 +19,8 @@ target that counts, 0 for an ignored one, or Megatron's ``loss_mask``)::
 
 Every front end ends here: it takes its sums from :func:`micro_batch_sums`, its step counts from
 :func:`step_counts` (or its framework's), and ``L`` from :func:`objective` (the sums of a micro-batch) or
-the per-token factors of ``L`` from :func:`factors` (a route that hands its framework per-token terms).
+the per-token factors of ``L`` from :func:`factors` (a route that hands its framework per-token terms),
+applied by :func:`apply_factors`; logged means (host floats) give ``L`` by :func:`objective_of_means`.
 What stays in a front end is its framework's own rescale, a named factor ``scale`` passed in here, so
 that ``scale * L`` after the framework's own division is ``L`` (``docs/normalization.md`` has the table):
 
@@ -38,7 +39,7 @@ Nothing here reads a value on the host; :func:`step_counts` is the only collecti
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -48,7 +49,16 @@ from .number_vocab import NumberVocab
 from .options import NTLOptions
 from .terms import PerTokenTerms, ntl_counts
 
-__all__ = ["MicroBatchSums", "factors", "means", "micro_batch_sums", "objective", "step_counts"]
+__all__ = [
+    "MicroBatchSums",
+    "apply_factors",
+    "factors",
+    "means",
+    "micro_batch_sums",
+    "objective",
+    "objective_of_means",
+    "step_counts",
+]
 
 Count = float | torch.Tensor
 """A count or a rescale: a tensor, or a host number (``int`` too: torchtitan's ``global_valid_tokens``)."""
@@ -195,6 +205,15 @@ def factors(
     return scale / tokens, scale / numbers
 
 
+def apply_factors(
+    ab: tuple[torch.Tensor, torch.Tensor], ce: torch.Tensor, ntl: torch.Tensor, weight: float
+) -> torch.Tensor:
+    """``a * ce + weight * ntl * b`` for ``(a, b)`` of :func:`factors`: per token (``CE_t``, ``NTL_t``) or of
+    a micro-batch's sums."""
+    a, b = ab
+    return a * ce + weight * ntl * b
+
+
 def means(sums: MicroBatchSums, counts: tuple[Count, Count]) -> tuple[torch.Tensor, torch.Tensor]:
     """The two normalised terms ``(sum CE / max(N, 1), sum NTL / max(K, 1))``, before the weight (for logging).
 
@@ -202,3 +221,12 @@ def means(sums: MicroBatchSums, counts: tuple[Count, Count]) -> tuple[torch.Tens
     """
     tokens, numbers = counts
     return sums.ce / _at_least_one(tokens), sums.ntl / _at_least_one(numbers)
+
+
+def objective_of_means(means: Mapping[str, float], weight: float) -> float:
+    """``ce + weight * ntl`` of logged means (host floats: a metrics row, held-out metrics): ``L`` as a number.
+
+    A mean left out of ``means`` (``ce`` or ``ntl`` of no tokens: a metrics row leaves it out) counts as 0, as
+    in :func:`objective`, whose terms are 0 where their sums are.
+    """
+    return means.get("ce", 0.0) + weight * means.get("ntl", 0.0)

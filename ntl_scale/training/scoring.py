@@ -12,6 +12,7 @@ import torch
 from ..atomic import atomic_write
 from ..data.arithmetic import Example, reverse_digits
 from ..eval.numbers import extract_number, number_metrics
+from ..normalization import objective_of_means
 
 __all__ = ["HELDOUT_COLUMNS", "evaluate_generation", "heldout_metrics", "sequence_stats"]
 
@@ -49,9 +50,10 @@ def heldout_metrics(totals: list[float], weight: float, *, with_abs_error: bool 
     """The held-out metrics of summed :func:`sequence_stats` columns (``{}`` without tokens).
 
     ``ce``, ``ppl`` = exp(ce), ``ntl`` and ``number_acc`` (over the variant's NTL positions), ``loss`` =
-    ce + weight * ntl (the training objective); on labels that are not number tokens ``text_ce`` and
-    ``text_ppl`` (what NTL may cost on text); on number-token labels ``number_token_ce``,
-    ``number_token_ppl``, ``number_token_acc`` and ``number_token_mae`` (|expected value - true value|).
+    ce + weight * ntl (the training objective, :func:`~ntl_scale.normalization.objective_of_means`); on labels
+    that are not number tokens ``text_ce`` and ``text_ppl`` (what NTL may cost on text); on number-token labels
+    ``number_token_ce``, ``number_token_ppl``, ``number_token_acc`` and ``number_token_mae`` (|expected value -
+    true value|).
     A label kind that does not occur has no metrics (the keys are left out).
     """
     col = dict(zip(HELDOUT_COLUMNS, totals))
@@ -63,7 +65,7 @@ def heldout_metrics(totals: list[float], weight: float, *, with_abs_error: bool 
     text_ce = (col["ce_sum"] - col["number_ce_sum"]) / max(text_tokens, 1)
     number_ce = col["number_ce_sum"] / max(numbers, 1)
     out = {
-        "loss": ce + weight * ntl,
+        "loss": objective_of_means({"ce": ce, "ntl": ntl}, weight),
         "ce": ce,
         "ppl": math.exp(min(ce, 700.0)),
         "ntl": ntl,

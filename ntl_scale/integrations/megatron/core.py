@@ -37,12 +37,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...normalization import factors, micro_batch_sums, objective, step_counts
+from ...normalization import apply_factors, micro_batch_sums, objective, step_counts
 from ...number_vocab import NumberVocab
 from ...options import NTLOptions, check_chunk_route, check_option
 from ...terms import PerTokenTerms, ntl_counts
 from .args import NTLSettings
-from .lm import MicroBatchScale, micro_batch_weights
+from .lm import MicroBatchScale, head_loss, micro_batch_weights
 from .terms import (
     batch_first_terms,
     context_parallel_pieces,
@@ -50,7 +50,7 @@ from .terms import (
     megatron_num_tokens,
     output_layer_terms,
     sequence_first_terms,
-    z_loss_terms,
+    without_z_loss,
 )
 
 __all__ = [
@@ -259,26 +259,27 @@ def make_loss_func(
         n = megatron_num_tokens(loss_mask).to(ce_sum.device)  # what Megatron divides by: a whole number
         if settings.normalization == "global" and not evaluation:
             counts = global_counts.get()  # type: ignore[union-attr]
+            # Megatron's rescale: the schedule divides what loss_func returns by num_tokens and by the micro-batches
+            # m, and DDP averages over the data x context parallel ranks (with per-token loss: by the step's D).
+            step = MicroBatchScale(
+                tokens=counts[0],
+                numbers=counts[1],
+                microbatches=num_microbatches() if callable(num_microbatches) else num_microbatches,
+                dp_cp_size=dp_cp,
+                per_token_loss=calculate_per_token_loss,
+                divisor=global_counts.divisor,  # type: ignore[union-attr]
+            )
             if calculate_per_token_loss:
-                # Megatron divides the step's summed gradients by D, the sum of the num_tokens returned.
-                divisor = global_counts.divisor  # type: ignore[union-attr]
-                a, b = factors(counts, scale=divisor.to(ce_sum.dtype))  # type: ignore[union-attr]
-                loss = a * ce_sum + settings.weight * ntl_sum * b
+                loss = apply_factors(step.weights(n.to(ce_sum.dtype)), ce_sum, ntl_sum, settings.weight)
             else:
-                # Megatron's micro-batch scale: the schedule divides what loss_func returns by num_tokens and by
-                # the micro-batches m, and DDP averages over the data x context parallel ranks.
-                m = num_microbatches() if callable(num_microbatches) else num_microbatches
-                megatron_scale = n.clamp_min(1).to(ce_sum.dtype) * (m * dp_cp)
-                loss = objective(sums, counts, settings.weight, scale=megatron_scale)
+                loss = objective(sums, counts, settings.weight, scale=step.rescale(n.to(ce_sum.dtype)))
         else:
             # The micro-batch's own means (evaluation too: no step counts there), after Megatron's division by n.
-            a, b = micro_batch_weights(num_tokens, num_numbers, n, calculate_per_token_loss)
-            loss = a * ce_sum + settings.weight * ntl_sum * b
-        weight = loss_mask.to(terms.ce.dtype)
-        z = z_loss_terms(terms, labels, run_options).detach()
-        z_sum = (z * weight).sum()
+            ab = micro_batch_weights(num_tokens, num_numbers, n, calculate_per_token_loss)
+            loss = apply_factors(ab, ce_sum, ntl_sum, settings.weight)
+        ce, z_sum = without_z_loss(terms, labels, run_options, loss_mask)
         report = {
-            "lm loss": torch.stack([((terms.ce.detach() - z) * weight).sum(), num_tokens]).detach(),
+            "lm loss": torch.stack([(ce * loss_mask.to(ce.dtype)).sum(), num_tokens]).detach(),
             "ntl loss": torch.stack([ntl_sum, num_numbers]).detach(),
             "number accuracy": torch.stack([hits, num_numbers]).detach(),
         }
@@ -549,26 +550,20 @@ class NTLLanguageModelMixin:
         else:
             weight = mask.to(device=terms.ce.device, dtype=terms.ce.dtype).reshape(terms.ce.shape)
         config = getattr(self, "config", None)
-        main = labels is main_labels or not getattr(config, "mtp_num_layers", None)
-        numbers = (terms.number_mask.to(weight.dtype) * weight).sum()
-        if main and settings.normalization == "global" and not is_evaluation(self):
-            if self.ntl_scale is None:
-                raise RuntimeError(
-                    "normalization='global' (--ntl-normalization global) needs the step's global counts before "
-                    "each training forward: set model.ntl_scale = MicroBatchScale(tokens=T, numbers=K, "
-                    "microbatches=m, dp_cp_size=r, per_token_loss=..., divisor=D) from GlobalCounts / step_counts "
-                    "of the step's micro-batches, or use normalization='micro-batch'"
-                )
-            # Megatron divides by the whole num_tokens n, the micro-batches and the DP x CP ranks (or by D itself).
-            a, b = self.ntl_scale.weights(megatron_num_tokens(weight).to(weight.dtype))
-        elif main:
-            # Megatron sums the returned per-token loss under the mask and divides by its whole num_tokens.
-            per_token_loss = bool(getattr(config, "calculate_per_token_loss", False))
-            a, b = micro_batch_weights(weight.sum(), numbers, megatron_num_tokens(weight), per_token_loss)
-        else:
-            # MTP heads: Megatron divides each head's masked sum by its (rolled) mask's float sum itself.
-            a, b = factors((weight.sum(), numbers))
-        return a * terms.ce + settings.weight * terms.ntl * b
+        global_step = settings.normalization == "global"
+        loss, _ = head_loss(
+            terms,
+            weight,
+            settings.weight,
+            main=labels is main_labels or not getattr(config, "mtp_num_layers", None),
+            evaluation=is_evaluation(self),
+            scale=self.ntl_scale if global_step else None,  # ignored under micro-batch normalisation
+            needs_scale=global_step,
+            per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
+            remedy="set model.ntl_scale = MicroBatchScale(tokens=T, numbers=K, microbatches=m, dp_cp_size=r, "
+            "per_token_loss=..., divisor=D) from GlobalCounts / step_counts of the step's micro-batches",
+        )
+        return loss
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         settings, vocab, tp_group = getattr(self, "_ntl", (None, None, None))

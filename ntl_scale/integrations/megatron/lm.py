@@ -16,10 +16,11 @@ and the MTP losses log the cross entropy, as without NTL) and the **gradient** o
     a * CE + weight * b * NTL
 
 where ``CE`` is the objective's CE term (label-smoothed, plus the z-loss, with those options) and ``a``
-and ``b`` carry the normalisation (:class:`MicroBatchScale`). The trick is
-``(ce - z) + (x - x.detach())`` with ``x = (a - 1) * ce + weight * b * ntl`` and ``z`` the z-loss part of
-``ce`` (detached): ``x - x.detach()`` is exactly 0 when ``x`` is finite and NaN when it is not, so
-Megatron's NaN/Inf checks on the loss still see a non-finite NTL. What the value is:
+and ``b`` carry the normalisation (:class:`MicroBatchScale`, :func:`head_loss`). The trick is
+``(ce - z) + (x - x.detach())`` with ``x = a * ce + weight * b * ntl`` and ``ce - z`` the cross entropy
+without its z-loss part, detached (:func:`~.terms.without_z_loss`): ``x - x.detach()`` is exactly 0 when
+``x`` is finite and NaN when it is not, so Megatron's NaN/Inf checks on the loss still see a non-finite
+NTL. What the value is:
 
 * in training, the cross entropy without the z-loss (label-smoothed with ``--ntl-label-smoothing``, as
   ``F.cross_entropy(label_smoothing=)`` reports it); the z-loss is logged as ``z loss`` of its own;
@@ -45,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...normalization import factors, micro_batch_sums, step_counts
+from ...normalization import MicroBatchSums, apply_factors, factors, micro_batch_sums, step_counts
 from ...number_vocab import NumberVocab
 from ...options import NTLOptions, check_chunk_route
 from ...terms import PerTokenTerms
@@ -56,7 +57,7 @@ from .terms import (
     megatron_num_tokens,
     output_layer_terms,
     sequence_first_terms,
-    z_loss_terms,
+    without_z_loss,
 )
 
 __all__ = [
@@ -108,17 +109,21 @@ class MicroBatchScale:
     per_token_loss: bool
     divisor: torch.Tensor | None = None
 
-    def weights(self, num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(a, b)`` for a micro-batch whose Megatron ``num_tokens`` is ``num_tokens``
-        (:func:`~.terms.megatron_num_tokens` of its loss mask: what Megatron divides its loss by), best given as a
-        float of the per-token loss's dtype (the weights take the dtype of ``num_tokens`` and the counts)."""
+    def rescale(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """Megatron's rescale of ``L`` for a micro-batch whose Megatron ``num_tokens`` is ``num_tokens``
+        (:func:`~.terms.megatron_num_tokens` of its loss mask): ``n m r``, or ``D`` with per-token loss; of the
+        dtype of ``num_tokens`` (of the counts' when it is a whole-number tensor)."""
         if not num_tokens.is_floating_point():
             num_tokens = num_tokens.to(self.tokens.dtype)
         if self.per_token_loss:  # Megatron divides the summed gradients by the step's divisor D itself
-            divisor = self.tokens if self.divisor is None else self.divisor
-            return factors((self.tokens, self.numbers), scale=divisor.to(num_tokens.dtype))
-        megatron_scale = num_tokens.clamp_min(1) * (self.microbatches * self.dp_cp_size)
-        return factors((self.tokens, self.numbers), scale=megatron_scale)
+            return (self.tokens if self.divisor is None else self.divisor).to(num_tokens.dtype)
+        return num_tokens.clamp_min(1) * (self.microbatches * self.dp_cp_size)
+
+    def weights(self, num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a, b)`` for a micro-batch whose Megatron ``num_tokens`` is ``num_tokens`` (what Megatron divides its
+        loss by), best given as a float of the per-token loss's dtype (the weights take the dtype of
+        ``num_tokens`` and the counts): :func:`~ntl_scale.normalization.factors` at :meth:`rescale`."""
+        return factors((self.tokens, self.numbers), scale=self.rescale(num_tokens))
 
 
 def micro_batch_weights(
@@ -131,6 +136,42 @@ def micro_batch_weights(
     step's divisor). With a 0/1 mask ``n = N`` and ``a = 1``."""
     n = num_tokens if per_token_loss else num_tokens.clamp_min(1)
     return factors((sums_tokens, sums_numbers), scale=n.to(sums_tokens.dtype))
+
+
+def head_loss(
+    terms: PerTokenTerms,
+    mask: torch.Tensor,
+    weight: float,
+    *,
+    main: bool,
+    evaluation: bool,
+    scale: MicroBatchScale | None,
+    needs_scale: bool,
+    per_token_loss: bool,
+    remedy: str,
+) -> tuple[torch.Tensor, MicroBatchSums]:
+    """The per-token loss ``a CE_t + weight b NTL_t`` of one head that Megatron sums under its loss mask and
+    divides, and the head's sums under ``mask`` (the loss weights, shaped like the terms): both routes'.
+
+    ``(a, b)``: for the main head in training, ``scale``'s :meth:`MicroBatchScale.weights` (global
+    normalisation; without ``scale`` a RuntimeError when ``needs_scale``, saying ``remedy``), else the
+    micro-batch's means after Megatron's division by its ``num_tokens`` (:func:`micro_batch_weights`;
+    evaluation too); for an MTP head, whose masked sum Megatron divides by its mask's float sum, the
+    micro-batch's means (:func:`~ntl_scale.normalization.factors` of its counts).
+    """
+    sums = micro_batch_sums(terms, mask)
+    if main and not evaluation and scale is None and needs_scale:
+        raise RuntimeError(
+            "--ntl-normalization global needs the step's global counts before each training forward: "
+            f"{remedy}, or use normalization='micro-batch'"
+        )
+    if main and not evaluation and scale is not None:
+        ab = scale.weights(megatron_num_tokens(mask).to(sums.tokens.dtype))
+    elif main:
+        ab = micro_batch_weights(sums.tokens, sums.numbers, megatron_num_tokens(mask), per_token_loss)
+    else:
+        ab = factors((sums.tokens, sums.numbers))
+    return apply_factors(ab, terms.ce, terms.ntl, weight), sums
 
 
 @dataclass(frozen=True)
@@ -330,37 +371,30 @@ class GPTModelNTL:
         options = self.options.for_evaluation() if evaluation else self.options
         terms = self._terms(labels, logits, options)
         mask = self._mask_of_head(labels, 0 if main else call["mtp"])
-        sums = micro_batch_sums(terms, mask)
-        local_tokens, local_numbers = sums.tokens, sums.numbers
-        if main and self.scale is None and self.settings.normalization == "global" and not evaluation:
-            raise RuntimeError(
-                "--ntl-normalization global needs the step's global counts, which NTLForwardStep sets before each "
-                "training forward (hook.scale); wrap forward_step in NTLForwardStep (launch/pretrain_gpt_ntl.py "
-                "does), or use normalization='micro-batch'"
-            )
-        if main and self.scale is not None and not evaluation:
-            a, b = self.scale.weights(megatron_num_tokens(mask).to(local_tokens.dtype))
-        elif main:
-            # The micro-batch mean of CE and of NTL over number tokens, after Megatron's division by its whole
-            # num_tokens (the per-token loss's setting is the model config's, as the schedule reads it).
-            per_token_loss = bool(getattr(self.model.config, "calculate_per_token_loss", False))
-            a, b = micro_batch_weights(local_tokens, local_numbers, megatron_num_tokens(mask), per_token_loss)
-        else:
-            # MTP heads: Megatron divides each head's masked sum by its (rolled) mask's float sum itself.
-            a, b = factors((local_tokens, local_numbers))
-        ce = terms.ce
-        z = z_loss_terms(terms, labels, options).detach()
-        extra = (a - 1) * ce + (self.settings.weight * b) * (terms.ntl * terms.number_mask)
+        loss, sums = head_loss(
+            terms,
+            mask,
+            self.settings.weight,
+            main=main,
+            evaluation=evaluation,
+            scale=self.scale,
+            needs_scale=self.settings.normalization == "global",
+            # the micro-batch mean: Megatron's division as the schedule reads the model config
+            per_token_loss=bool(getattr(self.model.config, "calculate_per_token_loss", False)),
+            remedy="NTLForwardStep sets them (hook.scale); wrap forward_step in it (launch/pretrain_gpt_ntl.py does)",
+        )
+        ce, z_sum = without_z_loss(terms, labels, options, mask)
         if main:
             with_z = bool(options.z_loss_weight)
             self._stats = NTLStats(
                 ntl_sum=sums.ntl.detach(),
-                numbers=local_numbers.detach(),
+                numbers=sums.numbers.detach(),
                 hits=sums.hits.detach(),
-                z_sum=(z * mask.to(z.dtype)).sum() if with_z else None,
-                tokens=local_tokens.detach() if with_z else None,
+                z_sum=z_sum if with_z else None,
+                tokens=sums.tokens.detach() if with_z else None,
             )
-        return (ce - z) + (extra - extra.detach())
+        # The value of the cross entropy, the gradient of the loss (see the module docstring).
+        return ce + (loss - loss.detach())
 
 
 def apply_ntl_to_megatron_model(

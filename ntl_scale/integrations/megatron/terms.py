@@ -4,7 +4,7 @@
 * :func:`output_layer_terms`: the terms of the (column-parallel) output layer applied to the final
   hidden states, chunk by chunk, without the logits;
 * the reporting pieces both routes share: :func:`is_evaluation` (Megatron's ``evaluate``: no gradient,
-  ``model.eval()``), :func:`z_loss_terms` (the z-loss part of ``terms.ce``, logged as ``z loss``) and
+  ``model.eval()``), :func:`without_z_loss` (``terms.ce`` less its z-loss: ``lm loss``; the z-loss: ``z loss``) and
   :func:`megatron_num_tokens` (the whole number Megatron divides a micro-batch's loss by).
 
 ``megatron.core`` is imported on first use (by :func:`output_layer_terms`).
@@ -29,7 +29,7 @@ __all__ = [
     "megatron_num_tokens",
     "output_layer_terms",
     "sequence_first_terms",
-    "z_loss_terms",
+    "without_z_loss",
 ]
 
 
@@ -43,15 +43,20 @@ def is_evaluation(model: Any = None) -> bool:
     return not torch.is_grad_enabled() or not getattr(model, "training", True)
 
 
-def z_loss_terms(terms: PerTokenTerms, labels: torch.Tensor, options: NTLOptions) -> torch.Tensor:
-    """The z-loss part of ``terms.ce``: ``options.z_loss_weight * lse**2`` where the label is not ignored, else
-    0 (as :func:`ntl_scale.per_token_ce_ntl` adds it); zeros without z-loss. ``terms.ce - z`` is the cross
-    entropy (label-smoothed with ``options.label_smoothing``): what ``lm loss`` reports in training."""
-    if not options.z_loss_weight:
-        return torch.zeros_like(terms.ce)
-    valid = labels.reshape(terms.ce.shape) != options.ignore_index
-    z = options.z_loss_weight * terms.lse.square()
-    return torch.where(valid.to(z.device), z, torch.zeros_like(z))
+def without_z_loss(
+    terms: PerTokenTerms, labels: torch.Tensor, options: NTLOptions, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ce, z_sum)``, detached: ``ce`` the cross entropy per token, ``terms.ce`` less its z-loss part
+    ``options.z_loss_weight * lse**2`` (which :func:`ntl_scale.per_token_ce_ntl` adds where the label is not
+    ignored): label-smoothed with ``options.label_smoothing``, what ``lm loss`` reports; ``z_sum`` that z-loss
+    summed under the loss weights ``mask`` (0 without z-loss), logged as ``z loss``."""
+    z = torch.zeros_like(terms.ce)
+    if options.z_loss_weight:
+        valid = labels.reshape(terms.ce.shape) != options.ignore_index
+        z_all = options.z_loss_weight * terms.lse.square()
+        z = torch.where(valid.to(z_all.device), z_all, torch.zeros_like(z_all))
+    z = z.detach()
+    return terms.ce.detach() - z, (z * mask.to(z.dtype)).sum()
 
 
 def megatron_num_tokens(loss_mask: torch.Tensor) -> torch.Tensor:
