@@ -3,6 +3,11 @@
     cd /path/to/Megatron-LM        # or: export MEGATRON_LM_PATH=/path/to/Megatron-LM
     torchrun --nproc_per_node 8 /path/to/ntl_scale/launch/pretrain_gpt_ntl.py \\
         <your usual Megatron arguments> --ntl-weight 0.3 [--ntl-loss was] [--ntl-normalization global]
+    torchrun ... launch/pretrain_gpt_ntl.py --config configs/megatron/FILE.yaml <more arguments>
+
+``--config FILE.yaml`` puts the file's ``megatron_args`` (``launch/megatron_args.py``) where it
+stands, before Megatron parses; a later flag wins, as always with Megatron's parser. A file that
+cannot be read stops the launch before anything runs.
 
 This runs the checkout's own ``pretrain_gpt.py`` as ``__main__``: its argument parsing, model
 builder, datasets, ``get_batch``, ``forward_step`` and ``loss_func``, training loop, checkpoints and
@@ -33,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the ntl_scale checkout, when not pip-installed
 
 from launch.finish import run_then_leave  # noqa: E402
+from launch.megatron_args import CONFIG_ERROR_FLAG, to_argv  # noqa: E402
 from ntl_scale.integrations import megatron as ntl_megatron  # noqa: E402
 from ntl_scale.integrations.megatron.lm import forward_step_from_args  # noqa: E402
 
@@ -180,10 +186,39 @@ def install() -> None:
     training.evaluate = wrap_evaluate(training.evaluate)
 
 
+def expand_config(argv: list[str]) -> list[str]:
+    """``argv`` with each ``--config FILE.yaml`` replaced by the file's flags; exits naming a file it cannot read."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == CONFIG_ERROR_FLAG:  # a `$(python launch/megatron_args.py FILE)` that failed
+            path = argv[i + 1] if i + 1 < len(argv) else "?"
+            raise SystemExit(
+                f"pretrain_gpt_ntl.py: launch/megatron_args.py could not read {path!r} (its reason is printed "
+                "above), so this launch would run without the config's flags. Fix the path, or pass "
+                "--config FILE.yaml to pretrain_gpt_ntl.py itself."
+            )
+        if arg == "--config" or arg.startswith("--config="):
+            path = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            if not path:
+                raise SystemExit("pretrain_gpt_ntl.py: --config needs a file: --config configs/megatron/FILE.yaml")
+            try:
+                out.extend(to_argv(path))
+            except SystemExit as e:
+                raise SystemExit(f"pretrain_gpt_ntl.py: --config {e}") from None
+            i += 1 if "=" in arg else 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main() -> None:
+    arguments = expand_config(sys.argv[1:])
     script = find_pretrain_gpt()
     install()
-    sys.argv[0] = script
+    sys.argv = [script, *arguments]
     runpy.run_path(script, run_name="__main__")
 
 

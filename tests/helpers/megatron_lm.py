@@ -77,6 +77,16 @@ class Run:
         return {r["iteration"]: r["grad_norm"] for r in self.trace}
 
 
+# What the CPU harness needs on top of a GPU command: gloo, Megatron's own (local) layers built on the CPU,
+# no fused CUDA kernels, and no gradient clipping (its norm asserts CUDA tensors). Appended last, so they
+# win over a command's own choices.
+CPU_FLAGS = [
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-masked-softmax-fusion",
+    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm", "--clip-grad", "0",
+]  # fmt: skip
+
+
 def tiny_args(*, iters: int = 3, micro_batch: int = 2, global_batch: int = 4, vocab: int = 127) -> list[str]:
     """A 2-layer, 32-wide GPT on CPU: local transformer, fusions off, dropout 0, no gradient clipping.
 
@@ -95,8 +105,17 @@ def tiny_args(*, iters: int = 3, micro_batch: int = 2, global_batch: int = 4, vo
     ]  # fmt: skip
 
 
-def run(tag: str, script: str | Path, args: list[str], *, nproc: int, workdir: Path, timeout: int = 420) -> Run:
-    """Runs ``script`` (relative to the checkout, or absolute) in ``nproc`` CPU processes."""
+def run(
+    tag: str,
+    script: str | Path,
+    args: list[str],
+    *,
+    nproc: int,
+    workdir: Path,
+    timeout: int = 420,
+    cwd: Path | None = None,
+) -> Run:
+    """Runs ``script`` (relative to ``cwd``, by default the checkout, or absolute) in ``nproc`` CPU processes."""
     path = checkout(tag)
     workdir.mkdir(parents=True, exist_ok=True)
     trace = workdir / f"trace-{free_port()}.jsonl"
@@ -107,7 +126,7 @@ def run(tag: str, script: str | Path, args: list[str], *, nproc: int, workdir: P
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
         str(free_port()), str(HARNESS), str(script), *args,
     ]  # fmt: skip
-    done = run_launch(command, cwd=path, env=env, timeout=timeout)
+    done = run_launch(command, cwd=path if cwd is None else cwd, env=env, timeout=timeout)
     records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
     training = [r for r in records if "validation" not in r]
     validations = [r["validation"] for r in records if "validation" in r]

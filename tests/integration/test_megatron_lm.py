@@ -7,14 +7,17 @@ per-iteration losses and gradient norm come from Megatron's own ``training_log``
 Sections, each for both releases:
 1. ``--ntl-weight 0`` logs exactly what plain ``pretrain_gpt.py`` logs, at TP=2 and at PP=2.
 2. NTL on: the step-1 ``lm loss`` equals plain Megatron's, ``ntl loss`` and ``number accuracy`` are
-   logged and the loss falls; a TP=1 run's checkpoint (Megatron's ``--save``, ``torch_dist``) resumed
-   at TP=1, TP=2 and PP=2 logs the uninterrupted run's losses (1e-5).
+   logged and the loss falls, the ignored ``--cross-entropy-loss-fusion`` is said once; a TP=1 run's
+   checkpoint (Megatron's ``--save``, ``torch_dist``) resumed at TP=1, TP=2 and PP=2 logs the
+   uninterrupted run's losses (1e-5).
 3. ``--ntl-normalization global``: the first-step gradient norm is the same for micro-batch splits
    1 x 4, 2 x 2 and 4 x 1 (and, as a control, the micro-batch mean is not).
 4. Real data: an indexed dataset made by the release's ``tools/preprocess_data.py`` from our
    arithmetic text with a Hugging Face tokenizer built offline, the number table read from that
    tokenizer, evaluation on: ``ntl loss`` is printed for validation without a perplexity.
 5. Errors: a tokenizer without a token table (``NullTokenizer``) and no ``--ntl-number-vocab``.
+6. The README's smallest command (the header of ``configs/megatron/tiny_cpu.yaml``), run as written
+   through the CPU harness (plus its CPU-only flags), from this checkout.
 
 Runs that several sections read are launched once per release (``Shared``, module-scoped): plain
 Megatron at TP=2 (sections 1 and 2), the NTL run at TP=2 (section 2 and the chunked route's
@@ -74,7 +77,8 @@ class Shared:
         return self._run(tag, "plain_tp2", "pretrain_gpt.py", [*mlm.tiny_args(), *MOCK, *TP2], 2)
 
     def ntl_tp2_args(self) -> list[str]:
-        return [*mlm.tiny_args(iters=8), *MOCK, *TP2, *self.ntl]
+        # Megatron's fused CE flag, which NTL replaces: the run must say so (once) and train as without it.
+        return [*mlm.tiny_args(iters=8), *MOCK, *TP2, *self.ntl, "--cross-entropy-loss-fusion"]
 
     def ntl_tp2(self, tag: str) -> mlm.Run:
         """The drop-in at TP=2 with NTL-WAS (0.3) through the logits, 8 iterations."""
@@ -126,6 +130,8 @@ def test_ntl_trains_and_resumes_across_layouts(tag, tmp_path, shared):
     # Step 1 only: plain Megatron trains without NTL from there on.
     _close({1: trained.losses()[1]}, {1: plain.losses()[1]}, 1e-6)
     assert " ntl loss: " in trained.output and "number accuracy" in trained.trace[0]["losses"]
+    ignored = "--cross-entropy-loss-fusion (--cross-entropy-fusion-impl native) is ignored with --ntl-weight > 0"
+    assert trained.output.count(ignored) == 1, mlm.tail(trained.output)  # said once, by rank 0 of 2
     ntl_losses = trained.losses("ntl loss")
     assert all(math.isfinite(v) and v >= 0 for v in ntl_losses.values()) and any(v > 0 for v in ntl_losses.values())
     # This data has a step without any number token (iteration 2): a defined 0, not 0 / 0 = NaN.
@@ -215,13 +221,53 @@ def test_real_data_tokenizer_and_evaluation(tag, tmp_path):
 
 
 def test_null_tokenizer_needs_a_table(tmp_path):
-    """Section 5: NullTokenizer has no token table: the error says to pass --ntl-number-vocab PATH."""
+    """Section 5: NullTokenizer has no token table: the error names the shipped placeholder table and the fix."""
     args = [*mlm.tiny_args(iters=1), *MOCK, "--ntl-weight", "0.3"]
     failed = mlm.run(mlm.RELEASES[-1], mlm.DROP_IN, args, nproc=1, workdir=tmp_path)
     assert failed.returncode != 0
     message = "has no token table (NotImplementedError"
     assert message in failed.output and "--ntl-number-vocab PATH" in failed.output, mlm.tail(failed.output)
-    assert "python -m ntl_scale.save_number_vocab" in failed.output  # the command that writes one
+    # mock data has no tokenizer to build a table from: the advice is the shipped table, or one from ids
+    assert "--ntl-number-vocab configs/megatron/null_tokenizer_numbers.json" in failed.output
+    assert "NumberVocab.from_id_to_token" in failed.output and "save_number_vocab" not in failed.output
+
+
+TINY = mlm.ROOT / "configs" / "megatron" / "tiny_cpu.yaml"
+
+
+def header_command(path: Path, script: str) -> list[str]:
+    """The ``torchrun ... SCRIPT ...`` command of a config's header comment, joined across its ``\\`` lines."""
+    lines = [line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")]
+    first = next(i for i, line in enumerate(lines) if line.startswith(f"torchrun --nproc_per_node 1 {script}"))
+    words: list[str] = []
+    for line in lines[first:]:
+        words += line.removesuffix("\\").split()
+        if not line.endswith("\\"):
+            return words
+    return words
+
+
+@pytest.mark.parametrize("tag", mlm.RELEASES)
+def test_readme_command_runs_as_written(tag, tmp_path):
+    """Section 6: the smallest Megatron-LM command of README.md and docs/megatron.md trains from this checkout.
+
+    Taken from the header of configs/megatron/tiny_cpu.yaml (the README's row points there and
+    docs/megatron.md prints it); ``torchrun`` becomes ``torch.distributed.run`` with the CPU harness before
+    the script, and only the harness's CPU flags are added.
+    """
+    command = header_command(TINY, "launch/pretrain_gpt_ntl.py")
+    assert "$(" not in " ".join(command), command  # one command, nothing for a shell to lose
+    written = " ".join(command)
+    docs = " ".join((mlm.ROOT / "docs" / "megatron.md").read_text().replace("\\\n", " ").split())
+    assert written in docs, f"docs/megatron.md does not print the header's command: {written}"
+    assert "configs/megatron/tiny_cpu.yaml" in (mlm.ROOT / "README.md").read_text()
+    assert command[:3] == ["torchrun", "--nproc_per_node", "1"]
+    run = mlm.run(tag, command[3], [*command[4:], *mlm.CPU_FLAGS], nproc=1, workdir=tmp_path, cwd=mlm.ROOT)
+    assert run.returncode == 0 and run.trace, mlm.tail(run.output)
+    assert sorted(run.losses()) == list(range(1, 31)), run.trace  # train-iters 30 from the config
+    ntl = run.losses("ntl loss")
+    assert any(v > 0 for v in ntl.values()), ntl  # the shipped table's digits are trained on
+    assert run.validations and "ntl loss" in run.validations[0], run.validations  # --eval-interval 10
 
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)

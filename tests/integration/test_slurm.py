@@ -216,6 +216,15 @@ def test_megatron_dry_run_turns_the_config_into_flags_and_points_checkpoints_at_
     assert "--ntasks-per-node=4" in srun
 
 
+def test_megatron_dry_run_fails_on_a_config_it_cannot_read(tmp_path):
+    """A config file that exists but is no Megatron config stops the job, not a run without its flags."""
+    config = tmp_path / "not_megatron.yaml"
+    config.write_text("train:\n  steps: 5\n")
+    out = _dry_run("megatron.sbatch", "--config", str(config), "--run-dir", "/r")
+    assert out.returncode != 0 and "srun " not in out.stdout, out.stdout
+    assert "could not read" in out.stderr and "expected a mapping 'megatron_args:" in out.stderr, out.stderr
+
+
 def test_torchtitan_dry_run_runs_torchtitan_train_with_a_registry_config_and_checkpoints_in_the_run_dir():
     out = _dry_run(
         "torchtitan.sbatch", "--config", "llama3_3b_ntl", "--nodes", "2", "--run-dir", "/r", "--", "--x", "1"

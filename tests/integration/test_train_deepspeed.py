@@ -181,7 +181,8 @@ def test_a_signal_at_the_last_step_is_finished_on_restart(tmp_path):
     """A stop signal during the last step checkpoints and stops (status ``stopped``, nothing exported);
     started again, the run exports and evaluates without training, and its answers are those of the
     same run uninterrupted. So does a run that died after its last checkpoint (status ``running``); one
-    whose checkpoint is past ``train.steps`` is refused."""
+    whose checkpoint is past ``train.steps`` is refused. Started again once finished, it writes nothing with
+    the same config and refuses a changed one (a new run_dir), keeping the run's record."""
     common = ("train.steps=3", "train.micro_batch_size=4", "data.eval_examples=8", "eval.max_new_tokens=4",
               "tracking.wandb=disabled", "tracking.plot=false",
               f"model.architecture={ARCHITECTURES['causal']}")  # fmt: skip
@@ -201,8 +202,18 @@ def test_a_signal_at_the_last_step_is_finished_on_restart(tmp_path):
         name = f"predictions_{split}.jsonl"
         assert (parted / name).read_text() == (whole / name).read_text()
     assert (parted / "hf_model" / "config.json").is_file()
-    third = _train(parted, *common, nproc=1)  # and now it is finished
+    record = {name: (parted / name).stat().st_mtime_ns for name in ("config.json", "resolved.json", "eval.json")}
+    third = _train(parted, *common, nproc=1)  # and now it is finished: nothing to do, nothing written
     assert "already finished: its checkpoint is at step 3 of train.steps=3" in third.stdout
+    assert {name: (parted / name).stat().st_mtime_ns for name in record} == record
+    # a changed config into the finished run: refused with the fix, its record kept (issue 52: 2000 -> 50 steps)
+    changed = _train(parted, *common[1:], "train.steps=2", nproc=1, check=False)
+    assert changed.returncode != 0
+    told = changed.stdout + changed.stderr
+    assert "already finished at step 3 with another config (train.steps: 3 -> 2)" in told, told[-3000:]
+    assert "give this config a new run_dir" in told
+    assert {name: (parted / name).stat().st_mtime_ns for name in record} == record
+    assert json.loads((parted / "config.json").read_text())["train"]["steps"] == 3
     # a run that died after its last checkpoint (status still "running", as written when training starts)
     (parted / "status.json").write_text(json.dumps({"state": "running", "step": 0}))
     (parted / "eval.json").unlink()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import subprocess
 
 import pytest
 import torch
@@ -204,6 +205,53 @@ def test_pretrain_entry_without_megatron_lm_says_how_to_fix(tmp_path):
     out = subprocess.run([sys.executable, str(script), "--ntl-weight", "0.3"], capture_output=True, text=True, env=env)
     assert out.returncode != 0
     assert "needs a Megatron-LM checkout" in out.stderr and "MEGATRON_LM_PATH" in out.stderr
+
+
+def _shell(command: str, tmp_path) -> subprocess.CompletedProcess[str]:
+    """``command`` in bash from the checkout, with a folder that is no Megatron-LM checkout as MEGATRON_LM_PATH."""
+    import os
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    python = os.path.dirname(sys.executable)
+    env = {**os.environ, "MEGATRON_LM_PATH": str(tmp_path), "PATH": python + os.pathsep + os.environ["PATH"]}
+    env["PYTHONPATH"] = str(root)
+    return subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_mistyped_config_inside_the_command_substitution_fails_the_launch(tmp_path):
+    """`$(python launch/megatron_args.py MISTYPED)`: the shell starts the launch anyway; it stops, naming the file.
+
+    Before anything else runs (no Megatron-LM is looked for), not a run without the config's NTL flags.
+    """
+    written = (
+        "torchrun --nproc_per_node 1 launch/pretrain_gpt_ntl.py "
+        "$(python launch/megatron_args.py configs/megatron/tiny_cpu.yml) --mock-data"
+    )
+    out = _shell(written, tmp_path)
+    assert out.returncode != 0
+    assert "configs/megatron/tiny_cpu.yml: cannot read this Megatron config" in out.stderr, out.stderr
+    assert "could not read 'configs/megatron/tiny_cpu.yml'" in out.stderr, out.stderr
+    assert "needs a Megatron-LM checkout" not in out.stderr  # it stopped first
+    # the helper on its own (the sbatch's use): status 2, the reason on stderr
+    alone = _shell("python launch/megatron_args.py configs/megatron/tiny_cpu.yml", tmp_path)
+    assert alone.returncode == 2 and "cannot read this Megatron config" in alone.stderr
+    assert "Traceback" not in alone.stderr
+
+
+def test_config_flag_of_the_drop_in(tmp_path):
+    """`pretrain_gpt_ntl.py --config FILE` expands the file's flags in place; a missing file stops before anything."""
+    out = _shell("python launch/pretrain_gpt_ntl.py --config configs/megatron/tiny_cpu.yml --mock-data", tmp_path)
+    assert out.returncode != 0 and "--config configs/megatron/tiny_cpu.yml: cannot read" in out.stderr, out.stderr
+    assert "needs a Megatron-LM checkout" not in out.stderr
+    from pathlib import Path
+
+    tiny = str(Path(__file__).resolve().parents[2] / "configs" / "megatron" / "tiny_cpu.yaml")
+    drop_in = load_script("launch/pretrain_gpt_ntl.py", "pretrain_gpt_ntl_config")
+    argv = drop_in.expand_config(["--lr", "1", "--config", tiny, "--lr", "2"])
+    assert argv[:2] == ["--lr", "1"] and argv[-2:] == ["--lr", "2"] and "--ntl-weight" in argv
+    assert drop_in.expand_config([f"--config={tiny}"]) == argv[2:-2]
 
 
 @pytest.mark.parametrize("name", ["granite-3.2-2b_ntl.yaml", "llama-3.2-3b_ntl.yaml", "tiny_cpu.yaml"])

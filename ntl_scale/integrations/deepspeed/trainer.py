@@ -24,6 +24,7 @@ host tensors).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from ..._validation import check_table
-from ...training.collectives import largest_over_ranks, sum_over
+from ...training.collectives import from_rank_zero, largest_over_ranks, sum_over
 from ...training.config import RunConfig
 from ...training.metrics import STEP_SUMS, MetricsLogger, tokens_read
 from ...training.model_inputs import (
@@ -81,13 +82,9 @@ class Trainer:
         cfg, rank, train = self.cfg, self.rank, self.cfg.train
         os.makedirs(cfg.run_dir, exist_ok=True)
         resolved = resolve_run(train, self.world, bf16_default=accelerator_has_bf16(self.device))
-        if rank == 0:
-            cfg.save(os.path.join(cfg.run_dir, "config.json"))  # as given; what the run derived: resolved.json
         self.checkpoints = Checkpointer(cfg.run_dir, resolved.layout, save_every=train.save_every, rank=rank,
                                         device=self.device)  # fmt: skip
         self.resolved = resolved.resuming(self.checkpoints.plan())  # an impossible change stops here, before any step
-        if rank == 0:
-            self.resolved.save(os.path.join(cfg.run_dir, RESOLVED_FILE))
 
         self.tokenizer, self.vocab, vocab_size = tokenizer_and_table(cfg.model, cfg.ntl.digit_level)
         check_table(self.vocab, self.options, "yaml")  # before any data is read
@@ -133,6 +130,17 @@ class Trainer:
         engine.write_partition(cfg.run_dir, rank)
         if self.resolved.resume:
             self.start_step, self.inputs.position = self.checkpoints.load(engine.ds)
+
+    def _changes_from_record(self) -> list[str]:
+        """``key: saved -> given`` for each config value that differs from the run's ``config.json`` (if any)."""
+        path = os.path.join(self.cfg.run_dir, "config.json")
+        if not os.path.isfile(path):
+            return []
+        with open(path, encoding="utf-8") as f:
+            saved = _flat(json.load(f))
+        given = _flat(json.loads(json.dumps(self.cfg.to_dict())))
+        keys = sorted((saved.keys() | given.keys()) - {"run_dir"})  # the same folder, perhaps spelt otherwise
+        return [f"{k}: {saved.get(k)!r} -> {given.get(k)!r}" for k in keys if saved.get(k) != given.get(k)]
 
     # ---- the step -------------------------------------------------------------------------------------
 
@@ -192,6 +200,13 @@ class Trainer:
                 f"finished ({state}): set train.steps={self.start_step} to finish it, or more to train on"
             )
         if state == "finished":  # started again after it finished: say so, change nothing
+            changes = from_rank_zero(self._changes_from_record() if self.rank == 0 else [])
+            if changes:
+                raise ValueError(
+                    f"{cfg.run_dir} already finished at step {self.start_step} with another config "
+                    f"({'; '.join(changes)}); its record (config.json, eval.json, the checkpoint) stays as it is. "
+                    "Fix: give this config a new run_dir (or, to train this run on, only raise train.steps)"
+                )
             if self.rank == 0:
                 print(
                     f"{cfg.run_dir} already finished: its checkpoint is at step {self.start_step} of train.steps="
@@ -199,6 +214,9 @@ class Trainer:
                     flush=True,
                 )
             return {"finished_before": self.start_step, "history": []}
+        if self.rank == 0:  # the record, once the run is known to train or finish: never over a finished run's
+            cfg.save(os.path.join(cfg.run_dir, "config.json"))  # as given; what the run derived: resolved.json
+            self.resolved.save(os.path.join(cfg.run_dir, RESOLVED_FILE))
         self.metrics.open(self.start_step, {**cfg.to_dict(), "resolved": self.resolved.to_dict()})
         if self.start_step >= steps:  # stopped by a signal after its last step: export and evaluate now
             if self.rank == 0:
@@ -243,3 +261,13 @@ class Trainer:
         self.metrics.finish(results, {split: len(examples) for split, examples in self.evaluator.eval_splits.items()})
         self.checkpoints.write_status("finished", step)
         return {"history": self.metrics.history, "eval": results}
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"a.b": 1}`` (the override syntax of the keys)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat

@@ -5,7 +5,9 @@
   names, choices and meanings as the YAML keys, and the defaults the spec declares for Megatron;
 * :class:`NTLSettings`: the validated settings (``NTLSettings.from_args(args)``);
 * :func:`build_number_vocab`: the number table for Megatron's tokenizer (``inv_vocab``) and padded
-  vocabulary, or loaded from a saved JSON table.
+  vocabulary, or loaded from a saved JSON table;
+* :func:`ignored_megatron_flags`: the Megatron flags a run with NTL on does not use, each with what
+  runs instead (said once, by rank 0, when the NTL step is built).
 
 Nothing here imports Megatron.
 """
@@ -34,7 +36,7 @@ from ...options import (
     variant_of,
 )
 
-__all__ = ["NTLSettings", "add_ntl_args", "build_number_vocab"]
+__all__ = ["NTLSettings", "add_ntl_args", "build_number_vocab", "ignored_megatron_flags"]
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,27 @@ def add_ntl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def ignored_megatron_flags(args: Any) -> list[str]:
+    """Megatron flags set in ``args`` that have no effect with NTL on, one sentence each (flag and what runs instead).
+
+    Args:
+        args: Megatron's parsed arguments (read with ``getattr``: releases without a flag have nothing to say).
+
+    Returns:
+        The sentences, empty when nothing set is ignored.
+    """
+    notes = []
+    if getattr(args, "cross_entropy_loss_fusion", False):
+        impl = getattr(args, "cross_entropy_fusion_impl", None)
+        flag = "--cross-entropy-loss-fusion" + (f" (--cross-entropy-fusion-impl {impl})" if impl else "")
+        notes.append(
+            f"{flag} is ignored with --ntl-weight > 0: ntl_scale's fused CE + NTL op computes the cross entropy "
+            "instead (from the vocab-sharded logits, or the hidden states with --ntl-chunked; the same two "
+            "all-reduces as Megatron's fused CE). With --ntl-weight 0 Megatron's own CE runs as set."
+        )
+    return notes
+
+
 def build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size: int) -> NumberVocab:
     """The number table for a Megatron run.
 
@@ -201,11 +224,22 @@ def _build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size
             return NumberVocab.from_tokenizer(tokenizer, vocab_size=padded_vocab_size, digit_level=source)
         except (NotImplementedError, TypeError) as e:
             # NullTokenizer and similar raise NotImplementedError from inv_vocab.
+            name = type(tokenizer).__name__
+            if _is_null_tokenizer(tokenizer):  # token ids without text (mock data): no table to read
+                fix = (
+                    "Its ids have no text, so say which ids are numbers: with --mock-data pass "
+                    "--ntl-number-vocab configs/megatron/null_tokenizer_numbers.json (ids 48-57 are the digits "
+                    "0-9, their ASCII codes; a placeholder for a smoke run), or write your own with "
+                    "NumberVocab.from_id_to_token({id: token, ...}).save(PATH) and pass --ntl-number-vocab PATH"
+                )
+            else:
+                fix = (
+                    "Pass --ntl-number-vocab PATH with a table saved by `python -m ntl_scale.save_number_vocab "
+                    "TOKENIZER --out PATH` or NumberVocab.from_tokenizer(...).save(PATH)"
+                )
             raise ValueError(
                 f"--ntl-number-vocab {rule!r} reads the number tokens from the tokenizer, but "
-                f"{type(tokenizer).__name__} has no token table ({type(e).__name__}: {e}). Pass "
-                "--ntl-number-vocab PATH with a table saved by `python -m ntl_scale.save_number_vocab "
-                "TOKENIZER --out PATH` or NumberVocab.from_tokenizer(...).save(PATH)"
+                f"{name} has no token table ({type(e).__name__}: {e}). {fix}"
             ) from None
     if not os.path.isfile(rule):
         raise ValueError(
@@ -213,3 +247,10 @@ def _build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size
             "build a table with NumberVocab.from_tokenizer(...).save(path)"
         )
     return NumberVocab.load(rule, vocab_size=padded_vocab_size)
+
+
+def _is_null_tokenizer(tokenizer: Any) -> bool:
+    """Megatron's NullTokenizer: its own class (<= 0.16), or inside ``DefaultTokenizerText`` (library ``null-text``)."""
+    inner = getattr(tokenizer, "_tokenizer", None)
+    names = (type(tokenizer).__name__, type(inner).__name__)
+    return any("NullTokenizer" in n for n in names) or "null" in str(getattr(tokenizer, "library", ""))

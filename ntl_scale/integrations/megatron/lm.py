@@ -729,6 +729,7 @@ def forward_step_from_args(forward_step: Any, args: Any, parallel_state: Any, *,
     if tokenizer is None:
         tokenizer = _megatron_tokenizer(args)
     vocab = build_number_vocab(settings, tokenizer, args.padded_vocab_size)
+    _say_ignored(args)
     ps = parallel_state
     groups = StepGroups(
         tp_group=ps.get_tensor_model_parallel_group(),
@@ -749,6 +750,17 @@ def forward_step_from_args(forward_step: Any, args: Any, parallel_state: Any, *,
         num_microbatches=get_num_microbatches,
         per_token_loss=bool(args.calculate_per_token_loss),
     )
+
+
+def _say_ignored(args: Any) -> None:
+    """Warns once, on rank 0, of each Megatron flag this run sets and NTL does not use."""
+    import warnings
+
+    from .args import ignored_megatron_flags
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for note in ignored_megatron_flags(args) if rank == 0 else []:
+        warnings.warn(f"ntl_scale: {note}", stacklevel=3)
 
 
 def _megatron_tokenizer(args: Any) -> Any:
