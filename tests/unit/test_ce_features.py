@@ -329,8 +329,8 @@ def test_a_tie_at_the_soft_cap_is_a_hit_by_the_same_rule_in_every_op():
 
 
 def test_a_tie_across_vocabulary_shards_is_a_hit_on_every_rank():
-    """The same rule under tensor parallelism (two shards in threads, the all-reduces in memory): the tied columns 7
-    and 9 on different shards (shard 0 holds ids 0-8), the hit from z_y and the global max alike on both ranks."""
+    """The same rule under tensor parallelism (two shards in threads, the all-reduces in memory): the tied columns
+    on different shards, the hit from z_y and the global max alike on both ranks."""
     from tests.helpers.distributed import run_ranks_in_threads
 
     logits, labels, cap = _tied_at_the_cap()

@@ -17,17 +17,6 @@ from ntl_scale.ops.chunked_linear import choose_chunk_tokens
 from tests.helpers.dispatch import OpOutputs
 
 
-def _rule(device: str, t: int, v: int) -> int:  # the documented rule, written out here
-    return min(max(t, 1), max(1, (2**28 if device == "cuda" else 2**26) // max(v, 1)))
-
-
-@pytest.mark.parametrize("device", ["cuda", "cpu", "meta"])
-@pytest.mark.parametrize("t", [0, 1, 300, 8192, 20000, 1 << 20])
-@pytest.mark.parametrize("v", [1, 640, 16032, 32000, 128256, 131072, 151936, 1 << 30])
-def test_default_chunk_is_the_one_line_rule(device: str, t: int, v: int) -> None:
-    assert choose_chunk_tokens(device, t, v) == _rule(device, t, v)
-
-
 def test_chunk_at_the_documented_shapes() -> None:
     assert choose_chunk_tokens("cuda", 8192, 128256) == 2092  # docs/benchmarks.md, benchmarks/cost_model.py
     assert choose_chunk_tokens("cuda", 8192, 128256 // 8) == 8192  # a TP shard of 1/8: one chunk
