@@ -9,8 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-extras="hf,deepspeed,wandb"
-[[ "${1:-}" == "--dev" ]] && extras="hf,deepspeed,wandb,dev"
+extras="hf,deepspeed,wandb,eval"
+[[ "${1:-}" == "--dev" ]] && extras="hf,deepspeed,wandb,eval,dev"
 
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   echo "[setup] no torch found: installing torch==2.13.0"

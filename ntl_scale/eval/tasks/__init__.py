@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from importlib import resources
 
 from .data import ARITHMETIC, SLICES, arithmetic_examples, copy_gsm8k, segments, slice_texts, write_jsonl
@@ -61,7 +62,8 @@ def prepare(
 
     Args:
         out_dir: the folder to pass as ``--include_path``.
-        gsm8k: a local GSM8K folder (``test.jsonl``, ``train.jsonl(.gz)``); default :data:`DEFAULT_GSM8K`.
+        gsm8k: a local GSM8K folder (``test.jsonl``, ``train.jsonl(.gz)``); default :data:`DEFAULT_GSM8K`
+            when it exists, else the group goes without the two GSM8K tasks (a note on stderr).
         examples: test questions per arithmetic operation (the train split, for few-shot, gets as many).
         texts: sentences per perplexity slice.
         seed: the generators' seed.
@@ -71,7 +73,13 @@ def prepare(
     """
     data_dir = os.path.abspath(os.path.join(out_dir, "data"))
     os.makedirs(data_dir, exist_ok=True)
-    counts = {f"gsm8k_{k}": v for k, v in copy_gsm8k(gsm8k or DEFAULT_GSM8K, data_dir).items()}
+    counts: dict[str, int] = {}
+    with_gsm8k = gsm8k is not None or os.path.isdir(DEFAULT_GSM8K)
+    if with_gsm8k:
+        counts.update({f"gsm8k_{k}": v for k, v in copy_gsm8k(gsm8k or DEFAULT_GSM8K, data_dir).items()})
+    else:
+        print(f"no GSM8K at {os.path.abspath(DEFAULT_GSM8K)}: ntl_numeracy without ntl_gsm8k and ntl_gsm8k_bpb "
+              "(pass gsm8k=DIR / --gsm8k DIR)", file=sys.stderr)  # fmt: skip
     for op in ARITHMETIC:
         for split, name in (("interpolate", "test"), ("train", "train")):
             rows = ({"question": e.question, "answer": e.answer} for e in arithmetic_examples(op, examples, split, seed))
@@ -83,8 +91,12 @@ def prepare(
         counts[f"ppl_{name}_segments"] = write_jsonl(os.path.join(data_dir, f"ppl_{name}_segments.jsonl"), rows_)
     templates = resources.files(__package__) / "templates"
     for entry in templates.iterdir():
-        if entry.name.endswith(".yaml") or entry.name.endswith("_yaml"):
-            _render(entry.read_text(encoding="utf-8"), os.path.join(out_dir, entry.name), DATA=data_dir)
+        if not (entry.name.endswith(".yaml") or entry.name.endswith("_yaml")):
+            continue
+        if entry.name.startswith("ntl_gsm8k") and not with_gsm8k:
+            continue
+        _render(entry.read_text(encoding="utf-8"), os.path.join(out_dir, entry.name), DATA=data_dir,
+                GSM8K_TASKS="ntl_gsm8k, ntl_gsm8k_bpb, " if with_gsm8k else "")  # fmt: skip
     shutil.copyfile(os.path.join(os.path.dirname(__file__), "utils.py"), os.path.join(out_dir, "utils.py"))
     if run_dir is not None:
         counts.update(_prepare_run(run_dir, out_dir, data_dir, max_new_tokens))
