@@ -37,7 +37,9 @@ def default_dir() -> str:
 def run_splits(run_dir: str) -> list[str]:
     """The held-out question splits a training run scored (its ``predictions_<split>.jsonl``)."""
     names = sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []
-    return [n[len("predictions_") : -len(".jsonl")] for n in names if n.startswith("predictions_") and n.endswith(".jsonl")]
+    return [
+        n[len("predictions_") : -len(".jsonl")] for n in names if n.startswith("predictions_") and n.endswith(".jsonl")
+    ]
 
 
 def _render(template: str, out: str, **values: str) -> None:
@@ -82,11 +84,15 @@ def prepare(
               "(pass gsm8k=DIR / --gsm8k DIR)", file=sys.stderr)  # fmt: skip
     for op in ARITHMETIC:
         for split, name in (("interpolate", "test"), ("train", "train")):
-            rows = ({"question": e.question, "answer": e.answer} for e in arithmetic_examples(op, examples, split, seed))
+            rows = (
+                {"question": e.question, "answer": e.answer} for e in arithmetic_examples(op, examples, split, seed)
+            )
             counts[f"arith_{op}_{name}"] = write_jsonl(os.path.join(data_dir, f"arith_{op}_{name}.jsonl"), rows)
     for name in SLICES:
         sentences = slice_texts(name, texts, seed)
-        counts[f"ppl_{name}"] = write_jsonl(os.path.join(data_dir, f"ppl_{name}.jsonl"), ({"text": t} for t in sentences))
+        counts[f"ppl_{name}"] = write_jsonl(
+            os.path.join(data_dir, f"ppl_{name}.jsonl"), ({"text": t} for t in sentences)
+        )
         rows_ = (s for t in sentences for s in segments(t))
         counts[f"ppl_{name}_segments"] = write_jsonl(os.path.join(data_dir, f"ppl_{name}_segments.jsonl"), rows_)
     templates = resources.files(__package__) / "templates"
@@ -112,9 +118,15 @@ def _run_settings(run_dir: str) -> tuple[int, str | None]:
     with open(path, encoding="utf-8") as f:
         cfg = json.load(f)
     evaluation, data = cfg.get("eval", {}), cfg.get("data", {})
-    unsupported = [name for name, value in (("eval.num_beams > 1", evaluation.get("num_beams", 1) > 1),
-                                            ("data.reverse_answers", data.get("reverse_answers")),
-                                            ("data.position_coupling", data.get("position_coupling"))) if value]  # fmt: skip
+    unsupported = [
+        name
+        for name, value in (
+            ("eval.num_beams > 1", evaluation.get("num_beams", 1) > 1),
+            ("data.reverse_answers", data.get("reverse_answers")),
+            ("data.position_coupling", data.get("position_coupling")),
+        )
+        if value
+    ]
     if unsupported:
         raise ValueError(f"{run_dir} was scored with {', '.join(unsupported)}: the harness's hf model generates "
                          "greedily in reading order with the model's own positions; evaluate that run with its own "
@@ -135,8 +147,10 @@ def _prepare_run(run_dir: str, out_dir: str, data_dir: str, max_new_tokens: int 
     for split in splits:
         with open(os.path.join(run_dir, f"predictions_{split}.jsonl"), encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        counts[f"run_{split}"] = write_jsonl(os.path.join(data_dir, f"run_{split}.jsonl"),
-                                             ({"question": r["question"], "answer": r["answer"]} for r in rows))  # fmt: skip
+        counts[f"run_{split}"] = write_jsonl(
+            os.path.join(data_dir, f"run_{split}.jsonl"),
+            ({"question": r["question"], "answer": r["answer"]} for r in rows),
+        )
         _render(template, os.path.join(out_dir, f"ntl_run_{split}.yaml"), DATA=data_dir, SPLIT=split,
                 MAX_NEW_TOKENS=str(tokens), UNTIL=json.dumps([until] if until else []))  # fmt: skip
     return counts

@@ -1,9 +1,9 @@
 """``python -m ntl_scale.eval.tasks``: prepare the ``ntl_numeracy`` task folder, or print its path.
 
-    python -m ntl_scale.eval.tasks --path            # the default folder (prepared on first use)
-    python -m ntl_scale.eval.tasks prepare --out DIR [--gsm8k DIR] [--examples 250] [--texts 100]
-                                           [--seed 0] [--run-dir RUN]
-    python -m ntl_scale.eval.tasks compare --run-dir RUN --results DIR   # harness vs the run's scorer
+python -m ntl_scale.eval.tasks --path            # the default folder (prepared on first use)
+python -m ntl_scale.eval.tasks prepare --out DIR [--gsm8k DIR] [--examples 250] [--texts 100]
+                                       [--seed 0] [--run-dir RUN]
+python -m ntl_scale.eval.tasks compare --run-dir RUN --results DIR   # harness vs the run's scorer
 """
 
 from __future__ import annotations
@@ -19,10 +19,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ntl_scale.eval.tasks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--path", action="store_true", help="print the default task folder (preparing it if absent)")
-    parser.add_argument("command", nargs="?", choices=["prepare", "compare"],
-                        help="prepare: write a task folder; compare: ntl_run_<split> beside eval.json")
+    parser.add_argument(
+        "command",
+        nargs="?",
+        choices=["prepare", "compare"],
+        help="prepare: write a task folder; compare: ntl_run_<split> beside eval.json",
+    )
     parser.add_argument("--out", default=None, help="the task folder (default: --path's)")
-    parser.add_argument("--gsm8k", default=None, help=f"local GSM8K folder (test.jsonl, train.jsonl[.gz]; default {DEFAULT_GSM8K})")
+    parser.add_argument(
+        "--gsm8k", default=None, help=f"local GSM8K folder (test.jsonl, train.jsonl[.gz]; default {DEFAULT_GSM8K})"
+    )
     parser.add_argument("--examples", type=int, default=250, help="test questions per arithmetic operation")
     parser.add_argument("--texts", type=int, default=100, help="sentences per perplexity slice")
     parser.add_argument("--seed", type=int, default=0)

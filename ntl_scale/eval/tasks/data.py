@@ -101,7 +101,7 @@ def comparison_examples(count: int, split: str, seed: int) -> list[Example]:
     (the ``test`` and ``train`` streams are disjoint by the parity of A + B)."""
     rng = random.Random(f"{seed}/cmp/{split}")
     seen: set[tuple[int, int]] = set()
-    out = []
+    out: list[Example] = []
     while len(out) < count:
         digits = rng.randint(2, 6)
         a = rng.randint(10 ** (digits - 1), 10**digits - 1)
