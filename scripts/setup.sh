@@ -11,8 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-extras="hf,deepspeed,megatron,wandb"
-[[ "${1:-}" == "--dev" ]] && extras="hf,deepspeed,megatron,wandb,dev"
+extras="hf,deepspeed,megatron,wandb,eval"
+[[ "${1:-}" == "--dev" ]] && extras="hf,deepspeed,megatron,wandb,eval,dev"
 
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   echo "[setup] no torch found: installing torch==2.13.0"
