@@ -145,6 +145,9 @@ def sweep_figure(sweep: dict[str, Any], path: str) -> str:
         verdicts = []
         for k, arm in enumerate(sweep["arms"]):
             xs, means, lows, highs = [], [], [], []
+            spread = 1 + 0.04 * (k - (len(sweep["arms"]) - 1) / 2)
+            _connect_seeds(ax, [(size["parameters"] * spread, size["differences"].get(arm, {}).get(key))
+                                for size in sweep["sizes"]], "0.5")  # fmt: skip
             for size in sweep["sizes"]:
                 cell = size["differences"].get(arm, {}).get(key)
                 if not cell:
@@ -180,13 +183,61 @@ def sweep_figure(sweep: dict[str, Any], path: str) -> str:
         ax.set_title(spec["label"] + "".join("\n" + line for line in verdicts), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("arm minus CE, paired by seed: points = seeds; mean and 95 % t-interval; dotted: fitted trend "
-                 "(its slope per 10x parameters with 95 % interval, and the verdict, above each panel)",
-                 fontsize=9)  # fmt: skip
+    levels = {size.get("tokens_per_parameter") for size in sweep["sizes"]}
+    confound = ("; the sizes also differ in tokens per parameter, so size and training length are not separated here"
+                if len(levels) > 1 and None not in levels else "")  # fmt: skip
+    fig.suptitle("arm minus CE, paired by seed: points = seeds, a thin line joins each seed across the sizes; mean and "
+                 "95 % t-interval; dotted: the mean per-seed slope\n(per 10x parameters, 95 % interval over the seeds, "
+                 f"and the verdict above each panel){confound}", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _connect_seeds(ax: Any, cells: Sequence[tuple[float, dict[str, Any] | None]], color: str) -> None:
+    """A thin line per seed through its differences in ``cells`` ((x, cell) in order): the seed is the unit
+    across cells (the same corpus, held-out sets and data order in each), so its points are drawn as one."""
+    by_seed: dict[Any, list[tuple[float, float]]] = {}
+    for x, cell in cells:
+        if not cell:
+            continue
+        for seed, d in zip(cell.get("seed_ids") or range(len(cell["seeds"])), cell["seeds"]):
+            by_seed.setdefault(seed, []).append((x, d))
+    for points in by_seed.values():
+        if len(points) > 1:
+            ax.plot([x for x, _ in points], [y for _, y in points], color=color, linewidth=0.6, alpha=0.35)
+
+
+def _short(reading: str) -> str:
+    short = {"the gain falls as tokens per parameter fall": "gain falls with fewer tokens/param",
+             "the gain rises as tokens per parameter fall": "gain rises with fewer tokens/param"}  # fmt: skip
+    return short.get(reading, reading)
+
+
+def _factorial_says(sweep: dict[str, Any]) -> str:
+    """The figure's headline: which tests of the declared family are resolved after Holm (the seed the unit)."""
+    fac, labels = sweep.get("factorial", {}), sweep["metrics"]
+    resolved = []
+    for _arm, by_size in fac.get("slopes", {}).items():
+        for size, by_key in by_size.items():
+            for key, fit in by_key.items():
+                holm = fit.get("p_holm")
+                if holm is not None and math.isfinite(holm) and holm < 0.05:
+                    resolved.append(f"{size}, {labels[key]['label'].split(':')[0]}: {_short(fit['reading'])} "
+                                    f"(Holm {p_label(holm)})")  # fmt: skip
+    for _arm, by_name in fac.get("contrasts", {}).items():
+        for name, by_key in by_name.items():
+            for key, got in by_key.items():
+                holm = got.get("p_holm")
+                if holm is not None and math.isfinite(holm) and holm < 0.05:
+                    resolved.append(f"{name}, {labels[key]['label'].split(':')[0]}: {got['reading']} "
+                                    f"(Holm {p_label(holm)})")  # fmt: skip
+    size = fac.get("family_size", "?")
+    if not resolved:
+        return f"NTL-WAS minus CE: none of the {size} declared tests resolved after Holm (the seed the unit)"
+    return (f"NTL-WAS minus CE, the seed the unit: of the {size} declared tests, resolved after Holm: "
+            + "; ".join(resolved) + "; every other one not resolved at these seeds")  # fmt: skip
 
 
 def factorial_figure(sweep: dict[str, Any], path: str) -> str:
@@ -208,6 +259,8 @@ def factorial_figure(sweep: dict[str, Any], path: str) -> str:
                 cells = sorted((r for r in rows if r["size"] == size), key=lambda r: r["tokens_per_parameter"])
                 xs, means, lows, highs = [], [], [], []
                 shift = 2 ** (0.06 * (k - (len(sizes) - 1) / 2))
+                _connect_seeds(ax, [(row["tokens_per_parameter"] * shift, row["differences"].get(arm, {}).get(key))
+                                    for row in cells], f"C{k}")  # fmt: skip
                 for row in cells:
                     cell = row["differences"].get(arm, {}).get(key)
                     if not cell:
@@ -228,7 +281,10 @@ def factorial_figure(sweep: dict[str, Any], path: str) -> str:
                 fit = sweep.get("factorial", {}).get("slopes", {}).get(arm, {}).get(size, {}).get(key)
                 if fit:
                     bounds = "(no spread)" if fit.get("no_spread") else f"[{fit['low']:+.2f}, {fit['high']:+.2f}]"
-                    notes.append(f"{size}: {fit['slope']:+.2f} {bounds}/doubling")
+                    holm = fit.get("p_holm")
+                    said = (f", Holm {p_label(holm)}: {_short(fit.get('reading', ''))}"
+                            if holm is not None and math.isfinite(holm) else "")  # fmt: skip
+                    notes.append(f"{size}: {fit['slope']:+.2f} {bounds}/doubling{said}")
         ax.axhline(0, color="0.3", linewidth=0.8)
         ax.set_xscale("log", base=2)
         levels = sorted({row["tokens_per_parameter"] for row in rows})
@@ -238,10 +294,9 @@ def factorial_figure(sweep: dict[str, Any], path: str) -> str:
         ax.set_title(spec["label"] + "".join("\n" + n for n in notes), fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("arm minus CE, paired by seed, per size and tokens per parameter: points = seeds; mean and 95 % "
-                 "t-interval (n = seeds; ringed: one data draw for every seed, else the data varied with the seed);\n"
-                 "slope of each size per doubling of tokens per parameter above each panel",
-                 fontsize=9)  # fmt: skip
+    fig.suptitle(_factorial_says(sweep) + "\npoints = seeds, a thin line joins each seed across its size's cells; "
+                 "mean and 95 % t-interval (n = seeds; ringed: one data draw for every seed); above each panel the "
+                 "mean per-seed slope per doubling of tokens per parameter", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -10,6 +10,13 @@ pools them; their counts are descriptive only (``experiments/study.py``).
 * :func:`t_interval`: the mean and its t-interval, clipped to the range the quantity can take
   (:data:`RANGES`; an accuracy interval never leaves [0, 1]);
 * :func:`holm`: Holm's step-down adjustment over a study's family of tests;
+* :func:`across_seeds`: one statistic per seed computed across cells (seed S's contrast between two cells,
+  its slope over cells, a coefficient of its own fit), tested across the seeds: the mean with its t-interval,
+  the one-sample t-test (n - 1 degrees of freedom) and the exact sign-flip test. Seed S shares its corpus,
+  held-out sets and (within a size) its initialisation in every cell, so cells are not independent samples
+  and a cell's per-seed points are not independent of another cell's: the seed stays the unit across cells;
+* :func:`seed_slopes`: per seed, the least-squares line of its values over the cells (the input of
+  :func:`across_seeds` for a slope);
 * :func:`seed_tests`: every arm against the baseline on every metric of a study's ``results.json``
   (the per-seed values it holds): mean difference, its clipped 95 % interval (the effect sizes a null
   does not exclude), the paired t-test, the sign-flip test, and the Holm-adjusted t-test p over the
@@ -109,6 +116,43 @@ def no_spread(values: Sequence[float], scale: float | None = None) -> bool:
         return False
     scale = max(abs(v) for v in clean) if scale is None else scale
     return max(clean) - min(clean) <= 1e-12 * scale
+
+
+def across_seeds(values: Sequence[float | None], bounds: tuple[float, float] = (-INF, INF)) -> dict[str, Any]:
+    """One seed-level statistic per seed (a per-seed contrast between cells, slope or coefficient) tested
+    across the seeds: ``mean`` with its 95 % t-interval (``low``, ``high``, clipped to ``bounds``; n - 1
+    degrees of freedom), ``p`` the one-sample t-test of mean 0, ``p_sign_flip`` the exact sign-flip test.
+    Values all equal up to rounding (:func:`no_spread`): no interval and no test (``no_spread`` True, say
+    :func:`spread_note`); one value: no interval, no test."""
+    from scipy import stats
+
+    clean = [float(v) for v in values if v is not None and math.isfinite(v)]
+    mean, low, high = t_interval(clean, bounds=bounds)
+    flat = no_spread(clean)
+    p = math.nan
+    if len(clean) < 2 or flat:
+        low = high = math.nan
+    else:
+        p = float(stats.ttest_1samp(clean, 0.0).pvalue)
+    return {"values": clean, "n": len(clean), "df": len(clean) - 1, "mean": mean, "low": low, "high": high, "p": p,
+            "p_sign_flip": sign_flip_p(clean) if clean else math.nan, "no_spread": flat}  # fmt: skip
+
+
+def seed_slopes(points: Sequence[tuple[float, float, Any]]) -> dict[Any, tuple[float, float]]:
+    """Per seed, the least-squares line of its values on x over the cells: ``{seed: (slope, intercept)}``
+    from points ``(x, y, seed)``; a seed with fewer than 2 distinct x has no line (left out)."""
+    by_seed: dict[Any, list[tuple[float, float]]] = {}
+    for x, y, seed in points:
+        if y is not None and math.isfinite(y):
+            by_seed.setdefault(seed, []).append((float(x), float(y)))
+    out = {}
+    for seed, xy in by_seed.items():
+        if len({x for x, _ in xy}) < 2:
+            continue
+        mx, my = statistics.fmean(x for x, _ in xy), statistics.fmean(y for _, y in xy)
+        slope = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
+        out[seed] = (slope, my - slope * mx)
+    return out
 
 
 def spread_note(n: int) -> str:

@@ -14,10 +14,16 @@ baseline (CE), paired by seed (same initialisation seed, same data order):
 * per size, the difference of every headline metric (prose text perplexity and number-token MAE as a
   relative change in % of the baseline's mean; number-token and question accuracy in points), every
   seed's difference, the mean with its 95 % t-interval, and the seed-level paired t-test;
-* over sizes, a least-squares line of the per-seed differences on log10(parameters), its slope
-  (change per 10x parameters) with a 95 % t-interval (n - 2 degrees of freedom), and the verdict:
-  the effect *shrinks* (the slope's interval lies on the side opposite to the mean effect), *grows*
-  (the same side), or *cannot be told at this scale* (the interval holds 0).
+* over sizes, per seed the least-squares line of its differences on log10(parameters), and the mean of
+  the per-seed slopes (change per 10x parameters) with its 95 % t-interval over the seeds (n - 1 degrees
+  of freedom, n seeds; :func:`seed_stats.across_seeds`): seed S shares its corpus, held-out sets and data
+  order at every size, so the sizes' points are not independent and the seed stays the unit. The
+  verdict: the effect *shrinks* (the slope's interval lies on the side opposite to the effect at the
+  smallest size), *grows* (the same side), or *cannot be told at this scale* (the interval holds 0).
+
+Every test across cells (a slope, a contrast of two cells, a fit over the cells, the pooled effect) is a
+per-seed statistic tested across the seeds (issue 56): per-seed contrasts and slopes, then the one-sample
+t-test and the exact sign-flip test over the seeds.
 
 Writes ``OUT/sweep.json`` (every number), ``OUT/sweep.md`` and ``OUT/size_sweep.png``
 (:func:`figures.sweep_figure`). Parameters are counted on the meta device from each preset's model
@@ -48,7 +54,7 @@ import seed_stats  # noqa: E402
 import study  # noqa: E402
 
 BETTER = {"prose_text_ppl": -1, "number_token_mae": -1, "number_token_acc": 1, "question_acc": 1,
-          "prose_ppl": -1, "code_ppl": -1, "numeric_ppl": -1, "numeric_number_token_was": -1,
+          "number_token_ppl": -1, "prose_ppl": -1, "code_ppl": -1, "numeric_ppl": -1, "numeric_number_token_was": -1,
           "numeric_number_token_acc": 1}  # fmt: skip
 """The sign of a gain for NTL on each difference (lower perplexity and error, higher accuracy)."""
 
@@ -64,6 +70,7 @@ METRICS: dict[str, tuple[str, str, bool, str]] = {
 MORE_METRICS: dict[str, tuple[str, str, bool, str]] = {
     "prose_ppl": ("heldout:prose", "ppl", True, "prose perplexity: cost, % of CE"),
     "code_ppl": ("heldout:code", "ppl", True, "code perplexity: cost, % of CE"),
+    "number_token_ppl": ("heldout", "number_token_ppl", True, "number-token perplexity: change, % of CE"),
     "numeric_ppl": ("heldout:numeric", "ppl", True, "numeric-text perplexity: change, % of CE"),
     "numeric_number_token_was": (
         "heldout:numeric",
@@ -78,7 +85,8 @@ MORE_METRICS: dict[str, tuple[str, str, bool, str]] = {
         "numeric text, number-token accuracy: change, points",
     ),
 }
-"""Differences a sweep can ask for by name (``metrics: [...]``): the GPU study's (experiments/gpu_study.py),
+"""Differences a sweep can ask for by name (``metrics: [...]``): the number-token perplexity of the CPU studies
+(the cost NTL-WAS puts on the digits' likelihood), and the GPU study's (experiments/gpu_study.py),
 measured by Megatron's evaluation (perplexity over all tokens of a held-out set; NTL-WAS's E|v - t| and
 number-token accuracy)."""
 
@@ -103,6 +111,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "question_acc": (-100.0, 100.0),
     "prose_ppl": (-100.0, math.inf),
     "code_ppl": (-100.0, math.inf),
+    "number_token_ppl": (-100.0, math.inf),
     "numeric_ppl": (-100.0, math.inf),
     "numeric_number_token_was": (-100.0, math.inf),
     "numeric_number_token_acc": (-100.0, 100.0),
@@ -150,15 +159,20 @@ def parameters(preset: dict[str, Any]) -> int:
     return sum(p.numel() for p in model.parameters() if p is not embedding)
 
 
-def difference(results: dict[str, Any], arm: str, baseline: str, key: str) -> dict[str, Any] | None:
-    """The arm's per-seed difference to the baseline on metric ``key``, its mean, 95 % t-interval and t-test."""
+def difference(
+    results: dict[str, Any], arm: str, baseline: str, key: str, seed_ids: list[Any] | None = None
+) -> dict[str, Any] | None:
+    """The arm's per-seed difference to the baseline on metric ``key``, its mean, 95 % t-interval and t-test;
+    ``seed_ids``: each seed's name (default its position), kept for the tests across cells (``"seed_ids"``)."""
     split, metric, relative, _ = _spec(key)
     try:
         a = results[arm][split][metric]["seeds"]
         b = results[baseline][split][metric]["seeds"]
     except KeyError:
         return None
-    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None and math.isfinite(x + y)]
+    ids = list(range(len(a))) if seed_ids is None else list(seed_ids)
+    kept = [(i, x, y) for i, x, y in zip(ids, a, b) if x is not None and y is not None and math.isfinite(x + y)]
+    pairs = [(x, y) for _, x, y in kept]
     if not pairs:
         return None
     scale = 100.0 / statistics.fmean(y for _, y in pairs) if relative else 100.0
@@ -169,37 +183,68 @@ def difference(results: dict[str, Any], arm: str, baseline: str, key: str) -> di
     if len(seeds) < 2 or test["no_spread"]:  # one seed, or no spread: no interval (not a zero-width one)
         low = high = math.nan
     return {"seeds": seeds, "mean": mean, "low": low, "high": high, "p_seed_t": test["p_seed_t"],
-            "p_sign_flip": seed_stats.sign_flip_p(seeds), "n": len(pairs), "no_spread": test["no_spread"]}  # fmt: skip
+            "p_sign_flip": seed_stats.sign_flip_p(seeds), "n": len(pairs), "no_spread": test["no_spread"],
+            "seed_ids": [i for i, _, _ in kept]}  # fmt: skip
 
 
-def trend(points: list[tuple[float, float]]) -> dict[str, Any] | None:
-    """Least squares of the differences on log10(parameters): slope per 10x with its 95 % t-interval.
+def _seeded(points: list[tuple[Any, ...]]) -> list[tuple[float, float, Any]]:
+    """Points as ``(x, y, seed)``; an ``(x, y)`` point is the seed of its rank among the points at its x (the
+    k-th point at each x is seed k, as a cell lists its seeds)."""
+    out, rank = [], collections.Counter()
+    for point in points:
+        if len(point) == 3:
+            out.append((point[0], point[1], point[2]))
+        else:
+            out.append((point[0], point[1], rank[point[0]]))
+            rank[point[0]] += 1
+    return out
+
+
+def _seed_slope(points: list[tuple[float, float, Any]], log: Any) -> dict[str, Any]:
+    """Per seed the least-squares line of its differences on ``log(x)``; the mean slope tested across the
+    seeds (:func:`seed_stats.across_seeds`): slope, 95 % interval (seeds - 1 degrees of freedom), p, sign-flip p."""
+    lines = seed_stats.seed_slopes([(log(x), y, seed) for x, y, seed in points])
+    test = seed_stats.across_seeds([slope for slope, _ in lines.values()])
+    intercept = statistics.fmean(b for _, b in lines.values()) if lines else math.nan
+    return {"slope": test["mean"], "low": test["low"], "high": test["high"], "intercept": intercept, "p": test["p"],
+            "p_sign_flip": test["p_sign_flip"], "n": len(points), "n_seeds": test["n"], "df": test["df"],
+            "per_seed": {str(seed): slope for seed, (slope, _) in lines.items()}, "no_spread": test["no_spread"],
+            "method": "per-seed least-squares slopes, one-sample t over the seeds"}  # fmt: skip
+
+
+def trend(points: list[tuple[Any, ...]]) -> dict[str, Any] | None:
+    """Per seed, the least-squares line of its differences on log10(parameters); the mean per-seed slope per
+    10x with its 95 % t-interval over the seeds (points: ``(parameters, difference[, seed])``).
 
     No verdict while a size has fewer than 2 seeds: a single seed at the end of the range has the
     leverage to decide it alone (the slope and its interval are still given)."""
     from scipy import stats
 
-    if len({x for x, _ in points}) < 2 or len(points) < 3:
+    points = _seeded(points)
+    if len({x for x, _, _ in points}) < 2 or len(points) < 3:
         return None
-    if seed_stats.no_spread([y for _, y in points]):  # the same difference at every seed and size: nothing to fit
+    if seed_stats.no_spread([y for _, y, _ in points]):  # the same difference at every seed and size: nothing to fit
         verdict = f"not given: no spread over {len(points)} seeds (every difference {points[0][1]:+.3g})"
         return {"slope": 0.0, "low": math.nan, "high": math.nan, "intercept": points[0][1], "p": math.nan,
                 "n": len(points), "no_spread": True, "verdict": verdict}  # fmt: skip
-    fit = stats.linregress([math.log10(x) for x, _ in points], [y for _, y in points])
-    half = float(stats.t.ppf(0.975, len(points) - 2)) * float(fit.stderr)
-    slope = float(fit.slope)
+    fit = _seed_slope(points, math.log10)
+    slope, half_open = fit["slope"], not (math.isfinite(fit["low"]) and math.isfinite(fit["high"]))
     # the effect's sign is the fitted line's at the smallest size: a pooled mean would flip with how far
     # an effect that changes sign overshoots, and relabel one and the same slope
-    start = float(fit.intercept) + slope * math.log10(min(x for x, _ in points))
-    if min(collections.Counter(x for x, _ in points).values()) < 2:  # seeds per size
+    start = fit["intercept"] + slope * math.log10(min(x for x, _, _ in points))
+    if min(collections.Counter(x for x, _, _ in points).values()) < 2:  # seeds per size
         verdict = "not given: a size has one seed"
-    elif slope - half <= 0 <= slope + half:
+    elif fit["no_spread"]:
+        verdict = f"not given: {seed_stats.spread_note(fit['n_seeds'])} (every per-seed slope {slope:+.3g})"
+    elif half_open:
+        verdict = "not given: fewer than 2 seeds span two sizes"
+    elif fit["low"] <= 0 <= fit["high"]:
         verdict = "cannot be told at this scale"
     else:
         verdict = "shrinks" if (slope < 0) == (start > 0) else "grows"
     means = None  # the same line through the sizes' means: the sizes, not the seeds, as the replicates
     by_size = collections.defaultdict(list)
-    for x, y in points:
+    for x, y, _ in points:
         by_size[x].append(y)
     if len(by_size) >= 3:
         xs = sorted(by_size)
@@ -207,42 +252,112 @@ def trend(points: list[tuple[float, float]]) -> dict[str, Any] | None:
         half_means = float(stats.t.ppf(0.975, len(xs) - 2)) * float(on_means.stderr)
         means = {"slope": float(on_means.slope), "low": float(on_means.slope) - half_means,
                  "high": float(on_means.slope) + half_means, "p": float(on_means.pvalue), "n": len(xs)}  # fmt: skip
-    return {"slope": slope, "low": slope - half, "high": slope + half, "intercept": float(fit.intercept),
-            "p": float(fit.pvalue), "n": len(points), "verdict": verdict, "on_size_means": means}  # fmt: skip
+    return {**fit, "verdict": verdict, "on_size_means": means}
 
 
-def slope_per_doubling(points: list[tuple[float, float]]) -> dict[str, Any] | None:
-    """Least squares of the differences on log2(x) (x: tokens per parameter): the slope per doubling of
-    x with its 95 % t-interval (n - 2 degrees of freedom) and p; None with fewer than 2 distinct x or 3 points."""
-    from scipy import stats
-
-    if len({x for x, _ in points}) < 2 or len(points) < 3:
+def slope_per_doubling(points: list[tuple[Any, ...]]) -> dict[str, Any] | None:
+    """Per seed, the least-squares line of its differences on log2(x) (x: tokens per parameter); the mean
+    per-seed slope per doubling of x with its 95 % t-interval over the seeds (seeds - 1 degrees of freedom),
+    the one-sample t p and the exact sign-flip p (points: ``(x, difference[, seed])``); None with fewer
+    than 2 distinct x or 3 points."""
+    points = _seeded(points)
+    if len({x for x, _, _ in points}) < 2 or len(points) < 3:
         return None
-    if seed_stats.no_spread([y for _, y in points]):  # every difference the same: no interval, no test
+    if seed_stats.no_spread([y for _, y, _ in points]):  # every difference the same: no interval, no test
         return {"slope": 0.0, "low": math.nan, "high": math.nan, "intercept": points[0][1], "p": math.nan,
                 "n": len(points), "no_spread": True}  # fmt: skip
-    fit = stats.linregress([math.log2(x) for x, _ in points], [y for _, y in points])
-    half = float(stats.t.ppf(0.975, len(points) - 2)) * float(fit.stderr)
-    return {"slope": float(fit.slope), "low": float(fit.slope) - half, "high": float(fit.slope) + half,
-            "intercept": float(fit.intercept), "p": float(fit.pvalue), "n": len(points)}  # fmt: skip
+    return _seed_slope(points, math.log2)
 
 
-def contrast(a: list[float], b: list[float]) -> dict[str, Any] | None:
-    """Cell a's mean per-seed difference minus cell b's: Welch's t-interval (95 %) and test (two cells
-    of different seeds' runs: independent samples). None with fewer than 2 seeds in a cell."""
-    from scipy import stats
-
-    if len(a) < 2 or len(b) < 2:
+def contrast(
+    a: list[float], b: list[float], seeds_a: list[Any] | None = None, seeds_b: list[Any] | None = None
+) -> dict[str, Any] | None:
+    """Cell a's per-seed difference minus cell b's, seed by seed (seed S of both cells: the same corpus,
+    held-out sets and data order, and within a size the same initialisation, so the cells are paired, not
+    independent samples), tested across the seeds: mean, 95 % t-interval (seeds - 1 degrees of freedom),
+    one-sample t p and exact sign-flip p (:func:`seed_stats.across_seeds`). ``seeds_a``/``seeds_b``: the
+    seeds' names (default their positions); seeds in one cell only are left out. None with fewer than 2
+    seeds in both cells."""
+    ids_a = list(range(len(a))) if seeds_a is None else list(seeds_a)
+    ids_b = dict(zip(list(range(len(b))) if seeds_b is None else list(seeds_b), b))
+    common = [(seed, x - ids_b[seed]) for seed, x in zip(ids_a, a) if seed in ids_b]
+    if len(common) < 2:
         return None
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    diff = statistics.fmean(a) - statistics.fmean(b)
-    if va + vb == 0:  # no spread in either cell: no interval (not a zero-width one), no test, no reading
-        return {"diff": diff, "low": math.nan, "high": math.nan, "p": math.nan, "df": math.nan, "n": [len(a), len(b)],
-                "no_spread": True}  # fmt: skip
-    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    half = float(stats.t.ppf(0.975, df)) * math.sqrt(va + vb)
-    p = float(stats.ttest_ind(a, b, equal_var=False).pvalue)
-    return {"diff": diff, "low": diff - half, "high": diff + half, "p": p, "df": df, "n": [len(a), len(b)]}
+    test = seed_stats.across_seeds([d for _, d in common])
+    out = {"diff": test["mean"], "low": test["low"], "high": test["high"], "p": test["p"],
+           "p_sign_flip": test["p_sign_flip"], "df": test["df"], "n": len(common), "seed_ids": [s for s, _ in common],
+           "per_seed": [d for _, d in common], "method": "per-seed contrasts, one-sample t over the seeds"}  # fmt: skip
+    if test["no_spread"]:  # every seed's contrast the same: no interval (not a zero-width one), no test, no reading
+        out["no_spread"] = True
+    return out
+
+
+def pooled(rows: list[dict[str, Any]], arm: str, key: str) -> dict[str, Any] | None:
+    """The effect pooled over cells with the seed as the unit: per seed the mean of its differences over
+    every cell (seeds found in every cell), tested across the seeds (:func:`seed_stats.across_seeds`), and
+    the direction count over every seed pair of every cell (descriptive: pairs of one seed share its corpus)."""
+    cells = [row["differences"][arm].get(key) for row in rows]
+    cells = [cell for cell in cells if cell]
+    if not cells:
+        return None
+    per_seed: dict[Any, list[float]] = collections.defaultdict(list)
+    for cell in cells:
+        for seed, d in zip(cell.get("seed_ids") or range(len(cell["seeds"])), cell["seeds"]):
+            per_seed[seed].append(d)
+    complete = [seed for seed, values in per_seed.items() if len(values) == len(cells)]
+    bounds = RANGES.get(key, (-math.inf, math.inf))
+    test = seed_stats.across_seeds([statistics.fmean(per_seed[s]) for s in complete], bounds)
+    every = [d for cell in cells for d in cell["seeds"]]
+    return {"cells": len(cells), "pairs": len(every), "below_zero": sum(1 for d in every if d < 0),
+            "above_zero": sum(1 for d in every if d > 0), "seeds": complete, **test}  # fmt: skip
+
+
+MODELS: dict[str, tuple[str, tuple[float, float]]] = {
+    "training tokens only": ("the size coefficient is 0", (1.0, 0.0)),
+    "tokens per parameter only": ("the size and tokens coefficients sum to 0", (1.0, 1.0)),
+    "size only": ("the tokens coefficient is 0", (0.0, 1.0)),
+}
+"""Models of a cell's effect, each a restriction of "size plus tokens" (effect = a + b_size log2(parameters) +
+b_tokens log2(tokens)): the combination (weights on b_size, b_tokens) the restriction sets to 0 (tokens per
+parameter only: b_size = -b_tokens)."""
+
+
+def models(rows: list[dict[str, Any]], arm: str, key: str) -> dict[str, Any] | None:
+    """Which variable the cells' effects follow, with the seed as the unit: per seed, the least-squares fit of
+    its differences over the cells on log2(parameters) and log2(training tokens) ("size plus tokens"); each
+    single-variable model (:data:`MODELS`) is that fit with one combination of the coefficients at 0, tested
+    across the seeds (one-sample t of the per-seed combination; a small p rejects the model). None without
+    the cells' tokens and parameters or with fewer than 4 distinct cells."""
+    import numpy as np
+
+    cells = [(row, row["differences"][arm].get(key)) for row in rows]
+    cells = [(row, cell) for row, cell in cells if cell and row.get("tokens") and row.get("parameters")]
+    if len({(row["parameters"], row["tokens"]) for row, _ in cells}) < 4:
+        return None
+    per_seed: dict[Any, list[tuple[float, float, float]]] = collections.defaultdict(list)
+    for row, cell in cells:
+        for seed, d in zip(cell.get("seed_ids") or range(len(cell["seeds"])), cell["seeds"]):
+            per_seed[seed].append((math.log2(row["parameters"]), math.log2(row["tokens"]), d))
+    coefficients = {}
+    for seed, points in per_seed.items():
+        if len(points) == len(cells):
+            design = np.array([[1.0, p, t] for p, t, _ in points])
+            coefficients[seed] = np.linalg.lstsq(design, np.array([d for _, _, d in points]), rcond=None)[0]
+    out: dict[str, Any] = {"cells": len(cells), "seeds": list(coefficients),
+                           "b_size": seed_stats.across_seeds([float(c[1]) for c in coefficients.values()]),
+                           "b_tokens": seed_stats.across_seeds([float(c[2]) for c in coefficients.values()]),
+                           "restrictions": {}}  # fmt: skip
+    for name, (restriction, (w_size, w_tokens)) in MODELS.items():
+        values = [float(w_size * c[1] + w_tokens * c[2]) for c in coefficients.values()]
+        out["restrictions"][name] = {"restriction": restriction, **seed_stats.across_seeds(values)}
+    return out
+
+
+def _seed_pairs(cell: dict[str, Any] | None) -> list[tuple[Any, float]]:
+    """A cell's ``(seed, difference)`` pairs (a seed's name: its ``seed_ids`` entry, else its position)."""
+    if not cell:
+        return []
+    return list(zip(cell.get("seed_ids") or range(len(cell["seeds"])), cell["seeds"]))
 
 
 def _reading(low: float, high: float, better: int, p_holm: float, smaller: str, larger: str) -> str:
@@ -271,12 +386,12 @@ def factorial(sweep: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, An
         for size in sorted({row["size"] for row in rows}):
             cells = [row for row in rows if row["size"] == size]
             for key in keys:
-                points = [(row["tokens_per_parameter"], d) for row in cells
-                          for d in (row["differences"][arm][key] or {}).get("seeds", [])]  # fmt: skip
+                points = [(row["tokens_per_parameter"], d, seed) for row in cells
+                          for seed, d in _seed_pairs(row["differences"][arm][key])]  # fmt: skip
                 fit = slope_per_doubling(points)
                 if fit:
                     fit["levels"] = sorted({row["tokens_per_parameter"] for row in cells})
-                    per_level = [sum(1 for t, _ in points if t == level) for level in fit["levels"]]
+                    per_level = [sum(1 for t, _, _ in points if t == level) for level in fit["levels"]]
                     # a level with one seed has the leverage to decide the slope alone: the slope is
                     # given, but it is no test of the family and gets no reading (as the size trend)
                     fit["one_seed_level"] = min(per_level) < 2
@@ -284,19 +399,27 @@ def factorial(sweep: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, An
                     if key in primary and not fit["one_seed_level"]:
                         family[(arm, "slope", size, key)] = fit["p"]
         contrasts: dict[str, Any] = {}
-        for item in spec.get("contrasts", []):
-            a, b = by_label.get(item["a"]), by_label.get(item["b"])
-            if not a or not b:
-                continue
-            for key in keys:
-                cell_a, cell_b = a["differences"][arm][key], b["differences"][arm][key]
-                got = contrast(cell_a["seeds"], cell_b["seeds"]) if cell_a and cell_b else None
-                if got:
-                    got.update(a=item["a"], b=item["b"])
-                    contrasts.setdefault(item["name"], {})[key] = got
-                    if key in primary:
-                        family[(arm, "contrast", item["name"], key)] = got["p"]
+        further: dict[str, Any] = {}
+        for items, into, in_family in ((spec.get("contrasts", []), contrasts, True),
+                                       (spec.get("further_contrasts", []), further, False)):  # fmt: skip
+            for item in items:
+                a, b = by_label.get(item["a"]), by_label.get(item["b"])
+                if not a or not b:
+                    continue
+                for key in keys:
+                    cell_a, cell_b = a["differences"][arm][key], b["differences"][arm][key]
+                    got = None
+                    if cell_a and cell_b:
+                        got = contrast(cell_a["seeds"], cell_b["seeds"], cell_a.get("seed_ids"), cell_b.get("seed_ids"))
+                    if got:
+                        got.update(a=item["a"], b=item["b"])
+                        into.setdefault(item["name"], {})[key] = got
+                        if key in primary and in_family:
+                            family[(arm, "contrast", item["name"], key)] = got["p"]
         out["slopes"][arm], out["contrasts"][arm] = slopes, contrasts
+        out.setdefault("further_contrasts", {})[arm] = further
+        out.setdefault("pooled", {})[arm] = {key: pooled(rows, arm, key) for key in keys}
+        out.setdefault("models", {})[arm] = {key: models(rows, arm, key) for key in keys}
     declared = spec.get("family")  # the family written before the runs; tests not yet possible count in it
     adjusted = seed_stats.holm(family, declared)
     out["family_size"] = max(sum(1 for p in family.values() if math.isfinite(p)), declared or 0)
@@ -331,15 +454,15 @@ def tabulate(sweep: dict[str, Any], sizes: list[dict[str, Any]]) -> dict[str, An
             "size": size.get("size", size["label"]), "tokens": size.get("tokens"),
             "data_varied": size.get("data_varied"),
             "tokens_per_parameter": size.get("tokens_per_parameter"),
-            "differences": {arm: {key: difference(size["results"], arm, baseline, key) for key in keys}
-                            for arm in arms},
+            "differences": {arm: {key: difference(size["results"], arm, baseline, key, size.get("seeds"))
+                                  for key in keys} for arm in arms},
         })  # fmt: skip
     trends: dict[str, Any] = {}
     for arm in arms if not sweep.get("factorial") else []:  # a factorial's cells differ in tokens too
         trends[arm] = {}
         for key in keys:
-            points = [(row["parameters"], d) for row in rows
-                      for d in ((row["differences"][arm][key] or {}).get("seeds", []))]  # fmt: skip
+            points = [(row["parameters"], d, seed) for row in rows
+                      for seed, d in _seed_pairs(row["differences"][arm][key])]  # fmt: skip
             trends[arm][key] = trend(points)
     labels = {key: {"label": _spec(key)[3]} for key in keys}
     table = {"baseline": baseline, "arms": arms, "metrics": labels, "sizes": rows, "trend": trends}
@@ -393,20 +516,24 @@ def markdown(table: dict[str, Any]) -> str:
             head = f"| {row['label']} | {row['parameters']:,} | {_tpp(row)} | {data} | {seeds} | "
             lines.append(head + " | ".join(cells) + " |")
         if table["trend"].get(arm):
-            lines += ["", "Trend over log10(parameters) (slope per 10x parameters [95 % interval]; verdict):", ""]
+            lines += ["", "Trend over log10(parameters), the seed as the unit: per seed the least-squares slope of its "
+                      "differences, then the mean slope per 10x parameters [95 % t-interval over the seeds], the "
+                      "one-sample t p and the exact sign-flip p over the seeds; verdict:", ""]  # fmt: skip
         for key, spec in table["metrics"].items():
             t = table["trend"].get(arm, {}).get(key)
             if t:
                 counts = ", ".join(str((row["differences"][arm][key] or {}).get("n", 0)) for row in table["sizes"])
                 fit = f"{t['slope']:+.2f} " + _bounds(t)
                 p = figures.p_label(t["p"]) or "p n/a"
+                if t.get("p_sign_flip") is not None and math.isfinite(t["p_sign_flip"]):
+                    p += f"; sign-flip {figures.p_label(t['p_sign_flip'])}"
                 on_means = t.get("on_size_means")
                 means = ""
                 if on_means:
                     means = (f"; through the {on_means['n']} size means ({on_means['n'] - 2} degree(s) of freedom): "
                              f"{on_means['slope']:+.2f} [{on_means['low']:+.2f}, {on_means['high']:+.2f}], "
                              f"{figures.p_label(on_means['p']) or 'p n/a'}")  # fmt: skip
-                lines.append(f"- {spec['label']}: {fit} (n = {t['n']}: {counts} seeds by size, {p}): "
+                lines.append(f"- {spec['label']}: {fit} ({t.get('n_seeds', '?')} seeds; {counts} seeds by size, {p}): "
                              f"**{t['verdict']}**{means}")  # fmt: skip
         if table.get("factorial"):
             lines += _factorial_markdown(table, arm)
@@ -414,31 +541,89 @@ def markdown(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _test_cell(got: dict[str, Any], value: str = "slope") -> str:
+    """``mean [low, high]`` of a test across seeds, or why there is no interval."""
+    return f"{got[value]:+.2f} {_bounds(got)}"
+
+
+def _flip(got: dict[str, Any]) -> str:
+    p = got.get("p_sign_flip")
+    return figures.p_label(p) if p is not None and math.isfinite(p) else "n/a"
+
+
 def _factorial_markdown(table: dict[str, Any], arm: str) -> list[str]:
     fac, labels = table["factorial"], table["metrics"]
-    lines = ["", f"Q1, per size: slope of the per-seed differences on log2(tokens per parameter), per doubling "
-             f"[95 % interval], p, Holm's p over the primary family ({fac['family_size']} tests declared, "
-             f"{fac.get('tests_run', fac['family_size'])} possible so far; {', '.join(fac['primary'])}); reading "
-             "by the rule written before the runs.", "",
-             "| size | difference | levels | points | slope per doubling | p | Holm p | reading |",
-             "|---|---|---|---:|---|---:|---:|---|"]  # fmt: skip
+    lines = ["", f"Q1, per size: per seed the least-squares slope of its differences on log2(tokens per parameter), "
+             f"then the mean slope per doubling [95 % t-interval over the seeds], the one-sample t p, Holm's p over "
+             f"the primary family ({fac['family_size']} tests declared, {fac.get('tests_run', fac['family_size'])} "
+             f"possible so far; {', '.join(fac['primary'])}) and the exact sign-flip p over the seeds (its floor at 4 "
+             "seeds: 0.125); reading by the rule written before the runs.", "",
+             "| size | difference | levels | points (seeds) | slope per doubling | t p | Holm p | sign-flip p "
+             "| reading |",
+             "|---|---|---|---:|---|---:|---:|---:|---|"]  # fmt: skip
     for size, by_key in fac["slopes"].get(arm, {}).items():
         for key, fit in by_key.items():
             holm = figures.p_label(fit["p_holm"]) or ("(secondary)" if key not in fac["primary"] else "n/a")
             levels = ", ".join(f"{x:.1f}" for x in fit["levels"])
-            lines.append(f"| {size} | {labels[key]['label']} | {levels} | {fit['n']} | {fit['slope']:+.2f} "
-                         f"{_bounds(fit)} | {figures.p_label(fit['p']) or 'n/a'} | "
-                         f"{holm} | {fit['reading'] if key in fac['primary'] else '(secondary)'} |")  # fmt: skip
-    lines += ["", "Q2, contrasts: cell a's mean difference minus cell b's, Welch's 95 % interval and p, Holm's p; "
-              "reading.", "", "| contrast | a - b | difference | a - b [95 % interval] | p | Holm p | reading |",
-              "|---|---|---|---|---:|---:|---|"]  # fmt: skip
+            lines.append(f"| {size} | {labels[key]['label']} | {levels} | {fit['n']} ({fit.get('n_seeds', '-')}) | "
+                         f"{_test_cell(fit)} | {figures.p_label(fit['p']) or 'n/a'} | {holm} | {_flip(fit)} | "
+                         f"{fit['reading'] if key in fac['primary'] else '(secondary)'} |")  # fmt: skip
+    lines += ["", "Q2, contrasts: per seed, its difference in cell a minus its difference in cell b (the same seed: "
+              "corpus, held-out sets, data order and, within a size, initialisation), then the mean [95 % t-interval "
+              "over the seeds], the one-sample t p, Holm's p and the exact sign-flip p; reading.", "",
+              "| contrast | a - b | difference | seeds | a - b [95 % interval] | t p | Holm p | sign-flip p "
+              "| reading |",
+              "|---|---|---|---:|---|---:|---:|---:|---|"]  # fmt: skip
     for name, by_key in fac["contrasts"].get(arm, {}).items():
         for key, got in by_key.items():
             primary = key in fac["primary"]
-            lines.append(f"| {name} | {got['a']} - {got['b']} | {labels[key]['label']} | {got['diff']:+.2f} "
-                         f"{_bounds(got)} | {figures.p_label(got['p']) or 'n/a'} | "
-                         f"{(figures.p_label(got['p_holm']) or 'n/a') if primary else '(secondary)'} | "
+            lines.append(f"| {name} | {got['a']} - {got['b']} | {labels[key]['label']} | {got['n']} | "
+                         f"{_test_cell(got, 'diff')} | {figures.p_label(got['p']) or 'n/a'} | "
+                         f"{(figures.p_label(got['p_holm']) or 'n/a') if primary else '(secondary)'} | {_flip(got)} | "
                          f"{got['reading'] if primary else '(secondary)'} |")  # fmt: skip
+    further = fac.get("further_contrasts", {}).get(arm, {})
+    if further:
+        lines += ["", "Contrasts outside the declared family (named after the runs, issue 56; unadjusted, no reading): "
+                  "the same per-seed computation.", "",
+                  "| contrast | a - b | difference | seeds | a - b [95 % interval] | t p | sign-flip p |",
+                  "|---|---|---|---:|---|---:|---:|"]  # fmt: skip
+        for name, by_key in further.items():
+            for key, got in by_key.items():
+                lines.append(
+                    f"| {name} | {got['a']} - {got['b']} | {labels[key]['label']} | {got['n']} | "
+                    f"{_test_cell(got, 'diff')} | {figures.p_label(got['p']) or 'n/a'} | {_flip(got)} |"
+                )
+    pooled_by_key = {k: v for k, v in fac.get("pooled", {}).get(arm, {}).items() if v}
+    if pooled_by_key:
+        lines += ["", "Pooled over every cell, the seed as the unit (outside the declared family; issue 56): per "
+                  "seed the mean of its differences over the cells, then the mean [95 % t-interval over the seeds], "
+                  "the one-sample t p and the exact sign-flip p; and the direction of every seed pair of every cell "
+                  "(descriptive: one seed's pairs share its corpus).", "",
+                  "| difference | cells | seeds | pooled [95 % interval] | t p | sign-flip p | pairs below 0 "
+                  "| pairs above 0 |",
+                  "|---|---:|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+        for key, got in pooled_by_key.items():
+            lines.append(f"| {labels[key]['label']} | {got['cells']} | {got['n']} | {_test_cell(got, 'mean')} | "
+                         f"{figures.p_label(got['p']) or 'n/a'} | {_flip(got)} | "
+                         f"{got['below_zero']} of {got['pairs']} | "
+                         f"{got['above_zero']} of {got['pairs']} |")  # fmt: skip
+    fits = {k: v for k, v in fac.get("models", {}).get(arm, {}).items() if v}
+    if fits:
+        lines += ["", "Which variable the effects follow (outside the declared family, after the runs; issue 56): per "
+                  "seed the least-squares fit of its differences over the cells on log2(parameters) and log2(training "
+                  "tokens), \"size plus tokens\"; each single-variable model is that fit with one combination of the "
+                  "coefficients at 0, tested across the seeds (mean of the per-seed combination [95 % interval], "
+                  "one-sample t p: a small p rejects the model; unadjusted).", "",
+                  "| difference | cells | seeds | size coefficient, per doubling of parameters "
+                  "| tokens coefficient, per doubling of tokens | "
+                  + " | ".join(f"{name}: p" for name in MODELS) + " |",
+                  "|---|---:|---:|---|---|" + "---:|" * len(MODELS)]  # fmt: skip
+        for key, got in fits.items():
+            ps = " | ".join(figures.p_label(got["restrictions"][name]["p"]) or "n/a" for name in MODELS)
+            lines.append(
+                f"| {labels[key]['label']} | {got['cells']} | {len(got['seeds'])} | "
+                f"{_test_cell(got['b_size'], 'mean')} | {_test_cell(got['b_tokens'], 'mean')} | {ps} |"
+            )
     return lines
 
 
@@ -530,7 +715,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         count = parameters(preset)
         sizes.append({"label": entry["label"], "parameters": count, "results": results, "results_path": path,
                       "size": entry.get("size", entry["label"]), "tokens": tokens(preset),
-                      "data_varied": study.data_seeded(preset),
+                      "data_varied": study.data_seeded(preset), "seeds": preset.get("seeds"),
                       "tokens_per_parameter": tokens(preset) / count})  # fmt: skip
     table = tabulate(sweep, sizes)
     table["seconds"] = time.time() - start

@@ -193,3 +193,57 @@ def test_equal_differences_have_no_spread_and_no_interval(diff):
     # a control: differences that vary get their interval and test
     varied = seed_stats.seed_test([b + diff + 0.01 * i for i, b in enumerate(baseline)], baseline, "accuracy")
     assert varied["no_spread"] is False and all(math.isfinite(x) for x in varied["ci95"])
+
+
+def test_across_seeds_is_the_one_sample_test_of_the_per_seed_values():
+    """Issue 56: a statistic per seed (a contrast of two cells, a slope over cells) tested across the seeds, the seed
+    the unit: against scipy's one-sample t-test and its interval, and the sign-flip enumeration written here."""
+    values = [4.1, 6.3, 2.2, 7.0]
+    got = seed_stats.across_seeds(values)
+    ref = stats.ttest_1samp(values, 0.0)
+    ci = ref.confidence_interval(0.95)
+    assert (got["mean"], got["low"], got["high"]) == pytest.approx((np.mean(values), ci.low, ci.high), rel=1e-12)
+    assert got["p"] == pytest.approx(ref.pvalue, rel=1e-12) and got["df"] == 3 and got["n"] == 4
+    assert got["p_sign_flip"] == _enumerated(values) == 0.125 and got["no_spread"] is False
+    clipped = seed_stats.across_seeds([0.9, 0.1, 0.5, 0.95], bounds=(-1.0, 1.0))
+    assert clipped["high"] == 1.0 and clipped["low"] < 1.0
+
+
+def test_a_per_seed_contrast_of_two_cells_is_the_paired_test_of_the_cells():
+    """The contrast of two cells seed by seed is the paired t-test of the cells' per-seed differences (scipy's
+    ``ttest_rel``), not Welch's: the seeds' shared corpus cancels; the mean is the difference of the cells' means."""
+    cell_a = [-4.1, -3.6, -5.0, -4.0]  # seed s's NTL-minus-CE difference in cell a
+    cell_b = [-9.4, -8.2, -11.3, -7.5]
+    got = seed_stats.across_seeds([a - b for a, b in zip(cell_a, cell_b)])
+    ref = stats.ttest_rel(cell_a, cell_b)
+    ci = ref.confidence_interval(0.95)
+    assert got["mean"] == pytest.approx(np.mean(cell_a) - np.mean(cell_b), rel=1e-12)
+    assert (got["low"], got["high"], got["p"]) == pytest.approx((ci.low, ci.high, ref.pvalue), rel=1e-12)
+    assert got["p"] != pytest.approx(stats.ttest_ind(cell_a, cell_b, equal_var=False).pvalue, rel=1e-3)
+
+
+def test_seed_slopes_are_each_seed_s_least_squares_line():
+    xs = [1.0, 3.0, 5.0]
+    ys = {0: [2.0, 1.0, -1.5], 1: [1.0, 0.2, -2.0], 2: [3.0, 2.5, 0.0]}
+    points = [(x, y, seed) for seed, values in ys.items() for x, y in zip(xs, values)] + [(1.0, 9.0, 3)]
+    lines = seed_stats.seed_slopes(points)
+    assert set(lines) == {0, 1, 2}  # seed 3 has one x: no line
+    for seed, values in ys.items():
+        slope, intercept = np.polyfit(xs, values, 1)
+        assert lines[seed] == pytest.approx((slope, intercept), rel=1e-12)
+    got = seed_stats.across_seeds([slope for slope, _ in lines.values()])
+    ref = stats.ttest_1samp([np.polyfit(xs, v, 1)[0] for v in ys.values()], 0.0)
+    assert got["p"] == pytest.approx(ref.pvalue, rel=1e-10)
+
+
+@pytest.mark.parametrize("value", [0.0, 2.5, -0.0625])
+def test_equal_per_seed_values_have_no_spread_and_no_test(value):
+    """Every seed's contrast (or slope) the same: no interval, no t-test ("no spread over n seeds"); the sign-flip p
+    stays exact; one seed: no interval, no test."""
+    got = seed_stats.across_seeds([value] * 4)
+    assert got["no_spread"] is True and math.isnan(got["low"]) and math.isnan(got["high"]) and math.isnan(got["p"])
+    assert (
+        got["p_sign_flip"] == _enumerated([value] * 4) and seed_stats.spread_note(got["n"]) == "no spread over 4 seeds"
+    )
+    one = seed_stats.across_seeds([1.5])
+    assert one["n"] == 1 and math.isnan(one["low"]) and math.isnan(one["p"]) and one["no_spread"] is False

@@ -3,7 +3,10 @@
 The mean, 95 % t-interval and seed-level paired t-test are checked against numbers computed here from
 the definitions (float64, scipy's t quantile and ``ttest_rel``); a size with one seed so far states its
 difference without an interval or a test (not a zero-width interval), in the table, the JSON and the
-figure; the trend's slope is numpy's least-squares line, and no verdict is given while a size has one seed.
+figure; the trend's slope is the mean of each seed's numpy least-squares line, tested across the seeds
+(scipy's one-sample t-test), and no verdict is given while a size has one seed. Every test across cells has
+the seed as the unit (issue 56): a contrast of two cells is scipy's paired ``ttest_rel`` of the cells' per-seed
+differences, a slope the one-sample t-test of the per-seed slopes.
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ def test_intervals_are_clipped_to_what_a_difference_can_take():
 
 
 def test_factorial_slopes_contrasts_and_their_reading():
-    """Two sizes, three and two levels of tokens per parameter; the slope on log2(tokens per parameter)
-    is numpy's least-squares line, each contrast is Welch's interval computed here, Holm over the primary
-    family counts the 2 slopes and 1 contrast of each primary metric, and the reading follows the rule."""
+    """Two sizes, three and two levels of tokens per parameter; the slope on log2(tokens per parameter) is
+    the mean of the seeds' numpy least-squares lines with scipy's one-sample t-test over them, each contrast
+    scipy's paired t-test of the two cells' per-seed differences (seed s against seed s, not Welch's), Holm
+    over the primary family counts the 2 slopes and 1 contrast of each primary metric, and the reading
+    follows the rule."""
     gains = {("s", 2.4): [-1.0, -1.5, -0.5, -1.2], ("s", 9.6): [-5.0, -5.5, -4.8, -5.2],
              ("s", 38.4): [-9.0, -9.4, -8.9, -9.3], ("m", 2.4): [-2.0, -2.5, -1.0, -2.2],
              ("m", 9.6): [-2.2, -2.0, -1.9, -2.6]}  # fmt: skip
@@ -68,19 +73,23 @@ def test_factorial_slopes_contrasts_and_their_reading():
     out = sweep.factorial(spec, rows)
     assert out["family_size"] == 3
     fit = out["slopes"]["NTL"]["s"]["number_token_mae"]
-    xs = [math.log2(t) for t in (2.4, 9.6, 38.4) for _ in range(4)]
-    ys = gains[("s", 2.4)] + gains[("s", 9.6)] + gains[("s", 38.4)]
-    slope, _ = np.polyfit(xs, ys, 1)
-    assert fit["slope"] == pytest.approx(slope, rel=1e-10) and fit["n"] == 12
+    xs = [math.log2(t) for t in (2.4, 9.6, 38.4)]
+    slopes = [np.polyfit(xs, [gains[("s", t)][seed] for t in (2.4, 9.6, 38.4)], 1)[0] for seed in range(4)]
+    ref = stats.ttest_1samp(slopes, 0.0)
+    ci = ref.confidence_interval(0.95)
+    assert (fit["slope"], fit["low"], fit["high"], fit["p"]) == pytest.approx(
+        (np.mean(slopes), ci.low, ci.high, ref.pvalue), rel=1e-10
+    )
+    assert fit["n"] == 12 and fit["n_seeds"] == 4 and fit["df"] == 3
     assert fit["reading"] == "the gain falls as tokens per parameter fall"  # MAE closer to 0 at 2.4
     a, b = gains[("m", 2.4)], gains[("m", 9.6)]
-    va, vb = np.var(a, ddof=1) / 4, np.var(b, ddof=1) / 4
-    df = (va + vb) ** 2 / (va**2 / 3 + vb**2 / 3)
-    half = stats.t.ppf(0.975, df) * math.sqrt(va + vb)
+    paired = stats.ttest_rel(a, b)
+    ci = paired.confidence_interval(0.95)
     got = out["contrasts"]["NTL"]["tokens at m"]["number_token_mae"]
-    assert (got["diff"], got["low"], got["high"]) == pytest.approx(
-        (np.mean(a) - np.mean(b), np.mean(a) - np.mean(b) - half, np.mean(a) - np.mean(b) + half), rel=1e-10
+    assert (got["diff"], got["low"], got["high"], got["p"]) == pytest.approx(
+        (np.mean(a) - np.mean(b), ci.low, ci.high, paired.pvalue), rel=1e-10
     )
+    assert got["n"] == 4 and got["seed_ids"] == [0, 1, 2, 3]
     assert got["reading"] == "not resolved"
 
 
@@ -107,23 +116,29 @@ def _points(last: list[float]) -> list[tuple[float, float]]:
 def test_trend_is_the_least_squares_line_and_waits_for_a_second_seed():
     for last, verdict_given in (([1.5], False), ([1.5, 1.7], True)):
         points = _points(last)
-        slope, intercept = np.polyfit([math.log10(x) for x, _ in points], [y for _, y in points], 1)
+        by_seed: dict[int, list[tuple[float, float]]] = {}
+        for k, (x, y) in enumerate(points):  # the k-th point at each size is seed k
+            by_seed.setdefault(sum(1 for xx, _ in points[:k] if xx == x), []).append((math.log10(x), y))
+        lines = [np.polyfit([x for x, _ in xy], [y for _, y in xy], 1) for xy in by_seed.values()]
+        ref = stats.ttest_1samp([line[0] for line in lines], 0.0)
         t = sweep.trend(points)
-        assert (t["slope"], t["intercept"]) == pytest.approx((slope, intercept), rel=1e-10)
-        assert t["low"] < t["slope"] < t["high"] and t["n"] == len(points)
+        assert (t["slope"], t["intercept"], t["p"]) == pytest.approx(
+            (np.mean([line[0] for line in lines]), np.mean([line[1] for line in lines]), ref.pvalue), rel=1e-10
+        )
+        assert t["low"] < t["slope"] < t["high"] and t["n"] == len(points) and t["n_seeds"] == 4
         assert (t["verdict"] != "not given: a size has one seed") is verdict_given
 
 
 def test_trend_verdict_reads_the_effect_at_the_smallest_size():
     # a gain that starts at +3 and ends below 0: its pooled mean is negative, yet the effect shrinks;
     # the same points mirrored grow from -3 (a cost that grows), and a flat effect cannot be told
-    falling = [(2e5, d) for d in (3.1, 2.9)] + [(8e5, d) for d in (0.1, -0.1)] + [(3.2e6, d) for d in (-3.9, -4.1)]
+    falling = [(2e5, d) for d in (3.1, 2.9)] + [(8e5, d) for d in (0.1, -0.1)] + [(3.2e6, d) for d in (-3.9, -4.4)]
     assert statistics.fmean(d for _, d in falling) < 0
     assert sweep.trend(falling)["verdict"] == "shrinks"
     assert sweep.trend([(x, -d) for x, d in falling])["verdict"] == "shrinks"
     rising = [(x, 7.0 + d) for (x, _), (_, d) in zip(falling, reversed(falling))]  # +3 .. +10: away from zero
     assert sweep.trend(rising)["verdict"] == "grows"
-    flat = [(x, 2.0 + (0.3 if k % 2 else -0.3)) for k, (x, _) in enumerate(falling)]
+    flat = [(x, 2.0 + d) for x, d in zip([2e5, 2e5, 8e5, 8e5, 3.2e6, 3.2e6], (0.3, -0.3, 0.0, 0.0, -0.3, 0.3))]
     assert sweep.trend(flat)["verdict"] == "cannot be told at this scale"
 
 
@@ -182,8 +197,8 @@ def test_a_factorial_slope_with_a_one_seed_level_gets_no_reading_and_no_place_in
     spec = {"arms": ["NTL"], "factorial": {"primary": ["number_token_mae"]}}
     out = sweep.factorial(spec, rows)
     fit = out["slopes"]["NTL"]["m"]["number_token_mae"]
-    slope, _ = np.polyfit([math.log2(2.4)] * 4 + [math.log2(9.6)], [-2.0, -2.5, -1.0, -2.2, -11.0], 1)
-    assert fit["slope"] == pytest.approx(slope, rel=1e-10)
+    slope, _ = np.polyfit([math.log2(2.4), math.log2(9.6)], [-2.0, -11.0], 1)  # seed 0, the one seed at both
+    assert fit["slope"] == pytest.approx(slope, rel=1e-10) and fit["n_seeds"] == 1 and math.isnan(fit["low"])
     assert fit["reading"] == "no reading yet: a level has one seed"
     assert out["tests_run"] == 0 and math.isnan(fit["p_holm"])
 
@@ -206,3 +221,45 @@ def test_equal_differences_are_stated_as_no_spread_never_a_verdict():
     got = sweep.contrast([12.5, 12.5], [6.25, 6.25])
     assert got["no_spread"] and math.isnan(got["low"]) and math.isnan(got["p"])
     assert sweep._reading(got["low"], got["high"], 1, got["p"], "smaller", "larger") == "not resolved"
+
+
+def test_pooled_effect_models_and_further_contrasts_take_the_seed_as_the_unit():
+    """Issue 56: the effect pooled over cells is scipy's one-sample t-test of each seed's mean over the cells; the
+    model comparison tests, across the seeds, one combination of each seed's least-squares coefficients on
+    log2(parameters) and log2(tokens); a contrast pairs the cells by seed name, not position; a further contrast
+    is reported outside Holm's family."""
+    cells = {("s", 2.4): [-1.0, -1.5, -0.5, -1.2], ("s", 9.6): [-5.0, -5.5, -4.8, -5.2],
+             ("m", 2.4): [-2.0, -2.5, -1.0, -2.2], ("m", 9.6): [-6.2, -6.0, -5.1, -6.6],
+             ("l", 2.4): [-3.1, -2.4, -2.0, -2.9]}  # fmt: skip
+    params = {"s": 2.0e5, "m": 8.0e5, "l": 3.2e6}
+    rows = []
+    for (size, tpp), diffs in cells.items():
+        differences = {key: None for key in sweep.METRICS}
+        differences["number_token_mae"] = {"seeds": diffs, "n": 4, "mean": float(np.mean(diffs)),
+                                           "seed_ids": [0, 1, 2, 3]}  # fmt: skip
+        rows.append({"label": f"{size} @ {tpp}", "size": size, "tokens_per_parameter": tpp,
+                     "parameters": params[size], "tokens": tpp * params[size],
+                     "differences": {"NTL": differences}})  # fmt: skip
+    rows[1]["differences"]["NTL"]["number_token_mae"].update(seeds=[-5.2, -4.8, -5.5, -5.0], seed_ids=[3, 2, 1, 0])
+    spec = {"arms": ["NTL"], "factorial": {"primary": ["number_token_mae"],
+            "contrasts": [{"name": "tokens at s", "a": "s @ 2.4", "b": "s @ 9.6"}],
+            "further_contrasts": [{"name": "size at 9.6", "a": "s @ 9.6", "b": "m @ 9.6"}]}}  # fmt: skip
+    out = sweep.factorial(spec, rows)
+    paired = stats.ttest_rel(cells[("s", 2.4)], cells[("s", 9.6)])  # seed by seed, the names matched
+    assert out["contrasts"]["NTL"]["tokens at s"]["number_token_mae"]["p"] == pytest.approx(paired.pvalue, rel=1e-10)
+    further = out["further_contrasts"]["NTL"]["size at 9.6"]["number_token_mae"]
+    assert further["p"] == pytest.approx(stats.ttest_rel(cells[("s", 9.6)], cells[("m", 9.6)]).pvalue, rel=1e-10)
+    assert "p_holm" not in further and out["tests_run"] == 3  # 2 slopes, 1 contrast: not the further one
+    per_seed = np.mean([cells[key] for key in cells], axis=0)
+    pooled = out["pooled"]["NTL"]["number_token_mae"]
+    assert (pooled["mean"], pooled["p"]) == pytest.approx((per_seed.mean(), stats.ttest_1samp(per_seed, 0).pvalue))
+    assert pooled["below_zero"] == 20 and pooled["pairs"] == 20 and pooled["cells"] == 5
+    design = np.array([[1.0, math.log2(params[size]), math.log2(tpp * params[size])] for size, tpp in cells])
+    coef = np.linalg.lstsq(design, np.array([cells[key] for key in cells]), rcond=None)[0]  # 3 x seeds
+    fits = out["models"]["NTL"]["number_token_mae"]
+    for name, combination in (("training tokens only", coef[1]), ("tokens per parameter only", coef[1] + coef[2]),
+                              ("size only", coef[2])):  # fmt: skip
+        assert fits["restrictions"][name]["p"] == pytest.approx(stats.ttest_1samp(combination, 0).pvalue, rel=1e-8)
+    text = sweep.markdown({"baseline": "CE", "arms": ["NTL"], "metrics": {k: {"label": k} for k in sweep.METRICS},
+                           "sizes": [], "trend": {}, "factorial": out})  # fmt: skip
+    assert "size at 9.6" in text and "Pooled over every cell" in text and "tokens per parameter only: p" in text
