@@ -235,7 +235,7 @@ def chunked_forward(original: Callable, loss: Any, multiplier: float) -> Callabl
     ``original``."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    # transformers 5.24 renamed the output's past_key_values to cache (the old name is deprecated there)
+    # transformers 5.24 renamed the output's past_key_values to cache (the old name survives there as an alias)
     cache = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
     def forward(
