@@ -23,6 +23,22 @@ constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==${torch_version}" >"$constraints"
 
+# An editable install of another checkout in this Python is re-pointed here: said, never silent (one
+# environment per checkout keeps them apart: python3 -m venv .venv && PYTHON=.venv/bin/python make run)
+other=$("$PYTHON" -c '
+import importlib.metadata as m, json, os, sys
+try:
+    url = json.loads(m.distribution("ntl_scale").read_text("direct_url.json") or "{}").get("url", "")
+except Exception:
+    url = ""
+path = url.removeprefix("file://")
+print(path if path and os.path.realpath(path) != os.path.realpath(sys.argv[1]) else "")
+' "$PWD")
+if [[ -n "$other" ]]; then
+  echo "[setup] WARNING: $PYTHON has ntl_scale installed from another checkout ($other); this set-up re-points" \
+    "it to $PWD. Use one environment per checkout: python3 -m venv .venv && PYTHON=.venv/bin/python make run" >&2
+fi
+
 echo "[setup] installing ntl_scale[${extras}] (torch ${torch_version} kept as is)"
 "$PYTHON" -m pip install --quiet --constraint "$constraints" -e ".[${extras}]"
 # what a Megatron-LM checkout's pretrain_gpt.py imports beyond megatron-core
