@@ -219,20 +219,14 @@ def _factorial_says(sweep: dict[str, Any]) -> str:
     """The figure's headline: which tests of the declared family are resolved after Holm (the seed the unit)."""
     fac, labels = sweep.get("factorial", {}), sweep["metrics"]
     resolved = []
-    for _arm, by_size in fac.get("slopes", {}).items():
-        for size, by_key in by_size.items():
-            for key, fit in by_key.items():
-                holm = fit.get("p_holm")
-                if holm is not None and math.isfinite(holm) and holm < 0.05:
-                    resolved.append(f"{size}, {labels[key]['label'].split(':')[0]}: {_short(fit['reading'])} "
-                                    f"(Holm {p_label(holm)})")  # fmt: skip
-    for _arm, by_name in fac.get("contrasts", {}).items():
-        for name, by_key in by_name.items():
-            for key, got in by_key.items():
-                holm = got.get("p_holm")
-                if holm is not None and math.isfinite(holm) and holm < 0.05:
-                    resolved.append(f"{name}, {labels[key]['label'].split(':')[0]}: {got['reading']} "
-                                    f"(Holm {p_label(holm)})")  # fmt: skip
+    for group, say in (("slopes", _short), ("contrasts", str)):  # {arm: {size or contrast: {metric: test}}}
+        for _arm, by_name in fac.get(group, {}).items():
+            for name, by_key in by_name.items():
+                for key, got in by_key.items():
+                    holm = got.get("p_holm")
+                    if holm is not None and math.isfinite(holm) and holm < 0.05:
+                        resolved.append(f"{name}, {labels[key]['label'].split(':')[0]}: {say(got['reading'])} "
+                                        f"(Holm {p_label(holm)})")  # fmt: skip
     size = fac.get("family_size", "?")
     if not resolved:
         return f"NTL-WAS minus CE: none of the {size} declared tests resolved after Holm (the seed the unit)"
