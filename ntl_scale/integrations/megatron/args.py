@@ -234,7 +234,7 @@ def _build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size
                 )
             else:
                 fix = (
-                    "Pass --ntl-number-vocab PATH with a table saved by `python -m ntl_scale.save_number_vocab "
+                    "Pass --ntl-number-vocab PATH with a table saved by `python launch/save_number_vocab.py "
                     "TOKENIZER --out PATH` or NumberVocab.from_tokenizer(...).save(PATH)"
                 )
             raise ValueError(
