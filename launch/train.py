@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launch.finish import run_then_leave
 from launch import startup
+from launch.finish import run_then_leave
 from ntl_scale.integrations.deepspeed.engine import check_inputs
 from ntl_scale.integrations.deepspeed.trainer import Trainer
 from ntl_scale.training.config import load_config

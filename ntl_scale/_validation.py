@@ -17,6 +17,7 @@ from .number_vocab import (
     SCALE_TOLERANCE,
     NumberTableWarning,
     NumberVocab,
+    check_number_level_table,
     digit_scale_squash_factor,
     untrained_was,
 )
@@ -25,7 +26,6 @@ from .options import REDUCTIONS, NTLOptions, surface_name
 __all__ = [
     "check_float_level",
     "check_inputs",
-    "check_number_level_table",
     "check_reduction",
     "check_table",
     "check_table_scale",
@@ -160,49 +160,6 @@ def check_reduction(reduction: str) -> None:
     """Refuses a reduction that is not one of ``REDUCTIONS``."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")
-
-
-def check_number_level_table(vocab: NumberVocab) -> None:
-    """Refuses a number table that number-level NTL (``loss="number"``) cannot read.
-
-    Number-level NTL rebuilds a number from a run of digit labels, one decimal digit per position; a
-    token worth ``123`` or ``-4`` or ``0.5``, or a digit with a word prefix (``"▁3"``, which starts a
-    new word), would be weighted as one digit and assemble a wrong number. The table must therefore
-    hold single digits only: at most the ten values 0-9, each once, and (when the table knows its
-    token strings) each token exactly one ASCII digit, as ``NumberVocab.from_tokenizer(tokenizer,
-    digit_level=True)`` builds it.
-
-    Raises:
-        ValueError: naming the offending entry and the fix.
-    """
-    cached = getattr(vocab, "_ntl_digit_table_ok", None)
-    if cached is True:
-        return
-    problem = None
-    tokens = vocab.tokens
-    if len(vocab) > 10:
-        problem = f"it has {len(vocab)} number tokens (a digit table has at most the ten digits 0-9)"
-    else:
-        values = vocab.values.tolist()
-        for i, value in enumerate(values):
-            token = None if tokens is None else tokens[i]
-            shown = f"{token!r} (value {value:g})" if token is not None else f"value {value:g}"
-            if value not in range(10):
-                problem = f"its token {shown} is not a single digit 0-9"
-            elif values.count(value) > 1:
-                problem = f"the digit {value:g} appears {values.count(value)} times (e.g. {shown})"
-            elif token is not None and not (len(token) == 1 and token in "0123456789"):
-                problem = f"its token {shown} is not exactly one ASCII digit (a prefixed or multi-character token)"
-            if problem:
-                break
-    if problem is not None:
-        raise ValueError(
-            f'loss="number" assembles numbers from single-digit tokens, but the number table cannot be read so: '
-            f"{problem}. Build a digit table with NumberVocab.from_tokenizer(tokenizer, digit_level=True) "
-            "(Megatron: --ntl-number-vocab digits; train config: ntl.digit_level=true), or use a token-level "
-            'loss ("was", "mse", "mae", "huber") with this table'
-        )
-    object.__setattr__(vocab, "_ntl_digit_table_ok", True)  # the table is immutable: check it once
 
 
 def check_float_level(vocab: NumberVocab, options: NTLOptions) -> None:

@@ -51,6 +51,7 @@ __all__ = [
     "NumberVocab",
     "VocabShard",
     "add_digit_tokens",
+    "check_number_level_table",
     "digit_scale_squash_factor",
     "number_token_census",
     "pad_vocab_size",
@@ -825,6 +826,42 @@ class NumberVocab:
             raise ValueError(f"NumberVocab.load: {path!r} is not valid JSON ({e})") from None
         vocab = cls.from_dict(data)
         return vocab if vocab_size is None else vocab.with_vocab_size(vocab_size)
+
+
+def check_number_level_table(vocab: NumberVocab) -> None:
+    """Refuses a table number-level NTL (``loss="number"``) cannot read: it needs single ASCII digits 0-9, each once.
+
+    Raises:
+        ValueError: naming the offending entry and the fix.
+    """
+    cached = getattr(vocab, "_ntl_digit_table_ok", None)
+    if cached is True:
+        return
+    problem = None
+    tokens = vocab.tokens
+    if len(vocab) > 10:
+        problem = f"it has {len(vocab)} number tokens (a digit table has at most the ten digits 0-9)"
+    else:
+        values = vocab.values.tolist()
+        for i, value in enumerate(values):
+            token = None if tokens is None else tokens[i]
+            shown = f"{token!r} (value {value:g})" if token is not None else f"value {value:g}"
+            if value not in range(10):
+                problem = f"its token {shown} is not a single digit 0-9"
+            elif values.count(value) > 1:
+                problem = f"the digit {value:g} appears {values.count(value)} times (e.g. {shown})"
+            elif token is not None and not (len(token) == 1 and token in "0123456789"):
+                problem = f"its token {shown} is not exactly one ASCII digit (a prefixed or multi-character token)"
+            if problem:
+                break
+    if problem is not None:
+        raise ValueError(
+            f'loss="number" assembles numbers from single-digit tokens, but the number table cannot be read so: '
+            f"{problem}. Build a digit table with NumberVocab.from_tokenizer(tokenizer, digit_level=True) "
+            "(Megatron: --ntl-number-vocab digits; train config: ntl.digit_level=true), or use a token-level "
+            'loss ("was", "mse", "mae", "huber") with this table'
+        )
+    object.__setattr__(vocab, "_ntl_digit_table_ok", True)  # the table is immutable: check it once
 
 
 def add_digit_tokens(tokenizer: Any) -> list[str]:

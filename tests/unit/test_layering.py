@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(ntl_scale.__file__).parent
 PENDING: set[str] = set()
 
 LAYERS = [  # bottom up; ops.* is the op layer, under the functional layer (terms, reductions, losses, linear)
-    {"options", "_runtime", "atomic", "number_level", "ops.triton_ce_ntl", "ops.shards"},
+    {"options", "_runtime", "atomic", "ops.triton_ce_ntl", "ops.shards"},
     {"number_vocab", "ops.shard_math"},
     {"_validation", "ops.logits"},
     {"ops.chunked_linear", "terms"},
