@@ -62,16 +62,7 @@ def is_tracing() -> bool:
 
 
 def require(module: str, extra: str, feature: str) -> ModuleType:
-    """Imports ``module`` or raises an ImportError that says which extra provides it.
-
-    Args:
-        module: the module to import (e.g. ``"transformers"``).
-        extra: the ntl_scale extra that installs it (e.g. ``"hf"``).
-        feature: what needs it, for the message.
-
-    Returns:
-        The imported module.
-    """
+    """Imports ``module`` or raises an ImportError that says which extra provides it."""
     try:
         return importlib.import_module(module)
     except ImportError as e:

@@ -43,11 +43,7 @@ def check_inputs(
     vocab_start: int | None = None,
     source: str = "the logits' last dimension",
 ) -> int:
-    """Validates user input; returns the global vocabulary size (the table's ``vocab_size``).
-
-    The logits' width is checked against the table (:func:`check_width`); ``source`` names what
-    holds the columns in the messages (the chunked op passes the output weight's rows).
-    """
+    """Validates user input; returns the global vocabulary size (the table's ``vocab_size``)."""
     if not isinstance(vocab, NumberVocab):
         raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
     if not isinstance(logits, torch.Tensor) or not torch.is_floating_point(logits):
@@ -81,14 +77,7 @@ def check_inputs(
 
 
 def check_width(width: int, vocab: NumberVocab, tp_size: int, vocab_start: int | None, source: str) -> int:
-    """Refuses logits whose width is neither the table's ``vocab_size`` nor, under TP, its shard's.
-
-    A shape check (host values, no sync). Wider logits would add columns the table never knew to
-    the softmax (CE, the number-token mass of ``reweigh``); narrower ones would lose columns. Without
-    ``vocab_start`` the shard is Megatron's even split, ``vocab_size / tp`` columns; with it (an uneven
-    split) ``[vocab_start, vocab_start + width)`` must lie inside the vocabulary, and on one device
-    cover it. Returns the global vocabulary size.
-    """
+    """Refuses logits whose width is neither the table's ``vocab_size`` nor, under TP, its shard's."""
     size = vocab.vocab_size
     fix = (
         "build the number table for the model's output size, e.g. NumberVocab.from_tokenizer(tokenizer, "
@@ -169,12 +158,7 @@ def check_float_level(vocab: NumberVocab, options: NTLOptions) -> None:
 
 
 def check_table(vocab: NumberVocab, options: NTLOptions, surface: str = "hf") -> None:
-    """The number table against the NTL variant, when a front end builds its loss (not at the first step).
-
-    ``loss="number"`` needs a digit table (:func:`check_number_level_table`); the token-level losses need the
-    table's scale (:func:`check_table_scale`). ``surface`` (one of ``ntl_scale.options.SURFACES``) spells
-    the options in the messages.
-    """
+    """The number table against the NTL variant, when a front end builds its loss (not at the first step)."""
     if options.loss == "number":
         check_number_level_table(vocab)
     else:
@@ -197,19 +181,7 @@ def _point_scale(values: list[float], options: NTLOptions) -> float:
 
 
 def check_table_scale(vocab: NumberVocab, options: NTLOptions, surface: str = "hf") -> None:
-    """Refuses a number table that puts token-level NTL far off the digit level's scale, where a weight was tuned.
-
-    An untrained model spreads its number-token probability evenly, so its NTL is a property of the table
-    (:func:`ntl_scale.number_vocab.untrained_was`): 3.3 for the ten digits, about 333 for a Llama 3-style table
-    of 0-999, which at weight 0.3 would be 13x CE. Beyond :data:`~ntl_scale.number_vocab.SCALE_TOLERANCE`:
-
-    * NTL-WAS without a squash factor is a ValueError naming the factor that matches the digit level
-      (:func:`ntl_scale.number_vocab.digit_scale_squash_factor`);
-    * NTL-WAS with a squash factor that misses the digit level (either way), or a point loss (``mse``, ``mae``,
-      ``huber``: no squash factor applies), is a :class:`~ntl_scale.number_vocab.NumberTableWarning`.
-
-    Checked once per table and variant (the table is immutable).
-    """
+    """Refuses a number table that puts token-level NTL far off the digit level's scale, where a weight was tuned."""
     key = ("_ntl_scale_ok", options.loss, options.squash_factor, options.huber_delta)
     checked: set[tuple[object, ...]] = getattr(vocab, "_ntl_scale_checked", set())
     if key in checked:

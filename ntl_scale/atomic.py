@@ -28,16 +28,7 @@ __all__ = ["atomic_write", "write_atomically", "write_json_atomically"]
 def atomic_write(path: str | os.PathLike[str], mode: str = "w", *, encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
     """A file to write ``path``'s new content into; ``path`` is replaced when the ``with`` block ends normally.
 
-    Args:
-        path: the file to write (its folder must exist).
-        mode: ``"w"`` (text) or ``"wb"`` (bytes, e.g. ``torch.save(obj, f)``).
-        encoding: the text encoding (ignored for bytes).
-
-    Raises:
-        ValueError: a mode other than ``"w"`` or ``"wb"`` (appending cannot be atomic this way).
-
-    An exception inside the block (or a process killed during it) leaves ``path`` as it was; the exception
-    propagates after the temporary file is removed.
+    ``mode`` is ``"w"`` or ``"wb"``. An exception in the block leaves ``path`` as it was.
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write writes a whole file: mode must be 'w' or 'wb', got {mode!r}")
@@ -64,10 +55,7 @@ def write_atomically(path: str | os.PathLike[str], data: str | bytes) -> None:
 
 
 def write_json_atomically(value: Any, path: str | os.PathLike[str], **dump: Any) -> None:
-    """Writes ``value`` as JSON to ``path`` through :func:`atomic_write`, with a final newline.
-
-    ``dump``: ``json.dump``'s keyword arguments (default ``indent=2``).
-    """
+    """Writes ``value`` as JSON to ``path`` through :func:`atomic_write`, with a final newline."""
     with atomic_write(path) as f:
         json.dump(value, f, **{"indent": 2, **dump})
         f.write("\n")

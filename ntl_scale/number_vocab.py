@@ -130,9 +130,7 @@ class NumberTableWarning(UserWarning):
 
 def _pair_statistics(values: Sequence[float]) -> tuple[float, float, float, float]:
     """Over all ordered pairs (i, j) of ``values`` (float64): the mean ``|v_i - v_j|``, the share of pairs with
-    different values, and the smallest and largest nonzero distance (0, 0 when all values are equal).
-
-    O(n log n) from the sorted values, so a table of any size costs no ``n x n`` matrix."""
+    different values, and the smallest and largest nonzero distance (0, 0 when all values are equal)."""
     ordered = sorted(float(v) for v in values)
     n = len(ordered)
     if n == 0:
@@ -158,18 +156,7 @@ def _run_lengths(ordered: list[float]) -> list[int]:
 
 def untrained_was(values: Sequence[float] | torch.Tensor, squash_factor: float | None = None) -> float:
     """NTL-WAS of an untrained model on a table of these values: predictions uniform over the table's tokens,
-    targets uniform over them, i.e. the mean over all token pairs of the (squashed) distance, in float64.
-
-    An untrained model's logits are nearly equal, so its number-token distribution is nearly uniform; this is
-    the term's starting scale, which :data:`DIGIT_LEVEL_WAS` is for the ten digits.
-
-    Args:
-        values: the table's values (``NumberVocab.values``), one per token (repeats counted).
-        squash_factor: None (``|v_i - v_j|``) or the squash factor (> 1) of ``NumberVocab.distance_table``.
-
-    Returns:
-        The expected NTL-WAS.
-    """
+    targets uniform over them, i.e. the mean over all token pairs of the (squashed) distance, in float64."""
     listed = values.tolist() if isinstance(values, torch.Tensor) else list(values)
     mean, differ, smallest, largest = _pair_statistics(listed)
     if squash_factor is None or largest <= smallest:  # the squash keeps |v_i - v_j| when all distances are equal
@@ -182,17 +169,8 @@ def untrained_was(values: Sequence[float] | torch.Tensor, squash_factor: float |
 def digit_scale_squash_factor(values: Sequence[float] | torch.Tensor) -> float | None:
     """The squash factor that puts a table's untrained NTL-WAS at the digit level's (:data:`DIGIT_LEVEL_WAS`).
 
-    Why this scale: the weight of NTL (0.3 in the paper) was tuned on the ten-digit table, whose untrained
-    NTL-WAS is 3.3. Plain distances on a Llama 3-style table of 0-999 start at about 333 (100x), so the same
-    weight would make NTL dominate CE; squashing the nonzero distances onto ``[1, s]`` keeps the table's order
-    and its closest miss at 1 (as for digits) and, with this ``s``, its starting scale at 3.3. For 0-999 it is
-    7.9 (7.5 when the leading-zero chunks ``00``-``099`` are tokens too).
-
-    Args:
-        values: the table's values, one per token.
-
-    Returns:
-        The factor (> 1), or None when squashing cannot change the distances (fewer than two distinct ones).
+    The NTL weight was tuned on the ten digits (3.3); plain distances on 0-999 start near 333. For 0-999 this
+    is 7.9. None when squashing cannot change the distances (fewer than two distinct ones).
     """
     listed = values.tolist() if isinstance(values, torch.Tensor) else list(values)
     mean, differ, smallest, largest = _pair_statistics(listed)
@@ -205,20 +183,7 @@ def digit_scale_squash_factor(values: Sequence[float] | torch.Tensor) -> float |
 
 @dataclass(frozen=True)
 class NumberCensus:
-    """What a tokenizer's vocabulary holds in number tokens, and what one table rule keeps of them.
-
-    Attributes:
-        tokens: how many tokens the vocabulary has.
-        digits: the bare ASCII digit tokens found (``"0"`` ... ``"9"``), sorted.
-        multi_digit: bare number tokens that are not one digit (``"202"``, ``"2.5"``, ``"-5"``).
-        prefixed: word-prefixed number tokens (``"▁3"``, ``"Ġ12"``, ``"##4"``).
-        digit_level: the rule taken the census of: the ten digits (True) or multi-digit literals.
-        include_prefixed: whether that rule includes the prefixed tokens.
-        kept: number tokens the rule puts in the table.
-        left_out: number tokens (bare or prefixed) it leaves out.
-        examples: a few of the left-out tokens, for messages.
-        multi_digit_squash: :func:`digit_scale_squash_factor` of the multi-digit table (None without one).
-    """
+    """What a tokenizer's vocabulary holds in number tokens, and what one table rule keeps of them."""
 
     tokens: int
     digits: tuple[str, ...]
@@ -288,16 +253,7 @@ def _id_to_token(tokenizer: Any) -> Mapping[int, str]:
 
 
 def number_token_census(tokenizer: Any, *, digit_level: bool = True, prefixed: bool = False) -> NumberCensus:
-    """Counts a vocabulary's number tokens and what the table rule ``digit_level``/``prefixed`` keeps of them.
-
-    Args:
-        tokenizer: a Hugging Face, Megatron or SentencePiece tokenizer, or an id -> token mapping or list.
-        digit_level: the rule: the ten digits (True) or multi-digit literals (False).
-        prefixed: whether the rule includes word-prefixed number tokens.
-
-    Returns:
-        The :class:`NumberCensus` (``summary()`` for people, ``recipe()`` for the table to build).
-    """
+    """Counts a vocabulary's number tokens and what the table rule ``digit_level``/``prefixed`` keeps of them."""
     mapping = _id_to_token(tokenizer)
     digits, multi, prefixed_count, kept, multi_values = [], 0, 0, 0, []
     examples: list[str] = []

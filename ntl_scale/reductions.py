@@ -70,10 +70,8 @@ def reduce_loss(
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum(v * w) / sum(w)`` for weights ``w >= 0``; 0 (zero gradient) when every weight is 0.
 
-    The weights are divided by their largest first, so the denominator is 0 (nothing selected) or at
-    least 1: a tiny weight total (weights x 1e-8) is not clamped to an epsilon (which divided by eps
-    instead of the total), and 0/1 weights give the same bits as ``sum(v * w) / max(sum(w), 1)``. No
-    host read.
+    The weights are divided by their largest first: a tiny total is not clamped to an epsilon, and 0/1
+    weights give the bits of ``sum(v * w) / max(sum(w), 1)``.
     """
     if weights.numel() == 0:
         return (values * weights).sum()
