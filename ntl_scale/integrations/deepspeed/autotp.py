@@ -59,13 +59,7 @@ def install_vocab_parallel_loss_head(
     shard: HeadShard, vocab: NumberVocab, options: NTLOptions, chunk_tokens: int | None = None
 ) -> None:
     """Makes AutoTP's vocabulary-sharded output layer compute the loss: ``head(hidden, targets)`` returns
-    per-token (CE, NTL, number mask, hit) from this rank's weight rows, chunk by chunk, without the logits.
-
-    The hidden states enter through DeepSpeed's column-parallel input op (identity forward, TP
-    all-reduce of their gradient in the backward), so the hidden-state gradient is the sum of every
-    shard's part; the weight gradient stays local. ``head(hidden)`` is the layer's own forward. Under
-    ``torch.no_grad()`` (held-out evaluation) the terms are ``options.for_evaluation()``'s (the plain CE).
-    """
+    per-token (CE, NTL, number mask, hit) from this rank's weight rows, chunk by chunk, without the logits."""
     from deepspeed.module_inject.layers import ColumnParallel
 
     head = shard.head
@@ -101,14 +95,7 @@ def full_logits(shard: HeadShard | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
-    """Every tensor-parallel layer holds its whole weight inside (to export a plain checkpoint).
-
-    A weight shared by two layers (tied embeddings: AutoTP's vocabulary-parallel embedding holds the
-    output layer's shard) is gathered once. Under ZeRO-3, enter
-    ``deepspeed.zero.GatheredParameters(list(model.parameters()))`` first (outside
-    this context): AutoTP's gather joins the TP shards of whole data-parallel partitions, and a
-    partitioned weight (an empty placeholder) is refused with a ValueError.
-    """
+    """Every tensor-parallel layer holds its whole weight inside (to export a plain checkpoint)."""
     from deepspeed.module_inject.layers import GatherReplacedLayerParams, TensorParallel_Layer
 
     seen: set[int] = set()  # a tied embedding shares the output layer's shard: gather that weight once

@@ -39,15 +39,7 @@ def _accelerator() -> Any:
 
 
 class Checkpointer:
-    """The checkpoints and status of one run directory.
-
-    Args:
-        run_dir: the run directory (checkpoints in ``run_dir/checkpoints``).
-        layout: how this run is split (data-parallel and tensor-parallel ranks, global batch).
-        save_every: steps between checkpoints (``train.save_every``; 0: only at the end).
-        rank: this process's global rank.
-        device: this rank's device (the conversion's failure flag is broadcast from it).
-    """
+    """The checkpoints and status of one run directory."""
 
     def __init__(self, run_dir: str, layout: Layout, *, save_every: int, rank: int, device: torch.device) -> None:
         self.run_dir = run_dir

@@ -35,12 +35,7 @@ __all__ = ["Evaluator", "heldout_micro_batches", "heldout_qa_batches"]
 def heldout_qa_batches(
     examples: list[Example], tokenizer: Any, *, kind: str, max_length: int, micro_batch_size: int, dp_rank: int, dp: int
 ) -> list[dict[str, torch.Tensor]]:
-    """This data-parallel rank's held-out micro-batches of question/answer examples (host tensors).
-
-    The examples are tokenised as in training (prompt masked); those longer than ``max_length`` are
-    left out. They are cut to a multiple of ``dp`` and dealt round-robin, so every rank runs the same
-    number of forward passes (ZeRO-3 gathers parameters collectively).
-    """
+    """This data-parallel rank's held-out micro-batches of question/answer examples (host tensors)."""
     input_ids, labels = encode_pairs(tokenizer, [e.question for e in examples], [e.answer for e in examples], kind=kind)
     rows = [EncodedExample(i, t) for i, t in zip(input_ids, labels) if fits(i, t, kind=kind, max_length=max_length)]
     rows = rows[: len(rows) - len(rows) % dp][dp_rank::dp]
@@ -74,20 +69,7 @@ def heldout_micro_batches(
 
 
 class Evaluator:
-    """Held-out loss and perplexity, and generation evaluation, of one run.
-
-    Args:
-        evaluation: the eval section (``max_new_tokens``, ``num_beams``, ``answer_until``).
-        data: the data section (``reverse_answers``, ``position_coupling``).
-        run_dir: where ``predictions_<split>.jsonl`` go.
-        engine: the model (forward terms, the data-parallel group).
-        inputs: device batches and coupled positions.
-        batches: this rank's held-out micro-batches (:func:`heldout_micro_batches`).
-        eval_splits: the generation-evaluation splits.
-        weight: ``ntl.weight`` (``eval/loss`` = CE + weight x NTL).
-        rank: this process's global rank (rank 0 writes the files).
-        world_size: all ranks (generation is synchronised when there are several).
-    """
+    """Held-out loss and perplexity, and generation evaluation, of one run."""
 
     def __init__(self, evaluation: EvalConfig, data: DataConfig, run_dir: str, *, engine: Engine, inputs: Inputs,
                  batches: list[dict[str, torch.Tensor]], eval_splits: dict[str, list[Example]], weight: float,
@@ -101,17 +83,7 @@ class Evaluator:
         self, batches: Iterable[dict[str, torch.Tensor]] | None = None, *, per_sequence: str | None = None
     ) -> dict[str, float]:
         """Loss, perplexity and number metrics on held-out micro-batches (this rank's share; default
-        :attr:`batches`), summed over every data-parallel rank.
-
-        Returns ``eval/<name>`` for each metric of :func:`~ntl_scale.training.scoring.heldout_metrics`:
-        ``ce``, ``ppl``, ``ntl``, ``loss`` (the training objective), ``number_acc``, and split by label
-        kind ``text_ppl`` (labels that are not number tokens) and ``number_token_ppl`` /
-        ``number_token_acc`` / ``number_token_mae`` (number-token labels; the MAE of the expected value
-        on the logits path only). ``per_sequence``: a file that rank 0 writes with every held-out
-        sequence's sums (JSON lines, by global sequence index: the paired tests of the study) and the
-        CRC-32 of its int64 labels (``labels_crc32``: runs pair only the same text). Every rank
-        must call it with the same number of batches (ZeRO-3 gathers parameters in each forward).
-        """
+        :attr:`batches`), summed over every data-parallel rank."""
         from ...training.scoring import HELDOUT_COLUMNS, heldout_metrics, sequence_stats
 
         engine = self.engine

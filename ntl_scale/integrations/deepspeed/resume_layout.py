@@ -74,12 +74,9 @@ def read_layout(ckpt_dir: str) -> Layout | None:
 
 
 def plan_resume(ckpt_dir: str, now: Layout) -> str | None:
-    """How the job with layout ``now`` resumes from ``ckpt_dir``.
+    """How the job with layout ``now`` resumes from ``ckpt_dir``: None (from step 0), ``"same"`` or ``"universal"``.
 
-    Returns None (no checkpoint: start from step 0), ``"same"`` (load the checkpoint as written) or
-    ``"universal"`` (written on another number of ranks: convert with :func:`to_universal`, then load
-    with ``load_universal``). Raises ValueError, before any step, when the change cannot continue the
-    same run: another global batch, or an unrecorded one.
+    Another global batch, or an unrecorded one, is a ValueError before any step.
     """
     if not os.path.isfile(os.path.join(ckpt_dir, "latest")):
         return None
@@ -103,13 +100,7 @@ def plan_resume(ckpt_dir: str, now: Layout) -> str | None:
 
 
 def to_universal(ckpt_dir: str, workers: int = 1) -> str:
-    """Converts the checkpoint ``latest`` names into DeepSpeed's universal format; returns its tag.
-
-    Runs DeepSpeed's own converter (``python -m deepspeed.checkpoint.ds_to_universal``) once, into
-    ``<tag>_universal`` (written under a temporary name and renamed when complete, so an interrupted
-    conversion is redone, never half-read), and points ``latest_universal`` at it. Call it on one rank,
-    with the others waiting. The original checkpoint is left as it is.
-    """
+    """Converts the checkpoint ``latest`` names into DeepSpeed's universal format; returns its tag."""
     with open(os.path.join(ckpt_dir, "latest")) as f:
         tag = f.read().strip()
     universal = f"{tag}_universal"
@@ -184,14 +175,7 @@ def save_rng(tag_dir: str, rank: int, accelerator: Any) -> None:
 
 def load_rng(tag_dir: str, rank: int, accelerator: Any, *, cpu_state: torch.Tensor, same_layout: bool) -> str | None:
     """Restores this rank's generators from the checkpoint in ``tag_dir``; returns a note for the log
-    when the resumed run's random draws are not exactly the interrupted run's.
-
-    - Same layout and ``rng_rank{rank}.pt`` present: every generator as :func:`save_rng` wrote it.
-    - Another layout (the ranks take other parts of each batch, so their draws cannot continue), or a
-      checkpoint written before per-rank states: as before them, the CPU generator is set to
-      ``cpu_state`` (the client state's: rank 0's under ZeRO 1 and 2, each rank's own under ZeRO-3) and
-      the device generators keep their seed from ``train.seed``.
-    """
+    when the resumed run's random draws are not exactly the interrupted run's."""
     path = os.path.join(tag_dir, RNG_FILE.format(rank=rank))
     if same_layout and os.path.isfile(path):
         return restore_rng(torch.load(path, weights_only=True), accelerator)
