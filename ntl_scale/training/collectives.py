@@ -56,11 +56,7 @@ def rank_zero_first(rank: int, work: Callable[[], T]) -> T:
 
 
 def on_rank_zero(rank: int, device: torch.device, work: Callable[[], Any], what: str) -> None:
-    """Runs ``work`` on rank 0 while the others wait; if it fails, every rank stops (none waits forever).
-
-    One broadcast of a failure flag from rank 0; rank 0 re-raises its own error, the others raise a
-    ``RuntimeError`` naming ``what`` rank 0 was doing.
-    """
+    """Runs ``work`` on rank 0 while the others wait; if it fails, every rank stops (none waits forever)."""
     failed = torch.zeros(1, dtype=torch.long, device=device)
     error = None
     if rank == 0:

@@ -67,12 +67,7 @@ class ModelConfig:
 
 @dataclass
 class NTLConfig(NTLRunOptions):
-    """Number Token Loss settings: the ``ntl`` section, the run-level option spec itself.
-
-    Its keys are the fields of :class:`ntl_scale.options.NTLRunOptions` (``ntl.weight``, ``ntl.digit_level``,
-    ``ntl.normalization`` and the variant fields of :class:`ntl_scale.NTLOptions`: ``ntl.loss``, ...,
-    ``ntl.logit_softcap``), documented and validated there once.
-    """
+    """Number Token Loss settings: the ``ntl`` section, the run-level option spec itself."""
 
 
 @dataclass
@@ -430,15 +425,7 @@ def _set(data: dict, dotted: str, raw: str) -> None:
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Reads a YAML config (or the defaults) and applies ``key=value`` overrides.
-
-    Args:
-        path: a YAML file, or None for the built-in tiny default.
-        overrides: ``section.key=value`` strings (values parsed as YAML scalars).
-
-    Returns:
-        The validated :class:`RunConfig`.
-    """
+    """Reads a YAML config (or the defaults) and applies ``key=value`` overrides."""
     import yaml
 
     data: dict[str, Any] = {}
@@ -465,12 +452,7 @@ _INPUT_PATHS = (("model", "path"), ("model", "tokenizer"), ("data", "train_path"
 
 
 def resolve_paths(cfg: RunConfig, config_dir: str | None) -> None:
-    """Makes the config's relative input paths absolute, so a run starts from any directory.
-
-    A relative path is looked up in the working directory, then next to the config file, then in
-    the repository (where ``configs/`` lives, for the built-in default); the first place where it
-    exists wins. A path found nowhere is left as it is, for the error that names it.
-    """
+    """Makes the config's relative input paths absolute, so a run starts from any directory."""
     repository = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     bases = [os.getcwd(), *([config_dir] if config_dir else []), repository]
     for section, key in _INPUT_PATHS:

@@ -117,17 +117,7 @@ def _attention_width(config: Any, hidden: int) -> int:
 
 @dataclass
 class FlopsCounter:
-    """Model FLOPs of trained micro-batches, and the rates of a stretch of training.
-
-    Attributes:
-        matmul_params: ``N``, every matrix-multiply parameter of the whole (unsplit) model.
-        layers, width: the attention term of the decoder (causal: of the model); 0 = left out.
-        peak_tflops: per-device peak, or None (MFU not reported).
-        encoder_params: seq2seq: the part of ``N`` that acts on encoder tokens (the encoder's and the
-            cross-attention key/value projections); 0 for a causal model.
-        encoder_layers: seq2seq: the encoder's layers, for its self-attention term.
-        kind: ``causal`` or ``seq2seq`` (``model.kind``): how :meth:`of_batch` reads a micro-batch.
-    """
+    """Model FLOPs of trained micro-batches, and the rates of a stretch of training."""
 
     matmul_params: int
     layers: int
@@ -141,11 +131,7 @@ class FlopsCounter:
     def for_model(
         cls, model: torch.nn.Module, *, kind: str = "causal", device: torch.device, peak_tflops: float | None = None
     ) -> FlopsCounter:
-        """Counts a Hugging Face model's parameters (ZeRO-3-partitioned ones whole).
-
-        Build it from the whole model: before DeepSpeed AutoTP splits the layers, whose parameters are
-        then a rank's slice.
-        """
+        """Counts a Hugging Face model's parameters (ZeRO-3-partitioned ones whole)."""
         if kind not in ("causal", "seq2seq"):
             raise ValueError(f"FlopsCounter kind={kind!r}: expected 'causal' or 'seq2seq'; pass the run's model.kind")
         matmul = _matmul_params(model)
@@ -179,11 +165,7 @@ class FlopsCounter:
         return cls(total, decoder_layers or encoder_layers, width, peak, encoder_params, encoder_layers, "seq2seq")
 
     def flops(self, tokens: Any, seq_len: int, *, encoder_tokens: Any = 0, encoder_len: int = 0) -> Any:
-        """Forward + backward model FLOPs of ``tokens`` tokens in sequences padded to ``seq_len``.
-
-        Seq2seq: ``tokens``/``seq_len`` are the decoder's, ``encoder_tokens``/``encoder_len`` the
-        encoder's. Token counts may be tensors (the result is then one, with no host synchronisation).
-        """
+        """Forward + backward model FLOPs of ``tokens`` tokens in sequences padded to ``seq_len``."""
         decoder = 6.0 * (self.matmul_params - self.encoder_params) + 12.0 * self.layers * self.width * (
             seq_len + encoder_len
         )
@@ -201,11 +183,7 @@ class FlopsCounter:
         return self.flops(decoded, labels.shape[-1], encoder_tokens=read.double(), encoder_len=ids.shape[-1])
 
     def rates(self, tokens: int, flops: float, seconds: float, devices: int) -> dict[str, Any]:
-        """``tokens_per_s_per_device``, ``tflops`` (model TFLOP/s per device) and ``mfu`` (None without a peak).
-
-        ``tokens`` and ``flops`` are a stretch's tokens and model FLOPs over all ranks (each once, not
-        once per tensor-parallel rank).
-        """
+        """``tokens_per_s_per_device``, ``tflops`` (model TFLOP/s per device) and ``mfu`` (None without a peak)."""
         seconds = max(seconds, 1e-9)
         tflops = flops / seconds / devices / 1e12
         mfu = tflops / self.peak_tflops if self.peak_tflops else None

@@ -92,21 +92,7 @@ def check_position_ids(model: Any, data: DataConfig) -> None:
 
 
 class Inputs:
-    """This data-parallel rank's training micro-batches, on the device.
-
-    Args:
-        data: the data section (``seed``, ``shuffle_buffer``, ``position_coupling``, ``position_offset``).
-        train_set: the tokenised training set of :func:`load_data`.
-        tokenizer: its pad token pads question/answer micro-batches.
-        vocab: the number table (coupled positions mark its digits).
-        micro_batch_size: sequences per micro-batch.
-        accumulation: micro-batches per optimizer step.
-        seed: ``train.seed`` (with the data position and the data-parallel rank, it draws the offsets).
-        rank: this process's global rank.
-        dp_rank: this rank's place among the data-parallel ranks.
-        dp: the number of data-parallel ranks.
-        device: the engine's device.
-    """
+    """This data-parallel rank's training micro-batches, on the device."""
 
     def __init__(
         self,

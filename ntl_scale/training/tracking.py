@@ -15,16 +15,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 
 class Tracker:
-    """Logs metrics to wandb on the rank that owns it; does nothing when disabled or not rank 0.
-
-    Args:
-        mode: ``offline`` (files under ``run_dir/wandb``, sync later with ``wandb sync``), ``online``
-            or ``disabled``.
-        run_dir: where wandb writes.
-        config: the resolved run config, stored with the run.
-        project: the wandb project.
-        active: False on ranks other than 0.
-    """
+    """Logs metrics to wandb on the rank that owns it; does nothing when disabled or not rank 0."""
 
     def __init__(self, mode: str, run_dir: str, config: dict[str, Any], project: str, active: bool) -> None:
         if mode not in WANDB_MODES:
