@@ -54,18 +54,7 @@ class Example:
 
 @dataclass(frozen=True)
 class ArithmeticConfig:
-    """The generator's settings.
-
-    Attributes:
-        kinds: which problem kinds to mix (equal shares).
-        train_digits: operands have 1 to this many digits in ``train`` and ``interpolate``.
-        extrapolate_digits: operands have ``train_digits + 1`` to this many digits in ``extrapolate``.
-        mul_digits: the same bound for the second factor of a multiplication (keeps products short).
-        negative_share: share of operands made negative.
-        reverse_answers: write each answer's digits least-significant first (``168`` as ``861``, ``-45``
-            as ``-54``): a model then emits the digits in the order addition computes them, carries
-            last (:func:`reverse_digits` reads them back). The questions are unchanged.
-    """
+    """The generator's settings."""
 
     kinds: tuple[str, ...] = ("add_sub", "add_sub_multiple", "mul")
     train_digits: int = 3
@@ -145,17 +134,7 @@ def _make(rng: random.Random, kind: str, low: int, high: int, mul_high: int, neg
 def generate(
     count: int, split: str = "train", *, seed: int = 0, config: ArithmeticConfig | None = None
 ) -> list[Example]:
-    """``count`` seeded problems of one split (the same seed and config give the same list).
-
-    Args:
-        count: number of examples.
-        split: ``train``, ``interpolate`` or ``extrapolate``.
-        seed: the seed; each split derives its own stream from it.
-        config: generator settings.
-
-    Returns:
-        The examples, kinds in equal shares and shuffled.
-    """
+    """``count`` seeded problems of one split (the same seed and config give the same list)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     if count < 0:

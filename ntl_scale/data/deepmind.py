@@ -86,12 +86,7 @@ def _works(venv: str) -> bool:
 
 
 def ensure_environment(venv: str | None = None, *, python: str | None = None) -> str:
-    """Builds the generator's virtual environment unless it already works; returns its interpreter.
-
-    Args:
-        venv: where (default :func:`default_venv`).
-        python: the interpreter that creates it (default: this one; the generator needs 3.7-3.11).
-    """
+    """Builds the generator's virtual environment unless it already works; returns its interpreter."""
     venv = os.path.abspath(venv or default_venv())
     if _works(venv):
         return _python(venv)
@@ -164,22 +159,7 @@ def generate_deepmind(
     val_fraction: float = 0.01,
     venv: str | None = None,
 ) -> dict[str, Any]:
-    """Generates the released layout and the arithmetic subset into ``out`` (see the module docstring).
-
-    Args:
-        out: the output folder (must not exist, or hold a generation with the same settings).
-        modules: generator module names, e.g. ``arithmetic__mul`` (its extrapolation variant,
-            ``arithmetic__mul_big``, comes with it).
-        per_module: questions per module in each of ``train-easy``, ``train-medium``, ``train-hard``.
-        per_test_module: questions per module in ``interpolate`` and ``extrapolate`` (default:
-            ``min(per_module, 10000)``, the released test size).
-        seed: fixes every file.
-        val_fraction: share of the arithmetic training questions held out as ``arithmetic_val.txt``.
-        venv: the generator's environment (built if missing).
-
-    Returns:
-        The settings and the sizes of the arithmetic subset's splits (also in ``out/generation.json``).
-    """
+    """Generates the released layout and the arithmetic subset into ``out`` (see the module docstring)."""
     modules = [m.strip() for m in modules if m.strip()]
     if not modules:
         raise ValueError("modules is empty; name at least one, e.g. arithmetic__add_or_sub")

@@ -67,19 +67,7 @@ def load_qa(
     question_key: str = "question",
     answer_key: str = "answer",
 ) -> Any:
-    """One data file as a ``datasets.Dataset`` (``IterableDataset`` when streaming).
-
-    Args:
-        source: ``deepmind`` (question and answer lines alternate, the released ``.txt`` files) or
-            ``jsonl`` (one JSON object per line, GSM8K's layout).
-        path: the file.
-        streaming: read lazily instead of building the Arrow table (corpora larger than memory).
-        cache_dir: the Arrow cache (default: ``datasets``' own, ``~/.cache/huggingface/datasets``).
-        question_key, answer_key: the JSON keys.
-
-    Returns:
-        Rows with ``question`` and ``answer`` strings, in file order.
-    """
+    """One data file as a ``datasets.Dataset`` (``IterableDataset`` when streaming)."""
     if source not in ("deepmind", "jsonl"):
         raise ValueError(f"source must be 'deepmind' or 'jsonl', got {source!r}")
     if not os.path.isfile(path):
@@ -113,13 +101,7 @@ def _encode_batch(batch: dict[str, list[str]], tokenizer: Any, kind: str) -> dic
 
 
 def tokenize_qa(dataset: Any, tokenizer: Any, *, kind: str = "causal", max_length: int = 512, num_proc: int = 1) -> Any:
-    """Tokenises ``question``/``answer`` rows as :func:`~ntl_scale.data.encode` does, in batches.
-
-    Causal: ``question + " "`` is the prompt (labels ``-100``), the answer and EOS are the targets.
-    Seq2seq: the question is the encoder input, answer + EOS the labels. Rows longer than
-    ``max_length`` are dropped. On a ``Dataset`` the result is cached next to its Arrow files and
-    ``num_proc`` processes share the work; on an ``IterableDataset`` it is applied as rows stream.
-    """
+    """Tokenises ``question``/``answer`` rows as :func:`~ntl_scale.data.encode` does, in batches."""
     if kind not in ("causal", "seq2seq"):
         raise ValueError(f"kind must be 'causal' or 'seq2seq', got {kind!r}")
     options: dict[str, Any] = {"num_proc": num_proc if num_proc > 1 else None} if hasattr(dataset, "num_rows") else {}
@@ -194,23 +176,7 @@ def _read_error(files: list[str], error: BaseException) -> ValueError:
 
 
 def load_text(path: str, *, text_column: str = "text", streaming: bool = False, cache_dir: str | None = None) -> Any:
-    """A pretraining corpus as rows with one ``text_column`` column, in corpus order.
-
-    Args:
-        path: a JSON-lines (``.jsonl``/``.json``) or Parquet file; a folder of such files (read in
-            name order); or a folder written by ``Dataset.save_to_disk``.
-        text_column: the column holding each document's text.
-        streaming: an ``IterableDataset`` read lazily (corpora larger than memory or disk cache).
-        cache_dir: the Arrow cache (default: ``datasets``' own).
-
-    Returns:
-        A ``Dataset`` (``IterableDataset`` when streaming) with the one column; its ``files``
-        attribute lists the files read (for error messages while streaming).
-
-    Raises:
-        ValueError: no such path, an empty file, a line that is not UTF-8 or not JSON (naming the file
-        and the line), or no ``text_column`` (naming the columns found).
-    """
+    """A pretraining corpus as rows with one ``text_column`` column, in corpus order."""
     datasets = datasets_module()
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "state.json")):
         rows = datasets.load_from_disk(path)
@@ -360,21 +326,7 @@ def packed_stream(
 
 class StreamingOrder:
     """:class:`~ntl_scale.data.ShardedOrder` for an ``IterableDataset``: the same cut into micro-batches
-    and steps, without knowing the length.
-
-    Every rank reads the one global stream (shuffled per epoch through a seeded buffer), each
-    micro-batch takes the next ``micro_batch_size x world_size`` rows and rank ``r`` its part; an
-    epoch ends in whole optimizer steps (a shorter remainder is skipped). ``position`` counts the rows
-    handed out over all ranks, as in ``ShardedOrder``; setting it (at resume) replays the stream to
-    that row without training on it, so a run resumes at the exact row, also on another number of
-    ranks with the same global batch.
-
-    Args:
-        dataset: a tokenised ``IterableDataset`` (rows with ``input_ids`` and ``labels``).
-        micro_batch_size, rank, world_size, accumulation: as in ``ShardedOrder``.
-        seed: the shuffling seed.
-        shuffle_buffer: rows in the shuffling buffer (0: file order).
-    """
+    and steps, without knowing the length."""
 
     def __init__(
         self,

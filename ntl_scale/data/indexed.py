@@ -29,14 +29,7 @@ _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np
 
 
 class IndexFile:
-    """A ``.idx``/``.bin`` pair read with numpy (megatron-core's layout, without megatron-core).
-
-    Attributes:
-        dtype: the token dtype.
-        sequence_lengths, sequence_pointers: per sequence, tokens and byte offset in ``.bin``.
-        document_indices: sequence index where each document starts, then the sequence count.
-        tokens: the whole ``.bin`` as a memory-mapped token array.
-    """
+    """A ``.idx``/``.bin`` pair read with numpy (megatron-core's layout, without megatron-core)."""
 
     def __init__(self, prefix: str) -> None:
         idx, bin_path = f"{prefix}.idx", f"{prefix}.bin"
@@ -80,17 +73,7 @@ def _megatron_reader(prefix: str) -> Any:
 
 
 class IndexedDocuments:
-    """The documents of a Megatron indexed dataset, for :class:`~ntl_scale.data.packing.PackedSequences`.
-
-    Args:
-        prefix: the path prefix (``PREFIX.bin`` and ``PREFIX.idx``; ``preprocess_data.py`` writes
-            ``{output_prefix}_{json_key}_document``).
-        use_megatron: read with ``megatron.core``'s ``IndexedDataset`` (None: when installed).
-
-    Attributes:
-        lengths: tokens per document.
-        reader: ``"megatron.core"`` or ``"ntl_scale"`` (which reader is in use).
-    """
+    """The documents of a Megatron indexed dataset, for :class:`~ntl_scale.data.packing.PackedSequences`."""
 
     def __init__(self, prefix: str, *, use_megatron: bool | None = None) -> None:
         missing = [p for p in (f"{prefix}.bin", f"{prefix}.idx") if not os.path.isfile(p)]

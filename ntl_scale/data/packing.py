@@ -84,14 +84,7 @@ class PackingStats:
 
 
 def packed_row(tokens: np.ndarray, starts: Sequence[int], document_isolation: bool) -> dict[str, np.ndarray]:
-    """One packed sequence as a row: ``input_ids``, ``labels`` and, with isolation, ``position_ids``.
-
-    Args:
-        tokens: the ``seq_length`` token ids.
-        starts: offsets inside the sequence where a document begins (0 excluded or not: ignored).
-        document_isolation: positions restart per document, and the first token of each document
-            that starts inside the sequence is not a target.
-    """
+    """One packed sequence as a row: ``input_ids``, ``labels`` and, with isolation, ``position_ids``."""
     input_ids = np.asarray(tokens, dtype=np.int64)
     labels = input_ids.copy()
     row = {"input_ids": input_ids, "labels": labels}
@@ -107,18 +100,7 @@ def packed_row(tokens: np.ndarray, starts: Sequence[int], document_isolation: bo
 
 
 class PackedSequences:
-    """Map-style dataset of packed sequences over documents ``first_document .. stop_document - 1``.
-
-    Args:
-        source: the tokenised documents.
-        seq_length: tokens per sequence.
-        first_document, stop_document: the documents used (default: all).
-        max_sequences: keep at most this many sequences (the rest are counted as tail tokens).
-        document_isolation: see :func:`packed_row`.
-
-    ``dataset[i]`` is a row of numpy arrays (``input_ids``, ``labels``, optionally ``position_ids``);
-    ``stats`` counts what was packed and what was left out.
-    """
+    """Map-style dataset of packed sequences over documents ``first_document .. stop_document - 1``."""
 
     def __init__(
         self,
@@ -162,11 +144,7 @@ class PackedSequences:
 
 
 def heldout_split(lengths: np.ndarray, seq_length: int, sequences: int) -> int:
-    """The first document of the training part when the first ``sequences`` sequences are held out.
-
-    The held-out part is the corpus's first documents that hold at least ``sequences x seq_length``
-    tokens, so no document is in both parts; the rest of its last document is not used.
-    """
+    """The first document of the training part when the first ``sequences`` sequences are held out."""
     if sequences <= 0:
         return 0
     need = sequences * seq_length
@@ -190,16 +168,7 @@ def pack_documents(
     max_sequences: int | None = None,
     stats: PackingStats | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Packs a stream of documents as :class:`PackedSequences` does (the streaming path).
-
-    Args:
-        documents: token lists in corpus order.
-        seq_length, document_isolation: as in :class:`PackedSequences`.
-        skip_tokens: skip whole documents until at least this many tokens are skipped (the held-out
-            part, :func:`heldout_split`).
-        max_sequences: stop after this many sequences.
-        stats: counted into while streaming (skipped documents are not counted).
-    """
+    """Packs a stream of documents as :class:`PackedSequences` does (the streaming path)."""
     stats = stats if stats is not None else PackingStats()
     stats.seq_length = seq_length
     buffer: list[np.ndarray] = []

@@ -25,20 +25,7 @@ __all__ = ["coupled_position_ids", "training_position_ids"]
 def coupled_position_ids(
     digits: torch.Tensor, answer_start: torch.Tensor | None = None, offset: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Coupled position ids of a batch of token rows.
-
-    Args:
-        digits: bool ``[batch, tokens]``, where a token is one digit.
-        answer_start: long ``[batch]``, the first answer token of each row (tokens from there on count up
-            from the last prompt token's id); ``None``: every token is prompt (generation prompts).
-        offset: long ``[batch]``, added to the ids of the digits and of the last prompt token (place 0,
-            the token that predicts the units), not to the other prompt tokens. Drawn at random in
-            training, it keeps a place from being read off its distance to the question's words (0
-            everywhere else); ``None``: 0.
-
-    Returns:
-        long ``[batch, tokens]`` on ``digits``' device.
-    """
+    """Coupled position ids of a batch of token rows."""
     if digits.dim() != 2 or digits.dtype != torch.bool:
         raise ValueError(f"digits must be a 2-D bool tensor, got {digits.dtype} of shape {tuple(digits.shape)}")
     rows, width = digits.shape

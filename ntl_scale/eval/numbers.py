@@ -31,19 +31,7 @@ def extract_number(text: str) -> float | None:
 
 
 def number_metrics(predictions: Sequence[float | None], targets: Sequence[float]) -> dict[str, float]:
-    """Exact accuracy, MAE, log-MAE, R^2 and the share of unparseable predictions.
-
-    Unparseable predictions (None) count as wrong for accuracy and are left out of MAE, log-MAE and
-    R^2 (which are over parsed predictions; NaN when none parsed).
-
-    Args:
-        predictions: extracted numbers, None where nothing could be parsed.
-        targets: true numbers, aligned.
-
-    Returns:
-        ``accuracy``, ``mae``, ``log_mae`` (mean of ``|log10(1+|p|) - log10(1+|t|)|`` with signs kept),
-        ``r2``, ``unparseable``, ``count``.
-    """
+    """Exact accuracy, MAE, log-MAE, R^2 and the share of unparseable predictions."""
     if len(predictions) != len(targets):
         raise ValueError(f"{len(predictions)} predictions but {len(targets)} targets; they must align")
     n = len(targets)

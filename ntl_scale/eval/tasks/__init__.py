@@ -60,19 +60,7 @@ def prepare(
     run_dir: str | None = None,
     max_new_tokens: int | None = None,
 ) -> dict[str, int]:
-    """Writes the task folder ``out_dir`` (data, YAMLs, ``utils.py``); returns the rows per data file.
-
-    Args:
-        out_dir: the folder to pass as ``--include_path``.
-        gsm8k: a local GSM8K folder (``test.jsonl``, ``train.jsonl(.gz)``); default :data:`DEFAULT_GSM8K`
-            when it exists, else the group goes without the two GSM8K tasks (a note on stderr).
-        examples: test questions per arithmetic operation (the train split, for few-shot, gets as many).
-        texts: sentences per perplexity slice.
-        seed: the generators' seed.
-        run_dir: a training run whose held-out questions (``predictions_<split>.jsonl``) become the tasks
-            ``ntl_run_<split>`` (tag ``ntl_run``), prompted as the run's own scorer prompts them.
-        max_new_tokens: those tasks' ``max_gen_toks`` (default: the run's ``eval.max_new_tokens``).
-    """
+    """Writes the task folder ``out_dir`` (data, YAMLs, ``utils.py``); returns the rows per data file."""
     data_dir = os.path.abspath(os.path.join(out_dir, "data"))
     os.makedirs(data_dir, exist_ok=True)
     counts: dict[str, int] = {}
