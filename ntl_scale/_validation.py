@@ -1,9 +1,4 @@
-"""Checks of user input to the losses: shapes, dtypes, label ids, the logits' width, weights, options.
-
-Each check raises a ValueError (TypeError for a wrong type) that names the value, what was expected
-and the fix. Checks of device values (label ids, loss weights) go through
-:func:`ntl_scale._runtime.device_check`: no host synchronisation unless ``set_debug_checks(True)``.
-"""
+"""Checks of user input to the losses; device values go through :func:`ntl_scale._runtime.device_check`."""
 
 from __future__ import annotations
 

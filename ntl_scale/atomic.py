@@ -1,15 +1,5 @@
-"""Files written whole or not at all: a temporary file beside the target, then ``os.replace``.
-
-Every file a run, a checkpoint or a script rewrites in place (``latest``, ``status.json``, ``eval.json``,
-the resolved config, the number table, benchmark reports) goes through :func:`atomic_write`, so a
-process killed or an exception raised while it writes leaves the previous file as it was, and a reader
-sees the old file or the new one, never a part. The temporary file is in the target's folder (a rename
-within one file system is atomic; across file systems it is a copy) under a name of its own
-(``.<name>.<pid>.<random>.tmp``, so two writers never share one), and is removed when the write fails;
-only a process killed mid-write leaves its temporary file behind. The data is flushed to the disk before
-the rename (``fsync``), so a machine that crashes after the rename has the new content, not an empty file.
-
-Standard library only (no torch): launch scripts and benchmarks use it as well as the package.
+"""Files written whole or not at all: a temporary file beside the target, ``fsync``, then ``os.replace``.
+Standard library only.
 """
 
 from __future__ import annotations

@@ -1,40 +1,11 @@
-"""Normalisation of CE + NTL over a training step: the counts and the two normalisations, defined once.
-
-Over one optimizer step's global batch (all micro-batches of all accumulation steps on all data- and
-context-parallel ranks), with per-token terms ``CE_t``, ``NTL_t`` and loss weights ``m_t`` (1 for a
-target that counts, 0 for an ignored one, or Megatron's ``loss_mask``)::
+"""Normalisation of CE + NTL over a training step, defined once for every front end (docs/normalization.md)::
 
     L = sum_t m_t CE_t / max(N, 1)  +  w * sum_t m_t NTL_t / max(K, 1)
+    N = sum_t m_t,  K = sum_t m_t [t in ntl_positions]
 
-    N = sum_t m_t                 (the tokens)
-    K = sum_t m_t [t in P]        (the NTL positions P: ntl_scale.ntl_positions, number-token targets,
-                                   or one position per number for loss="number")
-
-* ``global``: ``N`` and ``K`` are the step's counts (:func:`step_counts`: counted from the labels before
-  the first forward, the two reduced together by one SUM all-reduce). Splitting the step into
-  micro-batches, accumulation steps and ranks then changes neither ``L`` nor its gradient.
-* ``micro-batch`` (the paper's and ``ntloss``'s semantics): ``N`` and ``K`` of each micro-batch
-  (:attr:`MicroBatchSums.tokens`, :attr:`MicroBatchSums.numbers`); ``L`` is that micro-batch's mean CE
-  plus ``w`` times its mean NTL, and the engine averages the micro-batch losses.
-
-Every front end ends here: it takes its sums from :func:`micro_batch_sums`, its step counts from
-:func:`step_counts` (or its framework's), and ``L`` from :func:`objective` (the sums of a micro-batch) or
-the per-token factors of ``L`` from :func:`factors` (a route that hands its framework per-token terms),
-applied by :func:`apply_factors`; logged means (host floats) give ``L`` by :func:`objective_of_means`.
-What stays in a front end is its framework's own rescale, a named factor ``scale`` passed in here, so
-that ``scale * L`` after the framework's own division is ``L`` (``docs/normalization.md`` has the table):
-
-| front end | how it calls this module | its ``scale`` |
-|---|---|---|
-| DeepSpeed (``integrations/deepspeed/steps.py``) | :func:`objective` | ``ga * dp``: the engine divides by both |
-| Megatron ``make_loss_func`` (``global``) | :func:`objective` | Megatron's micro-batch scale ``n x m x dp`` |
-| Megatron ``make_loss_func`` (otherwise) | :func:`factors` | none: Megatron divides by ``N`` itself |
-| Megatron-LM drop-in (``megatron/lm.py``) | :func:`factors` | the same, per token (``MicroBatchScale``) |
-| Megatron model mixin (``NTLLanguageModelMixin``) | :func:`factors` | as the drop-in (``global``); none otherwise |
-| Hugging Face (``hf/loss.py``) | :func:`objective` | none (a token count alone: ``K`` estimated as ``k N / n``) |
-| torchtitan (``torchtitan/loss.py``) | :func:`objective` | none: ``N`` is torchtitan's ``global_valid_tokens`` |
-
-Nothing here reads a value on the host; :func:`step_counts` is the only collective.
+``global``: ``N``, ``K`` are the step's (:func:`step_counts`, one SUM all-reduce), so the split into
+micro-batches and ranks changes neither ``L`` nor its gradient; ``micro-batch``: each micro-batch's own.
+A front end passes its framework's rescale as ``scale``. Nothing here reads a value on the host.
 """
 
 from __future__ import annotations
@@ -127,7 +98,7 @@ def objective(
     """``L = sum CE / max(N, 1) + weight * sum NTL / max(K, 1)`` of one micro-batch's sums, times ``scale``.
 
     ``weight`` 0 adds no ``0 * NTL`` term (a run with NTL off is its framework's CE bit for bit); ``scale`` is
-    undone by the framework's own division (the module docstring's table).
+    undone by the framework's own division (docs/normalization.md has the table).
     """
     tokens, numbers = counts
     loss = sums.ce / _at_least_one(tokens)

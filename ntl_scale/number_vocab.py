@@ -1,28 +1,10 @@
 """Number-token tables: which vocabulary ids are numbers, and what their values are.
 
-A :class:`NumberVocab` is built once from a tokenizer (Hugging Face fast or slow, a raw
-SentencePiece model, or any id -> string mapping such as Megatron's ``inv_vocab``), saved to a
-small JSON file, and loaded on every training rank without the tokenizer.
-
-Token rules (see ``docs/number_vocab.md``):
-
-* **digit level** (default, the paper's setting): exactly the ten ASCII digit tokens ``"0"`` ...
-  ``"9"``.
-* **multi-digit**: tokens whose body is an ASCII decimal literal ``[+-]?[0-9]+(\\.[0-9]+)?``;
-  ``"123"`` keeps the value 123, ``"-5"`` the value -5, ``"2.5"`` the value 2.5.
-* **word-prefixed digits** (``"▁3"`` SentencePiece, ``"Ġ3"`` byte-level BPE, ``" 3"``, and WordPiece
-  continuations ``"##3"``) are excluded by default, like the reference; ``prefixed=True``
-  includes them with the value of their body.
-* **unicode digits** (``"٣"``, ``"３"``, ``"²"``) are never number tokens; neither are exponents,
-  underscores, ``inf`` or ``nan``.
-
-The tokenizer is never modified; :func:`add_digit_tokens` is the explicit opt-in for that.
-
-Building a table takes a census of the tokenizer's number tokens (:func:`number_token_census`): a table
-that leaves out most of them (the digit rule on a Llama 3-style tokenizer, whose numbers are 1-3 digit
-tokens) is warned about with the fix. A multi-digit table's NTL-WAS is kept on the digit level's scale by
-a squash factor derived from its values (:func:`digit_scale_squash_factor`): an untrained model's expected
-NTL is then the digit table's, so a weight means the same on both (``docs/number_vocab.md``, recipes).
+A :class:`NumberVocab` is built once from a tokenizer (or an id -> string mapping), saved as JSON and loaded
+on every rank without the tokenizer. Rules (docs/number_vocab.md): the ten ASCII digits by default;
+``digit_level=False`` adds ASCII decimal literals (``"123"``, ``"-5"``, ``"2.5"``); word-prefixed digits
+(``"▁3"``, ``"Ġ3"``, ``"##3"``) only with ``prefixed=True``; unicode digits never. The tokenizer is never
+modified (:func:`add_digit_tokens` is the opt-in).
 """
 
 from __future__ import annotations
@@ -547,11 +529,6 @@ class NumberVocab:
     def ids(self) -> torch.Tensor:
         """Sorted number-token ids, LongTensor ``[N]``."""
         return self._ids
-
-    @property
-    def max_id(self) -> int:
-        """The largest number-token id (a Python int: reading it costs no device sync)."""
-        return self._id_list[-1] if self._id_list else -1
 
     @property
     def values(self) -> torch.Tensor:

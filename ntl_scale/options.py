@@ -1,39 +1,10 @@
-"""The NTL option spec: every option once, with its type, default and meaning.
+"""The NTL option spec: every option once, with its type, default and meaning (the attribute docstring
+under each field).
 
-Each field is documented once, by the attribute docstring under it:
-
-* :class:`NTLOptions`: what one loss call computes (the variant: ``loss``, ``squash_factor``,
-  ``reweigh``, ``huber_delta``, ``float_level``), which labels it ignores, and which code computes it
-  (``impl``); frozen, passed to :func:`ntl_scale.per_token_ce_ntl`, :func:`ntl_scale.linear_ce_ntl`
-  and every integration.
-* :class:`NTLRunOptions`: the options of a training run: the variant again (its defaults are checked
-  to be :class:`NTLOptions`'s) and the NTL ``weight``, the number table (``digit_level``) and the
-  ``normalization``; the ``ntl`` section of a run config is this class.
-* The chunked route (``chunked``, ``chunk_tokens``): how the logits are obtained, listed by
-  :func:`option_fields` (a run config keeps them in its ``train`` section).
-
-Every front end is built from or checked against these (:func:`option_fields` lists them for a
-new front end, such as a torchtitan ``BaseLoss.Config``; :func:`surface_name` and
-:func:`surface_default` say how each front end spells an option and which defaults differ there, and
-why):
-
-| option | YAML (``launch/train.py``) | Megatron (both routes) | ``apply_ntl_to_hf_model`` (Hugging Face) |
-|---|---|---|---|
-| ``loss`` ... ``impl`` (the variant) | ``ntl.<name>`` | ``--ntl-<name>`` | ``options=NTLOptions(...)`` |
-| ``weight`` | ``ntl.weight`` | ``--ntl-weight`` (default 0: off) | ``ntl_weight`` |
-| ``digit_level`` | ``ntl.digit_level`` | ``--ntl-number-vocab`` | the ``NumberVocab`` argument |
-| ``normalization`` | ``ntl.normalization`` | ``--ntl-normalization`` (``micro-batch``) | ``num_items_in_batch`` |
-| ``chunked`` | ``train.chunked_loss`` | ``--ntl-chunked`` | ``chunked`` |
-| ``chunk_tokens`` | ``train.loss_chunk_tokens`` | ``--ntl-chunk-tokens`` | ``chunk_tokens`` |
-
-Every numeric option (``weight``, ``squash_factor``, ``huber_delta``, ``chunk_tokens``) is checked once,
-here (:func:`check_option`: finite, in range, the right type), by every front end with its own spelling
-(:func:`check_numeric_options`); ``chunk_tokens`` without ``chunked`` is refused by
-:func:`check_chunk_route`.
-
-``tests/unit/test_options_surfaces.py`` introspects each front end (the YAML dataclass, the argparse
-parser, ``apply_ntl_to_hf_model``'s signature) and fails when an option is missing there or has another default
-than this module declares.
+:class:`NTLOptions` is what one loss call computes; :class:`NTLRunOptions` adds a run's ``weight``,
+``digit_level`` and ``normalization``; :func:`option_fields` lists them with the chunked route, and
+:func:`surface_name` says how each front end spells them. Numeric options are checked here once
+(:data:`NUMERIC_CHECKS`, :func:`check_option`).
 """
 
 from __future__ import annotations

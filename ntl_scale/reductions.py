@@ -1,8 +1,5 @@
-"""Reductions of per-token CE and NTL terms to the losses a training step back-propagates.
-
-CE is averaged over the non-ignored tokens and NTL over the positions that carry it
-(:func:`ntl_scale.ntl_positions`), each weighted by optional loss weights; ``sum`` and ``none``
-skip the division. Nothing here reads a value on the host.
+"""Reductions of per-token CE and NTL to a loss: CE over the non-ignored tokens, NTL over its positions,
+each with optional loss weights. No host read.
 """
 
 from __future__ import annotations

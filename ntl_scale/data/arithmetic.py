@@ -1,19 +1,8 @@
-"""Seeded arithmetic problems in the style of the DeepMind mathematics dataset (files are read by
-:mod:`ntl_scale.data.hf_datasets`).
+"""Seeded arithmetic problems in the style of the DeepMind mathematics dataset (``add``, ``add_sub``,
+``add_sub_multiple``, ``mul``), one integer answer each.
 
-The generator makes three kinds of question, each answered by one integer:
-
-* ``add``: ``What is 123 + 45?``
-* ``add_sub``: ``What is 123 - 45?`` (either operation)
-* ``add_sub_multiple``: ``Calculate 12 + -7 - 30 + 4.`` (3 to 5 terms)
-* ``mul``: ``What is 37 times 12?``
-
-Splits follow the DeepMind convention: ``interpolate`` draws operands from the training range but
-never a question any training split can hold, ``extrapolate`` uses operands with more digits than
-training ever saw. The first two are disjoint by construction, whatever their sizes and seeds: a fixed
-hash of the question text (:func:`is_held_out`) reserves one question in :data:`HELD_OUT_BUCKETS` for
-``interpolate``, and ``train`` never draws those. A sum or product of two operands is hashed with its
-operands in a fixed order, so ``What is 57 + 68?`` is held out together with ``What is 68 + 57?``.
+``interpolate`` never holds a question a training split can draw (a fixed hash of the question reserves
+it: :func:`is_held_out`); ``extrapolate`` uses operands with more digits than training saw.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
-"""Training data through Hugging Face ``datasets``: files become memory-mapped Arrow tables, tokenised
-with a cached, multi-process ``map``; a streaming order for corpora larger than memory.
-
-* :func:`load_qa`: DeepMind text (question and answer lines alternate) or JSON lines
-  (``{"question": ..., "answer": ...}``) -> a ``Dataset`` (or, with ``streaming=True``, an
-  ``IterableDataset``) with ``question`` and ``answer`` columns. Files are read by ``datasets``'
-  own ``text`` and ``json`` builders, so the Arrow cache is keyed by the file's content.
-* :func:`tokenize_qa`: ``input_ids`` and ``labels`` (the prompt masked), examples longer than
-  ``max_length`` dropped; a second run with the same data and tokenizer reads the cache.
-* :func:`load_text` / :func:`tokenize_documents`: a pretraining corpus (JSON lines, Parquet, a
-  ``save_to_disk`` folder, or a folder of such files) with a text column -> one row of token ids
-  per document, BOS/EOS added as the tokenizer's convention says; :class:`HFDocuments` and
-  :func:`packed_stream` hand them to :mod:`ntl_scale.data.packing`.
-* Map-style data are read in :class:`~ntl_scale.data.ShardedOrder`'s order (deterministic,
-  sharded over data-parallel ranks, resumable at the exact example); :class:`StreamingOrder` does
-  the same for an ``IterableDataset``.
-
-``datasets`` is imported lazily: ``import ntl_scale`` needs only torch.
+"""Training data through Hugging Face ``datasets``: question/answer files and pretraining corpora as
+memory-mapped Arrow tables, tokenised with a cached ``map``; a streaming order for corpora larger than
+memory. ``datasets`` is imported lazily.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Megatron indexed datasets (``PREFIX.bin`` / ``PREFIX.idx``, written by Megatron-LM's
-``tools/preprocess_data.py``) as a :class:`~ntl_scale.data.packing.DocumentSource`.
-
-The same tokenised corpus then feeds both entries: Megatron-LM's ``pretrain_gpt.py`` (its own
-``GPTDataset``) and ``deepspeed launch/train.py`` with ``data.source=megatron`` (packed by
-:class:`~ntl_scale.data.packing.PackedSequences`). The files are read with ``megatron.core``'s own
-``IndexedDataset`` when megatron-core is installed; otherwise with :class:`IndexFile`, a small
-reader of the same format (version 1, non-multimodal), tested against megatron-core's.
-
-A document is Megatron's document (``document_indices``): one sequence, or several with
-``--split-sentences``; its tokens are read as stored. ``preprocess_data.py --append-eod`` ends each
-document with the tokenizer's end-of-document token; without it the documents run into each other
-(nothing is added here: the ids are those the Megatron entry trains on).
+"""Megatron indexed datasets (``PREFIX.bin`` / ``PREFIX.idx``) as a
+:class:`~ntl_scale.data.packing.DocumentSource`: ``megatron.core``'s ``IndexedDataset`` when installed,
+else :class:`IndexFile`, a small reader of the same format.
 """
 
 from __future__ import annotations

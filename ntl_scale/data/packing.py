@@ -1,23 +1,8 @@
 """Packing tokenised documents into fixed-length pretraining sequences, with no padding.
 
-The documents of a corpus (each already ending in EOS, see :func:`~ntl_scale.data.hf_datasets.tokenize_documents`
-or a Megatron ``--append-eod`` corpus) are read as one stream of tokens in corpus order, and sequence
-``i`` is tokens ``[i * seq_length, (i + 1) * seq_length)`` of that stream (the layout of Hugging Face's
-``run_clm.py`` ``group_texts`` and of Megatron's ``GPTDataset`` without shuffling documents):
-
-* A document longer than a sequence is split across consecutive sequences; every part is trained.
-* The tokens after the last whole sequence (fewer than ``seq_length``) are left out and counted.
-* Documents of zero tokens (empty text) are skipped and counted.
-* ``labels`` equal ``input_ids`` (the trainer shifts them for next-token prediction): CE + NTL on
-  every token but the first of each sequence, which has no context in it.
-* ``document_isolation``: ``position_ids`` restart at 0 at every document start inside a sequence
-  (the layout of ``DataCollatorWithFlattening``; Hugging Face builds a block-diagonal causal mask from
-  it when no ``attention_mask`` is passed), and the label of each document's first token is -100, so
-  no position predicts across a document boundary (as that collator does).
-
-:class:`PackedSequences` is a map-style dataset of the packed sequences (random access by index,
-resumable in :class:`~ntl_scale.data.ShardedOrder`); :func:`pack_documents` packs an iterator of
-documents the same way (the streaming path). Both are plain numpy over a :class:`DocumentSource`.
+Sequence ``i`` is tokens ``[i * seq_length, (i + 1) * seq_length)`` of the corpus as one stream (as
+``run_clm.py``'s ``group_texts``); the tail and empty documents are left out and counted.
+``document_isolation`` restarts ``position_ids`` at each document and masks each document's first label.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Numbers from generated text, and metrics over predicted vs true numbers.
 
-Extraction rules: the text after a GSM8K ``####`` marker if there is one, else the whole text; in it
-the *last* number, where a number is an optional minus sign, digits with optional thousands
-separators (``1,234,567``), an optional decimal part (``-12.5``) and an optional denominator
-(``-29/5``, the DeepMind data's rational answers, is -5.8). Text without a number gives None.
+The answer is the *last* number after a GSM8K ``####`` marker (else in the whole text): an optional
+minus, digits with optional thousands separators, an optional decimal part and denominator (``-29/5``).
 """
 
 from __future__ import annotations

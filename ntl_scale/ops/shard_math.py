@@ -1,10 +1,5 @@
-"""Per-shard steps of the fused CE + NTL op: plain functions of one logits shard, no communication.
-
-:class:`ShardMath` holds the steps of the PyTorch path (local maxima, partial sums ``[S, z_y, S_N, A]``,
-the per-token terms from the reduced ones, the gradient of a chunk); :class:`ShardInputs` what they need
-besides the logits. The two all-reduces between the steps are :mod:`ntl_scale.ops.logits`'s, which also
-chooses between these steps and the Triton kernels (:mod:`ntl_scale.ops.triton_ce_ntl`). The math is in
-``docs/math.md``.
+"""Per-shard steps of the fused CE + NTL op (the PyTorch path), no communication; the math is in
+docs/math.md and the all-reduces between the steps are :mod:`ntl_scale.ops.logits`'s.
 """
 
 from __future__ import annotations

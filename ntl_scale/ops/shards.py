@@ -1,15 +1,7 @@
 """Vocabulary shards: which columns this rank holds, in which process group; no math, no collective.
 
-The ops take a logits shard (or an output weight's rows) with an explicit ``tp_group`` (None: one
-device, never the default group) and the shard's first vocabulary id. ``DTensor`` inputs
-(``torch.distributed.tensor``): :func:`dtensor_vocab_shard` turns logits sharded on the vocabulary
-(``Shard(-1)``) or an output weight sharded on its rows (``Shard(0)``) into what the ops take: the
-local tensor, the process group of the sharding mesh dimension and the shard's first vocabulary id
-(DTensor's own split, uneven ones included); :func:`resolve_vocab_shard` does that for the losses and
-checks the call.
-
-Layers: this module and :mod:`ntl_scale.ops.shard_math` (per-shard math) are below :mod:`ntl_scale.ops.logits`
-(the fused op: the TP collectives, the kernel choice and the autograd Functions).
+``DTensor`` inputs split on the vocabulary become the local tensor, the group and the first id
+(:func:`dtensor_vocab_shard`); :func:`resolve_vocab_shard` does that for the losses.
 """
 
 from __future__ import annotations

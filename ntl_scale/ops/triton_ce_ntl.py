@@ -1,36 +1,13 @@
 """CE + NTL statistics of a logits shard in one pass (Triton), and the gradient written in place.
 
-The PyTorch path (:class:`ntl_scale.ops.shard_math.ShardMath`) walks over each logits chunk several times
-(an fp32 copy for half precision, the max, ``exp``, the sum, the normalisation). These two kernels
-read each row once per phase, in the logits' own dtype, with fp32 (fp64 for fp64 logits) arithmetic
-in registers:
+* :func:`shard_stats`: per token ``m, S, z_y, mN, SN, A`` relative to the shard's *local* maxima, so no
+  second pass follows the MAX all-reduce (:func:`global_sums` rescales them before the SUM all-reduce,
+  both :mod:`ntl_scale.ops.logits`'s); with ``softmax_into`` the same kernel then writes the shard's softmax.
+* :func:`softmax_grad_`: ``coef * softmax - label_coef * onehot(y)``, with ``number_grad`` stored on the
+  number columns (their whole gradient, rounded once).
 
-* :func:`shard_stats`: per token, an online log-sum-exp over the shard's columns (local max ``m``
-  and ``S = sum exp(z - m)``), the label's logit ``z_y`` (0 where this shard does not own the
-  label), and over the number columns ``N`` the local max ``mN``, ``SN = sum_{k in N} exp(z_k - mN)``
-  and ``A = sum_{k in N} exp(z_k - mN) a_k`` (``a_k`` per token: the distance ``d(v_k, t)`` for
-  NTL-WAS or the value ``v_k``; ``docs/math.md``). The statistics are relative to the *local*
-  maxima, so a shard needs no second pass after the MAX all-reduce of ``[m, mN]``:
-  :func:`global_sums` rescales them (``S * exp(m_local - m)``) before the SUM all-reduce of
-  ``[S, z_y, SN, A]``. Both all-reduces are :mod:`ntl_scale.ops.logits`'s, the same two as on the
-  PyTorch path; this module holds the per-shard math only and communicates nothing.
-  The same kernel can also write the shard's softmax after the statistics (``softmax_into``), over its
-  local statistics: final on one device; under tensor parallelism a per-token factor from the all-reduced
-  statistics corrects it, folded by the chunked op into its per-token products, so a chunk is one walk
-  of one kernel, the row's second read served from L2 (Liger's cross-entropy kernel does the same).
-* :func:`softmax_grad_`: ``out[t, j] = coef_t * exp(z_tj - m_t) / S_t - label_coef_t [j = y_t]``,
-  then ``out[t, cols] = number_grad[t]`` on the number columns (stored, not added: their whole
-  gradient, computed in fp32, is rounded to ``out``'s dtype once; adding to a value already rounded
-  to bf16 rounded twice). With ``coef = g_ce - g_mass * mass``, ``label_coef = g_ce`` and
-  ``number_grad = (coef + g_mass) pi_N + g_expect p (a - expect) - g_ce [N = y]`` this is the
-  gradient of the logits (:meth:`ShardMath.grad_chunk`); with ``coef = 1`` and nothing else it is
-  the softmax the chunked op multiplies by the weight. ``out`` may be the logits themselves (in place).
-
-Chosen per call: ``impl="triton"`` on the ops (``ntl.impl`` / ``--ntl-impl``) takes them where they
-can run (:func:`runs_on`: CUDA tensors, or any tensor under Triton's interpreter); ``impl="auto"``,
-the default, takes them only where :func:`enabled` says so, which is nowhere until they have run on a
-GPU: so far they were tested only under Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set
-before Triton is imported; ``docs/kernels.md``).
+``impl="triton"`` takes them where :func:`runs_on` says they can run; ``impl="auto"`` only where
+:func:`enabled` says so, nowhere until they have run on a GPU (docs/kernels.md).
 """
 
 from __future__ import annotations

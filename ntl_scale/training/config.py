@@ -1,8 +1,5 @@
-"""Typed, strictly validated run configuration for ``launch/train.py``.
-
-A YAML file maps onto nested dataclasses; an unknown or misspelt key is an error that names the key
-and the closest valid one. ``key=value`` overrides use dotted paths (``train.steps=10``). Each
-section owns its fields; components receive their own section, never the whole run config.
+"""Typed, strictly validated run configuration for ``launch/train.py``: YAML onto nested dataclasses, an
+unknown key an error naming the closest valid one, ``key=value`` overrides by dotted path.
 """
 
 from __future__ import annotations

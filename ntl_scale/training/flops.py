@@ -1,30 +1,13 @@
-"""Model FLOPs of a trained micro-batch, achieved TFLOP/s and model FLOPs utilisation (MFU).
+"""Model FLOPs of a trained micro-batch, achieved TFLOP/s and MFU.
 
-FLOPs per trained token (forward + backward), the formula of PaLM (Chowdhery et al. 2022, appendix B)
-and Megatron-LM (Narayanan et al. 2021, eq. 3, per token)::
+Per trained token (PaLM appendix B; Megatron-LM eq. 3)::
 
     6 * N + 12 * n_layer * width * seq_len
 
-``N`` counts the parameters that take part in a matrix multiply: every parameter except the input
-embedding tables (token, position and T5's relative-position lookups cost no FLOPs); a tied output
-layer is counted once, as the output layer. The second term is the attention scores and their
-weighted sum (``Q K^T`` and ``A V``: 2 x 2 x seq_len x width per layer per token forward, x 3 for the
-backward; ``width`` = heads x head size, the hidden size unless the config sets ``head_dim``), at the
-batch's padded sequence length. Activation recomputation is not counted (model FLOPs, not hardware
-FLOPs). ``N`` is the whole model's, counted before DeepSpeed AutoTP splits the layers (the trainer
-builds the counter first) and with ZeRO-3-partitioned parameters counted whole.
-
-Encoder-decoder models (T5, BART): the encoder's parameters act on the encoder (input) tokens, the
-decoder's and the output layer's on the decoder tokens, except the cross-attention key and value
-projections, which act on the encoder's output (once per decoder layer, on each encoder token)::
-
-    enc_tokens * (6 * (N_enc + N_cross_kv) + 12 * enc_layers * width * enc_len)
-    + dec_tokens * (6 * N_dec + 12 * dec_layers * width * (dec_len + enc_len))
-
-(decoder self-attention over ``dec_len`` keys, cross-attention over ``enc_len``).
-
-MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s (:data:`PEAK_TFLOPS`, or
-``train.peak_tflops``). On a CPU without a configured peak it is not reported.
+``N``: the parameters in a matrix multiply (not the embedding lookups), of the whole model, counted before
+AutoTP splits it. Encoder-decoders count the encoder's parameters (and the cross-attention K/V projections)
+on the encoder tokens, the rest on the decoder tokens. MFU needs a peak (:data:`PEAK_TFLOPS` or
+``train.peak_tflops``).
 """
 
 from __future__ import annotations

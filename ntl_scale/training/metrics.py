@@ -1,12 +1,5 @@
-"""The metrics of a run: ``metrics.jsonl``, wandb, the progress line, and the end-of-run report.
-
-A :class:`MetricsLogger` is built from the tracking section and the run's step counts. Per step it
-turns the step's summed logging totals into a row (:meth:`~MetricsLogger.step_row`: CE per target
-token, NTL per NTL position, number accuracy, learning rate, gradient norm, tokens read, step time,
-model FLOPs and the rates of :class:`~ntl_scale.training.flops.FlopsCounter`), appends it to
-``metrics.jsonl`` and wandb (rank 0) and prints a progress line every ``train.log_every`` steps. At the
-end it writes ``eval.json``, ``loss_curves.png`` and prints the summary tables. No collectives: the
-trainer hands it totals already summed over the data-parallel ranks.
+"""The metrics of a run: ``metrics.jsonl``, wandb, the progress line and the end-of-run report (rank 0;
+the totals come already summed over the data-parallel ranks).
 """
 
 from __future__ import annotations

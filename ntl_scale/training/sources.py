@@ -1,16 +1,6 @@
-"""The data of a run, from its data section, through Hugging Face ``datasets``.
-
-``arithmetic``: generated ``train`` examples, ``interpolate``/``extrapolate`` evaluation splits.
-``deepmind``: ``train_path`` is a question/answer text file, or a folder written by
-``python -m ntl_scale.data.deepmind`` (its ``arithmetic_train.txt`` for training, the first
-``eval_examples`` of ``arithmetic_test_interpolate.txt`` / ``arithmetic_test_extrapolate.txt`` as
-the evaluation splits). ``jsonl``: ``{question, answer}`` lines. For files, ``eval_path`` (if given)
-is the ``eval`` split.
-
-Pretraining sources, packed into ``train.seq_length`` sequences (:mod:`ntl_scale.data.packing`):
-``text`` (documents of a text column, tokenised through ``datasets``) and ``megatron`` (a Megatron
-indexed dataset). Their held-out part (``data.eval_sequences``) gives :func:`heldout_batches` for
-evaluation loss and perplexity; they have no generation-evaluation splits.
+"""The data of a run, from its data section, through Hugging Face ``datasets``: ``arithmetic``,
+``deepmind`` and ``jsonl`` question/answer sources, and the packed pretraining sources ``text`` and
+``megatron`` (their held-out sequences: :func:`heldout_batches`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The harness's scores of a run's held-out questions beside the run's own scorer (``eval.json``).
-
-``ntl_run_<split>`` prompts each question as :func:`~ntl_scale.training.scoring.evaluate_generation`
-does (question + " ", greedy, the run's ``eval.max_new_tokens``) and reads the number by the same rule,
-through lm-eval's own tokenisation, batching and generation loop; so its ``exact_match`` must equal the
-run's ``accuracy``, ``abs_error`` its ``mae`` and ``parsed`` its ``1 - unparseable``: each is the
-other's independent reference.
+"""The harness's scores of a run's held-out questions beside the run's own scorer (``eval.json``): the
+same prompts and number rule, so each is the other's independent reference.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """Scoring of the ``ntl_numeracy`` lm-evaluation-harness tasks (``!function utils.<name>`` in their YAML).
 
-Standard library only: the rendered task folder carries a copy of this file, so the tasks run wherever
-lm-eval runs, with or without ``ntl_scale`` installed.
-
-Number rule (the same as :func:`ntl_scale.eval.numbers.extract_number`; a unit test holds them together):
-the text after a GSM8K ``####`` marker if there is one, else the whole text; in it the *last* number,
-where a number is an optional minus sign, digits with optional thousands separators (``1,234``), an
-optional decimal part and an optional denominator (``-29/5`` is -5.8). No number: unparsed.
-
-Per generated answer: ``exact_match`` (the parsed number equals the true one; unparsed counts as wrong),
-``parsed`` (a number was found), ``abs_error`` = |p - t| and ``rel_error`` = |p - t| / max(|t|, 1), the
-last two over parsed answers only (:func:`mean_parsed`; NaN when none parsed).
+Standard library only: the task folder carries a copy of this file. The number rule is
+:func:`ntl_scale.eval.numbers.extract_number`'s (a unit test holds them together).
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """Checkpoints, resume and the run's status: ``run_dir/checkpoints`` and ``run_dir/status.json``.
 
-A :class:`Checkpointer` is built from the run directory, the run's layout and ``train.save_every``:
-
-- :meth:`~Checkpointer.plan` compares the layout with the one the checkpoints were written with
-  (:func:`~ntl_scale.integrations.deepspeed.resume_layout.plan_resume`): start, resume as written, or convert once to
-  DeepSpeed's universal format (rank 0, the others waiting) and re-partition;
-- :meth:`~Checkpointer.save` writes DeepSpeed's checkpoint ``step{N}`` with the step, the data position
-  and the CPU generator as client state, and each rank's generators (``rng_rank{r}.pt``,
-  :func:`~ntl_scale.integrations.deepspeed.resume_layout.save_rng`); ``latest`` moves last, after a barrier, so a crash
-  leaves it at the previous complete checkpoint;
-- :meth:`~Checkpointer.load` reads back what ``latest`` names;
-- :meth:`~Checkpointer.read_state` / :meth:`~Checkpointer.write_status`: ``running``, ``stopped``
-  (checkpointed early on a signal) or ``finished``, which batch scripts read and a restarted run obeys.
-
-Collectives: two barriers per save; one broadcast (the conversion's failure flag) per universal
-resume; one object broadcast per :meth:`~Checkpointer.read_state`.
+``latest`` moves last, after a barrier, so a crash leaves it at the previous complete checkpoint.
 """
 
 from __future__ import annotations

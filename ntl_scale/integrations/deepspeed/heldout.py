@@ -1,14 +1,6 @@
 """Held-out evaluation of a run: loss and perplexity on held-out batches, answers generated and scored.
 
-:func:`heldout_micro_batches` deals this data-parallel rank its share of the held-out text: the first
-generation-evaluation split of a question/answer source, or ``data.eval_sequences`` packed sequences of
-a pretraining corpus. :class:`Evaluator` runs them forward only (every ``train.eval_every`` steps and at
-the end; the metrics of :func:`~ntl_scale.training.scoring.heldout_metrics`) and, at the end, the
-generation evaluation of ``eval`` (:func:`~ntl_scale.training.scoring.evaluate_generation`).
-
-Collectives: one SUM all-reduce of the held-out sums over the data-parallel group per evaluation; one
-object all-gather over it when the per-sequence sums are written; inside the model, ZeRO-3 gathers
-parameters in every forward, so every rank runs the same number of batches.
+Every data-parallel rank runs the same number of batches (ZeRO-3 gathers parameters in every forward).
 """
 
 from __future__ import annotations

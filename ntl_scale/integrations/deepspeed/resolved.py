@@ -1,17 +1,6 @@
-"""What a run derives from its config and from where it runs, kept apart from the config.
-
-The run config (``run_dir/config.json``) stays as the user gave it: ``train.bf16: null`` stays auto,
-``train.gradient_accumulation_steps`` stays what was written when ``train.global_batch_size`` derives
-the accumulation. What the run makes of it on this machine, this number of ranks and this checkpoint
-directory is a :class:`Resolved` record, saved beside the config as ``run_dir/resolved.json``:
-
-- the world: all ranks, tensor-parallel and data-parallel ranks (``world = tp x dp``);
-- the gradient-accumulation steps and the global batch (``micro_batch_size x accumulation x dp``);
-- bf16 on or off (auto: on for an accelerator with bf16, off on the CPU);
-- the DeepSpeed config as handed to ``deepspeed.initialize`` (``"auto"`` values filled by
-  :func:`resolve_deepspeed_config`; ``checkpoint.load_universal`` when the
-  run resumes on another layout);
-- how the run starts: from step 0, or resuming its checkpoint as written or re-partitioned.
+"""What a run derives from its config and from where it runs (``run_dir/resolved.json``): the world,
+the accumulation and global batch, bf16, the DeepSpeed JSON as handed to ``deepspeed.initialize`` and how
+the run starts. The config itself stays as the user gave it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
-"""Where a DeepSpeed run resumes: as written, or on another number of ranks through a universal checkpoint.
-
-A run directory's ``checkpoints/layout.json`` records how its checkpoints were split (data-parallel and
-tensor-parallel ranks) and the global batch. :func:`plan_resume` compares it with the restarted job:
-
-- the same layout: DeepSpeed loads its own checkpoint;
-- another number of data-parallel or tensor-parallel ranks with the same global batch: the checkpoint
-  is converted once with DeepSpeed's ``ds_to_universal`` (:func:`to_universal`) and loaded with
-  ``"checkpoint": {"load_universal": true}``, which re-partitions the ZeRO optimizer state and the
-  AutoTP weight shards for the new layout;
-- another global batch: refused before any step (the run would not continue the same curve).
-
-Each rank also writes its random generators next to its shards (:func:`save_rng`, ``rng_rank{r}.pt``
-in the checkpoint's folder): the CPU generator, every device generator of the accelerator (CUDA's draw
-the dropout masks on GPUs), Python's and NumPy's. :func:`load_rng` restores them on the same layout;
-on another layout, or from a checkpoint written before these files, the CPU generator takes the client
-state's (rank 0's under ZeRO 1 and 2) and the device generators keep their seed from ``train.seed``, as
-before.
+"""Where a DeepSpeed run resumes: as written, or on another number of ranks through a universal checkpoint
+(the same global batch only), and every rank's random generators.
 """
 
 from __future__ import annotations

@@ -1,12 +1,4 @@
-"""Hugging Face route 3: a ``Trainer`` (or TRL ``SFTTrainer``) subclass with NTL and exact step normalisation.
-
-:func:`ntl_trainer_class` installs :class:`~ntl_scale.integrations.hf.loss.NTLCausalLMLoss` as the
-Trainer's ``compute_loss_func`` (or takes the model's ``apply_ntl_to_hf_model(chunked=True)`` loss) and counts the
-NTL positions of each optimizer step beside the Trainer's token count (:func:`count_step_numbers`).
-
-``transformers`` is imported on first use; without it :func:`ntl_trainer_class` raises an ImportError
-that names the extra to install (``pip install 'ntl_scale[hf]'``).
-"""
+"""A ``Trainer`` (or TRL ``SFTTrainer``) subclass with NTL and exact step normalisation."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Megatron (both routes): the ``--ntl-*`` flags, the validated :class:`NTLSettings` and the number table.
-
-* :func:`add_ntl_args`: the ``--ntl-*`` argument group, for Megatron's ``extra_args_provider``, built
-  from the option spec (:func:`ntl_scale.options.option_fields`): one flag per option, the same
-  names, choices and meanings as the YAML keys, and the defaults the spec declares for Megatron;
-* :class:`NTLSettings`: the validated settings (``NTLSettings.from_args(args)``);
-* :func:`build_number_vocab`: the number table for Megatron's tokenizer (``inv_vocab``) and padded
-  vocabulary, or loaded from a saved JSON table;
-* :func:`ignored_megatron_flags`: the Megatron flags a run with NTL on does not use, each with what
-  runs instead (said once, by rank 0, when the NTL step is built).
-
-Nothing here imports Megatron.
+"""Megatron (both routes): the ``--ntl-*`` flags built from the option spec, the validated
+:class:`NTLSettings` and the number table. Nothing here imports Megatron.
 """
 
 from __future__ import annotations

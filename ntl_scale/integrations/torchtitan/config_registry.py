@@ -1,20 +1,6 @@
-"""torchtitan configs with CE + NTL, for ``python -m torchtitan.train --module ntl_scale.integrations.torchtitan``.
-
-``--config <function>`` picks one of these.
-
-Each function returns an :class:`NTLTrainer.Config`: torchtitan's own llama3 config of the same name
-(model, optimizer, schedule, data, parallelism defaults) with the loss replaced by
-``ChunkedLossWrapper(NTLLoss)`` (or :class:`NTLLoss` alone for ``*_ntl_logits``). Every key can be
-overridden on the command line as usual (``--loss.loss-fn.weight 0.1``, ``--loss.num-chunks 4``).
-
-| function | model | NTL |
-|---|---|---|
-| ``llama3_debugmodel_ntl`` | llama3 ``debugmodel`` (6 layers, dim 256, vocab 2048) | WAS, weight 0.3, digits |
-| ``llama3_debugmodel_ntl_logits`` | the same, the loss on the full logits (no ``ChunkedLossWrapper``) | the same |
-| ``llama3_3b_ntl`` | Llama-3.2-3B (llama3 ``3B``: 28 layers, dim 3072, vocab 128256) | WAS, 0.3, 0-999, squash 10 |
-
-The number table is built from the tokenizer in ``hf_assets_path`` (or ``--loss.loss-fn.number-vocab``,
-a saved table). ``docs/torchtitan.md`` has the commands, the keys and what was tested.
+"""torchtitan configs with CE + NTL (``--module ntl_scale.integrations.torchtitan --config <function>``):
+torchtitan's llama3 config of the same name with the loss replaced by ``ChunkedLossWrapper(NTLLoss)`` (or
+:class:`NTLLoss` alone for ``*_ntl_logits``). docs/torchtitan.md has the commands.
 """
 
 from __future__ import annotations
