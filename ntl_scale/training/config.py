@@ -78,7 +78,7 @@ class DataConfig:
     ``.bin``/``.idx`` prefix from ``preprocess_data.py``)."""
     train_path: str | None = None
     """File for ``deepmind``/``jsonl`` sources; for ``deepmind`` also a folder written by
-    ``python -m ntl_scale.data.deepmind`` (its arithmetic subset: train, interpolate, extrapolate).
+    ``python launch/deepmind_data.py`` (its arithmetic subset: train, interpolate, extrapolate).
     ``text``: a ``.jsonl``/``.json``/``.parquet`` file, a folder of them, or a ``save_to_disk`` folder.
     ``megatron``: the path prefix (``PREFIX.bin`` and ``PREFIX.idx``)."""
     eval_path: str | None = None

@@ -10,7 +10,6 @@ from typing import Any
 
 from ..data.arithmetic import ArithmeticConfig, Example, generate
 from ..data.collate import ShardedOrder
-from ..data.deepmind import SPLIT_FILES
 from ..data.hf_datasets import (
     HFDocuments,
     PackedStream,
@@ -30,6 +29,14 @@ __all__ = ["PACKED_SOURCES", "Batches", "eval_sets", "heldout_batches", "train_d
 
 PACKED_SOURCES = ("text", "megatron")
 """``data.source`` values whose documents are packed into ``train.seq_length`` sequences."""
+
+SPLIT_FILES = {
+    "train": "arithmetic_train.txt",
+    "val": "arithmetic_val.txt",
+    "interpolate": "arithmetic_test_interpolate.txt",
+    "extrapolate": "arithmetic_test_extrapolate.txt",
+}
+"""The arithmetic subset's file names in a folder of ``launch/deepmind_data.py``, by split."""
 
 
 def _documents(cfg: DataConfig, tokenizer: Any) -> Any:
@@ -82,7 +89,7 @@ def _train_file(cfg: DataConfig) -> str:
         if not os.path.isfile(path):
             raise ValueError(
                 f"data.train_path={cfg.train_path!r} is a folder without {SPLIT_FILES['train']}; generate it with "
-                f"python -m ntl_scale.data.deepmind --out {cfg.train_path}, or point data.train_path at a .txt file"
+                f"python launch/deepmind_data.py --out {cfg.train_path}, or point data.train_path at a .txt file"
             )
         return path
     return cfg.train_path

@@ -1,5 +1,5 @@
 """Runs inside the generator's own environment (``mathematics-dataset==1.0.1``, ``sympy==1.5.1``,
-``numpy<1.24``), run by ``ntl_scale.data.deepmind``: writes DeepMind's file layout, each (split, module) file
+``numpy<1.24``), run by ``launch/deepmind_data.py``: writes DeepMind's file layout, each (split, module) file
 from its own seed.
 """
 
