@@ -189,18 +189,14 @@ class NTLOptions:
     )
     impl: str = _documented(
         "auto",
-        "Which code computes the fused statistics: ``auto`` (the PyTorch code today; the Triton kernels on CUDA "
-        "once they have passed the GPU suite), ``torch``, or ``triton`` (CUDA tensors, ``triton`` installed; the "
-        "PyTorch code while ``torch.compile`` traces). The numbers agree to rounding. The Triton kernels compute "
-        "the z-loss of the CE features below, not label smoothing or soft-capping: with those ``auto`` runs the "
-        "PyTorch code and ``triton`` is refused.",
+        "Which code computes the fused statistics: ``auto`` (the PyTorch code until the Triton kernels have "
+        "passed the GPU suite), ``torch``, or ``triton`` (CUDA tensors; refused with label smoothing or "
+        "soft-capping). The numbers agree to rounding.",
     )
     z_loss_weight: float = _documented(
         0.0,
-        "Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to each token's CE (PaLM, OLMo 2, "
-        "Chameleon; 1e-4 there), on the same positions and weights as CE; 0: off. Exact under tensor parallelism "
-        "(the log-sum-exp is the all-reduced one); the per-token log-sum-exp is returned (``PerTokenTerms.lse``) "
-        "for logging. A training regulariser: held-out CE is computed without it (:meth:`for_evaluation`).",
+        "Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to each token's CE (PaLM, OLMo 2: 1e-4); "
+        "0: off. A training regulariser: held-out CE is computed without it (:meth:`for_evaluation`).",
     )
     label_smoothing: float = _documented(
         0.0,

@@ -50,16 +50,12 @@ class PerTokenTerms(NamedTuple):
     """Per-token outputs of :func:`per_token_ce_ntl`, each shaped like the labels.
 
     Attributes:
-        ce: the CE term (0 where ignored): cross entropy, label-smoothed with
-            ``options.label_smoothing``, plus the z-loss ``options.z_loss_weight * lse**2`` (the part of
-            the objective CE's reduction weighs; CE alone is ``ce - z_loss_weight * lse**2``).
+        ce: the CE term (0 where ignored), label-smoothed, plus the z-loss ``z_loss_weight * lse**2``.
         ntl: NTL (0 where ``number_mask`` is False).
         number_mask: positions that carry NTL.
-        hit: the label is the arg-max over the whole vocabulary (for token accuracy; False when
-            CE was not computed).
-        lse: the log-sum-exp of the (soft-capped) logits over the whole vocabulary, per token, at every
-            position (ignored ones included; 0 when CE was not computed): what the z-loss squares, for
-            logging; differentiable.
+        hit: the label is the arg-max over the whole vocabulary (False when CE was not computed).
+        lse: the log-sum-exp of the (soft-capped) logits over the whole vocabulary at every position (0 when
+            CE was not computed); differentiable.
     """
 
     ce: torch.Tensor
@@ -253,13 +249,11 @@ def ntl_positions(
 
     Args:
         labels: token ids ``[...]`` (for ``loss="number"`` the last axis is the sequence).
-        vocab: the number table.
-        options: the NTL variant (default NTL-WAS); its ``ignore_index`` marks positions without loss.
+        options: the NTL variant (default NTL-WAS) and its ``ignore_index``.
         pieces: ``loss="number"`` only: cut numbers at the borders of this many equal slices of the
             sequence, as context parallelism does (Megatron's load-balanced split: ``2 x`` the CP size).
 
-    Returns:
-        bool ``[...]``, on the labels' device; no host synchronisation.
+    Returns bool ``[...]`` on the labels' device, without a host sync.
     """
     options = NTLOptions() if options is None else options
     valid = labels != options.ignore_index
@@ -315,12 +309,7 @@ def predict_numbers(logits: torch.Tensor, vocab: NumberVocab) -> NumberPredictio
     Value: the softmax over the number-token columns dotted with their values; mass: the full softmax's sum
     over those columns. Computed in fp32 (fp64 for fp64 logits).
 
-    Args:
-        logits: ``[..., V]`` full-vocabulary logits, ``V`` the table's ``vocab_size`` (gather TP shards first).
-        vocab: the number-token table.
-
-    Returns:
-        :class:`NumberPrediction` ``(value, mass)``, each ``[...]``.
+    ``logits``: ``[..., V]`` full-vocabulary logits (gather TP shards first); returns ``(value, mass)``, each ``[...]``.
     """
     if not isinstance(vocab, NumberVocab):
         raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")

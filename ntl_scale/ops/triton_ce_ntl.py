@@ -103,12 +103,9 @@ def _kernels() -> tuple[Any, Any]:
             an = an * scale + tl.sum(ek * ak, 0)
             mn = new_m
         if WRITE_SOFTMAX:
-            # The shard's softmax exp(z - m) / s over its own statistics, in a second walk over the row, as
-            # grad_kernel writes it with coef 1 (the same arithmetic: on one device the same values). Final
-            # on one device; under TP the host rescales each row after the all-reduces. A shard whose logits
-            # are all -inf writes 0 (its share of the softmax), not NaN. After the label and number reads:
-            # p_ptr may be z_ptr (in place). The walk runs backwards, from the blocks this program read last:
-            # those most likely still in L2 on a GPU (a 128256-column bf16 row is 250 KiB).
+            # The shard's softmax exp(z - m) / s over its own statistics (grad_kernel's arithmetic with coef 1;
+            # under TP the host rescales each row), 0 for an all -inf shard. After the label and number reads,
+            # so p_ptr may be z_ptr; walked backwards, from the blocks most likely still in L2.
             p_row = p_ptr + row * stride_pt
             base = tl.where(m == neg_inf, 0.0, m)
             inv = tl.where(s == 0.0, 0.0, 1.0 / s)
@@ -172,10 +169,8 @@ def _kernels() -> tuple[Any, Any]:
             g = tl.where(offs == target, g - label_coef, g)
             tl.store(g_row + offs * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
         if HAS_NUMBERS:
-            # The number columns get their whole gradient, computed in fp32 beforehand, rounded to the
-            # output dtype once: it replaces (never adds to) the value written above, which read back
-            # from a half-precision ``out`` would be rounded twice. Other threads of this program wrote
-            # those columns above: wait for them, so that this store is the last one.
+            # The number columns' whole gradient (fp32, rounded once) replaces the value written above; other
+            # threads of this program wrote those columns: wait for them, so that this store is the last.
             tl.debug_barrier()
             for start in range(0, K, BLOCK_K):
                 kofs = start + tl.arange(0, BLOCK_K)
@@ -207,10 +202,8 @@ def _warps(block: int) -> int:
     return 16 if block >= 4096 else 8 if block >= 1024 else 4
 
 
-#: The share of L2 the statistics-and-softmax launch plans its rows in flight into (the rest: the other
-#: traffic, and the L2 of an H100 being two partitions); one program per row runs
-#: :data:`MAX_PROGRAMS_PER_SM` of them per SM (16-warp programs: 64 warps, an SM's limit); the persistent
-#: grid's one program per SM loads blocks of :data:`INFLIGHT_BYTES`, to keep HBM busy with fewer programs.
+#: The launch plan of the statistics-and-softmax kernel: the share of L2 its rows in flight may fill, 16-warp
+#: programs per SM with one program per row, and the bytes a persistent program loads at once.
 L2_SHARE = 0.75
 MAX_PROGRAMS_PER_SM = 4
 INFLIGHT_BYTES = 32 * 1024

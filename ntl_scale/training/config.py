@@ -104,16 +104,12 @@ class DataConfig:
     """``arithmetic`` source: answers written least-significant digit first (``What is 57 + 68? 521`` for
     125); evaluation reads them back, so ``eval.json`` and the predictions hold the true numbers."""
     position_coupling: bool = False
-    """Question/answer sources, causal models: position ids couple the digits of the question and the
-    (reversed) answer by place value (:mod:`ntl_scale.data.positions`, Cho et al. 2024), in training and
-    in generation; the variant that lets a rotary model add numbers longer than it was trained on. Needs
-    ``reverse_answers``, answers that are never negative (kinds ``add``/``mul``, ``negative_share: 0``), a
-    tokenizer with one token per digit and a model whose ``forward`` takes ``position_ids`` (not
-    ``flash_attention_2``). A model trained so must be given such ids at inference too."""
+    """Position ids that couple the digits of the question and the reversed answer by place value
+    (:mod:`ntl_scale.data.positions`), in training and generation. Needs ``reverse_answers``, answers never
+    negative, one token per digit and a causal model taking ``position_ids`` (docs/data.md)."""
     position_offset: int = 0
-    """With ``position_coupling``: each training row's digit positions are shifted by a random offset,
-    0 to this many (evaluation: 0), so that a place is not read off its distance to the question's words;
-    set it to at least the number of places the model should extrapolate to."""
+    """With ``position_coupling``: shift each training row's digit positions by a random offset, 0 to this many
+    (evaluation: 0); at least the number of places the model should extrapolate to."""
     streaming: bool = False
     """Read ``train_path`` as a stream (``datasets.IterableDataset``) instead of building its Arrow table:
     for corpora larger than memory or disk cache."""
@@ -126,9 +122,8 @@ class DataConfig:
     text_column: str = "text"
     """``text`` source: the column holding each document."""
     document_isolation: bool = False
-    """Packed sources: ``position_ids`` restart at every document start and no position predicts across a
-    document boundary (Hugging Face's flattening layout; the model must build its mask from
-    ``position_ids``, see docs/data.md). Off: documents attend to the ones before them in a sequence."""
+    """Packed sources: ``position_ids`` restart at every document and no position predicts across a document
+    boundary (Hugging Face's flattening layout, docs/data.md)."""
     eval_sequences: int = 0
     """Packed sources: sequences held out for evaluation loss and perplexity (the corpus's first documents
     that hold them; no document is in both parts); 0: none."""
@@ -192,9 +187,8 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step (derived when ``global_batch_size`` is set)."""
     global_batch_size: int | None = None
-    """Sequences per optimizer step over all data-parallel ranks. When set, the accumulation steps are
-    derived from it (``global / (micro_batch_size x data-parallel ranks)``), so a job restarted on
-    another number of GPUs keeps its batch and resumes its curve (Megatron's convention)."""
+    """Sequences per optimizer step over all data-parallel ranks; when set, the accumulation steps derive from
+    it, so a job restarted on another number of GPUs keeps its batch (Megatron's convention)."""
     lr: float = 3e-3
     """Peak learning rate."""
     warmup_steps: int = 10
@@ -226,9 +220,8 @@ class TrainConfig:
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the chunked loss (default: about 2**26 logits per chunk)."""
     tensor_parallel_size: int = 1
-    """DeepSpeed AutoTP size: the model and its output layer are split over this many ranks, the
-    vocabulary too (CE + NTL on the local shard); the world size must be a multiple of it, the rest is
-    data parallel. Works with ZeRO stages 0-3 (stage 3 needs DeepSpeed >= 0.19.4) and a model AutoTP can split."""
+    """DeepSpeed AutoTP size: the model and its output layer (the vocabulary too) split over this many ranks; the
+    rest of the world is data parallel. ZeRO-3 needs DeepSpeed >= 0.19.4."""
 
     def __post_init__(self) -> None:
         if self.seq_length < 2:

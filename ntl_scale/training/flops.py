@@ -20,15 +20,9 @@ import torch
 
 __all__ = ["PEAK_TFLOPS", "FlopsCounter", "peak_tflops_for_name", "peak_tflops_of"]
 
-# Dense bf16 tensor-core peak per device in TFLOP/s, no sparsity. NVIDIA data sheets print BF16 "with
-# sparsity", twice the dense figure: H100 SXM 1,979 / PCIe 1,513 / NVL 1,671; H200 SXM 1,979 / NVL
-# 1,671; H800 SXM 1,979 / PCIe 1,513; GH200 1,979; L40S 733; L40 362.1; L4 242; A10 250. Dense figures
-# of the data sheets: A100/A800 312; HGX B200 and B100 2.25 and 1.75 PFLOPS per GPU; AMD Instinct
-# MI300X 1,307.4, MI250X 383. A10G (AWS, no NVIDIA data sheet): as commonly quoted.
-# A key matches when each of its words is a whole word of the device name as torch.cuda.get_device_name
-# reports it ("NVIDIA H100 80GB HBM3", "NVIDIA L40S", "NVIDIA H200 NVL"): "L4" does not match
-# "NVIDIA L40", nor "H200" "NVIDIA GH200 480GB". The first match wins, so a form factor (PCIe, NVL)
-# comes before the plain name, which is the SXM part.
+# Dense bf16 peak per device in TFLOP/s, from the vendors' data sheets (NVIDIA prints BF16 "with sparsity":
+# twice these). A key matches when each of its words is a whole word of torch.cuda.get_device_name() ("L4"
+# is not "NVIDIA L40"); the first match wins, so a form factor (PCIe, NVL) comes before the plain SXM name.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("GH200", 989.0),
     ("H200 NVL", 835.0),
