@@ -1,31 +1,19 @@
-"""Numbers from generated text, and metrics over predicted vs true numbers.
-
-The answer is the *last* number after a GSM8K ``####`` marker (else in the whole text): an optional
-minus, digits with optional thousands separators, an optional decimal part and denominator (``-29/5``).
-"""
+"""Numbers from generated text, and metrics over predicted vs true numbers."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
+
+from .tasks.utils import parse_number
 
 __all__ = ["extract_number", "number_metrics"]
 
-_NUMBER = re.compile(r"(?<![\w./])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?", flags=re.ASCII)
-
 
 def extract_number(text: str) -> float | None:
-    """The answer number of a generated text (see the module rules), or None."""
-    if "####" in text:
-        text = text.rsplit("####", 1)[1]
-    matches = _NUMBER.findall(text)
-    if not matches:
-        return None
-    numerator, _, denominator = matches[-1].replace(",", "").partition("/")
-    if not denominator:
-        return float(numerator)
-    return float(numerator) / float(denominator) if float(denominator) else None
+    """The answer number of a generated text, or None: the *last* number after a GSM8K ``####`` marker (else
+    in the whole text), with optional minus, thousands separators, decimal part and denominator (``-29/5``)."""
+    return parse_number(text)
 
 
 def number_metrics(predictions: Sequence[float | None], targets: Sequence[float]) -> dict[str, float]:

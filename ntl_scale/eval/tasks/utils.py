@@ -1,7 +1,7 @@
 """Scoring of the ``ntl_numeracy`` lm-evaluation-harness tasks (``!function utils.<name>`` in their YAML).
 
-Standard library only: the task folder carries a copy of this file. The number rule is
-:func:`ntl_scale.eval.numbers.extract_number`'s (a unit test holds them together).
+Standard library only: the task folder carries a copy of this file. :func:`parse_number` is also the
+project's own rule (:func:`ntl_scale.eval.numbers.extract_number`).
 """
 
 from __future__ import annotations
