@@ -1,9 +1,9 @@
-"""``python -m ntl_scale.eval.tasks``: prepare the ``ntl_numeracy`` task folder, or print its path.
+"""Prepare the ``ntl_numeracy`` lm-eval task folder (``ntl_scale.eval.tasks``), print its path, or compare.
 
-python -m ntl_scale.eval.tasks --path            # the default folder (prepared on first use)
-python -m ntl_scale.eval.tasks prepare --out DIR [--gsm8k DIR] [--examples 250] [--texts 100]
-                                       [--seed 0] [--run-dir RUN]
-python -m ntl_scale.eval.tasks compare --run-dir RUN --results DIR   # harness vs the run's scorer
+python launch/eval_tasks.py --path            # the default folder (prepared on first use)
+python launch/eval_tasks.py prepare --out DIR [--gsm8k DIR] [--examples 250] [--texts 100]
+                                    [--seed 0] [--run-dir RUN]
+python launch/eval_tasks.py compare --run-dir RUN --results DIR   # harness vs the run's scorer
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import argparse
 import os
 import sys
 
-from . import DEFAULT_GSM8K, GROUP, default_dir, prepare
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout, for ntl_scale
+
+from ntl_scale.eval.tasks import DEFAULT_GSM8K, GROUP, default_dir, prepare
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ntl_scale.eval.tasks", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python launch/eval_tasks.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--path", action="store_true", help="print the default task folder (preparing it if absent)")
     parser.add_argument(
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(os.path.abspath(out))
         return 0
     if args.command == "compare":
-        from .compare import compare_run, latest_results, print_comparison
+        from ntl_scale.eval.tasks.compare import compare_run, latest_results, print_comparison
 
         if not args.run_dir or not args.results:
             parser.error("compare needs --run-dir and --results")
