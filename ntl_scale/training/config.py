@@ -336,10 +336,6 @@ class RunConfig:
         write_json_atomically(self.to_dict(), path)
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -389,7 +385,7 @@ def _build(cls: Any, data: Any, where: str) -> Any:
         data = {}
     if not isinstance(data, dict):
         raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():

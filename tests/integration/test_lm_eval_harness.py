@@ -15,9 +15,9 @@ import pytest
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
+from launch.eval_tasks import compare_run
 from ntl_scale.data.arithmetic import ArithmeticConfig, generate
 from ntl_scale.eval.tasks import prepare
-from ntl_scale.eval.tasks.compare import compare_run
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,8 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     import torch
     import transformers
 
+    from ntl_scale.training.build import build_char_tokenizer
     from ntl_scale.training.scoring import evaluate_generation
-    from ntl_scale.training.tokenizer import build_char_tokenizer
 
     run = str(tmp_path_factory.mktemp("run"))
     tok = build_char_tokenizer()

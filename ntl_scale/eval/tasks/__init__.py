@@ -1,13 +1,7 @@
 """``ntl_numeracy``: number evaluation of any checkpoint as an lm-evaluation-harness task group.
 
-    python launch/eval_tasks.py prepare --out DIR [--gsm8k ../shared/data/gsm8k] [--run-dir runs/tiny]
-    lm_eval --model hf --model_args pretrained=CKPT --include_path DIR --tasks ntl_numeracy
-
-:func:`prepare` writes a self-contained task folder: ``DIR/data/*.jsonl`` (:mod:`.data`), the task
-YAMLs of ``templates/`` with their ``data_files`` pointing there, and a copy of :mod:`.utils` (their
-``process_results`` and aggregations). The harness reads the JSONL with ``dataset_path: json``, so it
-runs with ``HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1``. ``python launch/eval_tasks.py --path`` prints
-the default folder (prepared on first use). The tasks, metrics and directions: docs/evaluation.md.
+:func:`prepare` writes a self-contained task folder (JSONL data, the task YAMLs of ``templates/``, a copy of
+:mod:`.utils`) that the harness reads offline; ``launch/eval_tasks.py`` is its command line (docs/evaluation.md).
 """
 
 from __future__ import annotations
