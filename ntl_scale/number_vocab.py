@@ -163,9 +163,7 @@ class NumberCensus:
 
     @property
     def loses_most(self) -> bool:
-        """The rule leaves out more bare number tokens than it keeps: the digit rule on a tokenizer that writes
-        numbers as multi-digit tokens, where NTL would only see labels that happen to be single digits.
-        (Left-out prefixed tokens alone do not count: leaving them out is the documented default.)"""
+        """The rule leaves out more bare number tokens than it keeps (the digit rule on a multi-digit tokenizer)."""
         return self.digit_level and self.multi_digit > self.kept
 
     def recipe(self) -> str:

@@ -193,9 +193,8 @@ def load_text(path: str, *, text_column: str = "text", streaming: bool = False, 
 
 
 def document_specials(tokenizer: Any) -> tuple[int | None, int]:
-    """The BOS (or None) and EOS ids each document gets: EOS always (it separates documents in a
-    packed sequence); BOS only if the tokenizer itself puts it first when encoding with special tokens
-    (Llama, Mistral), never when BOS is EOS (GPT-2) or it adds none (T5, Granite)."""
+    """The BOS (or None) and EOS ids each document gets: EOS always; BOS only where the tokenizer itself puts it
+    first (Llama, Mistral), never where BOS is EOS (GPT-2) or it adds none (T5, Granite)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError(
@@ -228,9 +227,8 @@ def _encode_documents(
 
 
 def tokenize_documents(rows: Any, tokenizer: Any, *, text_column: str = "text", num_proc: int = 1) -> Any:
-    """One row per document: ``input_ids`` (``[BOS] + tokens + [EOS]``, see :func:`document_specials`;
-    empty for an empty or null text) and ``length``. On a ``Dataset`` the result is cached next to its
-    Arrow files and ``num_proc`` processes share the work; on an ``IterableDataset`` it runs as rows stream."""
+    """One row per document: ``input_ids`` (``[BOS] + tokens + [EOS]``; empty for an empty text) and ``length``;
+    cached on a ``Dataset`` (``num_proc`` processes), computed as rows stream on an ``IterableDataset``."""
     bos, eos = document_specials(tokenizer)
     options: dict[str, Any] = {"num_proc": num_proc if num_proc > 1 else None} if hasattr(rows, "num_rows") else {}
     try:

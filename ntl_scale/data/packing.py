@@ -188,7 +188,6 @@ def pack_documents(
 
 
 def collate_packed(rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Stacks packed rows into a micro-batch (host tensors): ``input_ids``, ``labels`` and, with document
-    isolation, ``position_ids``. No ``attention_mask``: there is no padding, and Hugging Face models build
-    the per-document causal mask from ``position_ids`` only when no mask is passed."""
+    """Stacks packed rows into a micro-batch of host tensors, without ``attention_mask`` (no padding; Hugging
+    Face builds the per-document mask from ``position_ids`` only when no mask is passed)."""
     return {key: torch.as_tensor(np.stack([np.asarray(r[key]) for r in rows]), dtype=torch.long) for key in rows[0]}

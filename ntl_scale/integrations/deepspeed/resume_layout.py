@@ -115,9 +115,8 @@ def _device_generators(accelerator: Any) -> int:
 
 
 def rng_state(accelerator: Any) -> dict[str, Any]:
-    """This process's random generators: the CPU generator, each device generator of ``accelerator``
-    (DeepSpeed's ``get_accelerator()``; by device index), Python's ``random`` and NumPy's global
-    generator. Plain types and tensors only (``torch.load(weights_only=True)`` reads them back)."""
+    """This process's random generators (CPU, each device of ``accelerator``, Python's and NumPy's), as plain
+    types and tensors (``torch.load(weights_only=True)`` reads them back)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     return {
         "cpu": torch.get_rng_state(),

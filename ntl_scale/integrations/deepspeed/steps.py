@@ -70,9 +70,8 @@ def loss_from_terms(
 
 
 def z_loss_sum(terms: PerTokenTerms, targets: torch.Tensor, z_loss_weight: float) -> torch.Tensor:
-    """The z-loss part of a micro-batch's CE term, ``z_loss_weight * sum lse**2`` over its targets that are
-    not ignored (float64 0-d, detached, on the terms' device; no host read): what the training ``z_loss``
-    logs (per target token), apart from ``ce``."""
+    """The z-loss part of a micro-batch's CE term, ``z_loss_weight * sum lse**2`` over its targets (float64
+    0-d, detached, no host read): what the training ``z_loss`` logs."""
     if not z_loss_weight:
         return torch.zeros((), dtype=torch.float64, device=terms.ce.device)
     valid = (targets != -100).reshape(terms.lse.shape)
