@@ -38,7 +38,7 @@ def load_model(path: str | None) -> tuple:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         model = transformers.AutoModelForCausalLM.from_pretrained(path)
         return model, tokenizer, number_vocab_from_pretrained(path)
-    from ntl_scale.training.build import build_char_tokenizer
+    from ntl_scale.training.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=64)

@@ -4,36 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import string
 from typing import Any
 
-from .._runtime import require
 from .config import ModelConfig
 
-__all__ = ["build_char_tokenizer", "build_model", "build_tokenizer", "model_vocab_size"]
-
-ALPHABET = string.digits + string.ascii_letters + " ?.,+-*/()=#:'\n"
-SPECIALS = ("<pad>", "<eos>", "<unk>")
-
-
-def build_char_tokenizer(alphabet: str = ALPHABET) -> Any:
-    """A Hugging Face fast tokenizer with one token per character of ``alphabet`` (``builtin:char``; offline)."""
-    tokenizers = require("tokenizers", "hf", "the builtin character tokenizer")
-    transformers = require("transformers", "hf", "the builtin character tokenizer")
-    vocab = {token: i for i, token in enumerate(SPECIALS)}
-    for char in alphabet:
-        vocab.setdefault(char, len(vocab))
-    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
-    raw.decoder = tokenizers.decoders.Fuse()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=raw, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
+__all__ = ["build_model", "build_tokenizer", "model_vocab_size"]
 
 
 def build_tokenizer(model: ModelConfig) -> Any:
     """``builtin:char`` (built offline) or a local tokenizer directory; ntl_scale never downloads."""
     if model.tokenizer == "builtin:char":
+        from .tokenizer import build_char_tokenizer
+
         return build_char_tokenizer()
     from transformers import AutoTokenizer
 

@@ -70,7 +70,7 @@ def check_apply_ntl(tied: bool, chunked: bool, after: bool) -> dict:
     import ntl_scale
     from ntl_scale.data import collate, encode, generate
     from ntl_scale.integrations.hf import apply_ntl_to_hf_model
-    from ntl_scale.training.build import build_char_tokenizer
+    from ntl_scale.training.tokenizer import build_char_tokenizer
     from tests.helpers.reference import naive_per_token
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

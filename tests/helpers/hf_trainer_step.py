@@ -79,7 +79,7 @@ def step(out: str, micro: int, accumulation: int, kind: str) -> None:
     import ntl_scale
     from ntl_scale.data import EncodedExample, collate, encode, generate
     from ntl_scale.integrations import hf
-    from ntl_scale.training.build import build_char_tokenizer
+    from ntl_scale.training.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer, vocab_size=96)

@@ -28,8 +28,8 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     import torch
     import transformers
 
-    from ntl_scale.training.build import build_char_tokenizer
     from ntl_scale.training.scoring import evaluate_generation
+    from ntl_scale.training.tokenizer import build_char_tokenizer
 
     run = str(tmp_path_factory.mktemp("run"))
     tok = build_char_tokenizer()

@@ -110,7 +110,7 @@ def test_pretrain_packed_text_resume_and_megatron(tmp_path, corpus):
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from ntl_scale.training.build import build_char_tokenizer
+    from ntl_scale.training.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     prefix = tmp_path / "numbers_text_document"
@@ -135,7 +135,7 @@ def test_megatron_preprocess_data_gives_the_same_documents_and_sequences(tmp_pat
     from ntl_scale.data.hf_datasets import HFDocuments, load_text, tokenize_documents
     from ntl_scale.data.indexed import IndexedDocuments
     from ntl_scale.data.packing import PackedSequences
-    from ntl_scale.training.build import build_char_tokenizer
+    from ntl_scale.training.tokenizer import build_char_tokenizer
     from tests.helpers import megatron_lm as mlm
 
     tokenizer = build_char_tokenizer()

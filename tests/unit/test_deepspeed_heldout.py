@@ -48,7 +48,7 @@ class ModuleEngine(torch.nn.Module):
 def setup():
     from ntl_scale.data import generate
     from ntl_scale.integrations.deepspeed.heldout import heldout_qa_batches
-    from ntl_scale.training.build import build_char_tokenizer
+    from ntl_scale.training.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer, vocab_size=96)

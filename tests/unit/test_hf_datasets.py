@@ -20,8 +20,8 @@ pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
 from ntl_scale.data import IGNORE_INDEX, StreamingOrder, load_qa, tokenize_qa
-from ntl_scale.training.build import build_char_tokenizer
 from ntl_scale.training.sources import Batches
+from ntl_scale.training.tokenizer import build_char_tokenizer
 
 PAIRS = [(f"What is {a} + {b}?", str(a + b)) for a in range(7) for b in range(6)]  # 42 pairs
 

@@ -252,7 +252,7 @@ def test_trainer_keeps_evaluation_batches_out_of_the_training_logs(tmp_path, chu
     0.1 and z-loss 1e-2 on (off: the logged ``ce`` of steps 4 and 6 was the training/evaluation mix)."""
     from ntl_scale.data import EncodedExample, collate, encode, generate
     from ntl_scale.integrations.hf import ntl_trainer_class
-    from ntl_scale.training.build import build_char_tokenizer
+    from ntl_scale.training.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     vocab = ntl_scale.NumberVocab.from_tokenizer(tokenizer, vocab_size=96)

@@ -22,9 +22,9 @@ from ntl_scale.data import ArithmeticConfig, collate, generate  # noqa: E402
 from ntl_scale.data.collate import EncodedExample, encode_pairs  # noqa: E402
 from ntl_scale.data.positions import coupled_position_ids, training_position_ids  # noqa: E402
 from ntl_scale.number_vocab import NumberVocab  # noqa: E402
-from ntl_scale.training.build import build_char_tokenizer  # noqa: E402
 from ntl_scale.training.config import DataConfig, ModelConfig, RunConfig  # noqa: E402
 from ntl_scale.training.scoring import evaluate_generation  # noqa: E402
+from ntl_scale.training.tokenizer import build_char_tokenizer  # noqa: E402
 
 
 def _text_ids(prompt: str, answer_tokens: int, offset: int = 0) -> list[int]:

@@ -19,8 +19,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from ntl_scale.training.tokenizer import ALPHABET
 
+from ntl_scale.training.tokenizer import ALPHABET
 from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def test_every_character_is_in_the_alphabet_and_tokenizes_without_unk(full):
     for q in questions:
         assert set(q["question"] + " " + q["answer"]) <= allowed, q
     pytest.importorskip("transformers")
-    from ntl_scale.training.build import build_char_tokenizer
+    from ntl_scale.training.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     sample = [r["text"] for r in rows[:300]] + [q["question"] + " " + q["answer"] for q in questions[:50]]
@@ -317,9 +317,9 @@ def test_heldout_groups_hold_only_their_kind_as_the_trainer_packs_them(built, fu
     tokenizer), cut at EOS: every piece of a sequence in the manifest's prose range is text of a prose
     document, every piece in the number range text of a number document; the ranges tile the held-out
     part but for at most one sequence between them."""
-    from ntl_scale.training.build import build_char_tokenizer
     from ntl_scale.training.config import DataConfig
     from ntl_scale.training.sources import heldout_batches
+    from ntl_scale.training.tokenizer import build_char_tokenizer
 
     folder = built["a"] if which == "small" else full
     held = json.loads((folder / "manifest.json").read_text())["heldout"]

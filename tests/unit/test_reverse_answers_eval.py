@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from ntl_scale.data import ArithmeticConfig, generate  # noqa: E402
-from ntl_scale.training.build import build_char_tokenizer  # noqa: E402
 from ntl_scale.training.scoring import evaluate_generation  # noqa: E402
+from ntl_scale.training.tokenizer import build_char_tokenizer  # noqa: E402
 
 
 def _last_number(text: str, reverse: bool) -> float | None:

@@ -78,8 +78,8 @@ def test_flash_attention_without_the_package_is_a_clear_error(monkeypatch):
 def test_heldout_batches_are_dealt_evenly_over_ranks():
     from ntl_scale.data.arithmetic import generate
     from ntl_scale.integrations.deepspeed.heldout import heldout_qa_batches
-    from ntl_scale.training.build import build_char_tokenizer
     from ntl_scale.training.model_inputs import to_device
+    from ntl_scale.training.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     examples = generate(11, "interpolate", seed=0)

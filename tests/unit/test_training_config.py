@@ -118,9 +118,9 @@ def test_shift_and_global_counts():
 
 
 def test_run_data_from_files_and_generator(tmp_path):
-    from ntl_scale.training.build import build_char_tokenizer
     from ntl_scale.training.config import DataConfig
     from ntl_scale.training.sources import eval_sets, train_dataset
+    from ntl_scale.training.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     train = tmp_path / "train.txt"
@@ -272,8 +272,8 @@ def test_every_shipped_config_and_preset_builds_its_generated_data(names, cfg):
     end in test_docs_and_study, and the DeepMind generator is run in test_deepmind_data."""
     import re
 
-    from ntl_scale.training.build import build_char_tokenizer
     from ntl_scale.training.sources import _task, eval_sets
+    from ntl_scale.training.tokenizer import build_char_tokenizer
 
     data = cfg.data
     if data.source != "arithmetic":
