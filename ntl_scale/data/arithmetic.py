@@ -80,9 +80,8 @@ def _commutative_key(question: str) -> str:
 
 
 def is_held_out(question: str) -> bool:
-    """Whether ``question`` belongs to the held-out (``interpolate``) pool: a fixed hash of its text
-    (operands of a two-term sum or product in a fixed order), the same for every seed, process and
-    Python version (``blake2b``, not the salted ``hash``)."""
+    """Whether ``question`` belongs to the held-out (``interpolate``) pool: a fixed ``blake2b`` hash of its text
+    (a two-term sum or product with its operands in a fixed order), the same in every process."""
     digest = hashlib.blake2b(_commutative_key(question).encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % HELD_OUT_BUCKETS == 0
 

@@ -43,9 +43,8 @@ class Tracker:
 
 
 def read_metric_rows(path: str) -> list[dict[str, Any]]:
-    """The rows of a ``metrics.jsonl``; a last line without its newline (an append cut short by a crash or
-    a kill) is left out, so a run killed mid-append resumes. A damaged row before the end raises a
-    ValueError naming the file and line."""
+    """The rows of a ``metrics.jsonl``, without a last line cut short by a kill (so such a run resumes); a
+    damaged row before the end is a ValueError naming the file and line."""
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
     if lines and not lines[-1].endswith("\n"):

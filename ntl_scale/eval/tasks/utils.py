@@ -52,9 +52,8 @@ def process_generation(doc: dict[str, Any], results: Sequence[str]) -> dict[str,
 
 
 def process_gold_bpb(doc: dict[str, Any], results: Sequence[tuple[float, bool]]) -> dict[str, tuple[float, int]]:
-    """Bits per byte of the gold answer given the question: ``(loglikelihood, UTF-8 bytes of the
-    target)`` pairs, summed over the task by the harness's ``bits_per_byte`` aggregation
-    (-sum ll / sum bytes / ln 2)."""
+    """Bits per byte of the gold answer given the question: ``(loglikelihood, UTF-8 bytes)`` for the harness's
+    ``bits_per_byte`` aggregation (-sum ll / sum bytes / ln 2)."""
     loglikelihood, _ = results[0]
     return {"bits_per_byte": (loglikelihood, len(gold_target(doc).encode("utf-8")))}
 
@@ -66,9 +65,8 @@ def gold_target(doc: dict[str, Any]) -> str:
 
 
 def process_segment(doc: dict[str, Any], results: Sequence[tuple[float, bool]]) -> dict[str, tuple[float, int]]:
-    """One segment of a perplexity-slice text (a number, or the text between numbers) given all the
-    text before it: its ``(loglikelihood, bytes)`` under ``bits_per_byte`` (every byte of the text)
-    and under ``number_bits_per_byte`` or ``text_bits_per_byte`` (its kind only)."""
+    """One segment (a number, or the text between numbers) given the text before it: its ``(loglikelihood,
+    bytes)`` under ``bits_per_byte`` and under ``number_bits_per_byte`` or ``text_bits_per_byte``."""
     loglikelihood, _ = results[0]
     pair = (loglikelihood, len(str(doc["segment"]).encode("utf-8")))
     return {"bits_per_byte": pair, f"{doc['kind']}_bits_per_byte": pair}

@@ -36,9 +36,8 @@ class Checkpointer:
         self.resume: str | None = None
 
     def plan(self) -> str | None:
-        """How this run starts: None (no checkpoint), ``"same"`` or ``"universal"`` (written on another
-        number of ranks: rank 0 converts it to DeepSpeed's universal format now, the others wait). An
-        impossible change (another global batch) is a ValueError here, before any step."""
+        """How this run starts: None, ``"same"`` or ``"universal"`` (rank 0 converts the checkpoint now, the others
+        wait); another global batch is a ValueError here, before any step."""
         self.resume = plan_resume(self.dir, self.layout)
         if self.resume == "universal":  # written on another number of ranks: DeepSpeed re-partitions a universal copy
             if self.rank == 0:
@@ -83,9 +82,8 @@ class Checkpointer:
         return step, position
 
     def read_state(self) -> str:
-        """The ``state`` of ``status.json`` (``running``, ``stopped``, ``finished``) as rank 0 reads it;
-        every rank gets the same answer, or the same error. A run without one (written before status
-        files) counts as ``finished``."""
+        """The ``state`` of ``status.json`` (``running``, ``stopped``, ``finished``; none: ``finished``) as rank 0
+        reads it; every rank gets the same answer, or the same error."""
         state, error = "finished", None
         if self.rank == 0 and os.path.isfile(self.status_path):
             try:

@@ -104,9 +104,8 @@ class Evaluator:
         return {f"eval/{k}": v for k, v in metrics.items()}
 
     def write_sequence_stats(self, path: str, columns: tuple[str, ...], rows: list[list[float]]) -> None:
-        """Rank 0 writes every data-parallel rank's held-out sequence sums (named ``columns``) to
-        ``path``, ordered by the sequence's index in the held-out set (rank ``r``'s ``i``-th is sequence
-        ``r + dp * i``)."""
+        """Rank 0 writes every data-parallel rank's held-out sequence sums (named ``columns``) to ``path``, in
+        held-out order (rank ``r``'s ``i``-th is sequence ``r + dp * i``)."""
         dp = self.engine.dp
         shares = gathered((self.engine.dp_rank, rows), self.engine.dp_group, dp)
         if self.rank != 0:

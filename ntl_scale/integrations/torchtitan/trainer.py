@@ -86,9 +86,8 @@ class NTLTrainer(Trainer):
 
 
 def ntl_pieces(config: Trainer.Config) -> int:
-    """The equal pieces ``ChunkedLossWrapper`` cuts each sequence into before the loss sees them (1 without
-    it). ``loss="number"`` assembles numbers within a piece, so a number across a cut is two numbers, in
-    the loss and in the step's count ``K`` alike (as under Megatron's context parallelism)."""
+    """The equal pieces ``ChunkedLossWrapper`` cuts each sequence into (1 without it): ``loss="number"`` counts a
+    number across a cut as two, in the loss and in ``K`` alike (as under context parallelism)."""
     return config.loss.num_chunks if isinstance(config.loss, ChunkedLossWrapper.Config) else 1
 
 
