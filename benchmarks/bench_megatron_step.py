@@ -57,7 +57,7 @@ def _worker(rank: int, tp: int, rendezvous: str, name: str, sizes: tuple, out_pa
     vocab_size, batch, seq, hidden, steps = sizes
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-    from ntl_scale.startup import init_distributed
+    from launch.startup import init_distributed
 
     init_distributed(rank=rank, world_size=tp, backend="gloo", init_method=f"file://{rendezvous}")
     patch_for_cpu()

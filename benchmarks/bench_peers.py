@@ -291,7 +291,7 @@ def _worker(rank: int, cfg: Config, names: list[str], port: int, warmup: int, st
     warnings.filterwarnings("ignore")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(max(1, int(os.environ.get("BENCH_THREADS", "2")) // cfg.tp))
-    from ntl_scale.startup import init_distributed
+    from launch.startup import init_distributed
 
     init_distributed(rank=rank, world_size=cfg.tp, backend="gloo", init_method=f"tcp://127.0.0.1:{port}")
     group = dist.group.WORLD

@@ -44,7 +44,7 @@ VARIANTS = ("megatron_ce", "fused", "fused_copy", "naive")
 def _worker(rank: int, tp: int, port: int, tokens: int, vocab_size: int, repeats: int, out_path: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-    from ntl_scale.startup import init_distributed
+    from launch.startup import init_distributed
 
     init_distributed(rank=rank, world_size=tp, backend="gloo", init_method=f"tcp://127.0.0.1:{port}")
     from megatron.core import parallel_state

@@ -41,9 +41,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout, for launch.finish
 
+from launch import startup
 from launch.finish import run_then_leave
 from launch.megatron_args import to_argv
-from ntl_scale import startup
 from ntl_scale.atomic import atomic_write, write_atomically
 from ntl_scale.integrations import megatron as ntl_megatron
 

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from launch import startup
 from launch.finish import run_then_leave
-from ntl_scale import startup
 from ntl_scale.integrations.deepspeed.engine import check_inputs
 from ntl_scale.integrations.deepspeed.trainer import Trainer
 from ntl_scale.training.config import load_config
@@ -32,7 +32,7 @@ from ntl_scale.training.config import load_config
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """The process group (NCCL on GPUs, gloo on the CPU) and this rank's device, from DeepSpeed's
-    accelerator (:func:`ntl_scale.startup.init_distributed`, with what the launcher says).
+    accelerator (:func:`launch.startup.init_distributed`, with what the launcher says).
 
     Launched processes (deepspeed, torchrun, Slurm's srun) meet at their launcher's rendezvous
     (``MASTER_ADDR``/``MASTER_PORT``). A process started without a launcher (no ``RANK``) is a

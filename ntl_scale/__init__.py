@@ -5,10 +5,16 @@ and import their framework lazily.
 """
 
 from ._runtime import set_debug_checks
-from ._validation import check_number_level_table
 from .linear import linear_ce_ntl, linear_ce_with_ntl
 from .losses import CEWithNTL, NumberTokenLoss, ce_with_ntl, number_token_loss, vocab_parallel_ce_ntl
-from .number_vocab import NumberVocab, VocabShard, add_digit_tokens, pad_vocab_size, parse_number_token
+from .number_vocab import (
+    NumberVocab,
+    VocabShard,
+    add_digit_tokens,
+    check_number_level_table,
+    pad_vocab_size,
+    parse_number_token,
+)
 from .options import LOSS_KINDS, REDUCTIONS, NTLOptions
 from .reductions import CENTLOutput, reduce_loss
 from .terms import NumberPrediction, PerTokenTerms, ntl_counts, ntl_positions, per_token_ce_ntl, predict_numbers

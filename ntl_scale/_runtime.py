@@ -1,16 +1,7 @@
-"""How the library meets its runtime: device-side input checks, graph tracing, optional dependencies.
+"""Device-side input checks, graph-tracing detection and optional imports.
 
-* :func:`device_check`: input checks that need device values, without a host synchronisation in the
-  training path. By default a check is a device-side assert (``torch._assert_async``): on a GPU it is
-  queued with the kernels and never stalls the host (a failure is a device-side assert error naming the
-  problem); on the CPU it runs at once, and a failure is turned into the full ``ValueError`` that names
-  the value. ``set_debug_checks(True)`` reads every checked value on the host instead and raises the full
-  error on any device, at the cost of one synchronisation per check.
-* :func:`is_tracing`: whether a graph is being traced (``torch.compile`` / Dynamo, or ``make_fx``, torchtitan's
-  graph trainer). Code that keeps tensors across calls (caches) or writes into preallocated buffers with
-  ``out=`` asks this: a traced call must not leave its traced tensors in a cache, and the replay of a trace
-  records the ops of an autograd Function's forward for autograd, which refuses ``out=`` ops.
-* :func:`require`: lazy imports of optional dependencies with an actionable error naming the extra to install.
+:func:`device_check` is a ``torch._assert_async`` (no host sync; on the CPU the full ``ValueError``);
+``set_debug_checks(True)`` reads each checked value on the host instead, naming it in the error.
 """
 
 from __future__ import annotations
@@ -21,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["debug_checks_enabled", "device_check", "is_tracing", "require", "set_debug_checks"]
+__all__ = ["device_check", "is_tracing", "require", "set_debug_checks"]
 
 _DEBUG = False
 
@@ -33,11 +24,6 @@ def set_debug_checks(enabled: bool) -> bool:
         raise TypeError(f"set_debug_checks takes True or False, got {enabled!r}")
     previous, _DEBUG = _DEBUG, enabled
     return previous
-
-
-def debug_checks_enabled() -> bool:
-    """Whether :func:`set_debug_checks` is on."""
-    return _DEBUG
 
 
 def device_check(ok: torch.Tensor, error: Callable[[], Exception], message: str) -> None:
@@ -62,16 +48,7 @@ def is_tracing() -> bool:
 
 
 def require(module: str, extra: str, feature: str) -> ModuleType:
-    """Imports ``module`` or raises an ImportError that says which extra provides it.
-
-    Args:
-        module: the module to import (e.g. ``"transformers"``).
-        extra: the ntl_scale extra that installs it (e.g. ``"hf"``).
-        feature: what needs it, for the message.
-
-    Returns:
-        The imported module.
-    """
+    """Imports ``module`` or raises an ImportError that says which extra provides it."""
     try:
         return importlib.import_module(module)
     except ImportError as e:

@@ -1,9 +1,4 @@
-"""Checks of user input to the losses: shapes, dtypes, label ids, the logits' width, weights, options.
-
-Each check raises a ValueError (TypeError for a wrong type) that names the value, what was expected
-and the fix. Checks of device values (label ids, loss weights) go through
-:func:`ntl_scale._runtime.device_check`: no host synchronisation unless ``set_debug_checks(True)``.
-"""
+"""Checks of user input to the losses; device values go through :func:`ntl_scale._runtime.device_check`."""
 
 from __future__ import annotations
 
@@ -17,6 +12,7 @@ from .number_vocab import (
     SCALE_TOLERANCE,
     NumberTableWarning,
     NumberVocab,
+    check_number_level_table,
     digit_scale_squash_factor,
     untrained_was,
 )
@@ -25,7 +21,6 @@ from .options import REDUCTIONS, NTLOptions, surface_name
 __all__ = [
     "check_float_level",
     "check_inputs",
-    "check_number_level_table",
     "check_reduction",
     "check_table",
     "check_table_scale",
@@ -43,11 +38,7 @@ def check_inputs(
     vocab_start: int | None = None,
     source: str = "the logits' last dimension",
 ) -> int:
-    """Validates user input; returns the global vocabulary size (the table's ``vocab_size``).
-
-    The logits' width is checked against the table (:func:`check_width`); ``source`` names what
-    holds the columns in the messages (the chunked op passes the output weight's rows).
-    """
+    """Validates user input; returns the global vocabulary size (the table's ``vocab_size``)."""
     if not isinstance(vocab, NumberVocab):
         raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
     if not isinstance(logits, torch.Tensor) or not torch.is_floating_point(logits):
@@ -81,14 +72,7 @@ def check_inputs(
 
 
 def check_width(width: int, vocab: NumberVocab, tp_size: int, vocab_start: int | None, source: str) -> int:
-    """Refuses logits whose width is neither the table's ``vocab_size`` nor, under TP, its shard's.
-
-    A shape check (host values, no sync). Wider logits would add columns the table never knew to
-    the softmax (CE, the number-token mass of ``reweigh``); narrower ones would lose columns. Without
-    ``vocab_start`` the shard is Megatron's even split, ``vocab_size / tp`` columns; with it (an uneven
-    split) ``[vocab_start, vocab_start + width)`` must lie inside the vocabulary, and on one device
-    cover it. Returns the global vocabulary size.
-    """
+    """Refuses logits whose width is neither the table's ``vocab_size`` nor, under TP, its shard's."""
     size = vocab.vocab_size
     fix = (
         "build the number table for the model's output size, e.g. NumberVocab.from_tokenizer(tokenizer, "
@@ -162,49 +146,6 @@ def check_reduction(reduction: str) -> None:
         raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")
 
 
-def check_number_level_table(vocab: NumberVocab) -> None:
-    """Refuses a number table that number-level NTL (``loss="number"``) cannot read.
-
-    Number-level NTL rebuilds a number from a run of digit labels, one decimal digit per position; a
-    token worth ``123`` or ``-4`` or ``0.5``, or a digit with a word prefix (``"▁3"``, which starts a
-    new word), would be weighted as one digit and assemble a wrong number. The table must therefore
-    hold single digits only: at most the ten values 0-9, each once, and (when the table knows its
-    token strings) each token exactly one ASCII digit, as ``NumberVocab.from_tokenizer(tokenizer,
-    digit_level=True)`` builds it.
-
-    Raises:
-        ValueError: naming the offending entry and the fix.
-    """
-    cached = getattr(vocab, "_ntl_digit_table_ok", None)
-    if cached is True:
-        return
-    problem = None
-    tokens = vocab.tokens
-    if len(vocab) > 10:
-        problem = f"it has {len(vocab)} number tokens (a digit table has at most the ten digits 0-9)"
-    else:
-        values = vocab.values.tolist()
-        for i, value in enumerate(values):
-            token = None if tokens is None else tokens[i]
-            shown = f"{token!r} (value {value:g})" if token is not None else f"value {value:g}"
-            if value not in range(10):
-                problem = f"its token {shown} is not a single digit 0-9"
-            elif values.count(value) > 1:
-                problem = f"the digit {value:g} appears {values.count(value)} times (e.g. {shown})"
-            elif token is not None and not (len(token) == 1 and token in "0123456789"):
-                problem = f"its token {shown} is not exactly one ASCII digit (a prefixed or multi-character token)"
-            if problem:
-                break
-    if problem is not None:
-        raise ValueError(
-            f'loss="number" assembles numbers from single-digit tokens, but the number table cannot be read so: '
-            f"{problem}. Build a digit table with NumberVocab.from_tokenizer(tokenizer, digit_level=True) "
-            "(Megatron: --ntl-number-vocab digits; train config: ntl.digit_level=true), or use a token-level "
-            'loss ("was", "mse", "mae", "huber") with this table'
-        )
-    object.__setattr__(vocab, "_ntl_digit_table_ok", True)  # the table is immutable: check it once
-
-
 def check_float_level(vocab: NumberVocab, options: NTLOptions) -> None:
     """Refuses ``float_level=True`` with a number table that does not know the ``'.'`` token."""
     if options.loss == "number" and options.float_level and vocab.decimal_point_id is None:
@@ -212,12 +153,7 @@ def check_float_level(vocab: NumberVocab, options: NTLOptions) -> None:
 
 
 def check_table(vocab: NumberVocab, options: NTLOptions, surface: str = "hf") -> None:
-    """The number table against the NTL variant, when a front end builds its loss (not at the first step).
-
-    ``loss="number"`` needs a digit table (:func:`check_number_level_table`); the token-level losses need the
-    table's scale (:func:`check_table_scale`). ``surface`` (one of ``ntl_scale.options.SURFACES``) spells
-    the options in the messages.
-    """
+    """The number table against the NTL variant, when a front end builds its loss (not at the first step)."""
     if options.loss == "number":
         check_number_level_table(vocab)
     else:
@@ -240,19 +176,7 @@ def _point_scale(values: list[float], options: NTLOptions) -> float:
 
 
 def check_table_scale(vocab: NumberVocab, options: NTLOptions, surface: str = "hf") -> None:
-    """Refuses a number table that puts token-level NTL far off the digit level's scale, where a weight was tuned.
-
-    An untrained model spreads its number-token probability evenly, so its NTL is a property of the table
-    (:func:`ntl_scale.number_vocab.untrained_was`): 3.3 for the ten digits, about 333 for a Llama 3-style table
-    of 0-999, which at weight 0.3 would be 13x CE. Beyond :data:`~ntl_scale.number_vocab.SCALE_TOLERANCE`:
-
-    * NTL-WAS without a squash factor is a ValueError naming the factor that matches the digit level
-      (:func:`ntl_scale.number_vocab.digit_scale_squash_factor`);
-    * NTL-WAS with a squash factor that misses the digit level (either way), or a point loss (``mse``, ``mae``,
-      ``huber``: no squash factor applies), is a :class:`~ntl_scale.number_vocab.NumberTableWarning`.
-
-    Checked once per table and variant (the table is immutable).
-    """
+    """Refuses a number table that puts token-level NTL far off the digit level's scale, where a weight was tuned."""
     key = ("_ntl_scale_ok", options.loss, options.squash_factor, options.huber_delta)
     checked: set[tuple[object, ...]] = getattr(vocab, "_ntl_scale_checked", set())
     if key in checked:

@@ -1,15 +1,5 @@
-"""Files written whole or not at all: a temporary file beside the target, then ``os.replace``.
-
-Every file a run, a checkpoint or a script rewrites in place (``latest``, ``status.json``, ``eval.json``,
-the resolved config, the number table, benchmark reports) goes through :func:`atomic_write`, so a
-process killed or an exception raised while it writes leaves the previous file as it was, and a reader
-sees the old file or the new one, never a part. The temporary file is in the target's folder (a rename
-within one file system is atomic; across file systems it is a copy) under a name of its own
-(``.<name>.<pid>.<random>.tmp``, so two writers never share one), and is removed when the write fails;
-only a process killed mid-write leaves its temporary file behind. The data is flushed to the disk before
-the rename (``fsync``), so a machine that crashes after the rename has the new content, not an empty file.
-
-Standard library only (no torch): launch scripts and benchmarks use it as well as the package.
+"""Files written whole or not at all: a temporary file beside the target, ``fsync``, then ``os.replace``.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -28,16 +18,7 @@ __all__ = ["atomic_write", "write_atomically", "write_json_atomically"]
 def atomic_write(path: str | os.PathLike[str], mode: str = "w", *, encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
     """A file to write ``path``'s new content into; ``path`` is replaced when the ``with`` block ends normally.
 
-    Args:
-        path: the file to write (its folder must exist).
-        mode: ``"w"`` (text) or ``"wb"`` (bytes, e.g. ``torch.save(obj, f)``).
-        encoding: the text encoding (ignored for bytes).
-
-    Raises:
-        ValueError: a mode other than ``"w"`` or ``"wb"`` (appending cannot be atomic this way).
-
-    An exception inside the block (or a process killed during it) leaves ``path`` as it was; the exception
-    propagates after the temporary file is removed.
+    ``mode`` is ``"w"`` or ``"wb"``. An exception in the block leaves ``path`` as it was.
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write writes a whole file: mode must be 'w' or 'wb', got {mode!r}")
@@ -64,10 +45,7 @@ def write_atomically(path: str | os.PathLike[str], data: str | bytes) -> None:
 
 
 def write_json_atomically(value: Any, path: str | os.PathLike[str], **dump: Any) -> None:
-    """Writes ``value`` as JSON to ``path`` through :func:`atomic_write`, with a final newline.
-
-    ``dump``: ``json.dump``'s keyword arguments (default ``indent=2``).
-    """
+    """Writes ``value`` as JSON to ``path`` through :func:`atomic_write`, with a final newline."""
     with atomic_write(path) as f:
         json.dump(value, f, **{"indent": 2, **dump})
         f.write("\n")

@@ -1,40 +1,11 @@
-"""Normalisation of CE + NTL over a training step: the counts and the two normalisations, defined once.
-
-Over one optimizer step's global batch (all micro-batches of all accumulation steps on all data- and
-context-parallel ranks), with per-token terms ``CE_t``, ``NTL_t`` and loss weights ``m_t`` (1 for a
-target that counts, 0 for an ignored one, or Megatron's ``loss_mask``)::
+"""Normalisation of CE + NTL over a training step, defined once for every front end (docs/normalization.md)::
 
     L = sum_t m_t CE_t / max(N, 1)  +  w * sum_t m_t NTL_t / max(K, 1)
+    N = sum_t m_t,  K = sum_t m_t [t in ntl_positions]
 
-    N = sum_t m_t                 (the tokens)
-    K = sum_t m_t [t in P]        (the NTL positions P: ntl_scale.ntl_positions, number-token targets,
-                                   or one position per number for loss="number")
-
-* ``global``: ``N`` and ``K`` are the step's counts (:func:`step_counts`: counted from the labels before
-  the first forward, the two reduced together by one SUM all-reduce). Splitting the step into
-  micro-batches, accumulation steps and ranks then changes neither ``L`` nor its gradient.
-* ``micro-batch`` (the paper's and ``ntloss``'s semantics): ``N`` and ``K`` of each micro-batch
-  (:attr:`MicroBatchSums.tokens`, :attr:`MicroBatchSums.numbers`); ``L`` is that micro-batch's mean CE
-  plus ``w`` times its mean NTL, and the engine averages the micro-batch losses.
-
-Every front end ends here: it takes its sums from :func:`micro_batch_sums`, its step counts from
-:func:`step_counts` (or its framework's), and ``L`` from :func:`objective` (the sums of a micro-batch) or
-the per-token factors of ``L`` from :func:`factors` (a route that hands its framework per-token terms),
-applied by :func:`apply_factors`; logged means (host floats) give ``L`` by :func:`objective_of_means`.
-What stays in a front end is its framework's own rescale, a named factor ``scale`` passed in here, so
-that ``scale * L`` after the framework's own division is ``L`` (``docs/normalization.md`` has the table):
-
-| front end | how it calls this module | its ``scale`` |
-|---|---|---|
-| DeepSpeed (``integrations/deepspeed/steps.py``) | :func:`objective` | ``ga * dp``: the engine divides by both |
-| Megatron ``make_loss_func`` (``global``) | :func:`objective` | Megatron's micro-batch scale ``n x m x dp`` |
-| Megatron ``make_loss_func`` (otherwise) | :func:`factors` | none: Megatron divides by ``N`` itself |
-| Megatron-LM drop-in (``megatron/lm.py``) | :func:`factors` | the same, per token (``MicroBatchScale``) |
-| Megatron model mixin (``NTLLanguageModelMixin``) | :func:`factors` | as the drop-in (``global``); none otherwise |
-| Hugging Face (``hf/loss.py``) | :func:`objective` | none (a token count alone: ``K`` estimated as ``k N / n``) |
-| torchtitan (``torchtitan/loss.py``) | :func:`objective` | none: ``N`` is torchtitan's ``global_valid_tokens`` |
-
-Nothing here reads a value on the host; :func:`step_counts` is the only collective.
+``global``: ``N``, ``K`` are the step's (:func:`step_counts`, one SUM all-reduce), so the split into
+micro-batches and ranks changes neither ``L`` nor its gradient; ``micro-batch``: each micro-batch's own.
+A front end passes its framework's rescale as ``scale``. Nothing here reads a value on the host.
 """
 
 from __future__ import annotations
@@ -65,15 +36,7 @@ Count = float | torch.Tensor
 
 
 class MicroBatchSums(NamedTuple):
-    """The sums of one micro-batch that every normalisation is built from (0-d tensors, dtype of CE).
-
-    Attributes:
-        ce: ``sum_t m_t CE_t`` (differentiable).
-        ntl: ``sum_t m_t NTL_t`` over the NTL positions (differentiable; ``NTL_t`` is 0 elsewhere).
-        tokens: ``N`` of the micro-batch, ``sum_t m_t``.
-        numbers: ``K`` of the micro-batch, ``sum_t m_t`` over the NTL positions.
-        hits: ``sum_t m_t`` over the NTL positions whose arg-max is the target (number accuracy).
-    """
+    """The sums of one micro-batch that every normalisation is built from (0-d tensors, dtype of CE)."""
 
     ce: torch.Tensor
     ntl: torch.Tensor
@@ -83,17 +46,7 @@ class MicroBatchSums(NamedTuple):
 
 
 def micro_batch_sums(terms: PerTokenTerms, mask: torch.Tensor) -> MicroBatchSums:
-    """Sums the per-token terms of one micro-batch with loss weights ``mask``.
-
-    Args:
-        terms: per-token CE, NTL, NTL positions (``number_mask``) and arg-max hits
-            (:func:`ntl_scale.per_token_ce_ntl`, :func:`ntl_scale.linear_ce_ntl`).
-        mask: the loss weight ``m_t`` of each position, shaped like the terms: bool (the targets
-            that are not ignored) or float (Megatron's ``loss_mask``).
-
-    Returns:
-        The :class:`MicroBatchSums`; no host read.
-    """
+    """Sums the per-token terms of one micro-batch with loss weights ``mask``."""
     weight = mask.to(terms.ce.dtype)
     numbers = terms.number_mask.to(weight.dtype) * weight
     return MicroBatchSums(
@@ -117,27 +70,8 @@ def step_counts(
 ) -> torch.Tensor:
     """``[N, K]`` of one step: the tokens and NTL positions of these micro-batches, summed over ``group``.
 
-    Each micro-batch is counted with :func:`ntl_scale.ntl_counts` (the loss-mask weight of its labels
-    and of their :func:`ntl_scale.ntl_positions`), the counts are added here and then summed over the
-    ranks of ``group`` with **one SUM all-reduce of both numbers together**. Computed from the labels,
-    so before the step's first forward.
-
-    Args:
-        labels: the targets of every micro-batch of the step that this rank sees (may be empty: a rank
-            that reads no data still joins the all-reduce with zeros).
-        vocab: the number table.
-        options: the NTL variant (what ``K`` counts); None: number-token targets.
-        loss_masks: one loss mask per micro-batch (Megatron); None: the targets that are not
-            ``options.ignore_index``.
-        pieces: ``loss="number"`` under context parallelism: numbers are cut at the borders of this
-            many slices of each sequence (:func:`ntl_scale.ntl_positions`).
-        group: the ranks whose micro-batches make up the step (data x context parallel); None or a
-            group of one: no collective.
-        device: where the counts are reduced (NCCL reduces device tensors only); None: the labels'
-            device.
-
-    Returns:
-        float64 ``[2]``: ``[N, K]`` of the whole step.
+    One SUM all-reduce of both counts (on ``device``: NCCL reduces device tensors only), from the labels, so
+    before the first forward. ``labels`` may be empty: a rank without data still joins with zeros.
     """
     if loss_masks is not None and len(loss_masks) != len(labels):
         raise ValueError(
@@ -163,17 +97,8 @@ def objective(
 ) -> torch.Tensor:
     """``L = sum CE / max(N, 1) + weight * sum NTL / max(K, 1)`` of one micro-batch's sums, times ``scale``.
 
-    Args:
-        sums: the micro-batch's :class:`MicroBatchSums`.
-        counts: ``(N, K)``: the step's :func:`step_counts` for ``global``, or
-            ``(sums.tokens, sums.numbers)`` for ``micro-batch``; tensors or host floats.
-        weight: the NTL weight ``w``; 0 gives ``sum CE / max(N, 1)`` alone (no ``+ 0 * NTL`` term, so a run
-            with NTL off is its framework's CE bit for bit).
-        scale: the framework's rescale, undone by its own division (DeepSpeed's ``ga * dp``, Megatron's
-            ``num_tokens``, the module docstring's table); None: none.
-
-    Returns:
-        The micro-batch's part of ``L`` (summed over the step's micro-batches for ``global``), times ``scale``.
+    ``weight`` 0 adds no ``0 * NTL`` term (a run with NTL off is its framework's CE bit for bit); ``scale`` is
+    undone by the framework's own division (docs/normalization.md has the table).
     """
     tokens, numbers = counts
     loss = sums.ce / _at_least_one(tokens)
@@ -187,17 +112,7 @@ def factors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(a, b)`` with ``a * sum CE + b * weight * sum NTL = scale * L``: :func:`objective` as per-token weights.
 
-    For a route that hands its framework per-token terms (``a * CE_t + b * weight * NTL_t``), which the
-    framework then sums under its loss mask and divides by that mask's sum itself (Megatron).
-
-    Args:
-        counts: ``(N, K)`` as for :func:`objective` (tensors).
-        scale: the framework's rescale (Megatron: ``num_tokens x m x dp``): ``a = scale / max(N, 1)``,
-            ``b = scale / max(K, 1)``. None: the framework divides by ``N`` itself (Megatron's
-            ``--calculate-per-token-loss``, or a micro-batch's own mean): ``a = 1``, ``b = max(N, 1) / max(K, 1)``.
-
-    Returns:
-        ``(a, b)``, tensors of the counts' shape.
+    ``scale`` None: the framework divides by ``N`` itself, so ``a = 1``, ``b = max(N, 1) / max(K, 1)``.
     """
     tokens, numbers = counts[0].clamp_min(1), counts[1].clamp_min(1)
     if scale is None:
@@ -215,18 +130,11 @@ def apply_factors(
 
 
 def means(sums: MicroBatchSums, counts: tuple[Count, Count]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two normalised terms ``(sum CE / max(N, 1), sum NTL / max(K, 1))``, before the weight (for logging).
-
-    ``ce + w * ntl`` of them is :func:`objective` up to the rounding of the product's order.
-    """
+    """The two normalised terms ``(sum CE / max(N, 1), sum NTL / max(K, 1))``, before the weight (for logging)."""
     tokens, numbers = counts
     return sums.ce / _at_least_one(tokens), sums.ntl / _at_least_one(numbers)
 
 
 def objective_of_means(means: Mapping[str, float], weight: float) -> float:
-    """``ce + weight * ntl`` of logged means (host floats: a metrics row, held-out metrics): ``L`` as a number.
-
-    A mean left out of ``means`` (``ce`` or ``ntl`` of no tokens: a metrics row leaves it out) counts as 0, as
-    in :func:`objective`, whose terms are 0 where their sums are.
-    """
+    """``ce + weight * ntl`` of logged means (host floats: a metrics row, held-out metrics): ``L`` as a number."""
     return means.get("ce", 0.0) + weight * means.get("ntl", 0.0)

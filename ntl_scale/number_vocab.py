@@ -1,28 +1,10 @@
 """Number-token tables: which vocabulary ids are numbers, and what their values are.
 
-A :class:`NumberVocab` is built once from a tokenizer (Hugging Face fast or slow, a raw
-SentencePiece model, or any id -> string mapping such as Megatron's ``inv_vocab``), saved to a
-small JSON file, and loaded on every training rank without the tokenizer.
-
-Token rules (see ``docs/number_vocab.md``):
-
-* **digit level** (default, the paper's setting): exactly the ten ASCII digit tokens ``"0"`` ...
-  ``"9"``.
-* **multi-digit**: tokens whose body is an ASCII decimal literal ``[+-]?[0-9]+(\\.[0-9]+)?``;
-  ``"123"`` keeps the value 123, ``"-5"`` the value -5, ``"2.5"`` the value 2.5.
-* **word-prefixed digits** (``"▁3"`` SentencePiece, ``"Ġ3"`` byte-level BPE, ``" 3"``, and WordPiece
-  continuations ``"##3"``) are excluded by default, like the reference; ``prefixed=True``
-  includes them with the value of their body.
-* **unicode digits** (``"٣"``, ``"３"``, ``"²"``) are never number tokens; neither are exponents,
-  underscores, ``inf`` or ``nan``.
-
-The tokenizer is never modified; :func:`add_digit_tokens` is the explicit opt-in for that.
-
-Building a table takes a census of the tokenizer's number tokens (:func:`number_token_census`): a table
-that leaves out most of them (the digit rule on a Llama 3-style tokenizer, whose numbers are 1-3 digit
-tokens) is warned about with the fix. A multi-digit table's NTL-WAS is kept on the digit level's scale by
-a squash factor derived from its values (:func:`digit_scale_squash_factor`): an untrained model's expected
-NTL is then the digit table's, so a weight means the same on both (``docs/number_vocab.md``, recipes).
+A :class:`NumberVocab` is built once from a tokenizer (or an id -> string mapping), saved as JSON and loaded
+on every rank without the tokenizer. Rules (docs/number_vocab.md): the ten ASCII digits by default;
+``digit_level=False`` adds ASCII decimal literals (``"123"``, ``"-5"``, ``"2.5"``); word-prefixed digits
+(``"▁3"``, ``"Ġ3"``, ``"##3"``) only with ``prefixed=True``; unicode digits never. The tokenizer is never
+modified (:func:`add_digit_tokens` is the opt-in).
 """
 
 from __future__ import annotations
@@ -51,6 +33,7 @@ __all__ = [
     "NumberVocab",
     "VocabShard",
     "add_digit_tokens",
+    "check_number_level_table",
     "digit_scale_squash_factor",
     "number_token_census",
     "pad_vocab_size",
@@ -68,18 +51,11 @@ _MULTI_DIGIT = re.compile(r"[+-]?[0-9]+(?:\.[0-9]+)?", flags=re.ASCII)
 
 
 def parse_number_token(token: str, *, digit_level: bool = True, prefixed: bool = False) -> float | None:
-    """Returns the numeric value of a token string under the documented rules, or None.
+    """The value of a token string (``"3"``, ``"▁3"``, ``"Ġ12"``) under the module's rules, or None.
 
     Args:
-        token: the token string as the tokenizer's vocabulary spells it (``"3"``, ``"▁3"``,
-            ``"Ġ12"``, ``"##4"``).
-        digit_level: if True only single ASCII digits count; otherwise ASCII decimal literals
-            with an optional sign and fraction count too.
-        prefixed: if True, a token with a word prefix (``▁``, ``Ġ``, space, ``##``) counts with
-            the value of its body; if False such tokens are not number tokens.
-
-    Returns:
-        The value as a float, or None when the token is not a number token.
+        digit_level: single ASCII digits only; else ASCII decimal literals with an optional sign and fraction.
+        prefixed: a token with a word prefix (``▁``, ``Ġ``, space, ``##``) counts with the value of its body.
     """
     body = token
     for prefix in _PREFIXES:
@@ -97,16 +73,8 @@ def parse_number_token(token: str, *, digit_level: bool = True, prefixed: bool =
 
 
 def pad_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp_size: int = 1) -> int:
-    """Pads a vocabulary size the way Megatron does: up to a multiple of ``divisible_by * tp_size``.
-
-    Args:
-        vocab_size: the tokenizer's vocabulary size.
-        divisible_by: Megatron's ``--make-vocab-size-divisible-by`` (default 128).
-        tp_size: the tensor-parallel size.
-
-    Returns:
-        The padded size (the model's output dimension).
-    """
+    """``vocab_size`` padded as Megatron does, up to a multiple of ``divisible_by * tp_size``
+    (``divisible_by``: Megatron's ``--make-vocab-size-divisible-by``)."""
     for name, value in (("vocab_size", vocab_size), ("divisible_by", divisible_by), ("tp_size", tp_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"pad_vocab_size: {name} must be a positive int, got {value!r}")
@@ -115,12 +83,10 @@ def pad_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp_size: int = 1
 
 
 DIGIT_LEVEL_WAS = 3.3
-"""NTL-WAS of an untrained model on the ten-digit table: uniform predictions over 0-9, targets uniform over
-0-9, so ``mean |i - j| = 99 / 30``. The scale a weight (0.3 in the paper) was tuned at."""
+"""NTL-WAS of an untrained model on the ten digits, ``mean |i - j| = 99 / 30``: where the NTL weight was tuned."""
 SCALE_TOLERANCE = 3.0
 """How far (a factor, either way) a table's untrained NTL-WAS may sit from :data:`DIGIT_LEVEL_WAS` before the
-front ends refuse (no squash factor) or warn (a squash factor that misses it). Tables of values up to about 30
-pass unsquashed; a Llama 3-style table of 0-999 (about 100x) does not."""
+front ends refuse or warn."""
 
 
 class NumberTableWarning(UserWarning):
@@ -129,9 +95,7 @@ class NumberTableWarning(UserWarning):
 
 def _pair_statistics(values: Sequence[float]) -> tuple[float, float, float, float]:
     """Over all ordered pairs (i, j) of ``values`` (float64): the mean ``|v_i - v_j|``, the share of pairs with
-    different values, and the smallest and largest nonzero distance (0, 0 when all values are equal).
-
-    O(n log n) from the sorted values, so a table of any size costs no ``n x n`` matrix."""
+    different values, and the smallest and largest nonzero distance (0, 0 when all values are equal)."""
     ordered = sorted(float(v) for v in values)
     n = len(ordered)
     if n == 0:
@@ -157,18 +121,7 @@ def _run_lengths(ordered: list[float]) -> list[int]:
 
 def untrained_was(values: Sequence[float] | torch.Tensor, squash_factor: float | None = None) -> float:
     """NTL-WAS of an untrained model on a table of these values: predictions uniform over the table's tokens,
-    targets uniform over them, i.e. the mean over all token pairs of the (squashed) distance, in float64.
-
-    An untrained model's logits are nearly equal, so its number-token distribution is nearly uniform; this is
-    the term's starting scale, which :data:`DIGIT_LEVEL_WAS` is for the ten digits.
-
-    Args:
-        values: the table's values (``NumberVocab.values``), one per token (repeats counted).
-        squash_factor: None (``|v_i - v_j|``) or the squash factor (> 1) of ``NumberVocab.distance_table``.
-
-    Returns:
-        The expected NTL-WAS.
-    """
+    targets uniform over them, i.e. the mean over all token pairs of the (squashed) distance, in float64."""
     listed = values.tolist() if isinstance(values, torch.Tensor) else list(values)
     mean, differ, smallest, largest = _pair_statistics(listed)
     if squash_factor is None or largest <= smallest:  # the squash keeps |v_i - v_j| when all distances are equal
@@ -181,17 +134,8 @@ def untrained_was(values: Sequence[float] | torch.Tensor, squash_factor: float |
 def digit_scale_squash_factor(values: Sequence[float] | torch.Tensor) -> float | None:
     """The squash factor that puts a table's untrained NTL-WAS at the digit level's (:data:`DIGIT_LEVEL_WAS`).
 
-    Why this scale: the weight of NTL (0.3 in the paper) was tuned on the ten-digit table, whose untrained
-    NTL-WAS is 3.3. Plain distances on a Llama 3-style table of 0-999 start at about 333 (100x), so the same
-    weight would make NTL dominate CE; squashing the nonzero distances onto ``[1, s]`` keeps the table's order
-    and its closest miss at 1 (as for digits) and, with this ``s``, its starting scale at 3.3. For 0-999 it is
-    7.9 (7.5 when the leading-zero chunks ``00``-``099`` are tokens too).
-
-    Args:
-        values: the table's values, one per token.
-
-    Returns:
-        The factor (> 1), or None when squashing cannot change the distances (fewer than two distinct ones).
+    The NTL weight was tuned on the ten digits (3.3); plain distances on 0-999 start near 333. For 0-999 this
+    is 7.9. None when squashing cannot change the distances (fewer than two distinct ones).
     """
     listed = values.tolist() if isinstance(values, torch.Tensor) else list(values)
     mean, differ, smallest, largest = _pair_statistics(listed)
@@ -204,20 +148,7 @@ def digit_scale_squash_factor(values: Sequence[float] | torch.Tensor) -> float |
 
 @dataclass(frozen=True)
 class NumberCensus:
-    """What a tokenizer's vocabulary holds in number tokens, and what one table rule keeps of them.
-
-    Attributes:
-        tokens: how many tokens the vocabulary has.
-        digits: the bare ASCII digit tokens found (``"0"`` ... ``"9"``), sorted.
-        multi_digit: bare number tokens that are not one digit (``"202"``, ``"2.5"``, ``"-5"``).
-        prefixed: word-prefixed number tokens (``"▁3"``, ``"Ġ12"``, ``"##4"``).
-        digit_level: the rule taken the census of: the ten digits (True) or multi-digit literals.
-        include_prefixed: whether that rule includes the prefixed tokens.
-        kept: number tokens the rule puts in the table.
-        left_out: number tokens (bare or prefixed) it leaves out.
-        examples: a few of the left-out tokens, for messages.
-        multi_digit_squash: :func:`digit_scale_squash_factor` of the multi-digit table (None without one).
-    """
+    """What a tokenizer's vocabulary holds in number tokens, and what one table rule keeps of them."""
 
     tokens: int
     digits: tuple[str, ...]
@@ -232,9 +163,7 @@ class NumberCensus:
 
     @property
     def loses_most(self) -> bool:
-        """The rule leaves out more bare number tokens than it keeps: the digit rule on a tokenizer that writes
-        numbers as multi-digit tokens, where NTL would only see labels that happen to be single digits.
-        (Left-out prefixed tokens alone do not count: leaving them out is the documented default.)"""
+        """The rule leaves out more bare number tokens than it keeps (the digit rule on a multi-digit tokenizer)."""
         return self.digit_level and self.multi_digit > self.kept
 
     def recipe(self) -> str:
@@ -287,16 +216,7 @@ def _id_to_token(tokenizer: Any) -> Mapping[int, str]:
 
 
 def number_token_census(tokenizer: Any, *, digit_level: bool = True, prefixed: bool = False) -> NumberCensus:
-    """Counts a vocabulary's number tokens and what the table rule ``digit_level``/``prefixed`` keeps of them.
-
-    Args:
-        tokenizer: a Hugging Face, Megatron or SentencePiece tokenizer, or an id -> token mapping or list.
-        digit_level: the rule: the ten digits (True) or multi-digit literals (False).
-        prefixed: whether the rule includes word-prefixed number tokens.
-
-    Returns:
-        The :class:`NumberCensus` (``summary()`` for people, ``recipe()`` for the table to build).
-    """
+    """Counts a vocabulary's number tokens and what the table rule ``digit_level``/``prefixed`` keeps of them."""
     mapping = _id_to_token(tokenizer)
     digits, multi, prefixed_count, kept, multi_values = [], 0, 0, 0, []
     examples: list[str] = []
@@ -375,19 +295,14 @@ def _keepable(*tensors: torch.Tensor) -> bool:
 
 
 class NumberVocab:
-    """The table of number tokens of one vocabulary: sorted ids and their float values.
+    """The number tokens of one vocabulary: sorted ids and their float values; immutable.
 
-    Build it with :meth:`from_tokenizer`, :meth:`from_sentencepiece` or :meth:`from_id_to_token`;
-    the constructor only validates. Instances are immutable.
+    Build it with :meth:`from_tokenizer`, :meth:`from_sentencepiece` or :meth:`from_id_to_token`.
 
     Args:
-        ids: number-token ids (any order; stored sorted).
-        values: their numeric values, aligned with ``ids``.
-        vocab_size: the model's (padded) vocabulary size, i.e. the logits' last dimension (the losses
-            refuse logits of another width).
-        tokens: optional token strings, aligned with ``ids`` (for display and saving).
-        decimal_point_id: id of the ``"."`` token, used by number-level NTL with ``float_level``.
-        digit_level: whether the table was built with the digit-level rule (informational).
+        ids: number-token ids (any order), ``values`` and ``tokens`` (optional) aligned with them.
+        vocab_size: the model's (padded) vocabulary size: the logits' last dimension.
+        decimal_point_id: the ``"."`` token, for number-level NTL with ``float_level``.
     """
 
     def __init__(
@@ -443,8 +358,6 @@ class NumberVocab:
         self._shards: dict[tuple[int, int], VocabShard] = {}
         self._id_list: list[int] = self._ids.tolist()  # sorted: a shard's tokens are one contiguous run
 
-    # ------------------------------------------------------------------ builders
-
     @classmethod
     def from_id_to_token(
         cls,
@@ -454,18 +367,14 @@ class NumberVocab:
         digit_level: bool = True,
         prefixed: bool = False,
     ) -> NumberVocab:
-        """Builds the table from an id -> token-string mapping (e.g. Megatron's ``tokenizer.inv_vocab``).
+        """Builds the table from an id -> token-string mapping or list (e.g. Megatron's ``tokenizer.inv_vocab``).
 
         Args:
-            id_to_token: a mapping from id to token string, or a sequence indexed by id.
-            vocab_size: the model's padded vocabulary size; defaults to the mapping's size
-                (largest id + 1). May be larger than the tokenizer (padded embeddings).
-            digit_level: exactly the ten ASCII digits (True) or multi-digit literals (False).
+            vocab_size: the model's padded vocabulary size (default: largest id + 1).
+            digit_level: the ten ASCII digits (True) or multi-digit literals (False).
             prefixed: include word-prefixed number tokens (``▁3``, ``Ġ3``, ``##3``).
 
-        Returns:
-            The table. A :class:`NumberTableWarning` says when the rule leaves out most of the number tokens
-            (:func:`number_token_census`), with the table to build instead.
+        A :class:`NumberTableWarning` says when the rule leaves out most of the number tokens, with the fix.
         """
         items = id_to_token.items() if isinstance(id_to_token, Mapping) else enumerate(id_to_token)
         pairs = [(int(i), str(t)) for i, t in items]
@@ -519,21 +428,9 @@ class NumberVocab:
         digit_level: bool = True,
         prefixed: bool = False,
     ) -> NumberVocab:
-        """Builds the table from a tokenizer, without modifying it.
-
-        Accepted: Hugging Face tokenizers (fast and slow; anything with ``get_vocab()``), Megatron
-        tokenizers (``inv_vocab``), and ``sentencepiece.SentencePieceProcessor`` objects.
-
-        Args:
-            tokenizer: the tokenizer.
-            vocab_size: the model's padded vocabulary size (e.g. 151936 for a Qwen tokenizer of
-                151665 tokens, or Megatron's padded size). Defaults to the tokenizer's size.
-            digit_level: exactly the ten ASCII digits (True) or multi-digit literals (False).
-            prefixed: include word-prefixed number tokens (``▁3``, ``Ġ3``, ``##3``).
-
-        Returns:
-            The table.
-        """
+        """Builds the table from a Hugging Face (``get_vocab``), Megatron (``inv_vocab``) or SentencePiece
+        tokenizer, without modifying it; arguments as :meth:`from_id_to_token` (``vocab_size`` default: the
+        tokenizer's size; e.g. 151936 for Qwen's 151665 tokens)."""
         if isinstance(tokenizer, (Mapping, Sequence)):
             raise TypeError(
                 f"NumberVocab.from_tokenizer: got a {type(tokenizer).__name__}; for an id -> token mapping use "
@@ -554,17 +451,8 @@ class NumberVocab:
         digit_level: bool = True,
         prefixed: bool = False,
     ) -> NumberVocab:
-        """Builds the table from a raw SentencePiece model file (needs the ``sentencepiece`` package).
-
-        Args:
-            model_file: path of the ``.model`` file.
-            vocab_size: the model's padded vocabulary size; defaults to the piece count.
-            digit_level: exactly the ten ASCII digits (True) or multi-digit literals (False).
-            prefixed: include ``▁3`` style pieces.
-
-        Returns:
-            The table.
-        """
+        """Builds the table from a SentencePiece ``.model`` file (needs ``sentencepiece``); arguments as
+        :meth:`from_id_to_token`."""
         from ._runtime import require
 
         sentencepiece = require("sentencepiece", "hf", "NumberVocab.from_sentencepiece")
@@ -584,17 +472,10 @@ class NumberVocab:
             digit_level=self._digit_level,
         )
 
-    # ------------------------------------------------------------------ properties
-
     @property
     def ids(self) -> torch.Tensor:
         """Sorted number-token ids, LongTensor ``[N]``."""
         return self._ids
-
-    @property
-    def max_id(self) -> int:
-        """The largest number-token id (a Python int: reading it costs no device sync)."""
-        return self._id_list[-1] if self._id_list else -1
 
     @property
     def values(self) -> torch.Tensor:
@@ -645,19 +526,12 @@ class NumberVocab:
 
     __hash__ = None  # type: ignore[assignment]
 
-    # ------------------------------------------------------------------ derived tables
-
     def index_of_id(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Dense map from vocabulary id to table position (``-1`` for non-number ids), LongTensor ``[V]``."""
         return self._cached("index_of_id", device, self._build_index_of_id)
 
     def number_mask(self, labels: torch.Tensor) -> torch.Tensor:
-        """Bool mask of the label positions that hold a number token (ids outside the vocabulary, such
-        as ``ignore_index``, are not numbers).
-
-        Shape:
-            ``labels``: any; the result has the same shape.
-        """
+        """Bool mask, shaped like ``labels``, of the number-token labels (ids outside the vocabulary are not)."""
         inside = (labels >= 0) & (labels < self._vocab_size)
         index = self.index_of_id(labels.device)
         return inside & (index[torch.where(inside, labels, 0)] >= 0)
@@ -668,18 +542,10 @@ class NumberVocab:
         return index
 
     def distance_table(self, squash_factor: float | None = None) -> torch.Tensor:
-        """Distances ``d(v_i, v_j)`` between number-token values, float32 ``[N, N]``.
+        """Distances ``d(v_i, v_j)`` between number-token values, float32 ``[N, N]``, cached.
 
-        Without ``squash_factor`` this is ``|v_i - v_j|``. With it, nonzero distances are mapped
-        affinely onto ``[1, squash_factor]`` (the smallest nonzero distance becomes 1, the largest
-        ``squash_factor``), which tames irregular multi-digit vocabularies. Built in float32 exactly as
-        the reference ``ntloss`` builds it, so both produce the same numbers.
-
-        Args:
-            squash_factor: None, or a number > 1.
-
-        Returns:
-            The table, float32 ``[N, N]`` (cached: built once per squash factor).
+        ``|v_i - v_j|``, or with ``squash_factor`` (> 1) the nonzero distances mapped affinely onto
+        ``[1, squash_factor]``; built in float32 as the reference ``ntloss`` builds it.
         """
         return self._cached(f"distance/{squash_factor}", None, lambda: self._build_distance_table(squash_factor))
 
@@ -713,18 +579,9 @@ class NumberVocab:
                 self._device_cache[key] = tensor
         return tensor
 
-    # ------------------------------------------------------------------ sharding
-
     def shard(self, rank: int, world_size: int) -> VocabShard:
-        """The number tokens in vocab shard ``[rank*V/tp, (rank+1)*V/tp)`` of a tensor-parallel split.
-
-        Args:
-            rank: this rank in the tensor-parallel group.
-            world_size: the tensor-parallel size; must divide :attr:`vocab_size`.
-
-        Returns:
-            A :class:`VocabShard` (possibly holding no number tokens).
-        """
+        """The number tokens in vocab shard ``[rank*V/tp, (rank+1)*V/tp)`` of a tensor-parallel split of
+        ``world_size`` ranks (which must divide :attr:`vocab_size`)."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"shard: world_size must be a positive int, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -739,17 +596,12 @@ class NumberVocab:
         return self.shard_range(rank * per_rank, (rank + 1) * per_rank)
 
     def shard_range(self, start: int, end: int) -> VocabShard:
-        """The number tokens in an arbitrary vocab slice ``[start, end)``.
-
-        ``end`` may exceed :attr:`vocab_size` (logits padded further than the table knows): ids past
-        the table's vocabulary are padding and never number tokens.
-        """
+        """The number tokens in a vocab slice ``[start, end)`` (``end`` may exceed :attr:`vocab_size`: padding)."""
         if not 0 <= start < end:
             raise ValueError(f"shard_range: need 0 <= start < end, got [{start}, {end})")
         shard = self._shards.get((start, end))
         if shard is None:  # built once per range (the training path asks for the same range every step)
-            # Found on the host from the sorted ids (no tensor op whose size depends on data, so
-            # torch.compile traces it without a graph break).
+            # found on the host from the sorted ids: no data-dependent shape, no graph break
             first, last = _count_below(self._id_list, start), _count_below(self._id_list, end)
             shard = VocabShard(
                 start=start,
@@ -765,8 +617,6 @@ class NumberVocab:
     def shard_tensor(self, start: int, end: int, name: str, device: torch.device | str | None) -> torch.Tensor:
         """``table_index``, ``local_ids`` or ``values`` of :meth:`shard_range` on ``device``, copied once."""
         return self._cached(f"shard/{start}/{end}/{name}", device, lambda: getattr(self.shard_range(start, end), name))
-
-    # ------------------------------------------------------------------ serialisation
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable description of the table."""
@@ -806,15 +656,7 @@ class NumberVocab:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, vocab_size: int | None = None) -> NumberVocab:
-        """Reads a table written by :meth:`save`.
-
-        Args:
-            path: the JSON file.
-            vocab_size: optionally override the stored (padded) vocabulary size.
-
-        Returns:
-            The table.
-        """
+        """Reads a table written by :meth:`save` (``vocab_size``: override the stored one)."""
         path = os.fspath(path)
         try:
             with open(path, encoding="utf-8") as f:
@@ -827,17 +669,46 @@ class NumberVocab:
         return vocab if vocab_size is None else vocab.with_vocab_size(vocab_size)
 
 
+def check_number_level_table(vocab: NumberVocab) -> None:
+    """Refuses a table number-level NTL (``loss="number"``) cannot read: it needs single ASCII digits 0-9, each once.
+
+    Raises:
+        ValueError: naming the offending entry and the fix.
+    """
+    cached = getattr(vocab, "_ntl_digit_table_ok", None)
+    if cached is True:
+        return
+    problem = None
+    tokens = vocab.tokens
+    if len(vocab) > 10:
+        problem = f"it has {len(vocab)} number tokens (a digit table has at most the ten digits 0-9)"
+    else:
+        values = vocab.values.tolist()
+        for i, value in enumerate(values):
+            token = None if tokens is None else tokens[i]
+            shown = f"{token!r} (value {value:g})" if token is not None else f"value {value:g}"
+            if value not in range(10):
+                problem = f"its token {shown} is not a single digit 0-9"
+            elif values.count(value) > 1:
+                problem = f"the digit {value:g} appears {values.count(value)} times (e.g. {shown})"
+            elif token is not None and not (len(token) == 1 and token in "0123456789"):
+                problem = f"its token {shown} is not exactly one ASCII digit (a prefixed or multi-character token)"
+            if problem:
+                break
+    if problem is not None:
+        raise ValueError(
+            f'loss="number" assembles numbers from single-digit tokens, but the number table cannot be read so: '
+            f"{problem}. Build a digit table with NumberVocab.from_tokenizer(tokenizer, digit_level=True) "
+            "(Megatron: --ntl-number-vocab digits; train config: ntl.digit_level=true), or use a token-level "
+            'loss ("was", "mse", "mae", "huber") with this table'
+        )
+    object.__setattr__(vocab, "_ntl_digit_table_ok", True)  # the table is immutable: check it once
+
+
 def add_digit_tokens(tokenizer: Any) -> list[str]:
-    """Adds the ASCII digits ``"0"``..``"9"`` that a Hugging Face tokenizer lacks (explicit opt-in).
+    """Adds the ASCII digits ``"0"``..``"9"`` a Hugging Face tokenizer lacks; returns those added.
 
-    This is the only function in ntl_scale that modifies a tokenizer. Resize the model's embeddings
-    afterwards (``model.resize_token_embeddings(len(tokenizer))``).
-
-    Args:
-        tokenizer: a Hugging Face tokenizer.
-
-    Returns:
-        The digit strings that were added (empty if none were missing).
+    The only function of ntl_scale that modifies a tokenizer: resize the model's embeddings afterwards.
     """
     if not hasattr(tokenizer, "add_tokens") or not hasattr(tokenizer, "get_vocab"):
         raise TypeError(

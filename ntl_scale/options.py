@@ -1,39 +1,10 @@
-"""The NTL option spec: every option once, with its type, default and meaning.
+"""The NTL option spec: every option once, with its type, default and meaning (the attribute docstring
+under each field).
 
-Each field is documented once, by the attribute docstring under it:
-
-* :class:`NTLOptions`: what one loss call computes (the variant: ``loss``, ``squash_factor``,
-  ``reweigh``, ``huber_delta``, ``float_level``), which labels it ignores, and which code computes it
-  (``impl``); frozen, passed to :func:`ntl_scale.per_token_ce_ntl`, :func:`ntl_scale.linear_ce_ntl`
-  and every integration.
-* :class:`NTLRunOptions`: the options of a training run: the variant again (its defaults are checked
-  to be :class:`NTLOptions`'s) and the NTL ``weight``, the number table (``digit_level``) and the
-  ``normalization``; the ``ntl`` section of a run config is this class.
-* The chunked route (``chunked``, ``chunk_tokens``): how the logits are obtained, listed by
-  :func:`option_fields` (a run config keeps them in its ``train`` section).
-
-Every front end is built from or checked against these (:func:`option_fields` lists them for a
-new front end, such as a torchtitan ``BaseLoss.Config``; :func:`surface_name` and
-:func:`surface_default` say how each front end spells an option and which defaults differ there, and
-why):
-
-| option | YAML (``launch/train.py``) | Megatron (both routes) | ``apply_ntl_to_hf_model`` (Hugging Face) |
-|---|---|---|---|
-| ``loss`` ... ``impl`` (the variant) | ``ntl.<name>`` | ``--ntl-<name>`` | ``options=NTLOptions(...)`` |
-| ``weight`` | ``ntl.weight`` | ``--ntl-weight`` (default 0: off) | ``ntl_weight`` |
-| ``digit_level`` | ``ntl.digit_level`` | ``--ntl-number-vocab`` | the ``NumberVocab`` argument |
-| ``normalization`` | ``ntl.normalization`` | ``--ntl-normalization`` (``micro-batch``) | ``num_items_in_batch`` |
-| ``chunked`` | ``train.chunked_loss`` | ``--ntl-chunked`` | ``chunked`` |
-| ``chunk_tokens`` | ``train.loss_chunk_tokens`` | ``--ntl-chunk-tokens`` | ``chunk_tokens`` |
-
-Every numeric option (``weight``, ``squash_factor``, ``huber_delta``, ``chunk_tokens``) is checked once,
-here (:func:`check_option`: finite, in range, the right type), by every front end with its own spelling
-(:func:`check_numeric_options`); ``chunk_tokens`` without ``chunked`` is refused by
-:func:`check_chunk_route`.
-
-``tests/unit/test_options_surfaces.py`` introspects each front end (the YAML dataclass, the argparse
-parser, ``apply_ntl_to_hf_model``'s signature) and fails when an option is missing there or has another default
-than this module declares.
+:class:`NTLOptions` is what one loss call computes; :class:`NTLRunOptions` adds a run's ``weight``,
+``digit_level`` and ``normalization``; :func:`option_fields` lists them with the chunked route, and
+:func:`surface_name` says how each front end spells them. Numeric options are checked here once
+(:data:`NUMERIC_CHECKS`, :func:`check_option`).
 """
 
 from __future__ import annotations
@@ -98,16 +69,7 @@ def check_impl(impl: object) -> str:
 
 @dataclass(frozen=True)
 class NumericRange:
-    """The allowed values of one numeric option (a row of :data:`NUMERIC_CHECKS`).
-
-    Attributes:
-        low: the lower bound; ``open_low``: excluded (``> low``) or included (``>= low``).
-        high: the upper bound (included), or None.
-        whole: a whole number (an ``int``; a float such as 2.5 or ``inf`` is refused), else any finite real.
-        optional: None is a value (the option's "off" or "default").
-        meaning: what the option is, said in the error.
-        fix: what to do instead, appended to the error.
-    """
+    """The allowed values of one numeric option (a row of :data:`NUMERIC_CHECKS`)."""
 
     low: float
     open_low: bool
@@ -159,12 +121,7 @@ calls :func:`check_option` with its own spelling."""
 
 def check_option(name: str, value: object, spelling: str | None = None) -> Any:
     """Checks the numeric option ``name`` against its :data:`NUMERIC_CHECKS` row; returns it as a float, an
-    int or None.
-
-    Raises:
-        ValueError: naming ``spelling`` (the front end's name of the option; default ``name``), the value,
-            what is expected and what the option is. Non-finite values and bools are refused for every option.
-    """
+    int or None."""
     if name not in NUMERIC_CHECKS:
         raise ValueError(f"{name!r} is not a numeric NTL option; the numeric options are {sorted(NUMERIC_CHECKS)}")
     rule = NUMERIC_CHECKS[name]
@@ -232,18 +189,14 @@ class NTLOptions:
     )
     impl: str = _documented(
         "auto",
-        "Which code computes the fused statistics: ``auto`` (the PyTorch code today; the Triton kernels on CUDA "
-        "once they have passed the GPU suite), ``torch``, or ``triton`` (CUDA tensors, ``triton`` installed; the "
-        "PyTorch code while ``torch.compile`` traces). The numbers agree to rounding. The Triton kernels compute "
-        "the z-loss of the CE features below, not label smoothing or soft-capping: with those ``auto`` runs the "
-        "PyTorch code and ``triton`` is refused.",
+        "Which code computes the fused statistics: ``auto`` (the PyTorch code until the Triton kernels have "
+        "passed the GPU suite), ``torch``, or ``triton`` (CUDA tensors; refused with label smoothing or "
+        "soft-capping). The numbers agree to rounding.",
     )
     z_loss_weight: float = _documented(
         0.0,
-        "Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to each token's CE (PaLM, OLMo 2, "
-        "Chameleon; 1e-4 there), on the same positions and weights as CE; 0: off. Exact under tensor parallelism "
-        "(the log-sum-exp is the all-reduced one); the per-token log-sum-exp is returned (``PerTokenTerms.lse``) "
-        "for logging. A training regulariser: held-out CE is computed without it (:meth:`for_evaluation`).",
+        "Weight of the z-loss ``z_loss_weight * logsumexp(z)**2`` added to each token's CE (PaLM, OLMo 2: 1e-4); "
+        "0: off. A training regulariser: held-out CE is computed without it (:meth:`for_evaluation`).",
     )
     label_smoothing: float = _documented(
         0.0,
@@ -296,15 +249,8 @@ _T = TypeVar("_T")
 def variant_fields(cls: type[_T]) -> type[_T]:
     """Gives a front end's settings class (before ``@dataclass``) the variant fields of :class:`NTLOptions`.
 
-    Every field of :class:`NTLOptions` but ``ignore_index`` (a per-call argument): ``loss``, ``squash_factor``,
-    ``reweigh``, ``huber_delta``, ``float_level``, ``impl`` and the CE options ``z_loss_weight``,
-    ``label_smoothing``, ``logit_softcap``, with :class:`NTLOptions`'s types and defaults, after the class's
-    own fields. So :class:`NTLRunOptions` (the YAML ``ntl`` section), Megatron's ``NTLSettings`` and
-    torchtitan's ``NTLLoss.Config`` declare none of them: a new variant option is added to
-    :class:`NTLOptions` alone. Their documentation is :class:`NTLOptions`'s (:func:`option_fields`).
-
-    Raises:
-        TypeError: the class declares one of them itself (it would shadow the spec's).
+    Every field but ``ignore_index``, with its type and default, after the class's own: a new variant option
+    is added to :class:`NTLOptions` alone. A class that declares one itself is a TypeError.
     """
     own = dict(inspect.get_annotations(cls))
     added: dict[str, Any] = {}
@@ -324,15 +270,7 @@ def variant_fields(cls: type[_T]) -> type[_T]:
 @dataclass
 @variant_fields
 class NTLRunOptions:
-    """The NTL options of a training run: the variant of :class:`NTLOptions` and the run-level choices.
-
-    The ``ntl`` section of ``launch/train.py``'s config is this class
-    (:class:`ntl_scale.training.config.NTLConfig`). Its variant fields (``loss``, ``squash_factor``, ...,
-    ``logit_softcap``) are :class:`NTLOptions`'s, added by :func:`variant_fields`; declared here are the
-    run-level ones. ``chunked`` and ``chunk_tokens`` are listed by :func:`option_fields` but live in the
-    ``train`` section of a run config (``train.chunked_loss``, ``train.loss_chunk_tokens``), so they are
-    not fields here.
-    """
+    """The NTL options of a training run: the variant of :class:`NTLOptions` and the run-level choices."""
 
     weight: float = _documented(
         0.3, "Weight of NTL in ``CE + weight * NTL`` (0.3 in the paper); 0 trains with CE alone."
@@ -360,24 +298,7 @@ VOCAB_RULES = ("digits", "multi-digit")
 
 
 def table_source(number_vocab: str | None, digit_level: bool = True, name: str = "number_vocab") -> bool | str:
-    """What a front end's number table is, read the same way on every surface.
-
-    ``number_vocab`` (Megatron's ``--ntl-number-vocab``, torchtitan's ``loss.number_vocab``) is a rule or the
-    path of a table saved with ``NumberVocab.save``: ``"digits"`` is ``digit_level=True`` (the ten digit
-    tokens), ``"multi-digit"`` is ``digit_level=False``; None leaves the rule to ``digit_level`` (the YAML's
-    ``ntl.digit_level``, torchtitan's ``loss.digit_level``).
-
-    Args:
-        number_vocab: the rule or path, or None.
-        digit_level: the rule where ``number_vocab`` is None.
-        name: how the front end spells ``number_vocab``, for messages.
-
-    Returns:
-        ``digit_level`` of the rule (True/False), or the path of the saved table (a str).
-
-    Raises:
-        ValueError: ``number_vocab`` is empty, or ``"digits"`` beside ``digit_level=False`` (contradictory).
-    """
+    """``digit_level`` of the rule ``"digits"``/``"multi-digit"`` (None: ``digit_level``), or a saved table's path."""
     if number_vocab is None:
         return digit_level
     if not isinstance(number_vocab, str) or not number_vocab:
@@ -395,20 +316,8 @@ def table_source(number_vocab: str | None, digit_level: bool = True, name: str =
 def check_run_options(settings: object, surface: str) -> NTLOptions:
     """The run-level rules of every front end, checked once, named as ``surface`` spells the options.
 
-    * each numeric option it carries (:func:`check_numeric_options`);
-    * ``normalization`` (where it has one) one of :data:`NORMALIZATIONS`;
-    * ``chunk_tokens`` only with ``chunked`` (where it has both: :func:`check_chunk_route`);
-    * the number table (:func:`table_source`), and ``loss="number"`` not with the multi-digit rule: it
-      assembles numbers from single-digit tokens (a saved table is checked when it is read);
-    * the variant itself (:class:`NTLOptions`'s checks, through :func:`variant_of`).
-
-    Args:
-        settings: the front end's settings (their fields by name: the YAML ``ntl`` section, Megatron's
-            ``NTLSettings``, torchtitan's ``NTLLoss.Config``).
-        surface: one of :data:`SURFACES`, for the spelling in messages.
-
-    Returns:
-        The :class:`NTLOptions` of the settings.
+    Numeric options, ``normalization``, ``chunk_tokens`` only with ``chunked``, the number table (no
+    ``loss="number"`` on the multi-digit rule) and the variant; returns the :class:`NTLOptions`.
     """
     check_numeric_options(settings, lambda name: surface_name(name, surface) or name)
     if hasattr(settings, "normalization") and settings.normalization not in NORMALIZATIONS:
@@ -454,17 +363,7 @@ def check_chunk_route(chunked: object, chunk_tokens: object, surface: str) -> No
 
 @dataclass(frozen=True)
 class OptionField:
-    """One option of the spec (:func:`option_fields`).
-
-    Attributes:
-        name: the option's name (the field name in :class:`NTLOptions` / :class:`NTLRunOptions`).
-        type: its annotation as written (``"float | None"``).
-        default: its default.
-        doc: its attribute docstring.
-        choices: the allowed strings, for options that take one of a few (else None).
-        level: ``variant`` (an :class:`NTLOptions` field), ``run`` (an :class:`NTLRunOptions` field) or
-            ``route`` (the chunked route: ``chunked``, ``chunk_tokens``).
-    """
+    """One option of the spec (:func:`option_fields`)."""
 
     name: str
     type: str
@@ -501,13 +400,7 @@ _ROUTE = (
 
 @functools.lru_cache(maxsize=1)
 def option_fields() -> tuple[OptionField, ...]:
-    """Every NTL option a front end exposes, with its type, default, documentation and choices.
-
-    The variant fields of :class:`NTLOptions` (without ``ignore_index``, a per-call argument), then
-    the run-level fields of :class:`NTLRunOptions` (``weight``, ``digit_level``, ``normalization``),
-    then the chunked route (``chunked``, ``chunk_tokens``). The hook for a new front end: a torchtitan
-    ``BaseLoss.Config``, a CLI, a config schema can be generated from this list.
-    """
+    """Every NTL option a front end exposes, with its type, default, documentation and choices."""
     fields: list[OptionField] = []
     for cls, level in ((NTLOptions, "variant"), (NTLRunOptions, "run")):
         for f in dataclasses.fields(cls):
@@ -575,10 +468,7 @@ def _check_surface(surface: str) -> None:
 
 
 def surface_name(name: str, surface: str) -> str | None:
-    """How ``surface`` spells the option ``name`` (``ntl.loss``, ``--ntl-loss``, ``options.loss``), or None.
-
-    None means the front end takes no such argument; :func:`surface_reason` says why.
-    """
+    """How ``surface`` spells the option ``name`` (``ntl.loss``, ``--ntl-loss``, ``options.loss``), or None."""
     _check_surface(surface)
     option = option_field(name)
     if name in _SPELLING.get(surface, {}):

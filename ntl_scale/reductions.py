@@ -1,8 +1,5 @@
-"""Reductions of per-token CE and NTL terms to the losses a training step back-propagates.
-
-CE is averaged over the non-ignored tokens and NTL over the positions that carry it
-(:func:`ntl_scale.ntl_positions`), each weighted by optional loss weights; ``sum`` and ``none``
-skip the division. Nothing here reads a value on the host.
+"""Reductions of per-token CE and NTL to a loss: CE over the non-ignored tokens, NTL over its positions,
+each with optional loss weights. No host read.
 """
 
 from __future__ import annotations
@@ -27,13 +24,9 @@ class CENTLOutput(NamedTuple):
         ce: the cross-entropy term.
         ntl: the NTL term (unweighted).
         num_tokens: weight (count) of the tokens CE was averaged over.
-        num_number_tokens: weight (count) of the positions NTL was averaged over
-            (:func:`ntl_positions`: number-token labels; one per number for ``loss="number"``).
-        number_accuracy: share of those same positions whose label is the arg-max over the whole
-            vocabulary (greedy next-token accuracy where NTL is charged: every number-token label,
-            or the first digit of each number for ``loss="number"``; a metric, not differentiable),
-            under the loss's mask and weights: the weighted mean of the hits with ``loss_weights``
-            (a weight-0 position does not count), ``hits / num_number_tokens``.
+        num_number_tokens: weight (count) of the positions NTL was averaged over (:func:`ntl_positions`).
+        number_accuracy: the weighted share of those positions whose label is the arg-max over the whole
+            vocabulary (a metric, not differentiable).
     """
 
     loss: torch.Tensor
@@ -50,12 +43,10 @@ def reduce_loss(
     weights: torch.Tensor | None,
     reduction: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reduces a per-token loss over the masked positions; returns ``(loss, total weight)``.
+    """Reduces a per-token loss over the masked positions; returns ``(loss, sum(w))``.
 
-    ``mean`` is ``sum(l * w) / sum(w)`` over the mask, scale-invariant in the weights (``w`` and ``c * w``
-    give the same mean for any ``c > 0``, however small), and exactly 0, with zero gradient, when nothing
-    is selected (every weight 0); ``sum`` is ``sum(l * w)``; ``none`` is ``l * w`` per position. The
-    total weight is ``sum(w)`` as given.
+    ``mean``: :func:`weighted_mean` (0, with zero gradient, when every weight is 0); ``sum``: ``sum(l * w)``;
+    ``none``: ``l * w`` per position.
     """
     check_reduction(reduction)
     w = mask.to(per_token.dtype) if weights is None else torch.where(mask, weights, 0)
@@ -70,10 +61,8 @@ def reduce_loss(
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum(v * w) / sum(w)`` for weights ``w >= 0``; 0 (zero gradient) when every weight is 0.
 
-    The weights are divided by their largest first, so the denominator is 0 (nothing selected) or at
-    least 1: a tiny weight total (weights x 1e-8) is not clamped to an epsilon (which divided by eps
-    instead of the total), and 0/1 weights give the same bits as ``sum(v * w) / max(sum(w), 1)``. No
-    host read.
+    The weights are divided by their largest first: a tiny total is not clamped to an epsilon, and 0/1
+    weights give the bits of ``sum(v * w) / max(sum(w), 1)``.
     """
     if weights.numel() == 0:
         return (values * weights).sum()
@@ -96,8 +85,7 @@ def combine_terms(
     valid = labels != options.ignore_index
     ce_red, num_tokens = reduce_loss(terms.ce, valid, weights, reduction)
     ntl_red, num_numbers = reduce_loss(terms.ntl, terms.number_mask, weights, reduction)
-    # Accuracy under the loss's own mask and weights: the NTL positions (ntl_positions), each weighted as
-    # NTL weights it (a weight-0 position, such as a masked prompt, does not count; a 0/1 mask counts positions)
+    # accuracy over the NTL positions, each weighted as NTL weights it
     hits = terms.hit.to(terms.ce.dtype)
     accuracy = reduce_loss(hits, terms.number_mask, weights, "mean")[0].detach()
     return CENTLOutput(ce_red + ntl_weight * ntl_red, ce_red, ntl_red, num_tokens, num_numbers, accuracy)

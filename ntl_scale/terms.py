@@ -1,11 +1,7 @@
-"""Per-token CE and NTL: the layer between the fused op and the reductions.
+"""Per-token CE and NTL from the fused op's per-token statistics (``ce``, ``expect``, ``mass``; docs/math.md).
 
-:func:`ntl_scale.ops.logits.fused_shard_stats` gives three per-token statistics of a logits shard
-(``ce``, ``expect``, ``mass``; ``docs/math.md``); :func:`terms_from_stats` turns them into per-token
-CE and the NTL variant of :class:`~ntl_scale.options.NTLOptions`. Point losses, reweighing and
-number-level assembly act on ``[T]`` vectors here, so they cost nothing next to the vocabulary-wide
-softmax. :func:`ntl_positions` is the one definition of the positions that carry NTL (what every
-mean of NTL divides by).
+Point losses, reweighing and number-level assembly act on ``[T]`` vectors. :func:`ntl_positions` defines
+the positions that carry NTL (what every mean of NTL divides by).
 """
 
 from __future__ import annotations
@@ -16,47 +12,50 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ._validation import check_float_level, check_inputs, check_number_level_table, check_width
-from .number_level import assemble_numbers, number_starts, symmetric_mape
-from .number_vocab import NumberVocab
+from ._validation import check_float_level, check_inputs, check_width
+from .number_vocab import NumberVocab, check_number_level_table
 from .ops.logits import fused_shard_stats
 from .ops.shard_math import ShardInputs, compute_dtype
 from .ops.shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
 from .options import NTLOptions, check_option
 
 __all__ = [
+    "MAX_NUMBER_LENGTH",
+    "SMAPE_EPS",
     "NumberPrediction",
     "PerTokenTerms",
+    "assemble_numbers",
     "max_loss",
     "ntl_counts",
     "ntl_positions",
+    "number_starts",
     "per_token_ce_ntl",
     "point_loss",
     "predict_numbers",
     "shard_inputs",
     "shard_start",
+    "symmetric_mape",
     "terms_from_stats",
 ]
 
-# Reweighing replaces the loss on mass outside the number tokens by this factor of the largest
-# possible loss, so such predictions always cost more than the worst number (as the reference).
+# Reweighing charges mass outside the number tokens this factor of the largest loss (as the reference).
 _REWEIGH_MARGIN = 1.01
+# Number-level NTL: digits beyond this many in one run share the largest exponent, as in the reference.
+MAX_NUMBER_LENGTH = 20
+# The reference adds float32's machine epsilon to the sMAPE denominator regardless of dtype.
+SMAPE_EPS = float(torch.finfo(torch.float32).eps)
 
 
 class PerTokenTerms(NamedTuple):
     """Per-token outputs of :func:`per_token_ce_ntl`, each shaped like the labels.
 
     Attributes:
-        ce: the CE term (0 where ignored): cross entropy, label-smoothed with
-            ``options.label_smoothing``, plus the z-loss ``options.z_loss_weight * lse**2`` (the part of
-            the objective CE's reduction weighs; CE alone is ``ce - z_loss_weight * lse**2``).
+        ce: the CE term (0 where ignored), label-smoothed, plus the z-loss ``z_loss_weight * lse**2``.
         ntl: NTL (0 where ``number_mask`` is False).
         number_mask: positions that carry NTL.
-        hit: the label is the arg-max over the whole vocabulary (for token accuracy; False when
-            CE was not computed).
-        lse: the log-sum-exp of the (soft-capped) logits over the whole vocabulary, per token, at every
-            position (ignored ones included; 0 when CE was not computed): what the z-loss squares, for
-            logging; differentiable.
+        hit: the label is the arg-max over the whole vocabulary (False when CE was not computed).
+        lse: the log-sum-exp of the (soft-capped) logits over the whole vocabulary at every position (0 when
+            CE was not computed); differentiable.
     """
 
     ce: torch.Tensor
@@ -81,15 +80,10 @@ def per_token_ce_ntl(
 ) -> PerTokenTerms:
     """:func:`ntl_scale.vocab_parallel_ce_ntl` with the variant as one :class:`NTLOptions`, plus the arg-max hit.
 
-    The form for integrations. ``need_ce=False`` skips the full-vocabulary softmax when neither CE
-    nor reweighing needs it (``ce`` and ``hit`` are then 0). ``vocab_start``: see
-    :func:`ntl_scale.vocab_parallel_ce_ntl`. ``options.impl`` picks the code of the fused op
-    (``auto``, ``torch`` or ``triton``; ``docs/kernels.md``).
-
-    ``logits_shard`` may be a ``DTensor`` split on the vocabulary (``Shard(-1)``, uneven splits
-    included) or replicated; its process group and offset replace ``tp_group`` and ``vocab_start``
-    (:func:`ntl_scale.ops.shards.dtensor_vocab_shard`). The labels stay a plain tensor, the same on
-    every rank of that group; the outputs are plain tensors.
+    ``need_ce=False`` skips the full-vocabulary softmax when neither CE nor reweighing needs it (``ce`` and
+    ``hit`` are then 0). ``logits_shard`` may be a ``DTensor`` split on the vocabulary (``Shard(-1)``) or
+    replicated; its group and offset replace ``tp_group`` and ``vocab_start``. The labels are a plain
+    tensor, the same on every rank of that group.
     """
     options = NTLOptions() if options is None else options
     if inplace and is_dtensor(logits_shard):
@@ -118,8 +112,7 @@ def per_token_ce_ntl(
     # NTL alone takes the logits as they are: its gradient comes back in their shape, not through a view
     flat = logits_shard.reshape(-1, width) if need_full else logits_shard
     if options.logit_softcap is not None:
-        # elementwise, before everything (CE, z-loss and NTL see the capped logits); autograd's tanh
-        # backward is the factor 1 - tanh^2. A new tensor: the caller's logits are not overwritten.
+        # before everything (CE, z-loss and NTL see the capped logits); a new tensor, the caller's is kept
         flat, inplace = soft_cap(flat, options.logit_softcap), False
     ce, expect, mass, hit, lse = fused_shard_stats(
         flat,
@@ -161,11 +154,7 @@ def point_loss(options: NTLOptions, pred: torch.Tensor, target: torch.Tensor) ->
 
 
 def max_loss(options: NTLOptions, vocab: NumberVocab) -> torch.Tensor:
-    """The largest value the per-token loss can take (the reweighing constant's base).
-
-    A 0-dim float64 CPU tensor (usable with tensors on any device, like a Python number): no host read, so
-    ``torch.compile`` traces it without a graph break.
-    """
+    """The largest per-token loss, as a 0-dim float64 CPU tensor (no host read: no graph break)."""
     if options.loss == "number":
         return torch.ones((), dtype=torch.float64)
     if options.loss == "was":
@@ -186,11 +175,7 @@ def terms_from_stats(
     options: NTLOptions,
     lse: torch.Tensor | None = None,
 ) -> PerTokenTerms:
-    """Per-token CE and the NTL variant from the fused per-token statistics (logits or hidden states).
-
-    With ``options.z_loss_weight`` the z-loss ``z_loss_weight * lse**2`` is added to CE on the valid
-    positions (``lse``: the fused op's per-token log-sum-exp, required then).
-    """
+    """Per-token CE (plus the z-loss ``z_loss_weight * lse**2``) and the NTL variant from the fused statistics."""
     loss, reweigh, dtype = options.loss, options.reweigh, ce.dtype
     is_number = row >= 0
     zero = torch.zeros((), dtype=dtype, device=ce.device)
@@ -256,24 +241,19 @@ def shard_inputs(
 def ntl_positions(
     labels: torch.Tensor, vocab: NumberVocab, options: NTLOptions | None = None, *, pieces: int = 1
 ) -> torch.Tensor:
-    """The label positions that carry an NTL term: what NTL's mean divides by (its denominator).
+    """The label positions that carry an NTL term: what NTL's mean divides by.
 
-    The one definition every reduction and every integration counts with: for the token-level
-    variants (``was``, ``mse``, ``mae``, ``huber``), every non-ignored label that is a number token;
-    for ``loss="number"``, one position per number, the first digit of each maximal run of digit
-    labels along the last axis (with ``float_level`` a decimal point between two digits joins them).
-    :func:`per_token_ce_ntl` returns the same mask as ``number_mask``.
+    Token-level variants: every non-ignored number-token label. ``loss="number"``: the first digit of each
+    maximal run of digit labels along the last axis (``float_level``: a decimal point between two digits
+    joins them). :func:`per_token_ce_ntl` returns the same mask as ``number_mask``.
 
     Args:
         labels: token ids ``[...]`` (for ``loss="number"`` the last axis is the sequence).
-        vocab: the number table.
-        options: the NTL variant (default NTL-WAS); its ``ignore_index`` marks positions without loss.
-        pieces: ``loss="number"`` only: numbers are cut at the borders of this many equal slices of the
-            sequence, as under context parallelism, where each rank assembles numbers from its own
-            slice (Megatron's load-balanced split: ``2 x`` the context-parallel size).
+        options: the NTL variant (default NTL-WAS) and its ``ignore_index``.
+        pieces: ``loss="number"`` only: cut numbers at the borders of this many equal slices of the
+            sequence, as context parallelism does (Megatron's load-balanced split: ``2 x`` the CP size).
 
-    Returns:
-        bool ``[...]``, on the labels' device; no host synchronisation.
+    Returns bool ``[...]`` on the labels' device, without a host sync.
     """
     options = NTLOptions() if options is None else options
     valid = labels != options.ignore_index
@@ -298,11 +278,9 @@ def ntl_counts(
     loss_mask: torch.Tensor | None = None,
     pieces: int = 1,
 ) -> torch.Tensor:
-    """``[tokens, NTL positions]`` of some labels, float64 ``[2]`` on their device: the step-count material.
+    """``[tokens, NTL positions]`` of some labels, float64 ``[2]`` on their device, weighted by ``loss_mask``.
 
-    ``tokens`` is the loss-mask weight of the labels (default: the non-ignored labels) and ``NTL
-    positions`` the loss-mask weight of :func:`ntl_positions`. Summed over a step's micro-batches and
-    ranks they are the denominators of global normalisation, for every variant.
+    Summed over a step's micro-batches and ranks they are the denominators of global normalisation.
     """
     options = NTLOptions() if options is None else options
     positions = ntl_positions(labels, vocab, options, pieces=pieces).to(torch.float64)
@@ -326,18 +304,12 @@ class NumberPrediction(NamedTuple):
 
 
 def predict_numbers(logits: torch.Tensor, vocab: NumberVocab) -> NumberPrediction:
-    """The expected number value and the number-token mass at every position (for evaluation and logs).
+    """The expected number value and the number-token mass at every position (as ``ntloss``'s ``predict_numbers``).
 
-    The same quantities as ``ntloss``'s ``predict_numbers``: the value is the dot product of the
-    softmax over the number-token columns with their values, the mass the full softmax's sum over
-    those columns. Computed in fp32 (fp64 for fp64 logits), without gradient tracking of its own.
+    Value: the softmax over the number-token columns dotted with their values; mass: the full softmax's sum
+    over those columns. Computed in fp32 (fp64 for fp64 logits).
 
-    Args:
-        logits: ``[..., V]`` full-vocabulary logits, ``V`` the table's ``vocab_size`` (gather TP shards first).
-        vocab: the number-token table.
-
-    Returns:
-        :class:`NumberPrediction` ``(value, mass)``, each ``[...]``.
+    ``logits``: ``[..., V]`` full-vocabulary logits (gather TP shards first); returns ``(value, mass)``, each ``[...]``.
     """
     if not isinstance(vocab, NumberVocab):
         raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
@@ -350,3 +322,86 @@ def predict_numbers(logits: torch.Tensor, vocab: NumberVocab) -> NumberPredictio
     value = (torch.softmax(number_logits, dim=-1) * vocab.values.to(z.device, z.dtype)).sum(-1)
     mass = torch.exp(torch.logsumexp(number_logits, dim=-1) - torch.logsumexp(z, dim=-1))
     return NumberPrediction(value, mass)
+
+
+# -- number-level NTL: whole numbers from runs of consecutive digit positions ---------------------------
+# Every maximal run of digit labels is one number, ``sum_i digit_i * 10**e_i`` with ``e_i`` the digits after
+# position ``i``, written at the run's first digit and compared by symmetric MAPE. Assembled in float64: a
+# target of up to 15 digits is exact. Only per-token ``yhat`` enters, so TP needs nothing more; under CP a
+# number split across a slice border is two numbers (docs/math.md).
+
+
+def _shift_right(x: torch.Tensor) -> torch.Tensor:
+    """``x[..., t-1]`` at position ``t`` (False/0 at t=0)."""
+    return F.pad(x[..., :-1], (1, 0))
+
+
+def _shift_left(x: torch.Tensor) -> torch.Tensor:
+    """``x[..., t+1]`` at position ``t`` (False/0 at the end)."""
+    return F.pad(x[..., 1:], (0, 1))
+
+
+def _runs(is_digit: torch.Tensor, is_dot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(in_run, starts)``: positions inside a number, and each number's first position (a digit)."""
+    in_run = is_digit
+    if is_dot is not None:
+        in_run = is_digit | (is_dot & _shift_right(is_digit) & _shift_left(is_digit))
+    return in_run, in_run & ~_shift_right(in_run)
+
+
+def number_starts(is_digit: torch.Tensor, is_dot: torch.Tensor | None = None, *, pieces: int = 1) -> torch.Tensor:
+    """Bool ``[..., S]``: the first digit of every number (``is_dot``: decimal points join runs; ``pieces``: as
+    :func:`ntl_positions`)."""
+    if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
+        raise ValueError(f"pieces must be a positive int (1: no cut), got {pieces!r}")
+    seq = is_digit.shape[-1]
+    if pieces > 1:
+        if seq % pieces:
+            raise ValueError(f"the sequence length {seq} is not divisible into pieces={pieces} equal slices")
+        split = (*is_digit.shape[:-1], pieces, seq // pieces)
+        is_digit = is_digit.reshape(split)
+        is_dot = None if is_dot is None else is_dot.reshape(split)
+    starts = _runs(is_digit, is_dot)[1]
+    return starts.reshape(*starts.shape[:-2], seq) if pieces > 1 else starts
+
+
+def assemble_numbers(
+    digit_pred: torch.Tensor,
+    digit_target: torch.Tensor,
+    is_digit: torch.Tensor,
+    is_dot: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(number_pred, number_target, starts)``, all ``[B, S]``: float64 numbers at each run's first digit."""
+    batch, seq = is_digit.shape
+    in_run, starts = _runs(is_digit, is_dot)
+    run = torch.cumsum(starts.long(), dim=1)
+    # One bin per run and row; bin 0 of every row collects positions outside any run.
+    row_base = torch.arange(batch, device=is_digit.device).unsqueeze(1) * (seq + 1)
+    bins = (row_base + torch.where(in_run, run, 0)).flatten()
+    num_bins = batch * (seq + 1)
+
+    digits = is_digit.long()
+    digits_in_run = torch.zeros(num_bins, dtype=torch.long, device=bins.device).scatter_add_(0, bins, digits.flatten())
+    digit_count = torch.cumsum(digits, dim=1)
+    # Digits seen in the row before the current run began: the count at the run's start, carried
+    # forward by a running maximum (the count never decreases), so no position is looked up by mask.
+    before_run = torch.where(starts, digit_count - 1, 0).cummax(dim=1).values
+    exponent = (digits_in_run[bins] - (digit_count - before_run).flatten()).clamp(0, MAX_NUMBER_LENGTH - 1)
+    scale = torch.pow(10.0, exponent.to(torch.float64))
+
+    mask = is_digit.flatten()
+    zero = torch.zeros((), dtype=torch.float64, device=digit_pred.device)
+    pred_terms = torch.where(mask, digit_pred.flatten().to(torch.float64) * scale, zero)
+    target_terms = torch.where(mask, digit_target.flatten().to(torch.float64) * scale, zero)
+    pred_sum = torch.zeros(num_bins, dtype=torch.float64, device=bins.device).scatter_add(0, bins, pred_terms)
+    target_sum = torch.zeros(num_bins, dtype=torch.float64, device=bins.device).scatter_add(0, bins, target_terms)
+
+    start_flat = starts.flatten()
+    number_pred = torch.where(start_flat, pred_sum[bins], zero).view(batch, seq)
+    number_target = torch.where(start_flat, target_sum[bins], zero).view(batch, seq)
+    return number_pred, number_target, starts
+
+
+def symmetric_mape(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``|pred - target| / (|pred| + |target| + eps)``, bounded in ``[0, 1]``."""
+    return (pred - target).abs() / (pred.abs() + target.abs() + SMAPE_EPS)

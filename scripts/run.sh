@@ -32,10 +32,10 @@ if [[ -z "${NTL_SKIP_HARNESS:-}" && -d "$run_dir/hf_model" ]]; then
   echo "lm_eval --model hf --model_args pretrained=$run_dir/hf_model --tasks ntl_run (docs/evaluation.md)"
   export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
   device=$([[ -n "${DS_ACCELERATOR:-}" ]] && echo cpu || echo cuda)
-  "$PYTHON" -m ntl_scale.eval.tasks prepare --out "$run_dir/lm_eval_tasks" --run-dir "$run_dir" --examples 20 --texts 10 2>/dev/null >/dev/null
+  "$PYTHON" launch/eval_tasks.py prepare --out "$run_dir/lm_eval_tasks" --run-dir "$run_dir" --examples 20 --texts 10 2>/dev/null >/dev/null
   "$PYTHON" -m lm_eval --model hf --model_args "pretrained=$run_dir/hf_model" --device "$device" --batch_size 32 \
     --include_path "$run_dir/lm_eval_tasks" --tasks ntl_run --output_path "$run_dir/lm_eval" 2>/dev/null \
     | grep -E '^(\||hf \()' || true
-  "$PYTHON" -m ntl_scale.eval.tasks compare --run-dir "$run_dir" --results "$run_dir/lm_eval" \
+  "$PYTHON" launch/eval_tasks.py compare --run-dir "$run_dir" --results "$run_dir/lm_eval" \
     || echo "the harness and the run's scorer disagree on some split (above)"
 fi

@@ -58,5 +58,5 @@ if [[ "${1:-}" == "--dev" ]]; then
   bash scripts/setup_slurm.sh
   # DeepMind's generator pins sympy 1.5.1 and numpy<1.24: its own venv (~/.cache/ntl_scale), built once
   echo "[setup] the DeepMind mathematics generator's environment"
-  "$PYTHON" -m ntl_scale.data.deepmind --setup-only
+  "$PYTHON" launch/deepmind_data.py --setup-only
 fi

@@ -1,5 +1,4 @@
-"""Data for NTL training: a seeded arithmetic generator, DeepMind's own generator
-(:mod:`ntl_scale.data.deepmind`) and question/answer files through Hugging Face ``datasets``."""
+"""Data for NTL training: a seeded arithmetic generator and question/answer files through Hugging Face ``datasets``."""
 
 from .arithmetic import ArithmeticConfig, Example, generate, reverse_digits
 from .collate import IGNORE_INDEX, EncodedExample, ShardedOrder, collate, encode

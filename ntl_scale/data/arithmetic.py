@@ -1,19 +1,8 @@
-"""Seeded arithmetic problems in the style of the DeepMind mathematics dataset (files are read by
-:mod:`ntl_scale.data.hf_datasets`).
+"""Seeded arithmetic problems in the style of the DeepMind mathematics dataset (``add``, ``add_sub``,
+``add_sub_multiple``, ``mul``), one integer answer each.
 
-The generator makes three kinds of question, each answered by one integer:
-
-* ``add``: ``What is 123 + 45?``
-* ``add_sub``: ``What is 123 - 45?`` (either operation)
-* ``add_sub_multiple``: ``Calculate 12 + -7 - 30 + 4.`` (3 to 5 terms)
-* ``mul``: ``What is 37 times 12?``
-
-Splits follow the DeepMind convention: ``interpolate`` draws operands from the training range but
-never a question any training split can hold, ``extrapolate`` uses operands with more digits than
-training ever saw. The first two are disjoint by construction, whatever their sizes and seeds: a fixed
-hash of the question text (:func:`is_held_out`) reserves one question in :data:`HELD_OUT_BUCKETS` for
-``interpolate``, and ``train`` never draws those. A sum or product of two operands is hashed with its
-operands in a fixed order, so ``What is 57 + 68?`` is held out together with ``What is 68 + 57?``.
+``interpolate`` never holds a question a training split can draw (a fixed hash of the question reserves
+it: :func:`is_held_out`); ``extrapolate`` uses operands with more digits than training saw.
 """
 
 from __future__ import annotations
@@ -54,18 +43,7 @@ class Example:
 
 @dataclass(frozen=True)
 class ArithmeticConfig:
-    """The generator's settings.
-
-    Attributes:
-        kinds: which problem kinds to mix (equal shares).
-        train_digits: operands have 1 to this many digits in ``train`` and ``interpolate``.
-        extrapolate_digits: operands have ``train_digits + 1`` to this many digits in ``extrapolate``.
-        mul_digits: the same bound for the second factor of a multiplication (keeps products short).
-        negative_share: share of operands made negative.
-        reverse_answers: write each answer's digits least-significant first (``168`` as ``861``, ``-45``
-            as ``-54``): a model then emits the digits in the order addition computes them, carries
-            last (:func:`reverse_digits` reads them back). The questions are unchanged.
-    """
+    """The generator's settings."""
 
     kinds: tuple[str, ...] = ("add_sub", "add_sub_multiple", "mul")
     train_digits: int = 3
@@ -102,9 +80,8 @@ def _commutative_key(question: str) -> str:
 
 
 def is_held_out(question: str) -> bool:
-    """Whether ``question`` belongs to the held-out (``interpolate``) pool: a fixed hash of its text
-    (operands of a two-term sum or product in a fixed order), the same for every seed, process and
-    Python version (``blake2b``, not the salted ``hash``)."""
+    """Whether ``question`` belongs to the held-out (``interpolate``) pool: a fixed ``blake2b`` hash of its text
+    (a two-term sum or product with its operands in a fixed order), the same in every process."""
     digest = hashlib.blake2b(_commutative_key(question).encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % HELD_OUT_BUCKETS == 0
 
@@ -145,17 +122,7 @@ def _make(rng: random.Random, kind: str, low: int, high: int, mul_high: int, neg
 def generate(
     count: int, split: str = "train", *, seed: int = 0, config: ArithmeticConfig | None = None
 ) -> list[Example]:
-    """``count`` seeded problems of one split (the same seed and config give the same list).
-
-    Args:
-        count: number of examples.
-        split: ``train``, ``interpolate`` or ``extrapolate``.
-        seed: the seed; each split derives its own stream from it.
-        config: generator settings.
-
-    Returns:
-        The examples, kinds in equal shares and shuffled.
-    """
+    """``count`` seeded problems of one split (the same seed and config give the same list)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     if count < 0:

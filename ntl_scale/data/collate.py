@@ -28,11 +28,7 @@ class EncodedExample:
 def encode_pairs(
     tokenizer: Any, questions: Sequence[str], answers: Sequence[str], *, kind: str = "causal"
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """``input_ids`` and ``labels`` of question/answer pairs, tokenised in one batch per side.
-
-    ``causal``: ``question + " "`` is the prompt (masked from the loss), the answer and EOS are the
-    targets, in one sequence. ``seq2seq``: the question is the encoder input, answer + EOS the labels.
-    """
+    """``input_ids`` and ``labels`` of question/answer pairs, tokenised in one batch per side."""
     prompts = tokenizer([q + " " if kind == "causal" else q for q in questions], add_special_tokens=False)
     targets = tokenizer(list(answers), add_special_tokens=False)
     input_ids, labels = [], []
@@ -73,22 +69,7 @@ def collate(batch: Sequence[EncodedExample], pad_id: int) -> dict[str, torch.Ten
 
 
 class ShardedOrder:
-    """A deterministic, resumable order of example indices for one data-parallel rank.
-
-    Each epoch is a seeded permutation of all examples, cut into optimizer steps of
-    ``micro_batch_size x world_size x accumulation`` examples (a remainder too small for a step is left
-    out of that epoch). Each micro-batch takes the next ``micro_batch_size x world_size`` examples and
-    rank ``r`` takes its part of them. The state, ``position``, counts the examples consumed over all
-    ranks: at a step boundary it depends only on the steps taken and the global batch, so a run resumed
-    on another number of ranks (same global batch, accumulation adjusted) sees the same examples.
-
-    Args:
-        num_examples: dataset size.
-        micro_batch_size: sequences per micro-batch per rank.
-        rank, world_size: this data-parallel rank and the data-parallel size.
-        seed: the shuffling seed.
-        accumulation: micro-batches per optimizer step.
-    """
+    """A deterministic, resumable order of example indices for one data-parallel rank."""
 
     def __init__(
         self, num_examples: int, micro_batch_size: int, rank: int, world_size: int, seed: int, accumulation: int = 1
@@ -113,11 +94,7 @@ class ShardedOrder:
         return order
 
     def next_indices(self) -> list[int]:
-        """This rank's example indices of the next micro-batch.
-
-        The epoch's permutation is built once and kept (8 bytes an example) until the position moves to
-        another epoch, so a draw costs the micro-batch, not the corpus; ``position`` stays the whole state.
-        """
+        """This rank's example indices of the next micro-batch."""
         per_epoch = self.num_examples // self.per_step * self.per_step
         epoch, offset = divmod(self.position, per_epoch)
         if self._cached_epoch != epoch:

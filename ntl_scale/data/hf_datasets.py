@@ -1,21 +1,6 @@
-"""Training data through Hugging Face ``datasets``: files become memory-mapped Arrow tables, tokenised
-with a cached, multi-process ``map``; a streaming order for corpora larger than memory.
-
-* :func:`load_qa`: DeepMind text (question and answer lines alternate) or JSON lines
-  (``{"question": ..., "answer": ...}``) -> a ``Dataset`` (or, with ``streaming=True``, an
-  ``IterableDataset``) with ``question`` and ``answer`` columns. Files are read by ``datasets``'
-  own ``text`` and ``json`` builders, so the Arrow cache is keyed by the file's content.
-* :func:`tokenize_qa`: ``input_ids`` and ``labels`` (the prompt masked), examples longer than
-  ``max_length`` dropped; a second run with the same data and tokenizer reads the cache.
-* :func:`load_text` / :func:`tokenize_documents`: a pretraining corpus (JSON lines, Parquet, a
-  ``save_to_disk`` folder, or a folder of such files) with a text column -> one row of token ids
-  per document, BOS/EOS added as the tokenizer's convention says; :class:`HFDocuments` and
-  :func:`packed_stream` hand them to :mod:`ntl_scale.data.packing`.
-* Map-style data are read in :class:`~ntl_scale.data.ShardedOrder`'s order (deterministic,
-  sharded over data-parallel ranks, resumable at the exact example); :class:`StreamingOrder` does
-  the same for an ``IterableDataset``.
-
-``datasets`` is imported lazily: ``import ntl_scale`` needs only torch.
+"""Training data through Hugging Face ``datasets``: question/answer files and pretraining corpora as
+memory-mapped Arrow tables, tokenised with a cached ``map``; a streaming order for corpora larger than
+memory. ``datasets`` is imported lazily.
 """
 
 from __future__ import annotations
@@ -67,19 +52,7 @@ def load_qa(
     question_key: str = "question",
     answer_key: str = "answer",
 ) -> Any:
-    """One data file as a ``datasets.Dataset`` (``IterableDataset`` when streaming).
-
-    Args:
-        source: ``deepmind`` (question and answer lines alternate, the released ``.txt`` files) or
-            ``jsonl`` (one JSON object per line, GSM8K's layout).
-        path: the file.
-        streaming: read lazily instead of building the Arrow table (corpora larger than memory).
-        cache_dir: the Arrow cache (default: ``datasets``' own, ``~/.cache/huggingface/datasets``).
-        question_key, answer_key: the JSON keys.
-
-    Returns:
-        Rows with ``question`` and ``answer`` strings, in file order.
-    """
+    """One data file as a ``datasets.Dataset`` (``IterableDataset`` when streaming)."""
     if source not in ("deepmind", "jsonl"):
         raise ValueError(f"source must be 'deepmind' or 'jsonl', got {source!r}")
     if not os.path.isfile(path):
@@ -113,13 +86,7 @@ def _encode_batch(batch: dict[str, list[str]], tokenizer: Any, kind: str) -> dic
 
 
 def tokenize_qa(dataset: Any, tokenizer: Any, *, kind: str = "causal", max_length: int = 512, num_proc: int = 1) -> Any:
-    """Tokenises ``question``/``answer`` rows as :func:`~ntl_scale.data.encode` does, in batches.
-
-    Causal: ``question + " "`` is the prompt (labels ``-100``), the answer and EOS are the targets.
-    Seq2seq: the question is the encoder input, answer + EOS the labels. Rows longer than
-    ``max_length`` are dropped. On a ``Dataset`` the result is cached next to its Arrow files and
-    ``num_proc`` processes share the work; on an ``IterableDataset`` it is applied as rows stream.
-    """
+    """Tokenises ``question``/``answer`` rows as :func:`~ntl_scale.data.encode` does, in batches."""
     if kind not in ("causal", "seq2seq"):
         raise ValueError(f"kind must be 'causal' or 'seq2seq', got {kind!r}")
     options: dict[str, Any] = {"num_proc": num_proc if num_proc > 1 else None} if hasattr(dataset, "num_rows") else {}
@@ -194,23 +161,7 @@ def _read_error(files: list[str], error: BaseException) -> ValueError:
 
 
 def load_text(path: str, *, text_column: str = "text", streaming: bool = False, cache_dir: str | None = None) -> Any:
-    """A pretraining corpus as rows with one ``text_column`` column, in corpus order.
-
-    Args:
-        path: a JSON-lines (``.jsonl``/``.json``) or Parquet file; a folder of such files (read in
-            name order); or a folder written by ``Dataset.save_to_disk``.
-        text_column: the column holding each document's text.
-        streaming: an ``IterableDataset`` read lazily (corpora larger than memory or disk cache).
-        cache_dir: the Arrow cache (default: ``datasets``' own).
-
-    Returns:
-        A ``Dataset`` (``IterableDataset`` when streaming) with the one column; its ``files``
-        attribute lists the files read (for error messages while streaming).
-
-    Raises:
-        ValueError: no such path, an empty file, a line that is not UTF-8 or not JSON (naming the file
-        and the line), or no ``text_column`` (naming the columns found).
-    """
+    """A pretraining corpus as rows with one ``text_column`` column, in corpus order."""
     datasets = datasets_module()
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "state.json")):
         rows = datasets.load_from_disk(path)
@@ -242,9 +193,8 @@ def load_text(path: str, *, text_column: str = "text", streaming: bool = False, 
 
 
 def document_specials(tokenizer: Any) -> tuple[int | None, int]:
-    """The BOS (or None) and EOS ids each document gets: EOS always (it separates documents in a
-    packed sequence); BOS only if the tokenizer itself puts it first when encoding with special tokens
-    (Llama, Mistral), never when BOS is EOS (GPT-2) or it adds none (T5, Granite)."""
+    """The BOS (or None) and EOS ids each document gets: EOS always; BOS only where the tokenizer itself puts it
+    first (Llama, Mistral), never where BOS is EOS (GPT-2) or it adds none (T5, Granite)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError(
@@ -277,9 +227,8 @@ def _encode_documents(
 
 
 def tokenize_documents(rows: Any, tokenizer: Any, *, text_column: str = "text", num_proc: int = 1) -> Any:
-    """One row per document: ``input_ids`` (``[BOS] + tokens + [EOS]``, see :func:`document_specials`;
-    empty for an empty or null text) and ``length``. On a ``Dataset`` the result is cached next to its
-    Arrow files and ``num_proc`` processes share the work; on an ``IterableDataset`` it runs as rows stream."""
+    """One row per document: ``input_ids`` (``[BOS] + tokens + [EOS]``; empty for an empty text) and ``length``;
+    cached on a ``Dataset`` (``num_proc`` processes), computed as rows stream on an ``IterableDataset``."""
     bos, eos = document_specials(tokenizer)
     options: dict[str, Any] = {"num_proc": num_proc if num_proc > 1 else None} if hasattr(rows, "num_rows") else {}
     try:
@@ -360,21 +309,7 @@ def packed_stream(
 
 class StreamingOrder:
     """:class:`~ntl_scale.data.ShardedOrder` for an ``IterableDataset``: the same cut into micro-batches
-    and steps, without knowing the length.
-
-    Every rank reads the one global stream (shuffled per epoch through a seeded buffer), each
-    micro-batch takes the next ``micro_batch_size x world_size`` rows and rank ``r`` its part; an
-    epoch ends in whole optimizer steps (a shorter remainder is skipped). ``position`` counts the rows
-    handed out over all ranks, as in ``ShardedOrder``; setting it (at resume) replays the stream to
-    that row without training on it, so a run resumes at the exact row, also on another number of
-    ranks with the same global batch.
-
-    Args:
-        dataset: a tokenised ``IterableDataset`` (rows with ``input_ids`` and ``labels``).
-        micro_batch_size, rank, world_size, accumulation: as in ``ShardedOrder``.
-        seed: the shuffling seed.
-        shuffle_buffer: rows in the shuffling buffer (0: file order).
-    """
+    and steps, without knowing the length."""
 
     def __init__(
         self,

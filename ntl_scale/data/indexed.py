@@ -1,16 +1,6 @@
-"""Megatron indexed datasets (``PREFIX.bin`` / ``PREFIX.idx``, written by Megatron-LM's
-``tools/preprocess_data.py``) as a :class:`~ntl_scale.data.packing.DocumentSource`.
-
-The same tokenised corpus then feeds both entries: Megatron-LM's ``pretrain_gpt.py`` (its own
-``GPTDataset``) and ``deepspeed launch/train.py`` with ``data.source=megatron`` (packed by
-:class:`~ntl_scale.data.packing.PackedSequences`). The files are read with ``megatron.core``'s own
-``IndexedDataset`` when megatron-core is installed; otherwise with :class:`IndexFile`, a small
-reader of the same format (version 1, non-multimodal), tested against megatron-core's.
-
-A document is Megatron's document (``document_indices``): one sequence, or several with
-``--split-sentences``; its tokens are read as stored. ``preprocess_data.py --append-eod`` ends each
-document with the tokenizer's end-of-document token; without it the documents run into each other
-(nothing is added here: the ids are those the Megatron entry trains on).
+"""Megatron indexed datasets (``PREFIX.bin`` / ``PREFIX.idx``) as a
+:class:`~ntl_scale.data.packing.DocumentSource`: ``megatron.core``'s ``IndexedDataset`` when installed,
+else :class:`IndexFile`, a small reader of the same format.
 """
 
 from __future__ import annotations
@@ -29,14 +19,7 @@ _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np
 
 
 class IndexFile:
-    """A ``.idx``/``.bin`` pair read with numpy (megatron-core's layout, without megatron-core).
-
-    Attributes:
-        dtype: the token dtype.
-        sequence_lengths, sequence_pointers: per sequence, tokens and byte offset in ``.bin``.
-        document_indices: sequence index where each document starts, then the sequence count.
-        tokens: the whole ``.bin`` as a memory-mapped token array.
-    """
+    """A ``.idx``/``.bin`` pair read with numpy (megatron-core's layout, without megatron-core)."""
 
     def __init__(self, prefix: str) -> None:
         idx, bin_path = f"{prefix}.idx", f"{prefix}.bin"
@@ -80,17 +63,7 @@ def _megatron_reader(prefix: str) -> Any:
 
 
 class IndexedDocuments:
-    """The documents of a Megatron indexed dataset, for :class:`~ntl_scale.data.packing.PackedSequences`.
-
-    Args:
-        prefix: the path prefix (``PREFIX.bin`` and ``PREFIX.idx``; ``preprocess_data.py`` writes
-            ``{output_prefix}_{json_key}_document``).
-        use_megatron: read with ``megatron.core``'s ``IndexedDataset`` (None: when installed).
-
-    Attributes:
-        lengths: tokens per document.
-        reader: ``"megatron.core"`` or ``"ntl_scale"`` (which reader is in use).
-    """
+    """The documents of a Megatron indexed dataset, for :class:`~ntl_scale.data.packing.PackedSequences`."""
 
     def __init__(self, prefix: str, *, use_megatron: bool | None = None) -> None:
         missing = [p for p in (f"{prefix}.bin", f"{prefix}.idx") if not os.path.isfile(p)]

@@ -1,23 +1,8 @@
 """Packing tokenised documents into fixed-length pretraining sequences, with no padding.
 
-The documents of a corpus (each already ending in EOS, see :func:`~ntl_scale.data.hf_datasets.tokenize_documents`
-or a Megatron ``--append-eod`` corpus) are read as one stream of tokens in corpus order, and sequence
-``i`` is tokens ``[i * seq_length, (i + 1) * seq_length)`` of that stream (the layout of Hugging Face's
-``run_clm.py`` ``group_texts`` and of Megatron's ``GPTDataset`` without shuffling documents):
-
-* A document longer than a sequence is split across consecutive sequences; every part is trained.
-* The tokens after the last whole sequence (fewer than ``seq_length``) are left out and counted.
-* Documents of zero tokens (empty text) are skipped and counted.
-* ``labels`` equal ``input_ids`` (the trainer shifts them for next-token prediction): CE + NTL on
-  every token but the first of each sequence, which has no context in it.
-* ``document_isolation``: ``position_ids`` restart at 0 at every document start inside a sequence
-  (the layout of ``DataCollatorWithFlattening``; Hugging Face builds a block-diagonal causal mask from
-  it when no ``attention_mask`` is passed), and the label of each document's first token is -100, so
-  no position predicts across a document boundary (as that collator does).
-
-:class:`PackedSequences` is a map-style dataset of the packed sequences (random access by index,
-resumable in :class:`~ntl_scale.data.ShardedOrder`); :func:`pack_documents` packs an iterator of
-documents the same way (the streaming path). Both are plain numpy over a :class:`DocumentSource`.
+Sequence ``i`` is tokens ``[i * seq_length, (i + 1) * seq_length)`` of the corpus as one stream (as
+``run_clm.py``'s ``group_texts``); the tail and empty documents are left out and counted.
+``document_isolation`` restarts ``position_ids`` at each document and masks each document's first label.
 """
 
 from __future__ import annotations
@@ -84,14 +69,7 @@ class PackingStats:
 
 
 def packed_row(tokens: np.ndarray, starts: Sequence[int], document_isolation: bool) -> dict[str, np.ndarray]:
-    """One packed sequence as a row: ``input_ids``, ``labels`` and, with isolation, ``position_ids``.
-
-    Args:
-        tokens: the ``seq_length`` token ids.
-        starts: offsets inside the sequence where a document begins (0 excluded or not: ignored).
-        document_isolation: positions restart per document, and the first token of each document
-            that starts inside the sequence is not a target.
-    """
+    """One packed sequence as a row: ``input_ids``, ``labels`` and, with isolation, ``position_ids``."""
     input_ids = np.asarray(tokens, dtype=np.int64)
     labels = input_ids.copy()
     row = {"input_ids": input_ids, "labels": labels}
@@ -107,18 +85,7 @@ def packed_row(tokens: np.ndarray, starts: Sequence[int], document_isolation: bo
 
 
 class PackedSequences:
-    """Map-style dataset of packed sequences over documents ``first_document .. stop_document - 1``.
-
-    Args:
-        source: the tokenised documents.
-        seq_length: tokens per sequence.
-        first_document, stop_document: the documents used (default: all).
-        max_sequences: keep at most this many sequences (the rest are counted as tail tokens).
-        document_isolation: see :func:`packed_row`.
-
-    ``dataset[i]`` is a row of numpy arrays (``input_ids``, ``labels``, optionally ``position_ids``);
-    ``stats`` counts what was packed and what was left out.
-    """
+    """Map-style dataset of packed sequences over documents ``first_document .. stop_document - 1``."""
 
     def __init__(
         self,
@@ -162,11 +129,7 @@ class PackedSequences:
 
 
 def heldout_split(lengths: np.ndarray, seq_length: int, sequences: int) -> int:
-    """The first document of the training part when the first ``sequences`` sequences are held out.
-
-    The held-out part is the corpus's first documents that hold at least ``sequences x seq_length``
-    tokens, so no document is in both parts; the rest of its last document is not used.
-    """
+    """The first document of the training part when the first ``sequences`` sequences are held out."""
     if sequences <= 0:
         return 0
     need = sequences * seq_length
@@ -190,16 +153,7 @@ def pack_documents(
     max_sequences: int | None = None,
     stats: PackingStats | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Packs a stream of documents as :class:`PackedSequences` does (the streaming path).
-
-    Args:
-        documents: token lists in corpus order.
-        seq_length, document_isolation: as in :class:`PackedSequences`.
-        skip_tokens: skip whole documents until at least this many tokens are skipped (the held-out
-            part, :func:`heldout_split`).
-        max_sequences: stop after this many sequences.
-        stats: counted into while streaming (skipped documents are not counted).
-    """
+    """Packs a stream of documents as :class:`PackedSequences` does (the streaming path)."""
     stats = stats if stats is not None else PackingStats()
     stats.seq_length = seq_length
     buffer: list[np.ndarray] = []
@@ -234,7 +188,6 @@ def pack_documents(
 
 
 def collate_packed(rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Stacks packed rows into a micro-batch (host tensors): ``input_ids``, ``labels`` and, with document
-    isolation, ``position_ids``. No ``attention_mask``: there is no padding, and Hugging Face models build
-    the per-document causal mask from ``position_ids`` only when no mask is passed."""
+    """Stacks packed rows into a micro-batch of host tensors, without ``attention_mask`` (no padding; Hugging
+    Face builds the per-document mask from ``position_ids`` only when no mask is passed)."""
     return {key: torch.as_tensor(np.stack([np.asarray(r[key]) for r in rows]), dtype=torch.long) for key in rows[0]}

@@ -1,18 +1,7 @@
-"""Position coupling: position ids that give every digit its place value (Cho et al., "Position Coupling:
-Improving Length Generalization of Arithmetic Transformers Using Task Structure", NeurIPS 2024).
+"""Position coupling (Cho et al., NeurIPS 2024): position ids that give every digit its place value.
 
-In the prompt, the last digit of every number gets position 1, the digit before it 2, and so on; every
-other prompt token gets 0. The answer (written least-significant digit first, ``data.reverse_answers``)
-continues from the last prompt token one position per token, so its first digit, the units, shares
-position 1 with the units of every operand, its second digit position 2 with the tens, and so on. With
-rotary positions a head then reads "the operand digits of my place" at the same relative offset for
-every place, including places no training question had: this is what lets a model trained on short
-numbers add longer ones. The ids grow by one per answer token, as Hugging Face's ``generate`` extends
-``position_ids``, so generation needs only the prompt's ids.
-
-``What is 57 + 68? 521`` (125 reversed) in characters has ids
-``0 0 0 0 0 0 0 0 2 1 0 0 0 2 1 0 0 1 2 3 4``: ``5``/``6`` share 2 (tens), ``7``/``8``/the answer's
-``5`` share 1 (units), the answer's ``2`` has 2 and its ``1`` 3 (hundreds), EOS 4.
+In the prompt the last digit of every number gets 1, the one before it 2, ...; other tokens 0. The
+reversed answer continues one id per token, so its units share 1 with the operands' units.
 """
 
 from __future__ import annotations
@@ -25,20 +14,7 @@ __all__ = ["coupled_position_ids", "training_position_ids"]
 def coupled_position_ids(
     digits: torch.Tensor, answer_start: torch.Tensor | None = None, offset: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Coupled position ids of a batch of token rows.
-
-    Args:
-        digits: bool ``[batch, tokens]``, where a token is one digit.
-        answer_start: long ``[batch]``, the first answer token of each row (tokens from there on count up
-            from the last prompt token's id); ``None``: every token is prompt (generation prompts).
-        offset: long ``[batch]``, added to the ids of the digits and of the last prompt token (place 0,
-            the token that predicts the units), not to the other prompt tokens. Drawn at random in
-            training, it keeps a place from being read off its distance to the question's words (0
-            everywhere else); ``None``: 0.
-
-    Returns:
-        long ``[batch, tokens]`` on ``digits``' device.
-    """
+    """Coupled position ids of a batch of token rows."""
     if digits.dim() != 2 or digits.dtype != torch.bool:
         raise ValueError(f"digits must be a 2-D bool tensor, got {digits.dtype} of shape {tuple(digits.shape)}")
     rows, width = digits.shape

@@ -1,49 +1,23 @@
-"""Numbers from generated text, and metrics over predicted vs true numbers.
-
-Extraction rules: the text after a GSM8K ``####`` marker if there is one, else the whole text; in it
-the *last* number, where a number is an optional minus sign, digits with optional thousands
-separators (``1,234,567``), an optional decimal part (``-12.5``) and an optional denominator
-(``-29/5``, the DeepMind data's rational answers, is -5.8). Text without a number gives None.
-"""
+"""Numbers from generated text, and metrics over predicted vs true numbers."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
+
+from .tasks.utils import parse_number
 
 __all__ = ["extract_number", "number_metrics"]
 
-_NUMBER = re.compile(r"(?<![\w./])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?", flags=re.ASCII)
-
 
 def extract_number(text: str) -> float | None:
-    """The answer number of a generated text (see the module rules), or None."""
-    if "####" in text:
-        text = text.rsplit("####", 1)[1]
-    matches = _NUMBER.findall(text)
-    if not matches:
-        return None
-    numerator, _, denominator = matches[-1].replace(",", "").partition("/")
-    if not denominator:
-        return float(numerator)
-    return float(numerator) / float(denominator) if float(denominator) else None
+    """The answer number of a generated text, or None: the *last* number after a GSM8K ``####`` marker (else
+    in the whole text), with optional minus, thousands separators, decimal part and denominator (``-29/5``)."""
+    return parse_number(text)
 
 
 def number_metrics(predictions: Sequence[float | None], targets: Sequence[float]) -> dict[str, float]:
-    """Exact accuracy, MAE, log-MAE, R^2 and the share of unparseable predictions.
-
-    Unparseable predictions (None) count as wrong for accuracy and are left out of MAE, log-MAE and
-    R^2 (which are over parsed predictions; NaN when none parsed).
-
-    Args:
-        predictions: extracted numbers, None where nothing could be parsed.
-        targets: true numbers, aligned.
-
-    Returns:
-        ``accuracy``, ``mae``, ``log_mae`` (mean of ``|log10(1+|p|) - log10(1+|t|)|`` with signs kept),
-        ``r2``, ``unparseable``, ``count``.
-    """
+    """Exact accuracy, MAE, log-MAE, R^2 and the share of unparseable predictions."""
     if len(predictions) != len(targets):
         raise ValueError(f"{len(predictions)} predictions but {len(targets)} targets; they must align")
     n = len(targets)

@@ -1,10 +1,5 @@
-"""Per-shard steps of the fused CE + NTL op: plain functions of one logits shard, no communication.
-
-:class:`ShardMath` holds the steps of the PyTorch path (local maxima, partial sums ``[S, z_y, S_N, A]``,
-the per-token terms from the reduced ones, the gradient of a chunk); :class:`ShardInputs` what they need
-besides the logits. The two all-reduces between the steps are :mod:`ntl_scale.ops.logits`'s, which also
-chooses between these steps and the Triton kernels (:mod:`ntl_scale.ops.triton_ce_ntl`). The math is in
-``docs/math.md``.
+"""Per-shard steps of the fused CE + NTL op (the PyTorch path), no communication; the math is in
+docs/math.md and the all-reduces between the steps are :mod:`ntl_scale.ops.logits`'s.
 """
 
 from __future__ import annotations
@@ -29,32 +24,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def index_add(acc: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor) -> None:
-    """``acc.index_add_(dim, index, values)``, with an int32 index on the CPU.
-
-    torch's CPU ``index_add_`` is 14x-1000x slower with an int64 index than with an int32 one
-    (measured here with 2 threads: 78 ms vs 0.07 ms for 512 rows of a 32768 x 512 weight gradient,
-    8.4 ms vs 0.6 ms for 10 columns of a 4096 x 32768 logits gradient, the latter a quarter of a pass
-    over those logits). The result is the same, bitwise, for float32/float64 accumulators and for any
-    dtype with unique indices; with repeated indices into a bfloat16/float16 accumulator the two index
-    types round differently (each deterministic). Our callers add repeated label rows only into the
-    float32/float64 weight-gradient accumulator. GPUs keep the index as given.
-    """
+    """``acc.index_add_(dim, index, values)``, with an int32 index on the CPU (14x-1000x faster than int64 there;
+    the same bits into float32/float64 accumulators, the only ones with repeated indices here)."""
     acc.index_add_(dim, index.int() if acc.device.type == "cpu" else index, values)
 
 
 @dataclass
 class ShardInputs:
-    """What the fused op needs besides the logits, already resolved to the local shard.
-
-    Attributes:
-        labels: global label ids, LongTensor ``[T]`` (``ignore_index`` already replaced by 0).
-        valid: bool ``[T]``: label is not ignored.
-        number_cols: local column indices of the number tokens in this shard, LongTensor ``[n]``.
-        a_table: per-token weights ``a_k`` of the local number columns, ``[T, n]`` (may be an
-            expanded view).
-        start: first global id of this shard.
-        smoothing: CE label smoothing ``eps`` over the whole vocabulary (0: off; ``docs/math.md``).
-    """
+    """What the fused op needs besides the logits, already resolved to the local shard."""
 
     labels: torch.Tensor
     valid: torch.Tensor
@@ -85,14 +62,8 @@ class ShardInputs:
 def shift_into(src: torch.Tensor, shift: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = src - shift[:, None]``, with ``out`` in the compute dtype and ``src`` possibly half.
 
-    On the CPU a mixed-dtype ``sub(out=)`` takes TensorIterator's casting loop, about 8x the time of a
-    converting ``copy_`` and an fp32 ``sub_`` (38 ms vs 5 ms for 256 x 64128 bf16, one thread); the two
-    give the same bits (the bf16 -> fp32 conversion is exact). On a GPU the mixed-dtype ``sub`` is kept, one
-    kernel there; that it is the faster there is an expectation, not measured on a GPU.
-    Not while a graph is traced (``make_fx``, which torchtitan's graph trainer runs over the chunked loss,
-    or ``torch.compile``): the trace inlines an autograd Function's forward, and its replay records the
-    ops for autograd, which an ``out=`` op refuses ("functions with out=... arguments don't support
-    automatic differentiation").
+    On the CPU a converting ``copy_`` then ``sub_`` (8x faster than a mixed-dtype ``sub(out=)``, same bits);
+    not while a graph is traced, where ``out=`` ops refuse autograd.
     """
     if (src.dtype == out.dtype or src.device.type != "cpu") and not is_tracing():
         return torch.sub(src, shift.unsqueeze(1), out=out)
@@ -137,10 +108,7 @@ class ShardMath:
 
     @staticmethod
     def safe_number_max(number_max: torch.Tensor) -> torch.Tensor:
-        """The number-column max with -inf (no number column, or every number logit -inf) replaced by 0.
-
-        NaN and +inf are kept: they make the number statistics NaN, so NTL is NaN when its logits are.
-        """
+        """The number-column max with -inf replaced by 0 (NaN and +inf kept: NTL is NaN when its logits are)."""
         return torch.where(number_max == float("-inf"), torch.zeros_like(number_max), number_max)
 
     @staticmethod
@@ -156,14 +124,7 @@ class ShardMath:
         buffer: torch.Tensor | None = None,
         smoothing: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, 4]`` partial sums ``[S, z_y, S_N, A]`` of this shard, and the exponentiated numbers.
-
-        With ``smoothing`` (label smoothing) ``[T, 6]``: also ``sum_j z_j`` over the shard and the shard's
-        width, so that the one SUM all-reduce gives the whole vocabulary's sum and size.
-        With ``inplace`` the logits buffer is overwritten with ``exp(z - max)`` for the backward;
-        otherwise ``exp(z - max)`` goes through ``buffer`` (compute dtype, at least the longest of
-        ``rows``; default: a new one).
-        """
+        """``[T, 4]`` partial sums ``[S, z_y, S_N, A]`` of this shard, and the exponentiated numbers."""
         cdt = number_logits.dtype
         num_tokens, width = logits.shape
         sums = torch.zeros(num_tokens, 6 if smoothing else 4, dtype=cdt, device=logits.device)
@@ -203,14 +164,8 @@ class ShardMath:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-token ``ce``, ``expect``, ``mass``, ``hit`` and ``lse`` from the reduced maxima and sums.
 
-        ``lse = log sum_j exp(z_j)`` over the whole vocabulary (0 without ``need_full``). With label
-        smoothing ``eps`` (``sums`` ``[T, 6]``: the vocabulary's sum of logits and size ``V``),
-        ``ce = lse - (1 - eps) z_y - eps/V sum_j z_j``.
-        ``hit``: the label's logit is the largest of the whole vocabulary (greedy prediction is
-        right), known from ``z_y`` and the global max without a collective. A tie at the maximum (capped
-        logits that round to the cap included) is a hit for every tied label, not ``torch.argmax``'s first
-        index: the rule of every op and kernel, documented with its reason in ``docs/math.md`` ("Number
-        accuracy").
+        ``ce = lse - (1 - eps) z_y - eps/V sum_j z_j``; ``hit``: the label's logit ties the global max (every
+        tied label is a hit, docs/math.md "Number accuracy").
         """
         total, target, number_total, weighted = sums[:, :4].unbind(dim=1)
         zero = torch.zeros_like(total)
@@ -254,9 +209,7 @@ class ShardMath:
         ``sum(g_ce*ce + g_expect*expect + g_mass*mass + g_lse*lse)`` w.r.t. those logits, in place.
 
         ``d ce/dz_j = pi_j - (1 - eps) [j = y] - eps/V``; ``d lse/dz_j = pi_j``; ``d expect/dz_k = p_k (a_k -
-        expect)`` on number columns; ``d mass/dz_j = pi_j [j in N] - mass * pi_j``. ``pi`` is the full
-        softmax, ``p`` the softmax over the number columns, ``eps`` the label smoothing (``V``:
-        ``saved["vocab"]``, the whole vocabulary's size). ``grads``: ``(g_ce, g_expect, g_mass[, g_lse])``.
+        expect)`` on number columns; ``d mass/dz_j = pi_j [j in N] - mass * pi_j``.
         """
         g_ce, g_mass = grads[0][sl], grads[2][sl]
         coef = g_ce - g_mass * saved["mass"][sl]

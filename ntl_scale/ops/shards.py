@@ -1,15 +1,7 @@
 """Vocabulary shards: which columns this rank holds, in which process group; no math, no collective.
 
-The ops take a logits shard (or an output weight's rows) with an explicit ``tp_group`` (None: one
-device, never the default group) and the shard's first vocabulary id. ``DTensor`` inputs
-(``torch.distributed.tensor``): :func:`dtensor_vocab_shard` turns logits sharded on the vocabulary
-(``Shard(-1)``) or an output weight sharded on its rows (``Shard(0)``) into what the ops take: the
-local tensor, the process group of the sharding mesh dimension and the shard's first vocabulary id
-(DTensor's own split, uneven ones included); :func:`resolve_vocab_shard` does that for the losses and
-checks the call.
-
-Layers: this module and :mod:`ntl_scale.ops.shard_math` (per-shard math) are below :mod:`ntl_scale.ops.logits`
-(the fused op: the TP collectives, the kernel choice and the autograd Functions).
+``DTensor`` inputs split on the vocabulary become the local tensor, the group and the first id
+(:func:`dtensor_vocab_shard`); :func:`resolve_vocab_shard` does that for the losses.
 """
 
 from __future__ import annotations
@@ -36,16 +28,7 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 
 
 class LocalShard(NamedTuple):
-    """A vocabulary shard as the ops take it: what :func:`dtensor_vocab_shard` returns.
-
-    Attributes:
-        local: the rank's local tensor (``DTensor.to_local()``: differentiable, its gradient flows back
-            to the DTensor with the DTensor's placements).
-        group: the process group of the mesh dimension that splits the vocabulary; None when the
-            vocabulary is not split (a replicated DTensor: full logits on every rank).
-        start: the global id of the shard's first vocabulary entry (0 when not split).
-        vocab_size: the global vocabulary size (the DTensor's size along the vocabulary dimension).
-    """
+    """A vocabulary shard as the ops take it: what :func:`dtensor_vocab_shard` returns."""
 
     local: torch.Tensor
     group: dist.ProcessGroup | None
@@ -54,12 +37,7 @@ class LocalShard(NamedTuple):
 
 
 def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (False where torch has no distributed).
-
-    Never imports ``torch.distributed.tensor``: no DTensor exists before that package has been imported,
-    and importing it (sympy and some 500 modules) cost the first call of every loss 1.4 s and 30-45 MiB
-    of resident memory on a CPU (issue 43).
-    """
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor``, without importing that package (1.4 s)."""
     package = getattr(dist, "tensor", None) if dist.is_available() else None
     dtensor = getattr(package, "DTensor", None)
     return dtensor is not None and isinstance(tensor, dtensor)
@@ -68,20 +46,9 @@ def is_dtensor(tensor: object) -> bool:
 def dtensor_vocab_shard(tensor: Any, *, dim: int = -1, name: str = "logits") -> LocalShard:
     """The local tensor, process group and first vocabulary id of a DTensor split on its vocabulary dim.
 
-    For logits ``[..., V]`` sharded ``Shard(-1)`` (``dim=-1``, torch's ``loss_parallel`` and torchtitan's
-    DTensor backends) or an output weight ``[V, H]`` sharded ``Shard(0)`` (``dim=0``). The vocabulary
-    must be split over exactly one mesh dimension; the group is that mesh dimension's
-    (``mesh.get_group(mesh_dim)``) and the shard's offset is DTensor's own
-    (``compute_local_shape_and_global_offset``): ``torch.chunk``'s split, ``ceil(V / n)`` columns per
-    rank and what is left on the last ones (``V=13`` over 2: 7 and 6). Other mesh dimensions must be
-    ``Replicate``. A DTensor replicated on every mesh dimension is the full vocabulary on every rank:
-    group None, start 0. No communication.
-
-    Raises:
-        ValueError: a ``Partial`` placement (unreduced sums); a ``Shard`` of another dimension; the
-            vocabulary split over more than one mesh dimension or strided (``_StridedShard``); a split
-            that leaves a rank without a column (known on every rank, so all raise together); each
-            message names the placement and the fix.
+    Logits ``[..., V]`` as ``Shard(-1)`` or an output weight ``[V, H]`` as ``Shard(0)``, split over one mesh
+    dimension (``torch.chunk``'s split), ``Replicate`` elsewhere; fully replicated: group None, start 0. Any
+    other placement is a ValueError naming it and the fix. No communication.
     """
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -157,16 +124,7 @@ def resolve_vocab_shard(
     dim: int = -1,
     name: str = "logits",
 ) -> tuple[torch.Tensor, dist.ProcessGroup | None, int | None]:
-    """``(local tensor, tp_group, vocab_start)`` for the ops: the DTensor's (:func:`dtensor_vocab_shard`) or as given.
-
-    A plain tensor comes back unchanged with ``tp_group`` and ``vocab_start``. For a DTensor the group
-    and offset come from its placements, so passing ``tp_group`` or ``vocab_start`` as well is refused,
-    and the number table's ``vocab_size`` must equal the DTensor's global vocabulary.
-
-    Raises:
-        ValueError: see :func:`dtensor_vocab_shard`; ``tp_group``/``vocab_start`` given with a DTensor;
-            a table built for another vocabulary size (the shard's included).
-    """
+    """``(local tensor, tp_group, vocab_start)`` for the ops: a DTensor's (:func:`dtensor_vocab_shard`) or as given."""
     if not is_dtensor(tensor):
         return tensor, tp_group, vocab_start
     if tp_group is not None or vocab_start is not None:

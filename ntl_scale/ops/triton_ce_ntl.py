@@ -1,36 +1,13 @@
 """CE + NTL statistics of a logits shard in one pass (Triton), and the gradient written in place.
 
-The PyTorch path (:class:`ntl_scale.ops.shard_math.ShardMath`) walks over each logits chunk several times
-(an fp32 copy for half precision, the max, ``exp``, the sum, the normalisation). These two kernels
-read each row once per phase, in the logits' own dtype, with fp32 (fp64 for fp64 logits) arithmetic
-in registers:
+* :func:`shard_stats`: per token ``m, S, z_y, mN, SN, A`` relative to the shard's *local* maxima, so no
+  second pass follows the MAX all-reduce (:func:`global_sums` rescales them before the SUM all-reduce,
+  both :mod:`ntl_scale.ops.logits`'s); with ``softmax_into`` the same kernel then writes the shard's softmax.
+* :func:`softmax_grad_`: ``coef * softmax - label_coef * onehot(y)``, with ``number_grad`` stored on the
+  number columns (their whole gradient, rounded once).
 
-* :func:`shard_stats`: per token, an online log-sum-exp over the shard's columns (local max ``m``
-  and ``S = sum exp(z - m)``), the label's logit ``z_y`` (0 where this shard does not own the
-  label), and over the number columns ``N`` the local max ``mN``, ``SN = sum_{k in N} exp(z_k - mN)``
-  and ``A = sum_{k in N} exp(z_k - mN) a_k`` (``a_k`` per token: the distance ``d(v_k, t)`` for
-  NTL-WAS or the value ``v_k``; ``docs/math.md``). The statistics are relative to the *local*
-  maxima, so a shard needs no second pass after the MAX all-reduce of ``[m, mN]``:
-  :func:`global_sums` rescales them (``S * exp(m_local - m)``) before the SUM all-reduce of
-  ``[S, z_y, SN, A]``. Both all-reduces are :mod:`ntl_scale.ops.logits`'s, the same two as on the
-  PyTorch path; this module holds the per-shard math only and communicates nothing.
-  The same kernel can also write the shard's softmax after the statistics (``softmax_into``), over its
-  local statistics: final on one device; under tensor parallelism a per-token factor from the all-reduced
-  statistics corrects it, folded by the chunked op into its per-token products, so a chunk is one walk
-  of one kernel, the row's second read served from L2 (Liger's cross-entropy kernel does the same).
-* :func:`softmax_grad_`: ``out[t, j] = coef_t * exp(z_tj - m_t) / S_t - label_coef_t [j = y_t]``,
-  then ``out[t, cols] = number_grad[t]`` on the number columns (stored, not added: their whole
-  gradient, computed in fp32, is rounded to ``out``'s dtype once; adding to a value already rounded
-  to bf16 rounded twice). With ``coef = g_ce - g_mass * mass``, ``label_coef = g_ce`` and
-  ``number_grad = (coef + g_mass) pi_N + g_expect p (a - expect) - g_ce [N = y]`` this is the
-  gradient of the logits (:meth:`ShardMath.grad_chunk`); with ``coef = 1`` and nothing else it is
-  the softmax the chunked op multiplies by the weight. ``out`` may be the logits themselves (in place).
-
-Chosen per call: ``impl="triton"`` on the ops (``ntl.impl`` / ``--ntl-impl``) takes them where they
-can run (:func:`runs_on`: CUDA tensors, or any tensor under Triton's interpreter); ``impl="auto"``,
-the default, takes them only where :func:`enabled` says so, which is nowhere until they have run on a
-GPU: so far they were tested only under Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set
-before Triton is imported; ``docs/kernels.md``).
+``impl="triton"`` takes them where :func:`runs_on` says they can run; ``impl="auto"`` only where
+:func:`enabled` says so, nowhere until they have run on a GPU (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -126,12 +103,9 @@ def _kernels() -> tuple[Any, Any]:
             an = an * scale + tl.sum(ek * ak, 0)
             mn = new_m
         if WRITE_SOFTMAX:
-            # The shard's softmax exp(z - m) / s over its own statistics, in a second walk over the row, as
-            # grad_kernel writes it with coef 1 (the same arithmetic: on one device the same values). Final
-            # on one device; under TP the host rescales each row after the all-reduces. A shard whose logits
-            # are all -inf writes 0 (its share of the softmax), not NaN. After the label and number reads:
-            # p_ptr may be z_ptr (in place). The walk runs backwards, from the blocks this program read last:
-            # those most likely still in L2 on a GPU (a 128256-column bf16 row is 250 KiB).
+            # The shard's softmax exp(z - m) / s over its own statistics (grad_kernel's arithmetic with coef 1;
+            # under TP the host rescales each row), 0 for an all -inf shard. After the label and number reads,
+            # so p_ptr may be z_ptr; walked backwards, from the blocks most likely still in L2.
             p_row = p_ptr + row * stride_pt
             base = tl.where(m == neg_inf, 0.0, m)
             inv = tl.where(s == 0.0, 0.0, 1.0 / s)
@@ -195,10 +169,8 @@ def _kernels() -> tuple[Any, Any]:
             g = tl.where(offs == target, g - label_coef, g)
             tl.store(g_row + offs * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
         if HAS_NUMBERS:
-            # The number columns get their whole gradient, computed in fp32 beforehand, rounded to the
-            # output dtype once: it replaces (never adds to) the value written above, which read back
-            # from a half-precision ``out`` would be rounded twice. Other threads of this program wrote
-            # those columns above: wait for them, so that this store is the last one.
+            # The number columns' whole gradient (fp32, rounded once) replaces the value written above; other
+            # threads of this program wrote those columns: wait for them, so that this store is the last.
             tl.debug_barrier()
             for start in range(0, K, BLOCK_K):
                 kofs = start + tl.arange(0, BLOCK_K)
@@ -230,10 +202,8 @@ def _warps(block: int) -> int:
     return 16 if block >= 4096 else 8 if block >= 1024 else 4
 
 
-#: The share of L2 the statistics-and-softmax launch plans its rows in flight into (the rest: the other
-#: traffic, and the L2 of an H100 being two partitions); one program per row runs
-#: :data:`MAX_PROGRAMS_PER_SM` of them per SM (16-warp programs: 64 warps, an SM's limit); the persistent
-#: grid's one program per SM loads blocks of :data:`INFLIGHT_BYTES`, to keep HBM busy with fewer programs.
+#: The launch plan of the statistics-and-softmax kernel: the share of L2 its rows in flight may fill, 16-warp
+#: programs per SM with one program per row, and the bytes a persistent program loads at once.
 L2_SHARE = 0.75
 MAX_PROGRAMS_PER_SM = 4
 INFLIGHT_BYTES = 32 * 1024
@@ -245,29 +215,7 @@ def per_row_in_flight(rows: int, sms: int) -> int:
 
 
 def softmax_launch(rows: int, width: int, row_bytes: int, elem_bytes: int, sms: int, l2_bytes: int) -> tuple[int, int]:
-    """Programs and ``BLOCK_V`` of the statistics kernel writing the softmax, on a GPU with ``sms`` SMs.
-
-    The kernel reads each row twice (the statistics, then the softmax walking back from the blocks read
-    last), so the second walk is served from L2 when the rows in flight fit in it. One program per row puts
-    :data:`MAX_PROGRAMS_PER_SM` 16-warp programs on every SM (528 rows of 250 KiB on an H100, 135 MB,
-    against 50 MiB of L2). Where those rows do not fit in :data:`L2_SHARE` of L2, the grid is persistent:
-    one program per SM, each taking rows ``pid, pid + programs, ...`` (``sms`` rows in flight), balanced in
-    equal rounds, with blocks of :data:`INFLIGHT_BYTES` (16384 columns of half precision, 8192 of fp32) so
-    that an SM has 32 KiB loading at once (four half-precision programs per row load as much; fp32's 64 KiB).
-    Where ``sms`` rows exceed L2 too (wider vocabularies) the grid stays one program per SM: fewer rows in
-    flight than one per row, not all of them in L2. Rows narrower than one such block, and fp64 (a reference
-    dtype), keep one program per row. A model's choice (``benchmarks/cost_model.py``), measured by
-    ``benchmarks/bench_gpu.py``'s ``kernel_stats_softmax`` rows against one program per row; the blocks
-    are the ones ``benchmarks/triton_aot.py`` compiles without spills.
-
-    Args:
-        rows: tokens (the grid's rows). width: the shard's columns. row_bytes: the bytes a row holds in
-        L2 during its two walks (the logits' row, plus the softmax's where it is written out of place).
-        elem_bytes: the logits' element size. sms: the GPU's SMs. l2_bytes: its L2.
-
-    Returns:
-        ``(programs, block_v)``: ``programs < rows`` is the persistent grid.
-    """
+    """Programs and ``BLOCK_V`` of the statistics kernel writing the softmax, on a GPU with ``sms`` SMs."""
     block = INFLIGHT_BYTES // elem_bytes
     fits = per_row_in_flight(rows, sms) * row_bytes <= L2_SHARE * l2_bytes
     if fits or elem_bytes > 4 or width < block or rows <= sms:
@@ -298,31 +246,7 @@ def shard_stats(
     softmax_into: torch.Tensor | None = None,
     programs: int | None = None,
 ) -> torch.Tensor:
-    """Per-token local statistics of a logits shard in one pass: ``[T, 6]`` = ``m, S, z_y, mN, SN, A``.
-
-    With ``softmax_into``, the same kernel then writes the shard's softmax ``exp(z - m) / S`` over its
-    local statistics there (on one device what :func:`softmax_grad_` writes with ``coef = 1``; under
-    tensor parallelism a per-token factor from the all-reduced statistics makes it the global softmax:
-    :func:`ntl_scale.ops.logits.kernel_shard_softmax`). A shard whose logits are all ``-inf`` writes 0.
-
-    Args:
-        logits: ``[T, V_local]`` (fp32/bf16/fp16/fp64; any strides).
-        target: the label's local column per token, or -1 where this shard does not own it (or the
-            label is ignored), int64 ``[T]``.
-        number_cols: local column of each number token in this shard, int64 ``[K]`` (may be empty).
-        a_table: ``a_k`` per token and number column, ``[T, K]`` (an expanded view is fine).
-        block_v: columns per block (a power of two; default up to 4096); the tests use small blocks.
-        softmax_into: ``[T, V_local]``, any float dtype, may be ``logits`` itself (in place: every read the
-            statistics need comes first), or None (the statistics only).
-        programs: the grid, a positive int: each program takes rows ``pid, pid + programs, ...`` (the results
-            do not depend on it). Default: one program per row; with ``softmax_into`` on CUDA and no ``block_v``,
-            :func:`softmax_launch`'s grid (persistent where the rows in flight would not fit in L2) and blocks.
-
-    Returns:
-        fp32 (fp64 for fp64 logits) ``[T, 6]``: ``m`` the local max, ``S = sum exp(z - m)``, ``z_y``
-        (0 where ``target < 0``), ``mN`` the local max over the number columns (-inf without any),
-        ``SN = sum_N exp(z_k - mN)``, ``A = sum_N exp(z_k - mN) a_k``.
-    """
+    """Per-token local statistics of a logits shard in one pass: ``[T, 6]`` = ``m, S, z_y, mN, SN, A``."""
     stats_kernel, _ = _kernels()
     num_tokens = logits.shape[0]
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -384,17 +308,7 @@ def _stats_arguments(
 
 
 def global_sums(local: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
-    """This shard's ``[T, 4]`` sums ``S, z_y, SN, A`` relative to the global maxima, for the SUM all-reduce.
-
-    Args:
-        local: :func:`shard_stats`'s ``[T, 6]`` (``m, S, z_y, mN, SN, A`` relative to the local maxima).
-        maxes: ``[T, 2]``: the global max and number max (``m``, ``mN`` after the MAX all-reduce; on one
-            device the local ones).
-
-    Returns:
-        ``[T, 4]``, contiguous: what :meth:`ntl_scale.ops.shard_math.ShardMath.local_sums` computes after the
-        MAX all-reduce, so the SUM all-reduce adds the same terms on both paths.
-    """
+    """This shard's ``[T, 4]`` sums ``S, z_y, SN, A`` relative to the global maxima, for the SUM all-reduce."""
 
     def rescale(local_max: torch.Tensor, global_max: torch.Tensor) -> torch.Tensor:
         # exp(local - global); a shard whose columns are all -inf (or none) contributes 0. NaN and +inf
@@ -421,23 +335,7 @@ def softmax_grad_(
     *,
     block_v: int | None = None,
 ) -> torch.Tensor:
-    """Writes ``coef * softmax - label_coef * onehot(target)`` into ``out``, and ``number_grad`` on ``number_cols``.
-
-    Args:
-        logits: ``[T, V_local]``.
-        out: ``[T, V_local]``, any float dtype; may be ``logits`` itself (in place).
-        row_max, total: the global max and ``S = sum exp(z - max)`` per token ``[T]``.
-        coef: per-token factor of the softmax ``[T]``.
-        label_coef: subtracted at the label's column ``[T]`` (None: nothing).
-        target: the label's local column, or -1 where this shard does not own it, int64 ``[T]``.
-        number_cols, number_grad: ``[K]`` columns and the ``[T, K]`` values (fp32/fp64) stored there
-            *instead of* the softmax term: the whole gradient of those columns, computed in fp32 and
-            rounded to ``out``'s dtype once (None: nothing).
-        block_v: columns per block (see :func:`shard_stats`).
-
-    Returns:
-        ``out``.
-    """
+    """Writes ``coef * softmax - label_coef * onehot(target)`` into ``out``, and ``number_grad`` on ``number_cols``."""
     _, grad_kernel = _kernels()
     if logits.shape[0] == 0:
         return out
@@ -515,25 +413,7 @@ def logits_grad_(
     *,
     block_v: int | None = None,
 ) -> torch.Tensor:
-    """Writes the gradient of ``sum(g_ce*ce + g_expect*expect + g_mass*mass)`` w.r.t. the logits into ``out``.
-
-    Args:
-        logits, out: ``[T, V_local]``; ``out`` may be ``logits`` (in place: the number columns are
-            read before the kernel writes).
-        target: the label's local column, or -1 where this shard does not own it (or it is ignored),
-            int64 ``[T]``.
-        number_cols: local columns of the number tokens ``[K]``.
-        a_table: ``a_k`` per token and number column ``[T, K]``.
-        max_all, total: the global max and ``S`` per token (after the all-reduces).
-        number_max, number_total: the global number-column max (-inf read as 0) and ``SN``.
-        expect, mass: the forward's terms (``ShardMath.finalize``).
-        grads: ``(g_ce, g_expect, g_mass)`` per token, ``g_ce`` already 0 at ignored labels.
-        number_exp: ``exp(z_N - mN)`` saved by the forward (None: recomputed from ``logits``).
-        block_v: columns per block (tests).
-
-    Returns:
-        ``out``.
-    """
+    """Writes the gradient of ``sum(g_ce*ce + g_expect*expect + g_mass*mass)`` w.r.t. the logits into ``out``."""
     g_ce, g_expect, g_mass = grads
     safe_max = torch.where(number_max == float("-inf"), torch.zeros_like(number_max), number_max)
     if number_exp is None:

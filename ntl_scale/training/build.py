@@ -49,16 +49,7 @@ def check_attn_implementation(name: str) -> None:
 
 
 def build_model(model: ModelConfig, vocab_size: int, ds_config: dict[str, Any], tokenizer: Any) -> tuple[Any, Any]:
-    """The Hugging Face model: ``from_pretrained(model.path)`` or a random init from ``model.architecture``.
-
-    Built while DeepSpeed's ``HfDeepSpeedConfig`` is alive, so ZeRO-3 partitions the weights as they are
-    created; keep the second return value alive as long as the model. ``model.attn_implementation`` is
-    passed to Hugging Face; ``model.gradient_checkpointing`` recomputes each layer's activations in the
-    backward (non-reentrant ``torch.utils.checkpoint``, which works with ZeRO-3's parameter hooks).
-
-    Returns:
-        ``(model, keep_alive)``.
-    """
+    """The Hugging Face model: ``from_pretrained(model.path)`` or a random init from ``model.architecture``."""
     import transformers
     from transformers.integrations import HfDeepSpeedConfig
 

@@ -1,19 +1,7 @@
 """Every collective of the DeepSpeed training loop, named by what the ranks agree on.
 
-The trainer's components call these helpers and nothing else of ``torch.distributed`` (the step's
-global token counts are :func:`ntl_scale.integrations.deepspeed.steps.global_counts`; DeepSpeed's engine does its
-own gradient and parameter collectives). Each helper takes its process group or this rank's number
-explicitly; tensors it creates are on ``device`` (NCCL reduces device tensors only).
-
-| helper | collective | used for |
-|---|---|---|
-| `sum_over` | SUM all-reduce over a group | a step's logging sums; held-out sums |
-| `largest_over_ranks` | MAX all-reduce over all ranks | the stop signal every rank obeys |
-| `rank_zero_first` | barrier | rank 0 fills a cache the others then read |
-| `on_rank_zero` | broadcast of a failure flag | work of rank 0 that may fail (checkpoint conversion) |
-| `from_rank_zero` | broadcast of an object | what rank 0 read from a file (`status.json`) |
-| `gathered` | all-gather of objects | per-rank rows that rank 0 writes |
-| `barrier` | barrier | every rank's checkpoint shard is on disk |
+Each helper takes its group or rank explicitly; tensors it creates are on ``device`` (NCCL reduces device
+tensors only). DeepSpeed's engine does its own gradient and parameter collectives.
 """
 
 from __future__ import annotations
@@ -56,11 +44,7 @@ def rank_zero_first(rank: int, work: Callable[[], T]) -> T:
 
 
 def on_rank_zero(rank: int, device: torch.device, work: Callable[[], Any], what: str) -> None:
-    """Runs ``work`` on rank 0 while the others wait; if it fails, every rank stops (none waits forever).
-
-    One broadcast of a failure flag from rank 0; rank 0 re-raises its own error, the others raise a
-    ``RuntimeError`` naming ``what`` rank 0 was doing.
-    """
+    """Runs ``work`` on rank 0 while the others wait; if it fails, every rank stops (none waits forever)."""
     failed = torch.zeros(1, dtype=torch.long, device=device)
     error = None
     if rank == 0:

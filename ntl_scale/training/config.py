@@ -1,8 +1,5 @@
-"""Typed, strictly validated run configuration for ``launch/train.py``.
-
-A YAML file maps onto nested dataclasses; an unknown or misspelt key is an error that names the key
-and the closest valid one. ``key=value`` overrides use dotted paths (``train.steps=10``). Each
-section owns its fields; components receive their own section, never the whole run config.
+"""Typed, strictly validated run configuration for ``launch/train.py``: YAML onto nested dataclasses, an
+unknown key an error naming the closest valid one, ``key=value`` overrides by dotted path.
 """
 
 from __future__ import annotations
@@ -67,12 +64,7 @@ class ModelConfig:
 
 @dataclass
 class NTLConfig(NTLRunOptions):
-    """Number Token Loss settings: the ``ntl`` section, the run-level option spec itself.
-
-    Its keys are the fields of :class:`ntl_scale.options.NTLRunOptions` (``ntl.weight``, ``ntl.digit_level``,
-    ``ntl.normalization`` and the variant fields of :class:`ntl_scale.NTLOptions`: ``ntl.loss``, ...,
-    ``ntl.logit_softcap``), documented and validated there once.
-    """
+    """Number Token Loss settings: the ``ntl`` section, the run-level option spec itself."""
 
 
 @dataclass
@@ -86,7 +78,7 @@ class DataConfig:
     ``.bin``/``.idx`` prefix from ``preprocess_data.py``)."""
     train_path: str | None = None
     """File for ``deepmind``/``jsonl`` sources; for ``deepmind`` also a folder written by
-    ``python -m ntl_scale.data.deepmind`` (its arithmetic subset: train, interpolate, extrapolate).
+    ``python launch/deepmind_data.py`` (its arithmetic subset: train, interpolate, extrapolate).
     ``text``: a ``.jsonl``/``.json``/``.parquet`` file, a folder of them, or a ``save_to_disk`` folder.
     ``megatron``: the path prefix (``PREFIX.bin`` and ``PREFIX.idx``)."""
     eval_path: str | None = None
@@ -112,16 +104,12 @@ class DataConfig:
     """``arithmetic`` source: answers written least-significant digit first (``What is 57 + 68? 521`` for
     125); evaluation reads them back, so ``eval.json`` and the predictions hold the true numbers."""
     position_coupling: bool = False
-    """Question/answer sources, causal models: position ids couple the digits of the question and the
-    (reversed) answer by place value (:mod:`ntl_scale.data.positions`, Cho et al. 2024), in training and
-    in generation; the variant that lets a rotary model add numbers longer than it was trained on. Needs
-    ``reverse_answers``, answers that are never negative (kinds ``add``/``mul``, ``negative_share: 0``), a
-    tokenizer with one token per digit and a model whose ``forward`` takes ``position_ids`` (not
-    ``flash_attention_2``). A model trained so must be given such ids at inference too."""
+    """Position ids that couple the digits of the question and the reversed answer by place value
+    (:mod:`ntl_scale.data.positions`), in training and generation. Needs ``reverse_answers``, answers never
+    negative, one token per digit and a causal model taking ``position_ids`` (docs/data.md)."""
     position_offset: int = 0
-    """With ``position_coupling``: each training row's digit positions are shifted by a random offset,
-    0 to this many (evaluation: 0), so that a place is not read off its distance to the question's words;
-    set it to at least the number of places the model should extrapolate to."""
+    """With ``position_coupling``: shift each training row's digit positions by a random offset, 0 to this many
+    (evaluation: 0); at least the number of places the model should extrapolate to."""
     streaming: bool = False
     """Read ``train_path`` as a stream (``datasets.IterableDataset``) instead of building its Arrow table:
     for corpora larger than memory or disk cache."""
@@ -134,9 +122,8 @@ class DataConfig:
     text_column: str = "text"
     """``text`` source: the column holding each document."""
     document_isolation: bool = False
-    """Packed sources: ``position_ids`` restart at every document start and no position predicts across a
-    document boundary (Hugging Face's flattening layout; the model must build its mask from
-    ``position_ids``, see docs/data.md). Off: documents attend to the ones before them in a sequence."""
+    """Packed sources: ``position_ids`` restart at every document and no position predicts across a document
+    boundary (Hugging Face's flattening layout, docs/data.md)."""
     eval_sequences: int = 0
     """Packed sources: sequences held out for evaluation loss and perplexity (the corpus's first documents
     that hold them; no document is in both parts); 0: none."""
@@ -200,9 +187,8 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step (derived when ``global_batch_size`` is set)."""
     global_batch_size: int | None = None
-    """Sequences per optimizer step over all data-parallel ranks. When set, the accumulation steps are
-    derived from it (``global / (micro_batch_size x data-parallel ranks)``), so a job restarted on
-    another number of GPUs keeps its batch and resumes its curve (Megatron's convention)."""
+    """Sequences per optimizer step over all data-parallel ranks; when set, the accumulation steps derive from
+    it, so a job restarted on another number of GPUs keeps its batch (Megatron's convention)."""
     lr: float = 3e-3
     """Peak learning rate."""
     warmup_steps: int = 10
@@ -234,9 +220,8 @@ class TrainConfig:
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the chunked loss (default: about 2**26 logits per chunk)."""
     tensor_parallel_size: int = 1
-    """DeepSpeed AutoTP size: the model and its output layer are split over this many ranks, the
-    vocabulary too (CE + NTL on the local shard); the world size must be a multiple of it, the rest is
-    data parallel. Works with ZeRO stages 0-3 (stage 3 needs DeepSpeed >= 0.19.4) and a model AutoTP can split."""
+    """DeepSpeed AutoTP size: the model and its output layer (the vocabulary too) split over this many ranks; the
+    rest of the world is data parallel. ZeRO-3 needs DeepSpeed >= 0.19.4."""
 
     def __post_init__(self) -> None:
         if self.seq_length < 2:
@@ -351,10 +336,6 @@ class RunConfig:
         write_json_atomically(self.to_dict(), path)
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -404,7 +385,7 @@ def _build(cls: Any, data: Any, where: str) -> Any:
         data = {}
     if not isinstance(data, dict):
         raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
@@ -430,15 +411,7 @@ def _set(data: dict, dotted: str, raw: str) -> None:
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Reads a YAML config (or the defaults) and applies ``key=value`` overrides.
-
-    Args:
-        path: a YAML file, or None for the built-in tiny default.
-        overrides: ``section.key=value`` strings (values parsed as YAML scalars).
-
-    Returns:
-        The validated :class:`RunConfig`.
-    """
+    """Reads a YAML config (or the defaults) and applies ``key=value`` overrides."""
     import yaml
 
     data: dict[str, Any] = {}
@@ -465,12 +438,7 @@ _INPUT_PATHS = (("model", "path"), ("model", "tokenizer"), ("data", "train_path"
 
 
 def resolve_paths(cfg: RunConfig, config_dir: str | None) -> None:
-    """Makes the config's relative input paths absolute, so a run starts from any directory.
-
-    A relative path is looked up in the working directory, then next to the config file, then in
-    the repository (where ``configs/`` lives, for the built-in default); the first place where it
-    exists wins. A path found nowhere is left as it is, for the error that names it.
-    """
+    """Makes the config's relative input paths absolute, so a run starts from any directory."""
     repository = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     bases = [os.getcwd(), *([config_dir] if config_dir else []), repository]
     for section, key in _INPUT_PATHS:

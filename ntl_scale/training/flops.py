@@ -1,30 +1,13 @@
-"""Model FLOPs of a trained micro-batch, achieved TFLOP/s and model FLOPs utilisation (MFU).
+"""Model FLOPs of a trained micro-batch, achieved TFLOP/s and MFU.
 
-FLOPs per trained token (forward + backward), the formula of PaLM (Chowdhery et al. 2022, appendix B)
-and Megatron-LM (Narayanan et al. 2021, eq. 3, per token)::
+Per trained token (PaLM appendix B; Megatron-LM eq. 3)::
 
     6 * N + 12 * n_layer * width * seq_len
 
-``N`` counts the parameters that take part in a matrix multiply: every parameter except the input
-embedding tables (token, position and T5's relative-position lookups cost no FLOPs); a tied output
-layer is counted once, as the output layer. The second term is the attention scores and their
-weighted sum (``Q K^T`` and ``A V``: 2 x 2 x seq_len x width per layer per token forward, x 3 for the
-backward; ``width`` = heads x head size, the hidden size unless the config sets ``head_dim``), at the
-batch's padded sequence length. Activation recomputation is not counted (model FLOPs, not hardware
-FLOPs). ``N`` is the whole model's, counted before DeepSpeed AutoTP splits the layers (the trainer
-builds the counter first) and with ZeRO-3-partitioned parameters counted whole.
-
-Encoder-decoder models (T5, BART): the encoder's parameters act on the encoder (input) tokens, the
-decoder's and the output layer's on the decoder tokens, except the cross-attention key and value
-projections, which act on the encoder's output (once per decoder layer, on each encoder token)::
-
-    enc_tokens * (6 * (N_enc + N_cross_kv) + 12 * enc_layers * width * enc_len)
-    + dec_tokens * (6 * N_dec + 12 * dec_layers * width * (dec_len + enc_len))
-
-(decoder self-attention over ``dec_len`` keys, cross-attention over ``enc_len``).
-
-MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s (:data:`PEAK_TFLOPS`, or
-``train.peak_tflops``). On a CPU without a configured peak it is not reported.
+``N``: the parameters in a matrix multiply (not the embedding lookups), of the whole model, counted before
+AutoTP splits it. Encoder-decoders count the encoder's parameters (and the cross-attention K/V projections)
+on the encoder tokens, the rest on the decoder tokens. MFU needs a peak (:data:`PEAK_TFLOPS` or
+``train.peak_tflops``).
 """
 
 from __future__ import annotations
@@ -37,15 +20,9 @@ import torch
 
 __all__ = ["PEAK_TFLOPS", "FlopsCounter", "peak_tflops_for_name", "peak_tflops_of"]
 
-# Dense bf16 tensor-core peak per device in TFLOP/s, no sparsity. NVIDIA data sheets print BF16 "with
-# sparsity", twice the dense figure: H100 SXM 1,979 / PCIe 1,513 / NVL 1,671; H200 SXM 1,979 / NVL
-# 1,671; H800 SXM 1,979 / PCIe 1,513; GH200 1,979; L40S 733; L40 362.1; L4 242; A10 250. Dense figures
-# of the data sheets: A100/A800 312; HGX B200 and B100 2.25 and 1.75 PFLOPS per GPU; AMD Instinct
-# MI300X 1,307.4, MI250X 383. A10G (AWS, no NVIDIA data sheet): as commonly quoted.
-# A key matches when each of its words is a whole word of the device name as torch.cuda.get_device_name
-# reports it ("NVIDIA H100 80GB HBM3", "NVIDIA L40S", "NVIDIA H200 NVL"): "L4" does not match
-# "NVIDIA L40", nor "H200" "NVIDIA GH200 480GB". The first match wins, so a form factor (PCIe, NVL)
-# comes before the plain name, which is the SXM part.
+# Dense bf16 peak per device in TFLOP/s, from the vendors' data sheets (NVIDIA prints BF16 "with sparsity":
+# twice these). A key matches when each of its words is a whole word of torch.cuda.get_device_name() ("L4"
+# is not "NVIDIA L40"); the first match wins, so a form factor (PCIe, NVL) comes before the plain SXM name.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("GH200", 989.0),
     ("H200 NVL", 835.0),
@@ -117,17 +94,7 @@ def _attention_width(config: Any, hidden: int) -> int:
 
 @dataclass
 class FlopsCounter:
-    """Model FLOPs of trained micro-batches, and the rates of a stretch of training.
-
-    Attributes:
-        matmul_params: ``N``, every matrix-multiply parameter of the whole (unsplit) model.
-        layers, width: the attention term of the decoder (causal: of the model); 0 = left out.
-        peak_tflops: per-device peak, or None (MFU not reported).
-        encoder_params: seq2seq: the part of ``N`` that acts on encoder tokens (the encoder's and the
-            cross-attention key/value projections); 0 for a causal model.
-        encoder_layers: seq2seq: the encoder's layers, for its self-attention term.
-        kind: ``causal`` or ``seq2seq`` (``model.kind``): how :meth:`of_batch` reads a micro-batch.
-    """
+    """Model FLOPs of trained micro-batches, and the rates of a stretch of training."""
 
     matmul_params: int
     layers: int
@@ -141,11 +108,7 @@ class FlopsCounter:
     def for_model(
         cls, model: torch.nn.Module, *, kind: str = "causal", device: torch.device, peak_tflops: float | None = None
     ) -> FlopsCounter:
-        """Counts a Hugging Face model's parameters (ZeRO-3-partitioned ones whole).
-
-        Build it from the whole model: before DeepSpeed AutoTP splits the layers, whose parameters are
-        then a rank's slice.
-        """
+        """Counts a Hugging Face model's parameters (ZeRO-3-partitioned ones whole)."""
         if kind not in ("causal", "seq2seq"):
             raise ValueError(f"FlopsCounter kind={kind!r}: expected 'causal' or 'seq2seq'; pass the run's model.kind")
         matmul = _matmul_params(model)
@@ -179,11 +142,7 @@ class FlopsCounter:
         return cls(total, decoder_layers or encoder_layers, width, peak, encoder_params, encoder_layers, "seq2seq")
 
     def flops(self, tokens: Any, seq_len: int, *, encoder_tokens: Any = 0, encoder_len: int = 0) -> Any:
-        """Forward + backward model FLOPs of ``tokens`` tokens in sequences padded to ``seq_len``.
-
-        Seq2seq: ``tokens``/``seq_len`` are the decoder's, ``encoder_tokens``/``encoder_len`` the
-        encoder's. Token counts may be tensors (the result is then one, with no host synchronisation).
-        """
+        """Forward + backward model FLOPs of ``tokens`` tokens in sequences padded to ``seq_len``."""
         decoder = 6.0 * (self.matmul_params - self.encoder_params) + 12.0 * self.layers * self.width * (
             seq_len + encoder_len
         )
@@ -201,11 +160,7 @@ class FlopsCounter:
         return self.flops(decoded, labels.shape[-1], encoder_tokens=read.double(), encoder_len=ids.shape[-1])
 
     def rates(self, tokens: int, flops: float, seconds: float, devices: int) -> dict[str, Any]:
-        """``tokens_per_s_per_device``, ``tflops`` (model TFLOP/s per device) and ``mfu`` (None without a peak).
-
-        ``tokens`` and ``flops`` are a stretch's tokens and model FLOPs over all ranks (each once, not
-        once per tensor-parallel rank).
-        """
+        """``tokens_per_s_per_device``, ``tflops`` (model TFLOP/s per device) and ``mfu`` (None without a peak)."""
         seconds = max(seconds, 1e-9)
         tflops = flops / seconds / devices / 1e12
         mfu = tflops / self.peak_tflops if self.peak_tflops else None

@@ -1,12 +1,5 @@
-"""The metrics of a run: ``metrics.jsonl``, wandb, the progress line, and the end-of-run report.
-
-A :class:`MetricsLogger` is built from the tracking section and the run's step counts. Per step it
-turns the step's summed logging totals into a row (:meth:`~MetricsLogger.step_row`: CE per target
-token, NTL per NTL position, number accuracy, learning rate, gradient norm, tokens read, step time,
-model FLOPs and the rates of :class:`~ntl_scale.training.flops.FlopsCounter`), appends it to
-``metrics.jsonl`` and wandb (rank 0) and prints a progress line every ``train.log_every`` steps. At the
-end it writes ``eval.json``, ``loss_curves.png`` and prints the summary tables. No collectives: the
-trainer hands it totals already summed over the data-parallel ranks.
+"""The metrics of a run: ``metrics.jsonl``, wandb, the progress line and the end-of-run report (rank 0;
+the totals come already summed over the data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -43,17 +36,7 @@ def tokens_read(batch: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
 
 
 class MetricsLogger:
-    """Rows of ``metrics.jsonl``, wandb and the progress line of one run.
-
-    Args:
-        tracking: the tracking section (``wandb``, ``project``, ``plot``).
-        run_dir: where ``metrics.jsonl``, ``eval.json`` and ``loss_curves.png`` go.
-        steps: ``train.steps``.
-        log_every: ``train.log_every``, steps between progress lines.
-        flops: the model's FLOPs counter (TFLOP/s and MFU of each row).
-        rank: this process's global rank (rank 0 writes).
-        world_size: all ranks (devices, for the rates per device).
-    """
+    """Rows of ``metrics.jsonl``, wandb and the progress line of one run."""
 
     def __init__(self, tracking: TrackingConfig, run_dir: str, *, steps: int, log_every: int, flops: FlopsCounter,
                  rank: int, world_size: int) -> None:  # fmt: skip
@@ -83,11 +66,7 @@ class MetricsLogger:
                  data_s: float) -> dict[str, Any]:  # fmt: skip
         """The metrics row of optimizer step ``step`` from its :data:`STEP_SUMS` (all data-parallel ranks).
 
-        A mean over no positions is left out of the row, not written as a number: ``ce`` when no label of the
-        step was a target (every label ignored), ``ntl`` and ``number_acc`` when none was an NTL position. The
-        row keeps the rest (``lr``, ``grad_norm``, ``tokens`` read, times, FLOPs), so the step is logged and
-        training goes on; a reader takes a missing key as "no such tokens this step" (wandb's own meaning of a
-        key not logged at a step).
+        A mean over no positions (``ce``, ``ntl``, ``number_acc``) is left out of the row, not written as a number.
         """
         ce_sum, ntl_sum, tokens, numbers, hits, read, flops = sums
         row: dict[str, Any] = {"step": step}

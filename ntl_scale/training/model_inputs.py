@@ -1,17 +1,7 @@
 """What the model reads: the tokenizer and number table, the training micro-batches, their device copies.
 
-Built in two steps, because the data-parallel layout is known only once DeepSpeed has built its groups:
-
-1. :func:`tokenizer_and_table` (model section) and :func:`load_data` (data section): the tokenised
-   training set (rank 0 fills the ``datasets`` cache first, the others read it: one barrier) and the
-   generation-evaluation splits;
-2. :class:`Inputs`: this data-parallel rank's micro-batches in a resumable order
-   (:class:`~ntl_scale.training.sources.Batches`; ``position`` is stored in each checkpoint), moved to
-   the engine's device (DeepSpeed's ``engine(...)`` does not move inputs; NCCL refuses host tensors),
-   with ``data.position_coupling``'s position ids made there.
-
-:func:`check_one_token_per_digit` and :func:`check_position_ids` refuse, before any step, a tokenizer
-or a model that position coupling cannot use.
+:func:`tokenizer_and_table` and :func:`load_data` come first; :class:`Inputs` once DeepSpeed has built its
+groups: this data-parallel rank's micro-batches in a resumable order, on the engine's device.
 """
 
 from __future__ import annotations
@@ -92,21 +82,7 @@ def check_position_ids(model: Any, data: DataConfig) -> None:
 
 
 class Inputs:
-    """This data-parallel rank's training micro-batches, on the device.
-
-    Args:
-        data: the data section (``seed``, ``shuffle_buffer``, ``position_coupling``, ``position_offset``).
-        train_set: the tokenised training set of :func:`load_data`.
-        tokenizer: its pad token pads question/answer micro-batches.
-        vocab: the number table (coupled positions mark its digits).
-        micro_batch_size: sequences per micro-batch.
-        accumulation: micro-batches per optimizer step.
-        seed: ``train.seed`` (with the data position and the data-parallel rank, it draws the offsets).
-        rank: this process's global rank.
-        dp_rank: this rank's place among the data-parallel ranks.
-        dp: the number of data-parallel ranks.
-        device: the engine's device.
-    """
+    """This data-parallel rank's training micro-batches, on the device."""
 
     def __init__(
         self,

@@ -26,15 +26,7 @@ HELDOUT_COLUMNS = (
 def sequence_stats(
     terms: Any, targets: torch.Tensor, vocab: Any, abs_error: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Held-out sums per sequence, float64 ``[sequences, len(HELDOUT_COLUMNS)]``, on the terms' device.
-
-    ``terms`` are the per-token CE and NTL of the run's own variant (:class:`~ntl_scale.PerTokenTerms`);
-    ``ntl_positions`` / ``ntl_hits`` count where that variant puts NTL (for ``loss="number"``: first
-    digits). The ``number_*`` columns count every label that is a number token, whatever the variant,
-    so runs with different losses are measured alike: CE on them, arg-max hits over the whole
-    vocabulary, and the absolute error of the expected value over the number tokens (``abs_error``:
-    per-token NTL-MAE, 0 elsewhere; the column is 0 when it is not given). Nothing is read on the host.
-    """
+    """Held-out sums per sequence, float64 ``[sequences, len(HELDOUT_COLUMNS)]``, on the terms' device."""
     valid = targets != -100
     numbers = valid & vocab.number_mask(targets)
     per_token = [
@@ -47,15 +39,7 @@ def sequence_stats(
 
 
 def heldout_metrics(totals: list[float], weight: float, *, with_abs_error: bool = True) -> dict[str, float]:
-    """The held-out metrics of summed :func:`sequence_stats` columns (``{}`` without tokens).
-
-    ``ce``, ``ppl`` = exp(ce), ``ntl`` and ``number_acc`` (over the variant's NTL positions), ``loss`` =
-    ce + weight * ntl (the training objective, :func:`~ntl_scale.normalization.objective_of_means`); on labels
-    that are not number tokens ``text_ce`` and ``text_ppl`` (what NTL may cost on text); on number-token labels
-    ``number_token_ce``, ``number_token_ppl``, ``number_token_acc`` and ``number_token_mae`` (|expected value -
-    true value|).
-    A label kind that does not occur has no metrics (the keys are left out).
-    """
+    """The held-out metrics of summed :func:`sequence_stats` columns (``{}`` without tokens)."""
     col = dict(zip(HELDOUT_COLUMNS, totals))
     tokens, numbers = col["tokens"], col["number_tokens"]
     if tokens == 0:
@@ -99,32 +83,7 @@ def evaluate_generation(
     reverse_answers: bool = False,
     position_ids: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Generates an answer per question and scores the numbers in them.
-
-    Args:
-        model: a Hugging Face causal or seq2seq model (under ZeRO-3 pass ``synced_gpus=True`` and
-            call on every rank with the same examples).
-        tokenizer: its tokenizer.
-        examples: questions with their true answers.
-        kind: ``causal`` (prompt = question + " ") or ``seq2seq``.
-        max_new_tokens: tokens generated per answer.
-        num_beams: 1 = greedy, more = beam search.
-        batch_size: questions per generate call.
-        synced_gpus: keep ZeRO-3 ranks in step during generation.
-        predictions_path: where to write one JSON line per example (question, answer, generated, parsed).
-        answer_until: cut each answer at the first occurrence of this text before the number is read
-            (``generated`` in the predictions keeps the whole continuation).
-        reverse_answers: the answers are written least-significant digit first
-            (:func:`~ntl_scale.data.arithmetic.reverse_digits`): the true and the generated answer are
-            read back before their numbers are taken, so ``answer`` and ``parsed`` in the predictions
-            and the metrics are in the usual order (``generated`` stays as generated).
-        position_ids: the position ids of the (left-padded) prompt ids, for models trained with
-            position ids of their own (``data.position_coupling``); ``generate`` extends them by one per
-            new token. Default: the model's own (0, 1, 2, ... after the padding).
-
-    Returns:
-        :func:`ntl_scale.eval.number_metrics` of the parsed answers.
-    """
+    """Generates an answer per question and scores the numbers in them."""
     was_training = model.training
     model.eval()
     side = tokenizer.padding_side

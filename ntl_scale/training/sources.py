@@ -1,16 +1,6 @@
-"""The data of a run, from its data section, through Hugging Face ``datasets``.
-
-``arithmetic``: generated ``train`` examples, ``interpolate``/``extrapolate`` evaluation splits.
-``deepmind``: ``train_path`` is a question/answer text file, or a folder written by
-``python -m ntl_scale.data.deepmind`` (its ``arithmetic_train.txt`` for training, the first
-``eval_examples`` of ``arithmetic_test_interpolate.txt`` / ``arithmetic_test_extrapolate.txt`` as
-the evaluation splits). ``jsonl``: ``{question, answer}`` lines. For files, ``eval_path`` (if given)
-is the ``eval`` split.
-
-Pretraining sources, packed into ``train.seq_length`` sequences (:mod:`ntl_scale.data.packing`):
-``text`` (documents of a text column, tokenised through ``datasets``) and ``megatron`` (a Megatron
-indexed dataset). Their held-out part (``data.eval_sequences``) gives :func:`heldout_batches` for
-evaluation loss and perplexity; they have no generation-evaluation splits.
+"""The data of a run, from its data section, through Hugging Face ``datasets``: ``arithmetic``,
+``deepmind`` and ``jsonl`` question/answer sources, and the packed pretraining sources ``text`` and
+``megatron`` (their held-out sequences: :func:`heldout_batches`).
 """
 
 from __future__ import annotations
@@ -20,7 +10,6 @@ from typing import Any
 
 from ..data.arithmetic import ArithmeticConfig, Example, generate
 from ..data.collate import ShardedOrder
-from ..data.deepmind import SPLIT_FILES
 from ..data.hf_datasets import (
     HFDocuments,
     PackedStream,
@@ -40,6 +29,14 @@ __all__ = ["PACKED_SOURCES", "Batches", "eval_sets", "heldout_batches", "train_d
 
 PACKED_SOURCES = ("text", "megatron")
 """``data.source`` values whose documents are packed into ``train.seq_length`` sequences."""
+
+SPLIT_FILES = {
+    "train": "arithmetic_train.txt",
+    "val": "arithmetic_val.txt",
+    "interpolate": "arithmetic_test_interpolate.txt",
+    "extrapolate": "arithmetic_test_extrapolate.txt",
+}
+"""The arithmetic subset's file names in a folder of ``launch/deepmind_data.py``, by split."""
 
 
 def _documents(cfg: DataConfig, tokenizer: Any) -> Any:
@@ -92,17 +89,15 @@ def _train_file(cfg: DataConfig) -> str:
         if not os.path.isfile(path):
             raise ValueError(
                 f"data.train_path={cfg.train_path!r} is a folder without {SPLIT_FILES['train']}; generate it with "
-                f"python -m ntl_scale.data.deepmind --out {cfg.train_path}, or point data.train_path at a .txt file"
+                f"python launch/deepmind_data.py --out {cfg.train_path}, or point data.train_path at a .txt file"
             )
         return path
     return cfg.train_path
 
 
 def train_dataset(cfg: DataConfig, tokenizer: Any, *, kind: str = "causal", seq_length: int | None = None) -> Any:
-    """The tokenised training rows: a memory-mapped ``Dataset`` (cached), or an ``IterableDataset``
-    when ``data.streaming`` is set. Packed sources: a :class:`~ntl_scale.data.packing.PackedSequences`
-    (its ``stats`` say what was packed and left out), or a :class:`~ntl_scale.data.hf_datasets.PackedStream`
-    when streaming; ``seq_length`` (``train.seq_length``) is then required."""
+    """The tokenised training rows: a cached ``Dataset`` or, streaming, an ``IterableDataset``; packed sources
+    (which need ``seq_length``): ``PackedSequences`` or, streaming, a ``PackedStream``."""
     if cfg.source in PACKED_SOURCES:
         return _packed_train(cfg, tokenizer, _packed_checks(cfg, kind, seq_length))
     if cfg.source == "arithmetic":
@@ -119,10 +114,8 @@ def train_dataset(cfg: DataConfig, tokenizer: Any, *, kind: str = "causal", seq_
 
 
 def eval_sets(cfg: DataConfig) -> dict[str, list[Example]]:
-    """Named evaluation splits, ``eval_examples`` questions each (read lazily: only those are parsed).
-    The packed sources are evaluated by loss and perplexity (:func:`heldout_batches`), and by greedy
-    answers to the ``{question, answer}`` JSON lines of ``data.eval_path`` when one is given (split
-    ``questions``; prompted as the question and a space, like every causal source)."""
+    """Named evaluation splits, ``eval_examples`` questions each; for the packed sources the ``questions`` of
+    ``data.eval_path`` when given (their loss and perplexity: :func:`heldout_batches`)."""
     if cfg.source in PACKED_SOURCES:
         if not cfg.eval_path:
             return {}
@@ -146,10 +139,8 @@ def eval_sets(cfg: DataConfig) -> dict[str, list[Example]]:
 def heldout_batches(
     cfg: DataConfig, tokenizer: Any, *, seq_length: int, micro_batch_size: int, dp_rank: int, dp: int
 ) -> list[dict[str, Any]]:
-    """This data-parallel rank's held-out micro-batches of a packed source (host tensors): the first
-    ``data.eval_sequences`` sequences of the corpus (never trained on), cut to a multiple of ``dp`` and
-    dealt round-robin, so every rank runs the same number of forward passes. Empty when
-    ``data.eval_sequences`` is 0."""
+    """This data-parallel rank's share of the first ``data.eval_sequences`` packed sequences (never trained on),
+    cut to a multiple of ``dp`` so every rank runs the same number of forward passes (host tensors)."""
     if cfg.source not in PACKED_SOURCES or cfg.eval_sequences == 0:
         return []
     if cfg.eval_sequences < dp:
@@ -178,10 +169,8 @@ def packing_summary(dataset: Any) -> str | None:
 
 
 class Batches:
-    """This rank's micro-batches of a tokenised dataset, in :class:`ShardedOrder` (a ``Dataset`` or packed
-    sequences) or :class:`StreamingOrder` (an ``IterableDataset`` or a packed stream); ``position`` is the
-    resumable state. ``next()`` gives encoded examples, or for packed data a collated batch (``input_ids``,
-    ``labels``, with document isolation ``position_ids``; host tensors)."""
+    """This rank's micro-batches in :class:`ShardedOrder` or :class:`StreamingOrder`, resumable at ``position``:
+    encoded examples, or for packed data a collated batch of host tensors."""
 
     def __init__(self, dataset: Any, micro_batch_size: int, rank: int, world_size: int, seed: int, accumulation: int,
                  shuffle_buffer: int = 10000) -> None:  # fmt: skip

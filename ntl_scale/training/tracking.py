@@ -15,16 +15,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 
 class Tracker:
-    """Logs metrics to wandb on the rank that owns it; does nothing when disabled or not rank 0.
-
-    Args:
-        mode: ``offline`` (files under ``run_dir/wandb``, sync later with ``wandb sync``), ``online``
-            or ``disabled``.
-        run_dir: where wandb writes.
-        config: the resolved run config, stored with the run.
-        project: the wandb project.
-        active: False on ranks other than 0.
-    """
+    """Logs metrics to wandb on the rank that owns it; does nothing when disabled or not rank 0."""
 
     def __init__(self, mode: str, run_dir: str, config: dict[str, Any], project: str, active: bool) -> None:
         if mode not in WANDB_MODES:
@@ -52,9 +43,8 @@ class Tracker:
 
 
 def read_metric_rows(path: str) -> list[dict[str, Any]]:
-    """The rows of a ``metrics.jsonl``; a last line without its newline (an append cut short by a crash or
-    a kill) is left out, so a run killed mid-append resumes. A damaged row before the end raises a
-    ValueError naming the file and line."""
+    """The rows of a ``metrics.jsonl``, without a last line cut short by a kill (so such a run resumes); a
+    damaged row before the end is a ValueError naming the file and line."""
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
     if lines and not lines[-1].endswith("\n"):

@@ -132,7 +132,7 @@ def _worker(rank: int, world_size: int, tp_size: int, port: int, error_dir: str,
     _no_core_files()  # and leaves no core file behind
     torch.set_num_threads(1)
     try:
-        from ntl_scale.startup import init_distributed
+        from launch.startup import init_distributed
 
         init_distributed(rank=rank, world_size=world_size, backend="gloo", init_method=f"tcp://127.0.0.1:{port}")
         tp_groups = [dist.new_group(list(range(s, s + tp_size))) for s in range(0, world_size, tp_size)]

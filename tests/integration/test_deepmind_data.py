@@ -1,7 +1,7 @@
 """The DeepMind mathematics data from DeepMind's own generator (``mathematics-dataset`` 1.0.1 in its own
 environment, built by ``scripts/setup.sh --dev``), and ``launch/train.py`` training on it.
 
-1. ``python -m ntl_scale.data.deepmind`` writes the released layout (train-easy/medium/hard,
+1. ``python launch/deepmind_data.py`` writes the released layout (train-easy/medium/hard,
    interpolate, extrapolate; one file per module, question/answer lines) and the arithmetic subset;
    the same seed gives the same bytes, another seed other questions; a rerun is a no-op and other
    settings for the same folder are refused.
@@ -22,7 +22,8 @@ import pytest
 pytest.importorskip("datasets")
 pytest.importorskip("deepspeed")
 
-from ntl_scale.data.deepmind import ARITHMETIC_MODULES, SPLIT_FILES, default_venv, generate_deepmind
+from launch.deepmind_data import ARITHMETIC_MODULES, default_venv, generate_deepmind
+from ntl_scale.training.sources import SPLIT_FILES
 
 ROOT = Path(__file__).resolve().parents[2]
 PER_MODULE, PER_TEST = 4, 3
@@ -37,7 +38,7 @@ def generated(tmp_path_factory):
     if os.environ.get("CI") and not os.path.isfile(os.path.join(default_venv(), "bin", "python")):
         pytest.fail("the generator's environment is missing: scripts/setup.sh --dev builds it")
     out = tmp_path_factory.mktemp("deepmind") / "mathematics_dataset-v1.0"
-    command = [sys.executable, "-m", "ntl_scale.data.deepmind", "--out", str(out), "--per-module", str(PER_MODULE),
+    command = [sys.executable, "launch/deepmind_data.py", "--out", str(out), "--per-module", str(PER_MODULE),
                "--per-test-module", str(PER_TEST), "--seed", "7"]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr

@@ -15,9 +15,9 @@ import pytest
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
+from launch.eval_tasks import compare_run
 from ntl_scale.data.arithmetic import ArithmeticConfig, generate
 from ntl_scale.eval.tasks import prepare
-from ntl_scale.eval.tasks.compare import compare_run
 
 
 @pytest.fixture(scope="module")

@@ -183,7 +183,7 @@ def test_number_table_and_checkpoint_status_keep_the_old_file_when_the_write_fai
 # Renames that are not a file written in place: a finished folder moved to its name (the writer is for files).
 _FOLDER_RENAMES = {
     ("ntl_scale/integrations/deepspeed/resume_layout.py", "partial"),
-    ("ntl_scale/data/deepmind.py", "partial"),
+    ("launch/deepmind_data.py", "partial"),
 }
 
 

@@ -117,7 +117,7 @@ def test_collectives_are_written_in_the_logits_op_only():
 
     root = pathlib.Path(ntl_scale.__file__).parent
     loss_path = ["options.py", "_validation.py", "ops/shards.py", "ops/shard_math.py", "ops/logits.py",
-                 "ops/chunked_linear.py", "terms.py", "reductions.py", "losses.py", "linear.py", "number_level.py",
+                 "ops/chunked_linear.py", "terms.py", "reductions.py", "losses.py", "linear.py",
                  "number_vocab.py"]  # fmt: skip
     kernels = sorted(root.glob("ops/triton_*.py"))
     assert kernels, "no Triton kernel module found under ops/"

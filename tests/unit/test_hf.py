@@ -67,15 +67,15 @@ def test_missing_extra_names_the_install_command(tmp_path):
 
 
 def test_save_number_vocab_command_writes_the_tokenizers_table(tmp_path):
-    """``python -m ntl_scale.save_number_vocab DIR --out PATH`` saves what ``from_tokenizer`` builds."""
+    """``python launch/save_number_vocab.py DIR --out PATH`` saves what ``from_tokenizer`` builds."""
     tokenizer = tk.t5_fast()
     tokenizer.save_pretrained(tmp_path / "tok")
     out = tmp_path / "numbers.json"
-    command = [sys.executable, "-m", "ntl_scale.save_number_vocab", str(tmp_path / "tok"), "--out", str(out)]
+    command = [sys.executable, "launch/save_number_vocab.py", str(tmp_path / "tok"), "--out", str(out)]
     done = subprocess.run(
         [*command, "--vocab-size", "256"], capture_output=True, text=True, cwd=Path(__file__).parents[2]
     )
     assert done.returncode == 0, done.stderr
     assert ntl_scale.NumberVocab.load(out) == ntl_scale.NumberVocab.from_tokenizer(tokenizer, vocab_size=256)
-    bad = subprocess.run([*command[:3], str(tmp_path / "missing"), "--out", str(out)], capture_output=True, text=True)
+    bad = subprocess.run([*command[:2], str(tmp_path / "missing"), "--out", str(out)], capture_output=True, text=True)
     assert bad.returncode != 0 and "neither a local tokenizer directory" in bad.stderr

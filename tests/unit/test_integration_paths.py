@@ -38,7 +38,6 @@ MODULES = [
     "ntl_scale.integrations.deepspeed.resolved",
     "ntl_scale.integrations.deepspeed.steps",
     "ntl_scale.integrations.deepspeed.heldout",
-    "ntl_scale.startup",
 ]
 
 # the DeepSpeed trainer's modules that moved out of ntl_scale.training in 0.2.x (old -> new)

@@ -96,7 +96,7 @@ def test_command_line_refuses_the_digit_table_that_loses_most_numbers(tmp_path):
     directory = tk.save_dir(tk.llama3_style_bpe(), "llama3_cli")
     out = tmp_path / "numbers.json"
     env = {**os.environ, "PYTHONPATH": ROOT}
-    command = [sys.executable, "-m", "ntl_scale.save_number_vocab", directory, "--out", str(out)]
+    command = [sys.executable, os.path.join(ROOT, "launch", "save_number_vocab.py"), directory, "--out", str(out)]
     refused = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert refused.returncode == 2 and not out.exists()
     assert "904 multi-digit number tokens" in refused.stdout and "--multi-digit" in refused.stderr

@@ -17,7 +17,7 @@ import torch
 
 import ntl_scale
 from ntl_scale.integrations import megatron as ntl_megatron
-from ntl_scale.number_level import assemble_numbers
+from ntl_scale.terms import assemble_numbers
 from tests.helpers.reference import naive_per_token
 
 V = 64

@@ -1,4 +1,4 @@
-"""``ntl_scale.startup.init_distributed``, the one distributed start-up (issue 41, item 5), and the Megatron-LM
+"""``launch.startup.init_distributed``, the one distributed start-up (issue 41, item 5), and the Megatron-LM
 route's assembly ``forward_step_from_args`` that ``launch/pretrain_gpt_ntl.py`` calls.
 
 References: torch's own collectives and store (a SUM all-reduce of known values; the class of the store the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ntl_scale.startup import init_distributed
+from launch.startup import init_distributed
 from tests.helpers.distributed import WorkerContext, run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def test_a_process_without_a_launcher_is_a_world_of_one_on_an_in_process_store()
         """
         import json, socket
         import torch, torch.distributed as dist
-        from ntl_scale.startup import init_distributed
+        from launch.startup import init_distributed
 
         out = {}
         out["alone"] = list(init_distributed(launched=False, threads=1))
@@ -102,7 +102,7 @@ def test_deepspeed_adopts_the_group_of_a_process_without_a_launcher():
             if not os.environ[name]:
                 del os.environ[name]
         import torch.distributed as dist
-        from ntl_scale.startup import init_distributed
+        from launch.startup import init_distributed
 
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):

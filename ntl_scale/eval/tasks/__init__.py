@@ -1,13 +1,7 @@
 """``ntl_numeracy``: number evaluation of any checkpoint as an lm-evaluation-harness task group.
 
-    python -m ntl_scale.eval.tasks prepare --out DIR [--gsm8k ../shared/data/gsm8k] [--run-dir runs/tiny]
-    lm_eval --model hf --model_args pretrained=CKPT --include_path DIR --tasks ntl_numeracy
-
-:func:`prepare` writes a self-contained task folder: ``DIR/data/*.jsonl`` (:mod:`.data`), the task
-YAMLs of ``templates/`` with their ``data_files`` pointing there, and a copy of :mod:`.utils` (their
-``process_results`` and aggregations). The harness reads the JSONL with ``dataset_path: json``, so it
-runs with ``HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1``. ``python -m ntl_scale.eval.tasks --path`` prints
-the default folder (prepared on first use). The tasks, metrics and directions: docs/evaluation.md.
+:func:`prepare` writes a self-contained task folder (JSONL data, the task YAMLs of ``templates/``, a copy of
+:mod:`.utils`) that the harness reads offline; ``launch/eval_tasks.py`` is its command line (docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -60,19 +54,7 @@ def prepare(
     run_dir: str | None = None,
     max_new_tokens: int | None = None,
 ) -> dict[str, int]:
-    """Writes the task folder ``out_dir`` (data, YAMLs, ``utils.py``); returns the rows per data file.
-
-    Args:
-        out_dir: the folder to pass as ``--include_path``.
-        gsm8k: a local GSM8K folder (``test.jsonl``, ``train.jsonl(.gz)``); default :data:`DEFAULT_GSM8K`
-            when it exists, else the group goes without the two GSM8K tasks (a note on stderr).
-        examples: test questions per arithmetic operation (the train split, for few-shot, gets as many).
-        texts: sentences per perplexity slice.
-        seed: the generators' seed.
-        run_dir: a training run whose held-out questions (``predictions_<split>.jsonl``) become the tasks
-            ``ntl_run_<split>`` (tag ``ntl_run``), prompted as the run's own scorer prompts them.
-        max_new_tokens: those tasks' ``max_gen_toks`` (default: the run's ``eval.max_new_tokens``).
-    """
+    """Writes the task folder ``out_dir`` (data, YAMLs, ``utils.py``); returns the rows per data file."""
     data_dir = os.path.abspath(os.path.join(out_dir, "data"))
     os.makedirs(data_dir, exist_ok=True)
     counts: dict[str, int] = {}

@@ -1,21 +1,5 @@
-"""The ``ntl_numeracy`` tasks' data, written as JSONL from local files and seeded generators (nothing is
-downloaded).
-
-* ``gsm8k_test.jsonl`` / ``gsm8k_train.jsonl``: GSM8K (``question``, ``answer`` with ``#### <number>``)
-  copied from a local folder holding ``test.jsonl`` and ``train.jsonl`` or ``train.jsonl.gz`` (the
-  train split gives the few-shot examples);
-* ``arith_<op>_{test,train}.jsonl`` for ``add``, ``sub``, ``mul``, ``cmp``: the project's arithmetic
-  generator (:mod:`ntl_scale.data.arithmetic`), test questions from its held-out ``interpolate`` split
-  (never in any of its training splits), few-shot examples from ``train``; ``cmp`` asks which of two
-  close numbers is larger;
-* ``ppl_<slice>.jsonl`` for ``integers``, ``decimals``, ``dates``, ``amounts``: seeded sentences with
-  numbers of that format in prose (``text``), and ``ppl_<slice>_segments.jsonl``: each text cut into
-  number spans and the text between them (``context`` = everything before, ``segment``, ``kind``
-  ``number`` or ``text``). A number span is a run of digits, with ``. , / - :`` between digits.
-* ``run_<split>.jsonl``: a training run's held-out questions (``question``, ``answer``), read from its
-  ``predictions_<split>.jsonl``.
-
-Every file is a pure function of the seed and the sizes.
+"""The ``ntl_numeracy`` tasks' data as JSONL, from local files (GSM8K, a run's predictions) and seeded
+generators (arithmetic, number-format perplexity slices); nothing is downloaded.
 """
 
 from __future__ import annotations

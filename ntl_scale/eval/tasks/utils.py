@@ -1,16 +1,7 @@
 """Scoring of the ``ntl_numeracy`` lm-evaluation-harness tasks (``!function utils.<name>`` in their YAML).
 
-Standard library only: the rendered task folder carries a copy of this file, so the tasks run wherever
-lm-eval runs, with or without ``ntl_scale`` installed.
-
-Number rule (the same as :func:`ntl_scale.eval.numbers.extract_number`; a unit test holds them together):
-the text after a GSM8K ``####`` marker if there is one, else the whole text; in it the *last* number,
-where a number is an optional minus sign, digits with optional thousands separators (``1,234``), an
-optional decimal part and an optional denominator (``-29/5`` is -5.8). No number: unparsed.
-
-Per generated answer: ``exact_match`` (the parsed number equals the true one; unparsed counts as wrong),
-``parsed`` (a number was found), ``abs_error`` = |p - t| and ``rel_error`` = |p - t| / max(|t|, 1), the
-last two over parsed answers only (:func:`mean_parsed`; NaN when none parsed).
+Standard library only: the task folder carries a copy of this file. :func:`parse_number` is also the
+project's own rule (:func:`ntl_scale.eval.numbers.extract_number`).
 """
 
 from __future__ import annotations
@@ -61,9 +52,8 @@ def process_generation(doc: dict[str, Any], results: Sequence[str]) -> dict[str,
 
 
 def process_gold_bpb(doc: dict[str, Any], results: Sequence[tuple[float, bool]]) -> dict[str, tuple[float, int]]:
-    """Bits per byte of the gold answer given the question: ``(loglikelihood, UTF-8 bytes of the
-    target)`` pairs, summed over the task by the harness's ``bits_per_byte`` aggregation
-    (-sum ll / sum bytes / ln 2)."""
+    """Bits per byte of the gold answer given the question: ``(loglikelihood, UTF-8 bytes)`` for the harness's
+    ``bits_per_byte`` aggregation (-sum ll / sum bytes / ln 2)."""
     loglikelihood, _ = results[0]
     return {"bits_per_byte": (loglikelihood, len(gold_target(doc).encode("utf-8")))}
 
@@ -75,9 +65,8 @@ def gold_target(doc: dict[str, Any]) -> str:
 
 
 def process_segment(doc: dict[str, Any], results: Sequence[tuple[float, bool]]) -> dict[str, tuple[float, int]]:
-    """One segment of a perplexity-slice text (a number, or the text between numbers) given all the
-    text before it: its ``(loglikelihood, bytes)`` under ``bits_per_byte`` (every byte of the text)
-    and under ``number_bits_per_byte`` or ``text_bits_per_byte`` (its kind only)."""
+    """One segment (a number, or the text between numbers) given the text before it: its ``(loglikelihood,
+    bytes)`` under ``bits_per_byte`` and under ``number_bits_per_byte`` or ``text_bits_per_byte``."""
     loglikelihood, _ = results[0]
     pair = (loglikelihood, len(str(doc["segment"]).encode("utf-8")))
     return {"bits_per_byte": pair, f"{doc['kind']}_bits_per_byte": pair}

@@ -1,22 +1,8 @@
-"""DeepSpeed AutoTP (``launch/train.py``) with a vocabulary-parallel output layer: where NTL finds the shard,
-group and range.
+"""DeepSpeed AutoTP's vocabulary-parallel output layer (``vocab_parallel_lm_head``): the shard, group and
+range NTL runs on, the loss from the hidden states on it, and the head and weights gathered whole.
 
-With ``"tensor_parallel": {"autotp_size": N, "vocab_parallel_lm_head": true}`` DeepSpeed (0.18+)
-replaces a Hugging Face model's ``lm_head`` by a ``VocabParallelLinear``: each rank of a TP group
-holds rows ``[vocab_start_index, vocab_end_index)`` of the weight (uneven when N does not divide the
-vocabulary) and its output stays sharded. CE + NTL then runs on those local logits with ntl_scale's
-fused op over the layer's own group (two all-reduces per token, as Megatron's CE), or from the
-hidden states with :func:`install_vocab_parallel_loss_head`. DeepSpeed's own vocab-parallel CE,
-which it installs as ``model.loss_function``, is not called (the entry computes its loss itself).
-
-With ZeRO stage 3 (DeepSpeed >= 0.19.4) each rank's TP shard is further partitioned over the
-data-parallel ranks and gathered by ZeRO's hooks around each module's forward, the output layer's
-included, so the same functions apply: the head's ``forward`` replaced by
-:func:`install_vocab_parallel_loss_head` still runs inside those hooks (its weight is whole on
-entry), and :func:`gathered_weights` expects ZeRO's ``GatheredParameters`` to have gathered the
-data-parallel partitions first.
-
-``deepspeed`` is imported on first use.
+Under ZeRO-3 each TP shard is further partitioned and gathered by ZeRO's hooks around the forward, so the
+same functions apply. ``deepspeed`` is imported on first use.
 """
 
 from __future__ import annotations
@@ -59,13 +45,7 @@ def install_vocab_parallel_loss_head(
     shard: HeadShard, vocab: NumberVocab, options: NTLOptions, chunk_tokens: int | None = None
 ) -> None:
     """Makes AutoTP's vocabulary-sharded output layer compute the loss: ``head(hidden, targets)`` returns
-    per-token (CE, NTL, number mask, hit) from this rank's weight rows, chunk by chunk, without the logits.
-
-    The hidden states enter through DeepSpeed's column-parallel input op (identity forward, TP
-    all-reduce of their gradient in the backward), so the hidden-state gradient is the sum of every
-    shard's part; the weight gradient stays local. ``head(hidden)`` is the layer's own forward. Under
-    ``torch.no_grad()`` (held-out evaluation) the terms are ``options.for_evaluation()``'s (the plain CE).
-    """
+    per-token (CE, NTL, number mask, hit) from this rank's weight rows, chunk by chunk, without the logits."""
     from deepspeed.module_inject.layers import ColumnParallel
 
     head = shard.head
@@ -101,14 +81,7 @@ def full_logits(shard: HeadShard | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
-    """Every tensor-parallel layer holds its whole weight inside (to export a plain checkpoint).
-
-    A weight shared by two layers (tied embeddings: AutoTP's vocabulary-parallel embedding holds the
-    output layer's shard) is gathered once. Under ZeRO-3, enter
-    ``deepspeed.zero.GatheredParameters(list(model.parameters()))`` first (outside
-    this context): AutoTP's gather joins the TP shards of whole data-parallel partitions, and a
-    partitioned weight (an empty placeholder) is refused with a ValueError.
-    """
+    """Every tensor-parallel layer holds its whole weight inside (to export a plain checkpoint)."""
     from deepspeed.module_inject.layers import GatherReplacedLayerParams, TensorParallel_Layer
 
     seen: set[int] = set()  # a tied embedding shares the output layer's shard: gather that weight once

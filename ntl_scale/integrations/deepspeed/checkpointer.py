@@ -1,20 +1,6 @@
 """Checkpoints, resume and the run's status: ``run_dir/checkpoints`` and ``run_dir/status.json``.
 
-A :class:`Checkpointer` is built from the run directory, the run's layout and ``train.save_every``:
-
-- :meth:`~Checkpointer.plan` compares the layout with the one the checkpoints were written with
-  (:func:`~ntl_scale.integrations.deepspeed.resume_layout.plan_resume`): start, resume as written, or convert once to
-  DeepSpeed's universal format (rank 0, the others waiting) and re-partition;
-- :meth:`~Checkpointer.save` writes DeepSpeed's checkpoint ``step{N}`` with the step, the data position
-  and the CPU generator as client state, and each rank's generators (``rng_rank{r}.pt``,
-  :func:`~ntl_scale.integrations.deepspeed.resume_layout.save_rng`); ``latest`` moves last, after a barrier, so a crash
-  leaves it at the previous complete checkpoint;
-- :meth:`~Checkpointer.load` reads back what ``latest`` names;
-- :meth:`~Checkpointer.read_state` / :meth:`~Checkpointer.write_status`: ``running``, ``stopped``
-  (checkpointed early on a signal) or ``finished``, which batch scripts read and a restarted run obeys.
-
-Collectives: two barriers per save; one broadcast (the conversion's failure flag) per universal
-resume; one object broadcast per :meth:`~Checkpointer.read_state`.
+``latest`` moves last, after a barrier, so a crash leaves it at the previous complete checkpoint.
 """
 
 from __future__ import annotations
@@ -39,15 +25,7 @@ def _accelerator() -> Any:
 
 
 class Checkpointer:
-    """The checkpoints and status of one run directory.
-
-    Args:
-        run_dir: the run directory (checkpoints in ``run_dir/checkpoints``).
-        layout: how this run is split (data-parallel and tensor-parallel ranks, global batch).
-        save_every: steps between checkpoints (``train.save_every``; 0: only at the end).
-        rank: this process's global rank.
-        device: this rank's device (the conversion's failure flag is broadcast from it).
-    """
+    """The checkpoints and status of one run directory."""
 
     def __init__(self, run_dir: str, layout: Layout, *, save_every: int, rank: int, device: torch.device) -> None:
         self.run_dir = run_dir
@@ -58,9 +36,8 @@ class Checkpointer:
         self.resume: str | None = None
 
     def plan(self) -> str | None:
-        """How this run starts: None (no checkpoint), ``"same"`` or ``"universal"`` (written on another
-        number of ranks: rank 0 converts it to DeepSpeed's universal format now, the others wait). An
-        impossible change (another global batch) is a ValueError here, before any step."""
+        """How this run starts: None, ``"same"`` or ``"universal"`` (rank 0 converts the checkpoint now, the others
+        wait); another global batch is a ValueError here, before any step."""
         self.resume = plan_resume(self.dir, self.layout)
         if self.resume == "universal":  # written on another number of ranks: DeepSpeed re-partitions a universal copy
             if self.rank == 0:
@@ -105,9 +82,8 @@ class Checkpointer:
         return step, position
 
     def read_state(self) -> str:
-        """The ``state`` of ``status.json`` (``running``, ``stopped``, ``finished``) as rank 0 reads it;
-        every rank gets the same answer, or the same error. A run without one (written before status
-        files) counts as ``finished``."""
+        """The ``state`` of ``status.json`` (``running``, ``stopped``, ``finished``; none: ``finished``) as rank 0
+        reads it; every rank gets the same answer, or the same error."""
         state, error = "finished", None
         if self.rank == 0 and os.path.isfile(self.status_path):
             try:

@@ -1,14 +1,6 @@
 """Held-out evaluation of a run: loss and perplexity on held-out batches, answers generated and scored.
 
-:func:`heldout_micro_batches` deals this data-parallel rank its share of the held-out text: the first
-generation-evaluation split of a question/answer source, or ``data.eval_sequences`` packed sequences of
-a pretraining corpus. :class:`Evaluator` runs them forward only (every ``train.eval_every`` steps and at
-the end; the metrics of :func:`~ntl_scale.training.scoring.heldout_metrics`) and, at the end, the
-generation evaluation of ``eval`` (:func:`~ntl_scale.training.scoring.evaluate_generation`).
-
-Collectives: one SUM all-reduce of the held-out sums over the data-parallel group per evaluation; one
-object all-gather over it when the per-sequence sums are written; inside the model, ZeRO-3 gathers
-parameters in every forward, so every rank runs the same number of batches.
+Every data-parallel rank runs the same number of batches (ZeRO-3 gathers parameters in every forward).
 """
 
 from __future__ import annotations
@@ -35,12 +27,7 @@ __all__ = ["Evaluator", "heldout_micro_batches", "heldout_qa_batches"]
 def heldout_qa_batches(
     examples: list[Example], tokenizer: Any, *, kind: str, max_length: int, micro_batch_size: int, dp_rank: int, dp: int
 ) -> list[dict[str, torch.Tensor]]:
-    """This data-parallel rank's held-out micro-batches of question/answer examples (host tensors).
-
-    The examples are tokenised as in training (prompt masked); those longer than ``max_length`` are
-    left out. They are cut to a multiple of ``dp`` and dealt round-robin, so every rank runs the same
-    number of forward passes (ZeRO-3 gathers parameters collectively).
-    """
+    """This data-parallel rank's held-out micro-batches of question/answer examples (host tensors)."""
     input_ids, labels = encode_pairs(tokenizer, [e.question for e in examples], [e.answer for e in examples], kind=kind)
     rows = [EncodedExample(i, t) for i, t in zip(input_ids, labels) if fits(i, t, kind=kind, max_length=max_length)]
     rows = rows[: len(rows) - len(rows) % dp][dp_rank::dp]
@@ -74,20 +61,7 @@ def heldout_micro_batches(
 
 
 class Evaluator:
-    """Held-out loss and perplexity, and generation evaluation, of one run.
-
-    Args:
-        evaluation: the eval section (``max_new_tokens``, ``num_beams``, ``answer_until``).
-        data: the data section (``reverse_answers``, ``position_coupling``).
-        run_dir: where ``predictions_<split>.jsonl`` go.
-        engine: the model (forward terms, the data-parallel group).
-        inputs: device batches and coupled positions.
-        batches: this rank's held-out micro-batches (:func:`heldout_micro_batches`).
-        eval_splits: the generation-evaluation splits.
-        weight: ``ntl.weight`` (``eval/loss`` = CE + weight x NTL).
-        rank: this process's global rank (rank 0 writes the files).
-        world_size: all ranks (generation is synchronised when there are several).
-    """
+    """Held-out loss and perplexity, and generation evaluation, of one run."""
 
     def __init__(self, evaluation: EvalConfig, data: DataConfig, run_dir: str, *, engine: Engine, inputs: Inputs,
                  batches: list[dict[str, torch.Tensor]], eval_splits: dict[str, list[Example]], weight: float,
@@ -101,17 +75,7 @@ class Evaluator:
         self, batches: Iterable[dict[str, torch.Tensor]] | None = None, *, per_sequence: str | None = None
     ) -> dict[str, float]:
         """Loss, perplexity and number metrics on held-out micro-batches (this rank's share; default
-        :attr:`batches`), summed over every data-parallel rank.
-
-        Returns ``eval/<name>`` for each metric of :func:`~ntl_scale.training.scoring.heldout_metrics`:
-        ``ce``, ``ppl``, ``ntl``, ``loss`` (the training objective), ``number_acc``, and split by label
-        kind ``text_ppl`` (labels that are not number tokens) and ``number_token_ppl`` /
-        ``number_token_acc`` / ``number_token_mae`` (number-token labels; the MAE of the expected value
-        on the logits path only). ``per_sequence``: a file that rank 0 writes with every held-out
-        sequence's sums (JSON lines, by global sequence index: the paired tests of the study) and the
-        CRC-32 of its int64 labels (``labels_crc32``: runs pair only the same text). Every rank
-        must call it with the same number of batches (ZeRO-3 gathers parameters in each forward).
-        """
+        :attr:`batches`), summed over every data-parallel rank."""
         from ...training.scoring import HELDOUT_COLUMNS, heldout_metrics, sequence_stats
 
         engine = self.engine
@@ -140,9 +104,8 @@ class Evaluator:
         return {f"eval/{k}": v for k, v in metrics.items()}
 
     def write_sequence_stats(self, path: str, columns: tuple[str, ...], rows: list[list[float]]) -> None:
-        """Rank 0 writes every data-parallel rank's held-out sequence sums (named ``columns``) to
-        ``path``, ordered by the sequence's index in the held-out set (rank ``r``'s ``i``-th is sequence
-        ``r + dp * i``)."""
+        """Rank 0 writes every data-parallel rank's held-out sequence sums (named ``columns``) to ``path``, in
+        held-out order (rank ``r``'s ``i``-th is sequence ``r + dp * i``)."""
         dp = self.engine.dp
         shares = gathered((self.engine.dp_rank, rows), self.engine.dp_group, dp)
         if self.rank != 0:

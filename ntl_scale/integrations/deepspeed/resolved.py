@@ -1,17 +1,6 @@
-"""What a run derives from its config and from where it runs, kept apart from the config.
-
-The run config (``run_dir/config.json``) stays as the user gave it: ``train.bf16: null`` stays auto,
-``train.gradient_accumulation_steps`` stays what was written when ``train.global_batch_size`` derives
-the accumulation. What the run makes of it on this machine, this number of ranks and this checkpoint
-directory is a :class:`Resolved` record, saved beside the config as ``run_dir/resolved.json``:
-
-- the world: all ranks, tensor-parallel and data-parallel ranks (``world = tp x dp``);
-- the gradient-accumulation steps and the global batch (``micro_batch_size x accumulation x dp``);
-- bf16 on or off (auto: on for an accelerator with bf16, off on the CPU);
-- the DeepSpeed config as handed to ``deepspeed.initialize`` (``"auto"`` values filled by
-  :func:`resolve_deepspeed_config`; ``checkpoint.load_universal`` when the
-  run resumes on another layout);
-- how the run starts: from step 0, or resuming its checkpoint as written or re-partitioned.
+"""What a run derives from its config and from where it runs (``run_dir/resolved.json``): the world,
+the accumulation and global batch, bf16, the DeepSpeed JSON as handed to ``deepspeed.initialize`` and how
+the run starts. The config itself stays as the user gave it.
 """
 
 from __future__ import annotations
@@ -79,22 +68,7 @@ class Resolved:
 def resolve_deepspeed_config(
     ds: dict[str, Any], train: TrainConfig, world_size: int, *, bf16_default: bool = False
 ) -> dict[str, Any]:
-    """Fills DeepSpeed's ``"auto"`` values from the training config; a contradiction is an error.
-
-    With ``train.tensor_parallel_size`` N > 1 the JSON gets ``"tensor_parallel": {"autotp_size": N,
-    "vocab_parallel_lm_head": true}`` (with any ZeRO stage, 3 included) and the batch size counts
-    data-parallel ranks only.
-
-    Args:
-        ds: the DeepSpeed JSON as a dict.
-        train: the training section of the run config.
-        world_size: all ranks (data x tensor parallel).
-        bf16_default: what ``train.bf16: null`` (auto) means here: True on a GPU or other accelerator
-            with bf16, False on the CPU.
-
-    Returns:
-        A resolved copy.
-    """
+    """Fills DeepSpeed's ``"auto"`` values from the training config; a contradiction is an error."""
     ds = copy.deepcopy(ds)
     tp = train.tensor_parallel_size
     if world_size % tp:
@@ -169,20 +143,7 @@ def accelerator_has_bf16(device: torch.device) -> bool:
 
 def resolve_run(train: TrainConfig, world_size: int, *, bf16_default: bool) -> Resolved:
     """Resolves the DeepSpeed JSON ``train.deepspeed_config`` for ``world_size`` ranks; ``train`` is read,
-    never changed.
-
-    Args:
-        train: the training section of the run config.
-        world_size: all ranks (data x tensor parallel).
-        bf16_default: what ``train.bf16: null`` means here (:func:`accelerator_has_bf16`).
-
-    Returns:
-        The resolved record (``resume`` None: the checkpoint plan comes after).
-
-    Raises:
-        ValueError: a DeepSpeed value that contradicts the run config, or a tensor-parallel size that does
-            not divide the world (from :func:`resolve_deepspeed_config`).
-    """
+    never changed."""
     with open(train.deepspeed_config) as f:
         deepspeed = resolve_deepspeed_config(json.load(f), train, world_size, bf16_default=bf16_default)
     tp = train.tensor_parallel_size

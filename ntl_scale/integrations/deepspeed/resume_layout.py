@@ -1,21 +1,5 @@
-"""Where a DeepSpeed run resumes: as written, or on another number of ranks through a universal checkpoint.
-
-A run directory's ``checkpoints/layout.json`` records how its checkpoints were split (data-parallel and
-tensor-parallel ranks) and the global batch. :func:`plan_resume` compares it with the restarted job:
-
-- the same layout: DeepSpeed loads its own checkpoint;
-- another number of data-parallel or tensor-parallel ranks with the same global batch: the checkpoint
-  is converted once with DeepSpeed's ``ds_to_universal`` (:func:`to_universal`) and loaded with
-  ``"checkpoint": {"load_universal": true}``, which re-partitions the ZeRO optimizer state and the
-  AutoTP weight shards for the new layout;
-- another global batch: refused before any step (the run would not continue the same curve).
-
-Each rank also writes its random generators next to its shards (:func:`save_rng`, ``rng_rank{r}.pt``
-in the checkpoint's folder): the CPU generator, every device generator of the accelerator (CUDA's draw
-the dropout masks on GPUs), Python's and NumPy's. :func:`load_rng` restores them on the same layout;
-on another layout, or from a checkpoint written before these files, the CPU generator takes the client
-state's (rank 0's under ZeRO 1 and 2) and the device generators keep their seed from ``train.seed``, as
-before.
+"""Where a DeepSpeed run resumes: as written, or on another number of ranks through a universal checkpoint
+(the same global batch only), and every rank's random generators.
 """
 
 from __future__ import annotations
@@ -74,12 +58,9 @@ def read_layout(ckpt_dir: str) -> Layout | None:
 
 
 def plan_resume(ckpt_dir: str, now: Layout) -> str | None:
-    """How the job with layout ``now`` resumes from ``ckpt_dir``.
+    """How the job with layout ``now`` resumes from ``ckpt_dir``: None (from step 0), ``"same"`` or ``"universal"``.
 
-    Returns None (no checkpoint: start from step 0), ``"same"`` (load the checkpoint as written) or
-    ``"universal"`` (written on another number of ranks: convert with :func:`to_universal`, then load
-    with ``load_universal``). Raises ValueError, before any step, when the change cannot continue the
-    same run: another global batch, or an unrecorded one.
+    Another global batch, or an unrecorded one, is a ValueError before any step.
     """
     if not os.path.isfile(os.path.join(ckpt_dir, "latest")):
         return None
@@ -103,13 +84,7 @@ def plan_resume(ckpt_dir: str, now: Layout) -> str | None:
 
 
 def to_universal(ckpt_dir: str, workers: int = 1) -> str:
-    """Converts the checkpoint ``latest`` names into DeepSpeed's universal format; returns its tag.
-
-    Runs DeepSpeed's own converter (``python -m deepspeed.checkpoint.ds_to_universal``) once, into
-    ``<tag>_universal`` (written under a temporary name and renamed when complete, so an interrupted
-    conversion is redone, never half-read), and points ``latest_universal`` at it. Call it on one rank,
-    with the others waiting. The original checkpoint is left as it is.
-    """
+    """Converts the checkpoint ``latest`` names into DeepSpeed's universal format; returns its tag."""
     with open(os.path.join(ckpt_dir, "latest")) as f:
         tag = f.read().strip()
     universal = f"{tag}_universal"
@@ -140,9 +115,8 @@ def _device_generators(accelerator: Any) -> int:
 
 
 def rng_state(accelerator: Any) -> dict[str, Any]:
-    """This process's random generators: the CPU generator, each device generator of ``accelerator``
-    (DeepSpeed's ``get_accelerator()``; by device index), Python's ``random`` and NumPy's global
-    generator. Plain types and tensors only (``torch.load(weights_only=True)`` reads them back)."""
+    """This process's random generators (CPU, each device of ``accelerator``, Python's and NumPy's), as plain
+    types and tensors (``torch.load(weights_only=True)`` reads them back)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     return {
         "cpu": torch.get_rng_state(),
@@ -184,14 +158,7 @@ def save_rng(tag_dir: str, rank: int, accelerator: Any) -> None:
 
 def load_rng(tag_dir: str, rank: int, accelerator: Any, *, cpu_state: torch.Tensor, same_layout: bool) -> str | None:
     """Restores this rank's generators from the checkpoint in ``tag_dir``; returns a note for the log
-    when the resumed run's random draws are not exactly the interrupted run's.
-
-    - Same layout and ``rng_rank{rank}.pt`` present: every generator as :func:`save_rng` wrote it.
-    - Another layout (the ranks take other parts of each batch, so their draws cannot continue), or a
-      checkpoint written before per-rank states: as before them, the CPU generator is set to
-      ``cpu_state`` (the client state's: rank 0's under ZeRO 1 and 2, each rank's own under ZeRO-3) and
-      the device generators keep their seed from ``train.seed``.
-    """
+    when the resumed run's random draws are not exactly the interrupted run's."""
     path = os.path.join(tag_dir, RNG_FILE.format(rank=rank))
     if same_layout and os.path.isfile(path):
         return restore_rng(torch.load(path, weights_only=True), accelerator)

@@ -31,13 +31,7 @@ def global_counts(
     group: dist.ProcessGroup | None,
     options: NTLOptions | None = None,
 ) -> tuple[float, float]:
-    """Target tokens and NTL positions of a whole step: all micro-batches, all DP ranks (``group``).
-
-    :func:`ntl_scale.normalization.step_counts` (NTL positions of ``options``, the run's
-    :func:`ntl_options`; None counts number-token targets), read on the host: one SUM all-reduce of two
-    numbers over ``group``, computed from the labels before the forward, on the labels' device (NCCL
-    reduces device tensors only).
-    """
+    """Target tokens and NTL positions of a whole step: all micro-batches, all DP ranks (``group``)."""
     counts = step_counts(targets, vocab, options, group=group)
     return float(counts[0]), float(counts[1])
 
@@ -58,19 +52,8 @@ def loss_from_terms(
     """The loss to back-propagate for one micro-batch, and its logging sums, from its per-token terms (of
     the logits, of a vocabulary shard, or of the chunked loss: :meth:`.engine.Engine.forward_terms`).
 
-    ``global`` normalisation: ``(sum CE / N + w * sum NTL / K) * scale`` with ``N``, ``K`` the step's
-    global counts; ``scale`` undoes the engine's own averaging (gradient-accumulation steps x DP
-    size), so the optimizer sees exactly ``sum over the global batch / global count``.
-    ``micro-batch``: ``mean CE + w * mean NTL`` of this micro-batch (the engine averages those).
-
-    :func:`ntl_scale.normalization.objective` of the micro-batch's sums, over the step's ``counts``
-    (``global``, times ``scale``) or the micro-batch's own (``micro-batch``).
-
-    Returns the loss and its logging sums ``[ce_sum, ntl_sum, tokens, numbers, hits]`` as one float64
-    tensor on the loss's device: nothing is read on the host here, so a training step queues its
-    micro-batches without waiting for the device; the caller adds them up and reads them once per step.
-    ``ce_sum`` is the CE term without the z-loss (label-smoothed with ``ntl.label_smoothing``, as it is
-    optimised); the z-loss part is :func:`z_loss_sum`'s, logged apart.
+    Nothing is read on the host: the sums ``[ce_sum, ntl_sum, tokens, numbers, hits]`` come back as one float64
+    tensor for the caller to add up and read once per step (``ce_sum`` without the z-loss).
     """
     valid = targets != -100
     sums = micro_batch_sums(terms, valid)
@@ -87,9 +70,8 @@ def loss_from_terms(
 
 
 def z_loss_sum(terms: PerTokenTerms, targets: torch.Tensor, z_loss_weight: float) -> torch.Tensor:
-    """The z-loss part of a micro-batch's CE term, ``z_loss_weight * sum lse**2`` over its targets that are
-    not ignored (float64 0-d, detached, on the terms' device; no host read): what the training ``z_loss``
-    logs (per target token), apart from ``ce``."""
+    """The z-loss part of a micro-batch's CE term, ``z_loss_weight * sum lse**2`` over its targets (float64
+    0-d, detached, no host read): what the training ``z_loss`` logs."""
     if not z_loss_weight:
         return torch.zeros((), dtype=torch.float64, device=terms.ce.device)
     valid = (targets != -100).reshape(terms.lse.shape)

@@ -1,12 +1,4 @@
-"""Hugging Face route 3: a ``Trainer`` (or TRL ``SFTTrainer``) subclass with NTL and exact step normalisation.
-
-:func:`ntl_trainer_class` installs :class:`~ntl_scale.integrations.hf.loss.NTLCausalLMLoss` as the
-Trainer's ``compute_loss_func`` (or takes the model's ``apply_ntl_to_hf_model(chunked=True)`` loss) and counts the
-NTL positions of each optimizer step beside the Trainer's token count (:func:`count_step_numbers`).
-
-``transformers`` is imported on first use; without it :func:`ntl_trainer_class` raises an ImportError
-that names the extra to install (``pip install 'ntl_scale[hf]'``).
-"""
+"""A ``Trainer`` (or TRL ``SFTTrainer``) subclass with NTL and exact step normalisation."""
 
 from __future__ import annotations
 
@@ -23,14 +15,7 @@ __all__ = ["count_step_numbers", "ntl_trainer_class"]
 
 
 def count_step_numbers(loss: Any, samples: list[dict]) -> torch.Tensor:
-    """The NTL positions of one optimizer step's micro-batches on this process (float64 0-d, CPU).
-
-    What NTL's denominator counts (:func:`ntl_scale.ntl_positions`: number-token targets, or one per
-    number for ``loss="number"``), of the targets the loss sees: a collator's ``shift_labels``, or the
-    labels shifted as ``loss`` (an :class:`~ntl_scale.integrations.hf.loss.NTLCausalLMLoss`) shifts them.
-    :func:`ntl_scale.normalization.step_counts` without its collective: ``Trainer`` counts the tokens
-    and gathers the counts across processes itself.
-    """
+    """The NTL positions of one optimizer step's micro-batches on this process (float64 0-d, CPU)."""
     options = loss.options
     targets = []
     for batch in samples:
@@ -42,37 +27,17 @@ def count_step_numbers(loss: Any, samples: list[dict]) -> torch.Tensor:
 def ntl_trainer_class(base: Any = None) -> Any:
     """A ``transformers.Trainer`` (or TRL ``SFTTrainer``, ...) subclass that trains with ``CE + weight * NTL``.
 
-    ``Trainer`` counts the label tokens of each optimizer step (all accumulation micro-batches, and all
-    devices with ``average_tokens_across_devices``) and hands the count to the loss as
-    ``num_items_in_batch``; the subclass counts the number-token labels of the same step alongside,
-    with the same rules (the causal shift, a collator's ``shift_labels``, the division by the tensor,
-    context and sequence parallel sizes that see the same batch), and passes ``[tokens, numbers]``.
-    So CE is ``sum / step tokens`` and NTL ``sum / step number tokens``: the accumulation x device
-    split does not change the gradient.
-
-    The loss is installed as the Trainer's ``compute_loss_func`` (CE + NTL from the model's logits), so
-    ``Trainer.compute_loss`` and a subclass's additions run as they are: the Trainer's own scaling
-    across devices (``num_processes // tp_size``) and accumulation, TRL ``SFTTrainer``'s metrics
-    (which it then computes in an extra no-grad forward; its fused LM head gives no logits). With
-    ``causal=False`` (T5 and other encoder-decoders, whose built-in loss ignores
-    ``num_items_in_batch``) the labels are used as they are.
+    The Trainer's step token count goes to the loss with the step's NTL positions beside it, so CE is
+    ``sum / step tokens`` and NTL ``sum / step NTL positions`` whatever the accumulation x device split.
 
     Usage::
 
         NTLTrainer = ntl_trainer_class()            # or ntl_trainer_class(trl.SFTTrainer)
         trainer = NTLTrainer(model=model, args=args, train_dataset=ds, number_vocab=vocab, ntl_weight=0.3)
 
-    Args:
-        base: the Trainer class to extend (default ``transformers.Trainer``).
-
-    Returns:
-        The subclass; its constructor takes ``number_vocab``, ``ntl_weight`` (0.3), ``ntl_options``
-        (an :class:`ntl_scale.NTLOptions`) and ``causal`` (True: labels are shifted inside, as
-        Hugging Face causal LMs do) besides the usual Trainer arguments. Training logs gain ``ce``, ``ntl``,
-        ``number_accuracy`` and, with a z-loss, ``z_loss``: the means over all processes of the training
-        batches since the previous log (:meth:`~ntl_scale.integrations.hf.loss.NTLCausalLMLoss.pop_means`;
-        ``ce`` without the z-loss, label-smoothed as optimised). ``evaluate()`` adds ``eval_ce`` (the plain
-        CE), ``eval_ntl`` and ``eval_number_accuracy`` of its own batches (any ``metric_key_prefix``).
+    The constructor takes ``number_vocab``, ``ntl_weight`` (0.3), ``ntl_options`` and ``causal`` (True: labels
+    shifted inside; False for encoder-decoders) besides the Trainer's arguments. Logs gain ``ce``, ``ntl``,
+    ``number_accuracy`` (and ``z_loss``); ``evaluate()`` adds ``eval_ce``, ``eval_ntl``, ``eval_number_accuracy``.
     """
     transformers = require("transformers", "hf", "ntl_scale.integrations.hf.ntl_trainer_class")
     from .chunked import head_options

@@ -21,20 +21,7 @@ def number_vocab_from_pretrained(
     digit_level: bool = True,
     prefixed: bool = False,
 ) -> NumberVocab:
-    """Builds the number table of a local Hugging Face checkpoint or tokenizer directory.
-
-    The model's (possibly padded) vocabulary size is read from its ``config.json`` when the
-    directory has one, so the table matches the logits (e.g. Qwen: 151936 columns, 151665 tokens).
-
-    Args:
-        path: a local directory with the tokenizer files (and optionally ``config.json``).
-        vocab_size: override the model vocabulary size.
-        digit_level: exactly the ten ASCII digits (True) or multi-digit literals (False).
-        prefixed: include word-prefixed digits (``▁3``, ``Ġ3``, ``##3``).
-
-    Returns:
-        The table.
-    """
+    """Builds the number table of a local Hugging Face checkpoint or tokenizer directory."""
     transformers = require("transformers", "hf", "ntl_scale.integrations.hf")
     path = os.fspath(path)
     if not os.path.isdir(path):

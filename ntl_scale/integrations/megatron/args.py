@@ -1,15 +1,5 @@
-"""Megatron (both routes): the ``--ntl-*`` flags, the validated :class:`NTLSettings` and the number table.
-
-* :func:`add_ntl_args`: the ``--ntl-*`` argument group, for Megatron's ``extra_args_provider``, built
-  from the option spec (:func:`ntl_scale.options.option_fields`): one flag per option, the same
-  names, choices and meanings as the YAML keys, and the defaults the spec declares for Megatron;
-* :class:`NTLSettings`: the validated settings (``NTLSettings.from_args(args)``);
-* :func:`build_number_vocab`: the number table for Megatron's tokenizer (``inv_vocab``) and padded
-  vocabulary, or loaded from a saved JSON table;
-* :func:`ignored_megatron_flags`: the Megatron flags a run with NTL on does not use, each with what
-  runs instead (said once, by rank 0, when the NTL step is built).
-
-Nothing here imports Megatron.
+"""Megatron (both routes): the ``--ntl-*`` flags built from the option spec, the validated
+:class:`NTLSettings` and the number table. Nothing here imports Megatron.
 """
 
 from __future__ import annotations
@@ -45,21 +35,8 @@ class NTLSettings:
     """NTL settings of a Megatron run: the run-level fields below, then the variant fields of
     :class:`~ntl_scale.NTLOptions` (``loss``, ``squash_factor``, ``reweigh``, ``huber_delta``, ``float_level``,
     ``impl``, ``z_loss_weight``, ``label_smoothing``, ``logit_softcap``; added by
-    :func:`~ntl_scale.options.variant_fields`, documented there once).
-
-    Attributes:
-        weight: weight of the NTL term; 0 turns NTL off (the plain Megatron loss, bit for bit).
-        number_vocab: ``digits`` (the ten digit tokens: ``digit_level=True``), ``multi-digit``
-            (``digit_level=False``), or the path of a table saved with ``NumberVocab.save``.
-        normalization: ``micro-batch`` or ``global`` (see the module docstring).
-        chunked: compute CE + NTL from the hidden states and the output weight in token chunks,
-            never materialising the logits (``--ntl-chunked``).
-        chunk_tokens: tokens per chunk of the chunked route; None = the op's default.
-
-    The meaning of each is :mod:`ntl_scale.options`'s; the defaults are the spec's for Megatron
-    (:func:`~ntl_scale.options.surface_default`: ``weight`` 0 and ``normalization`` ``micro-batch``, so
-    adding the flags changes nothing until ``--ntl-weight`` is given).
-    """
+    :func:`~ntl_scale.options.variant_fields`, documented there once). Megatron's defaults (``weight`` 0,
+    ``micro-batch``) change nothing until ``--ntl-weight`` is given."""
 
     weight: float = surface_default("weight", "megatron")
     number_vocab: str = surface_default("digit_level", "megatron")
@@ -87,10 +64,7 @@ class NTLSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> NTLSettings:
-        """Reads the ``--ntl-*`` arguments of a parsed Megatron namespace (:func:`add_ntl_args`).
-
-        ``--ntl-weight`` must be there; a flag a hand-made parser lacks takes its default.
-        """
+        """Reads the ``--ntl-*`` arguments of a parsed Megatron namespace (:func:`add_ntl_args`)."""
         values = {"weight": args.ntl_weight}
         for option in option_fields():
             dest = _dest(option)
@@ -152,14 +126,7 @@ def _help(option: OptionField) -> str:
 
 
 def add_ntl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Adds the ``--ntl-*`` group; pass it as (or call it from) Megatron's ``extra_args_provider``.
-
-    Args:
-        parser: Megatron's argument parser.
-
-    Returns:
-        The same parser.
-    """
+    """Adds the ``--ntl-*`` group; pass it as (or call it from) Megatron's ``extra_args_provider``."""
     group = parser.add_argument_group("number token loss (ntl_scale)")
     weight_first = sorted(option_fields(), key=lambda option: option.name != "weight")
     for option in weight_first:
@@ -179,14 +146,7 @@ def add_ntl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def ignored_megatron_flags(args: Any) -> list[str]:
-    """Megatron flags set in ``args`` that have no effect with NTL on, one sentence each (flag and what runs instead).
-
-    Args:
-        args: Megatron's parsed arguments (read with ``getattr``: releases without a flag have nothing to say).
-
-    Returns:
-        The sentences, empty when nothing set is ignored.
-    """
+    """Megatron flags set in ``args`` that have no effect with NTL on, one sentence each."""
     notes = []
     if getattr(args, "cross_entropy_loss_fusion", False):
         impl = getattr(args, "cross_entropy_fusion_impl", None)
@@ -200,17 +160,7 @@ def ignored_megatron_flags(args: Any) -> list[str]:
 
 
 def build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size: int) -> NumberVocab:
-    """The number table for a Megatron run.
-
-    Args:
-        settings: the NTL settings.
-        tokenizer: Megatron's tokenizer (anything ``NumberVocab.from_tokenizer`` accepts, e.g. one
-            with ``inv_vocab``); unused when ``number_vocab`` is a path.
-        padded_vocab_size: Megatron's ``args.padded_vocab_size`` (the logits' global width).
-
-    Returns:
-        The table, sized to the padded vocabulary.
-    """
+    """The number table for a Megatron run."""
     vocab = _build_number_vocab(settings, tokenizer, padded_vocab_size)
     check_table(vocab, settings.options(), "megatron")  # a saved table of other tokens, refused before the first step
     return vocab
@@ -234,7 +184,7 @@ def _build_number_vocab(settings: NTLSettings, tokenizer: Any, padded_vocab_size
                 )
             else:
                 fix = (
-                    "Pass --ntl-number-vocab PATH with a table saved by `python -m ntl_scale.save_number_vocab "
+                    "Pass --ntl-number-vocab PATH with a table saved by `python launch/save_number_vocab.py "
                     "TOKENIZER --out PATH` or NumberVocab.from_tokenizer(...).save(PATH)"
                 )
             raise ValueError(

@@ -1,14 +1,6 @@
-"""torchtitan: CE + NTL as a torchtitan loss, a trainer that counts NTL positions per step, and configs.
-
-| module | what |
-|---|---|
-| `loss` | `NTLLoss`: a torchtitan `BaseLoss` (CE + NTL), with or without `ChunkedLossWrapper` |
-| `trainer` | `NTLTrainer`: torchtitan's `Trainer` plus the step's global NTL count and the `ce`/`ntl`/accuracy log |
-| `config_registry` | `python -m torchtitan.train --module ntl_scale.integrations.torchtitan --config <function>` |
-
-``torchtitan`` (0.3.0) is imported when this package is; ``import ntl_scale`` does not import it. Without
-it the import raises an ImportError that says how to install it beside the pinned torch
-(``docs/torchtitan.md``).
+"""torchtitan (0.3.0): ``loss`` (``NTLLoss``, a ``BaseLoss``), ``trainer`` (``NTLTrainer``: the step's NTL
+count and log) and ``config_registry`` (``--module ntl_scale.integrations.torchtitan``). Importing this
+package imports torchtitan; ``import ntl_scale`` does not.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""torchtitan configs with CE + NTL, for ``python -m torchtitan.train --module ntl_scale.integrations.torchtitan``.
-
-``--config <function>`` picks one of these.
-
-Each function returns an :class:`NTLTrainer.Config`: torchtitan's own llama3 config of the same name
-(model, optimizer, schedule, data, parallelism defaults) with the loss replaced by
-``ChunkedLossWrapper(NTLLoss)`` (or :class:`NTLLoss` alone for ``*_ntl_logits``). Every key can be
-overridden on the command line as usual (``--loss.loss-fn.weight 0.1``, ``--loss.num-chunks 4``).
-
-| function | model | NTL |
-|---|---|---|
-| ``llama3_debugmodel_ntl`` | llama3 ``debugmodel`` (6 layers, dim 256, vocab 2048) | WAS, weight 0.3, digits |
-| ``llama3_debugmodel_ntl_logits`` | the same, the loss on the full logits (no ``ChunkedLossWrapper``) | the same |
-| ``llama3_3b_ntl`` | Llama-3.2-3B (llama3 ``3B``: 28 layers, dim 3072, vocab 128256) | WAS, 0.3, 0-999, squash 10 |
-
-The number table is built from the tokenizer in ``hf_assets_path`` (or ``--loss.loss-fn.number-vocab``,
-a saved table). ``docs/torchtitan.md`` has the commands, the keys and what was tested.
+"""torchtitan configs with CE + NTL (``--module ntl_scale.integrations.torchtitan --config <function>``):
+torchtitan's llama3 config of the same name with the loss replaced by ``ChunkedLossWrapper(NTLLoss)`` (or
+:class:`NTLLoss` alone for ``*_ntl_logits``). docs/torchtitan.md has the commands.
 """
 
 from __future__ import annotations
@@ -33,14 +19,7 @@ __all__ = ["llama3_3b_ntl", "llama3_debugmodel_ntl", "llama3_debugmodel_ntl_logi
 
 
 def with_ntl(config: Trainer.Config, ntl: NTLLoss.Config | None = None, *, chunked: bool = True) -> NTLTrainer.Config:
-    """``config`` (any torchtitan ``Trainer.Config``) as an :class:`NTLTrainer.Config` whose loss is CE + NTL.
-
-    Args:
-        config: the torchtitan config to take everything else from.
-        ntl: the NTL options (default ``NTLLoss.Config()``); ``vocab_size`` is set to the model's.
-        chunked: wrap the loss in torchtitan's ``ChunkedLossWrapper`` (keeping ``config``'s ``num_chunks``
-            when it has one), as torchtitan's llama3 configs do.
-    """
+    """``config`` (any torchtitan ``Trainer.Config``) as an :class:`NTLTrainer.Config` whose loss is CE + NTL."""
     ntl = NTLLoss.Config() if ntl is None else ntl
     if ntl.vocab_size is None and config.model_spec is not None:
         ntl.vocab_size = decoder_vocab_size(config.model_spec)
@@ -63,14 +42,7 @@ def llama3_debugmodel_ntl_logits() -> NTLTrainer.Config:
 
 
 def llama3_3b_ntl() -> NTLTrainer.Config:
-    """The Llama-3.2-3B shape (torchtitan's llama3 ``3B``) with CE + NTL for Llama 3's tokenizer.
-
-    Llama 3 writes numbers in tokens of 1-3 digits, so the table holds the multi-digit tokens
-    (``digit_level=False``, values 0-999) and ``squash_factor=8`` maps the WAS distances onto 1-8 so that an
-    untrained model's NTL is the digit level's (docs/number_vocab.md, recipes; as the shipped Llama 3 configs).
-    Training settings are torchtitan's ``llama3_debugmodel``'s with the 3B model; set ``--hf_assets_path`` to
-    the Llama-3.2-3B tokenizer, the data, the batch and the parallelism for your cluster.
-    """
+    """The Llama-3.2-3B shape (torchtitan's llama3 ``3B``) with CE + NTL for Llama 3's tokenizer."""
     config = llama3.llama3_debugmodel()
     config.model_spec = llama3.model_registry("3B")
     return with_ntl(config, NTLLoss.Config(digit_level=False, squash_factor=8.0))

@@ -152,7 +152,7 @@ class NTLLoss(BaseLoss):
         number_vocab: str | None = None
         """As Megatron's ``--ntl-number-vocab`` (:func:`~ntl_scale.options.table_source`): ``digits``,
         ``multi-digit`` (the rule, built from the tokenizer) or a number table saved with ``NumberVocab.save`` /
-        ``python -m ntl_scale.save_number_vocab`` (JSON); None: the rule of ``digit_level``."""
+        ``python launch/save_number_vocab.py`` (JSON); None: the rule of ``digit_level``."""
         tokenizer_path: str | None = None
         """Without ``number_vocab``: a tokenizer directory (``tokenizer.json``) to build the table from; None
         under :class:`NTLTrainer`: the run's ``hf_assets_path``."""

@@ -1,25 +1,8 @@
 """torchtitan's ``Trainer`` with the step's global NTL count and the CE / NTL / accuracy log.
 
-:class:`NTLTrainer` changes two things of torchtitan's training step and nothing else:
-
-1. before the step, it reads the step's micro-batches from the data iterator (exactly those
-   torchtitan's ``train_step`` would read: accumulation steps x pipeline micro-batches), counts their
-   NTL positions (:func:`ntl_scale.ntl_counts`) and sums the count over the batch mesh with **one SUM
-   all-reduce of one float64** (torchtitan's ``dist_sum_tensor``, as for its ``global_valid_tokens``),
-   hands it to the loss (:meth:`NTLLoss.begin_step`) and runs torchtitan's own ``train_step`` on those
-   micro-batches;
-2. on logging steps it sums the loss's step metrics (``ce``, ``ntl``, number-token accuracy, and
-   ``z_loss`` when ``z_loss_weight > 0``) over the loss mesh (one all-reduce of three or four floats,
-   logging steps only) and logs them to torchtitan's metric loggers (TensorBoard / W&B) and to the
-   console. torchtitan 0.3.0's ``Trainer`` drops the metrics a loss returns, hence this. ``ce`` is the
-   training objective's CE term without the z-loss (label-smoothed when ``label_smoothing > 0``).
-
-torchtitan's ``Validator`` runs the same loss under ``torch.no_grad()``, where :class:`NTLLoss` computes the
-plain CE (:meth:`ntl_scale.NTLOptions.for_evaluation`): its ``validation_metrics/loss`` is the held-out CE;
-validation calls add nothing to the training metrics above.
-
-It also fills the loss config from the run before building: ``tokenizer_path`` from ``hf_assets_path``
-and ``vocab_size`` from the model, when they are not set.
+Before each step :class:`NTLTrainer` reads the step's micro-batches, counts their NTL positions (one SUM
+all-reduce over the batch mesh, as torchtitan's ``global_valid_tokens``) and hands the count to the loss;
+on logging steps it logs the loss's metrics, which torchtitan 0.3.0's ``Trainer`` drops.
 """
 
 from __future__ import annotations
@@ -103,9 +86,8 @@ class NTLTrainer(Trainer):
 
 
 def ntl_pieces(config: Trainer.Config) -> int:
-    """The equal pieces ``ChunkedLossWrapper`` cuts each sequence into before the loss sees them (1 without
-    it). ``loss="number"`` assembles numbers within a piece, so a number across a cut is two numbers, in
-    the loss and in the step's count ``K`` alike (as under Megatron's context parallelism)."""
+    """The equal pieces ``ChunkedLossWrapper`` cuts each sequence into (1 without it): ``loss="number"`` counts a
+    number across a cut as two, in the loss and in ``K`` alike (as under context parallelism)."""
     return config.loss.num_chunks if isinstance(config.loss, ChunkedLossWrapper.Config) else 1
 
 

@@ -1,7 +1,7 @@
 """The DeepMind mathematics data, generated offline by DeepMind's own generator.
 
-    python -m ntl_scale.data.deepmind --out data/mathematics_dataset-v1.0 --per-module 20000
-    python -m ntl_scale.data.deepmind --setup-only          # just build the generator's environment
+    python launch/deepmind_data.py --out data/mathematics_dataset-v1.0 --per-module 20000
+    python launch/deepmind_data.py --setup-only          # just build the generator's environment
 
 ``mathematics-dataset==1.0.1`` (PyPI) runs only with ``sympy==1.5.1`` and ``numpy<1.24``, which
 conflict with the training stack, so it gets its own virtual environment (``--venv``, built once with
@@ -33,14 +33,9 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = [
-    "ARITHMETIC_MODULES",
-    "PINS",
-    "SPLIT_FILES",
-    "default_venv",
-    "ensure_environment",
-    "generate_deepmind",
-]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout, for ntl_scale
+
+from ntl_scale.training.sources import SPLIT_FILES
 
 PINS = ("mathematics-dataset==1.0.1", "sympy==1.5.1", "numpy<1.24")
 """What the generator's environment installs (its own requirements, nothing else)."""
@@ -56,14 +51,6 @@ ARITHMETIC_MODULES = (
 )
 """The arithmetic modules whose answers are numbers (``add_or_sub_in_base`` and ``simplify_surd``
 answer with other bases and surds)."""
-
-SPLIT_FILES = {
-    "train": "arithmetic_train.txt",
-    "val": "arithmetic_val.txt",
-    "interpolate": "arithmetic_test_interpolate.txt",
-    "extrapolate": "arithmetic_test_extrapolate.txt",
-}
-"""The arithmetic subset's file names, by split."""
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_deepmind_worker.py")
 _LEVELS = ("train-easy", "train-medium", "train-hard")
@@ -86,12 +73,7 @@ def _works(venv: str) -> bool:
 
 
 def ensure_environment(venv: str | None = None, *, python: str | None = None) -> str:
-    """Builds the generator's virtual environment unless it already works; returns its interpreter.
-
-    Args:
-        venv: where (default :func:`default_venv`).
-        python: the interpreter that creates it (default: this one; the generator needs 3.7-3.11).
-    """
+    """Builds the generator's virtual environment unless it already works; returns its interpreter."""
     venv = os.path.abspath(venv or default_venv())
     if _works(venv):
         return _python(venv)
@@ -164,22 +146,7 @@ def generate_deepmind(
     val_fraction: float = 0.01,
     venv: str | None = None,
 ) -> dict[str, Any]:
-    """Generates the released layout and the arithmetic subset into ``out`` (see the module docstring).
-
-    Args:
-        out: the output folder (must not exist, or hold a generation with the same settings).
-        modules: generator module names, e.g. ``arithmetic__mul`` (its extrapolation variant,
-            ``arithmetic__mul_big``, comes with it).
-        per_module: questions per module in each of ``train-easy``, ``train-medium``, ``train-hard``.
-        per_test_module: questions per module in ``interpolate`` and ``extrapolate`` (default:
-            ``min(per_module, 10000)``, the released test size).
-        seed: fixes every file.
-        val_fraction: share of the arithmetic training questions held out as ``arithmetic_val.txt``.
-        venv: the generator's environment (built if missing).
-
-    Returns:
-        The settings and the sizes of the arithmetic subset's splits (also in ``out/generation.json``).
-    """
+    """Generates the released layout and the arithmetic subset into ``out`` (see the module docstring)."""
     modules = [m.strip() for m in modules if m.strip()]
     if not modules:
         raise ValueError("modules is empty; name at least one, e.g. arithmetic__add_or_sub")

@@ -1,14 +1,6 @@
 """Runs inside the generator's own environment (``mathematics-dataset==1.0.1``, ``sympy==1.5.1``,
-``numpy<1.24``): writes DeepMind's released file layout with a fixed seed.
-
-Not imported by ntl_scale (it needs neither torch nor ntl_scale); ``ntl_scale.data.deepmind`` runs it
-as a script with the environment's interpreter::
-
-    VENV/bin/python _deepmind_worker.py --out DIR --modules arithmetic__add_or_sub,... --per-module N \\
-        --per-test-module M --seed S
-
-Each (split, module) file is generated from its own seed, derived from ``S`` and the two names, so a
-file does not depend on which other modules are generated with it.
+``numpy<1.24``), run by ``launch/deepmind_data.py``: writes DeepMind's file layout, each (split, module) file
+from its own seed.
 """
 
 import argparse

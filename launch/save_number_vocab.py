@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m ntl_scale.save_number_vocab path/to/tokenizer_or_checkpoint --out numbers.json [--multi-digit]
+    python launch/save_number_vocab.py path/to/tokenizer_or_checkpoint --out numbers.json [--multi-digit]
 
 It prints the tokenizer's number-token census (digits, multi-digit number tokens, what the table leaves
 out) and the recipe for its family, and refuses the default digit table where that leaves out most number
@@ -30,7 +30,7 @@ def _tokenizer(path: str) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m ntl_scale.save_number_vocab TOKENIZER --out numbers.json``: save a table for training ranks.
+    """``python launch/save_number_vocab.py TOKENIZER --out numbers.json``: save a table for training ranks.
 
     ``TOKENIZER`` is a local Hugging Face tokenizer or checkpoint directory (its ``config.json``
     gives the padded vocabulary size) or a SentencePiece ``.model`` file. The saved table is what
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m ntl_scale.save_number_vocab", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python launch/save_number_vocab.py", description=main.__doc__)
     parser.add_argument("tokenizer", help="a local Hugging Face tokenizer/checkpoint directory or a .model file")
     parser.add_argument("--out", required=True, help="where to write the JSON table")
     parser.add_argument("--vocab-size", type=int, default=None, help="the model's padded vocabulary size")
