@@ -174,7 +174,7 @@ class NTLCausalLMLoss:
         own = self.framework_loss or _for_causal_lm_loss()
         one = torch.ones((), device=logits.device)  # num_items_in_batch 1: the framework's CE sum
         ce_sum = own(logits, None, logits.shape[-1], num_items_in_batch=one, ignore_index=ignore_index,
-                     shift_labels=targets, **kwargs)  # fmt: skip
+                     shift_labels=targets.contiguous(), **kwargs)  # fmt: skip
         if self._ce_only:
             return ce_sum
         terms = per_token_ce_ntl(logits, targets, self.vocab, options, need_ce=False)
