@@ -75,7 +75,7 @@ class NTLSettings:
                 f"{flags}: these apply to the NTL loss, which --ntl-weight 0 leaves off (Megatron's own CE runs "
                 "then, without them): give --ntl-weight > 0, or drop those flags"
             )
-        if self.chunked and self.ce_kernel == "framework":
+        if self.chunked and options.ce_kernel == "framework":
             raise ValueError(
                 "--ntl-chunked computes ntl_scale's CE from the hidden states; --ntl-ce-kernel framework runs "
                 "Megatron's CE on the logits: drop one of them"

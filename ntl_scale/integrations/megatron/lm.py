@@ -766,7 +766,7 @@ def _check_te_cross_entropy(settings: NTLSettings, args: Any) -> None:
     import importlib.util
 
     te = getattr(args, "cross_entropy_loss_fusion", False) and getattr(args, "cross_entropy_fusion_impl", None) == "te"
-    if settings.ce_kernel == "framework" and te and importlib.util.find_spec("transformer_engine") is None:
+    if settings.options().ce_kernel == "framework" and te and importlib.util.find_spec("transformer_engine") is None:
         raise ValueError(
             "--ntl-ce-kernel framework with --cross-entropy-loss-fusion --cross-entropy-fusion-impl te runs "
             "Transformer Engine's CE, which is not installed: install transformer_engine, or use "
