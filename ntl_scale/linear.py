@@ -269,6 +269,7 @@ def linear_ce_with_ntl(
     z_loss_weight: float = 0.0,
     label_smoothing: float = 0.0,
     logit_softcap: float | None = None,
+    vocab_start: int | None = None,
 ) -> CENTLOutput:
     """:func:`ntl_scale.ce_with_ntl` from hidden states and the output weight, without the logits.
 
@@ -294,6 +295,7 @@ def linear_ce_with_ntl(
         check_finite=check_finite,
         chunk_tokens=chunk_tokens,
         token_weights=loss_weights,
+        vocab_start=vocab_start,
         proportional_grad=reduction in ("mean", "sum") and not reweigh,
     )
     return combine_terms(terms, labels, vocab, options, ntl_weight, loss_weights, reduction)
