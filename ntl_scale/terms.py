@@ -49,14 +49,18 @@ class PerTokenTerms(NamedTuple):
     Attributes:
         ce: the CE term (0 where ignored): cross entropy, label-smoothed with
             ``options.label_smoothing``, plus the z-loss ``options.z_loss_weight * lse**2`` (the part of
-            the objective CE's reduction weighs; CE alone is ``ce - z_loss_weight * lse**2``).
+            the objective CE's reduction weighs; CE alone is ``ce - z_loss_weight * lse**2``). 0 with
+            ``need_ce=False``.
         ntl: NTL (0 where ``number_mask`` is False).
         number_mask: positions that carry NTL.
-        hit: the label is the arg-max over the whole vocabulary (for token accuracy; False when
-            CE was not computed).
+        hit: the label is the arg-max over the whole vocabulary (token and number accuracy); False with
+            ``need_ce=False``, where the whole vocabulary is not read: number accuracy is not available there.
         lse: the log-sum-exp of the (soft-capped) logits over the whole vocabulary, per token, at every
             position (ignored ones included; 0 when CE was not computed): what the z-loss squares, for
             logging; differentiable.
+        number_choice_hit: with ``need_ce=False`` only (False otherwise): the label is the arg-max among the
+            number columns alone, on ``number_mask``. Not number accuracy: a token outside the numbers may
+            still have the larger logit.
     """
 
     ce: torch.Tensor
@@ -64,6 +68,7 @@ class PerTokenTerms(NamedTuple):
     number_mask: torch.Tensor
     hit: torch.Tensor
     lse: torch.Tensor
+    number_choice_hit: torch.Tensor
 
 
 def per_token_ce_ntl(
@@ -78,11 +83,15 @@ def per_token_ce_ntl(
     chunk_tokens: int | None = None,
     need_ce: bool = True,
     vocab_start: int | None = None,
+    lse: torch.Tensor | None = None,
 ) -> PerTokenTerms:
     """:func:`ntl_scale.vocab_parallel_ce_ntl` with the variant as one :class:`NTLOptions`, plus the arg-max hit.
 
-    The form for integrations. ``need_ce=False`` skips the full-vocabulary softmax when neither CE
-    nor reweighing needs it (``ce`` and ``hit`` are then 0). ``vocab_start``: see
+    The form for integrations. ``need_ce=False``: NTL alone, beside a CE computed elsewhere (``ce`` and
+    ``hit`` are 0; ``number_choice_hit`` is filled); only the number columns are read, unless reweighing
+    needs the whole vocabulary's log-sum-exp and ``lse`` (``[...]`` like the labels, of the soft-capped
+    logits: what the CE kernel returns, or ``torch.logsumexp``) is not given. A differentiable ``lse`` carries
+    the reweighing's gradient on the other columns; a detached one drops it. ``vocab_start``: see
     :func:`ntl_scale.vocab_parallel_ce_ntl`. ``options.impl`` picks the code of the fused op
     (``auto``, ``torch`` or ``triton``; ``docs/kernels.md``).
 
@@ -109,19 +118,21 @@ def per_token_ce_ntl(
             f"got {logits_shard.dtype}; use inplace=False for half-precision logits"
         )
     check_float_level(vocab, options)
+    if lse is not None:  # read only by reweighing (the number mass)
+        lse = check_lse(lse, labels, need_ce) if options.reweigh or need_ce else None
     shape = labels.shape
     width = logits_shard.shape[-1]
     dtype = compute_dtype(logits_shard.dtype)
     flat_labels = labels.reshape(-1)
     inputs, row = shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
-    need_full = need_ce or options.reweigh
+    need_full = need_ce or (options.reweigh and lse is None)
     # NTL alone takes the logits as they are: its gradient comes back in their shape, not through a view
     flat = logits_shard.reshape(-1, width) if need_full else logits_shard
-    if options.logit_softcap is not None:
+    if options.logit_softcap is not None and need_full:
         # elementwise, before everything (CE, z-loss and NTL see the capped logits); autograd's tanh
         # backward is the factor 1 - tanh^2. A new tensor: the caller's logits are not overwritten.
         flat, inplace = soft_cap(flat, options.logit_softcap), False
-    ce, expect, mass, hit, lse = fused_shard_stats(
+    ce, expect, mass, hit, lse_out = fused_shard_stats(
         flat,
         inputs,
         need_full=need_full,
@@ -131,8 +142,26 @@ def per_token_ce_ntl(
         chunk_tokens=chunk_tokens,
         impl=options.impl,
         features=options.ce_features,
+        cap=None if need_full else options.logit_softcap,
+        lse=lse,
     )
-    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse)
+    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse_out, need_full)
+
+
+def check_lse(lse: object, labels: torch.Tensor, need_ce: bool) -> torch.Tensor:
+    """The caller's per-token log-sum-exp for NTL alone, flattened; a ValueError when it cannot serve."""
+    if need_ce:
+        raise ValueError("lse= is for NTL alone (need_ce=False), where the CE kernel beside it returns it; drop lse=")
+    if is_dtensor(lse):
+        raise ValueError("lse is a DTensor; pass lse.full_tensor(), the per-token log-sum-exp as a plain tensor")
+    if not isinstance(lse, torch.Tensor) or not torch.is_floating_point(lse) or lse.shape != labels.shape:
+        shape = tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__
+        raise ValueError(
+            f"lse must be a floating-point tensor shaped like the labels {tuple(labels.shape)}, got {shape}: the "
+            "log-sum-exp of every token's (soft-capped) logits over the whole vocabulary (torch.logsumexp(logits, "
+            "-1), or the lse a CE kernel returns)"
+        )
+    return lse.reshape(-1)
 
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
@@ -185,11 +214,14 @@ def terms_from_stats(
     vocab: NumberVocab,
     options: NTLOptions,
     lse: torch.Tensor | None = None,
+    need_full: bool = True,
 ) -> PerTokenTerms:
     """Per-token CE and the NTL variant from the fused per-token statistics (logits or hidden states).
 
     With ``options.z_loss_weight`` the z-loss ``z_loss_weight * lse**2`` is added to CE on the valid
-    positions (``lse``: the fused op's per-token log-sum-exp, required then).
+    positions (``lse``: the fused op's per-token log-sum-exp, required then). ``need_full``: whether the op
+    read the whole vocabulary; if not, its ``hit`` is the arg-max among the number columns
+    (``number_choice_hit``).
     """
     loss, reweigh, dtype = options.loss, options.reweigh, ce.dtype
     is_number = row >= 0
@@ -221,7 +253,11 @@ def terms_from_stats(
             raise ValueError("internal: z_loss_weight needs the fused op's per-token log-sum-exp")
         ce = ce + torch.where(inputs.valid, options.z_loss_weight * lse.square(), zero)
     lse = torch.zeros_like(ce) if lse is None else lse
-    return PerTokenTerms(ce.view(shape), ntl.view(shape), mask.view(shape), hit.view(shape), lse.view(shape))
+    choice = hit & mask if not need_full else torch.zeros_like(mask)
+    hit = hit if need_full else torch.zeros_like(mask)
+    return PerTokenTerms(
+        ce.view(shape), ntl.view(shape), mask.view(shape), hit.view(shape), lse.view(shape), choice.view(shape)
+    )
 
 
 def shard_start(vocab_start: int | None, tp_rank: int, width: int) -> int:
