@@ -3,7 +3,8 @@
 The framework's CE runs as it is; NTL comes from :func:`ntl_scale.per_token_ce_ntl` with ``need_ce=False``
 (the number columns only). :func:`beside` puts the framework's per-token CE into those terms, so the
 normalisation (:mod:`ntl_scale.normalization`) and the logs stay the same code. The full-vocabulary arg-max
-is the framework's: ``hit`` stays False and a stack without the full logits logs no ``number_accuracy``.
+is inside the framework's kernel: unless a stack passes it, ``hit`` carries the arg-max among the number
+columns (``number_choice_hit``), which the stacks log as number *choice* accuracy (:data:`CHOICE`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import torch
 from ..options import NTLOptions
 from ..terms import PerTokenTerms
 
-__all__ = ["beside", "framework_ce"]
+__all__ = ["CHOICE", "beside", "framework_ce"]
+
+CHOICE = "number_choice_accuracy"
+"""The share of NTL positions whose label is the arg-max among the number columns (not number accuracy: a token
+outside the numbers may have the larger logit); logged in its place with ``ce_kernel="framework"``."""
 
 
 def framework_ce(options: NTLOptions) -> bool:
@@ -22,7 +27,7 @@ def framework_ce(options: NTLOptions) -> bool:
 
 
 def beside(ce: torch.Tensor, ntl: PerTokenTerms, hit: torch.Tensor | None = None) -> PerTokenTerms:
-    """``ntl`` (terms of ``need_ce=False``) with the framework's per-token CE ``ce`` (0 where ignored) and, where
-    a stack has the full logits at hand, the arg-max ``hit``; reshaped to the terms' shape."""
+    """``ntl`` (terms of ``need_ce=False``) with the framework's per-token CE ``ce`` (0 where ignored) and as
+    ``hit`` the full arg-max where a stack has the logits at hand, else ``number_choice_hit``."""
     shape = ntl.ntl.shape
-    return ntl._replace(ce=ce.reshape(shape), hit=ntl.hit if hit is None else hit.reshape(shape))
+    return ntl._replace(ce=ce.reshape(shape), hit=ntl.number_choice_hit if hit is None else hit.reshape(shape))

@@ -108,10 +108,10 @@ def test_framework_ce_kernel_steps_as_the_fused_op(results):
         torch.testing.assert_close(run["weights"], fused["weights"], atol=tol, rtol=tol)
         log, want = next(entry for entry in run["logs"] if "loss" in entry), run["reference"]
         assert abs(log["ce"] - want["ce"]) < 1e-5 and abs(log["ntl"] - want["ntl"]) < 1e-5, (kind, log, want)
-        assert "number_accuracy" not in log, log
+        assert "number_accuracy" not in log and 0 <= log["number_choice_accuracy"] <= 1, log
     metrics, want = results[1, "trainer-framework", 1, 4]["evaluation"].values()
     assert abs(metrics["eval_ce"] - want["ce"]) < 1e-5 and abs(metrics["eval_ntl"] - want["ntl"]) < 1e-5, metrics
-    assert "eval_number_accuracy" not in metrics, metrics
+    assert "eval_number_accuracy" not in metrics and "eval_number_choice_accuracy" in metrics, metrics
 
 
 def test_sft_trainer_keeps_its_metrics(results):

@@ -287,13 +287,16 @@ def test_chunked_route_matches_logits_route(tag, tmp_path, shared):
     # --ntl-ce-kernel framework: Megatron's own fused CE (--cross-entropy-loss-fusion, native) runs, NTL beside it
     # from the logits shard. Step 1 (the same weights): the fused op's losses (1e-6); Megatron's native kernel returns
     # its CE gradient in bfloat16, so the gradient norms and the later steps agree to that rounding (1e-3). No number
-    # accuracy, nothing ignored.
+    # accuracy (the arg-max among
+    # the number columns is logged as number choice accuracy), nothing ignored.
     framework = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-ce-kernel", "framework"], nproc=2, workdir=tmp_path))
     for key in ("lm loss", "ntl loss"):
         _close({1: framework.losses(key)[1]}, {1: logits.losses(key)[1]}, 1e-6)
         _close(framework.losses(key), logits.losses(key), 1e-3)
     _close(framework.grad_norms(), logits.grad_norms(), 1e-3)
     assert "number accuracy" not in framework.trace[0]["losses"] and "is ignored" not in framework.output
+    choice = framework.losses("number choice accuracy")
+    assert choice.keys() == logits.losses().keys() and all(0 <= v <= 1 for v in choice.values()), choice
 
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)

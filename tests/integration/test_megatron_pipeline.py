@@ -336,6 +336,11 @@ def _framework_worker(ctx: WorkerContext) -> None:
         for key in ("lm loss", "ntl loss"):
             torch.testing.assert_close(got_report[key], want_report[key], atol=1e-5, rtol=1e-5)
         assert "number accuracy" not in got_report and "number accuracy" in want_report
+        choice = got_report["number choice accuracy"]  # the arg-max among the number columns, from the full logits
+        number_ids = vocab.ids.clone()
+        picked = number_ids[full[..., number_ids].argmax(-1)]
+        numbers = torch.isin(labels, number_ids).float() * mask
+        torch.testing.assert_close(choice, torch.stack([((picked == labels) * numbers).sum(), numbers.sum()]))
     inputs = (tokens, torch.arange(SEQ).unsqueeze(0).expand(SEQUENCES, SEQ), torch.ones(1, 1, SEQ, SEQ).tril() < 0.5)
     ours = tiny_gpt(VOCAB, SEQ, tp=2, pp=1, model_class=NTLGPTModel)
     theirs = tiny_gpt(VOCAB, SEQ, tp=2, pp=1, model_class=NTLGPTModel)

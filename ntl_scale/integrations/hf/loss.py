@@ -49,7 +49,7 @@ from ...number_vocab import NumberVocab
 from ...options import NTLOptions, check_chunk_route, check_option
 from ...reductions import CENTLOutput
 from ...terms import PerTokenTerms, per_token_ce_ntl
-from ..beside import framework_ce
+from ..beside import CHOICE, framework_ce
 
 __all__ = [
     "TOTALS",
@@ -206,6 +206,8 @@ class NTLCausalLMLoss:
         (``ce_kernel="framework"``), in place of the terms' CE.
         """
         valid = targets != ignore_index
+        if ce_sum is not None:  # the arg-max among the number columns (the full one is the framework's)
+            terms = terms._replace(hit=terms.number_choice_hit)
         sums = micro_batch_sums(terms, valid)
         if ce_sum is not None:
             sums = sums._replace(ce=ce_sum.to(sums.ntl.dtype))
@@ -243,7 +245,8 @@ class NTLCausalLMLoss:
         (label-smoothed with ``label_smoothing``), in evaluation the plain CE. ``z_loss`` is the mean of
         ``z_loss_weight * logsumexp**2`` over the same tokens (the objective's CE term is ``ce + z_loss``).
         ``ntl`` is the mean NTL per NTL position; ``number_accuracy`` the share of NTL positions whose label
-        is the arg-max over the whole vocabulary (not with ``ce_kernel="framework"``). A mean whose count is 0
+        is the arg-max over the whole vocabulary (``ce_kernel="framework"``: :data:`~..beside.CHOICE`, the arg-max
+        among the number columns). A mean whose count is 0
         (no label token, no NTL position since the last call) is left out.
 
         Args:
@@ -262,8 +265,7 @@ class NTLCausalLMLoss:
                 means["z_loss"] = z_sum / tokens
         if numbers:
             means["ntl"] = ntl_sum / numbers
-            if not framework_ce(self.options):  # the full arg-max is the framework's kernel's there
-                means["number_accuracy"] = hits / numbers
+            means[CHOICE if framework_ce(self.options) else "number_accuracy"] = hits / numbers
         return means
 
 

@@ -296,8 +296,9 @@ def make_loss_func(
             "lm loss": torch.stack([(ce * loss_mask.to(ce.dtype)).sum(), num_tokens]).detach(),
             "ntl loss": torch.stack([ntl_sum, num_numbers]).detach(),
         }
-        if not framework_ce(run_options):  # the full arg-max is Megatron's kernel's there
-            report["number accuracy"] = torch.stack([hits, num_numbers]).detach()
+        # beside Megatron's own CE the full arg-max is inside its kernel: the arg-max among the number columns
+        accuracy = "number choice accuracy" if framework_ce(run_options) else "number accuracy"
+        report[accuracy] = torch.stack([hits, num_numbers]).detach()
         if run_options.z_loss_weight:
             report["z loss"] = torch.stack([z_sum, num_tokens]).detach()
         return loss, n, report

@@ -184,7 +184,8 @@ class NTLStats:
 
     ntl_sum: torch.Tensor
     numbers: torch.Tensor
-    hits: torch.Tensor | None
+    hits: torch.Tensor
+    choice: bool = False
     z_sum: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
 
@@ -396,7 +397,8 @@ class GPTModelNTL:
             self._stats = NTLStats(
                 ntl_sum=sums.ntl.detach(),
                 numbers=sums.numbers.detach(),
-                hits=None if framework_ce(options) else sums.hits.detach(),
+                hits=sums.hits.detach(),
+                choice=framework_ce(options),
                 z_sum=z_sum if with_z else None,
                 tokens=sums.tokens.detach() if with_z else None,
             )
@@ -690,7 +692,7 @@ class _ReportNTL:
         loss, num_tokens, report = outputs
         s = self.stats
         ntl = torch.stack([s.ntl_sum, s.numbers])
-        hits = torch.stack([s.hits if s.hits is not None else s.numbers, s.numbers])
+        hits = torch.stack([s.hits, s.numbers])
         if self.numbers_in_step is not None:
             # A step without number tokens reports [0, 1]: Megatron's sum / count is then 0, not 0 / 0
             # (a NaN that would poison the whole log interval). No host sync: a device-side select.
@@ -699,8 +701,8 @@ class _ReportNTL:
             ntl, hits = torch.where(empty, zero_one, ntl), torch.where(empty, zero_one, hits)
         report = dict(report)
         report["ntl loss"] = ntl.float()
-        if s.hits is not None:  # the full arg-max: not seen beside Megatron's own CE
-            report["number accuracy"] = hits.float()
+        # beside Megatron's own CE the full arg-max is inside its kernel: the arg-max among the number columns
+        report["number choice accuracy" if s.choice else "number accuracy"] = hits.float()
         if s.z_sum is not None and s.tokens is not None:  # training with a z-loss: its mean over the CE tokens
             report["z loss"] = torch.stack([s.z_sum, s.tokens]).float()
         return loss, num_tokens, report

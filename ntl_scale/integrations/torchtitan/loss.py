@@ -178,7 +178,8 @@ class NTLLoss(BaseLoss):
         self.framework = framework_ce(self.options)
         """``ce_kernel="framework"``: torchtitan's own CE computes the loss's CE, NTL is added beside it (the
         number columns only, with gradient); no ``number_accuracy`` (the full arg-max is not seen)."""
-        metrics = tuple(m for m in METRICS if not (self.framework and m == METRICS[2]))
+        choice = "loss_metrics/number_choice_accuracy_mean"  # the arg-max among the number columns
+        metrics = tuple(choice if self.framework and m == METRICS[2] else m for m in METRICS)
         self.metric_names = metrics + ((Z_LOSS_METRIC,) if self.options.z_loss_weight else ())
         """The names of the training metrics (:meth:`step_metrics`): :data:`METRICS`, then the z-loss if on."""
         self.vocab = number_table(config)
@@ -328,6 +329,8 @@ class NTLLoss(BaseLoss):
             chunk_tokens=self.config.chunk_tokens,
             need_ce=not self.framework,
         )
+        if self.framework:  # the arg-max among the number columns (the full one is torchtitan's CE's)
+            terms = terms._replace(hit=terms.number_choice_hit)
         mask = labels != options.ignore_index
         z_sum = None
         if options.z_loss_weight:
@@ -354,9 +357,7 @@ class NTLLoss(BaseLoss):
         loss = objective(sums, counts, self.weight)  # weight 0: torchtitan's CE / global_valid_tokens, bit for bit
         logged_ce = ce_sum.detach() if z_sum is None else ce_sum.detach() - z_sum
         ce, ntl = means(sums._replace(ce=logged_ce), counts)
-        values = [ce, ntl.detach()]
-        if not self.framework:  # the full arg-max: torchtitan's CE sees it there, not this loss
-            values.append(means(sums._replace(ntl=sums.hits), counts)[1].detach())
+        values = [ce, ntl.detach(), means(sums._replace(ntl=sums.hits), counts)[1].detach()]
         if z_sum is not None:
             values.append(means(sums._replace(ce=z_sum), counts)[0])
         names = self.metric_names
