@@ -13,6 +13,9 @@ where a Megatron object is needed); the flags and settings are in :mod:`.args`:
 * :func:`make_forward_step`: a ``forward_step(data_iterator, model)`` with both;
 * :class:`NTLLanguageModelMixin`: NTL inside the model's ``compute_language_model_loss`` (MTP heads).
 
+With ``ce_kernel="framework"`` both take Megatron's CE (:func:`~.terms.megatron_cross_entropy`; the mixin its
+own method) and add NTL of the number columns beside it.
+
 Normalisation (``docs/normalization.md``; the counts, sums and ``L`` are :mod:`ntl_scale.normalization`'s):
 Megatron divides what ``loss_func`` returns by the whole ``num_tokens`` it returns and by the number of
 micro-batches (or, with ``--calculate-per-token-loss``, the gradients by the sum of those ``num_tokens``).

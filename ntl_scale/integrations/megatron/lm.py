@@ -31,6 +31,9 @@ NTL. What the value is:
 The NTL sums of the main head (``ntl loss``, ``number accuracy``, and ``z loss``) are kept for the caller's
 ``loss_func`` report (:meth:`GPTModelNTL.pop_stats`).
 
+With ``--ntl-ce-kernel framework`` the CE is Megatron's own method (its fusion flags included), run after NTL
+of the number columns (it overwrites fp32 logits); ``number choice accuracy`` replaces ``number accuracy``.
+
 With ``chunked=True`` the output layer hands its input through and the loss is computed from the
 hidden states and the (vocab-parallel) output weight with :func:`ntl_scale.linear_ce_ntl`, never
 materialising the logits. MuP output scaling (``--use-mup``) multiplies the logits by a constant,

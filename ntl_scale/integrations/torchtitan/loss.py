@@ -56,6 +56,10 @@ objective's CE term without the z-loss: label-smoothed when ``label_smoothing > 
 whole vocabulary) and, when ``z_loss_weight > 0``, ``loss_metrics/z_loss_mean`` (``z_loss_weight * lse**2``,
 mean over the CE tokens), each this call's part of the step's global value. Calls under no grad return
 theirs (plain CE) but add nothing to the step's log.
+
+``ce_kernel="framework"``: torchtitan's own CE op computes the CE at every weight, NTL of the number columns is
+added beside it, and ``loss_metrics/number_choice_accuracy_mean`` (the arg-max among the number columns)
+replaces ``number_accuracy_mean``.
 """
 
 from __future__ import annotations
