@@ -72,7 +72,9 @@ def ntl_trainer_class(base: Any = None) -> Any:
         ``number_accuracy`` and, with a z-loss, ``z_loss``: the means over all processes of the training
         batches since the previous log (:meth:`~ntl_scale.integrations.hf.loss.NTLCausalLMLoss.pop_means`;
         ``ce`` without the z-loss, label-smoothed as optimised). ``evaluate()`` adds ``eval_ce`` (the plain
-        CE), ``eval_ntl`` and ``eval_number_accuracy`` of its own batches (any ``metric_key_prefix``).
+        CE), ``eval_ntl`` and ``eval_number_accuracy`` of its own batches (any ``metric_key_prefix``). With
+        ``ntl_options.ce_kernel="framework"`` the model's own loss function computes CE and
+        ``number_choice_accuracy`` replaces ``number_accuracy``.
     """
     transformers = require("transformers", "hf", "ntl_scale.integrations.hf.ntl_trainer_class")
     from .chunked import head_options
