@@ -5,7 +5,7 @@ and import their framework lazily.
 """
 
 from ._runtime import set_debug_checks
-from .linear import linear_ce_ntl, linear_ce_with_ntl
+from .linear import linear_ce_ntl, linear_ce_with_ntl, linear_number_token_loss
 from .losses import CEWithNTL, NumberTokenLoss, ce_with_ntl, number_token_loss, vocab_parallel_ce_ntl
 from .number_vocab import (
     NumberVocab,
@@ -37,6 +37,7 @@ __all__ = [
     "check_number_level_table",
     "linear_ce_ntl",
     "linear_ce_with_ntl",
+    "linear_number_token_loss",
     "ntl_counts",
     "ntl_positions",
     "number_token_loss",

@@ -38,10 +38,10 @@ from .ops.logits import use_triton
 from .ops.shard_math import compute_dtype
 from .ops.shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
 from .options import NTLOptions, check_option
-from .reductions import CENTLOutput, combine_terms
-from .terms import PerTokenTerms, check_plain_labels, shard_inputs, shard_start, terms_from_stats
+from .reductions import CENTLOutput, combine_terms, reduce_loss
+from .terms import PerTokenTerms, check_lse, check_plain_labels, shard_inputs, shard_start, terms_from_stats
 
-__all__ = ["linear_ce_ntl", "linear_ce_with_ntl"]
+__all__ = ["linear_ce_ntl", "linear_ce_with_ntl", "linear_number_token_loss"]
 
 
 def _autocast_dtype(hidden: object, weight: object) -> torch.dtype | None:
@@ -144,6 +144,7 @@ def linear_ce_ntl(
     token_weights: torch.Tensor | None = None,
     vocab_start: int | None = None,
     proportional_grad: bool = False,
+    lse: torch.Tensor | None = None,
 ) -> PerTokenTerms:
     """Per-token CE and NTL of ``hidden @ weight.T`` without materialising those logits.
 
@@ -164,7 +165,8 @@ def linear_ce_ntl(
         chunk_tokens: tokens per chunk. Default (:func:`ntl_scale.ops.chunked_linear.choose_chunk_tokens`):
             a fixed budget of logits per chunk, ``2**26 // V_local`` tokens on the CPU (256 MiB in fp32) and
             ``2**28 // V_local`` on a GPU (2092 tokens at 128256 columns), at most ``T``.
-        need_ce: False skips the vocabulary pass when neither CE nor reweighing needs it.
+        need_ce: False: NTL alone, from ``z_N = h W_N^T`` only (``[T, K]``), unless reweighing needs the
+            vocabulary's log-sum-exp and ``lse`` is not given (then one pass over the vocabulary).
         token_weights: the non-negative weights ``[...]`` the caller's reduction applies to CE (e.g.
             the loss mask); with them the weight gradient is built in the forward. Default: 1 on
             every non-ignored label. Other reductions are exact too, at one more pass of matmuls.
@@ -175,6 +177,8 @@ def linear_ce_ntl(
             those weights, no reweighing), as :func:`ntl_scale.linear_ce_with_ntl` does. The backward
             then reuses the forward's weight gradient without checking (no host sync). False: it
             checks, with one host read, and recomputes when the gradient is not proportional.
+        lse: with ``need_ce=False`` and reweighing: the whole vocabulary's per-token log-sum-exp ``[...]`` of the
+            (capped) logits, from the CE beside it (see :func:`ntl_scale.per_token_ce_ntl`).
 
     Returns:
         :class:`ntl_scale.PerTokenTerms` shaped like ``labels``.
@@ -190,7 +194,7 @@ def linear_ce_ntl(
             return linear_ce_ntl(
                 _amp_cast(hidden, amp), _amp_cast(weight, amp), labels, vocab, options, tp_group=tp_group,
                 check_finite=check_finite, chunk_tokens=chunk_tokens, need_ce=need_ce, token_weights=token_weights,
-                vocab_start=vocab_start, proportional_grad=proportional_grad,
+                vocab_start=vocab_start, proportional_grad=proportional_grad, lse=lse,
             )  # fmt: skip
     if is_dtensor(weight):
         if not isinstance(vocab, NumberVocab):
@@ -213,6 +217,9 @@ def linear_ce_ntl(
     check_inputs(stand_in, labels, vocab, options, tp_size, vocab_start, source="the output weight's first dimension")
     check_float_level(vocab, options)
     check_option("chunk_tokens", chunk_tokens)
+    if lse is not None:  # read only by reweighing (the number mass)
+        lse = check_lse(lse, labels, need_ce) if options.reweigh or need_ce else None
+    need_full = need_ce or (options.reweigh and lse is None)
     kernels = use_triton(options.impl, hidden, options.ce_features)
     shape, width = labels.shape, weight.shape[0]
     dtype = compute_dtype(hidden.dtype)
@@ -220,11 +227,11 @@ def linear_ce_ntl(
     inputs, row = shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
     weights = check_weights(token_weights, labels, dtype)
     weights = inputs.valid.to(dtype) if weights is None else weights.reshape(-1) * inputs.valid
-    ce, expect, mass, hit, lse = ChunkedLinearCENTL.apply(
+    ce, expect, mass, hit, lse_out = ChunkedLinearCENTL.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         inputs,
-        need_ce or options.reweigh,
+        need_full,
         check_finite,
         tp_group,
         chunk_tokens,
@@ -235,8 +242,9 @@ def linear_ce_ntl(
         kernels,
         options.z_loss_weight,
         options.logit_softcap,
+        lse,
     )
-    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse)
+    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse_out, need_full)
 
 
 def linear_ce_with_ntl(
@@ -261,6 +269,7 @@ def linear_ce_with_ntl(
     z_loss_weight: float = 0.0,
     label_smoothing: float = 0.0,
     logit_softcap: float | None = None,
+    vocab_start: int | None = None,
 ) -> CENTLOutput:
     """:func:`ntl_scale.ce_with_ntl` from hidden states and the output weight, without the logits.
 
@@ -286,6 +295,58 @@ def linear_ce_with_ntl(
         check_finite=check_finite,
         chunk_tokens=chunk_tokens,
         token_weights=loss_weights,
+        vocab_start=vocab_start,
         proportional_grad=reduction in ("mean", "sum") and not reweigh,
     )
     return combine_terms(terms, labels, vocab, options, ntl_weight, loss_weights, reduction)
+
+
+def linear_number_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    loss: str = "was",
+    squash_factor: float | None = None,
+    reweigh: bool = False,
+    huber_delta: float = 1.0,
+    float_level: bool = False,
+    loss_weights: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    check_finite: bool = False,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    logit_softcap: float | None = None,
+    lse: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """:func:`ntl_scale.number_token_loss` from hidden states, reading only the number rows of the weight.
+
+    NTL alone, beside a CE computed elsewhere: ``z_N = h W_N^T`` is a ``T x K x H`` product; the gradients
+    reach ``hidden`` and the weight's number rows only. ``weight`` as in :func:`linear_ce_ntl` (plain, a
+    vocabulary shard with ``tp_group``/``vocab_start``, or a ``DTensor`` ``Shard(0)``). ``reweigh`` needs
+    ``lse``, the whole vocabulary's per-token log-sum-exp of the (capped) logits from that CE; the other
+    arguments mean what they mean in :func:`ntl_scale.number_token_loss`.
+
+    Raises:
+        ValueError: ``reweigh=True`` without ``lse``.
+    """
+    check_reduction(reduction)
+    if reweigh and lse is None:
+        raise ValueError(
+            "reweigh=True needs the whole vocabulary's log-sum-exp, which the number rows alone do not give: pass "
+            "lse= (per token, as the CE kernel beside it returns it), or use ntl_scale.linear_ce_ntl (CE and NTL "
+            "together, one pass over the vocabulary)"
+        )
+    options = NTLOptions(
+        loss=loss, squash_factor=squash_factor, reweigh=reweigh, huber_delta=huber_delta, float_level=float_level,
+        ignore_index=ignore_index, logit_softcap=logit_softcap,
+    )  # fmt: skip
+    terms = linear_ce_ntl(
+        hidden, weight, labels, vocab, options, tp_group=tp_group, check_finite=check_finite,
+        chunk_tokens=chunk_tokens, need_ce=False, vocab_start=vocab_start, lse=lse,
+    )  # fmt: skip
+    weights = check_weights(loss_weights, labels, terms.ntl.dtype)
+    return reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]

@@ -134,10 +134,15 @@ def number_token_loss(
     reduction: str = "mean",
     check_finite: bool = False,
     impl: str = "auto",
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    logit_softcap: float | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Number Token Loss on full logits.
+    """Number Token Loss alone, on full logits, a vocab shard or a ``DTensor`` ``Shard(-1)``: beside any CE.
 
-    Without ``reweigh`` only the number-token columns of the logits are read.
+    Only the number-token columns are read, except with ``reweigh`` and no ``lse`` (one pass over the
+    vocabulary for its log-sum-exp). ``CE + w * number_token_loss`` equals :func:`ce_with_ntl`.
 
     Args:
         logits: ``[..., V]``, ``V = vocab.vocab_size`` (fp32/bf16/fp16/fp64; math in fp32, fp64 for fp64 input).
@@ -153,7 +158,12 @@ def number_token_loss(
         reduction: ``"mean"`` over number positions (weighted), ``"sum"`` or ``"none"``.
         check_finite: raise on NaN/Inf logits (one host sync; default off, NaN reaches the loss).
         impl: which code computes the statistics (see :func:`vocab_parallel_ce_ntl`); only used with
-            ``reweigh``, the one case that reads the whole vocabulary.
+            ``reweigh`` and no ``lse``, the one case that reads the whole vocabulary.
+        tp_group, vocab_start: the vocab split of ``logits`` (see :func:`vocab_parallel_ce_ntl`).
+        logit_softcap: ``cap * tanh(z / cap)`` of the number columns, where the CE beside it caps the logits.
+        lse: the whole vocabulary's log-sum-exp of the (capped) logits per token ``[...]``, as a CE kernel
+            returns it (or ``torch.logsumexp``): with ``reweigh``, the number columns suffice. Differentiable:
+            the reweighing's gradient on the other columns flows through it (a detached one drops that part).
 
     Shape:
         ``logits``: ``[..., V]``; ``labels``, ``loss_weights``: ``[...]``.
@@ -171,8 +181,12 @@ def number_token_loss(
         float_level=float_level,
         ignore_index=ignore_index,
         impl=impl,
+        logit_softcap=logit_softcap,
     )
-    terms = per_token_ce_ntl(logits, labels, vocab, options, check_finite=check_finite, need_ce=False)
+    terms = per_token_ce_ntl(
+        logits, labels, vocab, options, check_finite=check_finite, need_ce=False, tp_group=tp_group,
+        vocab_start=vocab_start, lse=lse,
+    )  # fmt: skip
     weights = check_weights(loss_weights, labels, terms.ntl.dtype)
     return reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
 

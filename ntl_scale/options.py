@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 __all__ = [
+    "CE_KERNELS",
     "IMPLS",
     "LOSS_KINDS",
     "NORMALIZATIONS",
@@ -54,6 +55,8 @@ REDUCTIONS = ("mean", "sum", "none")
 """How the loss functions reduce per-token terms: a weighted mean, a sum, or none (per token)."""
 IMPLS = ("auto", "torch", "triton")
 """Which code computes the fused CE + NTL statistics (``docs/kernels.md``)."""
+CE_KERNELS = ("ntl_scale", "framework")
+"""Which cross entropy a training stack runs beside NTL: ntl_scale's fused op, or the stack's own."""
 
 
 def check_impl(impl: object) -> str:
@@ -209,6 +212,13 @@ class NTLOptions:
         "Soft-capping of the logits, ``cap * tanh(z / cap)`` (Gemma 2: 30.0), before CE, z-loss and NTL (all of "
         "them see the capped logits); None: off. Leave None where the model already caps its output.",
     )
+    ce_kernel: str = _documented(
+        "ntl_scale",
+        "Which cross entropy the integrations run: ``ntl_scale`` (the fused CE + NTL op) or ``framework`` (the "
+        "stack's own CE, unchanged: Megatron's, torchtitan's, transformers' or Liger's; NTL is added beside it "
+        "from the number columns; ``docs/getting_started.md``). ``framework`` takes none of the CE options "
+        "above, nor ``reweigh`` (it needs the full log-sum-exp, which those kernels do not return).",
+    )
 
     def __post_init__(self) -> None:
         if self.loss not in LOSS_KINDS:
@@ -230,6 +240,14 @@ class NTLOptions:
         if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
         check_impl(self.impl)
+        if self.ce_kernel not in CE_KERNELS:
+            raise ValueError(f"unknown ce_kernel {self.ce_kernel!r}; expected one of {CE_KERNELS}")
+        if self.ce_kernel == "framework" and (self.ce_features or self.reweigh):
+            on = (*self.ce_features, *(("reweigh",) if self.reweigh else ()))
+            raise ValueError(
+                f"ce_kernel='framework' runs the stack's own cross entropy, which computes none of {on}: set "
+                "them in the framework, drop them, or use ce_kernel='ntl_scale' (ntl_scale's fused op computes them)"
+            )
 
     @property
     def ce_features(self) -> tuple[str, ...]:
@@ -373,7 +391,9 @@ class OptionField:
     level: str
 
 
-_CHOICES: dict[str, tuple[str, ...]] = {"loss": LOSS_KINDS, "normalization": NORMALIZATIONS, "impl": IMPLS}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "loss": LOSS_KINDS, "normalization": NORMALIZATIONS, "impl": IMPLS, "ce_kernel": CE_KERNELS,
+}  # fmt: skip
 
 # The chunked route: how the logits are obtained, not what the loss is, so not a field of the YAML
 # ``ntl`` section (a run config spells them train.chunked_loss / train.loss_chunk_tokens).

@@ -50,12 +50,15 @@ class PerTokenTerms(NamedTuple):
     """Per-token outputs of :func:`per_token_ce_ntl`, each shaped like the labels.
 
     Attributes:
-        ce: the CE term (0 where ignored), label-smoothed, plus the z-loss ``z_loss_weight * lse**2``.
+        ce: the CE term (0 where ignored), label-smoothed, plus the z-loss ``z_loss_weight * lse**2``; 0 with
+            ``need_ce=False``.
         ntl: NTL (0 where ``number_mask`` is False).
         number_mask: positions that carry NTL.
         hit: the label is the arg-max over the whole vocabulary (False when CE was not computed).
         lse: the log-sum-exp of the (soft-capped) logits over the whole vocabulary at every position (0 when
             CE was not computed); differentiable.
+        number_choice_hit: with ``need_ce=False`` only: the label is the arg-max among the number columns, on
+            ``number_mask``. Not number accuracy: a token outside the numbers may have the larger logit.
     """
 
     ce: torch.Tensor
@@ -63,6 +66,7 @@ class PerTokenTerms(NamedTuple):
     number_mask: torch.Tensor
     hit: torch.Tensor
     lse: torch.Tensor
+    number_choice_hit: torch.Tensor
 
 
 def per_token_ce_ntl(
@@ -77,13 +81,16 @@ def per_token_ce_ntl(
     chunk_tokens: int | None = None,
     need_ce: bool = True,
     vocab_start: int | None = None,
+    lse: torch.Tensor | None = None,
 ) -> PerTokenTerms:
     """:func:`ntl_scale.vocab_parallel_ce_ntl` with the variant as one :class:`NTLOptions`, plus the arg-max hit.
 
-    ``need_ce=False`` skips the full-vocabulary softmax when neither CE nor reweighing needs it (``ce`` and
-    ``hit`` are then 0). ``logits_shard`` may be a ``DTensor`` split on the vocabulary (``Shard(-1)``) or
-    replicated; its group and offset replace ``tp_group`` and ``vocab_start``. The labels are a plain
-    tensor, the same on every rank of that group.
+    ``need_ce=False``: NTL alone, beside a CE computed elsewhere (``ce`` and ``hit`` are 0,
+    ``number_choice_hit`` is filled); only the number columns are read, unless reweighing needs the whole
+    vocabulary's log-sum-exp and ``lse`` (of the soft-capped logits, as the CE kernel returns it) is not given.
+    A differentiable ``lse`` carries the reweighing's gradient on the other columns. ``logits_shard`` may be a
+    ``DTensor`` split on the vocabulary (``Shard(-1)``) or replicated; its group and offset replace
+    ``tp_group`` and ``vocab_start``. The labels are a plain tensor, the same on every rank of that group.
     """
     options = NTLOptions() if options is None else options
     if inplace and is_dtensor(logits_shard):
@@ -103,18 +110,20 @@ def per_token_ce_ntl(
             f"got {logits_shard.dtype}; use inplace=False for half-precision logits"
         )
     check_float_level(vocab, options)
+    if lse is not None:  # read only by reweighing (the number mass)
+        lse = check_lse(lse, labels, need_ce) if options.reweigh or need_ce else None
     shape = labels.shape
     width = logits_shard.shape[-1]
     dtype = compute_dtype(logits_shard.dtype)
     flat_labels = labels.reshape(-1)
     inputs, row = shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
-    need_full = need_ce or options.reweigh
+    need_full = need_ce or (options.reweigh and lse is None)
     # NTL alone takes the logits as they are: its gradient comes back in their shape, not through a view
     flat = logits_shard.reshape(-1, width) if need_full else logits_shard
-    if options.logit_softcap is not None:
+    if options.logit_softcap is not None and need_full:
         # before everything (CE, z-loss and NTL see the capped logits); a new tensor, the caller's is kept
         flat, inplace = soft_cap(flat, options.logit_softcap), False
-    ce, expect, mass, hit, lse = fused_shard_stats(
+    ce, expect, mass, hit, lse_out = fused_shard_stats(
         flat,
         inputs,
         need_full=need_full,
@@ -124,8 +133,26 @@ def per_token_ce_ntl(
         chunk_tokens=chunk_tokens,
         impl=options.impl,
         features=options.ce_features,
+        cap=None if need_full else options.logit_softcap,
+        lse=lse,
     )
-    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse)
+    return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse_out, need_full)
+
+
+def check_lse(lse: object, labels: torch.Tensor, need_ce: bool) -> torch.Tensor:
+    """The caller's per-token log-sum-exp for NTL alone, flattened; a ValueError when it cannot serve."""
+    if need_ce:
+        raise ValueError("lse= is for NTL alone (need_ce=False), where the CE kernel beside it returns it; drop lse=")
+    if is_dtensor(lse):
+        raise ValueError("lse is a DTensor; pass lse.full_tensor(), the per-token log-sum-exp as a plain tensor")
+    if not isinstance(lse, torch.Tensor) or not torch.is_floating_point(lse) or lse.shape != labels.shape:
+        shape = tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__
+        raise ValueError(
+            f"lse must be a floating-point tensor shaped like the labels {tuple(labels.shape)}, got {shape}: the "
+            "log-sum-exp of every token's (soft-capped) logits over the whole vocabulary (torch.logsumexp(logits, "
+            "-1), or the lse a CE kernel returns)"
+        )
+    return lse.reshape(-1)
 
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
@@ -174,8 +201,12 @@ def terms_from_stats(
     vocab: NumberVocab,
     options: NTLOptions,
     lse: torch.Tensor | None = None,
+    need_full: bool = True,
 ) -> PerTokenTerms:
-    """Per-token CE (plus the z-loss ``z_loss_weight * lse**2``) and the NTL variant from the fused statistics."""
+    """Per-token CE (plus the z-loss ``z_loss_weight * lse**2``) and the NTL variant from the fused statistics.
+
+    Without ``need_full`` the op's ``hit`` is the arg-max among the number columns (``number_choice_hit``).
+    """
     loss, reweigh, dtype = options.loss, options.reweigh, ce.dtype
     is_number = row >= 0
     zero = torch.zeros((), dtype=dtype, device=ce.device)
@@ -206,7 +237,11 @@ def terms_from_stats(
             raise ValueError("internal: z_loss_weight needs the fused op's per-token log-sum-exp")
         ce = ce + torch.where(inputs.valid, options.z_loss_weight * lse.square(), zero)
     lse = torch.zeros_like(ce) if lse is None else lse
-    return PerTokenTerms(ce.view(shape), ntl.view(shape), mask.view(shape), hit.view(shape), lse.view(shape))
+    choice = hit & mask if not need_full else torch.zeros_like(mask)
+    hit = hit if need_full else torch.zeros_like(mask)
+    return PerTokenTerms(
+        ce.view(shape), ntl.view(shape), mask.view(shape), hit.view(shape), lse.view(shape), choice.view(shape)
+    )
 
 
 def shard_start(vocab_start: int | None, tp_rank: int, width: int) -> int:

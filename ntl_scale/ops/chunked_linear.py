@@ -57,6 +57,7 @@ from .logits import (
     all_reduce_sums,
     kernel_shard_softmax,
     kernel_shard_stats,
+    label_number_logit,
     raise_if_not_finite,
 )
 from .shard_math import ShardInputs, ShardMath, compute_dtype, index_add, shift_into
@@ -172,11 +173,13 @@ class _ChunkWalk:
                 self.work_buf = ShardMath.chunk_buffer(hidden, [slice(0, self.parts_of)], cdt, width)
 
     def numbers_only(self) -> None:
-        """NTL alone: the statistics of the number columns only, no pass over the vocabulary."""
+        """NTL alone: the statistics of the number columns only (and the label's logit among them, for the
+        number-choice hit), no pass over the vocabulary."""
         maxes, sums, number_logits, cols = self.maxes, self.sums, self.number_logits, self.inputs.number_cols
         maxes[:, 1] = number_logits.max(dim=-1).values if cols.numel() else float("-inf")
         all_reduce_max(maxes, self.tp_group)
         self.number_exp = torch.exp(number_logits - ShardMath.safe_number_max(maxes[:, 1]).unsqueeze(1))
+        sums[:, 1] = label_number_logit(number_logits, self.inputs)
         sums[:, 2] = self.number_exp.sum(dim=-1)
         sums[:, 3] = (self.number_exp * self.inputs.a_table).sum(dim=-1)
         all_reduce_sums(sums, self.tp_group)
@@ -265,7 +268,10 @@ class _ChunkWalk:
 
 
 class ChunkedLinearCENTL(torch.autograd.Function):
-    """``hidden [T, H]``, ``weight [V_local, H]`` -> per-token ``ce, expect, mass, hit``."""
+    """``hidden [T, H]``, ``weight [V_local, H]`` -> per-token ``ce, expect, mass, hit, lse``.
+
+    Without ``need_full`` (NTL alone) only ``z_N = h W_N^T`` is formed; ``hit`` is then the arg-max among
+    the number columns, and ``mass`` is ``exp(lse_N - lse)`` from the caller's ``lse`` (0 without it)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -283,6 +289,7 @@ class ChunkedLinearCENTL(torch.autograd.Function):
         kernels: bool = False,
         z_weight: float = 0.0,
         cap: float | None = None,
+        lse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         # needs: whether the gradient of hidden / of weight will be asked for (grad mode on and the
         # tensor requiring it; decided by the caller: inside forward grad mode is always off). What no
@@ -320,7 +327,12 @@ class ChunkedLinearCENTL(torch.autograd.Function):
             raise_if_not_finite(maxes, sums, need_full)
         number_max = ShardMath.safe_number_max(maxes[:, 1])
         eps = inputs.smoothing if smoothing else 0.0
-        ce, expect, mass, hit, lse = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, need_full, eps)
+        ce, expect, mass, hit, lse_out = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, need_full, eps)
+        if not need_full:  # the label's logit is the largest of the number columns'
+            hit = inputs.valid & (sums[:, 1] >= maxes[:, 1])
+            if lse is not None:  # the number mass from the caller's log-sum-exp (saved in max_all's place)
+                maxes[:, 0] = lse.to(expect.dtype)
+                mass = sums[:, 2] * torch.exp(number_max - maxes[:, 0])
         ctx.mark_non_differentiable(hit)
         ctx.set_materialize_grads(False)
         ctx.smoothing = (eps, sums[:, 5]) if smoothing else None
@@ -328,7 +340,7 @@ class ChunkedLinearCENTL(torch.autograd.Function):
         if cap is not None:  # the factor 1 - (z'/cap)^2 at the label (with CE) and the number columns
             label_factor = _cap_factor(sums[:, 1].clone(), cap) if need_full else None
             ctx.cap = (cap, label_factor, _cap_factor(number_logits.clone(), cap))
-        ctx.recompute = recompute
+        ctx.recompute, ctx.mass_from_lse = recompute, not need_full and lse is not None
         ctx.inputs, ctx.need_full, ctx.rows, ctx.proportional = inputs, need_full, rows, proportional
         ctx.needs = needs
         ctx.save_for_backward(
@@ -336,7 +348,7 @@ class ChunkedLinearCENTL(torch.autograd.Function):
             plain_weights,
         )  # fmt: skip
         ctx.dense = (dense_h, dense_w, dense_scale)
-        return ce, expect, mass, hit, lse
+        return ce, expect, mass, hit, lse_out
 
     @staticmethod
     def backward(ctx, g_ce, g_expect, g_mass, _g_hit, g_lse=None):  # type: ignore[override]
@@ -368,9 +380,12 @@ class ChunkedLinearCENTL(torch.autograd.Function):
         cols = inputs.number_cols
         number_coef = ShardMath.number_grad(slice(None), saved, inputs, g_expect)  # [T, K]
         need_h, need_w = ctx.needs
-        nones = (None,) * 11
+        nones = (None,) * 12
         if not ctx.need_full:
-            grad_h = grad_w = None
+            grad_h = grad_w = g_lse = None
+            if ctx.mass_from_lse:  # d mass/dz_k = pi_k = p_k S_N exp(max_N - lse), d mass/d lse = -mass
+                number_coef = number_coef + g_mass.unsqueeze(1) * number_exp * torch.exp(number_max - max_all)[:, None]
+                g_lse = -g_mass * mass
             if ctx.cap is not None:  # d z'/dz of the capped number logits
                 number_coef = number_coef * ctx.cap[2]
             if need_h:
@@ -378,7 +393,7 @@ class ChunkedLinearCENTL(torch.autograd.Function):
             if need_w:
                 grad_w = torch.zeros_like(weight)
                 index_add(grad_w, 0, cols, (number_coef.t() @ hidden.to(cdt)).to(weight.dtype))
-            return grad_h, grad_w, *nones
+            return grad_h, grad_w, *nones[1:], g_lse
 
         # number columns of the full softmax: pi_N = exp(z_N - max) / S
         pi_numbers = number_exp * (torch.exp(number_max - max_all) / total).unsqueeze(1)

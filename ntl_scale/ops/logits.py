@@ -47,6 +47,7 @@ __all__ = [
     "fused_shard_stats",
     "kernel_shard_softmax",
     "kernel_shard_stats",
+    "label_number_logit",
     "use_triton",
 ]
 
@@ -333,54 +334,88 @@ def raise_if_not_finite(maxes: torch.Tensor, sums: torch.Tensor, need_full: bool
         )
 
 
+def label_number_logit(number_logits: torch.Tensor, inputs: ShardInputs) -> torch.Tensor:
+    """``[T]``: the label's logit where this shard holds the label among its number columns, else 0.
+
+    A ``[T, K_local]`` comparison, no pass over the vocabulary; the SUM all-reduce completes it (one owner).
+    """
+    match = inputs.number_cols.unsqueeze(0) == (inputs.labels - inputs.start).unsqueeze(1)
+    match &= inputs.valid.unsqueeze(1)
+    return torch.where(match, number_logits, torch.zeros_like(number_logits)).sum(dim=1)
+
+
 class _NumberColumnsNTL(torch.autograd.Function):
     """NTL alone on logits ``[..., V_local]``: the number columns are read once, the gradient written once.
 
-    The statistics of :meth:`ShardMath.local_max`, :meth:`ShardMath.local_sums` and
-    :meth:`ShardMath.finalize` without the full vocabulary (``ce`` and ``mass`` are 0), with the same
-    two all-reduces. The Function takes the logits in the caller's shape and returns its gradient in
-    that shape, a new tensor rather than a view: autograd can then add another loss's gradient of the
-    same logits (``F.cross_entropy + number_token_loss``) into it in place, where a view's gradient
-    (the ``reshape`` to ``[T, V]`` ahead of :class:`_FusedCENTL`) kept its base alive and cost one more
-    logits-sized buffer and pass. Nothing logits-sized is saved for the backward, and non-contiguous
-    logits (shifted ones) are not copied.
+    The number-column statistics with the same two all-reduces; the full softmax is never formed.
+    ``cap``: soft-capping of the number columns only. ``lse`` (the whole vocabulary's log-sum-exp per token,
+    from the caller's CE kernel, or None): ``mass = exp(lse_N - lse)``, whose gradient reaches the number
+    columns here and ``lse`` through its own graph. ``hit``: the label is the arg-max among the number
+    columns. The gradient is a new tensor in the logits' shape (no view), so autograd can add another loss's
+    gradient of the same logits into it in place; nothing logits-sized is saved, non-contiguous logits are
+    not copied.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, logits: torch.Tensor, inputs: ShardInputs, check_finite: bool, tp_group: dist.ProcessGroup | None
+        ctx,
+        logits: torch.Tensor,
+        inputs: ShardInputs,
+        check_finite: bool,
+        tp_group: dist.ProcessGroup | None,
+        cap: float | None,
+        lse: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         cols = inputs.number_cols
         cdt = compute_dtype(logits.dtype)
         tokens = logits.numel() // logits.shape[-1]  # not reshape(-1, n): a shard may hold no number column
         number_logits = logits.index_select(-1, cols).reshape(tokens, cols.numel()).to(cdt)
+        factor = None
+        if cap is not None:
+            number_logits = torch.tanh(number_logits / cap) * cap
+            factor = 1 - (number_logits / cap).square()
         rows = [slice(0, number_logits.shape[0])]
         maxes = all_reduce_max(ShardMath.local_max(number_logits, number_logits, rows, False), tp_group)
         number_max = ShardMath.safe_number_max(maxes[:, 1])
         sums, number_exp = ShardMath.local_sums(
             number_logits, number_logits, inputs, maxes[:, 0], number_max, rows, False, False
         )
+        sums[:, 1] = label_number_logit(number_logits, inputs)
         all_reduce_sums(sums, tp_group)
         if check_finite:
             raise_if_not_finite(maxes, sums, False)
-        ce, expect, mass, hit, lse = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, False)
+        ce, expect, mass, _, lse_out = ShardMath.finalize(maxes[:, 0], sums, number_max, inputs.valid, False)
+        hit = inputs.valid & (sums[:, 1] >= maxes[:, 1])
+        scale = None
+        if lse is not None:  # pi_N = exp(z_N - lse): the number mass and its columns' share of the softmax
+            scale = torch.exp(number_max - lse.to(cdt))
+            mass = sums[:, 2] * scale
         ctx.mark_non_differentiable(hit)
         ctx.inputs, ctx.shape, ctx.dtype = inputs, logits.shape, logits.dtype
-        ctx.save_for_backward(number_exp, sums[:, 2], expect)
-        return ce, expect, mass, hit, lse
+        ctx.save_for_backward(number_exp, sums[:, 2], expect, factor, scale, mass)
+        return ce, expect, mass, hit, lse_out
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        g_expect = grads[1]  # ce and mass are constants here: only expect carries gradient
-        number_exp, number_total, expect = ctx.saved_tensors
+        g_expect, g_mass = grads[1], grads[2]  # ce and lse are constants here
+        number_exp, number_total, expect, factor, scale, mass = ctx.saved_tensors
         inputs: ShardInputs = ctx.inputs
         out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=expect.device)
+        number_grad, g_lse = None, None
         if g_expect is not None:
             saved = {"number_exp": number_exp, "number_total": number_total, "expect": expect}
             number_grad = ShardMath.number_grad(slice(None), saved, inputs, g_expect.to(expect.dtype))
+        if g_mass is not None and scale is not None:  # d mass/dz_k = pi_k, d mass/d lse = -mass
+            g_mass = g_mass.to(expect.dtype)
+            share = g_mass.unsqueeze(1) * number_exp * scale.unsqueeze(1)
+            number_grad = share if number_grad is None else number_grad + share
+            g_lse = -g_mass * mass
+        if number_grad is not None:
+            if factor is not None:  # d z'/dz = 1 - (z'/cap)^2
+                number_grad = number_grad * factor
             # through a temporary [T, V] view of the new tensor; the tensor itself goes back, no view
             index_add(out.view(-1, ctx.shape[-1]), 1, inputs.number_cols, number_grad.to(ctx.dtype))
-        return out, None, None, None
+        return out, None, None, None, None, g_lse
 
 
 def fused_shard_stats(
@@ -394,6 +429,8 @@ def fused_shard_stats(
     chunk_tokens: int | None = None,
     impl: str = "auto",
     features: tuple[str, ...] = (),
+    cap: float | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token ``(ce, expect, mass, hit, lse)`` of a ``[T, V_local]`` logits shard; differentiable.
 
@@ -401,7 +438,7 @@ def fused_shard_stats(
         logits: the local logits shard, ``[T, V_local]``, fp32/bf16/fp16/fp64 (without ``need_full``
             any ``[..., V_local]``, the tokens in row-major order: its gradient keeps that shape).
         inputs: the resolved per-shard inputs.
-        need_full: compute the full softmax (for CE and the number-mass reweighing); if False only
+        need_full: compute the full softmax (for CE, and the number mass without ``lse``); if False only
             the number columns are read (:class:`_NumberColumnsNTL`; ``inplace`` and ``chunk_tokens``
             do not apply).
         inplace: overwrite the logits buffer with ``exp(z - max)`` and reuse it for the gradient
@@ -414,14 +451,17 @@ def fused_shard_stats(
             (:func:`use_triton`); the NTL-only path (``need_full=False``) is PyTorch code always.
         features: the CE features on (:attr:`ntl_scale.options.NTLOptions.ce_features`), which the
             kernels lack (:func:`use_triton`). Label smoothing itself is ``inputs.smoothing``.
+        cap, lse: without ``need_full`` only: the soft-cap of the number columns, and the whole
+            vocabulary's log-sum-exp ``[T]`` of the (capped) logits from the caller's CE, for ``mass``.
 
     Returns:
-        ``ce``, ``expect``, ``mass``, each ``[T]`` in the compute dtype, the bool ``hit`` (the
-        label is the arg-max of the full vocabulary; only with ``need_full``) and ``lse``, the whole
-        vocabulary's log-sum-exp (0 without ``need_full``; differentiable), identical on every TP rank.
+        ``ce``, ``expect``, ``mass``, each ``[T]`` in the compute dtype, the bool ``hit`` (the label is the
+        arg-max of the full vocabulary; without ``need_full``, among the number columns) and ``lse``, the
+        whole vocabulary's log-sum-exp (0 without ``need_full``; differentiable), identical on every TP rank.
+        Without ``need_full``, ``ce`` is 0 and ``mass`` 0 unless ``lse`` is given.
     """
     check_option("chunk_tokens", chunk_tokens)
     if not need_full:
-        return _NumberColumnsNTL.apply(logits, inputs, check_finite, tp_group)
+        return _NumberColumnsNTL.apply(logits, inputs, check_finite, tp_group, cap, lse)
     kernels = use_triton(impl, logits, features)
     return _FusedCENTL.apply(logits, inputs, need_full, inplace, check_finite, tp_group, chunk_tokens, kernels)

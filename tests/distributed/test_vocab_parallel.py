@@ -11,10 +11,15 @@ Sections:
 3. Uneven splits: a 49-token vocabulary over TP = 2 and 3 in DeepSpeed-style unequal shards, placed
    with ``vocab_start``: CE, NTL, the mask and each shard's gradient equal the naive fp64 reference,
    for the logits op and for the chunked op on the output weight's row shard.
+4. NTL alone beside a partner CE on the same shards (TP = 2 and 3): ``partner CE + w * number_token_loss``
+   (and ``linear_number_token_loss`` on the weight's row shard) equals ``ce_with_ntl`` (``linear_ce_with_ntl``)
+   in float64, loss and each shard's gradients, every variant, reweighed with the partner's ``lse`` and
+   soft-capped, on the uneven split, with our CE as the partner; and with Megatron's
+   ``vocab_parallel_cross_entropy`` (even shards, its split; fp32, its compute dtype), NTL run first.
 
 One launch per process layout: the TP = 2 processes run sections 1, 2 and 3, the TP = 4 ones
-sections 1 and 2, DP x TP = 2 x 2 section 1 and TP = 3 section 3 (section 2 where megatron-core is
-installed).
+sections 1 and 2, DP x TP = 2 x 2 section 1 and TP = 3 sections 3 and 4 (TP = 2 also 4; the Megatron part
+where megatron-core is installed).
 """
 
 from __future__ import annotations
@@ -232,12 +237,104 @@ def _check_uneven_split(ctx: WorkerContext) -> None:
         ntl_scale.vocab_parallel_ce_ntl(shard, labels, vocab, vocab_start=ODD_VOCAB - 1)
 
 
+def _check_composed(ctx: WorkerContext) -> None:
+    bounds = _uneven_bounds(ctx.tp_size)
+    start, end = bounds[ctx.tp_rank], bounds[ctx.tp_rank + 1]
+    tokens = [f"w{i}" for i in range(ODD_VOCAB)]
+    for value, position in zip(range(10), [3, 11, 16, 17, 24, 25, 32, 33, 40, 48]):
+        tokens[position] = str(value)
+    tokens[20] = "."
+    vocab = ntl_scale.NumberVocab.from_id_to_token(tokens, vocab_size=ODD_VOCAB)
+    labels = random_labels(vocab, (3, 16), ODD_VOCAB, seed=9, number_fraction=0.5)
+    full = random_logits((*labels.shape, ODD_VOCAB), seed=10)
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(*labels.shape, 6, generator=g, dtype=torch.float64)
+    weight = torch.randn(ODD_VOCAB, 6, generator=g, dtype=torch.float64)
+    split = dict(tp_group=ctx.tp_group, vocab_start=start)
+    valid = labels != -100
+    for variant in VARIANTS:
+        for cap in (None, 3.0):
+            what = f"composed {variant} cap={cap} tp={ctx.tp_size} rank={ctx.rank}"
+            reweigh = variant.get("reweigh", False)
+            fused_in = full[..., start:end].clone().requires_grad_()
+            fused = ntl_scale.ce_with_ntl(
+                fused_in, labels, vocab, ntl_weight=0.3, logit_softcap=cap, **split, **variant
+            )
+            fused.loss.backward()
+            shard = full[..., start:end].clone().requires_grad_()
+            partner = ntl_scale.per_token_ce_ntl(shard, labels, vocab, ntl_scale.NTLOptions(logit_softcap=cap), **split)
+            ntl = ntl_scale.number_token_loss(
+                shard, labels, vocab, logit_softcap=cap, lse=partner.lse if reweigh else None, **split, **variant
+            )
+            loss = partner.ce[valid].mean() + 0.3 * ntl
+            loss.backward()
+            _close(loss, fused.loss, 1e-12, 1e-12, f"{what} loss")
+            _close(shard.grad, fused_in.grad, 1e-12, 1e-12, f"{what} logits grad")
+            rows_f = weight[start:end].clone().requires_grad_()
+            h_f = hidden.clone().requires_grad_()
+            options = dict(logit_softcap=cap, chunk_tokens=7, **split)
+            ntl_scale.linear_ce_with_ntl(h_f, rows_f, labels, vocab, **options, **variant).loss.backward()
+            rows, h = weight[start:end].clone().requires_grad_(), hidden.clone().requires_grad_()
+            partner = ntl_scale.linear_ce_ntl(
+                h, rows, labels, vocab, ntl_scale.NTLOptions(logit_softcap=cap), chunk_tokens=7, **split
+            )
+            ntl = ntl_scale.linear_number_token_loss(
+                h, rows, labels, vocab, lse=partner.lse if reweigh else None, **options, **variant
+            )
+            (partner.ce[valid].mean() + 0.3 * ntl).backward()
+            _close(h.grad, h_f.grad, 1e-12, 1e-12, f"{what} hidden grad (this shard's part)")
+            _close(rows.grad, rows_f.grad, 1e-12, 1e-12, f"{what} weight shard grad")
+
+
+def _check_megatron_composed(ctx: WorkerContext) -> None:
+    """Megatron's vocab_parallel_cross_entropy + NTL alone on its even shards (fp32: Megatron's CE computes in
+    fp32); NTL runs first, as Megatron overwrites fp32 logits in place."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=ctx.tp_size)
+    try:
+        columns = 48
+        width = columns // ctx.tp_size
+        start = ctx.tp_rank * width
+        vocab = ntl_scale.NumberVocab([*range(3, 48, 5), 47], list(range(10)), columns)
+        labels = random_labels(vocab, (3, 16), columns, seed=12, number_fraction=0.5)
+        labels[labels == -100] = 0  # Megatron's CE has no ignore_index
+        full = random_logits((*labels.shape, columns), seed=13, dtype=torch.float32)
+        for variant in [v for v in VARIANTS if not v.get("reweigh")]:
+            what = f"megatron {variant} tp={ctx.tp_size} rank={ctx.rank}"
+            fused_in = full[..., start : start + width].clone().requires_grad_()
+            fused = ntl_scale.ce_with_ntl(fused_in, labels, vocab, tp_group=ctx.tp_group, **variant)
+            fused.loss.backward()
+            shard = full[..., start : start + width].clone().requires_grad_()
+            logits = shard * 1  # an output layer's (non-leaf) fp32 logits; per-token CE takes any token layout
+            ntl = ntl_scale.number_token_loss(logits, labels, vocab, tp_group=ctx.tp_group, **variant)
+            ce = vocab_parallel_cross_entropy(logits, labels).mean()  # overwrites the logits: after NTL
+            loss = ce + 0.3 * ntl
+            loss.backward()
+            eps = torch.finfo(torch.float32).eps
+            _close(loss, fused.loss, 8 * eps * float(full.abs().max()), 4 * eps, f"{what} loss")
+            _close(shard.grad, fused_in.grad, 8 * eps, 4 * eps, f"{what} logits grad")
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def _check_sections(ctx: WorkerContext, dtypes: list[torch.dtype], megatron: bool, uneven: bool) -> None:
     _check_parity(ctx, list(LAYOUTS), dtypes)
     if megatron:
         _check_megatron_ce(ctx)
     if uneven:
         _check_uneven_split(ctx)
+        _check_composed(ctx)
+        if megatron:
+            _check_megatron_composed(ctx)
+
+
+def _check_tp3(ctx: WorkerContext, megatron: bool) -> None:
+    _check_uneven_split(ctx)
+    _check_composed(ctx)
+    if megatron:
+        _check_megatron_composed(ctx)
 
 
 @pytest.mark.parametrize("world_size,tp_size", [(2, 2), (4, 4), (4, 2)], ids=["tp2", "tp4", "dp2xtp2"])
@@ -252,5 +349,5 @@ def test_parity_with_single_process(world_size, tp_size):
 
 
 def test_uneven_vocabulary_split_at_tp3():
-    """Section 3 at TP = 3 (TP = 2 runs in test_parity_with_single_process[tp2])."""
-    run_workers(3, 3, _check_uneven_split)
+    """Sections 3 and 4 at TP = 3 (TP = 2 runs in test_parity_with_single_process[tp2])."""
+    run_workers(3, 3, _check_tp3, importlib.util.find_spec("megatron.core") is not None)

@@ -74,6 +74,8 @@ def _reset() -> None:
 def step(out: str, micro: int, accumulation: int, kind: str) -> None:
     chunked = kind.endswith("-chunked")
     kind = kind.removesuffix("-chunked")
+    framework = kind.endswith("-framework")  # ce_kernel="framework": transformers' CE, NTL beside it
+    kind = kind.removesuffix("-framework")
     import transformers
 
     import ntl_scale
@@ -99,12 +101,13 @@ def step(out: str, micro: int, accumulation: int, kind: str) -> None:
         logits = model(input_ids=whole["input_ids"], attention_mask=whole["attention_mask"]).logits
     reference = hf.causal_lm_ce_with_ntl(logits, whole["labels"], vocab, ntl_weight=0.3)
     expected = expected_step(model, whole, vocab) if kind.startswith("fsdp2") else None
+    options = ntl_scale.NTLOptions(ce_kernel="framework") if framework else None
     if chunked:
         from ntl_scale.integrations.hf import apply_ntl_to_hf_model
 
-        apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3, chunked=True, chunk_tokens=32)
+        apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3, options=options, chunked=True, chunk_tokens=32)
     common = dict(
-        output_dir=os.path.join(os.path.dirname(out), f"hf-{kind}-{chunked}-{micro}x{accumulation}"),
+        output_dir=os.path.join(os.path.dirname(out), f"hf-{kind}-{framework}-{chunked}-{micro}x{accumulation}"),
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation,
         max_steps=1,
@@ -143,7 +146,9 @@ def step(out: str, micro: int, accumulation: int, kind: str) -> None:
         args = transformers.TrainingArguments(**common)
         trainer_class = hf.ntl_trainer_class()
         extra = {"train_dataset": rows}
-    trainer = trainer_class(model=model, args=args, data_collator=collator, number_vocab=vocab, ntl_weight=0.3, **extra)
+    trainer = trainer_class(
+        model=model, args=args, data_collator=collator, number_vocab=vocab, ntl_weight=0.3, ntl_options=options, **extra
+    )
     trainer.train()
     evaluation = None
     if kind == "trainer":  # evaluate() on the four rows after the step: eval_* over all processes, no training log

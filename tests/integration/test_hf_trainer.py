@@ -6,7 +6,8 @@ Sections:
    ZeRO-3 (1e-6); the logged loss, CE and NTL of the one-process step equal ``ce_with_ntl`` on the
    whole batch. With ``apply_ntl_to_hf_model(model, chunked=True)`` (no logits built; under ZeRO-3 the head's
    weight is gathered inside its forward) the step is the same (1e-5). ``evaluate()`` after the step gives
-   ``eval_ce`` / ``eval_ntl`` of the whole batch over all processes.
+   ``eval_ce`` / ``eval_ntl`` of the whole batch over all processes. ``ce_kernel="framework"`` (transformers' CE,
+   NTL beside it; on the logits and with ``chunked=True``) takes the same step.
 2. TRL ``SFTTrainer`` through ``ntl_trainer_class(SFTTrainer)``: TRL's own metrics are still logged
    next to ``ce`` and ``ntl``, and the terms match ``ce_with_ntl``.
 3. Hugging Face tensor parallelism (``tp_plan="auto"``): ``apply_ntl_to_hf_model`` gives the whole model's loss and
@@ -58,7 +59,7 @@ def results(tmp_path_factory) -> dict[tuple[int, str, int, int], dict]:
     by_devices: dict[int, list[tuple[str, int, int]]] = {1: [], 2: []}
     for micro, accumulation, devices in SPLITS:
         by_devices[devices].append(("trainer", micro, accumulation))
-    by_devices[1].append(("trainer-chunked", 1, 4))
+    by_devices[1] += [("trainer-chunked", 1, 4), ("trainer-framework", 1, 4), ("trainer-framework-chunked", 1, 4)]
     if importlib.util.find_spec("deepspeed") is not None:  # the same step under DeepSpeed ZeRO-3, also chunked
         by_devices[2] += [("zero3", 2, 1), ("zero3-chunked", 2, 1)]
     if importlib.util.find_spec("trl") is not None:
@@ -95,6 +96,22 @@ def test_trainer_step_is_independent_of_the_split_and_logs_the_terms(results):
         metrics, want = evaluation["metrics"], evaluation["reference"]
         assert abs(metrics["eval_ce"] - want["ce"]) < 1e-5 and abs(metrics["eval_ntl"] - want["ntl"]) < 1e-5, (
             metrics, want)  # fmt: skip
+
+
+def test_framework_ce_kernel_steps_as_the_fused_op(results):
+    """``ce_kernel="framework"``: transformers' own CE (``ForCausalLMLoss``, on the logits; or the model's own forward
+    with NTL from the hidden states, ``chunked=True``) with NTL beside it takes the fused op's step (1e-6 / 1e-5) and
+    logs the same ``ce`` and ``ntl`` (training and ``evaluate()``), without ``number_accuracy``."""
+    fused = results[1, "trainer", 1, 4]
+    for kind, tol in (("trainer-framework", 1e-6), ("trainer-framework-chunked", 1e-5)):
+        run = results[1, kind, 1, 4]
+        torch.testing.assert_close(run["weights"], fused["weights"], atol=tol, rtol=tol)
+        log, want = next(entry for entry in run["logs"] if "loss" in entry), run["reference"]
+        assert abs(log["ce"] - want["ce"]) < 1e-5 and abs(log["ntl"] - want["ntl"]) < 1e-5, (kind, log, want)
+        assert "number_accuracy" not in log and 0 <= log["number_choice_accuracy"] <= 1, log
+    metrics, want = results[1, "trainer-framework", 1, 4]["evaluation"].values()
+    assert abs(metrics["eval_ce"] - want["ce"]) < 1e-5 and abs(metrics["eval_ntl"] - want["ntl"]) < 1e-5, metrics
+    assert "eval_number_accuracy" not in metrics and "eval_number_choice_accuracy" in metrics, metrics
 
 
 def test_sft_trainer_keeps_its_metrics(results):

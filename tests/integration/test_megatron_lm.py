@@ -272,7 +272,8 @@ def test_readme_command_runs_as_written(tag, tmp_path):
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)
 def test_chunked_route_matches_logits_route(tag, tmp_path, shared):
-    """--ntl-chunked (CE + NTL from hidden states, no logits) trains like the logits route at TP=2 (1e-5).
+    """--ntl-chunked (CE + NTL from hidden states, no logits) and --ntl-ce-kernel framework (Megatron's fused CE,
+    NTL beside it) train like the logits route at TP=2 (1e-5).
 
     The logits route is section 2's NTL run at TP=2 (8 iterations); the chunked run has its arguments.
     """
@@ -283,6 +284,19 @@ def test_chunked_route_matches_logits_route(tag, tmp_path, shared):
     for key in ("lm loss", "ntl loss", "number accuracy"):
         _close(chunked.losses(key), logits.losses(key), 1e-5)
     _close(chunked.grad_norms(), logits.grad_norms(), 1e-5)
+    # --ntl-ce-kernel framework: Megatron's own fused CE (--cross-entropy-loss-fusion, native) runs, NTL beside it
+    # from the logits shard. Step 1 (the same weights): the fused op's losses (1e-6); Megatron's native kernel returns
+    # its CE gradient in bfloat16, so the gradient norms and the later steps agree to that rounding (1e-3). No number
+    # accuracy (the arg-max among
+    # the number columns is logged as number choice accuracy), nothing ignored.
+    framework = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-ce-kernel", "framework"], nproc=2, workdir=tmp_path))
+    for key in ("lm loss", "ntl loss"):
+        _close({1: framework.losses(key)[1]}, {1: logits.losses(key)[1]}, 1e-6)
+        _close(framework.losses(key), logits.losses(key), 1e-3)
+    _close(framework.grad_norms(), logits.grad_norms(), 1e-3)
+    assert "number accuracy" not in framework.trace[0]["losses"] and "is ignored" not in framework.output
+    choice = framework.losses("number choice accuracy")
+    assert choice.keys() == logits.losses().keys() and all(0 <= v <= 1 for v in choice.values()), choice
 
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)

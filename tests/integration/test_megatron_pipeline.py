@@ -11,6 +11,8 @@ Sections:
    ``MicroBatchScale`` set on both models).
 4. Context parallelism (in the same TP = 2 processes, re-initialised at CP = 2): the ``megatron.core`` routes
    read the context-parallel size from ``parallel_state`` (a contradicting argument is refused).
+5. ``ce_kernel="framework"`` (same processes): Megatron's own CE (plain, fused native) with NTL beside it equals
+   ntl_scale's fused op through ``make_loss_func`` and the mixin.
 """
 
 from __future__ import annotations
@@ -290,12 +292,83 @@ def _context_parallel_worker(ctx: WorkerContext) -> None:
     parallel_state.destroy_model_parallel()
 
 
+def _framework_worker(ctx: WorkerContext) -> None:
+    """Section 5: ``ce_kernel="framework"`` keeps Megatron's CE (plain, and fused ``native``), NTL beside it: at
+    TP = 2 ``make_loss_func``'s loss, report and logits gradient equal the fused op's (1e-5; the native kernel's
+    CE gradient to its bfloat16 rounding); the mixin with Megatron's plain CE equals the mixin on ntl_scale's op,
+    per token and in every parameter's gradient."""
+    import dataclasses
+
+    from megatron.core.models.gpt import GPTModel
+
+    import ntl_scale
+    from ntl_scale.integrations import megatron as ntl_megatron
+    from tests.helpers.megatron_cpu import tiny_gpt
+
+    class NTLGPTModel(ntl_megatron.NTLLanguageModelMixin, GPTModel):
+        pass
+
+    parallel_state, _ = _setup(2, 1)
+    vocab = ntl_scale.NumberVocab.from_id_to_token(TOKENS, vocab_size=VOCAB)
+    tp_group, rank = parallel_state.get_tensor_model_parallel_group(), ctx.rank
+    tokens, labels, _ = _data()
+    g = torch.Generator().manual_seed(11)
+    full = torch.randn(SEQUENCES, SEQ, VOCAB, generator=g) * 3
+    shard = full[..., rank * VOCAB // 2 : (rank + 1) * VOCAB // 2].contiguous()
+    mask = (torch.rand(SEQUENCES, SEQ, generator=g) > 0.2).float()
+    for loss, impl in (("was", None), ("mse", "native")):
+        runs = {}
+        for kernel, weight in (("ntl_scale", 0.3), ("framework", 0.3), ("ntl_scale", 0.0)):
+            settings = ntl_megatron.NTLSettings(weight=weight, loss=loss, ce_kernel=kernel)
+            func = ntl_megatron.make_loss_func(settings, vocab, tp_group=tp_group, data_parallel_size=1,
+                                               context_parallel_size=1, cross_entropy_fusion_impl=impl)  # fmt: skip
+            logits = shard.clone().requires_grad_()
+            value, _, report = func(labels, mask, logits)
+            value.backward()
+            runs[kernel, weight] = value, report, logits.grad
+        (want, want_report, want_grad), (got, got_report, got_grad) = runs["ntl_scale", 0.3], runs["framework", 0.3]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if impl == "native":  # Megatron's fused CE returns its logits gradient in bfloat16 (calculate_gradients)
+            ce_grad = runs["ntl_scale", 0.0][2]  # the CE part of the gradient; the NTL part stays float32
+            assert ((got_grad - want_grad).abs() <= 2**-8 * ce_grad.abs() + 1e-6).all()
+        else:
+            torch.testing.assert_close(got_grad, want_grad, atol=1e-6, rtol=1e-5)
+        for key in ("lm loss", "ntl loss"):
+            torch.testing.assert_close(got_report[key], want_report[key], atol=1e-5, rtol=1e-5)
+        assert "number accuracy" not in got_report and "number accuracy" in want_report
+        choice = got_report["number choice accuracy"]  # the arg-max among the number columns, from the full logits
+        number_ids = vocab.ids.clone()
+        picked = number_ids[full[..., number_ids].argmax(-1)]
+        numbers = torch.isin(labels, number_ids).float() * mask
+        torch.testing.assert_close(choice, torch.stack([((picked == labels) * numbers).sum(), numbers.sum()]))
+    inputs = (tokens, torch.arange(SEQ).unsqueeze(0).expand(SEQUENCES, SEQ), torch.ones(1, 1, SEQ, SEQ).tril() < 0.5)
+    ours = tiny_gpt(VOCAB, SEQ, tp=2, pp=1, model_class=NTLGPTModel)
+    theirs = tiny_gpt(VOCAB, SEQ, tp=2, pp=1, model_class=NTLGPTModel)
+    theirs.load_state_dict(ours.state_dict())
+    assert not theirs.config.cross_entropy_loss_fusion  # Megatron's plain vocab_parallel_cross_entropy
+    settings = ntl_megatron.NTLSettings(weight=0.3, loss="was")
+    ours.configure_ntl(settings, vocab, tp_group)
+    theirs.configure_ntl(dataclasses.replace(settings, ce_kernel="framework"), vocab, tp_group)
+    per_token = []
+    for model in (ours, theirs):
+        model.zero_grad(set_to_none=True)
+        out = model(*inputs, labels=labels)
+        out.mean().backward()
+        per_token.append(out.detach())
+    torch.testing.assert_close(per_token[1], per_token[0], atol=1e-5, rtol=1e-5)
+    grads = dict(ours.named_parameters())
+    for name, param in theirs.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, atol=1e-6, rtol=1e-4, msg=name)
+    parallel_state.destroy_model_parallel()
+
+
 def _tp2_worker(ctx: WorkerContext, ref_path: str) -> None:
     _parallel_worker(ctx, 2, 1, ref_path)
     _chunked_worker(ctx)
     _context_parallel_worker(ctx)
+    _framework_worker(ctx)
 
 
 def test_tp2_matches_the_reference_and_the_chunked_loss_without_logits_matches(reference_path):
-    """Sections 2 (the TP = 2 layout), 3 and 4 in one pair of processes."""
+    """Sections 2 (the TP = 2 layout), 3, 4 and 5 in one pair of processes."""
     run_workers(2, 2, _tp2_worker, reference_path)

@@ -266,7 +266,8 @@ def elsewhere(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 
 
 def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
-    """train.chunked_loss: CE + NTL from the hidden states, the output weight gathered by ZeRO-3.
+    """train.chunked_loss: CE + NTL from the hidden states, the output weight gathered by ZeRO-3; and
+    ntl.ce_kernel=framework (torch's CE, NTL beside it) trains as the fused op.
 
     The logits path is the run of ``test_runs_from_another_directory_without_the_optional_packages``;
     the chunked run trains with its settings (no evaluation, no wandb: they come after the steps)."""
@@ -278,6 +279,12 @@ def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
         for key in ("ce", "ntl", "grad_norm"):
             assert abs(x[key] - y[key]) <= 1e-4 * abs(x[key]), (key, x, y)
     assert (tmp_path / "chunked" / "hf_model" / "config.json").exists()  # the plain HF model is exported
+    # ntl.ce_kernel=framework: torch's CE on the logits (what the model's own loss runs), NTL beside it
+    _train(tmp_path / "framework", *ELSEWHERE, "eval.at_end=false", "tracking.wandb=disabled",
+           "ntl.ce_kernel=framework")  # fmt: skip
+    for x, y in zip(a, _metrics(tmp_path / "framework"), strict=True):
+        for key in ("ce", "ntl", "grad_norm", "number_acc"):
+            assert abs(x[key] - y[key]) <= 1e-5 * abs(x[key]), (key, x, y)
 
 
 def test_bad_input_stops_before_training(tmp_path):

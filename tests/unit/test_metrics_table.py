@@ -85,12 +85,19 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def test_hugging_face_logs_only_names_of_the_table():
     from ntl_scale.integrations.hf import NTLCausalLMLoss
 
-    loss = NTLCausalLMLoss(_vocab(), 0.3, options=ntl_scale.NTLOptions(z_loss_weight=1e-3, label_smoothing=0.1))
-    logits, labels = _batch()
-    loss(logits.requires_grad_(True), labels, 16)
-    with torch.no_grad():
-        loss(logits, labels, 16)
-    train, evaluation = set(loss.pop_means()), {f"eval_{k}" for k in loss.pop_means(evaluation=True)}
+    train: set[str] = set()
+    evaluation: set[str] = set()
+    for options in (
+        ntl_scale.NTLOptions(z_loss_weight=1e-3, label_smoothing=0.1),
+        ntl_scale.NTLOptions(ce_kernel="framework"),
+    ):
+        loss = NTLCausalLMLoss(_vocab(), 0.3, options=options)
+        logits, labels = _batch()
+        loss(logits.clone().requires_grad_(True), labels, 16)
+        with torch.no_grad():
+            loss(logits, labels, 16)
+        train |= set(loss.pop_means())
+        evaluation |= {f"eval_{k}" for k in loss.pop_means(evaluation=True)}
     table = _stack("Hugging Face")
     assert train | {"loss"} == table["train"]  # loss, eval_loss: Trainer's own
     assert evaluation | {"eval_loss"} == table["eval"]
@@ -119,15 +126,16 @@ def test_torchtitan_logs_only_names_of_the_table(tmp_path):
     path = tmp_path / "numbers.json"
     _vocab().save(path)
     loss = NTLLoss.Config(number_vocab=str(path), vocab_size=16, weight=0.3, z_loss_weight=1e-3).build()
+    beside = NTLLoss.Config(number_vocab=str(path), vocab_size=16, weight=0.3, ce_kernel="framework").build()
     table = _stack("torchtitan")
-    assert set(loss.metric_names) | {"loss_metrics/global_avg_loss"} == table["train"]
+    assert {*loss.metric_names, *beside.metric_names, "loss_metrics/global_avg_loss"} == table["train"]
     assert table["eval"] == {"validation_metrics/loss"}
 
 
 def test_megatron_reports_only_names_of_the_table():
     for module, stack in (("core", "megatron.core"), ("lm", "Megatron-LM route")):
         path = ROOT / "ntl_scale" / "integrations" / "megatron" / f"{module}.py"
-        reported = set(re.findall(r'"((?:lm|z|ntl) loss|number accuracy)"', path.read_text()))
+        reported = set(re.findall(r'"((?:lm|z|ntl) loss|number (?:choice )?accuracy)"', path.read_text()))
         table = _stack(stack)
         assert reported <= table["train"] | table["eval"], (stack, reported)
         assert {"lm loss", "z loss", "ntl loss", "number accuracy"} <= table["train"], stack

@@ -59,7 +59,7 @@ def test_every_option_is_documented_and_typed():
         assert option.type and option.level in ("variant", "run", "route"), option
     assert {"loss", "squash_factor", "reweigh", "huber_delta", "float_level", "impl", "weight", "digit_level",
             "normalization", "chunked", "chunk_tokens", "z_loss_weight", "label_smoothing",
-            "logit_softcap"} == set(NAMES)  # fmt: skip
+            "logit_softcap", "ce_kernel"} == set(NAMES)  # fmt: skip
 
 
 def test_run_options_repeat_the_variant_with_its_defaults():
@@ -197,6 +197,7 @@ def test_megatron_settings_carry_every_option():
         "weight": 0.0, "number_vocab": "digits", "normalization": "micro-batch", "chunked": False,
         "chunk_tokens": None, "loss": "was", "squash_factor": None, "reweigh": False, "huber_delta": 1.0,
         "float_level": False, "impl": "auto", "z_loss_weight": 0.0, "label_smoothing": 0.0, "logit_softcap": None,
+            "ce_kernel": "ntl_scale",
     }  # fmt: skip
     assert dataclasses.asdict(NTLSettings.from_args(parser.parse_args([]))) == documented
     assert dataclasses.asdict(NTLSettings()) == documented

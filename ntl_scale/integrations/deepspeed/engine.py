@@ -27,6 +27,7 @@ from ...terms import PerTokenTerms, per_token_ce_ntl
 from ...training.build import build_model
 from ...training.config import ModelConfig, RunConfig, TrainConfig
 from ...training.flops import FlopsCounter
+from ..beside import beside, framework_ce
 from .resolved import Resolved
 from .steps import shift_for_causal
 
@@ -106,6 +107,12 @@ class Engine:
         import deepspeed
 
         tp, ds_config = resolved.tensor_parallel, resolved.deepspeed
+        if framework_ce(options) and (tp > 1 or train.chunked_loss):
+            raise ValueError(
+                "ntl.ce_kernel=framework runs torch's cross entropy on the whole logits; it does not take "
+                f"train.tensor_parallel_size={tp} (vocabulary shards) or train.chunked_loss={train.chunked_loss} "
+                "(no logits): use ntl.ce_kernel=ntl_scale there"
+            )
         torch.manual_seed(train.seed)
         model, keep_alive = build_model(model_cfg, vocab_size, ds_config, tokenizer)
         from ..hf.chunked import head_options
@@ -173,8 +180,16 @@ class Engine:
 
     def terms_of_logits(self, logits: torch.Tensor, target: torch.Tensor, options: NTLOptions | None = None,
                         **kwargs: Any) -> PerTokenTerms:  # fmt: skip
-        """Per-token terms of logits (with TP: this rank's vocabulary shard); default: the run's variant."""
+        """Per-token terms of logits (with TP: this rank's vocabulary shard); default: the run's variant. With
+        ``ntl.ce_kernel=framework`` CE is torch's ``F.cross_entropy`` of the float32 logits (what the Hugging Face
+        model's own loss runs), NTL beside it from the number columns, the arg-max hit from the logits."""
         options = self.options if options is None else options
+        if framework_ce(options) and kwargs.get("need_ce", True):
+            terms = per_token_ce_ntl(logits, target, self.vocab, options, **{**kwargs, "need_ce": False})
+            flat = logits.reshape(-1, logits.shape[-1]).float()
+            ce = torch.nn.functional.cross_entropy(flat, target.reshape(-1), ignore_index=options.ignore_index,
+                                                   reduction="none")  # fmt: skip
+            return beside(ce, terms, hit=flat.detach().argmax(-1) == target.reshape(-1))
         return per_token_ce_ntl(logits, target, self.vocab, options, tp_group=self.tp_group,
                                 vocab_start=self.vocab_start, **kwargs)  # fmt: skip
 

@@ -45,6 +45,7 @@ __all__ = [
     "ChunkedLossCausalLM",
     "check_head",
     "chunked_forward",
+    "framework_forward",
     "install_linear_loss_head",
     "linear_head",
     "logit_multiplier",
@@ -272,6 +273,38 @@ def chunked_forward(original: Callable, loss: Any, multiplier: float) -> Callabl
             attentions=getattr(out, "attentions", None),
             **{cache: getattr(out, cache, None)},
         )
+
+    return forward
+
+
+def framework_forward(original: Callable, loss: Any, multiplier: float, chunk_tokens: int | None) -> Callable:
+    """The forward of ``apply_ntl_to_hf_model(chunked=True)`` with ``ce_kernel="framework"``: in training with
+    labels the model's own forward (``original``: transformers' logits and loss, or Liger's fused linear CE
+    where ``apply_liger_kernel_to_*`` patched the class first) computes the CE sum (``num_items_in_batch=1``);
+    NTL comes from the decoder's final hidden states (a hook on ``model.base_model``) and the number rows of
+    the output weight (:func:`ntl_scale.linear_ce_ntl` with ``need_ce=False``). Otherwise ``original``."""
+
+    def forward(self: Any, *args: Any, labels: Any = None, shift_labels: Any = None, **kwargs: Any) -> Any:
+        if not self.training or (labels is None and shift_labels is None):
+            return original(*args, labels=labels, shift_labels=shift_labels, **kwargs)
+        ignore_index = kwargs.get("ignore_index", loss.options.ignore_index)
+        targets = shift_labels if shift_labels is not None else loss.targets(labels, ignore_index)
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        seen: list[torch.Tensor] = []
+        hook = self.base_model.register_forward_hook(lambda _m, _i, out: seen.append(out[0]))
+        try:
+            with loss.ce_only():  # transformers' forward calls the installed loss_function: the CE sum alone
+                out = original(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=1, **kwargs)
+        finally:
+            hook.remove()
+        hidden = seen[-1] * multiplier if multiplier != 1.0 else seen[-1]
+        weight = self.get_output_embeddings().weight
+        targets = targets.to(hidden.device)
+        terms = linear_ce_ntl(
+            hidden, weight, targets, loss.vocab, loss.options, chunk_tokens=chunk_tokens, need_ce=False
+        )
+        out.loss = loss.reduce(terms, targets, num_items_in_batch, ignore_index, ce_sum=out.loss)
+        return out
 
     return forward
 

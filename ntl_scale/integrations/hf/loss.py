@@ -35,7 +35,9 @@ the causal-LM label convention (:func:`shift_labels`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,6 +49,7 @@ from ...number_vocab import NumberVocab
 from ...options import NTLOptions, check_chunk_route, check_option
 from ...reductions import CENTLOutput
 from ...terms import PerTokenTerms, per_token_ce_ntl
+from ..beside import CHOICE, framework_ce
 
 __all__ = [
     "TOTALS",
@@ -110,10 +113,19 @@ class NTLCausalLMLoss:
         options: the NTL variant (default NTL-WAS).
         causal: shift the labels as causal LMs do (False for labels already aligned with the logits,
             e.g. encoder-decoder models).
+        framework_loss: with ``options.ce_kernel="framework"``, the model's own loss function (what
+            ``model.loss_function`` was); None: transformers' ``ForCausalLMLoss``. It computes the CE, NTL is
+            added beside it from the number columns; ``number_accuracy`` is not logged.
     """
 
     def __init__(
-        self, vocab: NumberVocab, ntl_weight: float = 0.3, options: NTLOptions | None = None, *, causal: bool = True
+        self,
+        vocab: NumberVocab,
+        ntl_weight: float = 0.3,
+        options: NTLOptions | None = None,
+        *,
+        causal: bool = True,
+        framework_loss: Any = None,
     ) -> None:
         if not isinstance(vocab, NumberVocab):
             raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
@@ -121,6 +133,8 @@ class NTLCausalLMLoss:
         self.options = options or NTLOptions()
         check_table(vocab, self.options, "hf")  # refused when the loss is built, not at the first step
         self.causal = causal
+        self.framework_loss = framework_loss
+        self._ce_only = False
         # Detached running sums since the last reset (TOTALS: ce_sum, tokens, ntl_sum, numbers, hits, z_loss_sum):
         # the training calls' and, apart, the evaluation calls'
         self.totals = torch.zeros(len(TOTALS), dtype=torch.float64)
@@ -154,21 +168,49 @@ class NTLCausalLMLoss:
             options = dataclasses.replace(options, ignore_index=ignore_index)
         if vocab_size is not None and logits.shape[-1] != vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} columns but vocab_size is {vocab_size}")
-        return self.reduce(
-            per_token_ce_ntl(logits, targets, self.vocab, options), targets, num_items_in_batch, ignore_index
-        )
+        if not framework_ce(options):
+            terms = per_token_ce_ntl(logits, targets, self.vocab, options)
+            return self.reduce(terms, targets, num_items_in_batch, ignore_index)
+        own = self.framework_loss or _for_causal_lm_loss()
+        one = torch.ones((), device=logits.device)  # num_items_in_batch 1: the framework's CE sum
+        ce_sum = own(logits, None, logits.shape[-1], num_items_in_batch=one, ignore_index=ignore_index,
+                     shift_labels=targets.contiguous(), **kwargs)  # fmt: skip
+        if self._ce_only:
+            return ce_sum
+        terms = per_token_ce_ntl(logits, targets, self.vocab, options, need_ce=False)
+        return self.reduce(terms, targets, num_items_in_batch, ignore_index, ce_sum=ce_sum)
+
+    @contextlib.contextmanager
+    def ce_only(self) -> Iterator[None]:
+        """Calls inside return the framework's CE sum alone (the hidden-state route adds NTL itself)."""
+        self._ce_only = True
+        try:
+            yield
+        finally:
+            self._ce_only = False
 
     def reduce(
-        self, terms: PerTokenTerms, targets: torch.Tensor, num_items_in_batch: Any = None, ignore_index: int = -100
+        self,
+        terms: PerTokenTerms,
+        targets: torch.Tensor,
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        *,
+        ce_sum: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``CE + weight * NTL`` from per-token terms, normalised by what ``num_items_in_batch`` carries.
 
         The terms' sums go to :attr:`totals` (training) or, under ``torch.no_grad()``, to :attr:`eval_totals`;
         evaluation terms are expected without the training regularisers (``options.for_evaluation()``, as
-        :meth:`__call__` and the hidden-state head compute them there).
+        :meth:`__call__` and the hidden-state head compute them there). ``ce_sum``: the framework's CE sum
+        (``ce_kernel="framework"``), in place of the terms' CE.
         """
         valid = targets != ignore_index
+        if ce_sum is not None:  # the arg-max among the number columns (the full one is the framework's)
+            terms = terms._replace(hit=terms.number_choice_hit)
         sums = micro_batch_sums(terms, valid)
+        if ce_sum is not None:
+            sums = sums._replace(ce=ce_sum.to(sums.ntl.dtype))
         evaluation = evaluating()
         z_weight = 0.0 if evaluation else self.options.z_loss_weight
         if z_weight:  # the z-loss part of the CE term: logged apart as z_loss, out of the logged ce
@@ -203,8 +245,9 @@ class NTLCausalLMLoss:
         (label-smoothed with ``label_smoothing``), in evaluation the plain CE. ``z_loss`` is the mean of
         ``z_loss_weight * logsumexp**2`` over the same tokens (the objective's CE term is ``ce + z_loss``).
         ``ntl`` is the mean NTL per NTL position; ``number_accuracy`` the share of NTL positions whose label
-        is the arg-max over the whole vocabulary. A mean whose count is 0 (no label token, no NTL position
-        since the last call) is left out.
+        is the arg-max over the whole vocabulary (``ce_kernel="framework"``: :data:`~..beside.CHOICE`, the arg-max
+        among the number columns). A mean whose count is 0
+        (no label token, no NTL position since the last call) is left out.
 
         Args:
             reduce: sums the running totals across processes (e.g. ``accelerator.reduce(t, "sum")``, a
@@ -221,8 +264,15 @@ class NTLCausalLMLoss:
             if self.options.z_loss_weight and not evaluation:
                 means["z_loss"] = z_sum / tokens
         if numbers:
-            means["ntl"], means["number_accuracy"] = ntl_sum / numbers, hits / numbers
+            means["ntl"] = ntl_sum / numbers
+            means[CHOICE if framework_ce(self.options) else "number_accuracy"] = hits / numbers
         return means
+
+
+def _for_causal_lm_loss() -> Any:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss
 
 
 def apply_ntl_to_hf_model(
@@ -283,10 +333,16 @@ def apply_ntl_to_hf_model(
                 "apply_ntl_to_hf_model was already called on this model with other settings; call remove_ntl first"
             )
         return loss
-    loss = NTLCausalLMLoss(number_vocab, ntl_weight, options)
     from . import chunked as hidden
 
-    head_options = hidden.head_options(model, loss.options)  # refuses capping twice, on either path
+    framework = options is not None and framework_ce(options)
+    own_loss = model.loss_function if framework else None  # transformers' (or the model's) own CE
+    loss = NTLCausalLMLoss(number_vocab, ntl_weight, options, framework_loss=own_loss)
+    if framework and chunked and hidden.model_softcap(model) is not None:
+        raise ValueError(
+            f"{type(model).__name__} soft-caps its logits: ce_kernel='framework' with chunked=True would take NTL "
+            "from uncapped hidden-state logits; use the logits path (chunked=False) or ce_kernel='ntl_scale'"
+        )
     if chunked:
         import types
 
@@ -294,9 +350,15 @@ def apply_ntl_to_hf_model(
         head = hidden.linear_head(model)
         if check:
             hidden.check_head(model, multiplier, head)
-        hidden.install_linear_loss_head(head, number_vocab, head_options, chunk_tokens)
         own_forward = model.__dict__.get("forward")  # another patch's instance forward, restored by remove_ntl
-        model.forward = types.MethodType(hidden.chunked_forward(model.forward, loss, multiplier), model)
+        if framework:  # the model's own forward (transformers', or Liger's) computes CE; NTL beside it
+            wrapped = hidden.framework_forward(model.forward, loss, multiplier, chunk_tokens)
+        else:
+            hidden.install_linear_loss_head(head, number_vocab, hidden.head_options(model, loss.options), chunk_tokens)
+            wrapped = hidden.chunked_forward(model.forward, loss, multiplier)
+        model.forward = types.MethodType(wrapped, model)
+    elif not framework:  # framework: its CE reads the model's own logits (capped ones too), as NTL does
+        hidden.head_options(model, loss.options)  # refuses capping twice
     record = {
         "loss": loss,
         "previous": model.__dict__.get("_loss_function"),

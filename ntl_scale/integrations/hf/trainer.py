@@ -38,6 +38,8 @@ def ntl_trainer_class(base: Any = None) -> Any:
     The constructor takes ``number_vocab``, ``ntl_weight`` (0.3), ``ntl_options`` and ``causal`` (True: labels
     shifted inside; False for encoder-decoders) besides the Trainer's arguments. Logs gain ``ce``, ``ntl``,
     ``number_accuracy`` (and ``z_loss``); ``evaluate()`` adds ``eval_ce``, ``eval_ntl``, ``eval_number_accuracy``.
+    With ``ntl_options.ce_kernel="framework"`` the model's own loss function computes CE and
+    ``number_choice_accuracy`` replaces ``number_accuracy``.
     """
     transformers = require("transformers", "hf", "ntl_scale.integrations.hf.ntl_trainer_class")
     from .chunked import head_options
@@ -82,8 +84,11 @@ def ntl_trainer_class(base: Any = None) -> Any:
                 return
             # a model that soft-caps its logits itself (Gemma 2/3) with ntl_options.logit_softcap: refused, as
             # apply_ntl_to_hf_model refuses it (the logits would be capped twice)
-            head_options(self.model, ntl_options or NTLOptions())
-            self.ntl_loss = NTLCausalLMLoss(number_vocab, ntl_weight, ntl_options, causal=causal)
+            framework = ntl_options is not None and ntl_options.ce_kernel == "framework"
+            if not framework:  # the framework's CE reads the model's own (capped) logits, as NTL does then
+                head_options(self.model, ntl_options or NTLOptions())
+            own = self.model.loss_function if framework else None  # the model's CE (ce_kernel="framework")
+            self.ntl_loss = NTLCausalLMLoss(number_vocab, ntl_weight, ntl_options, causal=causal, framework_loss=own)
             # Trainer's own hook for a loss computed from the model's outputs: Trainer (and TRL) then
             # count the step's tokens, call the model without labels, treat the loss as normalised over
             # the whole step and scale it for the gradient average across devices themselves.

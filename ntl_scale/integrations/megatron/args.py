@@ -52,6 +52,11 @@ class NTLSettings:
                 f"{flags}: these apply to the NTL loss, which --ntl-weight 0 leaves off (Megatron's own CE runs "
                 "then, without them): give --ntl-weight > 0, or drop those flags"
             )
+        if self.chunked and options.ce_kernel == "framework":
+            raise ValueError(
+                "--ntl-chunked computes ntl_scale's CE from the hidden states; --ntl-ce-kernel framework runs "
+                "Megatron's CE on the logits: drop one of them"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -148,13 +153,15 @@ def add_ntl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def ignored_megatron_flags(args: Any) -> list[str]:
     """Megatron flags set in ``args`` that have no effect with NTL on, one sentence each."""
     notes = []
-    if getattr(args, "cross_entropy_loss_fusion", False):
+    framework = getattr(args, "ntl_ce_kernel", None) == "framework"
+    if getattr(args, "cross_entropy_loss_fusion", False) and not framework:
         impl = getattr(args, "cross_entropy_fusion_impl", None)
         flag = "--cross-entropy-loss-fusion" + (f" (--cross-entropy-fusion-impl {impl})" if impl else "")
         notes.append(
             f"{flag} is ignored with --ntl-weight > 0: ntl_scale's fused CE + NTL op computes the cross entropy "
             "instead (from the vocab-sharded logits, or the hidden states with --ntl-chunked; the same two "
-            "all-reduces as Megatron's fused CE). With --ntl-weight 0 Megatron's own CE runs as set."
+            "all-reduces as Megatron's fused CE). With --ntl-ce-kernel framework (or --ntl-weight 0) Megatron's own "
+            "CE runs as set."
         )
     return notes
 

@@ -13,6 +13,9 @@ where a Megatron object is needed); the flags and settings are in :mod:`.args`:
 * :func:`make_forward_step`: a ``forward_step(data_iterator, model)`` with both;
 * :class:`NTLLanguageModelMixin`: NTL inside the model's ``compute_language_model_loss`` (MTP heads).
 
+With ``ce_kernel="framework"`` both take Megatron's CE (:func:`~.terms.megatron_cross_entropy`; the mixin its
+own method) and add NTL of the number columns beside it.
+
 Normalisation (``docs/normalization.md``; the counts, sums and ``L`` are :mod:`ntl_scale.normalization`'s):
 Megatron divides what ``loss_func`` returns by the whole ``num_tokens`` it returns and by the number of
 micro-batches (or, with ``--calculate-per-token-loss``, the gradients by the sum of those ``num_tokens``).
@@ -41,12 +44,14 @@ from ...normalization import apply_factors, micro_batch_sums, objective, step_co
 from ...number_vocab import NumberVocab
 from ...options import NTLOptions, check_chunk_route, check_option
 from ...terms import PerTokenTerms, ntl_counts
+from ..beside import beside, framework_ce
 from .args import NTLSettings
 from .lm import MicroBatchScale, head_loss, micro_batch_weights
 from .terms import (
     batch_first_terms,
     context_parallel_pieces,
     is_evaluation,
+    megatron_cross_entropy,
     megatron_num_tokens,
     output_layer_terms,
     sequence_first_terms,
@@ -188,6 +193,7 @@ def make_loss_func(
     data_parallel_size: int | None = None,
     inplace: bool = False,
     context_parallel_size: int | None = None,
+    cross_entropy_fusion_impl: str | None = None,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor, dict]]:
     """A Megatron ``loss_func(labels, loss_mask, logits)`` computing CE + weight * NTL.
 
@@ -213,6 +219,9 @@ def make_loss_func(
             (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`; ``global_counts`` counts so
             too). None (default): read from ``megatron.core.parallel_state`` as ``data_parallel_size``; a
             value that contradicts it is refused.
+        cross_entropy_fusion_impl: with ``--ntl-ce-kernel framework``, which Megatron CE runs
+            (:func:`~.terms.megatron_cross_entropy`: None plain, ``native`` or ``te`` fused); NTL is added beside it
+            and ``number accuracy`` is not reported.
 
     Every field of ``settings`` is read: the variant and ``impl``, ``weight``, ``normalization``;
     ``chunked`` (``--ntl-chunked``) is refused, since a ``loss_func`` of logits never sees the hidden
@@ -253,7 +262,15 @@ def make_loss_func(
     ):
         evaluation = is_evaluation() if evaluation is None else evaluation
         run_options = eval_options if evaluation else options
-        terms = batch_first_terms(logits, labels, vocab, run_options, pieces=pieces, tp_group=tp_group, inplace=inplace)
+        if framework_ce(run_options):  # NTL first: Megatron's CE overwrites fp32 logits
+            terms = batch_first_terms(
+                logits, labels, vocab, run_options, pieces=pieces, tp_group=tp_group, need_ce=False
+            )
+            terms = beside(megatron_cross_entropy(logits, labels, tp_group, cross_entropy_fusion_impl), terms)
+        else:
+            terms = batch_first_terms(
+                logits, labels, vocab, run_options, pieces=pieces, tp_group=tp_group, inplace=inplace
+            )
         sums = micro_batch_sums(terms, loss_mask)
         ce_sum, ntl_sum, num_tokens, num_numbers, hits = sums
         n = megatron_num_tokens(loss_mask).to(ce_sum.device)  # what Megatron divides by: a whole number
@@ -281,8 +298,10 @@ def make_loss_func(
         report = {
             "lm loss": torch.stack([(ce * loss_mask.to(ce.dtype)).sum(), num_tokens]).detach(),
             "ntl loss": torch.stack([ntl_sum, num_numbers]).detach(),
-            "number accuracy": torch.stack([hits, num_numbers]).detach(),
         }
+        # beside Megatron's own CE the full arg-max is inside its kernel: the arg-max among the number columns
+        accuracy = "number choice accuracy" if framework_ce(run_options) else "number accuracy"
+        report[accuracy] = torch.stack([hits, num_numbers]).detach()
         if run_options.z_loss_weight:
             report["z loss"] = torch.stack([z_sum, num_tokens]).detach()
         return loss, n, report
@@ -572,9 +591,13 @@ class NTLLanguageModelMixin:
         if settings is None or vocab is None or not settings.enabled:
             return super().compute_language_model_loss(labels, logits)  # type: ignore[misc]
         pieces = getattr(self, "_ntl_pieces", 1)
+        options = self._ntl_options(settings)
+        framework = framework_ce(options)
         terms = sequence_first_terms(
-            logits, labels, vocab, self._ntl_options(settings), tp_group=tp_group, pieces=pieces
+            logits, labels, vocab, options, tp_group=tp_group, pieces=pieces, need_ce=not framework
         )
+        if framework:  # Megatron's own CE, with its config's fusion, after NTL (it overwrites fp32 logits)
+            terms = beside(super().compute_language_model_loss(labels, logits), terms)  # type: ignore[misc]
         return self._ntl_scaled(terms, labels, settings)
 
     def _ntl_options(self, settings: NTLSettings) -> NTLOptions:

@@ -31,6 +31,9 @@ NTL. What the value is:
 The NTL sums of the main head (``ntl loss``, ``number accuracy``, and ``z loss``) are kept for the caller's
 ``loss_func`` report (:meth:`GPTModelNTL.pop_stats`).
 
+With ``--ntl-ce-kernel framework`` the CE is Megatron's own method (its fusion flags included), run after NTL
+of the number columns (it overwrites fp32 logits); ``number choice accuracy`` replaces ``number accuracy``.
+
 With ``chunked=True`` the output layer hands its input through and the loss is computed from the
 hidden states and the (vocab-parallel) output weight with :func:`ntl_scale.linear_ce_ntl`, never
 materialising the logits. MuP output scaling (``--use-mup``) multiplies the logits by a constant,
@@ -50,6 +53,7 @@ from ...normalization import MicroBatchSums, apply_factors, factors, micro_batch
 from ...number_vocab import NumberVocab
 from ...options import NTLOptions, check_chunk_route
 from ...terms import PerTokenTerms
+from ..beside import beside, framework_ce
 from .args import NTLSettings
 from .terms import (
     context_parallel_pieces,
@@ -184,6 +188,7 @@ class NTLStats:
     ntl_sum: torch.Tensor
     numbers: torch.Tensor
     hits: torch.Tensor
+    choice: bool = False
     z_sum: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
 
@@ -228,6 +233,7 @@ class GPTModelNTL:
         self._stats: NTLStats | None = None
         self._call: dict | None = None  # labels, loss mask, packed-seq params and MTP count of one forward
         self._originals: dict[str, Any] = {}
+        self._megatron_ce: Any = None
 
     # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -236,6 +242,7 @@ class GPTModelNTL:
             self._originals[name] = model.__dict__.get(name)
         original_forward = model.forward
         original_loss = model.compute_language_model_loss
+        self._megatron_ce = original_loss  # Megatron's CE, with its fusion flags (--ntl-ce-kernel framework)
 
         def forward(*args, **kwargs):
             labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
@@ -323,6 +330,7 @@ class GPTModelNTL:
         # Megatron's NaN/Inf checks judge the loss, so non-finite logits must reach them as a NaN
         # loss instead of raising here (check_finite=False).
         pieces = self._pieces()
+        need_ce = not framework_ce(options)  # with Megatron's CE: NTL from the number columns alone
         if not self.chunked:
             width = logits_or_hidden.shape[-1]
             tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
@@ -339,6 +347,7 @@ class GPTModelNTL:
                 tp_group=self.tp_group,
                 check_finite=False,
                 pieces=pieces,
+                need_ce=need_ce,
             )
         return self._chunked_terms(labels, logits_or_hidden, options, pieces)
 
@@ -370,6 +379,8 @@ class GPTModelNTL:
         evaluation = is_evaluation(self.model)
         options = self.options.for_evaluation() if evaluation else self.options
         terms = self._terms(labels, logits, options)
+        if framework_ce(options):  # after NTL: Megatron's CE overwrites fp32 logits in place
+            terms = beside(self._megatron_ce(labels, logits), terms)
         mask = self._mask_of_head(labels, 0 if main else call["mtp"])
         loss, sums = head_loss(
             terms,
@@ -390,6 +401,7 @@ class GPTModelNTL:
                 ntl_sum=sums.ntl.detach(),
                 numbers=sums.numbers.detach(),
                 hits=sums.hits.detach(),
+                choice=framework_ce(options),
                 z_sum=z_sum if with_z else None,
                 tokens=sums.tokens.detach() if with_z else None,
             )
@@ -692,7 +704,8 @@ class _ReportNTL:
             ntl, hits = torch.where(empty, zero_one, ntl), torch.where(empty, zero_one, hits)
         report = dict(report)
         report["ntl loss"] = ntl.float()
-        report["number accuracy"] = hits.float()
+        # beside Megatron's own CE the full arg-max is inside its kernel: the arg-max among the number columns
+        report["number choice accuracy" if s.choice else "number accuracy"] = hits.float()
         if s.z_sum is not None and s.tokens is not None:  # training with a z-loss: its mean over the CE tokens
             report["z loss"] = torch.stack([s.z_sum, s.tokens]).float()
         return loss, num_tokens, report
@@ -726,6 +739,7 @@ def forward_step_from_args(forward_step: Any, args: Any, parallel_state: Any, *,
         )
     if getattr(args, "use_legacy_models", False):
         raise ValueError("--ntl-weight > 0 needs megatron.core models; drop --use-legacy-models")
+    _check_te_cross_entropy(settings, args)
     if tokenizer is None:
         tokenizer = _megatron_tokenizer(args)
     vocab = build_number_vocab(settings, tokenizer, args.padded_vocab_size)
@@ -750,6 +764,19 @@ def forward_step_from_args(forward_step: Any, args: Any, parallel_state: Any, *,
         num_microbatches=get_num_microbatches,
         per_token_loss=bool(args.calculate_per_token_loss),
     )
+
+
+def _check_te_cross_entropy(settings: NTLSettings, args: Any) -> None:
+    """Refuses ``--cross-entropy-fusion-impl te`` beside NTL without Transformer Engine, before the first step."""
+    import importlib.util
+
+    te = getattr(args, "cross_entropy_loss_fusion", False) and getattr(args, "cross_entropy_fusion_impl", None) == "te"
+    if settings.options().ce_kernel == "framework" and te and importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError(
+            "--ntl-ce-kernel framework with --cross-entropy-loss-fusion --cross-entropy-fusion-impl te runs "
+            "Transformer Engine's CE, which is not installed: install transformer_engine, or use "
+            "--cross-entropy-fusion-impl native"
+        )
 
 
 def _say_ignored(args: Any) -> None:

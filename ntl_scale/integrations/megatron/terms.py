@@ -7,7 +7,10 @@
   ``model.eval()``), :func:`without_z_loss` (``terms.ce`` less its z-loss: ``lm loss``; the z-loss: ``z loss``) and
   :func:`megatron_num_tokens` (the whole number Megatron divides a micro-batch's loss by).
 
-``megatron.core`` is imported on first use (by :func:`output_layer_terms`).
+* :func:`megatron_cross_entropy`: Megatron's own vocab-parallel CE (plain, ``native`` fused or ``te``), which
+  ``--ntl-ce-kernel framework`` keeps, NTL beside it.
+
+``megatron.core`` is imported on first use (by :func:`output_layer_terms`, :func:`megatron_cross_entropy`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = [
     "batch_first_terms",
     "context_parallel_pieces",
     "is_evaluation",
+    "megatron_cross_entropy",
     "megatron_num_tokens",
     "output_layer_terms",
     "sequence_first_terms",
@@ -215,3 +219,34 @@ def output_layer_terms(
         chunk_tokens=chunk_tokens,
     )
     return PerTokenTerms(*(t.reshape(b, s) for t in terms))
+
+
+FUSION_IMPLS = (None, "native", "te")
+
+
+def megatron_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, tp_group: dist.ProcessGroup | None, fusion_impl: str | None = None
+) -> torch.Tensor:
+    """Megatron's per-token CE of vocab-sharded ``[..., V/tp]`` logits for ``[...]`` labels, as its
+    ``compute_language_model_loss`` picks it: ``fusion_impl`` None is ``vocab_parallel_cross_entropy`` (over
+    Megatron's own tensor-parallel group), ``native`` and ``te`` are ``--cross-entropy-loss-fusion`` with that
+    ``--cross-entropy-fusion-impl`` (over ``tp_group``). Overwrites fp32 logits in place (Megatron's kernels):
+    compute NTL of the same logits first."""
+    if fusion_impl not in FUSION_IMPLS:
+        raise ValueError(f"cross_entropy_fusion_impl must be one of {FUSION_IMPLS}, got {fusion_impl!r}")
+    if fusion_impl is None:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits, labels)
+    if fusion_impl == "native":
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+        return fused_vocab_parallel_cross_entropy(logits, labels, tp_group)
+    from megatron.core.extensions import transformer_engine as te
+
+    if getattr(te, "te_parallel_cross_entropy", None) is None:
+        raise ValueError(
+            "cross_entropy_fusion_impl='te' runs Transformer Engine's CE, which is not installed: install "
+            "transformer_engine, or use 'native'"
+        )
+    return te.te_parallel_cross_entropy(logits, labels, tp_group)

@@ -56,6 +56,10 @@ objective's CE term without the z-loss: label-smoothed when ``label_smoothing > 
 whole vocabulary) and, when ``z_loss_weight > 0``, ``loss_metrics/z_loss_mean`` (``z_loss_weight * lse**2``,
 mean over the CE tokens), each this call's part of the step's global value. Calls under no grad return
 theirs (plain CE) but add nothing to the step's log.
+
+``ce_kernel="framework"``: torchtitan's own CE op computes the CE at every weight, NTL of the number columns is
+added beside it, and ``loss_metrics/number_choice_accuracy_mean`` (the arg-max among the number columns)
+replaces ``number_accuracy_mean``.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ from ...options import (
     variant_of,
 )
 from ...terms import per_token_ce_ntl
+from ..beside import framework_ce
 
 __all__ = ["METRICS", "NOT_CONFIG_FIELDS", "Z_LOSS_METRIC", "NTLLoss", "number_table"]
 
@@ -174,15 +179,20 @@ class NTLLoss(BaseLoss):
         self.options = config.options()
         self.eval_options = self.options.for_evaluation()
         """The options of a call under no grad (torchtitan's validator): plain CE, no smoothing, no z-loss."""
-        self.metric_names = METRICS + ((Z_LOSS_METRIC,) if self.options.z_loss_weight else ())
+        self.framework = framework_ce(self.options)
+        """``ce_kernel="framework"``: torchtitan's own CE computes the loss's CE, NTL is added beside it (the
+        number columns only, with gradient); no ``number_accuracy`` (the full arg-max is not seen)."""
+        choice = "loss_metrics/number_choice_accuracy_mean"  # the arg-max among the number columns
+        metrics = tuple(choice if self.framework and m == METRICS[2] else m for m in METRICS)
+        self.metric_names = metrics + ((Z_LOSS_METRIC,) if self.options.z_loss_weight else ())
         """The names of the training metrics (:meth:`step_metrics`): :data:`METRICS`, then the z-loss if on."""
         self.vocab = number_table(config)
         check_table(self.vocab, self.options, "torchtitan")
         self.weight = float(config.weight)
         # torchtitan's own CE op computes the loss (bit for bit) only where ours adds nothing to it: NTL at
         # weight 0 and none of the CE features (z-loss, label smoothing, soft-capping), which it lacks
-        self._torchtitan_ce = self.weight == 0 and not self.options.ce_features
-        self._torchtitan_eval_ce = self.weight == 0 and not self.eval_options.ce_features
+        self._torchtitan_ce = self.framework or (self.weight == 0 and not self.options.ce_features)
+        self._torchtitan_eval_ce = self.framework or (self.weight == 0 and not self.eval_options.ce_features)
         self._numbers: torch.Tensor | None = None
         self._metrics: torch.Tensor | None = None
 
@@ -287,7 +297,8 @@ class NTLLoss(BaseLoss):
         options, use_torchtitan_ce = self._mode()
         is_type_checking = spmd.is_type_checking()
         ce_sum = torchtitan_ce() if use_torchtitan_ce else None
-        with spmd.no_typecheck(), torch.set_grad_enabled(torch.is_grad_enabled() and ce_sum is None):
+        ntl_grad = ce_sum is None or (self.framework and self.weight > 0)  # framework: NTL's gradient, beside it
+        with spmd.no_typecheck(), torch.set_grad_enabled(torch.is_grad_enabled() and ntl_grad):
             sums, z_sum = self._sums(logits, labels, tp_group, vocab_start, options)
         if ce_sum is None:
             ce_sum = sums.ce
@@ -320,7 +331,10 @@ class NTLLoss(BaseLoss):
             tp_group=tp_group,
             vocab_start=vocab_start,
             chunk_tokens=self.config.chunk_tokens,
+            need_ce=not self.framework,
         )
+        if self.framework:  # the arg-max among the number columns (the full one is torchtitan's CE's)
+            terms = terms._replace(hit=terms.number_choice_hit)
         mask = labels != options.ignore_index
         z_sum = None
         if options.z_loss_weight:
@@ -348,10 +362,9 @@ class NTLLoss(BaseLoss):
         logged_ce = ce_sum.detach() if z_sum is None else ce_sum.detach() - z_sum
         ce, ntl = means(sums._replace(ce=logged_ce), counts)
         values = [ce, ntl.detach(), means(sums._replace(ntl=sums.hits), counts)[1].detach()]
-        names: tuple[str, ...] = METRICS
         if z_sum is not None:
             values.append(means(sums._replace(ce=z_sum), counts)[0])
-            names = (*METRICS, Z_LOSS_METRIC)
+        names = self.metric_names
         if options is self.options:
             metrics = torch.stack([v.to(torch.float64) for v in values])
             self._metrics = metrics if self._metrics is None else self._metrics + metrics
@@ -402,6 +415,11 @@ class NTLLoss(BaseLoss):
         if is_dtensor(global_valid_tokens):
             global_valid_tokens = global_valid_tokens.full_tensor()  # type: ignore[union-attr]
         options, use_torchtitan_ce = self._mode()  # under no grad (the validator): plain CE
+        if self.framework and self.weight > 0 and torch.is_grad_enabled():
+            raise ValueError(
+                "NTLLoss: loss.ce_kernel='framework' is not supported with spmd_backend='full_dtensor' (DTensor "
+                "labels): use spmd_backend 'spmd_types' or 'partial_dtensor', or loss.ce_kernel='ntl_scale'"
+            )
         if use_torchtitan_ce:
             loss = torchtitan_cross_entropy(pred, labels)  # torchtitan's own CE, bit for bit
             if global_valid_tokens is None:
