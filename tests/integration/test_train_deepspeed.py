@@ -280,21 +280,66 @@ def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
     assert (tmp_path / "chunked" / "hf_model" / "config.json").exists()  # the plain HF model is exported
 
 
+# launch/train.py's main() once per case in one process (a one-rank world, as `python launch/train.py` starts),
+# each case's exception with its traceback written to a JSON file: refusals that stop before any step need no
+# launcher of their own (the launcher's exit status on a refusal: test_tensor_parallel_refusals and
+# test_a_signal_at_the_last_step_is_finished_on_restart)
+_REFUSALS = """
+import json, os, sys, traceback
+
+import torch.distributed as dist
+
+from launch.train import main
+
+cases, out = json.loads(open(sys.argv[1]).read()), {}
+for name, overrides in cases.items():
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # set by the last case's one-rank start-up
+        os.environ.pop(key, None)
+    try:
+        main(overrides)
+        out[name] = None
+    except BaseException:  # SystemExit too
+        out[name] = traceback.format_exc()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+open(sys.argv[1] + ".out", "w").write(json.dumps(out))
+"""
+
+
+def _refused(tmp_path: Path, cases: dict[str, list[str]]) -> dict[str, str]:
+    """Each case's error (traceback and message) from ``main(overrides)``; fails if a case trained."""
+    script, spec = tmp_path / "refusals.py", tmp_path / "cases.json"
+    script.write_text(_REFUSALS)
+    spec.write_text(json.dumps(cases))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = run_launch([sys.executable, str(SHIM), str(script), str(spec)], cwd=ROOT, env=env, timeout=600)
+    result = Path(f"{spec}.out")
+    assert result.is_file(), done.stdout[-4000:] + done.stderr[-4000:]
+    errors = json.loads(result.read_text())
+    assert all(errors[name] for name in cases), {name: "ran" for name in cases if not errors[name]}
+    return errors
+
+
 def test_bad_input_stops_before_training(tmp_path):
-    out = _train(tmp_path / "bad", "train.stpes=3", nproc=1, check=False)
-    assert out.returncode != 0 and "did you mean 'train.steps'" in out.stdout + out.stderr
+    """A typo, a DeepSpeed config against the run's batch, a missing data file, a tokenizer folder that is
+    not there, a tensor-parallel size that does not divide the ranks: each stops with what to fix."""
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 3}}))
-    out = _train(tmp_path / "bad2", f"train.deepspeed_config={ds}", nproc=1, check=False)
-    assert out.returncode != 0 and "train_micro_batch_size_per_gpu=3" in out.stdout + out.stderr
+    errors = _refused(tmp_path, {
+        "typo": [f"run_dir={tmp_path / 'bad'}", "train.stpes=3"],
+        "ds_config": [f"run_dir={tmp_path / 'bad2'}", f"train.deepspeed_config={ds}"],
+        "data": [f"run_dir={tmp_path / 'bad3'}", "data.source=jsonl", f"data.train_path={tmp_path / 'missing.jsonl'}"],
+        "tokenizer": [f"run_dir={tmp_path / 'bad4'}", "model.tokenizer=/nonexistent"],
+        "odd": [f"run_dir={tmp_path / 'odd'}", *TP_CONFIG, "train.tensor_parallel_size=2"],
+    })  # fmt: skip
+    assert "did you mean 'train.steps'" in errors["typo"], errors["typo"]
+    assert "train_micro_batch_size_per_gpu=3" in errors["ds_config"], errors["ds_config"]
     assert not (tmp_path / "bad2" / "metrics.jsonl").exists()
-    out = _train(
-        tmp_path / "bad3", "data.source=jsonl", f"data.train_path={tmp_path / 'missing.jsonl'}", nproc=1, check=False
-    )
-    assert out.returncode != 0 and "no such data file" in out.stdout + out.stderr
-    out = _train(tmp_path / "bad4", "model.tokenizer=/nonexistent", nproc=1, check=False)
-    assert out.returncode != 0 and "is not a directory" in out.stdout + out.stderr
-    assert "never downloads" in out.stdout + out.stderr and "Repo id" not in out.stdout + out.stderr
+    assert "no such data file" in errors["data"], errors["data"]
+    assert "is not a directory" in errors["tokenizer"] and "never downloads" in errors["tokenizer"], errors
+    assert "Repo id" not in errors["tokenizer"], errors["tokenizer"]
+    assert "does not divide the 1 ranks" in errors["odd"], errors["odd"]
 
 
 def test_runs_from_another_directory_without_the_optional_packages(elsewhere):
@@ -373,11 +418,11 @@ def test_tensor_parallel_equals_one_process(tmp_path):
 
 
 def test_tensor_parallel_refusals(tmp_path):
+    """A model AutoTP cannot split, on 2 ranks through the launcher (a size that does not divide the ranks:
+    test_bad_input_stops_before_training)."""
     zero1 = "train.deepspeed_config=configs/deepspeed/zero1.json"
     out = _train(tmp_path / "gpt2", "train.tensor_parallel_size=2", zero1, "train.steps=1", check=False)
     assert out.returncode != 0 and "AutoTP cannot split GPT2LMHeadModel" in out.stdout + out.stderr
-    out = _train(tmp_path / "odd", *TP_CONFIG, "train.tensor_parallel_size=2", nproc=1, check=False)
-    assert out.returncode != 0 and "does not divide the 1 ranks" in out.stdout + out.stderr
 
 
 def test_tensor_parallel_with_zero3_equals_one_process(tmp_path):
