@@ -264,7 +264,8 @@ def test_readme_command_runs_as_written(tag, tmp_path):
     assert written in docs, f"docs/megatron.md does not print the header's command: {written}"
     assert "configs/megatron/tiny_cpu.yaml" in (mlm.ROOT / "README.md").read_text()
     assert command[:3] == ["torchrun", "--nproc_per_node", "1"]
-    run = mlm.run(tag, command[3], [*command[4:], *mlm.CPU_FLAGS], nproc=1, workdir=tmp_path, cwd=mlm.ROOT)
+    run = mlm.run(tag, command[3], [*command[4:], *mlm.CPU_FLAGS], nproc=1, workdir=tmp_path, cwd=mlm.ROOT,
+                  torchrun=True)  # fmt: skip
     assert run.returncode == 0 and run.trace, mlm.tail(run.output)
     assert sorted(run.losses()) == list(range(1, 31)), run.trace  # train-iters 30 from the config
     ntl = run.losses("ntl loss")
