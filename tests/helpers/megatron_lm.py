@@ -3,8 +3,9 @@
 ``checkout(tag)`` extracts ``megatron-lm-<tag>.tar.gz`` once into a cache folder and builds the dataset
 helpers with Megatron's own ``make`` (pybind11 and a C++ compiler come from ``scripts/setup.sh``), or
 uses ``MEGATRON_LM_PATH`` when set. ``run(...)`` launches a script of the checkout (or our drop-in)
-under ``torch.distributed.run`` through ``tests/helpers/megatron_lm_cpu.py`` and returns the
-per-iteration trace (full-precision losses and gradient norm) and the output.
+under ``torch.distributed.run`` through ``tests/helpers/megatron_lm_cpu.py`` (one process: started
+directly with the variables torchrun sets) and returns the per-iteration trace (full-precision losses
+and gradient norm) and the output.
 """
 
 from __future__ import annotations
@@ -114,18 +115,25 @@ def run(
     workdir: Path,
     timeout: int = 420,
     cwd: Path | None = None,
+    torchrun: bool = False,
 ) -> Run:
-    """Runs ``script`` (relative to ``cwd``, by default the checkout, or absolute) in ``nproc`` CPU processes."""
+    """Runs ``script`` (relative to ``cwd``, by default the checkout, or absolute) in ``nproc`` CPU processes
+    (under torchrun; one process without it, unless ``torchrun``)."""
     path = checkout(tag)
     workdir.mkdir(parents=True, exist_ok=True)
     trace = workdir / f"trace-{free_port()}.jsonl"
     env = _env()
     env["MEGATRON_LM_PATH"] = str(path)
     env["NTL_TEST_TRACE"] = str(trace)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-        str(free_port()), str(HARNESS), str(script), *args,
-    ]  # fmt: skip
+    if nproc == 1 and not torchrun:  # the rank torchrun would start, with its variables, without torchrun
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+        command = [sys.executable, "-u", str(HARNESS), str(script), *args]
+    else:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+            str(free_port()), str(HARNESS), str(script), *args,
+        ]  # fmt: skip
     done = run_launch(command, cwd=path if cwd is None else cwd, env=env, timeout=timeout)
     records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
     training = [r for r in records if "validation" not in r]

@@ -39,9 +39,13 @@ SHIM = ROOT / "tests" / "helpers" / "ds_launch.py"
 def _train(
     run_dir: Path, *overrides: str, nproc: int = 2, check: bool = True, cwd: Path = ROOT, env: dict | None = None
 ) -> subprocess.CompletedProcess:
+    # one process: `python launch/train.py`, a one-rank world without a rendezvous (the launcher's own start-up,
+    # two more interpreters importing DeepSpeed, would add nothing the run sees; every 2- and 4-process run
+    # here goes through it)
     port = str(free_port())
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", port]
-    cmd = [*launcher, str(SHIM), str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", *overrides]
+    cmd = [*(launcher if nproc > 1 else [sys.executable]), str(SHIM), str(ROOT / "launch" / "train.py"),
+           f"run_dir={run_dir}", *overrides]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", **(env or {})}
     out = run_launch(cmd, cwd=cwd, env=env, timeout=600)
     if check and out.returncode != 0:
@@ -127,7 +131,7 @@ def _same_curve(a: list[dict], b: list[dict]) -> None:
 def test_resume_continues_the_same_curve(tmp_path, uninterrupted):
     """ZeRO-3: stopped at step 4 and resumed on 2 processes, then on 1 process (DeepSpeed's universal
     checkpoint re-partitions the weights and Adam's state; accumulation doubles to keep the global batch
-    of 8), the curve is the uninterrupted run's; a changed global batch and a finished run are told."""
+    of 8), the curve is the uninterrupted run's; a changed global batch is told."""
     common = RESUME_COMMON  # dropout off: its masks depend on how the batch is split over ranks
     parted = tmp_path / "parted"
     _train(parted, "train.steps=4", *common)
@@ -149,11 +153,7 @@ def test_resume_continues_the_same_curve(tmp_path, uninterrupted):
     assert "resumed from step 8" in out.stdout
     _same_curve(uninterrupted, _metrics(parted))
     assert json.loads((parted / "checkpoints" / "layout.json").read_text())["data_parallel"] == 1
-    # started again after it finished: it says so, trains nothing, changes nothing
-    before = (parted / "metrics.jsonl").read_text()
-    again = _train(parted, "train.steps=12", *common, nproc=1)
-    assert "already finished: its checkpoint is at step 12 of train.steps=12" in again.stdout
-    assert (parted / "metrics.jsonl").read_text() == before
+    # (started again once finished, a run says so and writes nothing: test_a_signal_at_the_last_step_...)
 
 
 # the built-in GPT-2 with its dropout (0.1 on attention, residuals and embeddings), ZeRO-2, 2 processes x
@@ -202,7 +202,8 @@ def test_a_signal_at_the_last_step_is_finished_on_restart(tmp_path):
         name = f"predictions_{split}.jsonl"
         assert (parted / name).read_text() == (whole / name).read_text()
     assert (parted / "hf_model" / "config.json").is_file()
-    record = {name: (parted / name).stat().st_mtime_ns for name in ("config.json", "resolved.json", "eval.json")}
+    record = {name: (parted / name).stat().st_mtime_ns
+              for name in ("config.json", "resolved.json", "eval.json", "metrics.jsonl")}  # fmt: skip
     third = _train(parted, *common, nproc=1)  # and now it is finished: nothing to do, nothing written
     assert "already finished: its checkpoint is at step 3 of train.steps=3" in third.stdout
     assert {name: (parted / name).stat().st_mtime_ns for name in record} == record
@@ -287,21 +288,66 @@ def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
             assert abs(x[key] - y[key]) <= 1e-5 * abs(x[key]), (key, x, y)
 
 
+# launch/train.py's main() once per case in one process (a one-rank world, as `python launch/train.py` starts),
+# each case's exception with its traceback written to a JSON file: refusals that stop before any step need no
+# process of their own (the exit status of a refusal: test_tensor_parallel_refusals through the launcher,
+# test_a_signal_at_the_last_step_is_finished_on_restart in one process)
+_REFUSALS = """
+import json, os, sys, traceback
+
+import torch.distributed as dist
+
+from launch.train import main
+
+cases, out = json.loads(open(sys.argv[1]).read()), {}
+for name, overrides in cases.items():
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # set by the last case's one-rank start-up
+        os.environ.pop(key, None)
+    try:
+        main(overrides)
+        out[name] = None
+    except BaseException:  # SystemExit too
+        out[name] = traceback.format_exc()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+open(sys.argv[1] + ".out", "w").write(json.dumps(out))
+"""
+
+
+def _refused(tmp_path: Path, cases: dict[str, list[str]]) -> dict[str, str]:
+    """Each case's error (traceback and message) from ``main(overrides)``; fails if a case trained."""
+    script, spec = tmp_path / "refusals.py", tmp_path / "cases.json"
+    script.write_text(_REFUSALS)
+    spec.write_text(json.dumps(cases))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = run_launch([sys.executable, str(SHIM), str(script), str(spec)], cwd=ROOT, env=env, timeout=600)
+    result = Path(f"{spec}.out")
+    assert result.is_file(), done.stdout[-4000:] + done.stderr[-4000:]
+    errors = json.loads(result.read_text())
+    assert all(errors[name] for name in cases), {name: "ran" for name in cases if not errors[name]}
+    return errors
+
+
 def test_bad_input_stops_before_training(tmp_path):
-    out = _train(tmp_path / "bad", "train.stpes=3", nproc=1, check=False)
-    assert out.returncode != 0 and "did you mean 'train.steps'" in out.stdout + out.stderr
+    """A typo, a DeepSpeed config against the run's batch, a missing data file, a tokenizer folder that is
+    not there, a tensor-parallel size that does not divide the ranks: each stops with what to fix."""
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 3}}))
-    out = _train(tmp_path / "bad2", f"train.deepspeed_config={ds}", nproc=1, check=False)
-    assert out.returncode != 0 and "train_micro_batch_size_per_gpu=3" in out.stdout + out.stderr
+    errors = _refused(tmp_path, {
+        "typo": [f"run_dir={tmp_path / 'bad'}", "train.stpes=3"],
+        "ds_config": [f"run_dir={tmp_path / 'bad2'}", f"train.deepspeed_config={ds}"],
+        "data": [f"run_dir={tmp_path / 'bad3'}", "data.source=jsonl", f"data.train_path={tmp_path / 'missing.jsonl'}"],
+        "tokenizer": [f"run_dir={tmp_path / 'bad4'}", "model.tokenizer=/nonexistent"],
+        "odd": [f"run_dir={tmp_path / 'odd'}", *TP_CONFIG, "train.tensor_parallel_size=2"],
+    })  # fmt: skip
+    assert "did you mean 'train.steps'" in errors["typo"], errors["typo"]
+    assert "train_micro_batch_size_per_gpu=3" in errors["ds_config"], errors["ds_config"]
     assert not (tmp_path / "bad2" / "metrics.jsonl").exists()
-    out = _train(
-        tmp_path / "bad3", "data.source=jsonl", f"data.train_path={tmp_path / 'missing.jsonl'}", nproc=1, check=False
-    )
-    assert out.returncode != 0 and "no such data file" in out.stdout + out.stderr
-    out = _train(tmp_path / "bad4", "model.tokenizer=/nonexistent", nproc=1, check=False)
-    assert out.returncode != 0 and "is not a directory" in out.stdout + out.stderr
-    assert "never downloads" in out.stdout + out.stderr and "Repo id" not in out.stdout + out.stderr
+    assert "no such data file" in errors["data"], errors["data"]
+    assert "is not a directory" in errors["tokenizer"] and "never downloads" in errors["tokenizer"], errors
+    assert "Repo id" not in errors["tokenizer"], errors["tokenizer"]
+    assert "does not divide the 1 ranks" in errors["odd"], errors["odd"]
 
 
 def test_runs_from_another_directory_without_the_optional_packages(elsewhere):
@@ -380,11 +426,11 @@ def test_tensor_parallel_equals_one_process(tmp_path):
 
 
 def test_tensor_parallel_refusals(tmp_path):
+    """A model AutoTP cannot split, on 2 ranks through the launcher (a size that does not divide the ranks:
+    test_bad_input_stops_before_training)."""
     zero1 = "train.deepspeed_config=configs/deepspeed/zero1.json"
     out = _train(tmp_path / "gpt2", "train.tensor_parallel_size=2", zero1, "train.steps=1", check=False)
     assert out.returncode != 0 and "AutoTP cannot split GPT2LMHeadModel" in out.stdout + out.stderr
-    out = _train(tmp_path / "odd", *TP_CONFIG, "train.tensor_parallel_size=2", nproc=1, check=False)
-    assert out.returncode != 0 and "does not divide the 1 ranks" in out.stdout + out.stderr
 
 
 def test_tensor_parallel_with_zero3_equals_one_process(tmp_path):
