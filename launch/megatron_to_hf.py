@@ -3,10 +3,10 @@
     python launch/megatron_to_hf.py CKPT/iter_0000N OUT [--tokenizer HF_TOKENIZER_DIR]
 
 Reads the checkpoint with torch's own ``torch.distributed.checkpoint`` (one process, no Megatron-LM, no
-GPU; any tensor/pipeline layout, since ``torch_dist`` stores whole tensors) and the run's arguments from
-its ``common.pt``, and writes a ``GPT2LMHeadModel`` (``config.json``, ``model.safetensors``) and, with
-``--tokenizer``, that tokenizer's files, for ``lm_eval --model hf --model_args pretrained=OUT``
-(docs/evaluation.md). Megatron's default GPT only: learned absolute positions, LayerNorm before each
+GPU; any tensor/pipeline layout, since ``torch_dist`` stores whole tensors) and the run's arguments
+(``common.pt`` up to core_v0.16, inside the files in core_v0.19), and writes a ``GPT2LMHeadModel``
+(``config.json``, ``model.safetensors``) and, with ``--tokenizer``, that tokenizer's files, for
+``lm_eval --model hf --model_args pretrained=OUT`` (docs/evaluation.md). Megatron's default GPT only: learned absolute positions, LayerNorm before each
 block, GeLU, biases, multi-head attention. Anything else (RoPE, RMSNorm, SwiGLU, grouped-query attention)
 is refused with a ValueError: those models are Llama-style and need Megatron-Bridge.
 """
@@ -53,26 +53,16 @@ def _load(source: Any) -> Any:
 
 
 def _check(args: Any) -> None:
-    wanted = {
-        "position_embedding_type": "learned_absolute",
-        "normalization": "LayerNorm",
-        "swiglu": False,
-        "squared_relu": False,
-        "add_bias_linear": True,
-        "qk_layernorm": False,
-        "apply_residual_connection_post_layernorm": False,
-    }
-    for name, value in wanted.items():
-        if getattr(args, name, value) != value:
+    gpt2 = {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False,
+            "squared_relu": False, "add_bias_linear": True, "add_qkv_bias": True, "qk_layernorm": False,
+            "apply_residual_connection_post_layernorm": False,
+            "num_query_groups": args.num_attention_heads}  # fmt: skip (no grouped-query attention in GPT-2)
+    for name, value in gpt2.items():
+        if getattr(args, name, value) not in (value, None):
             raise ValueError(
                 f"megatron_to_hf: the run has {name}={getattr(args, name)!r}; this converter takes Megatron's "
                 f"GPT-2 architecture ({name}={value!r}); convert other models with Megatron-Bridge"
             )
-    if (args.num_query_groups or args.num_attention_heads) != args.num_attention_heads:
-        raise ValueError(
-            f"megatron_to_hf: num_query_groups={args.num_query_groups} < num_attention_heads="
-            f"{args.num_attention_heads}; expected multi-head attention (GPT-2 has no grouped-query attention)"
-        )
 
 
 def read_args(checkpoint: str) -> Any:
@@ -118,25 +108,14 @@ def to_gpt2(args: Any, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], 
         raise ValueError(f"megatron_to_hf: kv_channels={head_dim} x {heads} heads != hidden_size={hidden}")
     tied = not args.untie_embeddings_and_output_weights
     config = {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": args.padded_vocab_size,
-        "n_positions": args.max_position_embeddings,
-        "n_embd": hidden,
-        "n_layer": args.num_layers,
-        "n_head": heads,
-        "n_inner": args.ffn_hidden_size,
-        "activation_function": "gelu_new" if args.openai_gelu else "gelu",
-        "layer_norm_epsilon": getattr(args, "norm_epsilon", 1e-5),
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "scale_attn_weights": True,
-        "tie_word_embeddings": tied,
-        "bos_token_id": None,  # set from --tokenizer
-        "eos_token_id": None,
-        "torch_dtype": "float32",
-    }
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": args.padded_vocab_size,
+        "n_positions": args.max_position_embeddings, "n_embd": hidden, "n_layer": args.num_layers,
+        "n_head": heads, "n_inner": args.ffn_hidden_size,
+        "activation_function": "gelu_new" if args.openai_gelu else "gelu",  # tanh or erf GeLU
+        "layer_norm_epsilon": getattr(args, "layernorm_epsilon", getattr(args, "norm_epsilon", 1e-5)),
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
+        "tie_word_embeddings": tied, "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32",
+    }  # fmt: skip
     layer = {name[len(PREFIX) :]: t for name, t in state.items() if name.startswith(PREFIX)}
     out = {
         "transformer.wte.weight": state["embedding.word_embeddings.weight"],
@@ -157,11 +136,8 @@ def to_gpt2(args: Any, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], 
             out[h + ours + ".weight"] = layer[theirs + "_weight"][i]
             out[h + ours + ".bias"] = layer[theirs + "_bias"][i]
         # GPT-2's Conv1D holds weights as (in, out): the transpose of Megatron's Linear
-        for ours, theirs in (
-            ("attn.c_proj", "self_attention.linear_proj"),
-            ("mlp.c_fc", "mlp.linear_fc1"),
-            ("mlp.c_proj", "mlp.linear_fc2"),
-        ):
+        for ours, theirs in (("attn.c_proj", "self_attention.linear_proj"), ("mlp.c_fc", "mlp.linear_fc1"),
+                             ("mlp.c_proj", "mlp.linear_fc2")):  # fmt: skip
             out[h + ours + ".weight"] = layer[theirs + ".weight"][i].T
             out[h + ours + ".bias"] = layer[theirs + ".bias"][i]
     return config, {k: v.float().contiguous() for k, v in out.items()}

@@ -59,4 +59,5 @@ def test_converted_checkpoint_gives_megatrons_logits(tag: str, tmp_path: Path) -
     with torch.no_grad():
         logits = model(tokens).logits
     assert logits.shape == expected.shape == (2, 32, 128)
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    # about 1e-7 apart; GPT-2's tanh GeLU in place of Megatron's erf GeLU is 2e-6 off, unregrouped QKV 0.2
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
