@@ -6,9 +6,10 @@ Reads the checkpoint with torch's own ``torch.distributed.checkpoint`` (one proc
 GPU; any tensor/pipeline layout, since ``torch_dist`` stores whole tensors) and the run's arguments
 (``common.pt`` up to core_v0.16, inside the files in core_v0.19), and writes a ``GPT2LMHeadModel``
 (``config.json``, ``model.safetensors``) and, with ``--tokenizer``, that tokenizer's files, for
-``lm_eval --model hf --model_args pretrained=OUT`` (docs/evaluation.md). Megatron's default GPT only: learned absolute positions, LayerNorm before each
-block, GeLU, biases, multi-head attention. Anything else (RoPE, RMSNorm, SwiGLU, grouped-query attention)
-is refused with a ValueError: those models are Llama-style and need Megatron-Bridge.
+``lm_eval --model hf --model_args pretrained=OUT`` (docs/evaluation.md). Megatron's default GPT only:
+learned absolute positions, LayerNorm before each block, GeLU, biases, multi-head attention. Anything
+else (RoPE, RMSNorm, SwiGLU, grouped-query attention) is refused with a ValueError: those models are
+Llama-style and need Megatron-Bridge.
 """
 
 from __future__ import annotations
