@@ -54,10 +54,11 @@ def _load(source: Any) -> Any:
 
 
 def _check(args: Any) -> None:
+    """Refuses what GPT-2 cannot hold (``num_query_groups``: no grouped-query attention)."""
     gpt2 = {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False,
             "squared_relu": False, "add_bias_linear": True, "add_qkv_bias": True, "qk_layernorm": False,
             "apply_residual_connection_post_layernorm": False,
-            "num_query_groups": args.num_attention_heads}  # fmt: skip (no grouped-query attention in GPT-2)
+            "num_query_groups": args.num_attention_heads}  # fmt: skip
     for name, value in gpt2.items():
         if getattr(args, name, value) not in (value, None):
             raise ValueError(
