@@ -123,6 +123,7 @@ def runs(request: pytest.FixtureRequest, assets: dict[str, str]) -> dict[str, ob
     ntl = "ntl_scale.integrations.torchtitan"
     return {
         "layout": layout,
+        "hf": str(Path(assets["out"]) / f"{layout}_ntl_outputs" / "checkpoint" / f"step-{STEPS}"),  # SAVE_HF's
         "ce": _launch(assets, f"{layout}_ce", "llama3", "llama3_debugmodel", extra),
         "ntl0": _launch(assets, f"{layout}_ntl0", ntl, "llama3_debugmodel_ntl", [*extra, "--loss.loss-fn.weight", "0"]),
         "ntl": _launch(
@@ -135,7 +136,6 @@ def runs(request: pytest.FixtureRequest, assets: dict[str, str]) -> dict[str, ob
             save_hf=True,
         ),
         "tokenizer": assets["tokenizer"],
-        "hf": str(Path(assets["out"]) / f"{layout}_ntl_outputs" / "checkpoint" / f"step-{STEPS}"),
     }
 
 
