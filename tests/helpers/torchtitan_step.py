@@ -17,6 +17,9 @@ its first collective. Each rank writes ``OUT_DIR/<TAG>.rank<r>.pt`` with:
   per validation, of ``{"step", "logits", "labels"}``: the (gathered) ``lm_head`` outputs of this rank's
   validation batches and their labels, the chunks and batches in order along the sequence (token ``t``
   of ``logits`` predicts ``labels[..., t]``). Its logged ``validation_metrics/loss`` is in ``logged``.
+* with ``--checkpoint.enable``: torchtitan's ``checkpointer.save`` after each step, as ``Trainer.train``
+  calls it (``last_step`` at the last), and ``final``: ``{"tokens", "logits"}``, this rank's step-1 inputs
+  and the trained model's (gathered) logits on them after the last step.
 
 The CPU patches of :mod:`tests.helpers.torchtitan_cpu` are applied first.
 """
@@ -87,6 +90,7 @@ def run(tag: str, args: list[str], out: str) -> None:
         for inputs, labels in batches:
             if trainer.step == 1:
                 record.setdefault("labels", []).append(labels.clone())
+                record.setdefault("inputs", []).append(inputs["input"].clone())
             yield inputs, labels
 
     if config.validator.enable:
@@ -102,6 +106,8 @@ def run(tag: str, args: list[str], out: str) -> None:
     while trainer.step < config.training.steps:
         trainer.step += 1
         trainer.train_step(data)
+        if config.checkpoint.enable:
+            trainer.checkpointer.save(trainer.step, last_step=trainer.step == config.training.steps)
         if config.validator.enable and trainer.validator.should_validate(trainer.step):  # as Trainer.train
             validating.append({"step": trainer.step, "logits": [], "labels": []})
             trainer.validator.validate(trainer.model_parts, trainer.step)
@@ -115,6 +121,13 @@ def run(tag: str, args: list[str], out: str) -> None:
             )
     for hook in hooks:
         hook.remove()
+    if config.checkpoint.enable:
+        model = trainer.model_parts[0]
+        tokens = record["inputs"][0]
+        with torch.no_grad():
+            result = model(tokens)
+            logits = result if result.shape[-1] == lm_head.weight.shape[0] else lm_head(result)  # skipped lm_head
+        record["final"] = {"tokens": tokens, "logits": _full(logits)}
     record["hidden"] = torch.cat(record["hidden"], dim=1)
     record["labels"] = torch.cat(record["labels"], dim=0)
     rank = torch.distributed.get_rank()

@@ -46,6 +46,7 @@ STEPS = 3
 WEIGHT = 0.3
 SMOOTHING, Z_LOSS = 0.1, 1e-3  # the CE features of the weight-0.3 runs
 NTL_FEATURES = ["--loss.loss-fn.label_smoothing", str(SMOOTHING), "--loss.loss-fn.z_loss_weight", str(Z_LOSS)]
+SAVE_HF = ["--checkpoint.enable", "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]
 VALIDATOR = ["--validator.enable", "--validator.steps", "1", "--validator.freq", "1000"]  # after step 1 only
 # partial_dtensor: torch 2.13's FSDP2 cannot shard spmd_types' plain parameters (docs/torchtitan.md)
 MULTI = [
@@ -90,6 +91,7 @@ def _launch(
     nproc: int = 2,
     tokenizer: str = "tokenizer",
     validate: bool = False,
+    save_hf: bool = False,
 ) -> list[dict]:
     validator = (
         [*VALIDATOR, "--validator.dataloader.dataset", "c4_test", "--validator.dataloader.dataset_path", assets["data"]]
@@ -101,7 +103,7 @@ def _launch(
         "--hf_assets_path", assets[tokenizer], "--dataloader.dataset_path", assets["data"],
         "--dump_folder", str(Path(assets["out"]) / f"{tag}_outputs"),
         "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", str(STEPS),
-        "--training.disable_cuda_graphs", "--checkpoint.no-enable", *validator,
+        "--training.disable_cuda_graphs", *(SAVE_HF if save_hf else ["--checkpoint.no-enable"]), *validator,
         "--training.mixed_precision_param", "float32", "--training.max_norm", "1e9", "--debug.seed", "7",
         "--loss.num-chunks", "4", *extra, "activation-checkpoint:none",
     ]  # fmt: skip
@@ -122,6 +124,7 @@ def runs(request: pytest.FixtureRequest, assets: dict[str, str]) -> dict[str, ob
     ntl = "ntl_scale.integrations.torchtitan"
     return {
         "layout": layout,
+        "hf": str(Path(assets["out"]) / f"{layout}_ntl_outputs" / "checkpoint" / f"step-{STEPS}"),  # SAVE_HF's
         "ce": _launch(assets, f"{layout}_ce", "llama3", "llama3_debugmodel", extra),
         "ntl0": _launch(assets, f"{layout}_ntl0", ntl, "llama3_debugmodel_ntl", [*extra, "--loss.loss-fn.weight", "0"]),
         "ntl": _launch(
@@ -131,6 +134,7 @@ def runs(request: pytest.FixtureRequest, assets: dict[str, str]) -> dict[str, ob
             "llama3_debugmodel_ntl",
             [*extra, "--loss.loss-fn.weight", "0.3", *NTL_FEATURES],
             validate=True,
+            save_hf=True,
         ),
         "tokenizer": assets["tokenizer"],
         # torchtitan's own CE inside ChunkedLossWrapper, NTL beside it (vocabulary-sharded DTensor logits)
@@ -297,3 +301,63 @@ def test_readme_command_runs_on_cpu(tmp_path: Path) -> None:
     assert len(steps) == 4, log[-4000:]  # 2 steps x 2 ranks log ce, ntl and number accuracy
     ntl = [float(line.split(" ntl: ")[1].split()[0]) for line in steps]
     assert all(0 < v < 20 for v in ntl), ntl  # the digit table came from the built tokenizer: NTL positions exist
+
+
+# 5. The last step in HF safetensors, in transformers and lm-evaluation-harness -----------------------
+
+
+def _hf_folder(runs: dict) -> str:
+    """The weight-0.3 run's last step as torchtitan saved it (``SAVE_HF``), completed by
+    ``launch/torchtitan_to_hf.py`` with the run's model config and tokenizer."""
+    from launch.torchtitan_to_hf import complete
+
+    ntl = "ntl_scale.integrations.torchtitan"
+    if not os.path.isfile(os.path.join(runs["hf"], "config.json")):
+        complete(
+            runs["hf"], ["--module", ntl, "--config", "llama3_debugmodel_ntl", "--hf_assets_path", runs["tokenizer"]]
+        )
+    return runs["hf"]
+
+
+def test_last_step_in_hf_gives_torchtitans_logits(runs: dict) -> None:
+    """``transformers``' ``LlamaForCausalLM`` on the exported folder gives the logits torchtitan's own
+    trained model (FSDP2 or tensor parallel) gave after its last step, on each rank's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_hf_folder(runs), dtype=torch.float32).eval()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    for rank in runs["ntl"]:
+        final = rank["final"]
+        with torch.no_grad():
+            logits = model(final["tokens"]).logits
+        assert logits.shape == final["logits"].shape
+        # float32, two kernels: about 1e-6 apart here; a config without the Llama 3 RoPE scaling is 8e-5 off
+        torch.testing.assert_close(logits, final["logits"], rtol=0, atol=1e-5)
+
+
+def test_last_step_in_hf_runs_the_harness(runs: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exported folder through lm-evaluation-harness's ``hf`` model, offline: one generation task and
+    one number-perplexity task of the ``ntl_numeracy`` group, two examples each, give their metrics (the
+    whole group runs on a tiny GPT-2 in tests/integration/test_lm_eval_harness.py; one layout here: the
+    folder format is the same)."""
+    if runs["layout"] != "fsdp2":
+        pytest.skip("the harness runs on one layout's export (the folder format is the same)")
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from ntl_scale.eval.tasks import prepare
+
+    folder = _hf_folder(runs)
+    tasks = os.path.join(os.path.dirname(folder), "tasks")
+    prepare(tasks, examples=4, texts=2)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    names = ["ntl_arith_sub", "ntl_ppl_integers_split"]
+    out = simple_evaluate(model="hf", model_args=f"pretrained={folder}", device="cpu", tasks=names,
+                          task_manager=TaskManager(include_path=tasks), limit=2, batch_size=4,
+                          gen_kwargs="max_gen_toks=8")  # fmt: skip
+    arith, ppl = out["results"]["ntl_arith_sub"], out["results"]["ntl_ppl_integers_split"]
+    assert 0 <= arith["exact_match,none"] <= 1 and 0 <= arith["parsed,none"] <= 1 and "abs_error,none" in arith
+    for metric in ("bits_per_byte", "number_bits_per_byte", "text_bits_per_byte"):
+        assert ppl[f"{metric},none"] > 0, ppl
