@@ -1,27 +1,34 @@
-"""The GPU scaling study (issue 42, item 4): NTL's text cost at 20 tokens per parameter, 25 M to 1 B.
+"""The GPU scaling study: NTL's text cost and number gain at 20 tokens per total parameter, 25 M to 1 B.
 
-    python experiments/gpu_study.py plan  --config configs/gpu_study/study.yaml   # tasks, tokens, iterations
-    python experiments/gpu_study.py cost  --config configs/gpu_study/study.yaml   # the cost table (markdown)
-    python experiments/gpu_study.py argv  --config ... --data DATA.yaml --task I --phase train|eval --run-dir D
-    python experiments/gpu_study.py collect --config ... --runs RUNS --out OUT     # tables and figure
+    python experiments/gpu_study.py plan  --stage pilot|main|secondary            # tasks, tokens, iterations
+    python experiments/gpu_study.py cost  --stage main [--write-doc]              # the cost table (markdown)
+    python experiments/gpu_study.py argv  --data DATA.yaml --task I --phase train|eval|harness --run-dir D
+    python experiments/gpu_study.py seeds --runs RUNS --write STUDY.yaml          # the pilot's power step
+    python experiments/gpu_study.py prepare-text --data DATA.yaml --out DIR       # corpora as JSON lines
+    python experiments/gpu_study.py collect --stage main --runs RUNS --out OUT    # tables, figure, verdicts
 
 One study file (``configs/gpu_study/study.yaml``) holds everything but the site's data: the Megatron
-flags every run shares, the sizes (Llama-style shapes), the arms (``--ntl-*`` flags), the seeds, the
-tokens-per-parameter rule, the number-rich share of the training mix, the evaluation sets and the
-cost model. The data file (``configs/gpu_study/data.example.yaml``: the user's tokenizer and indexed
-corpora) is the site's. Array task ``I`` is (size, arm, seed) in the order
-``for size: for arm: for seed`` (:func:`tasks`); ``launch/slurm/gpu_study.sbatch`` runs one per
-Slurm array task through ``launch/pretrain_gpt_ntl.py`` (Megatron-LM): ``train`` (resumable from its
-checkpoints), then ``eval`` (``--skip-train`` on the last checkpoint: perplexity on each held-out set
-and the number metrics, with the same ``--ntl-*`` evaluation flags for every arm so that CE's number
-metrics are measured too). ``collect`` reads every run's ``eval.log``, writes a ``results.json`` per
-size in ``experiments/study.py``'s layout and tabulates them with ``experiments/size_sweep.py``
-(:func:`size_sweep.tabulate`, :func:`size_sweep.markdown`, :func:`figures.sweep_figure`): the same
-per-seed paired differences, intervals, tests and trend over log10(parameters) as the CPU size sweep.
+flags every run shares, the sizes (Llama-style shapes), the arms (``--ntl-*`` flags), the stages (sizes,
+arms and seeds of each: the noise pilot, the main stage, the secondary arm), the power calculation's
+settings, the tokens-per-parameter rule, the number-rich share of the training mix, the evaluation sets,
+the harness's tasks, the analysis (metrics, verdict rule) and the cost model. The data file
+(``configs/gpu_study/data.example.yaml``: the tokenizer, the downloaded corpora and their indexed
+datasets) is the site's. Array task ``I`` of a stage is (size, arm, seed) in the order
+``for size: for arm: for seed`` (:func:`tasks`); stages share run folders, so a run an earlier stage did
+is not run again. ``launch/slurm/gpu_study.sbatch`` runs one task per Slurm array task through
+``launch/pretrain_gpt_ntl.py`` (Megatron-LM): ``train`` (resumable from its checkpoints), ``eval``
+(``--skip-train`` on the last checkpoint: perplexity on each held-out set and the number metrics, with
+the same ``--ntl-*`` evaluation flags for every arm so that CE's number metrics are measured too), then
+``harness`` (lm-evaluation-harness's Megatron-LM backend on the same checkpoint: :func:`harness_argv`).
+``seeds`` turns the pilot's measured seed-to-seed sd into the main stage's seeds (``experiments/power.py``).
+``collect`` reads every run's ``eval.json`` and ``harness.json``, writes a ``results.json`` per size in
+``experiments/study.py``'s layout, tabulates them with ``experiments/size_sweep.py`` (the same per-seed
+paired differences, intervals, tests and trend over log10(total parameters) as the CPU size sweep) and
+applies the verdict rule of ``docs/gpu_study.md`` (:func:`verdict`).
 
 Parameters are counted from the shape (:func:`parameters`; tests check the count against a Hugging
-Face Llama built on the meta device). Tokens per run are ``tokens_per_parameter`` x the
-non-embedding parameters (as the CPU size sweep counts them), rounded up to whole iterations.
+Face Llama built on the meta device). Tokens per run are ``tokens_per_parameter`` x the parameters of
+``parameter_basis`` (``total`` by default, embeddings included), rounded up to whole iterations.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import statistics
 import sys
 from collections.abc import Iterator
@@ -234,10 +242,13 @@ def task(study: dict[str, Any], index: int, stage: str = "pilot") -> Task:
 def argv(
     study: dict[str, Any], data: dict[str, Any], index: int, phase: str, run_dir: str, stage: str = "pilot"
 ) -> list[str]:
-    """The Megatron arguments of array task ``index`` of ``stage`` in ``phase`` (``train`` or ``eval``)."""
-    if phase not in ("train", "eval"):
-        raise ValueError(f"phase {phase!r}: expected 'train' or 'eval'")
+    """The Megatron arguments of array task ``index`` of ``stage`` in ``phase`` (``train`` or ``eval``), or in
+    ``harness`` lm-evaluation-harness's (:func:`harness_argv`)."""
+    if phase not in ("train", "eval", "harness"):
+        raise ValueError(f"phase {phase!r}: expected 'train', 'eval' or 'harness'")
     t = task(study, index, stage)
+    if phase == "harness":
+        return harness_argv(study, data, t, run_dir)
     size = study["sizes"][t.size]
     plan = budget(study, t.size)
     model = {k: v for k, v in size.items() if k != "mfu"}
@@ -312,7 +323,8 @@ def parse_harness(report: dict[str, Any], sets: list[str]) -> dict[str, dict[str
       multiplication; comparison answers are one of two given numbers), ``gsm8k_bpb`` (``ntl_gsm8k_bpb``);
     * ``<set>`` for each held-out set with a ``ntl_study_<set>_split`` task: ``text_byte_ppl`` and
       ``number_byte_ppl``, 2 ** the bits per byte of the text without its number spans and of the number
-      spans alone (:func:`harness_tasks`): the perplexity per byte, number tokens and the rest apart.
+      spans alone (:func:`harness_tasks`): the perplexity per byte, number tokens and the rest apart (each
+      where the report has it: a set without number spans has no ``number_bits_per_byte``).
 
     A task the report lacks leaves its metrics out (NaN where the harness wrote N/A)."""
     found = report.get("results", {})
@@ -338,9 +350,9 @@ def parse_harness(report: dict[str, Any], sets: list[str]) -> dict[str, dict[str
         out[HARNESS_SPLIT] = harness
     for name in sets:
         task = f"ntl_study_{name}_split"
-        text, number = value(task, "text_bits_per_byte"), value(task, "number_bits_per_byte")
-        if text is not None and number is not None:
-            out[name] = {"text_byte_ppl": 2.0**text, "number_byte_ppl": 2.0**number}
+        kinds = {f"{k}_byte_ppl": value(task, f"{k}_bits_per_byte") for k in ("text", "number")}
+        if any(v is not None for v in kinds.values()):  # a set without number spans has no number_byte_ppl
+            out[name] = {k: 2.0**v for k, v in kinds.items() if v is not None}
     return out
 
 
@@ -669,27 +681,79 @@ metadata:
 """
 
 
+def harness_task_names(study: dict[str, Any], data: dict[str, Any]) -> list[str]:
+    """The tasks the harness runs: ``eval.harness.tasks`` and ``ntl_study_<set>_split`` per ``heldout_text``."""
+    spec = study["eval"].get("harness") or {}
+    return [*spec.get("tasks", []), *(f"ntl_study_{name}_split" for name in data.get("heldout_text") or {})]
+
+
 def harness_tasks(study: dict[str, Any], data: dict[str, Any], out: str) -> list[str]:
-    """The harness's task folder for the study (``--include_path OUT``): ``ntl_numeracy``'s tasks
-    (``ntl_scale.eval.tasks.prepare``, GSM8K from the data file's ``gsm8k``) and, per held-out set of the
-    data file's ``heldout_text`` (JSON lines), ``ntl_study_<set>_split``: each document cut into number
-    spans and the rest (``ntl_scale.eval.tasks.data.segments``), scored as ``ntl_numeracy``'s split slices.
-    Returns the task names to pass to ``--tasks`` (``eval.harness.tasks`` plus the split tasks)."""
+    """The harness's task folder for the study (``--include_path OUT``), written once (array tasks share it: a
+    finished folder has ``.complete`` and is left alone; it is written aside and renamed into place):
+    ``ntl_numeracy``'s tasks (``ntl_scale.eval.tasks.prepare``, GSM8K from the data file's ``gsm8k``) and, per
+    held-out set of the data file's ``heldout_text`` (JSON lines), ``ntl_study_<set>_split``: each document
+    cut into number spans and the rest (``ntl_scale.eval.tasks.data.segments``), scored as
+    ``ntl_numeracy``'s split slices. Returns :func:`harness_task_names`."""
     from ntl_scale.eval.tasks import prepare
     from ntl_scale.eval.tasks.data import segments, write_jsonl
 
-    spec = study["eval"].get("harness", {})
-    prepare(out, gsm8k=data.get("gsm8k"), examples=int(spec.get("examples", 250)))
-    names = list(spec.get("tasks", []))
+    names = harness_task_names(study, data)
+    if os.path.isfile(os.path.join(out, ".complete")):
+        return names
+    spec = study["eval"].get("harness") or {}
+    aside = f"{out.rstrip('/')}.tmp{os.getpid()}"
+    prepare(aside, gsm8k=data.get("gsm8k"), examples=int(spec.get("examples", 250)))
+    final_data = os.path.join(os.path.abspath(out), "data")
     for name, path in (data.get("heldout_text") or {}).items():
-        most = int(spec.get("documents", 500))
-        docs = [t for _, t in zip(range(most), read_texts(path))]
-        rows = os.path.join(out, "data", f"study_{name}_segments.jsonl")
-        write_jsonl(rows, (seg for t in docs for seg in segments(t)))
-        with open(os.path.join(out, f"ntl_study_{name}_split.yaml"), "w") as f:
-            f.write(SPLIT_TASK.format(name=name, data=rows))
-        names.append(f"ntl_study_{name}_split")
+        docs = [t for _, t in zip(range(int(spec.get("documents", 200))), read_texts(path))]
+        cut = [t[: int(spec.get("chars", 2000))] for t in docs]
+        write_jsonl(os.path.join(aside, "data", f"study_{name}_segments.jsonl"), (g for t in cut for g in segments(t)))
+        with open(os.path.join(aside, f"ntl_study_{name}_split.yaml"), "w") as f:
+            f.write(SPLIT_TASK.format(name=name, data=os.path.join(final_data, f"study_{name}_segments.jsonl")))
+    for entry in os.listdir(aside):  # prepare() wrote the folder's own path into its YAMLs: point them at OUT
+        if entry.endswith((".yaml", "_yaml")):
+            path = os.path.join(aside, entry)
+            with open(path) as f:
+                text = f.read().replace(os.path.join(os.path.abspath(aside), "data"), final_data)
+            with open(path, "w") as f:
+                f.write(text)
+    open(os.path.join(aside, ".complete"), "w").close()
+    try:
+        os.rename(aside, out)
+    except OSError:  # another array task put its folder there first: the same files
+        shutil.rmtree(aside, ignore_errors=True)
     return names
+
+
+def harness_argv(study: dict[str, Any], data: dict[str, Any], t: Task, run_dir: str) -> list[str]:
+    """lm-evaluation-harness's arguments for task ``t``'s last checkpoint, read by the harness's own Megatron-LM
+    backend (``--model megatron_lm``, its ``--use-checkpoint-args``): the task folder
+    ``<runs>/harness_tasks`` (beside the run folders), the results under ``RUN/harness``. ``eval.harness``
+    adds ``model_args`` (e.g. ``devices``, ``extra_args``) and ``lm_eval_args`` (e.g. ``limit``)."""
+    spec = study["eval"].get("harness")
+    if not spec:
+        raise ValueError("the study file has no eval.harness: the harness phase has nothing to run")
+    model = {"load": os.path.join(run_dir, "checkpoints"), "tokenizer_type": data.get("tokenizer_type",
+             "HuggingFaceTokenizer"), "tokenizer_model": data["tokenizer"],
+             "seq_length": study["megatron_args"]["seq-length"], **spec.get("model_args", {})}  # fmt: skip
+    runs = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(run_dir))))  # <runs>/<size>/<arm>/seed<S>
+    chosen = {"model": "megatron_lm", "model_args": ",".join(f"{k}={v}" for k, v in model.items()),
+              "include_path": os.path.join(runs, "harness_tasks"), "tasks": ",".join(harness_task_names(study, data)),
+              "output_path": os.path.join(run_dir, "harness"), "batch_size": 1,
+              **spec.get("lm_eval_args", {})}  # fmt: skip
+    return flags(chosen)
+
+
+def harness_report(run_dir: str) -> str:
+    """The newest ``results_*.json`` lm-evaluation-harness wrote under ``RUN/harness``."""
+    found = sorted(
+        (os.path.join(d, f) for d, _, fs in os.walk(os.path.join(run_dir, "harness")) for f in fs
+         if f.startswith("results_") and f.endswith(".json")),
+        key=os.path.getmtime,
+    )  # fmt: skip
+    if not found:
+        raise ValueError(f"{run_dir}/harness holds no results_*.json: the harness did not finish")
+    return found[-1]
 
 
 def write_seeds(path: str, seeds: dict[str, int], out: str) -> None:
@@ -706,7 +770,7 @@ def write_seeds(path: str, seeds: dict[str, int], out: str) -> None:
 
 def main(argv_: list[str] | None = None) -> None:
     commands = ["plan", "cost", "argv", "run-name", "count", "parse-eval", "parse-harness", "collect", "seeds",
-                "harness-tasks", "prepare-text"]  # fmt: skip
+                "harness-tasks", "harness-enabled", "prepare-text"]  # fmt: skip
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=commands)
     parser.add_argument("--config", default="configs/gpu_study/study.yaml", help="the study file")
@@ -719,6 +783,7 @@ def main(argv_: list[str] | None = None) -> None:
     parser.add_argument("--runs", default=None, help="collect, seeds: the study's runs folder")
     parser.add_argument("--out", default=None, help="collect, harness-tasks, prepare-text: the output folder")
     parser.add_argument("--write", default=None, help="seeds: write the study file with the main stage's seeds")
+    parser.add_argument("--write-doc", action="store_true", help="cost: every stage into docs/gpu_study.md")
     args = parser.parse_args(argv_)
     try:
         study = load(args.config)
@@ -730,7 +795,15 @@ def main(argv_: list[str] | None = None) -> None:
                       f"{b['tokens_per_non_embedding_parameter']:.1f} "
                       f"per non-embedding parameter)\t{b['iterations']} iterations")  # fmt: skip
         elif args.command == "cost":
-            print(cost_markdown(study, args.stage, study.get("cost", {}).get("assumed_seeds")))
+            assumed = study.get("cost", {}).get("assumed_seeds")
+            if args.write_doc:  # every stage into docs/gpu_study.md's generated block
+                from doc_blocks import replace_block
+
+                text = "\n\n".join(cost_markdown(study, stage, assumed) for stage in study["stages"])
+                replace_block(os.path.join(ROOT, "docs", "gpu_study.md"), "gpu_study_cost", text)
+            print(cost_markdown(study, args.stage, assumed))
+        elif args.command == "harness-enabled":
+            print("yes" if study["eval"].get("harness") else "no")
         elif args.command == "count":
             print(len(tasks(study, args.stage)))
         elif args.command in ("argv", "run-name"):
@@ -750,7 +823,7 @@ def main(argv_: list[str] | None = None) -> None:
                 raise ValueError(f"{args.log}: no 'validation-<set> loss' line: the evaluation did not finish")
             print(json.dumps(found, indent=2))
         elif args.command == "parse-harness":
-            with open(args.log or "/dev/stdin") as f:
+            with open(args.log or harness_report(args.run_dir or ".")) as f:
                 found = parse_harness(json.load(f), list(study["eval"]["sets"]))
             if not found:
                 raise ValueError(f"{args.log}: no task of the study in this harness report")
@@ -776,7 +849,7 @@ def main(argv_: list[str] | None = None) -> None:
                       f" launch/slurm/gpu_study.sbatch --config {args.write}")  # fmt: skip
         elif args.command == "harness-tasks":
             if not args.out:
-                raise ValueError("harness-tasks needs --out (the task folder to pass as --include_path)")
+                raise ValueError("harness-tasks needs --out (the study's runs folder/harness_tasks)")
             print(",".join(harness_tasks(study, load_data(args.data), args.out)))
         elif args.command == "prepare-text":
             if not args.out:

@@ -1,6 +1,6 @@
 """The NTL term's scale on a Llama 3-style tokenizer against the digit level, at init and after brief training.
 
-    python experiments/ntl_term_scale.py                 # the table (markdown), about 20 s on one CPU core
+    python experiments/ntl_term_scale.py                 # the table (markdown), about 50 s of one CPU core
     python experiments/ntl_term_scale.py --write-doc     # also into docs/gpu_study.md's generated block
     python experiments/ntl_term_scale.py --json OUT.json
 
@@ -18,10 +18,11 @@ measures, on the same text, what the term weighs beside cross entropy under each
   of one number token's gradient of ``w * NTL`` with respect to its logits, and the ratio of the whole
   batch's gradient norms ``|d(w * NTL)/dz| / |d CE/dz|`` (the term's pull on the logits beside CE's).
 
-Formulations: the digit table on the digit tokenizer (the reference), and on the Llama 3-style one the
-multi-digit table with the squash factor the study uses (8), with the factor
-:func:`ntl_scale.number_vocab.digit_scale_squash_factor` computes for this table, without a squash factor,
-and the digit table (which keeps only the chunks that happen to be one digit).
+Formulations: the digit table on the digit tokenizer at 0.3 (the reference), and on the Llama 3-style one
+the multi-digit table with the squash factor the study uses (8) at the study's primary weight and at 0.3,
+with the factor :func:`ntl_scale.number_vocab.digit_scale_squash_factor` computes for this table, without a
+squash factor, and the digit table (which keeps only the chunks that happen to be one digit). Every
+quantity is linear in the weight, so a row at another weight is that row scaled.
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-WEIGHT = 0.3
+DIGIT_WEIGHT = 0.3
+"""The paper's weight on the digit table: the reference every row is compared with."""
 STUDY_SQUASH = 8.0
+STUDY_WEIGHT = 1.0
+"""The GPU study's primary arm on the Llama 3-style table (docs/gpu_study.md chooses it from this table)."""
 SEQ = 64
 
 
@@ -101,33 +105,33 @@ def train(tok: Any, lines: list[str], steps: int, seed: int) -> tuple[TinyLM, Ti
     return init.eval(), model.eval()
 
 
-def measure(model: TinyLM, rows: torch.Tensor, vocab: Any, squash: float | None) -> dict[str, float]:
-    """The term's scale on ``rows`` (see the module docstring)."""
+def measure(model: TinyLM, rows: torch.Tensor, vocab: Any, squash: float | None, weight: float) -> dict[str, float]:
+    """The term's scale on ``rows`` at ``weight`` (see the module docstring)."""
     from ntl_scale import ce_with_ntl
 
     with torch.no_grad():
         logits = model(rows[:, :-1]).reshape(-1, vocab.vocab_size).double()
     labels = rows[:, 1:].reshape(-1)
     z = logits.clone().requires_grad_(True)
-    out = ce_with_ntl(z, labels, vocab, ntl_weight=WEIGHT, loss="was", squash_factor=squash, impl="torch")
-    (g_ntl,) = torch.autograd.grad(WEIGHT * out.ntl, z, retain_graph=True)
+    out = ce_with_ntl(z, labels, vocab, ntl_weight=weight, loss="was", squash_factor=squash, impl="torch")
+    (g_ntl,) = torch.autograd.grad(weight * out.ntl, z, retain_graph=True)
     (g_ce,) = torch.autograd.grad(out.ce, z)
     zt = z.detach().clone().requires_grad_(True)
-    per = ce_with_ntl(zt, labels, vocab, ntl_weight=WEIGHT, loss="was", squash_factor=squash, reduction="none",
+    per = ce_with_ntl(zt, labels, vocab, ntl_weight=weight, loss="was", squash_factor=squash, reduction="none",
                       impl="torch").ntl  # fmt: skip
-    (g_each,) = torch.autograd.grad(WEIGHT * per.sum(), zt)
+    (g_each,) = torch.autograd.grad(weight * per.sum(), zt)
     mask = vocab.number_mask(labels)
     return {
         "number_share": float(mask.double().mean()),
         "ntl": float(out.ntl.detach()),
         "ce": float(out.ce.detach()),
-        "term_over_ce": float(WEIGHT * out.ntl.detach() / out.ce.detach()),
+        "term_over_ce": float(weight * out.ntl.detach() / out.ce.detach()),
         "grad_per_number_token": float(g_each[mask].norm(dim=-1).mean()),
         "grad_ratio": float(g_ntl.norm() / g_ce.norm()),
     }
 
 
-def run(steps: int = 300, seed: int = 0) -> dict[str, Any]:
+def run(steps: int = 400, seed: int = 0) -> dict[str, Any]:
     """Every row of the table: ``{"rows": [...], "recipe_squash": s}``."""
     from ntl_scale import NumberVocab
     from ntl_scale.number_vocab import digit_scale_squash_factor
@@ -142,37 +146,41 @@ def run(steps: int = 300, seed: int = 0) -> dict[str, Any]:
         multi = NumberVocab.from_tokenizer(llama_tok, digit_level=False)
         llama_digits = NumberVocab.from_tokenizer(llama_tok)
     recipe = digit_scale_squash_factor(multi.values)
+    w, s = DIGIT_WEIGHT, STUDY_SQUASH
     setups = [
-        ("digits", "digit table (the paper's)", digit_tok, digit_table, None),
-        ("llama3", f"multi-digit, squash {STUDY_SQUASH:g} (the study's)", llama_tok, multi, STUDY_SQUASH),
-        ("llama3", f"multi-digit, squash {recipe:.2f} (digit_scale_squash_factor)", llama_tok, multi, recipe),
-        ("llama3", "multi-digit, no squash", llama_tok, multi, None),
-        ("llama3", "digit table (1-digit chunks only)", llama_tok, llama_digits, None),
+        ("digits", "digit table (the paper's)", digit_table, None, w),
+        ("llama3", f"multi-digit, squash {s:g} (the study's primary arm)", multi, s, STUDY_WEIGHT),
+        ("llama3", f"multi-digit, squash {s:g} (the shipped recipe)", multi, s, w),
+        ("llama3", f"multi-digit, squash {recipe:.2f} (digit_scale_squash_factor)", multi, recipe, w),
+        ("llama3", "multi-digit, no squash", multi, None, w),
+        ("llama3", "digit table (1-digit chunks only)", llama_digits, None, w),
     ]
     models = {name: train(tok, train_lines, steps, seed) for name, tok in (("digits", digit_tok),
                                                                             ("llama3", llama_tok))}  # fmt: skip
     rows_of = {name: _batches(_stream(tok, heldout), 64) for name, tok in (("digits", digit_tok),
                                                                             ("llama3", llama_tok))}  # fmt: skip
     rows = []
-    for tokenizer, formulation, _, vocab, squash in setups:
+    for tokenizer, formulation, vocab, squash, weight in setups:
         for state, model in zip(("init", f"{steps} steps"), models[tokenizer]):
             rows.append({"tokenizer": tokenizer, "formulation": formulation, "state": state, "squash": squash,
-                         "numbers": len(vocab), **measure(model, rows_of[tokenizer], vocab, squash)})  # fmt: skip
-    return {"rows": rows, "recipe_squash": recipe, "weight": WEIGHT, "steps": steps, "seed": seed}
+                         "weight": weight, "numbers": len(vocab),
+                         **measure(model, rows_of[tokenizer], vocab, squash, weight)})  # fmt: skip
+    return {"rows": rows, "recipe_squash": recipe, "steps": steps, "seed": seed}
 
 
 def markdown(result: dict[str, Any]) -> str:
     """The table of :func:`run`, and each row's ratio to the digit reference in the same state."""
     ref = {r["state"]: r for r in result["rows"] if r["tokenizer"] == "digits"}
     lines = [
-        f"| tokenizer | NTL-WAS formulation | number tokens in table | model | number tokens / all | NTL per number "
-        f"token | {result['weight']:g} NTL / CE | x digit level | gradient per number token | "
-        f"gradient norm {result['weight']:g} NTL / CE | x digit level |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokenizer | NTL-WAS formulation | weight w | number tokens in table | model | number tokens / all | "
+        "NTL per number token | w NTL / CE | x digit level | gradient per number token | "
+        "gradient norm w NTL / CE | x digit level |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         base = ref[r["state"]]
-        cells = [r["tokenizer"], r["formulation"], str(r["numbers"]), r["state"], f"{r['number_share']:.3f}",
+        cells = [r["tokenizer"], r["formulation"], f"{r['weight']:g}", str(r["numbers"]), r["state"],
+                 f"{r['number_share']:.3f}",
                  f"{r['ntl']:.3g}", f"{r['term_over_ce']:.3g}", f"{r['term_over_ce'] / base['term_over_ce']:.2f}",
                  f"{r['grad_per_number_token']:.3g}", f"{r['grad_ratio']:.3g}",
                  f"{r['grad_ratio'] / base['grad_ratio']:.2f}"]  # fmt: skip
@@ -182,7 +190,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300, help="CE training steps of the trained model")
+    parser.add_argument("--steps", type=int, default=400, help="CE training steps of the trained model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     parser.add_argument("--write-doc", action="store_true", help="write the table into docs/gpu_study.md")

@@ -148,7 +148,7 @@ def test_tasks_cover_size_arm_seed_in_order_and_match_the_sbatch_array(study):
     header = (ROOT / "launch" / "slurm" / "gpu_study.sbatch").read_text()
     assert re.search(r"^#SBATCH --array=0-(\d+)$", header, re.M).group(1) == str(len(every) - 1)
     names = {t.run_name for t in every}
-    assert len(names) == len(every) and "85m/ce-ntl-was-0.3/seed7" in names
+    assert len(names) == len(every) and "85m/ce-ntl-was-1.0/seed7" in names
     with pytest.raises(ValueError, match=r"task 32: stage 'pilot' has tasks 0-31"):
         gpu_study.task(study, 32)
     with pytest.raises(ValueError, match=r"the seeds of 25M are not set .*gpu_study.py seeds"):
@@ -176,14 +176,14 @@ def _as_dict(argv: list[str]) -> dict[str, list[str]]:
 
 def test_train_and_eval_arguments(study):
     study = _with_seeds(study, {"25M": 8, "85M": 8, "300M": 4, "1B": 3})
-    chosen = ("300M", "CE + NTL-WAS 1.5", 2)
+    chosen = ("300M", "CE + NTL-WAS 0.3", 2)
     index = next(t.index for t in gpu_study.tasks(study, "secondary") if (t.size, t.arm, t.seed) == chosen)
     train = _as_dict(gpu_study.argv(study, DATA, index, "train", "/runs/x", "secondary"))
     assert train["num-layers"] == ["24"] and train["hidden-size"] == ["1024"] and train["num-query-groups"] == ["8"]
     assert train["seed"] == ["1236"]  # Megatron's seed must be > 0: 1234 + the study's seed
     assert train["train-iters"] == [str(gpu_study.budget(study, "300M")["iterations"])]
     assert train["train-data-path"] == ["0.9", "/d/text", "0.1", "/d/num"]
-    assert train["ntl-weight"] == ["1.5"] and train["ntl-loss"] == ["was"] and train["ntl-squash-factor"] == ["8"]
+    assert train["ntl-weight"] == ["0.3"] and train["ntl-loss"] == ["was"] and train["ntl-squash-factor"] == ["8"]
     assert train["save"] == train["load"] == ["/runs/x/checkpoints"]
     assert "valid-data-path" not in train and "skip-train" not in train and "mfu" not in train
     ev = _as_dict(gpu_study.argv(study, DATA, index, "eval", "/runs/x", "secondary"))
@@ -314,7 +314,7 @@ def test_seeds_from_the_pilot_follow_the_measured_sd_and_the_power(tmp_path, stu
     spec = study["power"]
     for size in ("25M", "85M"):
         ce = [values(size, "CE", s)["prose"]["text_byte_ppl"] for s in range(8)]
-        ntl = [values(size, "CE + NTL-WAS 0.3", s)["prose"]["text_byte_ppl"] for s in range(8)]
+        ntl = [values(size, "CE + NTL-WAS 1.0", s)["prose"]["text_byte_ppl"] for s in range(8)]
         diffs = [100 * (a - b) / statistics.fmean(ce) for a, b in zip(ntl, ce)]
         m = got["measured"][size]["prose_text_byte_ppl"]
         assert m["sd"] == pytest.approx(statistics.stdev(diffs), rel=1e-9) and m["pairs"] == 8
@@ -413,3 +413,10 @@ def test_prepare_text_holds_documents_out_by_their_hash(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"no \.parquet or \.jsonl"):
         list(gpu_study.read_texts(str(tmp_path / "empty")))
+
+
+def test_the_documented_cost_tables_are_the_study_file_s(study):
+    page = (ROOT / "docs" / "gpu_study.md").read_text()
+    block = re.search(r"<!-- generated: gpu_study_cost [^\n]*-->\n(.*?)<!-- end: gpu_study_cost -->", page, re.S)
+    assumed = study["cost"]["assumed_seeds"]
+    assert block.group(1).strip() == "\n\n".join(gpu_study.cost_markdown(study, s, assumed) for s in study["stages"])
