@@ -707,7 +707,7 @@ def run_harness(run_dir: str, tasks: tuple[str, ...] | list[str] = HARNESS_TASKS
                      if "," in k and "stderr" not in k and isinstance(v, (int, float))}
               for task, values in found.items()}  # fmt: skip
     record = {"tasks": scored, "seconds": time.time() - started}
-    write_json_atomically(path, record)
+    write_json_atomically(record, path)
     return record
 
 
