@@ -45,6 +45,12 @@ the next machine. Then ``OUT`` gets:
   panel that is zero for every arm is left out);
 * ``digit_offsets.png``: where wrong digits land relative to the true digit (predicted - true,
   aligned from the last digit), per arm.
+
+With ``--harness`` (or the preset's ``harness: {enabled: true, tasks: [...], limit: N}``; off by default and
+in the CI presets: 23 s of CPU a run, measured on a CI preset run) every run is also scored by
+lm-evaluation-harness on its ``hf_model`` (:func:`run_harness`: by default ``ntl_run``, the run's own held-out
+questions prompted as its scorer prompts them), and ``results.json`` (``harness``) and ``results.md`` report
+the harness's exact match, absolute and relative error beside the study's accuracy and MAE.
 """
 
 from __future__ import annotations
@@ -682,15 +688,17 @@ prompted as the run's scorer prompts them (``ntl_scale.eval.tasks``, ``prepare -
 def run_harness(run_dir: str, tasks: tuple[str, ...] | list[str] = HARNESS_TASKS, limit: int | None = None) -> dict:
     """lm-evaluation-harness on a finished run's ``hf_model`` (``--model hf``), once: the task folder written
     for the run (``RUN/harness_tasks``), the results under ``RUN/harness``; returns and writes
-    ``RUN/harness.json``: per task its metrics (``exact_match``, ``abs_error``, ``rel_error``, ``parsed``, ...)
-    and the wall seconds it took. A run that has one is not scored again."""
+    ``RUN/harness.json``: per task its metrics (``exact_match``, ``abs_error``, ``rel_error``, ``parsed``, ...),
+    the wall seconds it took and the harness process's CPU seconds. A run that has one is not scored again."""
     path = os.path.join(run_dir, "harness.json")
     if os.path.isfile(path):
         return _read_json(path)
+    import resource
+
     from ntl_scale.eval.tasks import prepare as prepare_tasks
     from ntl_scale.eval.tasks.compare import latest_results
 
-    started = time.time()
+    started, children = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
     folder = os.path.join(run_dir, "harness_tasks")
     prepare_tasks(folder, run_dir=run_dir)
     command = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
@@ -706,7 +714,9 @@ def run_harness(run_dir: str, tasks: tuple[str, ...] | list[str] = HARNESS_TASKS
     scored = {task: {k.split(",")[0]: v for k, v in values.items()
                      if "," in k and "stderr" not in k and isinstance(v, (int, float))}
               for task, values in found.items()}  # fmt: skip
-    record = {"tasks": scored, "seconds": time.time() - started}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+    record = {"tasks": scored, "seconds": time.time() - started, "cpu_seconds": cpu}
     write_json_atomically(record, path)
     return record
 
