@@ -840,7 +840,7 @@ def main(argv_: list[str] | None = None) -> None:
                 print(f"{size}: not in the pilot; assumes the sd of {source}")
             print("main stage seeds: " + ", ".join(f"{k} {v}" for k, v in got["seeds"].items()))
             for size in got.get("underpowered", []):
-                print(f"{size}: the power asks for more than max_seeds: intervals only, out of the Holm family")
+                print(f"{size}: the power asks for more than max_seeds: read by its intervals (docs/gpu_study.md)")
             for stage in list(study["stages"])[1:]:
                 print(cost_markdown(study, stage, got["seeds"]))
             if args.write:
