@@ -140,7 +140,7 @@ def test_array_trains_evaluates_and_tabulates_through_the_size_sweep_analysis(sl
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
     job = _submit(env, tmp_path)
     states = _wait_array(env, job, timeout=3000)
-    logs = {task: (tmp_path / f"ntl-gpu-study-{job}_{task}.out") for task in states}
+    logs = {task: (tmp_path / f"ntl-gpu-study-{job}_{task}.out") for task in ("0", "1", "2", "3")}
     for task, state in states.items():
         assert state == "COMPLETED", logs[task].read_text()[-5000:] if logs[task].exists() else state
 
