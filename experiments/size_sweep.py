@@ -55,7 +55,9 @@ import study  # noqa: E402
 
 BETTER = {"prose_text_ppl": -1, "number_token_mae": -1, "number_token_acc": 1, "question_acc": 1,
           "number_token_ppl": -1, "prose_ppl": -1, "code_ppl": -1, "numeric_ppl": -1, "numeric_number_token_was": -1,
-          "numeric_number_token_acc": 1}  # fmt: skip
+          "numeric_number_token_acc": 1, **{k: -1 for k in ("prose_text_byte_ppl", "code_text_byte_ppl",
+          "math_number_byte_ppl", "arith_rel_error", "gsm8k_bpb", "math_number_token_was")},
+          "arith_exact_match": 1, "math_number_token_acc": 1}  # fmt: skip
 """The sign of a gain for NTL on each difference (lower perplexity and error, higher accuracy)."""
 
 # key -> (split, metric, relative (% of the baseline mean) or absolute (points), label)
@@ -84,6 +86,15 @@ MORE_METRICS: dict[str, tuple[str, str, bool, str]] = {
         False,
         "numeric text, number-token accuracy: change, points",
     ),
+    # the GPU study's harness metrics (gpu_study.parse_harness) and its number-rich held-out set
+    "prose_text_byte_ppl": ("heldout:prose", "text_byte_ppl", True, "prose without numbers, perplexity/byte: cost, %"),
+    "code_text_byte_ppl": ("heldout:code", "text_byte_ppl", True, "code without numbers, perplexity/byte: cost, %"),
+    "math_number_byte_ppl": ("heldout:math", "number_byte_ppl", True, "math text's numbers, perplexity/byte: %"),
+    "arith_rel_error": ("harness", "arith_rel_error", True, "arithmetic relative error (harness): change, %"),
+    "arith_exact_match": ("harness", "arith_exact_match", False, "arithmetic exact match (harness): points"),
+    "gsm8k_bpb": ("harness", "gsm8k_bpb", True, "GSM8K gold bits per byte (harness): change, %"),
+    "math_number_token_was": ("heldout:math", "number_token_was", True, "math text, number-token E|v - t|: %"),
+    "math_number_token_acc": ("heldout:math", "number_token_acc", False, "math text, number-token accuracy: points"),
 }
 """Differences a sweep can ask for by name (``metrics: [...]``): the number-token perplexity of the CPU studies
 (the cost NTL-WAS puts on the digits' likelihood), and the GPU study's (experiments/gpu_study.py),
@@ -115,6 +126,19 @@ RANGES: dict[str, tuple[float, float]] = {
     "numeric_ppl": (-100.0, math.inf),
     "numeric_number_token_was": (-100.0, math.inf),
     "numeric_number_token_acc": (-100.0, 100.0),
+    **{
+        k: (-100.0, math.inf)
+        for k in (
+            "prose_text_byte_ppl",
+            "code_text_byte_ppl",
+            "math_number_byte_ppl",
+            "arith_rel_error",
+            "gsm8k_bpb",
+            "math_number_token_was",
+        )
+    },
+    "arith_exact_match": (-100.0, 100.0),
+    "math_number_token_acc": (-100.0, 100.0),
 }
 """The values each difference can take: intervals are clipped to them."""
 

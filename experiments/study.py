@@ -45,6 +45,12 @@ the next machine. Then ``OUT`` gets:
   panel that is zero for every arm is left out);
 * ``digit_offsets.png``: where wrong digits land relative to the true digit (predicted - true,
   aligned from the last digit), per arm.
+
+With ``--harness`` (or the preset's ``harness: {enabled: true, tasks: [...], limit: N}``; off by default and
+in the CI presets: 23 s of CPU a run, measured on a CI preset run) every run is also scored by
+lm-evaluation-harness on its ``hf_model`` (:func:`run_harness`: by default ``ntl_run``, the run's own held-out
+questions prompted as its scorer prompts them), and ``results.json`` (``harness``) and ``results.md`` report
+the harness's exact match, absolute and relative error beside the study's accuracy and MAE.
 """
 
 from __future__ import annotations
@@ -674,6 +680,81 @@ def _sequence_tests(result: dict[str, Any], dirs: list[str], base_dirs: list[str
         }
 
 
+HARNESS_TASKS = ("ntl_run",)
+"""The harness's tasks a study scores by default (``--harness``): each run's own held-out questions,
+prompted as the run's scorer prompts them (``ntl_scale.eval.tasks``, ``prepare --run-dir``)."""
+
+
+def run_harness(run_dir: str, tasks: tuple[str, ...] | list[str] = HARNESS_TASKS, limit: int | None = None) -> dict:
+    """lm-evaluation-harness on a finished run's ``hf_model`` (``--model hf``), once: the task folder written
+    for the run (``RUN/harness_tasks``), the results under ``RUN/harness``; returns and writes
+    ``RUN/harness.json``: per task its metrics (``exact_match``, ``abs_error``, ``rel_error``, ``parsed``, ...),
+    the wall seconds it took and the harness process's CPU seconds. A run that has one is not scored again."""
+    path = os.path.join(run_dir, "harness.json")
+    if os.path.isfile(path):
+        return _read_json(path)
+    import resource
+
+    from ntl_scale.eval.tasks import prepare as prepare_tasks
+    from ntl_scale.eval.tasks.compare import latest_results
+
+    started, children = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    folder = os.path.join(run_dir, "harness_tasks")
+    prepare_tasks(folder, run_dir=run_dir)
+    command = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+               f"pretrained={os.path.join(run_dir, 'hf_model')}", "--include_path", folder, "--tasks",
+               ",".join(tasks), "--output_path", os.path.join(run_dir, "harness"), "--batch_size", "8"]  # fmt: skip
+    if limit is not None:
+        command += ["--limit", str(limit)]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    with open(os.path.join(run_dir, "harness.log"), "w") as log:
+        if subprocess.call(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env) != 0:
+            raise SystemExit(f"[study] the harness failed on {run_dir} (see {run_dir}/harness.log)")
+    found = latest_results(os.path.join(run_dir, "harness"))["results"]
+    scored = {task: {k.split(",")[0]: v for k, v in values.items()
+                     if "," in k and "stderr" not in k and isinstance(v, (int, float))}
+              for task, values in found.items()}  # fmt: skip
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+    record = {"tasks": scored, "seconds": time.time() - started, "cpu_seconds": cpu}
+    write_json_atomically(record, path)
+    return record
+
+
+def harness_table(runs: dict[str, list[str]]) -> dict[str, Any]:
+    """Per arm, per harness task, per metric: mean, spread and every seed's value (as :func:`aggregate`)."""
+    table: dict[str, Any] = {}
+    for arm, dirs in runs.items():
+        records = [_read_json(os.path.join(d, "harness.json"))["tasks"] for d in dirs]
+        table[arm] = {}
+        for task in records[0]:
+            table[arm][task] = {}
+            for metric in records[0][task]:
+                values = [r.get(task, {}).get(metric) for r in records]
+                mean, spread = _mean_spread(values)
+                table[arm][task][metric] = {"mean": mean, "std": spread, "seeds": values}
+    return table
+
+
+def harness_markdown(harness: dict[str, Any], table: dict[str, Any], seconds: list[float]) -> str:
+    """The harness's metrics beside the study's own (``ntl_run_<split>`` beside the split's accuracy and MAE)."""
+    lines = [f"**lm-evaluation-harness beside the study's scorer** ({statistics.fmean(seconds):.1f} s per run; "
+             "mean +- standard deviation over seeds)", "",
+             "| arm | task | exact_match | accuracy (scorer) | abs_error | MAE (scorer) | rel_error | parsed |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+
+    def cell(m: dict[str, Any] | None) -> str:
+        return f"{m['mean']:.4g} +- {m['std']:.2g}" if m and math.isfinite(m["mean"]) else "n/a"
+
+    for arm, tasks in harness.items():
+        for task, metrics in tasks.items():
+            own = table.get(arm, {}).get(task.removeprefix("ntl_run_"), {}) if task.startswith("ntl_run_") else {}
+            cells = [cell(metrics.get("exact_match")), cell(own.get("accuracy")), cell(metrics.get("abs_error")),
+                     cell(own.get("mae")), cell(metrics.get("rel_error")), cell(metrics.get("parsed"))]  # fmt: skip
+            lines.append(f"| {arm} | {task} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _p(p: float) -> str:
     return "n/a" if not math.isfinite(p) else ("< 0.001" if p < 0.001 else f"{p:.3f}")
 
@@ -914,6 +995,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="train nothing: run the preset's prepare commands, restore the kept runs (--keep) and "
                              "tabulate the seeds at which every arm has finished (a study under way; results.json's "
                              "preset lists those seeds)")  # fmt: skip
+    parser.add_argument("--harness", action="store_true",
+                        help="also score every run with lm-evaluation-harness (the preset's harness.tasks, "
+                             "default ntl_run: the run's held-out questions), reported beside the study's")  # fmt: skip
     parser.add_argument("--start-until", default=None, metavar="HH:MM",
                         help="start no run after this time (UTC; its next occurrence, tomorrow's once today's has "
                              "passed; or YYYY-MM-DDTHH:MM): the started runs finish, the study stops "
@@ -950,11 +1034,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tested = {arm: dirs for arm, dirs in runs.items() if arm not in (baseline, other)}
         against[other] = paired_tests({other: runs[other], **tested}, table, other, groups) if tested else {}
     records = read_provenance(runs)
+    harness, harness_seconds = None, []
+    if args.harness or preset.get("harness", {}).get("enabled", False):
+        spec = preset.get("harness", {})
+        for dirs in runs.values():
+            for run_dir in dirs:
+                harness_seconds.append(
+                    run_harness(run_dir, spec.get("tasks", HARNESS_TASKS), spec.get("limit"))["seconds"]
+                )
+        harness = harness_table(runs)
     with open(os.path.join(out, "results.json"), "w") as f:
         summary: dict[str, Any] = {"preset": preset, "results": table, "paired_tests": tests,
                                    "seconds": time.time() - start, "runs": records}  # fmt: skip
         if against:
             summary["paired_tests_against"] = against
+        if harness is not None:
+            summary["harness"] = harness
         summary["seed_tests"] = seed_stats.seed_tests(summary)  # the study's family, Holm-adjusted
         json.dump(summary, f, indent=2)
     text = seed_stats.markdown(summary["seed_tests"]) + "\n\n"
@@ -964,6 +1059,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         text += f"\n\n**Paired against {other}**\n\n" + markdown(
             subset, args.preset, preset["seeds"], other_tests, other
         )
+    if harness is not None:
+        text += "\n\n" + harness_markdown(harness, table, harness_seconds)
     text += "\n\n" + provenance_line(records)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text + "\n")

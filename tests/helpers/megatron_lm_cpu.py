@@ -208,6 +208,9 @@ def patch_megatron() -> None:
         initialize_megatron._ntl_cpu = True
         initialize.initialize_megatron = initialize_megatron
         training.initialize_megatron = initialize_megatron
+        import megatron.training as training_pkg  # lm-eval's megatron_lm backend imports it from the package
+
+        training_pkg.initialize_megatron = initialize_megatron
     if hasattr(initialize, "fused_kernels"):
         initialize.fused_kernels.load = lambda *a, **k: None
     with contextlib.suppress(Exception):

@@ -8,7 +8,8 @@
 3. The CI-sized study preset end to end: 2 seeds x 3 arms through launch/train.py, the results
    table (one row per arm, both splits, mean +- std) and the three plots; then its DEL preset
    (configs/study/del_ci.yaml) on the same folder: two more arms through experiments/train_baselines.py
-   and the paired tests against CE + NTL-WAS.
+   and the paired tests against CE + NTL-WAS; and ``--harness``'s scoring of one run against the study's
+   own scorer.
 """
 
 from __future__ import annotations
@@ -163,7 +164,31 @@ def test_ci_study_preset_end_to_end(tmp_path):
     # a second call finds every run done and only re-tabulates
     again = _study(out)
     assert again.returncode == 0 and again.stdout.count("already done") == 6
+    _check_harness(out)
     _check_del_preset(out)
+
+
+def _check_harness(out: Path) -> None:
+    """``study.py --harness`` on one run: lm-evaluation-harness's scores of the run's held-out questions equal
+    the study's own scorer's (eval.json; each the other's independent reference); a scored run is not
+    scored again. (The switch is off in the CI preset: 23 s of CPU a run.)"""
+    from tests.helpers.scripts import load_script
+
+    study = load_script("experiments/study.py", "study_under_test")
+    run = out / "ce_ntl_was" / "seed0"
+    scored = study.run_harness(str(run))
+    own = json.loads((run / "eval.json").read_text())
+    for split in ("interpolate", "extrapolate"):
+        harness = scored["tasks"][f"ntl_run_{split}"]
+        assert harness["exact_match"] == pytest.approx(own[split]["accuracy"], abs=1e-9)
+        assert harness["parsed"] == pytest.approx(1 - own[split]["unparseable"], abs=1e-9)
+        if math.isfinite(own[split]["mae"]):
+            assert harness["abs_error"] == pytest.approx(own[split]["mae"], rel=1e-9)
+    assert scored["seconds"] > 0 and study.run_harness(str(run)) == scored
+    table = study.harness_table({"CE + NTL-WAS": [str(run)]})
+    scorer = {"CE + NTL-WAS": {k: {m: {"mean": v, "std": 0.0} for m, v in own[k].items()} for k in own}}
+    text = study.harness_markdown(table, scorer, [scored["seconds"]])
+    assert "| CE + NTL-WAS | ntl_run_interpolate |" in text
 
 
 def _check_del_preset(out: Path) -> None:

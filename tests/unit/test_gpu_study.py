@@ -13,8 +13,11 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import random
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -29,12 +32,21 @@ import size_sweep  # noqa: E402
 STUDY = str(ROOT / "configs" / "gpu_study" / "study.yaml")
 CI = str(ROOT / "configs" / "gpu_study" / "ci.yaml")
 DATA = {"tokenizer": "/tok", "text": "/d/text", "number_rich": "/d/num",
-        "valid": {"prose": "/d/prose", "code": "/d/code", "numeric": "/d/gsm8k"}}  # fmt: skip
+        "valid": {"prose": "/d/prose", "code": "/d/code", "math": "/d/math", "gsm8k": "/d/gsm8k"}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def study():
     return gpu_study.load(STUDY)
+
+
+def _with_seeds(study: dict, seeds: dict[str, int]) -> dict:
+    """The study with every stage's power-set seeds filled in (what `gpu_study.py seeds --write` does)."""
+    stages = {}
+    for name, stage in study["stages"].items():
+        count = stage["seeds"]
+        stages[name] = {**stage, "seeds": {k: seeds[k] for k in count} if isinstance(count, dict) else count}
+    return {**study, "stages": stages}
 
 
 # 1. Parameter counts -------------------------------------------------------------------------------
@@ -79,50 +91,72 @@ def test_budget_and_cost_follow_the_formulas(study):
     for name, size in study["sizes"].items():
         hf = _hf_counts(size, 128256)
         per_iter = size["global-batch-size"] * seq
-        iters = math.ceil(20 * hf["non_embedding"] / per_iter)
+        iters = math.ceil(20 * hf["total"] / per_iter)  # 20 tokens per total parameter (Chinchilla's count)
         tokens = iters * per_iter
         flops = 6 * (hf["non_embedding"] + hf["output"]) * tokens
         hours = flops / (size["mfu"] * peak) / 3600
         got = gpu_study.budget(study, name)
         assert (got["iterations"], got["tokens"]) == (iters, tokens), name
-        assert 20 <= got["tokens_per_parameter"] < 20 + per_iter / hf["non_embedding"]
+        assert 20 <= got["tokens_per_parameter"] == got["tokens_per_total_parameter"] < 20 + per_iter / hf["total"]
+        assert got["tokens_per_non_embedding_parameter"] == tokens / hf["non_embedding"]
         assert got["flops"] == flops and got["gpu_hours"] == pytest.approx(hours, rel=1e-12), name
     # the 1 B size by hand: 973,146,112 + 128,256 x 2,048 parameters multiplied per token
+    kaplan = gpu_study.budget({**study, "parameter_basis": "non_embedding"}, "1B")
+    assert kaplan["tokens"] == math.ceil(20 * kaplan["non_embedding"] / (512 * seq)) * 512 * seq
     one_b = gpu_study.budget(study, "1B")
     assert one_b["non_embedding"] == 16 * (2048 * (32 + 16) * 64 + 2048 * 2048 + 3 * 2048 * 8192 + 2 * 2048) + 2048
     assert one_b["compute_parameters"] == 973_146_112 + 128_256 * 2048
 
 
 def test_cost_table_rows_and_total(study):
-    table = gpu_study.cost_markdown(study)
-    runs = len(study["arms"]) * len(study["seeds"])
-    total = 0.0
-    for name in study["sizes"]:
-        b = gpu_study.budget(study, name)
-        row = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[1] == f"{b['non_embedding']:,}" and cells[3] == f"{b['tokens']:,}"
-        assert float(cells[7]) == pytest.approx(b["gpu_hours"], abs=0.05)
-        assert int(cells[8]) == runs
-        total += b["gpu_hours"] * runs
-    last = table.splitlines()[-1]
-    assert f"**{total:.0f}**" in last and f"| {runs * len(study['sizes'])} |" in last
+    seeds = {"25M": 8, "85M": 8, "300M": 5, "1B": 3}
+    full = _with_seeds(study, seeds)
+    done: set = set()
+    for stage in full["stages"]:  # pilot, main, secondary: a run of an earlier stage is not counted again
+        table = gpu_study.cost_markdown(full, stage)
+        spec = full["stages"][stage]
+        total, new_total = 0.0, 0
+        for name in spec["sizes"]:
+            b = gpu_study.budget(full, name)
+            n = spec["seeds"][name] if isinstance(spec["seeds"], dict) else spec["seeds"]
+            runs = {(name, a, s) for a in spec["arms"] for s in range(n)}
+            new = runs - done
+            row = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            assert cells[1] == f"{b['non_embedding']:,}" and cells[3] == f"{b['tokens']:,}"
+            assert float(cells[4]) == pytest.approx(b["tokens"] / b["total"], abs=0.05)
+            assert float(cells[5]) == pytest.approx(b["tokens"] / b["non_embedding"], abs=0.05)
+            assert float(cells[9]) == pytest.approx(b["gpu_hours"], abs=0.05)
+            assert cells[11] == f"{len(runs)} ({len(new)})"
+            total += b["gpu_hours"] * len(new)
+            new_total += len(new)
+            done |= runs
+        last = table.splitlines()[-1]
+        assert f"**{total:.0f}**" in last and f"| {new_total} new |" in last
+    assert gpu_study.cost_markdown(study, "pilot").count("| 8 | 16 (16) |") == 2  # 2 arms x 8 seeds per size
 
 
 # 3. Array tasks ------------------------------------------------------------------------------------
 
 
 def test_tasks_cover_size_arm_seed_in_order_and_match_the_sbatch_array(study):
-    every = gpu_study.tasks(study)
-    expected = [(s, a, seed) for s in study["sizes"] for a in study["arms"] for seed in study["seeds"]]
+    pilot = study["stages"]["pilot"]
+    every = gpu_study.tasks(study, "pilot")
+    expected = [(s, a, seed) for s in pilot["sizes"] for a in pilot["arms"] for seed in range(pilot["seeds"])]
     assert [(t.size, t.arm, t.seed) for t in every] == expected
-    assert [t.index for t in every] == list(range(len(expected))) == list(range(36))
+    assert [t.index for t in every] == list(range(len(expected))) == list(range(32))
     header = (ROOT / "launch" / "slurm" / "gpu_study.sbatch").read_text()
     assert re.search(r"^#SBATCH --array=0-(\d+)$", header, re.M).group(1) == str(len(every) - 1)
     names = {t.run_name for t in every}
-    assert len(names) == len(every) and "1b/ce-ntl-was-0.3/seed2" in names
-    with pytest.raises(ValueError, match=r"task 36: the study has tasks 0-35"):
-        gpu_study.task(study, 36)
+    assert len(names) == len(every) and "85m/ce-ntl-was-1.0/seed7" in names
+    with pytest.raises(ValueError, match=r"task 32: stage 'pilot' has tasks 0-31"):
+        gpu_study.task(study, 32)
+    with pytest.raises(ValueError, match=r"the seeds of 25M are not set .*gpu_study.py seeds"):
+        gpu_study.tasks(study, "main")
+    main = gpu_study.tasks(_with_seeds(study, {"25M": 8, "85M": 9, "300M": 4, "1B": 3}), "main")
+    assert len(main) == 2 * (8 + 9 + 4 + 3)
+    # the pilot's runs are the main stage's: the same run folders
+    assert names <= {t.run_name for t in main}
 
 
 # 4. Megatron arguments -----------------------------------------------------------------------------
@@ -141,19 +175,21 @@ def _as_dict(argv: list[str]) -> dict[str, list[str]]:
 
 
 def test_train_and_eval_arguments(study):
-    index = next(t.index for t in gpu_study.tasks(study) if (t.size, t.arm, t.seed) == ("300M", "CE + NTL-WAS 0.1", 2))
-    train = _as_dict(gpu_study.argv(study, DATA, index, "train", "/runs/x"))
+    study = _with_seeds(study, {"25M": 8, "85M": 8, "300M": 4, "1B": 3})
+    chosen = ("300M", "CE + NTL-WAS 0.3", 2)
+    index = next(t.index for t in gpu_study.tasks(study, "secondary") if (t.size, t.arm, t.seed) == chosen)
+    train = _as_dict(gpu_study.argv(study, DATA, index, "train", "/runs/x", "secondary"))
     assert train["num-layers"] == ["24"] and train["hidden-size"] == ["1024"] and train["num-query-groups"] == ["8"]
     assert train["seed"] == ["1236"]  # Megatron's seed must be > 0: 1234 + the study's seed
     assert train["train-iters"] == [str(gpu_study.budget(study, "300M")["iterations"])]
     assert train["train-data-path"] == ["0.9", "/d/text", "0.1", "/d/num"]
-    assert train["ntl-weight"] == ["0.1"] and train["ntl-loss"] == ["was"]
+    assert train["ntl-weight"] == ["0.3"] and train["ntl-loss"] == ["was"] and train["ntl-squash-factor"] == ["8"]
     assert train["save"] == train["load"] == ["/runs/x/checkpoints"]
     assert "valid-data-path" not in train and "skip-train" not in train and "mfu" not in train
-    ev = _as_dict(gpu_study.argv(study, DATA, index, "eval", "/runs/x"))
+    ev = _as_dict(gpu_study.argv(study, DATA, index, "eval", "/runs/x", "secondary"))
     assert ev["skip-train"] == [] and ev["full-validation"] == [] and ev["multiple-validation-sets"] == []
-    assert ev["valid-data-path"] == ["/d/prose", "/d/code", "/d/gsm8k"]
-    assert ev["validation-set-names"] == ["prose", "code", "numeric"]
+    assert ev["valid-data-path"] == ["/d/prose", "/d/code", "/d/math", "/d/gsm8k"]
+    assert ev["validation-set-names"] == ["prose", "code", "math", "gsm8k"]
     assert ev["ntl-weight"] == ["0.3"] and ev["load"] == ["/runs/x/checkpoints"]
     ce = _as_dict(gpu_study.argv(study, DATA, 0, "eval", "/r"))  # CE is evaluated with the same NTL flags
     assert {k: v for k, v in ce.items() if k.startswith("ntl-")} == {
@@ -204,7 +240,9 @@ def test_bad_study_files_and_sweep_metrics_are_named(tmp_path):
         ({"sizes": {"x": {"num-layers": 2}}}, r"size 'x' lacks \['hidden-size'"),
         ({"number_share": 1.5}, r"number_share = 1.5"),
         ({"tokens_per_parameter": 0}, r"tokens_per_parameter = 0"),
-        ({"seeds": [-1]}, r"seeds = \[-1\]"),
+        ({"stages": {"pilot": {"sizes": ["tiny"], "arms": ["CE"], "seeds": 0}}}, r"seeds = 0: expected"),
+        ({"stages": {"pilot": {"sizes": ["big"], "arms": ["CE"], "seeds": 2}}}, r"names \['big'\]"),
+        ({"parameter_basis": "all"}, r"parameter_basis = 'all'"),
     ]
     for change, message in cases:
         path = tmp_path / "s.yaml"
@@ -220,3 +258,165 @@ def test_bad_study_files_and_sweep_metrics_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"sweep metrics \['nope'\]"):
         size_sweep.metric_keys({"metrics": ["nope"]})
     assert size_sweep.metric_keys({}) == list(size_sweep.METRICS)
+
+
+# 6. Harness reports, the pilot's power step, the verdict rule, the corpora -----------------------------
+
+
+def _report(exact: list[float], rel: list[float], bpb: float, text: float, number: float) -> dict:
+    """A results file as lm-evaluation-harness 0.4 writes it (``"<metric>,<filter>"`` keys per task)."""
+    results = {f"ntl_arith_{op}": {"alias": op, "exact_match,none": e, "exact_match_stderr,none": 0.01}
+               for op, e in zip(("add", "sub", "mul", "cmp"), exact)}  # fmt: skip
+    for op, r in zip(("add", "sub", "mul"), rel):
+        results[f"ntl_arith_{op}"]["rel_error,none"] = r
+    results["ntl_arith_cmp"]["rel_error,none"] = 99.0  # comparison: not in the mean
+    results["ntl_gsm8k_bpb"] = {"bits_per_byte,none": bpb, "bits_per_byte_stderr,none": "N/A"}
+    results["ntl_study_prose_split"] = {"text_bits_per_byte,none": text, "number_bits_per_byte,none": number,
+                                        "bits_per_byte,none": 1.0}  # fmt: skip
+    return {"results": results, "groups": {"ntl_arith": {"exact_match,none": 0.5}}}
+
+
+def test_parse_harness_reads_the_study_metrics_of_a_results_file():
+    got = gpu_study.parse_harness(_report([0.1, 0.2, 0.3, 0.6], [0.5, 0.25, 2.0], 1.25, 1.5, 3.0), ["prose", "code"])
+    assert got["harness"] == {"arith_exact_match": pytest.approx(0.3), "arith_rel_error": pytest.approx(2.75 / 3),
+                              "gsm8k_bpb": 1.25}  # fmt: skip
+    assert got["prose"] == {"text_byte_ppl": pytest.approx(2**1.5), "number_byte_ppl": pytest.approx(8.0)}
+    assert "code" not in got  # no such task in the report
+    assert gpu_study.parse_harness({"results": {}}, ["prose"]) == {}
+
+
+def _fake_runs(tmp_path, study, stage, values):
+    """eval.json and harness.json of every run of ``stage``: ``values(size, arm, seed) -> {split: {metric: v}}``."""
+    for t in gpu_study.tasks(study, stage):
+        run = tmp_path / t.run_name
+        run.mkdir(parents=True, exist_ok=True)
+        metrics = values(t.size, t.arm, t.seed)
+        harness = {k: v for k, v in metrics.items() if k == "harness"}
+        (run / "eval.json").write_text(json.dumps({k: v for k, v in metrics.items() if k != "harness"}))
+        (run / "harness.json").write_text(json.dumps(harness))
+
+
+def test_seeds_from_the_pilot_follow_the_measured_sd_and_the_power(tmp_path, study):
+    import power
+
+    rng = random.Random(0)
+    noise = {(size, seed): rng.gauss(0, 1) for size in ("25M", "85M") for seed in range(8)}
+
+    def values(size, arm, seed):
+        ntl = arm != "CE"
+        scale = {"25M": 0.5, "85M": 0.2}[size]  # sd of the per-seed differences, in % of CE's 10.0
+        text = 10.0 * (1 + (0.01 + scale * noise[size, seed] / 100) * ntl)
+        return {"prose": {"text_byte_ppl": text}, "harness": {"arith_rel_error": 1.0 - 0.2 * ntl + 0.01 * seed * ntl,
+                                                               "gsm8k_bpb": 1.0 + 0.001 * seed * ntl}}  # fmt: skip
+
+    _fake_runs(tmp_path, study, "pilot", values)
+    got = gpu_study.seeds_from_pilot(study, str(tmp_path))
+    spec = study["power"]
+    for size in ("25M", "85M"):
+        ce = [values(size, "CE", s)["prose"]["text_byte_ppl"] for s in range(8)]
+        ntl = [values(size, "CE + NTL-WAS 1.0", s)["prose"]["text_byte_ppl"] for s in range(8)]
+        diffs = [100 * (a - b) / statistics.fmean(ce) for a, b in zip(ntl, ce)]
+        m = got["measured"][size]["prose_text_byte_ppl"]
+        assert m["sd"] == pytest.approx(statistics.stdev(diffs), rel=1e-9) and m["pairs"] == 8
+        assert m["seeds"] == power.seeds_needed(1.0 / m["sd"], 0.05, spec["family"], spec["power"])
+        wanted = max(v["seeds"] for v in got["measured"][size].values())
+        assert got["seeds"][size] == min(max(wanted, 8), spec["max_seeds"])  # at least the pilot's 8
+    assert got["assumed"] == {"300M": "85M", "1B": "85M"}
+    assert (
+        got["seeds"]["1B"]
+        == got["seeds"]["300M"]
+        == max(min(max(v["seeds"] for v in got["measured"]["85M"].values()), spec["max_seeds"]), 2)
+    )
+    out = tmp_path / "main.yaml"
+    gpu_study.write_seeds(STUDY, got["seeds"], str(out))
+    written = gpu_study.load(str(out))
+    assert {k: v for k, v in written["stages"]["main"]["seeds"].items()} == got["seeds"]
+    assert len(gpu_study.tasks(written, "main")) == 2 * sum(got["seeds"].values())
+
+
+def _cells(means: dict[str, float], sds: dict[str, float], seeds: int = 8) -> dict:
+    """size_sweep-style differences with a chosen mean and spread per metric (exactly that sample mean and sd)."""
+    out = {}
+    for key, mean in means.items():
+        base = [(-1) ** i * (1 if i < seeds - seeds % 2 else 0) for i in range(seeds)]
+        spread = statistics.stdev(base) if any(base) else 1.0
+        values = [mean + sds[key] * b / spread for b in base]
+        out[key] = values
+    return out
+
+
+def test_verdict_rule_reads_cost_gain_and_the_family(study):
+    from scipy import stats
+
+    rule = study["analysis"]
+
+    def table(per_size):
+        sizes = []
+        for label, values in per_size.items():
+            diffs = {}
+            for key, seeds in values.items():
+                mean, sd, n = statistics.fmean(seeds), statistics.stdev(seeds), len(seeds)
+                half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
+                p = 2 * stats.t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1)
+                diffs[key] = {"seeds": seeds, "mean": mean, "low": mean - half, "high": mean + half, "p_seed_t": p}
+            sizes.append({"label": label, "differences": {rule["primary_arm"]: diffs}})
+        return {"sizes": sizes}
+
+    sd = {"prose_text_byte_ppl": 0.2, "arith_rel_error": 1.0, "gsm8k_bpb": 0.2}
+    got = gpu_study.verdict(table({
+        "25M": _cells({"prose_text_byte_ppl": 0.1, "arith_rel_error": -20.0, "gsm8k_bpb": -2.0}, sd),  # adopt
+        "85M": _cells({"prose_text_byte_ppl": 3.0, "arith_rel_error": -20.0, "gsm8k_bpb": 0.0}, sd),  # trade-off
+        "300M": _cells({"prose_text_byte_ppl": 0.0, "arith_rel_error": 0.0, "gsm8k_bpb": 0.0}, sd),  # no gain
+        "1B": _cells({"prose_text_byte_ppl": 0.5, "arith_rel_error": -3.0, "gsm8k_bpb": 0.0},
+                     {**sd, "prose_text_byte_ppl": 3.0, "arith_rel_error": 30.0}),  # wide: not decided
+    }), study)  # fmt: skip
+    readings = {r["size"]: (r["cost"], r["gain"], r["verdict"]) for r in got}
+    assert readings == {"25M": ("no cost", "gain", "adopt"), "85M": ("cost", "gain", "trade-off"),
+                        "300M": ("no cost", "no gain", "do not adopt"),
+                        "1B": ("unresolved", "unresolved", "not decided at this scale")}  # fmt: skip
+    # Holm over the declared family of 12: the smallest p times 12
+    ps = sorted(d["p_seed_t"] for s in table({"25M": _cells({"prose_text_byte_ppl": 3.0, "arith_rel_error": -20.0,
+                                                           "gsm8k_bpb": 0.0}, sd)})["sizes"]
+                for d in s["differences"][rule["primary_arm"]].values())  # fmt: skip
+    one = gpu_study.verdict(table({"25M": _cells({"prose_text_byte_ppl": 3.0, "arith_rel_error": -20.0,
+                                                  "gsm8k_bpb": 0.0}, sd)}), study)[0]  # fmt: skip
+    assert min(one["holm"].values()) == pytest.approx(min(1.0, 12 * ps[0]))
+
+
+def test_prepare_text_holds_documents_out_by_their_hash(tmp_path):
+    import gzip
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [f"document {i} with {i * 7} apples" for i in range(300)]
+    (tmp_path / "web").mkdir()
+    pq.write_table(pa.table({"text": docs[:150]}), tmp_path / "web" / "a.parquet")
+    with gzip.open(tmp_path / "web" / "b.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs[150:])
+    code = tmp_path / "code.jsonl"
+    code.write_text("".join(json.dumps({"content": f"x = {i}"}) + "\n" for i in range(5)))
+    sources = {"web": {"path": str(tmp_path / "web"), "heldout_per_10000": 1000, "heldout_documents": 10,
+                       "heldout_chars": 12},
+               "code": {"path": str(code), "column": "content", "train": False,
+                        "heldout_per_10000": 10000}}  # fmt: skip
+    out = tmp_path / "out"
+    counts = gpu_study.prepare_text(sources, str(out))
+    held = [d for d in docs if int(hashlib.sha256(d.encode()).hexdigest(), 16) % 10_000 < 1000]
+    read = lambda p: [json.loads(line)["text"] for line in p.read_text().splitlines()]  # noqa: E731
+    assert read(out / "web_heldout.jsonl") == [d[:12] for d in held[:10]]
+    assert read(out / "web_train.jsonl") == [d for d in docs if d not in held]
+    assert read(out / "code_heldout.jsonl") == [f"x = {i}" for i in range(5)]
+    assert not (out / "code_train.jsonl").exists()
+    assert counts == {"web": {"train": 300 - len(held), "heldout": 10}, "code": {"train": 0, "heldout": 5}}
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"no \.parquet or \.jsonl"):
+        list(gpu_study.read_texts(str(tmp_path / "empty")))
+
+
+def test_the_documented_cost_tables_are_the_study_file_s(study):
+    page = (ROOT / "docs" / "gpu_study.md").read_text()
+    block = re.search(r"<!-- generated: gpu_study_cost [^\n]*-->\n(.*?)<!-- end: gpu_study_cost -->", page, re.S)
+    assumed = study["cost"]["assumed_seeds"]
+    assert block.group(1).strip() == "\n\n".join(gpu_study.cost_markdown(study, s, assumed) for s in study["stages"])
