@@ -1,27 +1,15 @@
-"""CE + NTL straight from hidden states: the output layer, the softmax and the loss in token chunks.
-
-The functional layer: argument checks, autocast, DTensor resolution and dispatch to the op layer
-(:mod:`ntl_scale.ops.chunked_linear`: the autograd Function, the chunk math and the chunk length; the
-mathematics is documented there).
+"""CE + NTL straight from hidden states, without the logits: argument checks, autocast, DTensor resolution and
+dispatch to the chunked op (:mod:`ntl_scale.ops.chunked_linear`, where the math is).
 
 Under tensor parallelism ``weight`` is the local vocab shard ``[V/tp, H]`` and ``hidden`` the full
-(sequence-gathered) hidden states; the returned gradient of ``hidden`` is this shard's part, to be
-summed over the TP group by the caller's layer, as Megatron's ``ColumnParallelLinear`` does with
-``copy_to_tensor_model_parallel_region`` (or the sequence-parallel gather) on its input.
+(sequence-gathered) hidden states; the gradient of ``hidden`` is this shard's part, summed over the TP group by
+the caller's layer (as Megatron's ``ColumnParallelLinear`` does on its input).
 
-``weight`` may be a ``DTensor`` split on its rows (``Shard(0)``: a vocabulary-parallel output layer,
-uneven splits included) or replicated: its group and offset replace ``tp_group`` and ``vocab_start``
-(:func:`ntl_scale.ops.shards.dtensor_vocab_shard`); the gradient reaches it as a DTensor with its
-placements. ``hidden`` is then a replicated DTensor on the weight's mesh, which says that the ranks of
-the split hold the same tokens; its gradient is returned as ``Partial`` over the split's mesh dimension,
-so DTensor sums it when it is redistributed. A plain ``hidden`` beside a row-split weight is refused:
-it does not say whether the ranks share the tokens (tensor parallelism) or hold their own (an FSDP2
-``fully_shard`` weight used outside its module's forward is the same ``Shard(0)`` DTensor over
-data-parallel ranks; taken for a vocabulary split, it would mix the ranks' tokens). For the plain
-route pass ``weight.to_local()`` with ``tp_group`` and ``vocab_start``; for FSDP2 call the loss inside the
-module's forward, or gather the weight with ``weight.redistribute(placements=[Replicate()]).to_local(
-grad_placements=[Partial("avg")])`` (each rank its own tokens, the weight gradient averaged over the
-ranks as FSDP2 averages it). A plain ``hidden`` beside a replicated weight is fine: nothing is split.
+A ``DTensor`` ``weight`` split on its rows (``Shard(0)``, uneven splits included) or replicated gives the group
+and offset; ``hidden`` must then be a DTensor replicated on the weight's mesh (its gradient comes back
+``Partial``). A plain ``hidden`` beside a row-split weight is refused: it cannot tell tensor parallelism (ranks
+share the tokens) from an FSDP2 ``fully_shard`` weight used outside its module's forward (ranks hold their own);
+the error names the fix for each.
 """
 
 from __future__ import annotations
@@ -50,6 +38,8 @@ def _autocast_dtype(hidden: object, weight: object) -> torch.dtype | None:
     if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return None
     device = hidden.device.type
+    if device == "meta":  # shape-only tensors (cost counts): no autocast state
+        return None
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 

@@ -1,18 +1,8 @@
-"""Cross entropy and Number Token Loss on full or vocab-sharded logits: the functional API and modules.
+"""Cross entropy and Number Token Loss on full or vocab-sharded logits: the functional API and its modules.
 
-Layers, bottom up (one definition of the math; each module imports only the ones below it):
-
-1. :mod:`ntl_scale.options`: the option spec (:class:`NTLOptions`, the loss kinds, the impls).
-2. :mod:`ntl_scale._validation`: checks of the user's tensors and options.
-3. :mod:`ntl_scale.ops.logits` (with :mod:`ntl_scale.ops.triton_ce_ntl`): per-token ``ce``, ``expect``,
-   ``mass`` of a logits shard; the only place with the two TP all-reduces (none when ``tp_group`` is None).
-4. :mod:`ntl_scale.terms`: per-token CE, per-token NTL of the chosen kind and the mask of the
-   positions that carry NTL (:func:`per_token_ce_ntl`, :func:`ntl_positions`).
-5. :mod:`ntl_scale.reductions`: means and sums with loss weights (:func:`reduce_loss`).
-6. Here: :func:`vocab_parallel_ce_ntl`, :func:`number_token_loss`, :func:`ce_with_ntl` (flat keyword
-   arguments, ``impl=`` chooses the code per call) and the ``nn.Module`` wrappers
-   :class:`NumberTokenLoss` and :class:`CEWithNTL`.
-
+:func:`ce_with_ntl` (CE + w NTL in one fused pass), :func:`number_token_loss` (NTL alone, on the number columns,
+beside any CE), :func:`vocab_parallel_ce_ntl` (the per-token terms) and the ``nn.Module`` forms; ``impl=``
+chooses the code per call. The math and the collectives are in :mod:`ntl_scale.ops.logits`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The chunked CE + NTL op from hidden states: its autograd Function and the chunk math (the op layer).
-
-Called by :func:`ntl_scale.linear.linear_ce_ntl` (the functional layer: argument checks, autocast,
-DTensor resolution, dispatch), as Liger splits its ops from its functional API. ``ntl_scale.linear``
-stays the public module.
+"""The chunked CE + NTL op from hidden states: its autograd Function and the chunk math, called by
+:func:`ntl_scale.linear.linear_ce_ntl`. NTL alone (``need_full=False``) forms only ``z_N = h W_N^T``.
 
 The logits ``z = h W^T`` (``[T, V]``, the largest activation of a large-vocabulary model) never exist
 whole: the op walks over the tokens in chunks of ``C`` and keeps only per-token statistics
@@ -354,7 +351,10 @@ class ChunkedLinearCENTL(torch.autograd.Function):
     def backward(ctx, g_ce, g_expect, g_mass, _g_hit, g_lse=None):  # type: ignore[override]
         # autocast off, as in the forward (linear_ce_ntl): a backward called under autocast would
         # otherwise cast its fp32 products to half precision
-        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
+        device = ctx.saved_tensors[0].device.type
+        if device == "meta":  # shape-only tensors (cost counts): no autocast state
+            return ChunkedLinearCENTL._backward(ctx, g_ce, g_expect, g_mass, g_lse)
+        with torch.autocast(device, enabled=False):
             return ChunkedLinearCENTL._backward(ctx, g_ce, g_expect, g_mass, g_lse)
 
     @staticmethod

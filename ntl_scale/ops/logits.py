@@ -1,32 +1,14 @@
 """Fused cross entropy + number-token statistics on a vocab shard, with an explicit TP group.
 
-This is the one place where the softmax over the vocabulary is computed. Everything NTL needs
-reduces to three per-token quantities of the logits (see ``docs/math.md``):
-
-* ``ce``     = ``log sum_j exp(z_j) - z_y``                       (cross entropy)
-* ``expect`` = ``sum_{k in N} p_k a_k``, ``p = softmax(z_N)``      (``a_k = d(v_k, t)`` for NTL-WAS,
-  ``a_k = v_k`` for the expected value ``yhat`` of the dot-product losses)
-* ``mass``   = ``sum_{k in N} softmax(z)_k``                       (number-token probability mass)
-
-Under tensor parallelism each rank holds the columns ``[r*V/tp, (r+1)*V/tp)``. The forward needs
-one MAX all-reduce of ``[max z, max z_N]`` and one SUM all-reduce of ``[S, z_y, S_N, A]`` per token,
-the same two collectives Megatron's fused cross entropy uses for CE alone. The backward needs no
-collective: every gradient is a local expression of the local logits and those reduced scalars
-(the input-gradient reduction happens in the output layer's own backward).
-
-Layers (as Megatron-core's ``VocabParallelCrossEntropy`` separates per-shard steps from the Function that
-communicates, and Liger its ops from its functional API):
-
-* :mod:`ntl_scale.ops.shards`: which columns a rank holds and in which group (``DTensor`` inputs resolved to
-  the local shard, its process group and first vocabulary id); no math, no collective.
-* :mod:`ntl_scale.ops.shard_math`: the per-shard steps of the PyTorch path (:class:`ShardMath`,
-  :class:`ShardInputs`); :mod:`ntl_scale.ops.triton_ce_ntl` the same on the GPU. No collective.
-* Here, the op: the TP collectives of the loss, written here only behind two helpers,
-  :func:`all_reduce_max` (``[T, 2]``) and :func:`all_reduce_sums` (``[T, 4]``), used by
-  :class:`_FusedCENTL`, by the chunked op (:mod:`ntl_scale.ops.chunked_linear`) and around the Triton statistics
-  (:func:`kernel_shard_stats`); the kernel choice per call (:func:`use_triton`); the autograd Functions
-  and :func:`fused_shard_stats`. ``tp_group=None`` (or a group of size 1) is the same code without
-  collectives.
+The one place where the softmax over the vocabulary is computed. Per token (``docs/math.md``): ``ce``, ``expect``
+``= sum_{k in N} p_k a_k`` with ``p = softmax(z_N)`` (``a_k = d(v_k, t)`` for NTL-WAS, ``v_k`` for the point
+losses) and ``mass = sum_{k in N} softmax(z)_k``. Under tensor parallelism the forward needs one MAX all-reduce
+of ``[max z, max z_N]`` and one SUM all-reduce of ``[S, z_y, S_N, A]`` per token (:func:`all_reduce_max`,
+:func:`all_reduce_sums`: the only TP collectives of the loss); the backward none. ``tp_group=None`` (or size 1)
+is the same code without collectives. Per-shard steps: :mod:`ntl_scale.ops.shard_math` (PyTorch) and
+:mod:`ntl_scale.ops.triton_ce_ntl` (GPU); shard placement: :mod:`ntl_scale.ops.shards`. Here: the kernel choice
+per call (:func:`use_triton`), the autograd Functions (:class:`_FusedCENTL`; :class:`_NumberColumnsNTL`, NTL
+alone on the number columns) and :func:`fused_shard_stats`.
 """
 
 from __future__ import annotations
