@@ -52,25 +52,41 @@ def number_vocab(vocab: int, numbers: int) -> ntl_scale.NumberVocab:
 
 
 class Bytes(TorchDispatchMode):
-    """Sums the bytes of every aten op's tensor inputs and outputs (each read or written once; views free)."""
+    """Sums the bytes of every aten op's tensor inputs and outputs (each read or written once; views free; an
+    indexed read or add counts the elements it touches)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
+        self.ops: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ not in _VIEWS:
-            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            self.total += sum(t.numel() * t.element_size() for t in tensors)
+        name = func.overloadpacket.__name__
+        if name in _VIEWS or name.startswith("empty"):  # a view or an allocation moves nothing
+            return out
+        if name in ("zeros", "zeros_like", "new_zeros", "full", "fill_", "zero_"):  # writes its output only
+            moved = _nbytes(out)
+        elif name in ("index_select", "gather"):  # reads only what it selects: the output's elements, and writes them
+            moved = 2 * _nbytes(out) + _nbytes(args[2])
+        elif name in ("index_add", "index_add_"):  # reads the source, reads and writes the rows it adds into
+            moved = 3 * _nbytes(args[3]) + _nbytes(args[2])
+        else:
+            moved = sum(_nbytes(t) for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+        self.total += moved
+        self.ops[name] = self.ops.get(name, 0) + moved
         return out
 
 
-def _count(step: Callable[[], torch.Tensor]) -> tuple[int, int]:
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _count(step: Callable[[], torch.Tensor]) -> tuple[int, Bytes]:
     flops, moved = FlopCounterMode(display=False), Bytes()
     with flops, moved:
         step().backward()
-    return flops.get_total_flops(), moved.total
+    return flops.get_total_flops(), moved
 
 
 def count(tokens: int, vocab: int, hidden: int, numbers: int) -> dict[str, dict[str, float]]:
@@ -100,24 +116,27 @@ def count(tokens: int, vocab: int, hidden: int, numbers: int) -> dict[str, dict[
         return step
 
     for name, make in (("logits", on_logits), ("hidden", on_hidden)):
-        ce_flops, ce_bytes = _count(make(False))
-        both_flops, both_bytes = _count(make(True))
-        out[name] = {"ce_flops": ce_flops, "ce_bytes": ce_bytes, "addon_flops": both_flops - ce_flops,
-                     "addon_bytes": both_bytes - ce_bytes}  # fmt: skip
+        ce_flops, ce = _count(make(False))
+        both_flops, both = _count(make(True))
+        ops = {op: n - ce.ops.get(op, 0) for op, n in both.ops.items()}
+        top = sorted(((n, op) for op, n in ops.items() if n > 0), reverse=True)[:4]
+        largest = ", ".join(f"{op} {n / 1e9:.2f} GB" for n, op in top)
+        out[name] = {"ce_flops": ce_flops, "ce_bytes": ce.total, "addon_flops": both_flops - ce_flops,
+                     "addon_bytes": both.total - ce.total, "addon_ops": largest}  # fmt: skip
     return out
 
 
 def count_table(shapes: list[tuple[int, int, int, int]]) -> str:
     lines = [
-        "| T x V x H, K | on | CE FLOPs | add-on FLOPs | ratio | CE bytes | add-on bytes | ratio |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| T x V x H, K | on | CE FLOPs | add-on FLOPs | ratio | CE bytes | add-on bytes | ratio | add-on's top ops |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for t, v, h, k in shapes:
         for on, c in count(t, v, h, k).items():
             lines.append(
                 f"| {t} x {v} x {h}, {k} | {on} | {c['ce_flops']:.3e} | {c['addon_flops']:.3e} | "
                 f"{c['addon_flops'] / max(c['ce_flops'], 1):.4%} | {c['ce_bytes'] / 1e9:.2f} GB | "
-                f"{c['addon_bytes'] / 1e9:.3f} GB | {c['addon_bytes'] / c['ce_bytes']:.2%} |"
+                f"{c['addon_bytes'] / 1e9:.3f} GB | {c['addon_bytes'] / c['ce_bytes']:.2%} | {c['addon_ops']} |"
             )
     return "\n".join(lines)
 
@@ -177,7 +196,7 @@ def arms(tokens: int, vocab: int, hidden: int, numbers: int) -> list[tuple[str, 
 
         def mega(add: bool) -> None:
             logits = (z * 1).unsqueeze(1)  # a non-leaf copy each step: Megatron overwrites fp32 logits in place
-            extra = ntl_z(logits) if add else 0  # NTL first
+            extra = WEIGHT * ntl_scale.number_token_loss(logits, y, table) if add else 0  # NTL first
             backward(megatron(logits, y) + extra)
 
         out += [("Megatron vocab_parallel_cross_entropy, TP 1", "CE", lambda: mega(False)),
@@ -212,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--count", action="store_true", help="FLOPs and bytes on meta tensors")
     p.add_argument("--time", action="store_true", help="CPU timing of every partner, alone and with the add-on")
-    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--numbers", type=int, default=10)
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
