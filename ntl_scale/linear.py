@@ -70,16 +70,8 @@ def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
 
 
 def _refuse_ambiguous_split(hidden: Any, weight: Any) -> None:
-    """Refuses a sharded DTensor ``weight`` with a plain ``hidden``: nothing says what the split means.
-
-    A ``Shard(0)`` weight is a vocabulary split only if the ranks of that mesh dimension hold the same
-    tokens (tensor parallelism); an FSDP2 (``fully_shard``) parameter used outside its module's forward
-    is the same ``Shard(0)`` DTensor over data-parallel ranks that hold their own tokens, and taking it
-    for a vocabulary split mixes their softmax statistics. A plain tensor carries no placement to tell the
-    two apart (torch's own DTensor ops refuse a plain tensor beside a DTensor for this reason); a DTensor
-    ``hidden`` replicated on the weight's mesh says the tokens are the same, so only that is taken for a
-    vocabulary split.
-    """
+    """Refuses a row-split DTensor ``weight`` beside a plain ``hidden``: a plain tensor cannot say whether the
+    ranks share the tokens (tensor parallelism) or hold their own (FSDP2 outside the module's forward)."""
     if is_dtensor(hidden):
         return
     from torch.distributed.tensor import Shard
@@ -152,9 +144,7 @@ def linear_ce_ntl(
         tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
             The gradient of ``hidden`` is then this shard's part (see the module docs).
         check_finite: raise when the logits hold NaN/Inf (one host sync; default off, NaN reaches the loss).
-        chunk_tokens: tokens per chunk. Default (:func:`ntl_scale.ops.chunked_linear.choose_chunk_tokens`):
-            a fixed budget of logits per chunk, ``2**26 // V_local`` tokens on the CPU (256 MiB in fp32) and
-            ``2**28 // V_local`` on a GPU (2092 tokens at 128256 columns), at most ``T``.
+        chunk_tokens: tokens per chunk (default: :func:`ntl_scale.ops.chunked_linear.choose_chunk_tokens`).
         need_ce: False: NTL alone, from ``z_N = h W_N^T`` only (``[T, K]``), unless reweighing needs the
             vocabulary's log-sum-exp and ``lse`` is not given (then one pass over the vocabulary).
         token_weights: the non-negative weights ``[...]`` the caller's reduction applies to CE (e.g.

@@ -48,12 +48,9 @@ def vocab_parallel_ce_ntl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token cross entropy and NTL from a vocab-parallel logits shard, fused.
 
-    Rank ``r`` of ``tp_group`` holds the columns ``[r*V/tp, (r+1)*V/tp)`` of the (padded)
-    vocabulary (Megatron's split), or, with ``vocab_start``, any contiguous slice: uneven splits
-    such as DeepSpeed's of a vocabulary that the TP size does not divide. The forward issues one MAX
-    and one SUM all-reduce on ``tp_group`` (CE and NTL share them); the backward issues none. With
-    ``tp_group=None`` (or size 1) this is the single-device computation on full logits, through the
-    same code.
+    Rank ``r`` of ``tp_group`` holds the columns ``[r*V/tp, (r+1)*V/tp)`` (Megatron's split), or with
+    ``vocab_start`` any contiguous slice (uneven splits). One MAX and one SUM all-reduce in the forward, none in
+    the backward; ``tp_group=None`` is one device, through the same code.
 
     Args:
         logits_shard: local logits ``[..., V/tp]`` with ``V = vocab.vocab_size`` (with ``vocab_start``:
