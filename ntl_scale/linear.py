@@ -27,9 +27,18 @@ from .ops.shard_math import compute_dtype
 from .ops.shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
 from .options import NTLOptions, check_option
 from .reductions import CENTLOutput, combine_terms, reduce_loss
-from .terms import PerTokenTerms, check_lse, check_plain_labels, shard_inputs, shard_start, terms_from_stats
+from .terms import (
+    PerTokenTerms,
+    check_lse,
+    check_passthrough,
+    check_plain_labels,
+    like,
+    shard_inputs,
+    shard_start,
+    terms_from_stats,
+)
 
-__all__ = ["linear_ce_ntl", "linear_ce_with_ntl", "linear_number_token_loss"]
+__all__ = ["linear_beside_ce", "linear_ce_ntl", "linear_ce_with_ntl", "linear_number_token_loss"]
 
 
 def _autocast_dtype(hidden: object, weight: object) -> torch.dtype | None:
@@ -127,6 +136,7 @@ def linear_ce_ntl(
     vocab_start: int | None = None,
     proportional_grad: bool = False,
     lse: torch.Tensor | None = None,
+    passthrough: list[torch.Tensor] | None = None,
 ) -> PerTokenTerms:
     """Per-token CE and NTL of ``hidden @ weight.T`` without materialising those logits.
 
@@ -159,6 +169,8 @@ def linear_ce_ntl(
             checks, with one host read, and recomputes when the gradient is not proportional.
         lse: with ``need_ce=False`` and reweighing: the whole vocabulary's per-token log-sum-exp ``[...]`` of the
             (capped) logits, from the CE beside it (see :func:`ntl_scale.per_token_ce_ntl`).
+        passthrough: NTL alone without reweighing: a list that receives ``hidden, weight`` for the
+            partner CE, whose gradients NTL's join in place (:func:`ntl_scale.linear_beside_ce`).
 
     Returns:
         :class:`ntl_scale.PerTokenTerms` shaped like ``labels``.
@@ -174,8 +186,10 @@ def linear_ce_ntl(
             return linear_ce_ntl(
                 _amp_cast(hidden, amp), _amp_cast(weight, amp), labels, vocab, options, tp_group=tp_group,
                 check_finite=check_finite, chunk_tokens=chunk_tokens, need_ce=need_ce, token_weights=token_weights,
-                vocab_start=vocab_start, proportional_grad=proportional_grad, lse=lse,
+                vocab_start=vocab_start, proportional_grad=proportional_grad, lse=lse, passthrough=passthrough,
             )  # fmt: skip
+    check_passthrough(passthrough is not None, need_ce, options)
+    original = (hidden, weight)
     if is_dtensor(weight):
         if not isinstance(vocab, NumberVocab):
             raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
@@ -207,7 +221,7 @@ def linear_ce_ntl(
     inputs, row = shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
     weights = check_weights(token_weights, labels, dtype)
     weights = inputs.valid.to(dtype) if weights is None else weights.reshape(-1) * inputs.valid
-    ce, expect, mass, hit, lse_out = ChunkedLinearCENTL.apply(
+    *through, ce, expect, mass, hit, lse_out = ChunkedLinearCENTL.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         inputs,
@@ -223,7 +237,11 @@ def linear_ce_ntl(
         options.z_loss_weight,
         options.logit_softcap,
         lse,
+        passthrough is not None,
     )
+    if passthrough is not None:
+        local = (through[0].view(hidden.shape), through[1])
+        passthrough.extend(like(t, o) for t, o in zip(local, original, strict=True))
     return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse_out, need_full)
 
 
@@ -330,3 +348,34 @@ def linear_number_token_loss(
     )  # fmt: skip
     weights = check_weights(loss_weights, labels, terms.ntl.dtype)
     return reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
+
+
+def linear_beside_ce(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    loss_weights: torch.Tensor | None = None,
+    reduction: str = "mean",
+    check_finite: bool = False,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    chunk_tokens: int | None = None,
+    **variant: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ntl_scale.beside_ce` from hidden states: ``(hidden_for_ce, weight_for_ce, ntl)``, one autograd node.
+
+    Hand ``hidden_for_ce`` and ``weight_for_ce`` (the same tensors; DTensors for DTensors) to the fused linear
+    CE and add ``w * ntl``: the backward adds NTL's ``[T, H]`` hidden gradient and its K weight rows into that
+    CE's gradients in place, no ``[V, H]`` fill or sum. The arguments are those of
+    :func:`linear_number_token_loss`; reweighing is refused (see :func:`ntl_scale.beside_ce`).
+    """
+    check_reduction(reduction)
+    through: list[torch.Tensor] = []
+    terms = linear_ce_ntl(
+        hidden, weight, labels, vocab, NTLOptions(**variant), tp_group=tp_group, check_finite=check_finite,
+        chunk_tokens=chunk_tokens, need_ce=False, vocab_start=vocab_start, passthrough=through,
+    )  # fmt: skip
+    weights = check_weights(loss_weights, labels, terms.ntl.dtype)
+    return through[0], through[1], reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]

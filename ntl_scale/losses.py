@@ -7,6 +7,8 @@ chooses the code per call. The math and the collectives are in :mod:`ntl_scale.o
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -19,6 +21,7 @@ from .terms import per_token_ce_ntl
 __all__ = [
     "CEWithNTL",
     "NumberTokenLoss",
+    "beside_ce",
     "ce_with_ntl",
     "number_token_loss",
     "vocab_parallel_ce_ntl",
@@ -176,6 +179,45 @@ def number_token_loss(
     )  # fmt: skip
     weights = check_weights(loss_weights, labels, terms.ntl.dtype)
     return reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
+
+
+def beside_ce(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    loss_weights: torch.Tensor | None = None,
+    reduction: str = "mean",
+    check_finite: bool = False,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    **variant: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NTL alone beside a partner CE, in one autograd node: ``(logits_for_ce, ntl)``.
+
+    Hand ``logits_for_ce`` (the same tensor; a ``DTensor`` for a ``DTensor``) to the CE and add ``w * ntl``:
+    the backward adds NTL's gradient on the K number columns into the CE's logits gradient in place, so NTL
+    costs ``O(T K)`` bytes beside it, not the ``[T, V]`` gradient and its sum that :func:`number_token_loss`
+    beside the CE costs. NTL is computed here, before the CE, so a CE that overwrites its input (Megatron's
+    ``vocab_parallel_cross_entropy``, Liger's) may run after. The CE's gradient is written in place when
+    contiguous, of the logits' shape and dtype and outside a ``create_graph`` backward, else copied once
+    (:func:`ntl_scale.ops.logits.writable_grad`, which names the one unsafe partner).
+
+    Args:
+        logits, labels, vocab, loss_weights, reduction, check_finite, tp_group, vocab_start: as in
+            :func:`number_token_loss`.
+        **variant: the NTL variant, fields of :class:`NTLOptions` (``loss``, ``squash_factor``, ``huber_delta``,
+            ``float_level``, ``ignore_index``, ``logit_softcap``). Reweighing needs the CE's log-sum-exp, which
+            exists only after the CE ran: it is refused here; use ``number_token_loss(..., lse=)`` for it.
+    """
+    check_reduction(reduction)
+    through: list[torch.Tensor] = []
+    terms = per_token_ce_ntl(
+        logits, labels, vocab, NTLOptions(**variant), check_finite=check_finite, need_ce=False, tp_group=tp_group,
+        vocab_start=vocab_start, passthrough=through,
+    )  # fmt: skip
+    weights = check_weights(loss_weights, labels, terms.ntl.dtype)
+    return through[0], reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
 
 
 def ce_with_ntl(

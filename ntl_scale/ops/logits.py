@@ -333,9 +333,10 @@ class _NumberColumnsNTL(torch.autograd.Function):
     ``cap``: soft-capping of the number columns only. ``lse`` (the whole vocabulary's log-sum-exp per token,
     from the caller's CE kernel, or None): ``mass = exp(lse_N - lse)``, whose gradient reaches the number
     columns here and ``lse`` through its own graph. ``hit``: the label is the arg-max among the number
-    columns. The gradient is a new tensor in the logits' shape (no view), so autograd can add another loss's
-    gradient of the same logits into it in place; nothing logits-sized is saved, non-contiguous logits are
-    not copied.
+    columns. The gradient is a new tensor in the logits' shape (no view); with ``passthrough`` the logits also
+    come back as the first output, for a partner CE, and the backward adds the number columns into that CE's
+    gradient in place (:func:`writable_grad`): no ``[T, V]`` fill, no sum. Nothing logits-sized is saved,
+    non-contiguous logits are not copied.
     """
 
     @staticmethod
@@ -347,7 +348,8 @@ class _NumberColumnsNTL(torch.autograd.Function):
         tp_group: dist.ProcessGroup | None,
         cap: float | None,
         lse: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        passthrough: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         cols = inputs.number_cols
         cdt = compute_dtype(logits.dtype)
         tokens = logits.numel() // logits.shape[-1]  # not reshape(-1, n): a shard may hold no number column
@@ -373,16 +375,19 @@ class _NumberColumnsNTL(torch.autograd.Function):
             scale = torch.exp(number_max - lse.to(cdt))
             mass = sums[:, 2] * scale
         ctx.mark_non_differentiable(hit)
-        ctx.inputs, ctx.shape, ctx.dtype = inputs, logits.shape, logits.dtype
+        ctx.inputs, ctx.shape, ctx.dtype, ctx.passthrough = inputs, logits.shape, logits.dtype, passthrough
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(number_exp, sums[:, 2], expect, factor, scale, mass)
-        return ce, expect, mass, hit, lse_out
+        stats = (ce, expect, mass, hit, lse_out)
+        return (logits, *stats) if passthrough else stats
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        g_pass, grads = (grads[0], grads[1:]) if ctx.passthrough else (None, grads)
         g_expect, g_mass = grads[1], grads[2]  # ce and lse are constants here
         number_exp, number_total, expect, factor, scale, mass = ctx.saved_tensors
         inputs: ShardInputs = ctx.inputs
-        out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=expect.device)
+        out = writable_grad(g_pass, ctx.shape, ctx.dtype, expect.device)
         number_grad, g_lse = None, None
         if g_expect is not None:
             saved = {"number_exp": number_exp, "number_total": number_total, "expect": expect}
@@ -397,7 +402,24 @@ class _NumberColumnsNTL(torch.autograd.Function):
                 number_grad = number_grad * factor
             # through a temporary [T, V] view of the new tensor; the tensor itself goes back, no view
             index_add(out.view(-1, ctx.shape[-1]), 1, inputs.number_cols, number_grad.to(ctx.dtype))
-        return out, None, None, None, None, g_lse
+        return out, None, None, None, None, g_lse, None
+
+
+def writable_grad(
+    grad: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The buffer NTL's columns are added into: the partner's incoming gradient itself where safely writable.
+
+    Writable: contiguous (so no expanded or zero-stride view: every element its own memory), of the input's
+    shape and dtype, and not part of a graph (no ``create_graph``). Otherwise a contiguous copy of it, or zeros
+    where the partner left no gradient. A partner whose backward hands this same tensor to another input too
+    (``logits + bias`` of the same shape) would see NTL's columns there: put such ops before the passthrough.
+    """
+    if grad is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if grad.is_contiguous() and grad.shape == shape and grad.dtype == dtype and not grad.requires_grad:
+        return grad
+    return grad.to(dtype).clone(memory_format=torch.contiguous_format).reshape(shape)
 
 
 def fused_shard_stats(
@@ -413,7 +435,8 @@ def fused_shard_stats(
     features: tuple[str, ...] = (),
     cap: float | None = None,
     lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    passthrough: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Per-token ``(ce, expect, mass, hit, lse)`` of a ``[T, V_local]`` logits shard; differentiable.
 
     Args:
@@ -435,6 +458,8 @@ def fused_shard_stats(
             kernels lack (:func:`use_triton`). Label smoothing itself is ``inputs.smoothing``.
         cap, lse: without ``need_full`` only: the soft-cap of the number columns, and the whole
             vocabulary's log-sum-exp ``[T]`` of the (capped) logits from the caller's CE, for ``mass``.
+        passthrough: without ``need_full`` only: ``logits`` comes back first, for a partner CE to consume; the
+            backward adds NTL's number columns into that CE's gradient in place (:func:`writable_grad`).
 
     Returns:
         ``ce``, ``expect``, ``mass``, each ``[T]`` in the compute dtype, the bool ``hit`` (the label is the
@@ -444,6 +469,6 @@ def fused_shard_stats(
     """
     check_option("chunk_tokens", chunk_tokens)
     if not need_full:
-        return _NumberColumnsNTL.apply(logits, inputs, check_finite, tp_group, cap, lse)
+        return _NumberColumnsNTL.apply(logits, inputs, check_finite, tp_group, cap, lse, passthrough)
     kernels = use_triton(impl, logits, features)
     return _FusedCENTL.apply(logits, inputs, need_full, inplace, check_finite, tp_group, chunk_tokens, kernels)
