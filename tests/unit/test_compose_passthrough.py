@@ -12,13 +12,15 @@ Sections:
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ntl_scale
 from tests.helpers.data import random_logits
-from tests.unit.test_compose import CAPS, H, V, VARIANTS, WEIGHT, _capped, _close, _id, _labels, _vocab
+from tests.unit.test_compose import CAPS, VARIANTS, WEIGHT, H, V, _capped, _close, _id, _labels, _vocab
 
 
 @pytest.mark.parametrize("cap", CAPS)
@@ -76,7 +78,7 @@ def test_linear_passthrough_is_the_fused_op(variant, cap):
 class _ProbeCE(torch.autograd.Function):
     """A mean CE whose backward hands back its own gradient buffer (or an expanded one), noting its address."""
 
-    seen: list[int] = []
+    seen: ClassVar[list[int]] = []
 
     @staticmethod
     def forward(ctx, z, labels, expanded):
