@@ -13,7 +13,8 @@ materialised output layer ``h W^T`` and that CE. Shapes: 8192 x 128256 x 4096 wi
 
 Time: median of ``--iters`` forward + backward steps of each arm, the arms interleaved, fp32, on this CPU: torch's
 ``F.cross_entropy`` on logits, ``F.linear_cross_entropy``, Megatron's ``vocab_parallel_cross_entropy`` at TP 1
-(a gloo group of one process; NTL runs before it, as it overwrites its input), each alone and with the add-on; and
+(a gloo group of one process; NTL runs before it, as it overwrites its input), each alone and with the add-on in
+both forms (``number_token_loss`` beside it, and the passthrough ``beside_ce`` / ``linear_beside_ce``); and
 our fused ``ce_with_ntl`` / ``linear_ce_with_ntl`` against the first two. Prints a Markdown table.
 """
 
@@ -90,7 +91,9 @@ def _count(step: Callable[[], torch.Tensor]) -> tuple[int, Bytes]:
 
 
 def count(tokens: int, vocab: int, hidden: int, numbers: int) -> dict[str, dict[str, float]]:
-    """FLOPs and bytes of CE alone and of the add-on (CE + w NTL alone, less CE alone), on logits and hidden states."""
+    """FLOPs and bytes of CE alone and of the add-on (CE + w NTL alone, less CE alone), on logits and hidden states,
+    NTL beside the CE as its own loss (``logits``, ``hidden``: a dense gradient summed by autograd) and through
+    the passthrough (``beside_ce``, ``linear_beside_ce``: NTL's columns added into the CE's gradient in place)."""
     table = number_vocab(vocab, numbers)
     labels = torch.zeros(tokens, dtype=torch.long, device="meta")
     out = {}
@@ -98,26 +101,36 @@ def count(tokens: int, vocab: int, hidden: int, numbers: int) -> dict[str, dict[
     def logits() -> torch.Tensor:
         return torch.empty(tokens, vocab, dtype=torch.bfloat16, device="meta", requires_grad=True)
 
-    def on_logits(ntl: bool) -> Callable[[], torch.Tensor]:
+    def on_logits(ntl: str) -> Callable[[], torch.Tensor]:
         def step():
             z = logits()
+            if ntl == "beside_ce":  # one node: NTL's columns join the CE's gradient in place
+                z, extra = ntl_scale.beside_ce(z, labels, table)
+            else:
+                extra = ntl_scale.number_token_loss(z, labels, table) if ntl else None
             loss = F.cross_entropy(z.float(), labels)
-            return loss + WEIGHT * ntl_scale.number_token_loss(z, labels, table) if ntl else loss
+            return loss if extra is None else loss + WEIGHT * extra
 
         return step
 
-    def on_hidden(ntl: bool) -> Callable[[], torch.Tensor]:
+    def on_hidden(ntl: str) -> Callable[[], torch.Tensor]:
         def step():
             h = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="meta", requires_grad=True)
             w = torch.empty(vocab, hidden, dtype=torch.bfloat16, device="meta", requires_grad=True)
+            if ntl == "beside_ce":
+                h, w, extra = ntl_scale.linear_beside_ce(h, w, labels, table)
+            else:
+                extra = ntl_scale.linear_number_token_loss(h, w, labels, table) if ntl else None
             loss = F.cross_entropy((h @ w.t()).float(), labels)
-            return loss + WEIGHT * ntl_scale.linear_number_token_loss(h, w, labels, table) if ntl else loss
+            return loss if extra is None else loss + WEIGHT * extra
 
         return step
 
-    for name, make in (("logits", on_logits), ("hidden", on_hidden)):
-        ce_flops, ce = _count(make(False))
-        both_flops, both = _count(make(True))
+    forms = (("logits", on_logits, "dense"), ("logits, beside_ce", on_logits, "beside_ce"),
+             ("hidden", on_hidden, "dense"), ("hidden, linear_beside_ce", on_hidden, "beside_ce"))  # fmt: skip
+    for name, make, form in forms:
+        ce_flops, ce = _count(make(""))
+        both_flops, both = _count(make(form))
         ops = {op: n - ce.ops.get(op, 0) for op, n in both.ops.items()}
         top = sorted(((n, op) for op, n in ops.items() if n > 0), reverse=True)[:4]
         largest = ", ".join(f"{op} {n / 1e9:.2f} GB" for n, op in top)
@@ -180,13 +193,23 @@ def arms(tokens: int, vocab: int, hidden: int, numbers: int) -> list[tuple[str, 
     def ntl_h() -> torch.Tensor:
         return WEIGHT * ntl_scale.linear_number_token_loss(h, w, labels, table)
 
+    def beside_z() -> None:
+        for_ce, ntl = ntl_scale.beside_ce(z, labels, table)
+        backward(F.cross_entropy(for_ce, labels) + WEIGHT * ntl)
+
+    def beside_h() -> None:
+        h_ce, w_ce, ntl = ntl_scale.linear_beside_ce(h, w, labels, table)
+        backward(F.linear_cross_entropy(h_ce, w_ce, labels) + WEIGHT * ntl)
+
     out = [
         ("torch F.cross_entropy (logits)", "CE", lambda: backward(F.cross_entropy(z, labels))),
         ("torch F.cross_entropy (logits)", "CE + NTL", lambda: backward(F.cross_entropy(z, labels) + ntl_z(z))),
+        ("torch F.cross_entropy (logits)", "CE + NTL, beside_ce", beside_z),
         ("torch F.cross_entropy (logits)", "ours ce_with_ntl",
          lambda: backward(ntl_scale.ce_with_ntl(z, labels, table).loss)),
         ("torch F.linear_cross_entropy", "CE", lambda: backward(F.linear_cross_entropy(h, w, labels))),
         ("torch F.linear_cross_entropy", "CE + NTL", lambda: backward(F.linear_cross_entropy(h, w, labels) + ntl_h())),
+        ("torch F.linear_cross_entropy", "CE + NTL, linear_beside_ce", beside_h),
         ("torch F.linear_cross_entropy", "ours linear_ce_with_ntl",
          lambda: backward(ntl_scale.linear_ce_with_ntl(h, w, labels, table).loss)),
     ]  # fmt: skip
@@ -194,13 +217,19 @@ def arms(tokens: int, vocab: int, hidden: int, numbers: int) -> list[tuple[str, 
     if megatron is not None:
         y = labels.unsqueeze(1)  # Megatron's [s, b] layout, b = 1
 
-        def mega(add: bool) -> None:
+        def mega(add: str) -> None:
             logits = (z * 1).unsqueeze(1)  # a non-leaf copy each step: Megatron overwrites fp32 logits in place
-            extra = WEIGHT * ntl_scale.number_token_loss(logits, y, table) if add else 0  # NTL first
+            extra: torch.Tensor | int = 0
+            if add == "beside_ce":  # NTL first in both forms
+                logits, ntl = ntl_scale.beside_ce(logits, y, table)
+                extra = WEIGHT * ntl
+            elif add:
+                extra = WEIGHT * ntl_scale.number_token_loss(logits, y, table)
             backward(megatron(logits, y) + extra)
 
-        out += [("Megatron vocab_parallel_cross_entropy, TP 1", "CE", lambda: mega(False)),
-                ("Megatron vocab_parallel_cross_entropy, TP 1", "CE + NTL", lambda: mega(True))]  # fmt: skip
+        row = "Megatron vocab_parallel_cross_entropy, TP 1"
+        out += [(row, "CE", lambda: mega("")), (row, "CE + NTL", lambda: mega("dense")),
+                (row, "CE + NTL, beside_ce", lambda: mega("beside_ce"))]  # fmt: skip
     return out
 
 

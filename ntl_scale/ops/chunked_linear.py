@@ -355,13 +355,14 @@ class ChunkedLinearCENTL(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         # autocast off, as in the forward (linear_ce_ntl): a backward called under autocast would
         # otherwise cast its fp32 products to half precision
-        ctx.partner, grads = (grads[:2], grads[2:]) if ctx.passthrough else ((None, None), grads)
-        g_ce, g_expect, g_mass, g_lse = grads[0], grads[1], grads[2], (grads[4] if len(grads) > 4 else None)
+        # (the partner's gradients are not kept on ctx: a second reference would make autograd copy the result)
+        partner, grads = (grads[:2], grads[2:]) if ctx.passthrough else ((None, None), grads)
+        stats = (grads[0], grads[1], grads[2], grads[4] if len(grads) > 4 else None)
         device = ctx.saved_tensors[0].device.type
         if device == "meta":  # shape-only tensors (cost counts): no autocast state
-            return ChunkedLinearCENTL._backward(ctx, g_ce, g_expect, g_mass, g_lse)
+            return ChunkedLinearCENTL._backward(ctx, *stats, partner)
         with torch.autocast(device, enabled=False):
-            return ChunkedLinearCENTL._backward(ctx, g_ce, g_expect, g_mass, g_lse)
+            return ChunkedLinearCENTL._backward(ctx, *stats, partner)
 
     @staticmethod
     def _backward(
@@ -370,6 +371,7 @@ class ChunkedLinearCENTL(torch.autograd.Function):
         g_expect: torch.Tensor | None,
         g_mass: torch.Tensor | None,
         g_lse: torch.Tensor | None = None,
+        partner: tuple[torch.Tensor | None, ...] = (None, None),
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, token_weights, max_all, number_max, total, number_exp, number_total, expect, mass = (
             ctx.saved_tensors[:10]
@@ -395,7 +397,8 @@ class ChunkedLinearCENTL(torch.autograd.Function):
             if ctx.cap is not None:  # d z'/dz of the capped number logits
                 number_coef = number_coef * ctx.cap[2]
             # into the partner CE's gradients in place where given and writable (passthrough), else new ones
-            g_h, g_w = ctx.partner
+            g_h, g_w = partner
+            del partner
             if need_h:
                 grad_h = number_coef @ weight.index_select(0, cols).to(cdt)
                 grad_h = grad_h.to(hidden.dtype) if g_h is None else writable_grad(g_h, *_like(hidden)).add_(grad_h)
