@@ -418,7 +418,7 @@ def writable_grad(
     """
     if grad is None:
         return torch.zeros(shape, dtype=dtype, device=device)
-    order = sorted(range(grad.dim()), key=lambda d: -grad.stride(d))
+    order = sorted(range(grad.dim()), key=lambda d: -grad.stride()[d])
     if grad.permute(order).is_contiguous() and grad.shape == shape and grad.dtype == dtype and not grad.requires_grad:
         return grad
     return grad.to(dtype).clone(memory_format=torch.contiguous_format).reshape(shape)
