@@ -349,7 +349,7 @@ class ChunkedLinearCENTL(torch.autograd.Function):
         ctx.dense = (dense_h, dense_w, dense_scale)
         ctx.passthrough = passthrough  # (NTL alone) hidden and weight come back first, for a partner CE
         stats = (ce, expect, mass, hit, lse_out)
-        return (hidden, weight, *stats) if passthrough else stats
+        return (hidden.detach(), weight.detach(), *stats) if passthrough else stats  # (not views: see logits.py)
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]

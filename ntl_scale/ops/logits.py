@@ -379,7 +379,8 @@ class _NumberColumnsNTL(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(number_exp, sums[:, 2], expect, factor, scale, mass)
         stats = (ce, expect, mass, hit, lse_out)
-        return (logits, *stats) if passthrough else stats
+        # the same storage, not a view: a partner that overwrites its input (Megatron, Liger) may then do so
+        return (logits.detach(), *stats) if passthrough else stats
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
