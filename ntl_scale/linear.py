@@ -240,8 +240,10 @@ def linear_ce_ntl(
         passthrough is not None,
     )
     if passthrough is not None:
-        local = (through[0].view(hidden.shape), through[1])
-        passthrough.extend(like(t, o) for t, o in zip(local, original, strict=True))
+        # a replicated DTensor hidden goes to the partner as it is (its gradient comes back Partial, which a
+        # re-wrapped Replicate would all-reduce): NTL's [T, H] part is then summed by autograd, O(T H) as before
+        h_ce = original[0] if is_dtensor(original[0]) else through[0].view(hidden.shape)
+        passthrough.extend((h_ce, like(through[1], original[1])))
     return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse_out, need_full)
 
 

@@ -20,7 +20,8 @@ One launch of 2 processes runs every section (torch 2.13's DTensor and ``loss_pa
    ``parallelize_module(..., ColwiseParallel(use_local_output=False))`` feeding ``ce_with_ntl``: the same.
 4. NTL alone beside a partner CE on the same DTensors: torch's ``loss_parallel()`` + ``F.cross_entropy`` (or our
    per-token CE with its ``lse`` for reweighing) plus ``0.3 * number_token_loss`` on ``Shard(-1)`` logits, and our
-   chunked CE plus ``linear_number_token_loss`` with a ``Shard(0)`` weight and a replicated hidden, equal
+   chunked CE plus ``linear_number_token_loss`` with a ``Shard(0)`` weight and a replicated hidden (and, without
+   reweighing, each partner consuming ``beside_ce`` / ``linear_beside_ce``'s DTensors), equal
    ``ce_with_ntl`` / ``linear_ce_with_ntl`` on the same DTensors: loss and gradients, every variant.
 5. NTL-WAS and NTL-MSE on DTensor logits of a WordPiece tokenizer's vocabulary equal the reference
    package ``ntloss`` on the full logits, loss and gradient (where ``ntloss`` is installed).
@@ -418,6 +419,17 @@ def _check_composed(ctx: WorkerContext) -> None:
             loss.backward()
         _close(loss, fused.loss, f"{what} loss")
         _close(logits.grad.to_local(), fused_in.grad.to_local(), f"{what} logits grad")
+        if not reweigh:  # the passthrough form: loss_parallel's CE consumes beside_ce's DTensor
+            logits = distribute_tensor(flat.clone(), mesh, [Shard(1)]).requires_grad_()
+            for_ce, ntl = ntl_scale.beside_ce(logits, flat_labels, vocab, **variant)
+            assert ntl_scale.ops.shards.is_dtensor(for_ce) and for_ce.placements == logits.placements
+            with loss_parallel():
+                ce = F.cross_entropy(for_ce, flat_labels, ignore_index=-100)
+                ce = ce.full_tensor() if ntl_scale.ops.shards.is_dtensor(ce) else ce
+                loss = ce + 0.3 * ntl
+                loss.backward()
+            _close(loss, fused.loss, f"{what} beside_ce loss")
+            _close(logits.grad.to_local(), fused_in.grad.to_local(), f"{what} beside_ce logits grad")
 
         w_f = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
         h_f = distribute_tensor(hidden.clone(), mesh, [Replicate()]).requires_grad_()
@@ -431,6 +443,14 @@ def _check_composed(ctx: WorkerContext) -> None:
         (partner.ce[valid].mean() + 0.3 * ntl).backward()
         _close(h.grad.full_tensor(), h_f.grad.full_tensor(), f"{what} hidden grad")
         _close(w.grad.full_tensor(), w_f.grad.full_tensor(), f"{what} weight grad")
+        if not reweigh:  # the passthrough form from hidden states: our chunked CE consumes linear_beside_ce's
+            w = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
+            h = distribute_tensor(hidden.clone(), mesh, [Replicate()]).requires_grad_()
+            h_ce, w_ce, ntl = ntl_scale.linear_beside_ce(h, w, flat_labels, vocab, chunk_tokens=7, **variant)
+            partner = ntl_scale.linear_ce_ntl(h_ce, w_ce, flat_labels, vocab, chunk_tokens=7)
+            (partner.ce[valid].mean() + 0.3 * ntl).backward()
+            _close(h.grad.full_tensor(), h_f.grad.full_tensor(), f"{what} linear_beside_ce hidden grad")
+            _close(w.grad.full_tensor(), w_f.grad.full_tensor(), f"{what} linear_beside_ce weight grad")
 
 
 def _check_all(ctx: WorkerContext) -> None:
