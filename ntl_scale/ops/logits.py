@@ -413,14 +413,17 @@ def writable_grad(
 
     Writable: dense and non-overlapping in some dimension order (contiguous or a transpose of it, as a matmul's
     weight gradient comes: no expanded or zero-stride view, every element its own memory), of the input's shape
-    and dtype, and not part of a graph (no ``create_graph``). Otherwise a contiguous copy of it, or zeros where
+    and dtype, outside a ``create_graph`` backward. Otherwise a contiguous copy of it, or zeros where
     the partner left no gradient. A partner whose backward hands this same tensor to another input too
     (``logits + bias`` of the same shape) would see NTL's columns there: put such ops before the passthrough.
     """
     if grad is None:
         return torch.zeros(shape, dtype=dtype, device=device)
     order = sorted(range(grad.dim()), key=lambda d: -grad.stride()[d])
-    if grad.permute(order).is_contiguous() and grad.shape == shape and grad.dtype == dtype and not grad.requires_grad:
+    # grad mode is on in a backward only under create_graph (not grad.requires_grad: Megatron's CE hands back
+    # its saved input, which does)
+    dense = grad.permute(order).is_contiguous() and grad.shape == shape and grad.dtype == dtype
+    if dense and not torch.is_grad_enabled():
         return grad
     return grad.to(dtype).clone(memory_format=torch.contiguous_format).reshape(shape)
 

@@ -81,34 +81,39 @@ class _ProbeCE(torch.autograd.Function):
     seen: ClassVar[list[int]] = []
 
     @staticmethod
-    def forward(ctx, z, labels, expanded):
+    def forward(ctx, z, labels, kind):
+        loss = F.cross_entropy(z.flatten(0, 1), labels.flatten())
+        if kind == "saved input":  # Megatron's way: the softmax written over its input, handed back as the gradient
+            torch.softmax(z, dim=-1, out=z)
         ctx.save_for_backward(z, labels)
-        ctx.expanded = expanded
-        return F.cross_entropy(z.flatten(0, 1), labels.flatten())
+        ctx.kind = kind
+        return loss
 
     @staticmethod
     def backward(ctx, g):
         z, labels = ctx.saved_tensors
-        if ctx.expanded:  # a zero-stride gradient: the same row for every token
+        if ctx.kind == "expanded":  # a zero-stride gradient: the same row for every token
             grad = torch.full((1, 1, z.shape[-1]), 0.01, dtype=z.dtype).expand_as(z)
-        else:
-            grad = torch.softmax(z, dim=-1)
+        else:  # (a saved input requires grad: still the partner's own buffer, written in place)
+            grad = z if ctx.kind == "saved input" else torch.softmax(z, dim=-1)
             grad.view(-1, z.shape[-1])[torch.arange(labels.numel()), labels.flatten()] -= 1
-            grad = grad * (g / labels.numel())
+            grad = grad.mul_(g / labels.numel())
         _ProbeCE.seen.append(grad.data_ptr())
         return grad, None, None
 
 
-@pytest.mark.parametrize("expanded", [False, True])
-def test_backward_writes_into_the_partners_gradient(expanded):
+@pytest.mark.parametrize("kind", ["new", "saved input", "expanded"])
+def test_backward_writes_into_the_partners_gradient(kind):
     vocab = _vocab()
     labels = _labels(vocab).clamp_min(0)
     z = random_logits((*labels.shape, V), seed=6).requires_grad_()
     arrived: list[int] = []
-    z.register_hook(lambda g: arrived.append(g.data_ptr()))
+    logits = z * 1  # (the "saved input" partner overwrites it; z stays for the reference)
+    logits.register_hook(lambda g: arrived.append(g.data_ptr()))
     _ProbeCE.seen.clear()
-    for_ce, ntl = ntl_scale.beside_ce(z, labels, vocab)
-    (_ProbeCE.apply(for_ce, labels, expanded) + WEIGHT * ntl).backward()
+    for_ce, ntl = ntl_scale.beside_ce(logits, labels, vocab)
+    (_ProbeCE.apply(for_ce, labels, kind) + WEIGHT * ntl).backward()
+    expanded = kind == "expanded"
     assert (arrived[0] == _ProbeCE.seen[0]) is not expanded
     # the sum is exact either way: the partner's gradient plus NTL's (number_token_loss's own)
     zr = z.detach().clone().requires_grad_()
