@@ -5,8 +5,9 @@ Sections:
    equal ``ce_with_ntl``'s in float64, every variant, soft-capped or not.
 2. Hidden states: ``F.linear_cross_entropy`` and our chunked CE consume ``linear_beside_ce``'s hidden and
    weight; loss and both gradients equal ``linear_ce_with_ntl``'s.
-3. In place: the backward writes NTL's columns into the partner's gradient buffer (data_ptr identity); an
-   expanded (zero-stride) partner gradient is copied first, and the sum is still exact.
+3. In place: the backward writes NTL's columns into the partner's gradient buffer (data_ptr identity), also
+   one that requires grad (a saved input, as Megatron's) and the weight's from hidden states; an expanded
+   (zero-stride) partner gradient is copied first, and the sum is still exact.
 4. Errors: reweighing in the passthrough form names ``number_token_loss(..., lse=)``.
 """
 
@@ -135,3 +136,25 @@ def test_reweigh_is_refused_with_the_alternative():
         ntl_scale.beside_ce(z, labels, vocab, reweigh=True)
     with pytest.raises(ValueError, match="linear_number_token_loss"):
         ntl_scale.linear_beside_ce(z[..., :H], torch.zeros(V, H, dtype=z.dtype), labels, vocab, reweigh=True)
+
+
+def test_linear_backward_writes_into_the_partners_weight_gradient():
+    """From hidden states: the weight's K number rows go into the partner's ``[V, H]`` gradient (a matmul's,
+    handed back as it came) in place, and the sum equals the partner's plus ``linear_number_token_loss``'s."""
+    vocab = _vocab()
+    labels = _labels(vocab).clamp_min(0)
+    gen = torch.Generator().manual_seed(10)
+    h0 = torch.randn(*labels.shape, H, generator=gen, dtype=torch.float64)
+    w0 = torch.randn(V, H, generator=gen, dtype=torch.float64).requires_grad_()
+    weight = w0 * 1
+    returned: list[int] = []
+    weight.register_hook(lambda g: returned.append(g.data_ptr()))  # what the node hands back
+    h_ce, w_ce, ntl = ntl_scale.linear_beside_ce(h0, weight, labels, vocab)
+    partner_buffer: list[int] = []
+    w_ce.register_hook(lambda g: partner_buffer.append(g.data_ptr()))  # the partner's gradient, as it arrives
+    (F.cross_entropy((h_ce @ w_ce.t()).flatten(0, 1), labels.flatten()) + WEIGHT * ntl).backward()
+    assert returned == partner_buffer
+    w_ref = w0.detach().clone().requires_grad_()
+    partner = torch.autograd.grad(F.cross_entropy((h0 @ w_ref.t()).flatten(0, 1), labels.flatten()), w_ref)[0]
+    ntl_scale.linear_number_token_loss(h0, w_ref, labels, vocab).backward()
+    _close(w0.grad, partner + WEIGHT * w_ref.grad, "partner + NTL, weight")
