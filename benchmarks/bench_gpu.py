@@ -185,6 +185,27 @@ def _same(loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return loss, loss
 
 
+def _plus_ntl(x: Inputs, ntl: str, ce_fn: Callable[..., torch.Tensor], z: torch.Tensor | None = None):
+    """``(CE, CE)`` of a partner's ``ce_fn`` (called on the logits ``z``, or on the hidden states and weight), or
+    ``(CE + w NTL, CE)`` with NTL alone beside it, run before the partner (Megatron's and Liger's CE overwrite
+    their input): ``ntl="beside"`` through the passthrough (``beside_ce`` / ``linear_beside_ce``: the partner
+    consumes its tensors and NTL's columns join its gradient in place), ``"dense"`` as its own loss
+    (``number_token_loss`` / ``linear_number_token_loss``: a dense gradient summed by autograd)."""
+    inputs: tuple[torch.Tensor, ...] = (x.hidden, x.weight) if z is None else (z,)
+    if not ntl:
+        return _same(ce_fn(*inputs))
+    if ntl == "beside" and z is None:
+        *inputs, term = ntl_scale.linear_beside_ce(x.hidden, x.weight, x.labels, x.vocab)
+    elif ntl == "beside":
+        *inputs, term = ntl_scale.beside_ce(z, x.labels, x.vocab)
+    elif z is None:
+        term = ntl_scale.linear_number_token_loss(x.hidden, x.weight, x.labels, x.vocab)
+    else:
+        term = ntl_scale.number_token_loss(z, x.labels, x.vocab)
+    ce = ce_fn(*inputs)
+    return ce + NTL_WEIGHT * term, ce
+
+
 def _impl(x: Inputs, triton: bool) -> str:
     if triton and not (x.cuda or x.interpret):
         raise Skip("impl='triton' needs a CUDA GPU (or Triton's interpreter: --smoke)")
@@ -351,11 +372,12 @@ def kernel_stats_softmax_per_row(x: Inputs) -> Built:
     return kernel_stats_softmax(x, per_row=True)
 
 
-def liger(x: Inputs) -> Built:
+def liger(x: Inputs, ntl: str = "") -> Built:
     _needs_cuda(x, "Liger-Kernel (Triton)")
     module = _import("liger_kernel.transformers.fused_linear_cross_entropy", "liger-kernel")
     loss_fn = module.LigerFusedLinearCrossEntropyLoss()
-    return Built(_on_hidden(x, lambda: _same(loss_fn(x.weight, x.hidden, x.labels))), note="Liger's defaults")
+    step = _on_hidden(x, lambda: _plus_ntl(x, ntl, lambda h, w: loss_fn(w, h, x.labels)))
+    return Built(step, note="Liger's defaults")
 
 
 def liger_fp32(x: Inputs) -> Built:
@@ -370,7 +392,7 @@ def liger_fp32(x: Inputs) -> Built:
     return Built(_on_hidden(x, lambda: _same(loss_fn(x.weight, x.hidden, x.labels))), note="accum_dtype=fp32")
 
 
-def cce(exact: bool) -> Callable[[Inputs], Built]:
+def cce(exact: bool, ntl: str = "") -> Callable[[Inputs], Built]:
     """Cut Cross-Entropy's ``linear_cross_entropy``: its defaults, or ``filter_eps=None`` (``exact``)."""
 
     def build(x: Inputs) -> Built:
@@ -383,13 +405,16 @@ def cce(exact: bool) -> Callable[[Inputs], Built]:
             else "CCE's defaults (impl 'cce', filter_eps: a gradient tile whose every entry lies below bf16's eps / "
             "32 is skipped; how many depends on the logits)"
         )
-        return Built(_on_hidden(x, lambda: _same(module.linear_cross_entropy(x.hidden, x.weight, x.labels, **kwargs))),
-                     note=note)  # fmt: skip
+
+        def ce_fn(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return module.linear_cross_entropy(h, w, x.labels, **kwargs)
+
+        return Built(_on_hidden(x, lambda: _plus_ntl(x, ntl, ce_fn)), note=note)
 
     return build
 
 
-def torch_linear_ce(x: Inputs) -> Built:
+def torch_linear_ce(x: Inputs, ntl: str = "") -> Built:
     """``F.linear_cross_entropy``: chunked where the installed torch has ``options=``, else its materialised path."""
     if not hasattr(F, "linear_cross_entropy"):
         raise Skip(
@@ -399,11 +424,11 @@ def torch_linear_ce(x: Inputs) -> Built:
     options_cls = getattr(torch.nn, "LinearCrossEntropyOptions", None)
     if options_cls is None or "options" not in inspect.signature(F.linear_cross_entropy).parameters:
         note = f"materialised (torch {torch.__version__} has no chunked mode)"
-        return Built(
-            _on_hidden(x, lambda: _same(F.linear_cross_entropy(x.hidden, x.weight, x.labels))), note, chunked=False
-        )
+        ce_fn = lambda h, w: F.linear_cross_entropy(h, w, x.labels)  # noqa: E731
+        return Built(_on_hidden(x, lambda: _plus_ntl(x, ntl, ce_fn)), note, chunked=False)
     options = options_cls()
-    step = _on_hidden(x, lambda: _same(F.linear_cross_entropy(x.hidden, x.weight, x.labels, options=options)))
+    ce_fn = lambda h, w: F.linear_cross_entropy(h, w, x.labels, options=options)  # noqa: E731
+    step = _on_hidden(x, lambda: _plus_ntl(x, ntl, ce_fn))
     return Built(step, "chunked (options=torch.nn.LinearCrossEntropyOptions(), its 'auto' choices)", chunked=True)
 
 
@@ -413,7 +438,7 @@ def quack(x: Inputs) -> Built:
     return Built(_on_hidden(x, lambda: _same(module.chunked_linear_cross_entropy(x.hidden, x.weight, x.labels))))
 
 
-def megatron(jit: bool):
+def megatron(jit: bool, ntl: str = ""):
     """Megatron's ``fused_vocab_parallel_cross_entropy`` at TP = 1; its helpers are decorated with
     ``jit_fuser`` (``torch.compile``) at import: ``jit=False`` runs them eagerly (``torch.compiler.set_stance``)."""
 
@@ -424,11 +449,10 @@ def megatron(jit: bool):
         labels = x.labels.view(-1, 1)
 
         def loss_fn(logits):  # Megatron's layout: [s, b, V/tp] logits, [s, b] labels; per-token losses
-            return _same(
-                module.fused_vocab_parallel_cross_entropy(
-                    logits.view(-1, 1, logits.shape[-1]), labels, x.tp_group
-                ).mean()
-            )
+            def ce_fn(z):
+                return module.fused_vocab_parallel_cross_entropy(z.view(-1, 1, z.shape[-1]), labels, x.tp_group).mean()
+
+            return _plus_ntl(x, ntl, ce_fn, logits)
 
         step = _on_logits(x, loss_fn)
         if jit:
@@ -443,12 +467,12 @@ def megatron(jit: bool):
     return build
 
 
-def materialised_ce(compiled: bool):
+def materialised_ce(compiled: bool, ntl: str = ""):
     def build(x: Inputs) -> Built:
         fn = torch.compile(lambda z, y: F.cross_entropy(z.float(), y)) if compiled else None
 
         def loss_fn(z):
-            return _same(fn(z, x.labels) if fn else F.cross_entropy(z.float(), x.labels))
+            return _plus_ntl(x, ntl, lambda zz: fn(zz, x.labels) if fn else F.cross_entropy(zz.float(), x.labels), z)
 
         return Built(_on_logits(x, loss_fn))
 
@@ -482,6 +506,11 @@ _COMPILED = {"slowdown": 2.0}  # each compiles its own graph: setup (its key, 60
 _LIGER = ("liger_kernel", "liger-kernel")
 _CCE = ("cut_cross_entropy", "cut-cross-entropy")
 _MEGATRON = ("megatron.core", "megatron-core")
+_ADDON = (
+    "the row above it plus NTL alone on the K number columns through the passthrough (NTL's columns added into the "
+    "CE's gradient in place): the add-on's count is in docs/benchmarks.md"
+)
+_DENSE = "the same add-on as its own loss (a dense gradient summed by autograd): what the passthrough saves"
 ROWS = [
     # 1. ours, eager
     Row("ours_logits_triton", "ours: ce_with_ntl on logits, Triton", "ours", "ours_logits",
@@ -541,6 +570,12 @@ ROWS = [
     # 2. the eager peers
     Row("liger", "Liger fused linear CE", "peer", "ce_peer", liger, chunked=True, setup=("liger", 15.0),
         requires=_LIGER),
+    Row("liger_ntl", "Liger fused linear CE + NTL alone (linear_beside_ce)", "peer", "addon",
+        functools.partial(liger, ntl="beside"), NTL_WEIGHT, chunked=True, setup=("liger", 15.0), requires=_LIGER,
+        note=_ADDON),
+    Row("liger_ntl_dense", "Liger fused linear CE + NTL alone (linear_number_token_loss)", "peer", "addon",
+        functools.partial(liger, ntl="dense"), NTL_WEIGHT, chunked=True, setup=("liger", 15.0), requires=_LIGER,
+        note=_DENSE),
     Row("liger_fp32", "Liger fused linear CE, fp32 weight-gradient accumulation", "peer", "ce_peer", liger_fp32,
         chunked=True, setup=("liger", 15.0), requires=_LIGER),
     Row("cce", "Cut Cross-Entropy", "peer", "ce_peer", cce(False), chunked=True, model="linear_ce_filtered",
@@ -549,12 +584,32 @@ ROWS = [
         chunked=True, model="linear_ce_recompute", model_is_floor=True, setup=("cce", 15.0), requires=_CCE,
         note="no tile skipped, the design of ours_linear_on_chip without NTL (its gradients added in bf16 under "
         "locks in CCE 25.1.1, ours in fp32)"),
+    Row("cce_exact_ntl", "Cut Cross-Entropy, filter_eps=None, + NTL alone (linear_beside_ce)", "peer",
+        "addon", cce(True, ntl="beside"), NTL_WEIGHT, chunked=True, model="linear_ce_recompute", model_is_floor=True,
+        setup=("cce", 15.0), requires=_CCE, note=_ADDON),
+    Row("cce_exact_ntl_dense", "Cut Cross-Entropy, filter_eps=None, + NTL alone (linear_number_token_loss)", "peer",
+        "addon", cce(True, ntl="dense"), NTL_WEIGHT, chunked=True, model="linear_ce_recompute", model_is_floor=True,
+        setup=("cce", 15.0), requires=_CCE, note=_DENSE),
     Row("torch_linear_ce", "torch F.linear_cross_entropy", "peer", "ce_peer", torch_linear_ce, chunked=True,
         note="chunked or materialised: decided by the installed torch"),
+    Row("torch_linear_ce_ntl", "torch F.linear_cross_entropy + NTL alone (linear_beside_ce)", "peer", "addon",
+        functools.partial(torch_linear_ce, ntl="beside"), NTL_WEIGHT, chunked=True, note=_ADDON),
+    Row("torch_linear_ce_ntl_dense", "torch F.linear_cross_entropy + NTL alone (linear_number_token_loss)", "peer",
+        "addon", functools.partial(torch_linear_ce, ntl="dense"), NTL_WEIGHT, chunked=True, note=_DENSE),
     Row("megatron", "Megatron fused vocab-parallel CE (TP 1), eager", "peer", "megatron", megatron(False),
         model="ce_logits", model_is_floor=True, setup=("megatron", 15.0), requires=_MEGATRON),
+    Row("megatron_ntl", "Megatron fused vocab-parallel CE (TP 1), eager, + NTL alone (beside_ce)", "peer",
+        "addon", megatron(False, ntl="beside"), NTL_WEIGHT, model="ce_logits", model_is_floor=True,
+        setup=("megatron", 15.0), requires=_MEGATRON, note=_ADDON),
+    Row("megatron_ntl_dense", "Megatron fused vocab-parallel CE (TP 1), eager, + NTL alone (number_token_loss)",
+        "peer", "addon", megatron(False, ntl="dense"), NTL_WEIGHT, model="ce_logits", model_is_floor=True,
+        setup=("megatron", 15.0), requires=_MEGATRON, note=_DENSE),
     Row("ce", "F.cross_entropy on logits", "peer", "ce_peer", materialised_ce(False), model="ce_logits",
         model_is_floor=True),
+    Row("ce_ntl", "F.cross_entropy on logits + NTL alone (beside_ce)", "peer", "addon",
+        materialised_ce(False, ntl="beside"), NTL_WEIGHT, model="ce_logits", model_is_floor=True, note=_ADDON),
+    Row("ce_ntl_dense", "F.cross_entropy on logits + NTL alone (number_token_loss)", "peer", "addon",
+        materialised_ce(False, ntl="dense"), NTL_WEIGHT, model="ce_logits", model_is_floor=True, note=_DENSE),
     Row("ce_ntloss", "F.cross_entropy + ntloss on logits", "peer", "ntl_peer", ce_plus_ntloss, NTL_WEIGHT,
         setup=("ntloss", 20.0), slowdown=4.0, requires=("ntloss", "ntloss")),
     Row("quack", "QuACK chunked_linear_cross_entropy", "peer", "ce_peer", quack, chunked=True,

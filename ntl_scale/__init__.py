@@ -5,8 +5,8 @@ and import their framework lazily.
 """
 
 from ._runtime import set_debug_checks
-from .linear import linear_ce_ntl, linear_ce_with_ntl, linear_number_token_loss
-from .losses import CEWithNTL, NumberTokenLoss, ce_with_ntl, number_token_loss, vocab_parallel_ce_ntl
+from .linear import linear_beside_ce, linear_ce_ntl, linear_ce_with_ntl, linear_number_token_loss
+from .losses import CEWithNTL, NumberTokenLoss, beside_ce, ce_with_ntl, number_token_loss, vocab_parallel_ce_ntl
 from .number_vocab import (
     NumberVocab,
     VocabShard,
@@ -33,8 +33,10 @@ __all__ = [
     "PerTokenTerms",
     "VocabShard",
     "add_digit_tokens",
+    "beside_ce",
     "ce_with_ntl",
     "check_number_level_table",
+    "linear_beside_ce",
     "linear_ce_ntl",
     "linear_ce_with_ntl",
     "linear_number_token_loss",

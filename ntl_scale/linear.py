@@ -1,27 +1,15 @@
-"""CE + NTL straight from hidden states: the output layer, the softmax and the loss in token chunks.
-
-The functional layer: argument checks, autocast, DTensor resolution and dispatch to the op layer
-(:mod:`ntl_scale.ops.chunked_linear`: the autograd Function, the chunk math and the chunk length; the
-mathematics is documented there).
+"""CE + NTL straight from hidden states, without the logits: argument checks, autocast, DTensor resolution and
+dispatch to the chunked op (:mod:`ntl_scale.ops.chunked_linear`, where the math is).
 
 Under tensor parallelism ``weight`` is the local vocab shard ``[V/tp, H]`` and ``hidden`` the full
-(sequence-gathered) hidden states; the returned gradient of ``hidden`` is this shard's part, to be
-summed over the TP group by the caller's layer, as Megatron's ``ColumnParallelLinear`` does with
-``copy_to_tensor_model_parallel_region`` (or the sequence-parallel gather) on its input.
+(sequence-gathered) hidden states; the gradient of ``hidden`` is this shard's part, summed over the TP group by
+the caller's layer (as Megatron's ``ColumnParallelLinear`` does on its input).
 
-``weight`` may be a ``DTensor`` split on its rows (``Shard(0)``: a vocabulary-parallel output layer,
-uneven splits included) or replicated: its group and offset replace ``tp_group`` and ``vocab_start``
-(:func:`ntl_scale.ops.shards.dtensor_vocab_shard`); the gradient reaches it as a DTensor with its
-placements. ``hidden`` is then a replicated DTensor on the weight's mesh, which says that the ranks of
-the split hold the same tokens; its gradient is returned as ``Partial`` over the split's mesh dimension,
-so DTensor sums it when it is redistributed. A plain ``hidden`` beside a row-split weight is refused:
-it does not say whether the ranks share the tokens (tensor parallelism) or hold their own (an FSDP2
-``fully_shard`` weight used outside its module's forward is the same ``Shard(0)`` DTensor over
-data-parallel ranks; taken for a vocabulary split, it would mix the ranks' tokens). For the plain
-route pass ``weight.to_local()`` with ``tp_group`` and ``vocab_start``; for FSDP2 call the loss inside the
-module's forward, or gather the weight with ``weight.redistribute(placements=[Replicate()]).to_local(
-grad_placements=[Partial("avg")])`` (each rank its own tokens, the weight gradient averaged over the
-ranks as FSDP2 averages it). A plain ``hidden`` beside a replicated weight is fine: nothing is split.
+A ``DTensor`` ``weight`` split on its rows (``Shard(0)``, uneven splits included) or replicated gives the group
+and offset; ``hidden`` must then be a DTensor replicated on the weight's mesh (its gradient comes back
+``Partial``). A plain ``hidden`` beside a row-split weight is refused: it cannot tell tensor parallelism (ranks
+share the tokens) from an FSDP2 ``fully_shard`` weight used outside its module's forward (ranks hold their own);
+the error names the fix for each.
 """
 
 from __future__ import annotations
@@ -39,9 +27,18 @@ from .ops.shard_math import compute_dtype
 from .ops.shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
 from .options import NTLOptions, check_option
 from .reductions import CENTLOutput, combine_terms, reduce_loss
-from .terms import PerTokenTerms, check_lse, check_plain_labels, shard_inputs, shard_start, terms_from_stats
+from .terms import (
+    PerTokenTerms,
+    check_lse,
+    check_passthrough,
+    check_plain_labels,
+    like,
+    shard_inputs,
+    shard_start,
+    terms_from_stats,
+)
 
-__all__ = ["linear_ce_ntl", "linear_ce_with_ntl", "linear_number_token_loss"]
+__all__ = ["linear_beside_ce", "linear_ce_ntl", "linear_ce_with_ntl", "linear_number_token_loss"]
 
 
 def _autocast_dtype(hidden: object, weight: object) -> torch.dtype | None:
@@ -50,6 +47,8 @@ def _autocast_dtype(hidden: object, weight: object) -> torch.dtype | None:
     if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return None
     device = hidden.device.type
+    if device == "meta":  # shape-only tensors (cost counts): no autocast state
+        return None
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
@@ -80,16 +79,8 @@ def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
 
 
 def _refuse_ambiguous_split(hidden: Any, weight: Any) -> None:
-    """Refuses a sharded DTensor ``weight`` with a plain ``hidden``: nothing says what the split means.
-
-    A ``Shard(0)`` weight is a vocabulary split only if the ranks of that mesh dimension hold the same
-    tokens (tensor parallelism); an FSDP2 (``fully_shard``) parameter used outside its module's forward
-    is the same ``Shard(0)`` DTensor over data-parallel ranks that hold their own tokens, and taking it
-    for a vocabulary split mixes their softmax statistics. A plain tensor carries no placement to tell the
-    two apart (torch's own DTensor ops refuse a plain tensor beside a DTensor for this reason); a DTensor
-    ``hidden`` replicated on the weight's mesh says the tokens are the same, so only that is taken for a
-    vocabulary split.
-    """
+    """Refuses a row-split DTensor ``weight`` beside a plain ``hidden``: a plain tensor cannot say whether the
+    ranks share the tokens (tensor parallelism) or hold their own (FSDP2 outside the module's forward)."""
     if is_dtensor(hidden):
         return
     from torch.distributed.tensor import Shard
@@ -145,6 +136,7 @@ def linear_ce_ntl(
     vocab_start: int | None = None,
     proportional_grad: bool = False,
     lse: torch.Tensor | None = None,
+    passthrough: list[torch.Tensor] | None = None,
 ) -> PerTokenTerms:
     """Per-token CE and NTL of ``hidden @ weight.T`` without materialising those logits.
 
@@ -162,9 +154,7 @@ def linear_ce_ntl(
         tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
             The gradient of ``hidden`` is then this shard's part (see the module docs).
         check_finite: raise when the logits hold NaN/Inf (one host sync; default off, NaN reaches the loss).
-        chunk_tokens: tokens per chunk. Default (:func:`ntl_scale.ops.chunked_linear.choose_chunk_tokens`):
-            a fixed budget of logits per chunk, ``2**26 // V_local`` tokens on the CPU (256 MiB in fp32) and
-            ``2**28 // V_local`` on a GPU (2092 tokens at 128256 columns), at most ``T``.
+        chunk_tokens: tokens per chunk (default: :func:`ntl_scale.ops.chunked_linear.choose_chunk_tokens`).
         need_ce: False: NTL alone, from ``z_N = h W_N^T`` only (``[T, K]``), unless reweighing needs the
             vocabulary's log-sum-exp and ``lse`` is not given (then one pass over the vocabulary).
         token_weights: the non-negative weights ``[...]`` the caller's reduction applies to CE (e.g.
@@ -179,6 +169,8 @@ def linear_ce_ntl(
             checks, with one host read, and recomputes when the gradient is not proportional.
         lse: with ``need_ce=False`` and reweighing: the whole vocabulary's per-token log-sum-exp ``[...]`` of the
             (capped) logits, from the CE beside it (see :func:`ntl_scale.per_token_ce_ntl`).
+        passthrough: NTL alone without reweighing: a list that receives ``hidden, weight`` for the
+            partner CE, whose gradients NTL's join in place (:func:`ntl_scale.linear_beside_ce`).
 
     Returns:
         :class:`ntl_scale.PerTokenTerms` shaped like ``labels``.
@@ -194,8 +186,10 @@ def linear_ce_ntl(
             return linear_ce_ntl(
                 _amp_cast(hidden, amp), _amp_cast(weight, amp), labels, vocab, options, tp_group=tp_group,
                 check_finite=check_finite, chunk_tokens=chunk_tokens, need_ce=need_ce, token_weights=token_weights,
-                vocab_start=vocab_start, proportional_grad=proportional_grad, lse=lse,
+                vocab_start=vocab_start, proportional_grad=proportional_grad, lse=lse, passthrough=passthrough,
             )  # fmt: skip
+    check_passthrough(passthrough is not None, need_ce, options)
+    original = (hidden, weight)
     if is_dtensor(weight):
         if not isinstance(vocab, NumberVocab):
             raise TypeError(f"vocab must be an ntl_scale.NumberVocab, got {type(vocab).__name__}")
@@ -227,7 +221,7 @@ def linear_ce_ntl(
     inputs, row = shard_inputs(flat_labels, vocab, options, shard_start(vocab_start, tp_rank, width), width, dtype)
     weights = check_weights(token_weights, labels, dtype)
     weights = inputs.valid.to(dtype) if weights is None else weights.reshape(-1) * inputs.valid
-    ce, expect, mass, hit, lse_out = ChunkedLinearCENTL.apply(
+    *through, ce, expect, mass, hit, lse_out = ChunkedLinearCENTL.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         inputs,
@@ -243,7 +237,13 @@ def linear_ce_ntl(
         options.z_loss_weight,
         options.logit_softcap,
         lse,
+        passthrough is not None,
     )
+    if passthrough is not None:
+        # a replicated DTensor hidden goes to the partner as it is (its gradient comes back Partial, which a
+        # re-wrapped Replicate would all-reduce): NTL's [T, H] part is then summed by autograd, O(T H) as before
+        h_ce = original[0] if is_dtensor(original[0]) else through[0].view(hidden.shape)
+        passthrough.extend((h_ce, like(through[1], original[1])))
     return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse_out, need_full)
 
 
@@ -350,3 +350,34 @@ def linear_number_token_loss(
     )  # fmt: skip
     weights = check_weights(loss_weights, labels, terms.ntl.dtype)
     return reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
+
+
+def linear_beside_ce(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    loss_weights: torch.Tensor | None = None,
+    reduction: str = "mean",
+    check_finite: bool = False,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    chunk_tokens: int | None = None,
+    **variant: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ntl_scale.beside_ce` from hidden states: ``(hidden_for_ce, weight_for_ce, ntl)``, one autograd node.
+
+    Hand ``hidden_for_ce`` and ``weight_for_ce`` (the same tensors; DTensors for DTensors) to the fused linear
+    CE and add ``w * ntl``: the backward adds NTL's ``[T, H]`` hidden gradient and its K weight rows into that
+    CE's gradients in place, no ``[V, H]`` fill or sum. The arguments are those of
+    :func:`linear_number_token_loss`; reweighing is refused (see :func:`ntl_scale.beside_ce`).
+    """
+    check_reduction(reduction)
+    through: list[torch.Tensor] = []
+    terms = linear_ce_ntl(
+        hidden, weight, labels, vocab, NTLOptions(**variant), tp_group=tp_group, check_finite=check_finite,
+        chunk_tokens=chunk_tokens, need_ce=False, vocab_start=vocab_start, passthrough=through,
+    )  # fmt: skip
+    weights = check_weights(loss_weights, labels, terms.ntl.dtype)
+    return through[0], through[1], reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]

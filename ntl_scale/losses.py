@@ -1,21 +1,13 @@
-"""Cross entropy and Number Token Loss on full or vocab-sharded logits: the functional API and modules.
+"""Cross entropy and Number Token Loss on full or vocab-sharded logits: the functional API and its modules.
 
-Layers, bottom up (one definition of the math; each module imports only the ones below it):
-
-1. :mod:`ntl_scale.options`: the option spec (:class:`NTLOptions`, the loss kinds, the impls).
-2. :mod:`ntl_scale._validation`: checks of the user's tensors and options.
-3. :mod:`ntl_scale.ops.logits` (with :mod:`ntl_scale.ops.triton_ce_ntl`): per-token ``ce``, ``expect``,
-   ``mass`` of a logits shard; the only place with the two TP all-reduces (none when ``tp_group`` is None).
-4. :mod:`ntl_scale.terms`: per-token CE, per-token NTL of the chosen kind and the mask of the
-   positions that carry NTL (:func:`per_token_ce_ntl`, :func:`ntl_positions`).
-5. :mod:`ntl_scale.reductions`: means and sums with loss weights (:func:`reduce_loss`).
-6. Here: :func:`vocab_parallel_ce_ntl`, :func:`number_token_loss`, :func:`ce_with_ntl` (flat keyword
-   arguments, ``impl=`` chooses the code per call) and the ``nn.Module`` wrappers
-   :class:`NumberTokenLoss` and :class:`CEWithNTL`.
-
+:func:`ce_with_ntl` (CE + w NTL in one fused pass), :func:`number_token_loss` (NTL alone, on the number columns,
+beside any CE), :func:`vocab_parallel_ce_ntl` (the per-token terms) and the ``nn.Module`` forms; ``impl=``
+chooses the code per call. The math and the collectives are in :mod:`ntl_scale.ops.logits`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +21,7 @@ from .terms import per_token_ce_ntl
 __all__ = [
     "CEWithNTL",
     "NumberTokenLoss",
+    "beside_ce",
     "ce_with_ntl",
     "number_token_loss",
     "vocab_parallel_ce_ntl",
@@ -58,12 +51,9 @@ def vocab_parallel_ce_ntl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token cross entropy and NTL from a vocab-parallel logits shard, fused.
 
-    Rank ``r`` of ``tp_group`` holds the columns ``[r*V/tp, (r+1)*V/tp)`` of the (padded)
-    vocabulary (Megatron's split), or, with ``vocab_start``, any contiguous slice: uneven splits
-    such as DeepSpeed's of a vocabulary that the TP size does not divide. The forward issues one MAX
-    and one SUM all-reduce on ``tp_group`` (CE and NTL share them); the backward issues none. With
-    ``tp_group=None`` (or size 1) this is the single-device computation on full logits, through the
-    same code.
+    Rank ``r`` of ``tp_group`` holds the columns ``[r*V/tp, (r+1)*V/tp)`` (Megatron's split), or with
+    ``vocab_start`` any contiguous slice (uneven splits). One MAX and one SUM all-reduce in the forward, none in
+    the backward; ``tp_group=None`` is one device, through the same code.
 
     Args:
         logits_shard: local logits ``[..., V/tp]`` with ``V = vocab.vocab_size`` (with ``vocab_start``:
@@ -189,6 +179,45 @@ def number_token_loss(
     )  # fmt: skip
     weights = check_weights(loss_weights, labels, terms.ntl.dtype)
     return reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
+
+
+def beside_ce(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    loss_weights: torch.Tensor | None = None,
+    reduction: str = "mean",
+    check_finite: bool = False,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    **variant: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NTL alone beside a partner CE, in one autograd node: ``(logits_for_ce, ntl)``.
+
+    Hand ``logits_for_ce`` (the same tensor; a ``DTensor`` for a ``DTensor``) to the CE and add ``w * ntl``:
+    the backward adds NTL's gradient on the K number columns into the CE's logits gradient in place, so NTL
+    costs ``O(T K)`` bytes beside it, not the ``[T, V]`` gradient and its sum that :func:`number_token_loss`
+    beside the CE costs. NTL is computed here, before the CE, so a CE that overwrites its input (Megatron's
+    ``vocab_parallel_cross_entropy``, Liger's) may run after. The CE's gradient is written in place when
+    contiguous, of the logits' shape and dtype and outside a ``create_graph`` backward, else copied once
+    (:func:`ntl_scale.ops.logits.writable_grad`, which names the one unsafe partner).
+
+    Args:
+        logits, labels, vocab, loss_weights, reduction, check_finite, tp_group, vocab_start: as in
+            :func:`number_token_loss`.
+        **variant: the NTL variant, fields of :class:`NTLOptions` (``loss``, ``squash_factor``, ``huber_delta``,
+            ``float_level``, ``ignore_index``, ``logit_softcap``). Reweighing needs the CE's log-sum-exp, which
+            exists only after the CE ran: it is refused here; use ``number_token_loss(..., lse=)`` for it.
+    """
+    check_reduction(reduction)
+    through: list[torch.Tensor] = []
+    terms = per_token_ce_ntl(
+        logits, labels, vocab, NTLOptions(**variant), check_finite=check_finite, need_ce=False, tp_group=tp_group,
+        vocab_start=vocab_start, passthrough=through,
+    )  # fmt: skip
+    weights = check_weights(loss_weights, labels, terms.ntl.dtype)
+    return through[0], reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
 
 
 def ce_with_ntl(

@@ -82,15 +82,18 @@ def per_token_ce_ntl(
     need_ce: bool = True,
     vocab_start: int | None = None,
     lse: torch.Tensor | None = None,
+    passthrough: list[torch.Tensor] | None = None,
 ) -> PerTokenTerms:
     """:func:`ntl_scale.vocab_parallel_ce_ntl` with the variant as one :class:`NTLOptions`, plus the arg-max hit.
 
     ``need_ce=False``: NTL alone, beside a CE computed elsewhere (``ce`` and ``hit`` are 0,
     ``number_choice_hit`` is filled); only the number columns are read, unless reweighing needs the whole
     vocabulary's log-sum-exp and ``lse`` (of the soft-capped logits, as the CE kernel returns it) is not given.
-    A differentiable ``lse`` carries the reweighing's gradient on the other columns. ``logits_shard`` may be a
-    ``DTensor`` split on the vocabulary (``Shard(-1)``) or replicated; its group and offset replace
-    ``tp_group`` and ``vocab_start``. The labels are a plain tensor, the same on every rank of that group.
+    A differentiable ``lse`` carries the reweighing's gradient on the other columns. ``passthrough`` (NTL alone,
+    no reweighing): a list that receives the logits for the partner CE, whose gradient NTL's columns join in
+    place (:func:`ntl_scale.ops.logits.writable_grad`). ``logits_shard`` may be a ``DTensor`` split on the
+    vocabulary (``Shard(-1)``) or replicated; its group and offset replace ``tp_group`` and ``vocab_start``.
+    The labels are a plain tensor, the same on every rank of that group.
     """
     options = NTLOptions() if options is None else options
     if inplace and is_dtensor(logits_shard):
@@ -98,6 +101,8 @@ def per_token_ce_ntl(
             "inplace=True overwrites the logits buffer, which a DTensor's local view cannot give up to autograd; "
             "use inplace=False, or pass logits.to_local() with tp_group and vocab_start (the plain-shard route)"
         )
+    check_passthrough(passthrough is not None, need_ce, options)
+    original = logits_shard
     if isinstance(vocab, NumberVocab):
         logits_shard, tp_group, vocab_start = resolve_vocab_shard(logits_shard, vocab.vocab_size, tp_group, vocab_start)
     check_plain_labels(labels)
@@ -123,7 +128,7 @@ def per_token_ce_ntl(
     if options.logit_softcap is not None and need_full:
         # before everything (CE, z-loss and NTL see the capped logits); a new tensor, the caller's is kept
         flat, inplace = soft_cap(flat, options.logit_softcap), False
-    ce, expect, mass, hit, lse_out = fused_shard_stats(
+    *through, ce, expect, mass, hit, lse_out = fused_shard_stats(
         flat,
         inputs,
         need_full=need_full,
@@ -135,8 +140,34 @@ def per_token_ce_ntl(
         features=options.ce_features,
         cap=None if need_full else options.logit_softcap,
         lse=lse,
+        passthrough=passthrough is not None,
     )
+    if passthrough is not None:
+        passthrough.append(like(through[0], original))
     return terms_from_stats(ce, expect, mass, hit, inputs, row, shape, vocab, options, lse_out, need_full)
+
+
+def check_passthrough(passthrough: bool, need_ce: bool, options: NTLOptions) -> None:
+    """Refuses the passthrough form where it cannot serve: with CE, or with reweighing."""
+    if passthrough and (need_ce or options.reweigh):
+        raise ValueError(
+            "the passthrough form (beside_ce / linear_beside_ce) is NTL alone without reweighing: reweighing reads "
+            "the partner CE's log-sum-exp, which exists only after that CE ran; pass reweigh=False, or run the CE "
+            "first and add number_token_loss(..., reweigh=True, lse=) (linear_number_token_loss(..., lse=))"
+        )
+
+
+def like(local: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``original`` was: the same ``DTensor`` placement (differentiable), or as is."""
+    if not is_dtensor(original):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(original, DTensor)  # is_dtensor
+    return DTensor.from_local(
+        local, original.device_mesh, original.placements, run_check=False, shape=original.shape,
+        stride=original.stride(),
+    )  # fmt: skip
 
 
 def check_lse(lse: object, labels: torch.Tensor, need_ce: bool) -> torch.Tensor:

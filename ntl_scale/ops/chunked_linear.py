@@ -1,8 +1,5 @@
-"""The chunked CE + NTL op from hidden states: its autograd Function and the chunk math (the op layer).
-
-Called by :func:`ntl_scale.linear.linear_ce_ntl` (the functional layer: argument checks, autocast,
-DTensor resolution, dispatch), as Liger splits its ops from its functional API. ``ntl_scale.linear``
-stays the public module.
+"""The chunked CE + NTL op from hidden states: its autograd Function and the chunk math, called by
+:func:`ntl_scale.linear.linear_ce_ntl`. NTL alone (``need_full=False``) forms only ``z_N = h W_N^T``.
 
 The logits ``z = h W^T`` (``[T, V]``, the largest activation of a large-vocabulary model) never exist
 whole: the op walks over the tokens in chunks of ``C`` and keeps only per-token statistics
@@ -59,6 +56,7 @@ from .logits import (
     kernel_shard_stats,
     label_number_logit,
     raise_if_not_finite,
+    writable_grad,
 )
 from .shard_math import ShardInputs, ShardMath, compute_dtype, index_add, shift_into
 from .shards import group_size
@@ -290,7 +288,8 @@ class ChunkedLinearCENTL(torch.autograd.Function):
         z_weight: float = 0.0,
         cap: float | None = None,
         lse: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        passthrough: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         # needs: whether the gradient of hidden / of weight will be asked for (grad mode on and the
         # tensor requiring it; decided by the caller: inside forward grad mode is always off). What no
         # one needs is not built: under no_grad (evaluation) a chunk is its logits matmul and the
@@ -348,14 +347,22 @@ class ChunkedLinearCENTL(torch.autograd.Function):
             plain_weights,
         )  # fmt: skip
         ctx.dense = (dense_h, dense_w, dense_scale)
-        return ce, expect, mass, hit, lse_out
+        ctx.passthrough = passthrough  # (NTL alone) hidden and weight come back first, for a partner CE
+        stats = (ce, expect, mass, hit, lse_out)
+        return (hidden.detach(), weight.detach(), *stats) if passthrough else stats  # (not views: see logits.py)
 
     @staticmethod
-    def backward(ctx, g_ce, g_expect, g_mass, _g_hit, g_lse=None):  # type: ignore[override]
+    def backward(ctx, *grads):  # type: ignore[override]
         # autocast off, as in the forward (linear_ce_ntl): a backward called under autocast would
         # otherwise cast its fp32 products to half precision
-        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
-            return ChunkedLinearCENTL._backward(ctx, g_ce, g_expect, g_mass, g_lse)
+        # (the partner's gradients are not kept on ctx: a second reference would make autograd copy the result)
+        partner, grads = (grads[:2], grads[2:]) if ctx.passthrough else ((None, None), grads)
+        stats = (grads[0], grads[1], grads[2], grads[4] if len(grads) > 4 else None)
+        device = ctx.saved_tensors[0].device.type
+        if device == "meta":  # shape-only tensors (cost counts): no autocast state
+            return ChunkedLinearCENTL._backward(ctx, *stats, partner)
+        with torch.autocast(device, enabled=False):
+            return ChunkedLinearCENTL._backward(ctx, *stats, partner)
 
     @staticmethod
     def _backward(
@@ -364,6 +371,7 @@ class ChunkedLinearCENTL(torch.autograd.Function):
         g_expect: torch.Tensor | None,
         g_mass: torch.Tensor | None,
         g_lse: torch.Tensor | None = None,
+        partner: tuple[torch.Tensor | None, ...] = (None, None),
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, token_weights, max_all, number_max, total, number_exp, number_total, expect, mass = (
             ctx.saved_tensors[:10]
@@ -380,7 +388,7 @@ class ChunkedLinearCENTL(torch.autograd.Function):
         cols = inputs.number_cols
         number_coef = ShardMath.number_grad(slice(None), saved, inputs, g_expect)  # [T, K]
         need_h, need_w = ctx.needs
-        nones = (None,) * 12
+        nones = (None,) * 13
         if not ctx.need_full:
             grad_h = grad_w = g_lse = None
             if ctx.mass_from_lse:  # d mass/dz_k = pi_k = p_k S_N exp(max_N - lse), d mass/d lse = -mass
@@ -388,12 +396,16 @@ class ChunkedLinearCENTL(torch.autograd.Function):
                 g_lse = -g_mass * mass
             if ctx.cap is not None:  # d z'/dz of the capped number logits
                 number_coef = number_coef * ctx.cap[2]
+            # into the partner CE's gradients in place where given and writable (passthrough), else new ones
+            g_h, g_w = partner
+            del partner
             if need_h:
-                grad_h = (number_coef @ weight.index_select(0, cols).to(cdt)).to(hidden.dtype)
+                grad_h = number_coef @ weight.index_select(0, cols).to(cdt)
+                grad_h = grad_h.to(hidden.dtype) if g_h is None else writable_grad(g_h, *_like(hidden)).add_(grad_h)
             if need_w:
-                grad_w = torch.zeros_like(weight)
+                grad_w = writable_grad(g_w, *_like(weight))
                 index_add(grad_w, 0, cols, (number_coef.t() @ hidden.to(cdt)).to(weight.dtype))
-            return grad_h, grad_w, *nones[1:], g_lse
+            return grad_h, grad_w, *nones[2:], g_lse, None
 
         # number columns of the full softmax: pi_N = exp(z_N - max) / S
         pi_numbers = number_exp * (torch.exp(number_max - max_all) / total).unsqueeze(1)
@@ -475,6 +487,10 @@ class ChunkedLinearCENTL(torch.autograd.Function):
             None if grad_w is None else grad_w.to(weight.dtype),
             *nones,
         )
+
+
+def _like(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
+    return tensor.shape, tensor.dtype, tensor.device
 
 
 def scaled_cast(

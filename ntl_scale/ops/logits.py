@@ -1,32 +1,14 @@
 """Fused cross entropy + number-token statistics on a vocab shard, with an explicit TP group.
 
-This is the one place where the softmax over the vocabulary is computed. Everything NTL needs
-reduces to three per-token quantities of the logits (see ``docs/math.md``):
-
-* ``ce``     = ``log sum_j exp(z_j) - z_y``                       (cross entropy)
-* ``expect`` = ``sum_{k in N} p_k a_k``, ``p = softmax(z_N)``      (``a_k = d(v_k, t)`` for NTL-WAS,
-  ``a_k = v_k`` for the expected value ``yhat`` of the dot-product losses)
-* ``mass``   = ``sum_{k in N} softmax(z)_k``                       (number-token probability mass)
-
-Under tensor parallelism each rank holds the columns ``[r*V/tp, (r+1)*V/tp)``. The forward needs
-one MAX all-reduce of ``[max z, max z_N]`` and one SUM all-reduce of ``[S, z_y, S_N, A]`` per token,
-the same two collectives Megatron's fused cross entropy uses for CE alone. The backward needs no
-collective: every gradient is a local expression of the local logits and those reduced scalars
-(the input-gradient reduction happens in the output layer's own backward).
-
-Layers (as Megatron-core's ``VocabParallelCrossEntropy`` separates per-shard steps from the Function that
-communicates, and Liger its ops from its functional API):
-
-* :mod:`ntl_scale.ops.shards`: which columns a rank holds and in which group (``DTensor`` inputs resolved to
-  the local shard, its process group and first vocabulary id); no math, no collective.
-* :mod:`ntl_scale.ops.shard_math`: the per-shard steps of the PyTorch path (:class:`ShardMath`,
-  :class:`ShardInputs`); :mod:`ntl_scale.ops.triton_ce_ntl` the same on the GPU. No collective.
-* Here, the op: the TP collectives of the loss, written here only behind two helpers,
-  :func:`all_reduce_max` (``[T, 2]``) and :func:`all_reduce_sums` (``[T, 4]``), used by
-  :class:`_FusedCENTL`, by the chunked op (:mod:`ntl_scale.ops.chunked_linear`) and around the Triton statistics
-  (:func:`kernel_shard_stats`); the kernel choice per call (:func:`use_triton`); the autograd Functions
-  and :func:`fused_shard_stats`. ``tp_group=None`` (or a group of size 1) is the same code without
-  collectives.
+The one place where the softmax over the vocabulary is computed. Per token (``docs/math.md``): ``ce``, ``expect``
+``= sum_{k in N} p_k a_k`` with ``p = softmax(z_N)`` (``a_k = d(v_k, t)`` for NTL-WAS, ``v_k`` for the point
+losses) and ``mass = sum_{k in N} softmax(z)_k``. Under tensor parallelism the forward needs one MAX all-reduce
+of ``[max z, max z_N]`` and one SUM all-reduce of ``[S, z_y, S_N, A]`` per token (:func:`all_reduce_max`,
+:func:`all_reduce_sums`: the only TP collectives of the loss); the backward none. ``tp_group=None`` (or size 1)
+is the same code without collectives. Per-shard steps: :mod:`ntl_scale.ops.shard_math` (PyTorch) and
+:mod:`ntl_scale.ops.triton_ce_ntl` (GPU); shard placement: :mod:`ntl_scale.ops.shards`. Here: the kernel choice
+per call (:func:`use_triton`), the autograd Functions (:class:`_FusedCENTL`; :class:`_NumberColumnsNTL`, NTL
+alone on the number columns) and :func:`fused_shard_stats`.
 """
 
 from __future__ import annotations
@@ -351,9 +333,10 @@ class _NumberColumnsNTL(torch.autograd.Function):
     ``cap``: soft-capping of the number columns only. ``lse`` (the whole vocabulary's log-sum-exp per token,
     from the caller's CE kernel, or None): ``mass = exp(lse_N - lse)``, whose gradient reaches the number
     columns here and ``lse`` through its own graph. ``hit``: the label is the arg-max among the number
-    columns. The gradient is a new tensor in the logits' shape (no view), so autograd can add another loss's
-    gradient of the same logits into it in place; nothing logits-sized is saved, non-contiguous logits are
-    not copied.
+    columns. The gradient is a new tensor in the logits' shape (no view); with ``passthrough`` the logits also
+    come back as the first output, for a partner CE, and the backward adds the number columns into that CE's
+    gradient in place (:func:`writable_grad`): no ``[T, V]`` fill, no sum. Nothing logits-sized is saved,
+    non-contiguous logits are not copied.
     """
 
     @staticmethod
@@ -365,7 +348,8 @@ class _NumberColumnsNTL(torch.autograd.Function):
         tp_group: dist.ProcessGroup | None,
         cap: float | None,
         lse: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        passthrough: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         cols = inputs.number_cols
         cdt = compute_dtype(logits.dtype)
         tokens = logits.numel() // logits.shape[-1]  # not reshape(-1, n): a shard may hold no number column
@@ -391,16 +375,20 @@ class _NumberColumnsNTL(torch.autograd.Function):
             scale = torch.exp(number_max - lse.to(cdt))
             mass = sums[:, 2] * scale
         ctx.mark_non_differentiable(hit)
-        ctx.inputs, ctx.shape, ctx.dtype = inputs, logits.shape, logits.dtype
+        ctx.inputs, ctx.shape, ctx.dtype, ctx.passthrough = inputs, logits.shape, logits.dtype, passthrough
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(number_exp, sums[:, 2], expect, factor, scale, mass)
-        return ce, expect, mass, hit, lse_out
+        stats = (ce, expect, mass, hit, lse_out)
+        # the same storage, not a view: a partner that overwrites its input (Megatron, Liger) may then do so
+        return (logits.detach(), *stats) if passthrough else stats
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        g_pass, grads = (grads[0], grads[1:]) if ctx.passthrough else (None, grads)
         g_expect, g_mass = grads[1], grads[2]  # ce and lse are constants here
         number_exp, number_total, expect, factor, scale, mass = ctx.saved_tensors
         inputs: ShardInputs = ctx.inputs
-        out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=expect.device)
+        out = writable_grad(g_pass, ctx.shape, ctx.dtype, expect.device)
         number_grad, g_lse = None, None
         if g_expect is not None:
             saved = {"number_exp": number_exp, "number_total": number_total, "expect": expect}
@@ -415,7 +403,29 @@ class _NumberColumnsNTL(torch.autograd.Function):
                 number_grad = number_grad * factor
             # through a temporary [T, V] view of the new tensor; the tensor itself goes back, no view
             index_add(out.view(-1, ctx.shape[-1]), 1, inputs.number_cols, number_grad.to(ctx.dtype))
-        return out, None, None, None, None, g_lse
+        return out, None, None, None, None, g_lse, None
+
+
+def writable_grad(
+    grad: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The buffer NTL's columns are added into: the partner's incoming gradient itself where safely writable.
+
+    Writable: dense and non-overlapping in some dimension order (contiguous or a transpose of it, as a matmul's
+    weight gradient comes: no expanded or zero-stride view, every element its own memory), of the input's shape
+    and dtype, outside a ``create_graph`` backward. Otherwise a contiguous copy of it, or zeros where
+    the partner left no gradient. A partner whose backward hands this same tensor to another input too
+    (``logits + bias`` of the same shape) would see NTL's columns there: put such ops before the passthrough.
+    """
+    if grad is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    order = sorted(range(grad.dim()), key=lambda d: -grad.stride()[d])
+    # grad mode is on in a backward only under create_graph (not grad.requires_grad: Megatron's CE hands back
+    # its saved input, which does)
+    dense = grad.permute(order).is_contiguous() and grad.shape == shape and grad.dtype == dtype
+    if dense and not torch.is_grad_enabled():
+        return grad
+    return grad.to(dtype).clone(memory_format=torch.contiguous_format).reshape(shape)
 
 
 def fused_shard_stats(
@@ -431,7 +441,8 @@ def fused_shard_stats(
     features: tuple[str, ...] = (),
     cap: float | None = None,
     lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    passthrough: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Per-token ``(ce, expect, mass, hit, lse)`` of a ``[T, V_local]`` logits shard; differentiable.
 
     Args:
@@ -453,6 +464,8 @@ def fused_shard_stats(
             kernels lack (:func:`use_triton`). Label smoothing itself is ``inputs.smoothing``.
         cap, lse: without ``need_full`` only: the soft-cap of the number columns, and the whole
             vocabulary's log-sum-exp ``[T]`` of the (capped) logits from the caller's CE, for ``mass``.
+        passthrough: without ``need_full`` only: ``logits`` comes back first, for a partner CE to consume; the
+            backward adds NTL's number columns into that CE's gradient in place (:func:`writable_grad`).
 
     Returns:
         ``ce``, ``expect``, ``mass``, each ``[T]`` in the compute dtype, the bool ``hit`` (the label is the
@@ -462,6 +475,6 @@ def fused_shard_stats(
     """
     check_option("chunk_tokens", chunk_tokens)
     if not need_full:
-        return _NumberColumnsNTL.apply(logits, inputs, check_finite, tp_group, cap, lse)
+        return _NumberColumnsNTL.apply(logits, inputs, check_finite, tp_group, cap, lse, passthrough)
     kernels = use_triton(impl, logits, features)
     return _FusedCENTL.apply(logits, inputs, need_full, inplace, check_finite, tp_group, chunk_tokens, kernels)

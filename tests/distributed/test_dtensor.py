@@ -18,9 +18,14 @@ One launch of 2 processes runs every section (torch 2.13's DTensor and ``loss_pa
    refused, and the gather the message names gives each rank its float64 one-process loss and the
    weight the ranks' mean gradient. An output layer split by torch's own
    ``parallelize_module(..., ColwiseParallel(use_local_output=False))`` feeding ``ce_with_ntl``: the same.
-4. NTL-WAS and NTL-MSE on DTensor logits of a WordPiece tokenizer's vocabulary equal the reference
+4. NTL alone beside a partner CE on the same DTensors: torch's ``loss_parallel()`` + ``F.cross_entropy`` (or our
+   per-token CE with its ``lse`` for reweighing) plus ``0.3 * number_token_loss`` on ``Shard(-1)`` logits, and our
+   chunked CE plus ``linear_number_token_loss`` with a ``Shard(0)`` weight and a replicated hidden (and, without
+   reweighing, each partner consuming ``beside_ce`` / ``linear_beside_ce``'s DTensors), equal
+   ``ce_with_ntl`` / ``linear_ce_with_ntl`` on the same DTensors: loss and gradients, every variant.
+5. NTL-WAS and NTL-MSE on DTensor logits of a WordPiece tokenizer's vocabulary equal the reference
    package ``ntloss`` on the full logits, loss and gradient (where ``ntloss`` is installed).
-5. Bad input: logits sharded on another dim, ``Partial`` logits, a number table for the shard's width or
+6. Bad input: logits sharded on another dim, ``Partial`` logits, a number table for the shard's width or
    another size, ``tp_group`` with a DTensor, DTensor labels, a split that leaves a rank empty, a weight
    sharded on its hidden dim, the Hugging Face chunked head called outside an FSDP2 model's forward:
    ValueErrors naming the value and the fix.
@@ -382,6 +387,72 @@ def _check_ntloss(ctx: WorkerContext) -> None:
         _close(ours.grad.full_tensor(), theirs.grad, f"ntloss {loss} grad")
 
 
+def _check_composed(ctx: WorkerContext) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = init_device_mesh("cpu", (2,))
+    vocab = _vocab()
+    labels, full, _, _ = _inputs(seed=30)
+    flat, flat_labels = full.reshape(-1, VOCAB), labels.reshape(-1)
+    valid = flat_labels != -100
+    g = torch.Generator().manual_seed(31)
+    hidden = torch.randn(flat_labels.shape[0], 5, generator=g, dtype=torch.float64)
+    weight = torch.randn(VOCAB, 5, generator=g, dtype=torch.float64)
+    for variant in VARIANTS:
+        what = f"composed {variant} rank={ctx.rank}"
+        reweigh = variant.get("reweigh", False)
+        fused_in = distribute_tensor(flat.clone(), mesh, [Shard(1)]).requires_grad_()
+        fused = ntl_scale.ce_with_ntl(fused_in, flat_labels, vocab, **variant)
+        fused.loss.backward()
+        logits = distribute_tensor(flat.clone(), mesh, [Shard(1)]).requires_grad_()
+        if reweigh:  # the partner's log-sum-exp: our per-token CE's
+            partner = ntl_scale.per_token_ce_ntl(logits, flat_labels, vocab)
+            ce, lse = partner.ce[valid].mean(), partner.lse
+        else:
+            with loss_parallel():
+                ce, lse = F.cross_entropy(logits, flat_labels, ignore_index=-100), None
+            ce = ce.full_tensor() if ntl_scale.ops.shards.is_dtensor(ce) else ce
+        loss = ce + 0.3 * ntl_scale.number_token_loss(logits, flat_labels, vocab, lse=lse, **variant)
+        with loss_parallel():
+            loss.backward()
+        _close(loss, fused.loss, f"{what} loss")
+        _close(logits.grad.to_local(), fused_in.grad.to_local(), f"{what} logits grad")
+        if not reweigh:  # the passthrough form: loss_parallel's CE consumes beside_ce's DTensor
+            logits = distribute_tensor(flat.clone(), mesh, [Shard(1)]).requires_grad_()
+            for_ce, ntl = ntl_scale.beside_ce(logits, flat_labels, vocab, **variant)
+            assert ntl_scale.ops.shards.is_dtensor(for_ce) and for_ce.placements == logits.placements
+            with loss_parallel():
+                ce = F.cross_entropy(for_ce, flat_labels, ignore_index=-100)
+                ce = ce.full_tensor() if ntl_scale.ops.shards.is_dtensor(ce) else ce
+                loss = ce + 0.3 * ntl
+                loss.backward()
+            _close(loss, fused.loss, f"{what} beside_ce loss")
+            _close(logits.grad.to_local(), fused_in.grad.to_local(), f"{what} beside_ce logits grad")
+
+        w_f = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
+        h_f = distribute_tensor(hidden.clone(), mesh, [Replicate()]).requires_grad_()
+        ntl_scale.linear_ce_with_ntl(h_f, w_f, flat_labels, vocab, chunk_tokens=7, **variant).loss.backward()
+        w = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
+        h = distribute_tensor(hidden.clone(), mesh, [Replicate()]).requires_grad_()
+        partner = ntl_scale.linear_ce_ntl(h, w, flat_labels, vocab, chunk_tokens=7)
+        ntl = ntl_scale.linear_number_token_loss(
+            h, w, flat_labels, vocab, lse=partner.lse if reweigh else None, chunk_tokens=7, **variant
+        )
+        (partner.ce[valid].mean() + 0.3 * ntl).backward()
+        _close(h.grad.full_tensor(), h_f.grad.full_tensor(), f"{what} hidden grad")
+        _close(w.grad.full_tensor(), w_f.grad.full_tensor(), f"{what} weight grad")
+        if not reweigh:  # the passthrough form from hidden states: our chunked CE consumes linear_beside_ce's
+            w = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
+            h = distribute_tensor(hidden.clone(), mesh, [Replicate()]).requires_grad_()
+            h_ce, w_ce, ntl = ntl_scale.linear_beside_ce(h, w, flat_labels, vocab, chunk_tokens=7, **variant)
+            partner = ntl_scale.linear_ce_ntl(h_ce, w_ce, flat_labels, vocab, chunk_tokens=7)
+            (partner.ce[valid].mean() + 0.3 * ntl).backward()
+            _close(h.grad.full_tensor(), h_f.grad.full_tensor(), f"{what} linear_beside_ce hidden grad")
+            _close(w.grad.full_tensor(), w_f.grad.full_tensor(), f"{what} linear_beside_ce weight grad")
+
+
 def _check_all(ctx: WorkerContext) -> None:
     torch.set_default_dtype(torch.float32)
     _check_ntloss(ctx)
@@ -390,6 +461,7 @@ def _check_all(ctx: WorkerContext) -> None:
     _check_linear(ctx)
     _check_fsdp2_weight(ctx)
     _check_colwise_parallel(ctx)
+    _check_composed(ctx)
     _check_errors(ctx)
 
 

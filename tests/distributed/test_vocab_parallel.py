@@ -15,7 +15,8 @@ Sections:
    (and ``linear_number_token_loss`` on the weight's row shard) equals ``ce_with_ntl`` (``linear_ce_with_ntl``)
    in float64, loss and each shard's gradients, every variant, reweighed with the partner's ``lse`` and
    soft-capped, on the uneven split, with our CE as the partner; and with Megatron's
-   ``vocab_parallel_cross_entropy`` (even shards, its split; fp32, its compute dtype), NTL run first.
+   ``vocab_parallel_cross_entropy`` (even shards, its split; fp32, its compute dtype), NTL run first. The same
+   through the passthrough form (``beside_ce`` / ``linear_beside_ce``, no reweighing), each partner consuming it.
 
 One launch per process layout: the TP = 2 processes run sections 1, 2 and 3, the TP = 4 ones
 sections 1 and 2, DP x TP = 2 x 2 section 1 and TP = 3 sections 3 and 4 (TP = 2 also 4; the Megatron part
@@ -270,6 +271,16 @@ def _check_composed(ctx: WorkerContext) -> None:
             loss.backward()
             _close(loss, fused.loss, 1e-12, 1e-12, f"{what} loss")
             _close(shard.grad, fused_in.grad, 1e-12, 1e-12, f"{what} logits grad")
+            if not reweigh:  # the passthrough form: our CE consumes beside_ce's logits, one autograd node
+                shard = full[..., start:end].clone().requires_grad_()
+                for_ce, ntl = ntl_scale.beside_ce(shard, labels, vocab, logit_softcap=cap, **split, **variant)
+                partner = ntl_scale.per_token_ce_ntl(
+                    for_ce, labels, vocab, ntl_scale.NTLOptions(logit_softcap=cap), **split
+                )
+                loss = partner.ce[valid].mean() + 0.3 * ntl
+                loss.backward()
+                _close(loss, fused.loss, 1e-12, 1e-12, f"{what} beside_ce loss")
+                _close(shard.grad, fused_in.grad, 1e-12, 1e-12, f"{what} beside_ce logits grad")
             rows_f = weight[start:end].clone().requires_grad_()
             h_f = hidden.clone().requires_grad_()
             options = dict(logit_softcap=cap, chunk_tokens=7, **split)
@@ -284,6 +295,15 @@ def _check_composed(ctx: WorkerContext) -> None:
             (partner.ce[valid].mean() + 0.3 * ntl).backward()
             _close(h.grad, h_f.grad, 1e-12, 1e-12, f"{what} hidden grad (this shard's part)")
             _close(rows.grad, rows_f.grad, 1e-12, 1e-12, f"{what} weight shard grad")
+            if not reweigh:  # the passthrough form from hidden states
+                rows, h = weight[start:end].clone().requires_grad_(), hidden.clone().requires_grad_()
+                h_ce, w_ce, ntl = ntl_scale.linear_beside_ce(h, rows, labels, vocab, **options, **variant)
+                partner = ntl_scale.linear_ce_ntl(
+                    h_ce, w_ce, labels, vocab, ntl_scale.NTLOptions(logit_softcap=cap), chunk_tokens=7, **split
+                )
+                (partner.ce[valid].mean() + 0.3 * ntl).backward()
+                _close(h.grad, h_f.grad, 1e-12, 1e-12, f"{what} linear_beside_ce hidden grad")
+                _close(rows.grad, rows_f.grad, 1e-12, 1e-12, f"{what} linear_beside_ce weight shard grad")
 
 
 def _check_megatron_composed(ctx: WorkerContext) -> None:
@@ -315,6 +335,13 @@ def _check_megatron_composed(ctx: WorkerContext) -> None:
             eps = torch.finfo(torch.float32).eps
             _close(loss, fused.loss, 8 * eps * float(full.abs().max()), 4 * eps, f"{what} loss")
             _close(shard.grad, fused_in.grad, 8 * eps, 4 * eps, f"{what} logits grad")
+            # the passthrough form: Megatron's CE consumes (and overwrites) beside_ce's logits
+            shard = full[..., start : start + width].clone().requires_grad_()
+            for_ce, ntl = ntl_scale.beside_ce(shard * 1, labels, vocab, tp_group=ctx.tp_group, **variant)
+            loss = vocab_parallel_cross_entropy(for_ce, labels).mean() + 0.3 * ntl
+            loss.backward()
+            _close(loss, fused.loss, 8 * eps * float(full.abs().max()), 4 * eps, f"{what} beside_ce loss")
+            _close(shard.grad, fused_in.grad, 8 * eps, 4 * eps, f"{what} beside_ce logits grad")
     finally:
         parallel_state.destroy_model_parallel()
 

@@ -9,8 +9,9 @@
    schedule and a real run with no budget).
 4. Writing: atomic (a failed write leaves the old file and no temporary one; a reader polling a running
    benchmark only ever reads valid JSON), and a run killed mid-way keeps its finished rows.
-5. ``--smoke``: every row's code runs on the CPU at tiny size (the Triton rows under Triton's interpreter);
-   no row fails, and every value agrees with the CE and NTL-WAS computed from the definitions and with ntloss.
+5. ``--smoke``: every row's code runs on the CPU at tiny size (Triton rows under the interpreter),
+   each partner CE with and without NTL alone beside it; no row fails, and every value agrees with the CE
+   and NTL-WAS computed from the definitions and with ntloss.
    A chunked peer that warns it took another path (torch's, with label smoothing) is not counted as chunked.
 6. Arguments: bad ones are refused with the reason (exit 2).
 """
@@ -78,10 +79,16 @@ def test_dry_run_layout_and_order(tmp_path):
     assert compiled and all(r["estimate_s"] >= 45 for r in compiled), compiled
     assert rows[0]["estimate_s"] > 15 > rows[1]["estimate_s"]
     keys8k = [r["key"] for r in rows if r["T"] == 8192]
+    by_key = {r["key"]: r for r in rows if r["T"] == 8192}
     for key in ("ours_logits_triton", "ours_logits_triton_inplace", "ours_logits_torch", "ours_chunked_triton",
                 "ours_chunked_torch", "liger", "cce", "cce_exact", "torch_linear_ce", "megatron", "ce", "ce_ntloss",
                 "megatron_jit", "compiled_ce", "cce_autotune", "kernel_stats", "kernel_grad"):  # fmt: skip
         assert key in keys8k, key
+    # each partner CE with and without NTL alone beside it (issue 54), the add-on row right after its partner
+    for partner in ("liger", "cce_exact", "torch_linear_ce", "megatron", "ce"):
+        at = keys8k.index(partner + "_ntl")
+        assert keys8k[at - 1] == partner and by_key[partner + "_ntl"]["ntl_weight"] == 0.3, partner
+        assert by_key[partner]["ntl_weight"] is None and by_key[partner + "_ntl"]["family"] == "addon"
     for key in ("ours_logits_triton", "ours_logits_torch", "ours_chunked_triton", "ours_chunked_torch"):
         weights = {r["ntl_weight"] for r in rows if r["key"] in (key, key + "_w0")}
         assert weights == {0.3, 0.0}, key  # each of ours also at NTL weight 0
@@ -390,6 +397,7 @@ def test_smoke_runs_every_row_and_the_values_agree(tmp_path):
             assert "not installed" in reason or "GPU only" in reason or "needs a CUDA GPU" in reason, (key, reason)
     must_run = [r.key for r in bg.ROWS if r.group == "ours"]  # the on-chip fused linear CE + NTL included
     must_run += ["ce", "ce_ntloss", "megatron", "torch_linear_ce"]  # their packages are in the dev install
+    must_run += ["ce_ntl", "megatron_ntl", "torch_linear_ce_ntl"]  # each + NTL alone (number columns / rows)
     for key in must_run:
         assert by[key]["status"] == "measured", (key, by[key]["reason"])
     # every value agrees with the references from the definitions (CE; CE + 0.3 NTL-WAS), ntloss's included
