@@ -149,7 +149,8 @@ def number_token_loss(
         check_finite: raise on NaN/Inf logits (one host sync; default off, NaN reaches the loss).
         impl: which code computes the statistics (see :func:`vocab_parallel_ce_ntl`); only used with
             ``reweigh`` and no ``lse``, the one case that reads the whole vocabulary.
-        tp_group, vocab_start: the vocab split of ``logits`` (see :func:`vocab_parallel_ce_ntl`).
+        tp_group: the tensor-parallel group of the vocab split of ``logits`` (see :func:`vocab_parallel_ce_ntl`).
+        vocab_start: the shard's first global id for uneven splits.
         logit_softcap: ``cap * tanh(z / cap)`` of the number columns, where the CE beside it caps the logits.
         lse: the whole vocabulary's log-sum-exp of the (capped) logits per token ``[...]``, as a CE kernel
             returns it (or ``torch.logsumexp``): with ``reweigh``, the number columns suffice. Differentiable:
@@ -203,9 +204,10 @@ def beside_ce(
     contiguous, of the logits' shape and dtype and outside a ``create_graph`` backward, else copied once
     (:func:`ntl_scale.ops.logits.writable_grad`, which names the one unsafe partner).
 
+    ``logits``, ``labels``, ``vocab``, ``loss_weights``, ``reduction``, ``check_finite``, ``tp_group`` and
+    ``vocab_start`` are as in :func:`number_token_loss`.
+
     Args:
-        logits, labels, vocab, loss_weights, reduction, check_finite, tp_group, vocab_start: as in
-            :func:`number_token_loss`.
         **variant: the NTL variant, fields of :class:`NTLOptions` (``loss``, ``squash_factor``, ``huber_delta``,
             ``float_level``, ``ignore_index``, ``logit_softcap``). Reweighing needs the CE's log-sum-exp, which
             exists only after the CE ran: it is refused here; use ``number_token_loss(..., lse=)`` for it.

@@ -462,8 +462,9 @@ def fused_shard_stats(
             (:func:`use_triton`); the NTL-only path (``need_full=False``) is PyTorch code always.
         features: the CE features on (:attr:`ntl_scale.options.NTLOptions.ce_features`), which the
             kernels lack (:func:`use_triton`). Label smoothing itself is ``inputs.smoothing``.
-        cap, lse: without ``need_full`` only: the soft-cap of the number columns, and the whole
-            vocabulary's log-sum-exp ``[T]`` of the (capped) logits from the caller's CE, for ``mass``.
+        cap: without ``need_full`` only: the soft-cap of the number columns.
+        lse: without ``need_full`` only: the whole vocabulary's log-sum-exp ``[T]`` of the (capped) logits
+            from the caller's CE, for ``mass``.
         passthrough: without ``need_full`` only: ``logits`` comes back first, for a partner CE to consume; the
             backward adds NTL's number columns into that CE's gradient in place (:func:`writable_grad`).
 
