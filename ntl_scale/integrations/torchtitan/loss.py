@@ -83,10 +83,6 @@ def _sum_type(logits: torch.Tensor, tp_group: dist.ProcessGroup | None) -> dict[
     return types
 
 
-def _default(name: str) -> Any:
-    return option_field(name).default
-
-
 class NTLLoss(BaseLoss):
     """``CE + weight * NTL`` for torchtitan, built from :class:`NTLLoss.Config` (``config.build()``)."""
 
@@ -96,12 +92,12 @@ class NTLLoss(BaseLoss):
         """The run-level NTL options below, the variant fields of :class:`~ntl_scale.NTLOptions`
         (:func:`~ntl_scale.options.variant_fields`), the number table's source and the model's vocabulary size."""
 
-        weight: float = _default("weight")
+        weight: float = option_field("weight").default
         """Weight of NTL in ``CE + weight * NTL`` (0.3 in the paper); 0 trains with CE alone."""
-        digit_level: bool = _default("digit_level")
+        digit_level: bool = option_field("digit_level").default
         """Number table of the ten digits (True) or of multi-digit tokens such as Llama 3's ``123`` (False);
         not read when ``number_vocab`` is given (``number_vocab="digits"`` beside ``digit_level=False`` is refused)."""
-        chunk_tokens: int | None = _default("chunk_tokens")
+        chunk_tokens: int | None = option_field("chunk_tokens").default
         """Tokens per chunk of the loss's temporaries (None: about 64 MiB of fp32 per chunk)."""
         number_vocab: str | None = None
         """``digits``, ``multi-digit`` or a saved number table (JSON) (:func:`~ntl_scale.options.table_source`);
