@@ -69,8 +69,9 @@ def _from_parallel_state(name: str) -> int | None:
     return int(ps.get_data_parallel_world_size(with_context_parallel=True))
 
 
-def _parallel_size(given: int | None, name: str, argument: str, where: str, needed: bool) -> int:
+def _parallel_size(given: int | None, name: str, where: str, needed: bool) -> int:
     """The argument (agreeing with ``parallel_state``), else ``parallel_state``'s, else 1 in one process."""
+    argument = "context_parallel_size" if name == "cp" else "data_parallel_size"
     known = _from_parallel_state(name)
     if given is not None:
         if known is not None and given != known:
@@ -90,11 +91,6 @@ def _parallel_size(given: int | None, name: str, argument: str, where: str, need
         "torch.distributed runs several processes but megatron.core.parallel_state is not initialised, so it "
         f"cannot be read; pass {argument} explicitly"
     )
-
-
-def _context_parallel_size(given: int | None, options: NTLOptions, where: str) -> int:
-    """The context-parallel size; it matters to number-level NTL only."""
-    return _parallel_size(given, "cp", "context_parallel_size", where, needed=options.loss == "number")
 
 
 class GlobalCounts:
@@ -126,7 +122,7 @@ class GlobalCounts:
     ) -> None:
         self.vocab, self.group, self.options = vocab, group, options
         options = options or NTLOptions()
-        cp = _context_parallel_size(context_parallel_size, options, "GlobalCounts")
+        cp = _parallel_size(context_parallel_size, "cp", "GlobalCounts", options.loss == "number")
         self.pieces = context_parallel_pieces(cp, options)
         self.tokens: torch.Tensor | None = None
         self.numbers: torch.Tensor | None = None
@@ -197,14 +193,15 @@ def make_loss_func(
         raise ValueError("--ntl-normalization global needs a GlobalCounts (global_counts=...)")
     options = settings.options()
     eval_options = options.for_evaluation()
-    pieces = context_parallel_pieces(_context_parallel_size(context_parallel_size, options, "make_loss_func"), options)
+    cp = _parallel_size(context_parallel_size, "cp", "make_loss_func", options.loss == "number")
+    pieces = context_parallel_pieces(cp, options)
     if global_counts is not None and global_counts.pieces != pieces:
         raise ValueError(
             f"the GlobalCounts cut numbers into {global_counts.pieces} piece(s) per sequence but this loss into "
             f"{pieces}; build both with the same context_parallel_size"
         )
     needs_dp = settings.normalization == "global" and not calculate_per_token_loss
-    dp_cp = _parallel_size(data_parallel_size, "dp_cp", "data_parallel_size", "make_loss_func", needed=needs_dp)
+    dp_cp = _parallel_size(data_parallel_size, "dp_cp", "make_loss_func", needed=needs_dp)
 
     def loss_func(
         labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor, *, evaluation: bool | None = None

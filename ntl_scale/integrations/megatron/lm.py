@@ -292,17 +292,12 @@ class GPTModelNTL:
                 pieces=pieces,
                 need_ce=need_ce,
             )
-        return self._chunked_terms(labels, logits_or_hidden, options, pieces)
-
-    def _chunked_terms(
-        self, labels: torch.Tensor, hidden: torch.Tensor, options: NTLOptions, pieces: int = 1
-    ) -> PerTokenTerms:
-        """Terms from hidden states ``[s(/tp), b, H]`` and the output weight, without the logits."""
+        # hidden states [s(/tp), b, H] and the output weight (the shared embedding when tied), no logits
         layer = self.model.output_layer
         shared = self._call.get("weight") if self._call else None
         return output_layer_terms(
             layer,
-            hidden,
+            logits_or_hidden,
             shared if shared is not None else layer.weight,
             labels,
             self.vocab,
