@@ -45,20 +45,10 @@ def check_inputs(cfg: RunConfig) -> None:
 
 
 class Engine:
-    """A Hugging Face model under a DeepSpeed engine, and the groups it runs in (use :meth:`build`).
+    """A Hugging Face model under a DeepSpeed engine (``ds``), and the groups it runs in (use :meth:`build`).
 
-    Attributes:
-        model: the Hugging Face model (generation, export).
-        ds: the DeepSpeed engine (forward, backward, optimizer, checkpoints).
-        device: the engine's device.
-        shard: AutoTP's vocabulary shard of the output layer (None without tensor parallelism).
-        tp_group: the shard's tensor-parallel group (None without).
-        vocab_start: the shard's first vocabulary id (None without).
-        tp: tensor-parallel ranks.
-        dp: data-parallel ranks.
-        dp_group: the data-parallel group (the world without tensor parallelism).
-        dp_rank: this rank's place in it.
-        flops: the model's FLOPs counter.
+    ``shard``, ``tp_group`` and ``vocab_start`` are AutoTP's vocabulary shard of the output layer (None without
+    tensor parallelism); ``dp_group`` is the world without it.
     """
 
     def __init__(self, model: Any, ds: Any, *, kind: str, chunked: bool, options: NTLOptions, vocab: NumberVocab,
@@ -86,19 +76,8 @@ class Engine:
         rank: int,
         device: torch.device,
     ) -> Engine:
-        """The model (under ZeRO-3 partitioned as it is created), the DeepSpeed engine, AutoTP's shard, the groups.
-
-        Args:
-            model_cfg: the model section.
-            train: the train section (``seed``, ``chunked_loss``, ``loss_chunk_tokens``, ``peak_tflops``).
-            options: the run's NTL variant.
-            resolved: the run's resolved values (the DeepSpeed config, tensor- and data-parallel ranks).
-            tokenizer: the run's tokenizer (saved with the model).
-            vocab: the number table.
-            vocab_size: the model's vocabulary size.
-            rank: this process's global rank.
-            device: this rank's device before the engine exists (the FLOPs counter's).
-        """
+        """The model (under ZeRO-3 partitioned as it is created), the DeepSpeed engine, AutoTP's shard, the groups;
+        ``device`` is this rank's before the engine exists (the FLOPs counter's)."""
         import deepspeed
 
         tp, ds_config = resolved.tensor_parallel, resolved.deepspeed

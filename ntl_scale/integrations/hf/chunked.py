@@ -296,7 +296,7 @@ class ChunkedLossCausalLM(torch.nn.Module):
 
     @property
     def loss_function(self) -> Any:
-        """The wrapped model's ``loss_function`` hook (DeepSpeed AutoTP sets it on the module it is given)."""
+        """The wrapped model's ``loss_function`` (AutoTP sets it on the module it is given)."""
         return self.model.loss_function
 
     @loss_function.setter

@@ -57,18 +57,8 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
 def causal_lm_ce_with_ntl(
     logits: torch.Tensor, labels: torch.Tensor, vocab: NumberVocab, *, ignore_index: int = -100, **options: Any
 ) -> CENTLOutput:
-    """:func:`ntl_scale.ce_with_ntl` with Hugging Face causal-LM label semantics (unshifted labels).
-
-    Args:
-        logits: ``[batch, seq, V]`` model output.
-        labels: ``[batch, seq]`` the ``labels`` a Hugging Face causal LM takes (not shifted).
-        vocab: the number-token table.
-        ignore_index: label value to ignore (also fills the shifted-out last position).
-        **options: forwarded to :func:`ntl_scale.ce_with_ntl`.
-
-    Returns:
-        The :class:`ntl_scale.CENTLOutput`.
-    """
+    """:func:`ntl_scale.ce_with_ntl` of ``[batch, seq, V]`` logits for the unshifted ``labels`` a causal LM takes
+    (``ignore_index`` also fills the shifted-out last position; ``**options`` go to ``ce_with_ntl``)."""
     return ce_with_ntl(logits, shift_labels(labels, ignore_index), vocab, ignore_index=ignore_index, **options)
 
 
