@@ -224,12 +224,9 @@ class GPTModelNTL:
 
     def uninstall(self) -> None:
         model = self.model
-        targets = {"forward": model, "compute_language_model_loss": model}
-        if "output_layer.forward" in self._originals:
-            targets["output_layer.forward"] = model.output_layer
-        for key, target in targets.items():
+        for key, original in self._originals.items():  # instance attributes: None where the class's ran
+            target = model.output_layer if key == "output_layer.forward" else model
             name = key.split(".")[-1]
-            original = self._originals.get(key)
             if original is None:
                 target.__dict__.pop(name, None)
             else:
@@ -512,8 +509,7 @@ class NTLForwardStep:
         stats = hook.pop_stats()
         if stats is None or loss_func is None:
             return output, loss_func
-        numbers_in_step = step.numbers if step is not None else None
-        return output, _ReportNTL(loss_func, stats, numbers_in_step)
+        return output, _ReportNTL(loss_func, stats, step.numbers if step is not None else None)
 
     def _step(self, key: int, data_iterator: Any) -> tuple[Any, MicroBatchScale]:
         """The iterator for ``get_batch`` and the step's counts (counted on its first micro-batch)."""

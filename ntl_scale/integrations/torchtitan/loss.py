@@ -54,12 +54,10 @@ from ..beside import framework_ce
 __all__ = ["METRICS", "NOT_CONFIG_FIELDS", "Z_LOSS_METRIC", "NTLLoss", "number_table"]
 
 METRICS = ("loss_metrics/ce_mean", "loss_metrics/ntl_mean", "loss_metrics/number_accuracy_mean")
-"""The metric names: torchtitan's rule (a ``_mean`` suffix) makes ``ChunkedLossWrapper`` add the chunks'
-parts, which are already divided by the step's global counts."""
+"""The metric names: the ``_mean`` suffix makes ``ChunkedLossWrapper`` add the chunks' parts."""
 
 Z_LOSS_METRIC = "loss_metrics/z_loss_mean"
-"""The z-loss ``z_loss_weight * lse**2`` (mean over the CE tokens), a metric after :data:`METRICS` when
-``z_loss_weight > 0`` (:attr:`NTLLoss.metric_names`); ``ce_mean`` is then the CE without it."""
+"""The z-loss metric after :data:`METRICS` when ``z_loss_weight > 0`` (``ce_mean`` is then without it)."""
 
 NOT_CONFIG_FIELDS = {
     "chunked": "torchtitan's ChunkedLossWrapper is the chunked route: ChunkedLossWrapper.Config(loss_fn="
@@ -71,8 +69,7 @@ NOT_CONFIG_FIELDS = {
 
 
 LOSS_TYPE = {"dp": spmd.P, "cp": spmd.P, "tp": spmd.I}
-"""The SPMD type torchtitan gives a scaled loss (``CrossEntropyLoss``): a partial sum over the batch axes, the
-same on every TP rank; the metrics get it too, so ``ChunkedLossWrapper`` may add them under strict checking."""
+"""The SPMD type torchtitan gives a scaled loss, and so the metrics: partial over the batch axes, invariant on TP."""
 
 
 def _sum_type(logits: torch.Tensor, tp_group: dist.ProcessGroup | None) -> dict[Any, Any]:
