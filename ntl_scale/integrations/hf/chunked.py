@@ -274,10 +274,8 @@ def framework_forward(original: Callable, loss: Any, multiplier: float, chunk_to
 
 
 class ChunkedLossCausalLM(torch.nn.Module):
-    """A Hugging Face causal LM whose training forward returns per-token CE and NTL, never the logits.
-
-    ``forward(input_ids, attention_mask, targets)`` runs the decoder and the loss-computing output layer
-    (:func:`install_linear_loss_head`); pass this module to ``deepspeed.initialize``. ``.model`` gives logits.
+    """A causal LM whose ``forward(input_ids, attention_mask, targets)`` returns per-token CE and NTL, never the
+    logits (:func:`install_linear_loss_head`); pass it to ``deepspeed.initialize``. ``.model`` gives logits.
 
     Args:
         model: a ``*ForCausalLM`` with a bias-free linear output layer.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,11 +70,9 @@ class NTLCausalLMLoss:
         vocab: the number table (over the model's vocabulary).
         ntl_weight: weight of the NTL term (0.3 in the paper).
         options: the NTL variant (default NTL-WAS).
-        causal: shift the labels as causal LMs do (False for labels already aligned with the logits,
-            e.g. encoder-decoder models).
-        framework_loss: with ``options.ce_kernel="framework"``, the model's own loss function (what
-            ``model.loss_function`` was); None: transformers' ``ForCausalLMLoss``. It computes the CE, NTL is
-            added beside it from the number columns; ``number_accuracy`` is not logged.
+        causal: shift the labels as causal LMs do (False for labels aligned with the logits, e.g. seq2seq).
+        framework_loss: with ``options.ce_kernel="framework"``, the model's own loss function that computes the
+            CE (None: transformers' ``ForCausalLMLoss``).
     """
 
     def __init__(
@@ -283,8 +282,6 @@ def apply_ntl_to_hf_model(
             "from uncapped hidden-state logits; use the logits path (chunked=False) or ce_kernel='ntl_scale'"
         )
     if chunked:
-        import types
-
         multiplier = hidden.logit_multiplier(model)
         head = hidden.linear_head(model)
         if check:
