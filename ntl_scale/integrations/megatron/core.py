@@ -103,8 +103,7 @@ class GlobalCounts:
         vocab: the number table.
         group: the data(-and-context)-parallel group, or None for one replica.
         options: the NTL variant (what NTL's denominator counts: :func:`ntl_scale.ntl_positions`).
-        context_parallel_size: Megatron's context-parallel size (number-level NTL cuts numbers at the slice
-            borders). None (default): read from ``megatron.core.parallel_state``, else 1 in one process.
+        context_parallel_size: Megatron's context-parallel size (None: ``parallel_state``'s, else 1 in one process).
 
     Attributes:
         tokens: ``T``, the loss-mask weight of the step (float64, after :meth:`set_step`).
@@ -176,11 +175,9 @@ def make_loss_func(
         calculate_per_token_loss: Megatron's ``--calculate-per-token-loss``.
         global_counts: required for ``normalization="global"``.
         num_microbatches: micro-batches per step (a value or Megatron's ``get_num_microbatches``).
-        data_parallel_size: data x context parallel size. None (default): read from
-            ``megatron.core.parallel_state``, else 1 in one process.
+        data_parallel_size: data x context parallel size (None: ``parallel_state``'s, else 1 in one process).
         inplace: reuse the fp32 logits buffer.
-        context_parallel_size: Megatron's context-parallel size (number-level NTL cuts numbers at the slice
-            borders). None (default): read from ``megatron.core.parallel_state``.
+        context_parallel_size: Megatron's context-parallel size (None: as ``data_parallel_size``).
         cross_entropy_fusion_impl: with ``--ntl-ce-kernel framework``, Megatron's CE
             (:func:`~.terms.megatron_cross_entropy`: None plain, ``native`` or ``te``).
 
@@ -407,8 +404,7 @@ class NTLLanguageModelMixin:
             tp_group: the output layer's tensor-parallel group.
             chunked: the hidden-state route (None: ``settings.chunked``).
             chunk_tokens: tokens per chunk of it (None: ``settings.chunk_tokens``).
-            context_parallel_size: Megatron's context-parallel size. None (default): the model's
-                ``TransformerConfig.context_parallel_size``; a value that contradicts it is refused.
+            context_parallel_size: Megatron's context-parallel size (None: the model's ``TransformerConfig``'s).
         """
         chunked = bool(_agree("chunked", chunked, settings.chunked, False))
         chunk_tokens = _agree("chunk_tokens", chunk_tokens, settings.chunk_tokens, None)

@@ -363,8 +363,6 @@ def apply_ntl_to_megatron_model(
         cp_group: the context-parallel group (MTP masks roll across it; number-level NTL cuts at its slices).
         chunk_tokens: tokens per chunk of the chunked route; None: ``settings.chunk_tokens``.
 
-    Under ``normalization="global"`` a training forward needs ``hook.scale`` (:class:`NTLForwardStep` sets it).
-
     Returns:
         The installed :class:`GPTModelNTL` (the same object on a second call).
     """
