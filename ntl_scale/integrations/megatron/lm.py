@@ -630,7 +630,9 @@ def forward_step_from_args(forward_step: Any, args: Any, parallel_state: Any, *,
     Returns:
         ``forward_step`` itself when ``--ntl-weight`` is 0, else an :class:`NTLForwardStep` around it.
     """
-    from .args import build_number_vocab
+    import warnings
+
+    from .args import build_number_vocab, ignored_megatron_flags
 
     settings = NTLSettings.from_args(args)
     if not settings.enabled:
@@ -646,7 +648,9 @@ def forward_step_from_args(forward_step: Any, args: Any, parallel_state: Any, *,
     if tokenizer is None:
         tokenizer = _megatron_tokenizer(args)
     vocab = build_number_vocab(settings, tokenizer, args.padded_vocab_size)
-    _say_ignored(args)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for note in ignored_megatron_flags(args) if rank == 0 else []:  # each flag this run sets that NTL does not use
+        warnings.warn(f"ntl_scale: {note}", stacklevel=2)
     ps = parallel_state
     groups = StepGroups(
         tp_group=ps.get_tensor_model_parallel_group(),
@@ -680,17 +684,6 @@ def _check_te_cross_entropy(settings: NTLSettings, args: Any) -> None:
             "Transformer Engine's CE, which is not installed: install transformer_engine, or use "
             "--cross-entropy-fusion-impl native"
         )
-
-
-def _say_ignored(args: Any) -> None:
-    """Warns once, on rank 0, of each Megatron flag this run sets and NTL does not use."""
-    import warnings
-
-    from .args import ignored_megatron_flags
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    for note in ignored_megatron_flags(args) if rank == 0 else []:
-        warnings.warn(f"ntl_scale: {note}", stacklevel=3)
 
 
 def _megatron_tokenizer(args: Any) -> Any:
