@@ -183,13 +183,12 @@ class NTLCausalLMLoss:
         totals += step
         counts = num_items_in_batch
         if counts is None:  # the micro-batch normalisation
-            return objective(sums, (sums.tokens, sums.numbers), self.ntl_weight)
-        if torch.is_tensor(counts) and counts.numel() == 2:  # the global one, over ntl_trainer_class's counts
+            tokens, step_numbers = sums.tokens, sums.numbers
+        elif torch.is_tensor(counts) and counts.numel() == 2:  # the global one, over ntl_trainer_class's counts
             tokens, step_numbers = counts.reshape(2).to(sums.ce.device, sums.ce.dtype)
-            return objective(sums, (tokens, step_numbers), self.ntl_weight)
-        # Trainer's token count N alone: K estimated as k N / n (exact when numbers are spread evenly)
-        tokens = torch.as_tensor(counts, dtype=sums.ce.dtype, device=sums.ce.device).reshape(())
-        step_numbers = sums.numbers * tokens / sums.tokens.clamp_min(1)
+        else:  # Trainer's token count N alone: K estimated as k N / n (exact when numbers are spread evenly)
+            tokens = torch.as_tensor(counts, dtype=sums.ce.dtype, device=sums.ce.device).reshape(())
+            step_numbers = sums.numbers * tokens / sums.tokens.clamp_min(1)
         return objective(sums, (tokens, step_numbers), self.ntl_weight)
 
     def pop_means(self, reduce: Any = None, *, evaluation: bool = False) -> dict[str, float]:
