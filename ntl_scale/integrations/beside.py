@@ -1,10 +1,7 @@
 """NTL beside a framework's own cross entropy (``ce_kernel="framework"``): one rule for every stack.
 
-The framework's CE runs as it is; NTL comes from :func:`ntl_scale.per_token_ce_ntl` with ``need_ce=False``
-(the number columns only). :func:`beside` puts the framework's per-token CE into those terms, so the
-normalisation (:mod:`ntl_scale.normalization`) and the logs stay the same code. The full-vocabulary arg-max
-is inside the framework's kernel: unless a stack passes it, ``hit`` carries the arg-max among the number
-columns (``number_choice_hit``), which the stacks log as number *choice* accuracy (:data:`CHOICE`).
+NTL comes from :func:`ntl_scale.per_token_ce_ntl` with ``need_ce=False`` (the number columns only);
+:func:`beside` puts the framework's per-token CE into those terms, so normalisation and logs are the same code.
 """
 
 from __future__ import annotations
@@ -17,8 +14,8 @@ from ..terms import PerTokenTerms
 __all__ = ["CHOICE", "beside", "framework_ce"]
 
 CHOICE = "number_choice_accuracy"
-"""The share of NTL positions whose label is the arg-max among the number columns (not number accuracy: a token
-outside the numbers may have the larger logit); logged in its place with ``ce_kernel="framework"``."""
+"""The share of NTL positions whose label is the arg-max among the number columns (the full arg-max is inside
+the framework's kernel); logged in place of number accuracy with ``ce_kernel="framework"``."""
 
 
 def framework_ce(options: NTLOptions) -> bool:

@@ -1,12 +1,8 @@
 """The model of a run under DeepSpeed: built from the model and train sections, forward to per-token terms.
 
-:meth:`Engine.build` creates the Hugging Face model (under ZeRO-3 partitioned as it is created), wraps
-it for the chunked loss (``train.chunked_loss``), counts its FLOPs (the whole model, before AutoTP
-splits the layers), calls ``deepspeed.initialize`` and finds AutoTP's vocabulary shard and the
-data-parallel group. The trainer then asks it for per-token CE and NTL of a device micro-batch
-(:meth:`~Engine.forward_terms`; under AutoTP on this rank's vocabulary shard, two all-reduces over
-the tensor-parallel group per call inside the fused op), for the backward and optimizer step, and at
-the end for a Hugging Face export.
+:meth:`Engine.build` creates the model, its chunked-loss wrapper, FLOPs counter, DeepSpeed engine, AutoTP
+vocabulary shard and data-parallel group; the trainer asks it for per-token CE and NTL, the backward and
+optimizer step, and a Hugging Face export.
 """
 
 from __future__ import annotations
@@ -49,20 +45,10 @@ def check_inputs(cfg: RunConfig) -> None:
 
 
 class Engine:
-    """A Hugging Face model under a DeepSpeed engine, and the groups it runs in (use :meth:`build`).
+    """A Hugging Face model under a DeepSpeed engine (``ds``), and the groups it runs in (use :meth:`build`).
 
-    Attributes:
-        model: the Hugging Face model (generation, export).
-        ds: the DeepSpeed engine (forward, backward, optimizer, checkpoints).
-        device: the engine's device.
-        shard: AutoTP's vocabulary shard of the output layer (None without tensor parallelism).
-        tp_group: the shard's tensor-parallel group (None without).
-        vocab_start: the shard's first vocabulary id (None without).
-        tp: tensor-parallel ranks.
-        dp: data-parallel ranks.
-        dp_group: the data-parallel group (the world without tensor parallelism).
-        dp_rank: this rank's place in it.
-        flops: the model's FLOPs counter.
+    ``shard``, ``tp_group`` and ``vocab_start`` are AutoTP's vocabulary shard of the output layer (None without
+    tensor parallelism); ``dp_group`` is the world without it.
     """
 
     def __init__(self, model: Any, ds: Any, *, kind: str, chunked: bool, options: NTLOptions, vocab: NumberVocab,
@@ -90,20 +76,8 @@ class Engine:
         rank: int,
         device: torch.device,
     ) -> Engine:
-        """The Hugging Face model (under ZeRO-3 partitioned as it is created), the chunked-loss wrapper,
-        the DeepSpeed engine, AutoTP's vocabulary shard and the process groups.
-
-        Args:
-            model_cfg: the model section.
-            train: the train section (``seed``, ``chunked_loss``, ``loss_chunk_tokens``, ``peak_tflops``).
-            options: the run's NTL variant.
-            resolved: the run's resolved values (the DeepSpeed config, tensor- and data-parallel ranks).
-            tokenizer: the run's tokenizer (saved with the model).
-            vocab: the number table.
-            vocab_size: the model's vocabulary size.
-            rank: this process's global rank.
-            device: this rank's device before the engine exists (the FLOPs counter's).
-        """
+        """The model (under ZeRO-3 partitioned as it is created), the DeepSpeed engine, AutoTP's shard, the groups;
+        ``device`` is this rank's before the engine exists (the FLOPs counter's)."""
         import deepspeed
 
         tp, ds_config = resolved.tensor_parallel, resolved.deepspeed
@@ -117,8 +91,7 @@ class Engine:
         model, keep_alive = build_model(model_cfg, vocab_size, ds_config, tokenizer)
         from ..hf.chunked import head_options
 
-        # the model's own soft-capping (Gemma 2/3) carried to a loss built from the hidden states; refused
-        # with ntl.logit_softcap on such a model, on both paths (its logits would be capped twice)
+        # the model's own soft-capping for the hidden-state loss; ntl.logit_softcap beside it refused (both paths)
         head = head_options(model, options)
         trained: torch.nn.Module = model
         if train.chunked_loss:  # CE + NTL from the hidden states: the logits are never materialised
@@ -163,8 +136,6 @@ class Engine:
                    shard=shard, tp=tp, dp=resolved.data_parallel, dp_group=dp_group, dp_rank=dp_rank, flops=flops,
                    keep_alive=keep_alive)  # fmt: skip
 
-    # ---- the forward ----------------------------------------------------------------------------------
-
     def targets_of(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """What the logits at each position are scored against (causal: the next token)."""
         return shift_for_causal(batch["labels"]) if self.kind == "causal" else batch["labels"]
@@ -180,9 +151,8 @@ class Engine:
 
     def terms_of_logits(self, logits: torch.Tensor, target: torch.Tensor, options: NTLOptions | None = None,
                         **kwargs: Any) -> PerTokenTerms:  # fmt: skip
-        """Per-token terms of logits (with TP: this rank's vocabulary shard); default: the run's variant. With
-        ``ntl.ce_kernel=framework`` CE is torch's ``F.cross_entropy`` of the float32 logits (what the Hugging Face
-        model's own loss runs), NTL beside it from the number columns, the arg-max hit from the logits."""
+        """Per-token terms of logits (with TP: this rank's shard); ``ntl.ce_kernel=framework``: CE is torch's
+        ``F.cross_entropy`` of the float32 logits (the model's own loss), NTL beside it."""
         options = self.options if options is None else options
         if framework_ce(options) and kwargs.get("need_ce", True):
             terms = per_token_ce_ntl(logits, target, self.vocab, options, **{**kwargs, "need_ce": False})
@@ -194,8 +164,7 @@ class Engine:
                                 vocab_start=self.vocab_start, **kwargs)  # fmt: skip
 
     def forward_terms(self, batch: dict[str, torch.Tensor], target: torch.Tensor) -> PerTokenTerms:
-        """Per-token CE and NTL of one device micro-batch (the logits path, the chunked path, or this
-        rank's vocabulary shard under AutoTP)."""
+        """Per-token CE and NTL of one device micro-batch."""
         inputs = self.model_inputs(batch, target)
         if self.chunked:
             return PerTokenTerms(*self.ds(**inputs, targets=target))
@@ -204,11 +173,8 @@ class Engine:
     def heldout_terms(
         self, batch: dict[str, torch.Tensor], target: torch.Tensor
     ) -> tuple[PerTokenTerms, torch.Tensor | None]:
-        """Per-token terms of one held-out micro-batch without gradients, CE being the plain cross entropy of
-        the (capped) logits (:meth:`~ntl_scale.NTLOptions.for_evaluation`: no label smoothing, no z-loss; NTL
-        as in training), and, on the logits path, the per-token absolute error of the expected value over the
-        number tokens (NTL-MAE of the same logits; ``None`` with the chunked loss, whose head computes the
-        run's own variant only). The chunked head computes the evaluation terms itself under no_grad."""
+        """Evaluation terms of one held-out micro-batch (plain CE) and, on the logits path, the per-token
+        NTL-MAE of the same logits (None with the chunked loss)."""
         with torch.no_grad():
             if self.chunked:
                 return self.forward_terms(batch, target), None
@@ -225,8 +191,6 @@ class Engine:
         finally:
             self.ds.train()
 
-    # ---- the optimizer --------------------------------------------------------------------------------
-
     def set_lr(self, lr: float) -> None:
         """The learning rate of every parameter group."""
         for group in self.ds.optimizer.param_groups:
@@ -237,16 +201,13 @@ class Engine:
         return float(self.ds.optimizer.param_groups[0]["lr"])
 
     def backward(self, loss: torch.Tensor) -> None:
-        """The micro-batch's backward, then the engine's step (DeepSpeed steps the optimizer only at the
-        accumulation boundary; it averages the gradients over accumulation steps and data-parallel ranks)."""
+        """The micro-batch's backward, then the engine's step (the optimizer steps at the accumulation boundary)."""
         self.ds.backward(loss)
         self.ds.step()
 
     def grad_norm(self) -> float:
         """The last optimizer step's global gradient norm (0 when DeepSpeed reports none)."""
         return float(self.ds.get_global_grad_norm() or 0)
-
-    # ---- files ----------------------------------------------------------------------------------------
 
     def write_partition(self, run_dir: str, rank: int) -> None:
         """``zero_rank{r}.json``: how much of the model this rank holds, its place in the layout."""

@@ -14,12 +14,8 @@ and :meth:`~Trainer.complete` ends the run (export, generation evaluation, statu
 | `evaluator.Evaluator` | `eval`, `data` | held-out loss and perplexity, generation evaluation |
 | `metrics.MetricsLogger` | `tracking` | `metrics.jsonl`, wandb, the progress line, `eval.json` |
 
-The run config is never changed: what the run derives from it is the :class:`~.resolved.Resolved`
-record, saved beside ``config.json``. Distributed is initialised by the caller (``launch/train.py``);
-the trainer receives the rank, the world size and the device. Every collective goes through
-:mod:`~ntl_scale.training.collectives` (the step's global counts through
-:func:`~ntl_scale.integrations.deepspeed.steps.global_counts`), on tensors of the engine's device (NCCL refuses
-host tensors).
+The run config is never changed (what the run derives is :class:`~.resolved.Resolved`); distributed is
+initialised by ``launch/train.py``; collectives go through :mod:`~ntl_scale.training.collectives` on device tensors.
 """
 
 from __future__ import annotations
@@ -77,8 +73,7 @@ class Trainer:
         self.stop_signal = signum
 
     def setup(self) -> None:
-        """Resolved values, resume plan, tokenizer, number table, data, engine, evaluation and metrics;
-        loads the checkpoint to resume from."""
+        """Builds the components and loads the checkpoint to resume from."""
         cfg, rank, train = self.cfg, self.rank, self.cfg.train
         os.makedirs(cfg.run_dir, exist_ok=True)
         resolved = resolve_run(train, self.world, bf16_default=accelerator_has_bf16(self.device))
@@ -142,14 +137,11 @@ class Trainer:
         keys = sorted((saved.keys() | given.keys()) - {"run_dir"})  # the same folder, perhaps spelt otherwise
         return [f"{k}: {saved.get(k)!r} -> {given.get(k)!r}" for k in keys if saved.get(k) != given.get(k)]
 
-    # ---- the step -------------------------------------------------------------------------------------
-
     def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step over the accumulation micro-batches; returns its metrics row.
 
-        CE and NTL are normalised by the step's global counts (all micro-batches, all data-parallel
-        ranks; one SUM all-reduce of two numbers before the forwards). The logging sums stay on the
-        device and are read once, after one SUM all-reduce over the data-parallel ranks.
+        CE and NTL are normalised by the step's global counts (one SUM all-reduce before the forwards); the
+        logging sums are read once, after one SUM all-reduce over the data-parallel ranks.
         """
         cfg, engine, inputs = self.cfg, self.engine, self.inputs
         ga, dp = self.resolved.gradient_accumulation_steps, engine.dp
@@ -182,8 +174,6 @@ class Trainer:
     def stop_requested(self) -> int:
         """The largest signal any rank received (0: none); every rank agrees."""
         return largest_over_ranks(self.stop_signal, self.device)
-
-    # ---- the run --------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         """Set-up, the steps (with held-out evaluation every ``train.eval_every`` steps and checkpoints

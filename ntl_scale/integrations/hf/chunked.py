@@ -1,27 +1,15 @@
 """Hugging Face route 2: CE + NTL from a causal LM's final hidden states; the training forward builds no logits.
 
-:func:`ntl_scale.integrations.hf.apply_ntl_to_hf_model` with ``chunked=True`` installs this on a model
-(:func:`install_linear_loss_head` on its output layer, :func:`chunked_forward` as its forward);
-:class:`ChunkedLossCausalLM` wraps a model for ``launch/train.py``'s own loop. In training mode
-with labels, the model's forward runs its decoder (``model.base_model``) to the final hidden states
-and calls the output layer with the targets; that layer's forward computes the per-token CE and NTL
-chunk by chunk (:func:`ntl_scale.linear_ce_ntl`), so the ``[tokens, vocab]`` logits never exist.
-Everything else (evaluation, ``generate``, a call without labels) is the model's own forward.
+``apply_ntl_to_hf_model(chunked=True)`` installs :func:`install_linear_loss_head` on the output layer and
+:func:`chunked_forward` as the model's forward; :class:`ChunkedLossCausalLM` wraps a model for
+``launch/train.py``'s loop. In training with labels the decoder runs to its final hidden states and the
+output layer, called with the targets, computes CE and NTL chunk by chunk (:func:`ntl_scale.linear_ce_ntl`);
+anything else is the model's own forward. The loss runs inside the layer's ``forward``, so ZeRO-3 and FSDP2
+gather its weight there as for any layer.
 
-The loss is computed inside the output layer's ``forward``, so DeepSpeed ZeRO-3 gathers the
-partitioned weight there (and again for the backward) as for any layer. Under torch's FSDP2
-(``fully_shard``; accelerate's ``fsdp_version: 2``) the output layer's weight is a ``Shard(0)`` DTensor
-between steps and the whole weight inside the model's forward (FSDP2's pre-forward hook gathers it):
-the loss sees the whole weight, and its gradient goes to FSDP2's reduce-scatter as any layer's.
-:func:`apply_ntl_to_hf_model` may be called before or after the model is sharded.
-
-What the model does between its last hidden state and its logits must be reproducible on the hidden
-states: known conventions are Granite's ``logits_scaling`` (divides the logits), Cohere's
-``logit_scale`` and Falcon-H1's ``lm_head_multiplier`` (multiply them), all linear, and Gemma 2/3's
-``final_logit_softcapping``, taken as the loss's ``logit_softcap`` (:func:`head_options`). When the
-weights are materialised, :func:`check_head` compares the model's own logits with ``head(hidden) *
-multiplier`` (capped) on a few tokens and refuses any other transform (an unknown multiplier, a bias, a
-custom head).
+Known transforms between hidden state and logits are reproduced: ``logits_scaling``, ``logit_scale``,
+``lm_head_multiplier`` (:func:`logit_multiplier`) and ``final_logit_softcapping`` (:func:`head_options`);
+:func:`check_head` refuses any other where the weights are materialised.
 """
 
 from __future__ import annotations
@@ -59,13 +47,7 @@ def _text_config(model: Any) -> Any:
 
 
 def logit_multiplier(model: Any) -> float:
-    """The factor a model applies to ``head(hidden)`` to get its logits; refuses non-linear transforms.
-
-    Soft-capping (``final_logit_softcapping``) is not a factor: :func:`head_options` carries it.
-
-    Raises:
-        ValueError: a scaling attribute that is not a number.
-    """
+    """The factor a model applies to ``head(hidden)`` to get its logits (soft-capping aside)."""
     config = _text_config(model)
     multiplier = 1.0
     for name, invert in (("logits_scaling", True), ("logit_scale", False), ("lm_head_multiplier", False)):
@@ -89,13 +71,7 @@ def model_softcap(model: Any) -> float | None:
 
 
 def head_options(model: Any, options: NTLOptions) -> NTLOptions:
-    """``options`` with the model's own soft-capping (:func:`model_softcap`) as ``logit_softcap``, so the
-    hidden-state loss caps the logits as the model's forward does.
-
-    Raises:
-        ValueError: ``options.logit_softcap`` set for a model that caps its logits itself (they would be
-            capped twice, on the logits path too).
-    """
+    """``options`` with the model's own soft-capping as ``logit_softcap``; refuses capping twice."""
     cap = model_softcap(model)
     if cap is None:
         return options
@@ -109,7 +85,7 @@ def head_options(model: Any, options: NTLOptions) -> NTLOptions:
 
 
 def _materialised(module: torch.nn.Module) -> bool:
-    """Real weights here (not on the meta device, not partitioned by DeepSpeed ZeRO-3 or sharded by FSDP2)."""
+    """Real weights here (not meta, not partitioned by ZeRO-3, not sharded by FSDP2)."""
     return all(
         p.device.type != "meta" and p.numel() > 0 and not hasattr(p, "ds_id") and not is_dtensor(p)
         for p in module.parameters()
@@ -117,8 +93,7 @@ def _materialised(module: torch.nn.Module) -> bool:
 
 
 def _fully_sharded(model: Any) -> bool:
-    """``model`` is sharded by torch's FSDP2 (``fully_shard``, accelerate's ``fsdp_version=2``): its forward
-    gathers its parameters, the output layer's included, before the layers run."""
+    """``model`` is sharded by FSDP2 (its forward gathers the output layer's weight)."""
     if not torch.distributed.is_available():
         return False
     from torch.distributed.fsdp import FSDPModule
@@ -128,10 +103,9 @@ def _fully_sharded(model: Any) -> bool:
 
 @torch.no_grad()
 def check_head(model: Any, multiplier: float, head: torch.nn.Linear) -> bool:
-    """Refuses a model whose logits are not ``head(last hidden state) * multiplier``.
+    """Refuses a model whose logits are not ``head(last hidden state) * multiplier`` on four tokens.
 
-    Runs the model and its decoder on four tokens (eval mode, restored after). Skipped (returns False)
-    when the weights are not materialised here, e.g. partitioned by ZeRO-3 before ``deepspeed.initialize``.
+    Returns False (skipped) where the weights are not materialised, e.g. under ZeRO-3.
     """
     if not _materialised(model):
         return False
@@ -178,14 +152,11 @@ def linear_head(model: Any) -> torch.nn.Linear:
 def install_linear_loss_head(
     head: torch.nn.Linear, vocab: NumberVocab, options: NTLOptions, chunk_tokens: int | None = None
 ) -> None:
-    """Makes a whole (unsharded) ``nn.Linear`` output layer compute the loss: ``head(hidden, targets)``
-    returns the per-token (CE, NTL, number mask, hit, lse) chunk by chunk; ``head(hidden)`` is unchanged.
+    """Makes a whole ``nn.Linear`` output layer compute the loss: ``head(hidden, targets)`` returns the per-token
+    terms chunk by chunk (the evaluation ones under no grad); ``head(hidden)`` is unchanged.
 
-    With gradients enabled the terms are ``options``' (the training objective); under ``torch.no_grad()``
-    (held-out evaluation) ``options.for_evaluation()``'s: CE is the model's plain cross entropy.
-
-    Undone by :func:`remove_linear_loss_head`. For DeepSpeed AutoTP's vocabulary shard see
-    :func:`ntl_scale.integrations.deepspeed.install_vocab_parallel_loss_head`.
+    Undone by :func:`remove_linear_loss_head`; for AutoTP's shard see
+    :func:`~ntl_scale.integrations.deepspeed.install_vocab_parallel_loss_head`.
     """
     check_option("chunk_tokens", chunk_tokens)  # refused when installed, not at the first training step
 
@@ -193,16 +164,13 @@ def install_linear_loss_head(
         if targets is None:
             return F.linear(hidden, layer.weight)
         if is_dtensor(layer.weight):
-            # FSDP2 shards the weight on dim 0 like a vocabulary split, but over data-parallel ranks that hold
-            # other tokens: inside the model's forward it is gathered whole; a sharded one here is a misuse
+            # FSDP2's dim-0 shard is over ranks with other tokens, not a vocabulary split
             raise ValueError(
                 "the output layer's weight is a DTensor shard here (FSDP2 gathers it only inside the model's "
                 "forward); compute the loss through the model's forward (model(input_ids, labels=...)), not by "
                 "calling the output layer directly"
             )
-        # the callers (apply_ntl_to_hf_model's forward, ChunkedLossCausalLM with launch/train.py) sum CE over the valid
-        # targets, so the backward may reuse the forward's weight gradient without a host-side check.
-        # Under no_grad (held-out evaluation) the plain CE: no label smoothing, no z-loss (the cap stays).
+        # the callers sum CE over the valid targets: the backward may reuse the forward's weight gradient
         terms = linear_ce_ntl(
             hidden,
             layer.weight,
@@ -232,11 +200,10 @@ def hidden_state_terms(model: Any, multiplier: float, targets: torch.Tensor, **d
 
 
 def chunked_forward(original: Callable, loss: Any, multiplier: float) -> Callable:
-    """The forward :func:`apply_ntl_to_hf_model` installs: the hidden-state loss in training with labels, else
-    ``original``."""
+    """The hidden-state loss in training with labels, else ``original``."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    # transformers 5.24 renamed the output's past_key_values to cache (the old name survives there as an alias)
+    # transformers 5.24 renamed past_key_values to cache
     cache = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
     def forward(
@@ -278,11 +245,8 @@ def chunked_forward(original: Callable, loss: Any, multiplier: float) -> Callabl
 
 
 def framework_forward(original: Callable, loss: Any, multiplier: float, chunk_tokens: int | None) -> Callable:
-    """The forward of ``apply_ntl_to_hf_model(chunked=True)`` with ``ce_kernel="framework"``: in training with
-    labels the model's own forward (``original``: transformers' logits and loss, or Liger's fused linear CE
-    where ``apply_liger_kernel_to_*`` patched the class first) computes the CE sum (``num_items_in_batch=1``);
-    NTL comes from the decoder's final hidden states (a hook on ``model.base_model``) and the number rows of
-    the output weight (:func:`ntl_scale.linear_ce_ntl` with ``need_ce=False``). Otherwise ``original``."""
+    """``chunked=True`` with ``ce_kernel="framework"``: in training with labels ``original`` (transformers', or
+    Liger's fused linear CE) computes the CE sum, NTL comes from the hooked final hidden states."""
 
     def forward(self: Any, *args: Any, labels: Any = None, shift_labels: Any = None, **kwargs: Any) -> Any:
         if not self.training or (labels is None and shift_labels is None):
@@ -310,19 +274,8 @@ def framework_forward(original: Callable, loss: Any, multiplier: float, chunk_to
 
 
 class ChunkedLossCausalLM(torch.nn.Module):
-    """A Hugging Face causal LM whose training forward returns per-token CE and NTL, never the logits.
-
-    ``forward(input_ids, attention_mask, targets)`` runs the decoder to its final hidden states and
-    calls the output layer with the targets; that layer's forward is replaced by
-    :func:`ntl_scale.linear_ce_ntl`, so the ``[tokens, vocab]`` logits are never materialised.
-    Called without targets (generation, ``model.generate``) the output layer returns logits as before.
-
-    The loss runs inside the output layer's own forward, so DeepSpeed ZeRO-3 gathers its partitioned
-    weight there and again for the backward, as for any layer; pass this module to
-    ``deepspeed.initialize``. Granite's ``logits_scaling`` is applied to the hidden states (the map is
-    linear); Gemma's soft-capping is applied to each chunk's logits as the model's forward applies it
-    (:func:`head_options`). Under ``torch.no_grad()`` the terms are the evaluation ones (plain CE, no label
-    smoothing or z-loss: :meth:`ntl_scale.NTLOptions.for_evaluation`).
+    """A causal LM whose ``forward(input_ids, attention_mask, targets)`` returns per-token CE and NTL, never the
+    logits (:func:`install_linear_loss_head`); pass it to ``deepspeed.initialize``. ``.model`` gives logits.
 
     Args:
         model: a ``*ForCausalLM`` with a bias-free linear output layer.
@@ -341,7 +294,7 @@ class ChunkedLossCausalLM(torch.nn.Module):
 
     @property
     def loss_function(self) -> Any:
-        """The wrapped model's ``loss_function`` hook (DeepSpeed AutoTP sets it on the module it is given)."""
+        """The wrapped model's ``loss_function`` (AutoTP sets it on the module it is given)."""
         return self.model.loss_function
 
     @loss_function.setter
@@ -355,8 +308,7 @@ class ChunkedLossCausalLM(torch.nn.Module):
         targets: torch.Tensor | None = None,
         **decoder_kwargs: Any,
     ) -> PerTokenTerms:
-        """Per-token terms for next-token ``targets`` aligned with ``input_ids`` (already shifted);
-        ``decoder_kwargs`` (``position_ids``, ``use_cache``) go to the decoder."""
+        """Per-token terms for ``targets`` aligned with ``input_ids`` (already shifted)."""
         if targets is None:
             raise ValueError("ChunkedLossCausalLM.forward needs targets; call .model for logits or generation")
         terms, _ = hidden_state_terms(

@@ -1,42 +1,23 @@
 """Hugging Face route 1: NTL as the model's ``loss_function``: one line for ``Trainer``, TRL and custom loops.
 
-Hugging Face causal LMs compute their loss with ``self.loss_function(logits=..., labels=...,
-vocab_size=..., num_items_in_batch=..., shift_labels=..., **kwargs)``. :class:`NTLCausalLMLoss` has
-that signature and returns ``CE + weight * NTL``; :func:`apply_ntl_to_hf_model` installs it on a model
-(opt-in, idempotent, reversible with :func:`remove_ntl`)::
+:class:`NTLCausalLMLoss` has the signature of Hugging Face's ``ForCausalLMLoss`` and returns
+``CE + weight * NTL``; :func:`apply_ntl_to_hf_model` installs it (idempotent, undone by :func:`remove_ntl`)::
 
     from ntl_scale.integrations.hf import apply_ntl_to_hf_model
     apply_ntl_to_hf_model(model, number_vocab, ntl_weight=0.3)     # model(..., labels=...).loss is now CE + 0.3 NTL
 
-Normalisation (``docs/normalization.md``; the sums and means are :mod:`ntl_scale.normalization`'s)
-follows Hugging Face's, by what ``num_items_in_batch`` carries:
-
-* ``None``: the batch means, CE over label tokens and NTL over number-token labels;
-* a ``[tokens, numbers]`` pair (what ``ntl_trainer_class`` counts for the whole optimizer step, across
-  accumulation and devices, exactly as ``Trainer`` counts tokens): CE ``sum / tokens`` and NTL
-  ``sum / numbers``: the accumulation and device split does not change the gradient;
-* a scalar token count (a plain ``Trainer``): CE ``sum / tokens``, exact; the number-token count of
-  the step is unknown, so this micro-batch's NTL mean is weighted by its share of the step's tokens
-  (``ntl_sum / local_numbers * local_tokens / tokens``), which equals the step's NTL mean when number
-  tokens are spread evenly. Use ``ntl_trainer_class`` for the exact count.
-
-Logits scaling that models apply before the loss (Granite's ``logits_scaling``) reaches the loss as
-it is; soft-capped logits are reproduced too (the loss sees the model's own logits). The terms of
-the last calls are kept for logging, training and evaluation apart (:meth:`NTLCausalLMLoss.pop_means`).
-
-Training and evaluation: a call with gradients enabled is training and computes the objective with every
-option (label smoothing, z-loss); a call under ``torch.no_grad()`` (``Trainer.evaluate``, a held-out loop)
-is evaluation and computes CE without the training regularisers (:meth:`ntl_scale.NTLOptions.for_evaluation`:
-the model's own cross entropy; NTL as in training), so its loss and its ``eval_ce`` are the plain CE.
-
-For a custom loop on the logits, :func:`causal_lm_ce_with_ntl` is :func:`ntl_scale.ce_with_ntl` with
-the causal-LM label convention (:func:`shift_labels`).
+Normalisation follows what ``num_items_in_batch`` carries (``docs/normalization.md``): None, the batch
+means; a ``[tokens, numbers]`` pair (``ntl_trainer_class`` counts the step), the step's exact means; a scalar
+token count (a plain ``Trainer``), CE exact and NTL weighted by the micro-batch's share of the tokens.
+A call under ``torch.no_grad()`` is evaluation: the plain CE (:meth:`ntl_scale.NTLOptions.for_evaluation`).
+:func:`causal_lm_ce_with_ntl` is :func:`ntl_scale.ce_with_ntl` with causal-LM labels.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,23 +46,11 @@ __all__ = [
 _MARK = "_ntl_scale_loss"
 
 TOTALS = ("ce_sum", "tokens", "ntl_sum", "numbers", "hits", "z_loss_sum")
-"""The running sums of :class:`NTLCausalLMLoss` (``totals`` and ``eval_totals``), in order. ``ce_sum`` is the
-CE term the loss optimises, z-loss included; ``z_loss_sum`` is its z-loss part (0 in evaluation)."""
-
-
-def evaluating() -> bool:
-    """Whether a loss call is evaluation: gradients are off (``torch.no_grad()``, as ``Trainer.evaluate`` and
-    held-out loops run). A call that can be back-propagated is training, whatever ``model.training`` says,
-    so the objective a gradient sees never changes."""
-    return not torch.is_grad_enabled()
+"""The running sums of :class:`NTLCausalLMLoss` (``totals``, ``eval_totals``); ``ce_sum`` includes ``z_loss_sum``."""
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Next-token labels of a causal LM: ``labels[..., 1:]`` padded with ``ignore_index`` at the end.
-
-    Hugging Face causal LMs take unshifted ``labels`` and shift inside the model; with this the
-    logits at position ``t`` pair with ``shifted[t]`` without slicing (and copying) the logits.
-    """
+    """Next-token labels ``labels[..., 1:]`` padded with ``ignore_index``: no slicing (copy) of the logits."""
     pad = torch.full((*labels.shape[:-1], 1), ignore_index, dtype=labels.dtype, device=labels.device)
     return torch.cat([labels[..., 1:], pad], dim=-1)
 
@@ -89,18 +58,8 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
 def causal_lm_ce_with_ntl(
     logits: torch.Tensor, labels: torch.Tensor, vocab: NumberVocab, *, ignore_index: int = -100, **options: Any
 ) -> CENTLOutput:
-    """:func:`ntl_scale.ce_with_ntl` with Hugging Face causal-LM label semantics (unshifted labels).
-
-    Args:
-        logits: ``[batch, seq, V]`` model output.
-        labels: ``[batch, seq]`` the ``labels`` a Hugging Face causal LM takes (not shifted).
-        vocab: the number-token table.
-        ignore_index: label value to ignore (also fills the shifted-out last position).
-        **options: forwarded to :func:`ntl_scale.ce_with_ntl`.
-
-    Returns:
-        The :class:`ntl_scale.CENTLOutput`.
-    """
+    """:func:`ntl_scale.ce_with_ntl` of ``[batch, seq, V]`` logits for the unshifted ``labels`` a causal LM takes
+    (``ignore_index`` also fills the shifted-out last position; ``**options`` go to ``ce_with_ntl``)."""
     return ce_with_ntl(logits, shift_labels(labels, ignore_index), vocab, ignore_index=ignore_index, **options)
 
 
@@ -111,11 +70,9 @@ class NTLCausalLMLoss:
         vocab: the number table (over the model's vocabulary).
         ntl_weight: weight of the NTL term (0.3 in the paper).
         options: the NTL variant (default NTL-WAS).
-        causal: shift the labels as causal LMs do (False for labels already aligned with the logits,
-            e.g. encoder-decoder models).
-        framework_loss: with ``options.ce_kernel="framework"``, the model's own loss function (what
-            ``model.loss_function`` was); None: transformers' ``ForCausalLMLoss``. It computes the CE, NTL is
-            added beside it from the number columns; ``number_accuracy`` is not logged.
+        causal: shift the labels as causal LMs do (False for labels aligned with the logits, e.g. seq2seq).
+        framework_loss: with ``options.ce_kernel="framework"``, the model's own loss function that computes the
+            CE (None: transformers' ``ForCausalLMLoss``).
     """
 
     def __init__(
@@ -135,8 +92,7 @@ class NTLCausalLMLoss:
         self.causal = causal
         self.framework_loss = framework_loss
         self._ce_only = False
-        # Detached running sums since the last reset (TOTALS: ce_sum, tokens, ntl_sum, numbers, hits, z_loss_sum):
-        # the training calls' and, apart, the evaluation calls'
+        # detached running sums (TOTALS) of the training and, apart, the evaluation calls
         self.totals = torch.zeros(len(TOTALS), dtype=torch.float64)
         self.eval_totals = torch.zeros(len(TOTALS), dtype=torch.float64)
 
@@ -156,14 +112,15 @@ class NTLCausalLMLoss:
         shift_labels: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        if ignore_index is None:  # the caller's value when given, else the options' own (was: always -100)
+        if ignore_index is None:
             ignore_index = self.options.ignore_index
         if shift_labels is None:
             if labels is None:
                 raise ValueError("NTLCausalLMLoss needs labels or shift_labels")
             shift_labels = self.targets(labels, ignore_index)
         targets = shift_labels.to(logits.device)
-        options = self.options.for_evaluation() if evaluating() else self.options
+        # evaluation: a call under no grad, whatever model.training says (a gradient sees one objective)
+        options = self.options if torch.is_grad_enabled() else self.options.for_evaluation()
         if options.ignore_index != ignore_index:
             options = dataclasses.replace(options, ignore_index=ignore_index)
         if vocab_size is not None and logits.shape[-1] != vocab_size:
@@ -171,7 +128,9 @@ class NTLCausalLMLoss:
         if not framework_ce(options):
             terms = per_token_ce_ntl(logits, targets, self.vocab, options)
             return self.reduce(terms, targets, num_items_in_batch, ignore_index)
-        own = self.framework_loss or _for_causal_lm_loss()
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        own = self.framework_loss or ForCausalLMLoss
         one = torch.ones((), device=logits.device)  # num_items_in_batch 1: the framework's CE sum
         ce_sum = own(logits, None, logits.shape[-1], num_items_in_batch=one, ignore_index=ignore_index,
                      shift_labels=targets.contiguous(), **kwargs)  # fmt: skip
@@ -198,12 +157,9 @@ class NTLCausalLMLoss:
         *,
         ce_sum: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``CE + weight * NTL`` from per-token terms, normalised by what ``num_items_in_batch`` carries.
+        """``CE + weight * NTL`` by what ``num_items_in_batch`` carries; sums to :attr:`totals` or :attr:`eval_totals`.
 
-        The terms' sums go to :attr:`totals` (training) or, under ``torch.no_grad()``, to :attr:`eval_totals`;
-        evaluation terms are expected without the training regularisers (``options.for_evaluation()``, as
-        :meth:`__call__` and the hidden-state head compute them there). ``ce_sum``: the framework's CE sum
-        (``ce_kernel="framework"``), in place of the terms' CE.
+        ``ce_sum``: the framework's CE sum, in place of the terms' CE.
         """
         valid = targets != ignore_index
         if ce_sum is not None:  # the arg-max among the number columns (the full one is the framework's)
@@ -211,7 +167,7 @@ class NTLCausalLMLoss:
         sums = micro_batch_sums(terms, valid)
         if ce_sum is not None:
             sums = sums._replace(ce=ce_sum.to(sums.ntl.dtype))
-        evaluation = evaluating()
+        evaluation = not torch.is_grad_enabled()
         z_weight = 0.0 if evaluation else self.options.z_loss_weight
         if z_weight:  # the z-loss part of the CE term: logged apart as z_loss, out of the logged ce
             z_sum = z_weight * (terms.lse.detach().double().square() * valid).sum()
@@ -227,27 +183,18 @@ class NTLCausalLMLoss:
         totals += step
         counts = num_items_in_batch
         if counts is None:  # the micro-batch normalisation
-            return objective(sums, (sums.tokens, sums.numbers), self.ntl_weight)
-        if torch.is_tensor(counts) and counts.numel() == 2:  # the global one, over ntl_trainer_class's counts
+            tokens, step_numbers = sums.tokens, sums.numbers
+        elif torch.is_tensor(counts) and counts.numel() == 2:  # the global one, over ntl_trainer_class's counts
             tokens, step_numbers = counts.reshape(2).to(sums.ce.device, sums.ce.dtype)
-            return objective(sums, (tokens, step_numbers), self.ntl_weight)
-        # Trainer's token count N alone: the step's K estimated from this micro-batch's share of N (k N / n,
-        # exact when number tokens are spread evenly); CE / N stays exact. n = 0 has k = 0: K = 0.
-        tokens = torch.as_tensor(counts, dtype=sums.ce.dtype, device=sums.ce.device).reshape(())
-        step_numbers = sums.numbers * tokens / sums.tokens.clamp_min(1)
+        else:  # Trainer's token count N alone: K estimated as k N / n (exact when numbers are spread evenly)
+            tokens = torch.as_tensor(counts, dtype=sums.ce.dtype, device=sums.ce.device).reshape(())
+            step_numbers = sums.numbers * tokens / sums.tokens.clamp_min(1)
         return objective(sums, (tokens, step_numbers), self.ntl_weight)
 
     def pop_means(self, reduce: Any = None, *, evaluation: bool = False) -> dict[str, float]:
-        """The means since the last call, then resets: ``ce``, ``ntl``, ``number_accuracy`` and, when the
-        options have a z-loss (training only), ``z_loss``.
-
-        ``ce`` is the mean CE per label token without the z-loss: in training the CE the loss optimises
-        (label-smoothed with ``label_smoothing``), in evaluation the plain CE. ``z_loss`` is the mean of
-        ``z_loss_weight * logsumexp**2`` over the same tokens (the objective's CE term is ``ce + z_loss``).
-        ``ntl`` is the mean NTL per NTL position; ``number_accuracy`` the share of NTL positions whose label
-        is the arg-max over the whole vocabulary (``ce_kernel="framework"``: :data:`~..beside.CHOICE`, the arg-max
-        among the number columns). A mean whose count is 0
-        (no label token, no NTL position since the last call) is left out.
+        """The means since the last call, then resets: ``ce`` (without the z-loss; plain in evaluation), ``ntl``,
+        ``number_accuracy`` (:data:`~..beside.CHOICE` with the framework CE) and, training with a z-loss,
+        ``z_loss``. A mean whose count is 0 is left out.
 
         Args:
             reduce: sums the running totals across processes (e.g. ``accelerator.reduce(t, "sum")``, a
@@ -269,12 +216,6 @@ class NTLCausalLMLoss:
         return means
 
 
-def _for_causal_lm_loss() -> Any:
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    return ForCausalLMLoss
-
-
 def apply_ntl_to_hf_model(
     model: Any,
     number_vocab: NumberVocab,
@@ -287,24 +228,20 @@ def apply_ntl_to_hf_model(
 ) -> NTLCausalLMLoss:
     """Makes a Hugging Face causal LM's loss ``CE + ntl_weight * NTL``; idempotent, undone by :func:`remove_ntl`.
 
-    Sets ``model.loss_function`` (the hook every ``*ForCausalLM.forward`` calls with its logits and
-    labels). With ``chunked=True`` the training forward with labels computes the loss from the final
-    hidden states instead and never builds the logits (:mod:`ntl_scale.integrations.hf.chunked`);
-    its ``outputs.logits`` is then None. Evaluation, ``generate`` and calls without labels are the
-    model's own forward. A second call returns the installed loss (and refuses different settings).
+    Sets ``model.loss_function``. With ``chunked=True`` a training forward with labels computes the loss from
+    the final hidden states (:mod:`ntl_scale.integrations.hf.chunked`; ``outputs.logits`` is None); evaluation,
+    ``generate`` and calls without labels are the model's own. A second call with other settings is refused.
 
     Args:
         model: a ``transformers`` causal LM (``PreTrainedModel`` with a ``loss_function``).
         number_vocab: the number table over the model's vocabulary (``model.config.vocab_size``).
         ntl_weight: the NTL weight.
-        options: the NTL variant and ``impl`` (:class:`ntl_scale.NTLOptions`; the option spec,
-            :mod:`ntl_scale.options`, lists how the other front ends spell each).
-        chunked: the hidden-state loss in training (bias-free linear head; Granite's ``logits_scaling``
-            and Cohere's ``logit_scale`` are applied; a soft-capping model's cap is applied too).
+        options: the NTL variant and ``impl`` (:class:`ntl_scale.NTLOptions`).
+        chunked: the hidden-state loss in training (bias-free linear head; logit scaling and soft-capping
+            applied).
         chunk_tokens: tokens per chunk of the hidden-state loss (default: about 2**26 logits per chunk).
-        check: with ``chunked``, compare the model's own logits with the hidden-state reconstruction on
-            four tokens and refuse a model whose head does something else (skipped when the weights
-            are not materialised, e.g. partitioned by ZeRO-3).
+        check: with ``chunked``, refuse a model whose logits differ from the hidden-state reconstruction on
+            four tokens (skipped for weights not materialised, e.g. under ZeRO-3).
 
     Returns:
         The installed :class:`NTLCausalLMLoss` (its ``pop_means()`` gives CE and NTL for logging).
@@ -344,8 +281,6 @@ def apply_ntl_to_hf_model(
             "from uncapped hidden-state logits; use the logits path (chunked=False) or ce_kernel='ntl_scale'"
         )
     if chunked:
-        import types
-
         multiplier = hidden.logit_multiplier(model)
         head = hidden.linear_head(model)
         if check:
@@ -383,8 +318,7 @@ def is_chunked(model: Any) -> bool:
 
 
 def remove_ntl(model: Any) -> bool:
-    """Undoes :func:`apply_ntl_to_hf_model` (the model's own forward and ``loss_function``); returns whether it
-    was installed."""
+    """Undoes :func:`apply_ntl_to_hf_model`; returns whether it was installed."""
     record = model.__dict__.pop(_MARK, None)
     if record is None:
         return False

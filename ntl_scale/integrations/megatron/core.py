@@ -1,33 +1,17 @@
 """Megatron route for a ``megatron.core`` training loop of your own: ``loss_func`` and ``forward_step``.
 
-For Megatron-LM's ``pretrain_gpt.py`` use :mod:`ntl_scale.integrations.megatron.lm` (through
-``launch/pretrain_gpt_ntl.py``) instead. Pieces, each usable alone (Megatron is imported lazily, only
-where a Megatron object is needed); the flags and settings are in :mod:`.args`:
+For Megatron-LM's ``pretrain_gpt.py`` use :mod:`ntl_scale.integrations.megatron.lm`. Each piece works alone
+(Megatron is imported lazily); the flags are in :mod:`.args`:
 
-* :func:`make_loss_func`: a ``loss_func`` with Megatron's contract ``(loss, num_tokens, report)``
-  that computes CE + NTL from the vocab-sharded logits with the fused op (no extra collective) and
-  reports ``lm loss`` (the cross entropy; in evaluation the plain one), ``ntl loss``, ``number accuracy``
-  and, in training with a z-loss, ``z loss`` as ``[sum, count]`` pairs;
-* :class:`GlobalCounts`: the token and number-token counts of the whole global batch, computed once
-  per step from the labels of all micro-batches (for ``--ntl-normalization global``);
+* :func:`make_loss_func`: a ``loss_func`` ``(loss, num_tokens, report)`` of CE + NTL from vocab-sharded logits;
+* :class:`GlobalCounts`: the step's token and number-token counts (``--ntl-normalization global``);
 * :func:`make_forward_step`: a ``forward_step(data_iterator, model)`` with both;
 * :class:`NTLLanguageModelMixin`: NTL inside the model's ``compute_language_model_loss`` (MTP heads).
 
-With ``ce_kernel="framework"`` both take Megatron's CE (:func:`~.terms.megatron_cross_entropy`; the mixin its
-own method) and add NTL of the number columns beside it.
-
-Normalisation (``docs/normalization.md``; the counts, sums and ``L`` are :mod:`ntl_scale.normalization`'s):
-Megatron divides what ``loss_func`` returns by the whole ``num_tokens`` it returns and by the number of
-micro-batches (or, with ``--calculate-per-token-loss``, the gradients by the sum of those ``num_tokens``).
-The loss is pre-scaled here so that after those divisions it is the objective, for any non-negative
-loss mask (``num_tokens`` is the mask's sum truncated, :func:`~.terms.megatron_num_tokens`, which differs
-from the sum for weights such as 0.5 and 1.5):
-
-* ``micro-batch`` (the paper's semantics): NTL is the mean over the number tokens of each
-  micro-batch, added to that micro-batch's mean CE;
-* ``global``: CE is ``sum / global token count`` and NTL ``sum / global number-token count`` over
-  the whole global batch (all micro-batches and data/context-parallel ranks), so the split into
-  micro-batches, accumulation steps and DP ranks does not change the loss or its gradient.
+The loss is pre-scaled so that after Megatron's divisions (by ``num_tokens``, the mask's truncated sum, and
+the micro-batches; or by the step's summed ``num_tokens`` with per-token loss) it is the objective, for any
+non-negative loss mask: per micro-batch means (``micro-batch``) or sums over the global batch divided by its
+counts (``global``; ``docs/normalization.md``). ``ce_kernel="framework"`` takes Megatron's CE and adds NTL beside it.
 """
 
 from __future__ import annotations
@@ -71,15 +55,12 @@ __all__ = [
 def count_targets(
     labels: torch.Tensor, loss_mask: torch.Tensor, vocab: NumberVocab, options: NTLOptions | None = None
 ) -> torch.Tensor:
-    """``[tokens, NTL positions]`` of one micro-batch: the loss-mask weight of all labels and of the
-    positions that carry NTL (:func:`ntl_scale.ntl_positions`: number labels, or one per number for
-    ``--ntl-loss number``), float64."""
+    """``[tokens, NTL positions]`` of one micro-batch under its loss mask, float64."""
     return ntl_counts(labels, vocab, options, loss_mask=loss_mask)
 
 
 def _from_parallel_state(name: str) -> int | None:
-    """``megatron.core.parallel_state``'s context-parallel size (``name="cp"``) or data x context parallel size
-    (``"dp_cp"``), when its groups are initialised in this process; None otherwise (it is not imported here)."""
+    """``parallel_state``'s CP (``"cp"``) or DP x CP (``"dp_cp"``) size when initialised, else None."""
     ps = sys.modules.get("megatron.core.parallel_state")
     if ps is None or not (dist.is_available() and dist.is_initialized()) or not ps.model_parallel_is_initialized():
         return None
@@ -88,10 +69,9 @@ def _from_parallel_state(name: str) -> int | None:
     return int(ps.get_data_parallel_world_size(with_context_parallel=True))
 
 
-def _parallel_size(given: int | None, name: str, argument: str, where: str, needed: bool) -> int:
-    """A parallel size of the run: the argument when given (it must agree with an initialised
-    ``parallel_state``), else ``parallel_state``'s, else 1 in a single process; where it matters (``needed``)
-    and none of these can tell, a ValueError asking for the argument."""
+def _parallel_size(given: int | None, name: str, where: str, needed: bool) -> int:
+    """The argument (agreeing with ``parallel_state``), else ``parallel_state``'s, else 1 in one process."""
+    argument = "context_parallel_size" if name == "cp" else "data_parallel_size"
     known = _from_parallel_state(name)
     if given is not None:
         if known is not None and given != known:
@@ -113,36 +93,22 @@ def _parallel_size(given: int | None, name: str, argument: str, where: str, need
     )
 
 
-def _context_parallel_size(given: int | None, options: NTLOptions, where: str) -> int:
-    """The context-parallel size (:func:`_parallel_size`); it matters to number-level NTL only."""
-    return _parallel_size(given, "cp", "context_parallel_size", where, needed=options.loss == "number")
-
-
 class GlobalCounts:
     """Token and number-token counts of one global batch, reduced once per step.
 
-    Call :meth:`set_step` with the ``(labels, loss_mask)`` of all micro-batches of the step that
-    this rank sees (before the first forward); one SUM all-reduce over ``group`` (data x context
-    parallel) makes them global (the counts of :func:`ntl_scale.normalization.step_counts`, and beside them
-    :attr:`divisor`).
+    Call :meth:`set_step` with the ``(labels, loss_mask)`` of the step's micro-batches on this rank before the
+    first forward; one SUM all-reduce over ``group`` makes them global.
 
     Args:
         vocab: the number table.
         group: the data(-and-context)-parallel group, or None for one replica.
         options: the NTL variant (what NTL's denominator counts: :func:`ntl_scale.ntl_positions`).
-        context_parallel_size: Megatron's context-parallel size; the labels are this rank's local
-            sequences (two load-balanced slices), whose numbers number-level NTL cuts at the slice borders
-            (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`), as the loss does. None
-            (default): read from ``megatron.core.parallel_state`` when its groups are initialised, else 1 in
-            a single process; number-level NTL in several processes without either is refused.
+        context_parallel_size: Megatron's context-parallel size (None: ``parallel_state``'s, else 1 in one process).
 
     Attributes:
         tokens: ``T``, the loss-mask weight of the step (float64, after :meth:`set_step`).
         numbers: ``K``, that of its NTL positions.
-        divisor: ``D``, the sum of the micro-batches' Megatron ``num_tokens``
-            (:func:`~ntl_scale.integrations.megatron.terms.megatron_num_tokens`, the truncated mask sums):
-            what Megatron divides the step's gradients by with ``--calculate-per-token-loss``. ``D = T`` for a
-            0/1 loss mask.
+        divisor: ``D``, the summed Megatron ``num_tokens`` (``--calculate-per-token-loss``'s divisor).
     """
 
     def __init__(
@@ -155,7 +121,7 @@ class GlobalCounts:
     ) -> None:
         self.vocab, self.group, self.options = vocab, group, options
         options = options or NTLOptions()
-        cp = _context_parallel_size(context_parallel_size, options, "GlobalCounts")
+        cp = _parallel_size(context_parallel_size, "cp", "GlobalCounts", options.loss == "number")
         self.pieces = context_parallel_pieces(cp, options)
         self.tokens: torch.Tensor | None = None
         self.numbers: torch.Tensor | None = None
@@ -197,9 +163,10 @@ def make_loss_func(
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor, dict]]:
     """A Megatron ``loss_func(labels, loss_mask, logits)`` computing CE + weight * NTL.
 
-    Bind ``labels`` and ``loss_mask`` with ``functools.partial`` in ``forward_step``, as
-    ``pretrain_gpt.py`` binds ``loss_mask``; the schedule then calls it with the model output,
-    the vocab-sharded logits ``[b, s, V/tp]`` of a model called without labels.
+    Bind ``labels`` and ``loss_mask`` with ``functools.partial`` in ``forward_step``; the schedule calls it with
+    the vocab-sharded logits ``[b, s, V/tp]`` of a model called without labels. ``settings.chunked`` is refused
+    (use :class:`NTLLanguageModelMixin`). Reported as ``[sum, count]``: ``lm loss`` (the cross entropy, plain in
+    evaluation), ``ntl loss``, ``number accuracy`` and, in training with a z-loss, ``z loss``.
 
     Args:
         settings: the NTL settings.
@@ -207,55 +174,31 @@ def make_loss_func(
         tp_group: the tensor-parallel group of the output layer.
         calculate_per_token_loss: Megatron's ``--calculate-per-token-loss``.
         global_counts: required for ``normalization="global"``.
-        num_microbatches: micro-batches per step (a value or Megatron's ``get_num_microbatches``);
-            global normalisation without per-token loss undoes the schedule's division by it.
-        data_parallel_size: data-parallel size x context-parallel size (Megatron averages gradients
-            over it when not computing per-token loss). None (default): read from
-            ``megatron.core.parallel_state`` when its groups are initialised, else 1 in a single process;
-            refused (global normalisation in several processes) when neither can tell.
-        inplace: reuse the fp32 logits buffer (the logits are not used after the loss).
-        context_parallel_size: Megatron's context-parallel size: the labels and logits are this rank's two
-            load-balanced slices of each sequence, and number-level NTL cuts numbers at the slice borders
-            (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`; ``global_counts`` counts so
-            too). None (default): read from ``megatron.core.parallel_state`` as ``data_parallel_size``; a
-            value that contradicts it is refused.
-        cross_entropy_fusion_impl: with ``--ntl-ce-kernel framework``, which Megatron CE runs
-            (:func:`~.terms.megatron_cross_entropy`: None plain, ``native`` or ``te`` fused); NTL is added beside it
-            and ``number accuracy`` is not reported.
-
-    Every field of ``settings`` is read: the variant and ``impl``, ``weight``, ``normalization``;
-    ``chunked`` (``--ntl-chunked``) is refused, since a ``loss_func`` of logits never sees the hidden
-    states (use :class:`NTLLanguageModelMixin` or the Megatron-LM route for it); ``number_vocab`` is how
-    ``vocab`` was built (:func:`~ntl_scale.integrations.megatron.build_number_vocab`).
-
-    The loss is exact for any non-negative ``loss_mask``: ``num_tokens`` is Megatron's whole
-    :func:`~ntl_scale.integrations.megatron.terms.megatron_num_tokens` and the loss is scaled so that after
-    Megatron's divisions its gradient is that of ``sum m CE / N + w sum m NTL / K`` (``N``, ``K`` the mask's
-    weights; the step's under ``global``, the micro-batch's otherwise).
-
-    Reported (``[sum, count]`` pairs, which Megatron sums over micro-batches and ranks and divides):
-    ``lm loss`` the cross entropy under the mask (in training label-smoothed with ``label_smoothing``, without
-    the z-loss; in evaluation, i.e. without gradient as in Megatron's ``evaluate``, the plain cross entropy of
-    :meth:`~ntl_scale.NTLOptions.for_evaluation`), ``ntl loss`` and ``number accuracy`` over the NTL positions,
-    and in training with ``z_loss_weight`` ``z loss``, the z-loss ``z_loss_weight * lse**2`` over the CE tokens.
+        num_microbatches: micro-batches per step (a value or Megatron's ``get_num_microbatches``).
+        data_parallel_size: data x context parallel size (None: ``parallel_state``'s, else 1 in one process).
+        inplace: reuse the fp32 logits buffer.
+        context_parallel_size: Megatron's context-parallel size (None: as ``data_parallel_size``).
+        cross_entropy_fusion_impl: with ``--ntl-ce-kernel framework``, Megatron's CE
+            (:func:`~.terms.megatron_cross_entropy`: None plain, ``native`` or ``te``).
 
     Returns:
         ``loss_func(labels, loss_mask, logits, *, evaluation=None) -> (loss, num_tokens, report)``;
-        ``evaluation`` None: no gradient (:func:`~ntl_scale.integrations.megatron.terms.is_evaluation`).
+        ``evaluation`` None: no gradient.
     """
     _refuse_chunked(settings, "make_loss_func / make_forward_step")
     if settings.normalization == "global" and global_counts is None:
         raise ValueError("--ntl-normalization global needs a GlobalCounts (global_counts=...)")
     options = settings.options()
     eval_options = options.for_evaluation()
-    pieces = context_parallel_pieces(_context_parallel_size(context_parallel_size, options, "make_loss_func"), options)
+    cp = _parallel_size(context_parallel_size, "cp", "make_loss_func", options.loss == "number")
+    pieces = context_parallel_pieces(cp, options)
     if global_counts is not None and global_counts.pieces != pieces:
         raise ValueError(
             f"the GlobalCounts cut numbers into {global_counts.pieces} piece(s) per sequence but this loss into "
             f"{pieces}; build both with the same context_parallel_size"
         )
     needs_dp = settings.normalization == "global" and not calculate_per_token_loss
-    dp_cp = _parallel_size(data_parallel_size, "dp_cp", "data_parallel_size", "make_loss_func", needed=needs_dp)
+    dp_cp = _parallel_size(data_parallel_size, "dp_cp", "make_loss_func", needed=needs_dp)
 
     def loss_func(
         labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor, *, evaluation: bool | None = None
@@ -276,8 +219,6 @@ def make_loss_func(
         n = megatron_num_tokens(loss_mask).to(ce_sum.device)  # what Megatron divides by: a whole number
         if settings.normalization == "global" and not evaluation:
             counts = global_counts.get()  # type: ignore[union-attr]
-            # Megatron's rescale: the schedule divides what loss_func returns by num_tokens and by the micro-batches
-            # m, and DDP averages over the data x context parallel ranks (with per-token loss: by the step's D).
             step = MicroBatchScale(
                 tokens=counts[0],
                 numbers=counts[1],
@@ -291,7 +232,6 @@ def make_loss_func(
             else:
                 loss = objective(sums, counts, settings.weight, scale=step.rescale(n.to(ce_sum.dtype)))
         else:
-            # The micro-batch's own means (evaluation too: no step counts there), after Megatron's division by n.
             ab = micro_batch_weights(num_tokens, num_numbers, n, calculate_per_token_loss)
             loss = apply_factors(ab, ce_sum, ntl_sum, settings.weight)
         ce, z_sum = without_z_loss(terms, labels, run_options, loss_mask)
@@ -310,7 +250,7 @@ def make_loss_func(
 
 
 def _refuse_chunked(settings: NTLSettings, route: str) -> None:
-    """Refuses ``settings.chunked`` on a route that computes the loss from the logits (it would be ignored)."""
+    """Refuses ``settings.chunked`` on a route of logits."""
     if settings.chunked:
         raise ValueError(
             f"settings.chunked=True (--ntl-chunked) computes the loss from the hidden states, which {route} never "
@@ -321,10 +261,7 @@ def _refuse_chunked(settings: NTLSettings, route: str) -> None:
 
 
 def plain_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Megatron-LM's own GPT ``loss_func`` arithmetic for the per-token CE the model returns.
-
-    Used when ``--ntl-weight`` is 0, so the run is the plain Megatron run.
-    """
+    """Megatron-LM's own GPT ``loss_func`` of the per-token CE the model returns (``--ntl-weight 0``)."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
@@ -347,35 +284,22 @@ def make_forward_step(
     data_parallel_size: int | None = None,
     context_parallel_size: int | None = None,
 ) -> Callable:
-    """A Megatron ``forward_step(data_iterator, model)`` with CE + NTL.
+    """A Megatron ``forward_step(data_iterator, model)`` with CE + NTL (:func:`make_loss_func`).
 
-    With NTL on, the model is called without labels and returns the vocab-sharded logits on the
-    last pipeline stage; the loss is computed by :func:`make_loss_func`. Other stages are unchanged
-    (the schedule never calls their ``loss_func``). With ``--ntl-weight 0`` the model computes its
-    own CE and :func:`plain_loss_func` reduces it: the plain Megatron run.
-
-    For ``normalization="global"`` the first call of every training step pulls all ``num_microbatches``
-    micro-batches, counts their (number) tokens and reduces the counts over ``count_group`` (data x
-    context parallel) once; later calls of the step are served from that buffer. Evaluation (no gradient or
-    ``model.eval()``, as in Megatron's ``evaluate``) pulls one micro-batch per call and counts nothing: its
-    ``lm loss`` is the plain cross entropy (:func:`make_loss_func`).
+    At ``--ntl-weight 0`` the model computes its own CE (:func:`plain_loss_func`). Under ``global`` the first
+    call of a training step pulls its ``num_microbatches`` micro-batches and counts them once; evaluation
+    pulls one per call and counts nothing.
 
     Args:
         settings: the NTL settings.
         vocab: the number table (may be None on stages other than the last).
-        get_batch: returns ``(tokens, labels, loss_mask, attention_mask, position_ids)`` for one
-            micro-batch (labels and loss mask may be None on stages that do not need them).
+        get_batch: returns ``(tokens, labels, loss_mask, attention_mask, position_ids)`` for one micro-batch.
         tp_group: tensor-parallel group of the output layer.
         count_group: data x context parallel group for the global counts.
         num_microbatches: micro-batches per step, or Megatron's ``get_num_microbatches``.
         calculate_per_token_loss: Megatron's ``--calculate-per-token-loss``.
-        data_parallel_size: data-parallel x context-parallel size (None: read from ``parallel_state``, as
-            :func:`make_loss_func` reads it).
-        context_parallel_size: Megatron's context-parallel size (``get_batch`` returns this rank's slices;
-            number-level NTL cuts numbers at their borders, in the loss and the counts alike). None: read
-            from ``megatron.core.parallel_state`` (:func:`make_loss_func`).
-
-    Every field of ``settings`` is read, as by :func:`make_loss_func` (``chunked`` is refused there).
+        data_parallel_size: data x context parallel size (None: as :func:`make_loss_func`).
+        context_parallel_size: Megatron's context-parallel size (None: as :func:`make_loss_func`).
 
     Returns:
         ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``.
@@ -431,8 +355,7 @@ def make_forward_step(
 
 
 def _agree(name: str, given: Any, setting: Any, default: Any) -> Any:
-    """A keyword argument and the settings' field of one option: the keyword when the settings keep their
-    default, the setting when the keyword is not given; a ValueError when both are set and differ."""
+    """The keyword, else the setting; a ValueError when both are set and differ."""
     if given is None:
         return setting
     if setting != default and given != setting:
@@ -444,39 +367,17 @@ def _agree(name: str, given: Any, setting: Any, default: Any) -> Any:
 
 
 class NTLLanguageModelMixin:
-    """Adds NTL to Megatron's ``compute_language_model_loss`` (the model-side route).
-
-    Use it where the model computes its own loss, e.g. with multi-token-prediction heads, which
-    call ``compute_language_model_loss`` for every head::
+    """Adds NTL to Megatron's ``compute_language_model_loss`` (the model-side route, MTP heads included)::
 
         class NTLGPTModel(NTLLanguageModelMixin, GPTModel): ...
         model = NTLGPTModel(config=..., ...)
         model.configure_ntl(settings, vocab, tp_group)
 
-    The per-token loss becomes ``a ce_t + weight * ntl_t * b`` with ``(a, b) = (n / T, n / K)``: ``T`` the
-    loss-mask weight of the micro-batch's label positions, ``K`` that of its NTL positions and ``n`` Megatron's
-    ``num_tokens`` (the mask's sum truncated, :func:`~ntl_scale.integrations.megatron.terms.megatron_num_tokens`;
-    ``n = T`` and ``a = 1`` for a 0/1 mask), so that Megatron's ``loss_func`` (the masked sum divided by ``n``)
-    gives the mean CE plus ``weight`` times the mean NTL over the number tokens the loss mask keeps, for any
-    mask weights. ``ce_t`` is the objective's CE term (label-smoothed, plus the z-loss, with those options);
-    in evaluation (no gradient, or ``model.eval()``: Megatron's ``evaluate``) it is the plain cross entropy
-    (:meth:`~ntl_scale.NTLOptions.for_evaluation`). The model sees the loss mask when it is passed to its
-    call (``model(..., labels=labels, loss_mask=loss_mask)``, which ``GPTModel.forward`` takes); without it
-    every position counts (exact when the loss mask keeps every position, as in pretraining without
-    padding). MTP heads, whose labels Megatron rolls, count every position of their labels.
-
-    The context-parallel size (number-level NTL cuts numbers at the slice borders) is the model's
-    ``TransformerConfig.context_parallel_size``.
-
-    ``normalization="global"`` uses the Megatron-LM route's mechanism: before each training forward the
-    caller sets :attr:`ntl_scale` to the step's :class:`~ntl_scale.integrations.megatron.lm.MicroBatchScale`
-    (the step's ``T``, ``K`` and, for ``--calculate-per-token-loss``, Megatron's divisor ``D`` from
-    :class:`GlobalCounts`, the micro-batch count ``m``, the data x context parallel size ``r``), as
-    ``NTLForwardStep`` sets ``hook.scale``. The main head's per-token loss is then ``a ce + b w ntl`` with
-    ``(a, b) = ntl_scale.weights(n)``, so that after Megatron's division by ``n``, ``m`` and ``r`` (or by ``D``
-    with per-token loss) the summed gradient is that of ``CE_sum / T + w NTL_sum / K`` over the whole step. A
-    training forward under ``global`` without :attr:`ntl_scale` raises; evaluation and MTP heads use the
-    micro-batch mean. Under ``micro-batch`` :attr:`ntl_scale` is ignored.
+    The per-token loss is ``a ce_t + weight b ntl_t`` (:func:`~.lm.head_loss`): after Megatron's ``loss_func``
+    the micro-batch's mean CE plus ``weight`` times its mean NTL under the loss mask passed to the model's call
+    (``model(..., labels=labels, loss_mask=loss_mask)``; without it every position counts; MTP heads count every
+    position). Evaluation uses the plain CE. Under ``normalization="global"`` set :attr:`ntl_scale` to the
+    step's :class:`~.lm.MicroBatchScale` before each training forward (a forward without it raises).
     """
 
     ntl_scale: MicroBatchScale | None = None
@@ -494,16 +395,8 @@ class NTLLanguageModelMixin:
     ) -> None:
         """Turns NTL on for this model (a no-op loss change when ``settings.weight`` is 0).
 
-        With ``chunked`` (``settings.chunked``, or the keyword) CE + NTL come from the final hidden states
-        and the output layer's (vocab-parallel) weight with :func:`ntl_scale.linear_ce_ntl`, never
-        materialising the logits, whenever the model is called with labels; without labels it returns
-        logits as before.
-
-        Every field of ``settings`` is read: the variant and ``impl``, ``weight``, ``chunked`` and
-        ``chunk_tokens`` (the keywords, when given, replace a default of the settings and must agree with a
-        value set there), and ``normalization``: ``micro-batch``, or ``global`` with the step's counts set
-        in :attr:`ntl_scale` before each training forward (see the class docstring). ``number_vocab`` is how
-        ``vocab`` was built (``build_number_vocab``).
+        With ``chunked`` CE + NTL come from the hidden states and the output weight
+        (:func:`ntl_scale.linear_ce_ntl`) whenever the model is called with labels.
 
         Args:
             settings: the NTL settings.
@@ -511,10 +404,7 @@ class NTLLanguageModelMixin:
             tp_group: the output layer's tensor-parallel group.
             chunked: the hidden-state route (None: ``settings.chunked``).
             chunk_tokens: tokens per chunk of it (None: ``settings.chunk_tokens``).
-            context_parallel_size: Megatron's context-parallel size: the labels are this rank's two
-                load-balanced slices, and number-level NTL cuts numbers at the slice borders
-                (:func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`). None (default): the
-                model's ``TransformerConfig.context_parallel_size``; a value that contradicts it is refused.
+            context_parallel_size: Megatron's context-parallel size (None: the model's ``TransformerConfig``'s).
         """
         chunked = bool(_agree("chunked", chunked, settings.chunked, False))
         chunk_tokens = _agree("chunk_tokens", chunk_tokens, settings.chunk_tokens, None)
@@ -560,9 +450,7 @@ class NTLLanguageModelMixin:
             self._ntl_call = (None, None)
 
     def _ntl_scaled(self, terms: PerTokenTerms, labels: torch.Tensor, settings: NTLSettings) -> torch.Tensor:
-        """``a ce + weight * ntl * b``: the micro-batch's means under the loss mask the model was called with
-        (main head: after Megatron's division by its whole ``num_tokens``), or under ``global`` the step's
-        :attr:`ntl_scale` weights."""
+        """``a ce + weight b ntl`` under the loss mask the model was called with (:func:`~.lm.head_loss`)."""
         main_labels, mask = getattr(self, "_ntl_call", (None, None))
         if mask is None or labels is not main_labels:
             weight = torch.ones_like(terms.ce)
@@ -601,7 +489,7 @@ class NTLLanguageModelMixin:
         return self._ntl_scaled(terms, labels, settings)
 
     def _ntl_options(self, settings: NTLSettings) -> NTLOptions:
-        """The settings' options; in evaluation (:func:`~.terms.is_evaluation`) without label smoothing and z-loss."""
+        """The settings' options, :meth:`~ntl_scale.NTLOptions.for_evaluation` in evaluation."""
         options = settings.options()
         return options.for_evaluation() if is_evaluation(self) else options
 

@@ -1,43 +1,17 @@
 """Megatron-LM route (``pretrain_gpt.py``, via ``launch/pretrain_gpt_ntl.py``): NTL inside its ``GPTModel``.
 
-The model computes CE + NTL wherever it computes CE; :class:`NTLForwardStep` wraps Megatron-LM's own
-``forward_step``. For a ``megatron.core`` loop of your own see :mod:`ntl_scale.integrations.megatron.core`.
+:func:`apply_ntl_to_megatron_model` replaces ``compute_language_model_loss(labels, logits)`` (main and MTP
+heads) on one model instance (idempotent, undone by :func:`remove_ntl`); :class:`NTLForwardStep` wraps
+Megatron-LM's own ``forward_step``, so ``get_batch``, ``loss_func`` and its NaN/Inf checks, MTP and the
+schedules stay Megatron's. For a ``megatron.core`` loop of your own see :mod:`ntl_scale.integrations.megatron.core`.
 
-Megatron's ``GPTModel`` turns logits into a per-token loss in one method,
-``compute_language_model_loss(labels, logits)``, for the main head and for every multi-token
-prediction (MTP) head. :func:`apply_ntl_to_megatron_model` replaces that method on one model instance (opt-in,
-idempotent, reversible with :func:`remove_ntl`), so everything around it stays Megatron's own:
-``get_batch`` and its packed-sequence parameters, ``loss_func`` with its NaN/Inf and spiky-loss
-checks, MTP rolling and logging, the schedules and their normalisation.
-
-The per-token tensor handed back to Megatron has the **value** of the cross entropy (so ``lm loss``
-and the MTP losses log the cross entropy, as without NTL) and the **gradient** of
-
-    a * CE + weight * b * NTL
-
-where ``CE`` is the objective's CE term (label-smoothed, plus the z-loss, with those options) and ``a``
-and ``b`` carry the normalisation (:class:`MicroBatchScale`, :func:`head_loss`). The trick is
-``(ce - z) + (x - x.detach())`` with ``x = a * ce + weight * b * ntl`` and ``ce - z`` the cross entropy
-without its z-loss part, detached (:func:`~.terms.without_z_loss`): ``x - x.detach()`` is exactly 0 when
-``x`` is finite and NaN when it is not, so Megatron's NaN/Inf checks on the loss still see a non-finite
-NTL. What the value is:
-
-* in training, the cross entropy without the z-loss (label-smoothed with ``--ntl-label-smoothing``, as
-  ``F.cross_entropy(label_smoothing=)`` reports it); the z-loss is logged as ``z loss`` of its own;
-* in evaluation (Megatron's ``evaluate``: no gradient, ``model.eval()``, :func:`~.terms.is_evaluation`), the
-  plain cross entropy (:meth:`~ntl_scale.NTLOptions.for_evaluation`: no smoothing, no z-loss), so the
-  validation ``lm loss`` and its perplexity are the model's own.
-
-The NTL sums of the main head (``ntl loss``, ``number accuracy``, and ``z loss``) are kept for the caller's
-``loss_func`` report (:meth:`GPTModelNTL.pop_stats`).
-
-With ``--ntl-ce-kernel framework`` the CE is Megatron's own method (its fusion flags included), run after NTL
-of the number columns (it overwrites fp32 logits); ``number choice accuracy`` replaces ``number accuracy``.
-
-With ``chunked=True`` the output layer hands its input through and the loss is computed from the
-hidden states and the (vocab-parallel) output weight with :func:`ntl_scale.linear_ce_ntl`, never
-materialising the logits. MuP output scaling (``--use-mup``) multiplies the logits by a constant,
-which the chunked route receives as scaled hidden states (``(c h) W^T = c (h W^T)``), so it is exact.
+The per-token loss has the value of the cross entropy (so ``lm loss`` logs it; in evaluation the plain one,
+:meth:`~ntl_scale.NTLOptions.for_evaluation`) and the gradient of ``a * CE + weight * b * NTL``
+(:class:`MicroBatchScale`, :func:`head_loss`): ``(ce - z) + (x - x.detach())``, which is NaN where ``x`` is
+not finite, so Megatron's checks still see a non-finite NTL. ``ntl loss``, ``number accuracy`` and
+``z loss`` are reported beside it. With ``--ntl-ce-kernel framework`` the CE is Megatron's own method, run
+after NTL of the number columns (it overwrites fp32 logits). With ``chunked=True`` the loss comes from the
+hidden states and the output weight (:func:`ntl_scale.linear_ce_ntl`), exact under MuP output scaling.
 """
 
 from __future__ import annotations
@@ -81,29 +55,20 @@ _ATTR = "_ntl_scale_hook"
 
 @dataclass(frozen=True)
 class MicroBatchScale:
-    """The gradient weights of one micro-batch's main head under global normalisation: Megatron's
-    rescale of :mod:`ntl_scale.normalization`'s ``L`` (``docs/normalization.md``).
+    """The main head's gradient weights under global normalisation (``docs/normalization.md``).
 
-    Megatron divides what ``loss_func`` returns by its ``num_tokens`` ``n`` (at least 1) and by the
-    number of micro-batches ``m``, and DDP averages over the ``r`` data x context parallel ranks; with
-    ``--calculate-per-token-loss`` it instead divides the summed gradients by the step's divisor ``D``, the
-    sum of the ``num_tokens`` of all micro-batches on all data x context parallel ranks. ``n`` is a whole
-    number, :func:`~.terms.megatron_num_tokens`: the loss mask's sum truncated. For
-    ``CE_sum / T + weight * NTL_sum / K`` over the global batch (``T`` the loss-mask weight, ``K`` that of
-    the NTL positions) the per-token weights are ``a = n m r / T`` and ``b = n m r / K``, or ``a = D / T``
-    and ``b = D / K`` with per-token loss. With a 0/1 loss mask ``D = T``; with other weights (0.5, 1.5)
-    they differ, and ``divisor`` must carry ``D`` (:class:`~ntl_scale.integrations.megatron.GlobalCounts`
-    and :class:`NTLForwardStep` count it). ``n`` is only known inside the model, so the scale keeps the
-    factors and :meth:`weights` finishes them.
+    For ``CE_sum / T + weight * NTL_sum / K`` over the global batch after Megatron divides by ``num_tokens``
+    ``n`` (:func:`~.terms.megatron_num_tokens`), the micro-batches ``m`` and the DP x CP ranks ``r``:
+    ``a = n m r / T``, ``b = n m r / K``; with ``--calculate-per-token-loss`` ``a = D / T``, ``b = D / K``
+    (``D`` the step's summed ``num_tokens``; ``D = T`` for a 0/1 mask). :meth:`weights` finishes them with ``n``.
 
     Attributes:
         tokens: ``T``, the loss-mask weight of the global batch.
-        numbers: ``K``, the loss-mask weight of its NTL positions (:func:`ntl_scale.ntl_positions`:
-            number-token labels, or one per number for ``--ntl-loss number``).
+        numbers: ``K``, that of its NTL positions (:func:`ntl_scale.ntl_positions`).
         microbatches: ``m``.
         dp_cp_size: ``r``.
         per_token_loss: Megatron's ``--calculate-per-token-loss``.
-        divisor: ``D`` for ``per_token_loss``; None: ``T`` (exact for a 0/1 loss mask).
+        divisor: ``D`` for ``per_token_loss``; None: ``T``.
     """
 
     tokens: torch.Tensor
@@ -114,9 +79,7 @@ class MicroBatchScale:
     divisor: torch.Tensor | None = None
 
     def rescale(self, num_tokens: torch.Tensor) -> torch.Tensor:
-        """Megatron's rescale of ``L`` for a micro-batch whose Megatron ``num_tokens`` is ``num_tokens``
-        (:func:`~.terms.megatron_num_tokens` of its loss mask): ``n m r``, or ``D`` with per-token loss; of the
-        dtype of ``num_tokens`` (of the counts' when it is a whole-number tensor)."""
+        """``n m r``, or ``D`` with per-token loss, in the dtype of ``num_tokens`` (float)."""
         if not num_tokens.is_floating_point():
             num_tokens = num_tokens.to(self.tokens.dtype)
         if self.per_token_loss:  # Megatron divides the summed gradients by the step's divisor D itself
@@ -124,20 +87,15 @@ class MicroBatchScale:
         return num_tokens.clamp_min(1) * (self.microbatches * self.dp_cp_size)
 
     def weights(self, num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(a, b)`` for a micro-batch whose Megatron ``num_tokens`` is ``num_tokens`` (what Megatron divides its
-        loss by), best given as a float of the per-token loss's dtype (the weights take the dtype of
-        ``num_tokens`` and the counts): :func:`~ntl_scale.normalization.factors` at :meth:`rescale`."""
+        """``(a, b)`` for a micro-batch of Megatron ``num_tokens`` (a float of the loss's dtype)."""
         return factors((self.tokens, self.numbers), scale=self.rescale(num_tokens))
 
 
 def micro_batch_weights(
     sums_tokens: torch.Tensor, sums_numbers: torch.Tensor, num_tokens: torch.Tensor, per_token_loss: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, b)`` of a micro-batch's mean CE plus ``weight`` times its mean NTL (``normalization="micro-batch"``)
-    under Megatron's division by its whole ``num_tokens`` ``n`` (:func:`~.terms.megatron_num_tokens`):
-    ``a = n / N``, ``b = n / K`` with ``N``, ``K`` the micro-batch's loss-mask weights (``n`` at least 1, as
-    the schedule clamps it; not clamped with ``--calculate-per-token-loss``, where Megatron adds ``n`` to the
-    step's divisor). With a 0/1 mask ``n = N`` and ``a = 1``."""
+    """``(a, b) = (n / N, n / K)``: the micro-batch's means after Megatron divides by ``num_tokens`` ``n``
+    (clamped to 1 as the schedule does, except with per-token loss)."""
     n = num_tokens if per_token_loss else num_tokens.clamp_min(1)
     return factors((sums_tokens, sums_numbers), scale=n.to(sums_tokens.dtype))
 
@@ -154,14 +112,10 @@ def head_loss(
     per_token_loss: bool,
     remedy: str,
 ) -> tuple[torch.Tensor, MicroBatchSums]:
-    """The per-token loss ``a CE_t + weight b NTL_t`` of one head that Megatron sums under its loss mask and
-    divides, and the head's sums under ``mask`` (the loss weights, shaped like the terms): both routes'.
+    """Per-token ``a CE_t + weight b NTL_t`` of one head and its sums under ``mask``, for both routes.
 
-    ``(a, b)``: for the main head in training, ``scale``'s :meth:`MicroBatchScale.weights` (global
-    normalisation; without ``scale`` a RuntimeError when ``needs_scale``, saying ``remedy``), else the
-    micro-batch's means after Megatron's division by its ``num_tokens`` (:func:`micro_batch_weights`;
-    evaluation too); for an MTP head, whose masked sum Megatron divides by its mask's float sum, the
-    micro-batch's means (:func:`~ntl_scale.normalization.factors` of its counts).
+    ``(a, b)``: main head in training, ``scale.weights`` (a RuntimeError saying ``remedy`` when missing and
+    ``needs_scale``), else :func:`micro_batch_weights`; MTP heads, the micro-batch's means.
     """
     sums = micro_batch_sums(terms, mask)
     if main and not evaluation and scale is None and needs_scale:
@@ -180,10 +134,7 @@ def head_loss(
 
 @dataclass(frozen=True)
 class NTLStats:
-    """The main head's sums of one micro-batch (detached): ``[sum, count]`` material for reports.
-
-    ``z_sum`` (the z-loss ``z_loss_weight * lse**2`` summed under the loss mask) and ``tokens`` (the mask's
-    weight) are set in training with a z-loss, None otherwise."""
+    """The main head's detached sums of one micro-batch; ``z_sum``, ``tokens`` only in training with a z-loss."""
 
     ntl_sum: torch.Tensor
     numbers: torch.Tensor
@@ -209,11 +160,7 @@ def find_language_model(model: Any) -> Any:
 
 
 class GPTModelNTL:
-    """The NTL state installed on one ``GPTModel`` by :func:`apply_ntl_to_megatron_model`; see the module docstring.
-
-    Per micro-batch, the caller may set :attr:`scale` (global normalisation) before the forward and
-    takes the main head's sums with :meth:`pop_stats` after it.
-    """
+    """NTL installed on one ``GPTModel``: set :attr:`scale` before a forward (global), :meth:`pop_stats` after."""
 
     def __init__(
         self,
@@ -235,7 +182,6 @@ class GPTModelNTL:
         self._originals: dict[str, Any] = {}
         self._megatron_ce: Any = None
 
-    # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
         model = self.model
         for name in ("forward", "compute_language_model_loss"):
@@ -278,19 +224,15 @@ class GPTModelNTL:
 
     def uninstall(self) -> None:
         model = self.model
-        targets = {"forward": model, "compute_language_model_loss": model}
-        if "output_layer.forward" in self._originals:
-            targets["output_layer.forward"] = model.output_layer
-        for key, target in targets.items():
+        for key, original in self._originals.items():  # instance attributes: None where the class's ran
+            target = model.output_layer if key == "output_layer.forward" else model
             name = key.split(".")[-1]
-            original = self._originals.get(key)
             if original is None:
                 target.__dict__.pop(name, None)
             else:
                 target.__dict__[name] = original
         model.__dict__.pop(_ATTR, None)
 
-    # -- per micro-batch ----------------------------------------------------------------------
     def pop_stats(self) -> NTLStats | None:
         """The main head's sums of the last forward (None when it computed no loss)."""
         stats, self._stats = self._stats, None
@@ -312,8 +254,7 @@ class GPTModelNTL:
         return mask
 
     def _pieces(self) -> int:
-        """Number-level NTL under context parallelism: the local sequence is 2 slices of the global one
-        that are not neighbours (Megatron's load-balanced split); no number is assembled across them."""
+        """Pieces per local sequence: 2 non-adjacent slices under CP for number-level NTL."""
         cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         pieces = context_parallel_pieces(cp, self.options)
         if pieces == 1:
@@ -327,8 +268,7 @@ class GPTModelNTL:
         return pieces
 
     def _terms(self, labels: torch.Tensor, logits_or_hidden: torch.Tensor, options: NTLOptions) -> PerTokenTerms:
-        # Megatron's NaN/Inf checks judge the loss, so non-finite logits must reach them as a NaN
-        # loss instead of raising here (check_finite=False).
+        # check_finite=False: non-finite logits reach Megatron's NaN/Inf checks as a NaN loss
         pieces = self._pieces()
         need_ce = not framework_ce(options)  # with Megatron's CE: NTL from the number columns alone
         if not self.chunked:
@@ -349,17 +289,12 @@ class GPTModelNTL:
                 pieces=pieces,
                 need_ce=need_ce,
             )
-        return self._chunked_terms(labels, logits_or_hidden, options, pieces)
-
-    def _chunked_terms(
-        self, labels: torch.Tensor, hidden: torch.Tensor, options: NTLOptions, pieces: int = 1
-    ) -> PerTokenTerms:
-        """Terms from hidden states ``[s(/tp), b, H]`` and the output weight, without the logits."""
+        # hidden states [s(/tp), b, H] and the output weight (the shared embedding when tied), no logits
         layer = self.model.output_layer
         shared = self._call.get("weight") if self._call else None
         return output_layer_terms(
             layer,
-            hidden,
+            logits_or_hidden,
             shared if shared is not None else layer.weight,
             labels,
             self.vocab,
@@ -425,13 +360,8 @@ def apply_ntl_to_megatron_model(
         settings: the NTL settings (``settings.chunked`` selects the hidden-state route).
         vocab: the number table over the padded vocabulary.
         tp_group: the tensor-parallel group of the output layer.
-        cp_group: the context-parallel group (MTP heads roll their loss mask across it; number-level NTL
-            cuts numbers at its slice borders, :func:`~ntl_scale.integrations.megatron.terms.context_parallel_pieces`).
-        chunk_tokens: tokens per chunk of the chunked route; None: ``settings.chunk_tokens`` (another value
-            than a set ``settings.chunk_tokens`` is refused, as is a value without ``settings.chunked``).
-
-    ``settings.normalization == "global"`` needs the step's counts, which :class:`NTLForwardStep` sets
-    (``hook.scale``); a training forward without them raises instead of falling back to the micro-batch mean.
+        cp_group: the context-parallel group (MTP masks roll across it; number-level NTL cuts at its slices).
+        chunk_tokens: tokens per chunk of the chunked route; None: ``settings.chunk_tokens``.
 
     Returns:
         The installed :class:`GPTModelNTL` (the same object on a second call).
@@ -492,18 +422,15 @@ class _Replay:
 
 @dataclass
 class StepGroups:
-    """What the step bookkeeping of :class:`NTLForwardStep` needs from Megatron's parallel state.
+    """Megatron's parallel state as :class:`NTLForwardStep` needs it.
 
     Attributes:
         tp_group: tensor-parallel group of the output layer.
-        cp_group: context-parallel group (MTP heads roll their loss masks across it).
-        count_group: the group whose ranks share one step's counts: tensor x data x context
-            parallel ranks of a pipeline stage (``get_tensor_and_data_parallel_group(True)``).
-        dp_cp_size: data x context parallel size (DDP averages gradients over it).
-        reads_data: whether this rank pulls micro-batches from its data iterator (Megatron's
-            ``get_batch`` reads on tensor-parallel rank 0 and broadcasts to the others).
-        counts_data: whether this rank's micro-batches enter the counts (context-parallel ranks of
-            one data-parallel replica read the same micro-batch: only one of them counts it).
+        cp_group: context-parallel group.
+        count_group: the ranks sharing one step's counts (``get_tensor_and_data_parallel_group(True)``).
+        dp_cp_size: data x context parallel size.
+        reads_data: this rank pulls micro-batches (TP rank 0).
+        counts_data: this rank's micro-batches enter the counts (TP and CP rank 0).
         device: where the counts are reduced (the GPU with NCCL, the CPU with gloo).
     """
 
@@ -519,21 +446,11 @@ class StepGroups:
 class NTLForwardStep:
     """Wraps a Megatron ``forward_step(data_iterator, model, *args, **kwargs)`` to train with NTL.
 
-    Megatron's own ``forward_step`` runs unchanged (its ``get_batch``, packed sequences, the model
-    call and its ``loss_func`` with the NaN/Inf and spiky-loss checks); this wrapper
-
-    * installs :func:`apply_ntl_to_megatron_model` on each model chunk on its first call;
-    * on the last pipeline stage, at the first micro-batch of every training step, pulls the step's
-      micro-batches from the data iterator, counts their tokens and number tokens from
-      ``labels`` and ``loss_mask`` and reduces the counts with one SUM all-reduce over
-      ``groups.count_group`` (two numbers; with ``per_token_loss`` also Megatron's divisor, the sum of the
-      micro-batches' truncated mask sums, and the count of mask values other than 0 and 1, which context
-      parallelism with per-token loss refuses); Megatron's ``get_batch`` then reads the same micro-batches
-      from a replaying iterator. The counts give global normalisation (``--ntl-normalization global``) and
-      a defined ``ntl loss`` in steps without number tokens. Evaluation (no gradient or ``model.eval()``:
-      Megatron's ``evaluate``) pulls nothing;
-    * adds ``ntl loss``, ``number accuracy`` and, in training with ``--ntl-z-loss-weight``, ``z loss``
-      (``[sum, count]`` pairs, reduced like ``lm loss``) to the report of ``loss_func``.
+    Installs :func:`apply_ntl_to_megatron_model` on each model chunk; on the last pipeline stage, at each
+    training step's first micro-batch, prefetches the step's micro-batches, counts ``T``, ``K`` (and ``D`` with
+    per-token loss) from their ``labels`` and ``loss_mask`` with one SUM all-reduce over ``groups.count_group``,
+    and replays them to ``get_batch``. Evaluation counts nothing. Adds ``ntl loss``, ``number accuracy`` and
+    (training with a z-loss) ``z loss`` to ``loss_func``'s report as ``[sum, count]`` pairs.
 
     Args:
         forward_step: Megatron's ``forward_step``.
@@ -590,14 +507,10 @@ class NTLForwardStep:
         stats = hook.pop_stats()
         if stats is None or loss_func is None:
             return output, loss_func
-        numbers_in_step = step.numbers if step is not None else None
-        return output, _ReportNTL(loss_func, stats, numbers_in_step)
+        return output, _ReportNTL(loss_func, stats, step.numbers if step is not None else None)
 
     def _step(self, key: int, data_iterator: Any) -> tuple[Any, MicroBatchScale]:
-        """Counts a training step on its first micro-batch (prefetch, count, reduce).
-
-        Returns the iterator for Megatron's ``get_batch`` and the step's counts.
-        """
+        """The iterator for ``get_batch`` and the step's counts (counted on its first micro-batch)."""
         replay = self._replays.get(key)
         if replay is None or (data_iterator is not None and replay.source is not data_iterator):
             if self._left.get(key):
@@ -615,9 +528,7 @@ class NTLForwardStep:
                 replay.buffer = [next(data_iterator) for _ in range(m)]
                 if self.groups.counts_data:
                     counted = [self._checked(item) for item in replay.buffer]
-            # The full sequences, as one context rank reads them: under context parallelism number-level NTL
-            # cuts numbers at the borders of the 2 x CP slices the ranks hold (GPTModelNTL._pieces), and so
-            # does the count.
+            # whole sequences, cut at the 2 x CP slice borders as the loss cuts them (GPTModelNTL._pieces)
             cp = dist.get_world_size(self.groups.cp_group) if self.groups.cp_group is not None else 1
             options = self.settings.options()
             masks = [item["loss_mask"] for item in counted]
@@ -658,10 +569,7 @@ class NTLForwardStep:
         return (replay if replay.source is not None else data_iterator), self._scale[key]
 
     def _divisor_counts(self, masks: list[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
-        """``[D, B]`` of this rank's counted micro-batches: ``D`` the sum of Megatron's ``num_tokens``
-        (:func:`~.terms.megatron_num_tokens`, summed on the device Megatron sums them on), the per-token-loss
-        divisor; ``B`` the positions whose loss-mask value is neither 0 nor 1 (under context parallelism each
-        rank's ``num_tokens`` is of its own slices, which the whole sequences give only for a 0/1 mask)."""
+        """``[D, B]``: the summed Megatron ``num_tokens`` and the count of mask values other than 0 and 1."""
         extra = torch.zeros(2, dtype=torch.float64, device=local.device)
         for mask in masks:
             mask = mask.to(local.device)
@@ -671,7 +579,7 @@ class NTLForwardStep:
 
     @staticmethod
     def _checked(item: Any) -> dict:
-        """A micro-batch of the data iterator, refused unless it has the labels and loss mask to count."""
+        """The micro-batch, refused without ``labels`` and ``loss_mask``."""
         if not isinstance(item, dict) or "labels" not in item or "loss_mask" not in item:
             kind = sorted(item) if isinstance(item, dict) else type(item).__name__
             raise ValueError(
@@ -697,8 +605,7 @@ class _ReportNTL:
         ntl = torch.stack([s.ntl_sum, s.numbers])
         hits = torch.stack([s.hits, s.numbers])
         if self.numbers_in_step is not None:
-            # A step without number tokens reports [0, 1]: Megatron's sum / count is then 0, not 0 / 0
-            # (a NaN that would poison the whole log interval). No host sync: a device-side select.
+            # a step without number tokens reports [0, 1], not a 0 / 0 NaN; a device-side select
             empty = (self.numbers_in_step == 0).to(ntl.device)
             zero_one = torch.stack([torch.zeros_like(s.ntl_sum), torch.ones_like(s.numbers)])
             ntl, hits = torch.where(empty, zero_one, ntl), torch.where(empty, zero_one, hits)
@@ -712,22 +619,20 @@ class _ReportNTL:
 
 
 def forward_step_from_args(forward_step: Any, args: Any, parallel_state: Any, *, tokenizer: Any = None) -> Any:
-    """Megatron-LM's ``forward_step`` with NTL, assembled from the run's parsed arguments.
-
-    What ``launch/pretrain_gpt_ntl.py`` calls on the first step (after Megatron has initialised its
-    groups, tokenizer and micro-batch calculator); a launcher of your own calls it the same way:
-    ``forward_step_from_args(forward_step, megatron.training.get_args(), megatron.core.parallel_state)``.
+    """Megatron-LM's ``forward_step`` with NTL, from the run's parsed arguments (after Megatron's initialisation).
 
     Args:
         forward_step: the release's own ``forward_step(data_iterator, model, ...)``.
-        args: Megatron's parsed arguments, the ``--ntl-*`` flags among them (:func:`add_ntl_args`).
-        parallel_state: ``megatron.core.parallel_state`` (its groups give :class:`StepGroups`).
+        args: Megatron's parsed arguments with the ``--ntl-*`` flags (:func:`add_ntl_args`).
+        parallel_state: ``megatron.core.parallel_state``.
         tokenizer: the run's tokenizer; None: Megatron's global one, else built from ``args``.
 
     Returns:
         ``forward_step`` itself when ``--ntl-weight`` is 0, else an :class:`NTLForwardStep` around it.
     """
-    from .args import build_number_vocab
+    import warnings
+
+    from .args import build_number_vocab, ignored_megatron_flags
 
     settings = NTLSettings.from_args(args)
     if not settings.enabled:
@@ -743,7 +648,9 @@ def forward_step_from_args(forward_step: Any, args: Any, parallel_state: Any, *,
     if tokenizer is None:
         tokenizer = _megatron_tokenizer(args)
     vocab = build_number_vocab(settings, tokenizer, args.padded_vocab_size)
-    _say_ignored(args)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for note in ignored_megatron_flags(args) if rank == 0 else []:  # each flag this run sets that NTL does not use
+        warnings.warn(f"ntl_scale: {note}", stacklevel=2)
     ps = parallel_state
     groups = StepGroups(
         tp_group=ps.get_tensor_model_parallel_group(),
@@ -767,7 +674,7 @@ def forward_step_from_args(forward_step: Any, args: Any, parallel_state: Any, *,
 
 
 def _check_te_cross_entropy(settings: NTLSettings, args: Any) -> None:
-    """Refuses ``--cross-entropy-fusion-impl te`` beside NTL without Transformer Engine, before the first step."""
+    """Refuses ``--cross-entropy-fusion-impl te`` beside NTL without Transformer Engine."""
     import importlib.util
 
     te = getattr(args, "cross_entropy_loss_fusion", False) and getattr(args, "cross_entropy_fusion_impl", None) == "te"
@@ -779,19 +686,8 @@ def _check_te_cross_entropy(settings: NTLSettings, args: Any) -> None:
         )
 
 
-def _say_ignored(args: Any) -> None:
-    """Warns once, on rank 0, of each Megatron flag this run sets and NTL does not use."""
-    import warnings
-
-    from .args import ignored_megatron_flags
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    for note in ignored_megatron_flags(args) if rank == 0 else []:
-        warnings.warn(f"ntl_scale: {note}", stacklevel=3)
-
-
 def _megatron_tokenizer(args: Any) -> Any:
-    """The run's tokenizer: Megatron's global one where the release keeps it, else built from the args."""
+    """Megatron's global tokenizer where the release keeps it, else built from the args."""
     try:
         from megatron.training import get_tokenizer
 

@@ -1,65 +1,21 @@
 """CE + NTL as a torchtitan loss (``BaseLoss``), on full logits, plain vocabulary shards or DTensors.
 
-torchtitan calls a loss as ``loss(pred, labels, global_valid_tokens)`` and back-propagates what it
-returns; :class:`NTLLoss` returns, for the logits it is given (the whole micro-batch, or one sequence
-chunk inside torchtitan's ``ChunkedLossWrapper``)::
+:class:`NTLLoss` ``(pred, labels, global_valid_tokens)`` returns, for the logits it is given (a micro-batch,
+or one chunk inside torchtitan's ``ChunkedLossWrapper``)::
 
     loss = sum_t CE_t / global_valid_tokens + weight * sum_t NTL_t / max(K, 1)
 
-``global_valid_tokens`` is torchtitan's own count (non-ignored labels of the step's global batch,
-reduced over the batch mesh once per step), so the CE part is torchtitan's ``CrossEntropyLoss``
-(``sum / global_valid_tokens``). ``K`` is the step's global count of NTL positions
-(:func:`ntl_scale.ntl_positions`: number-token labels; one per number for ``loss="number"``), which
-:class:`~ntl_scale.integrations.torchtitan.NTLTrainer` counts from the labels before the step's first
-forward and hands in with :meth:`NTLLoss.begin_step`: **one extra SUM all-reduce of one float64 per
-optimizer step** over the batch mesh (torchtitan's ``dist_sum_tensor`` of the summed
-:func:`ntl_scale.ntl_counts`), beside torchtitan's own
-all-reduce of ``global_valid_tokens``. Summed over chunks, micro-batches and data-parallel ranks the
-loss is ``CE + weight * NTL`` of the whole step, however the step is split.
+``global_valid_tokens`` is torchtitan's own count; ``K``, the step's global count of NTL positions, comes from
+:meth:`NTLLoss.begin_step` (:class:`~ntl_scale.integrations.torchtitan.NTLTrainer` reduces it with one SUM
+all-reduce per step). The vocabulary split is found as torchtitan's CE finds it: plain shards on the SPMD
+``tp`` axis, ``DTensor`` logits (``partial_dtensor``) or DTensor logits and labels (``full_dtensor``, via
+``local_map``), else full logits. The fused op adds no collective to a vocabulary-parallel CE.
 
-The vocabulary split is found the way torchtitan's own CE finds it:
-
-* plain local shards (``parallelism.spmd_backend="spmd_types"``, torchtitan's default): when the
-  current SPMD mesh has a ``tp`` axis of size > 1, the group is ``current_spmd_mesh().get_group("tp")``
-  and rank ``r`` holds columns ``[min(V, r*c), min(V, (r+1)*c))`` with ``c = ceil(V / tp)``
-  (``_LossParallelCrossEntropy``'s split); ``V`` is the number table's ``vocab_size``;
-* ``DTensor`` logits (``partial_dtensor``): ``Shard(-1)`` (or replicated), group and offset from the
-  placement (:func:`ntl_scale.ops.shards.dtensor_vocab_shard`);
-* ``DTensor`` logits and labels (``full_dtensor``): as torchtitan's ``_cross_entropy_via_local_map``, the
-  labels placed like the logits with the vocabulary split replaced by ``Replicate``, each rank's tokens
-  computed locally (``local_map``), the loss a DTensor ``Partial`` over the mesh dims that split tokens;
-* otherwise full logits.
-
-The fused CE + NTL adds no collective to a vocabulary-parallel CE: one MAX and one SUM all-reduce on the
-TP group per call (torchtitan's own vocab-parallel CE issues three), none in the backward.
-
-At weight 0 the loss is torchtitan's own CE op on the same inputs (bit for bit, SPMD types included) and
-the NTL metrics come from a forward-only pass of the fused op (its two all-reduces under TP); at weight
-> 0 the fused op's CE is within a few float32 ulps of torchtitan's, not bitwise (``docs/torchtitan.md``).
-Under torchtitan's strict SPMD type checking the loss and the metrics get the types torchtitan gives its
-CE's loss (:data:`LOSS_TYPE`), so ``ChunkedLossWrapper`` can add them.
-
-Evaluation: a call with gradients disabled (``torch.is_grad_enabled()`` False: torchtitan's ``Validator.validate``
-runs under ``@torch.no_grad()``, its pipeline ``schedule.eval`` inside it, and a training loss is never called
-without grad, since it is back-propagated) uses :meth:`NTLOptions.for_evaluation`: the **plain** cross
-entropy of the (soft-capped) logits, no label smoothing, no z-loss. The validator calls the loss without
-``global_valid_tokens`` and gets the plain CE **sum**, so its logged ``validation_metrics/loss`` (the sum over
-its batches / their tokens) is the held-out CE, comparable across NTL weights and CE features. A call with
-grad enabled and no ``global_valid_tokens`` (torchtitan's CE protocol in its own tests) returns the sum of
-the training CE term (smoothed, plus the z-loss), the one that is back-propagated.
-
-Metrics (returned per call, named by torchtitan's rule so ``ChunkedLossWrapper`` sums them over
-chunks, and accumulated over the step for :class:`NTLTrainer`'s log): ``loss_metrics/ce_mean`` (the
-objective's CE term without the z-loss: label-smoothed when ``label_smoothing > 0``, as
-``F.cross_entropy(..., label_smoothing=eps)`` reports it), ``loss_metrics/ntl_mean``,
-``loss_metrics/number_accuracy_mean`` (the share of NTL positions whose label is the arg-max over the
-whole vocabulary) and, when ``z_loss_weight > 0``, ``loss_metrics/z_loss_mean`` (``z_loss_weight * lse**2``,
-mean over the CE tokens), each this call's part of the step's global value. Calls under no grad return
-theirs (plain CE) but add nothing to the step's log.
-
-``ce_kernel="framework"``: torchtitan's own CE op computes the CE at every weight, NTL of the number columns is
-added beside it, and ``loss_metrics/number_choice_accuracy_mean`` (the arg-max among the number columns)
-replaces ``number_accuracy_mean``.
+At weight 0 without CE features (and with ``ce_kernel="framework"``) the CE is torchtitan's own op, bit for
+bit. Under no grad (torchtitan's validator) the options are :meth:`NTLOptions.for_evaluation`'s: the plain CE
+sum without ``global_valid_tokens``. The ``loss_metrics/*_mean`` metrics (:data:`METRICS`, :data:`Z_LOSS_METRIC`;
+``number_choice_accuracy_mean`` with the framework CE) are each call's part of the step's global value; the
+loss and metrics carry torchtitan's loss SPMD types (:data:`LOSS_TYPE`). See ``docs/torchtitan.md``.
 """
 
 from __future__ import annotations
@@ -98,12 +54,10 @@ from ..beside import framework_ce
 __all__ = ["METRICS", "NOT_CONFIG_FIELDS", "Z_LOSS_METRIC", "NTLLoss", "number_table"]
 
 METRICS = ("loss_metrics/ce_mean", "loss_metrics/ntl_mean", "loss_metrics/number_accuracy_mean")
-"""The metric names: torchtitan's rule (a ``_mean`` suffix) makes ``ChunkedLossWrapper`` add the chunks'
-parts, which are already divided by the step's global counts."""
+"""The metric names: the ``_mean`` suffix makes ``ChunkedLossWrapper`` add the chunks' parts."""
 
 Z_LOSS_METRIC = "loss_metrics/z_loss_mean"
-"""The z-loss ``z_loss_weight * lse**2`` (mean over the CE tokens), a metric after :data:`METRICS` when
-``z_loss_weight > 0`` (:attr:`NTLLoss.metric_names`); ``ce_mean`` is then the CE without it."""
+"""The z-loss metric after :data:`METRICS` when ``z_loss_weight > 0`` (``ce_mean`` is then without it)."""
 
 NOT_CONFIG_FIELDS = {
     "chunked": "torchtitan's ChunkedLossWrapper is the chunked route: ChunkedLossWrapper.Config(loss_fn="
@@ -115,49 +69,36 @@ NOT_CONFIG_FIELDS = {
 
 
 LOSS_TYPE = {"dp": spmd.P, "cp": spmd.P, "tp": spmd.I}
-"""The SPMD type torchtitan gives a scaled loss (``CrossEntropyLoss``): a partial sum over the batch axes, the
-same on every TP rank; the metrics get it too, so ``ChunkedLossWrapper`` may add them under strict checking."""
+"""The SPMD type torchtitan gives a scaled loss, and so the metrics: partial over the batch axes, invariant on TP."""
 
 
 def _sum_type(logits: torch.Tensor, tp_group: dist.ProcessGroup | None) -> dict[Any, Any]:
-    """The SPMD type of a CE sum without ``global_valid_tokens``, as torchtitan's ``_LossParallelCrossEntropy``
-    gives it: the logits' own types, invariant on the vocabulary split's group."""
+    """The SPMD type torchtitan's ``_LossParallelCrossEntropy`` gives a CE sum: the logits', invariant on TP."""
     types: dict[Any, Any] = dict(spmd.get_local_type(logits))
     if tp_group is not None:
         types[tp_group] = spmd.I
     return types
 
 
-def _default(name: str) -> Any:
-    return option_field(name).default
-
-
 class NTLLoss(BaseLoss):
-    """``CE + weight * NTL`` for torchtitan (see the module docstring for the normalisation and the split).
-
-    Build it from :class:`NTLLoss.Config` (``config.build()``), as torchtitan builds ``Trainer.Config.loss``.
-    """
+    """``CE + weight * NTL`` for torchtitan, built from :class:`NTLLoss.Config` (``config.build()``)."""
 
     @dataclass(kw_only=True, slots=True)
     @variant_fields
     class Config(BaseLoss.Config):
-        """The NTL options of :mod:`ntl_scale.options`: the run-level ones below (defaults the spec's), then the
-        variant fields of :class:`~ntl_scale.NTLOptions` (``loss``, ``squash_factor``, ``reweigh``,
-        ``huber_delta``, ``float_level``, ``impl``, ``z_loss_weight``, ``label_smoothing``, ``logit_softcap``:
-        added by :func:`~ntl_scale.options.variant_fields`, documented there once); the number table's source
-        and the model's vocabulary size."""
+        """The run-level NTL options below, the variant fields of :class:`~ntl_scale.NTLOptions`
+        (:func:`~ntl_scale.options.variant_fields`), the number table's source and the model's vocabulary size."""
 
-        weight: float = _default("weight")
+        weight: float = option_field("weight").default
         """Weight of NTL in ``CE + weight * NTL`` (0.3 in the paper); 0 trains with CE alone."""
-        digit_level: bool = _default("digit_level")
+        digit_level: bool = option_field("digit_level").default
         """Number table of the ten digits (True) or of multi-digit tokens such as Llama 3's ``123`` (False);
         not read when ``number_vocab`` is given (``number_vocab="digits"`` beside ``digit_level=False`` is refused)."""
-        chunk_tokens: int | None = _default("chunk_tokens")
+        chunk_tokens: int | None = option_field("chunk_tokens").default
         """Tokens per chunk of the loss's temporaries (None: about 64 MiB of fp32 per chunk)."""
         number_vocab: str | None = None
-        """As Megatron's ``--ntl-number-vocab`` (:func:`~ntl_scale.options.table_source`): ``digits``,
-        ``multi-digit`` (the rule, built from the tokenizer) or a number table saved with ``NumberVocab.save`` /
-        ``python launch/save_number_vocab.py`` (JSON); None: the rule of ``digit_level``."""
+        """``digits``, ``multi-digit`` or a saved number table (JSON) (:func:`~ntl_scale.options.table_source`);
+        None: the rule of ``digit_level``."""
         tokenizer_path: str | None = None
         """Without ``number_vocab``: a tokenizer directory (``tokenizer.json``) to build the table from; None
         under :class:`NTLTrainer`: the run's ``hf_assets_path``."""
@@ -178,10 +119,7 @@ class NTLLoss(BaseLoss):
         self.config = config
         self.options = config.options()
         self.eval_options = self.options.for_evaluation()
-        """The options of a call under no grad (torchtitan's validator): plain CE, no smoothing, no z-loss."""
         self.framework = framework_ce(self.options)
-        """``ce_kernel="framework"``: torchtitan's own CE computes the loss's CE, NTL is added beside it (the
-        number columns only, with gradient); no ``number_accuracy`` (the full arg-max is not seen)."""
         choice = "loss_metrics/number_choice_accuracy_mean"  # the arg-max among the number columns
         metrics = tuple(choice if self.framework and m == METRICS[2] else m for m in METRICS)
         self.metric_names = metrics + ((Z_LOSS_METRIC,) if self.options.z_loss_weight else ())
@@ -189,43 +127,32 @@ class NTLLoss(BaseLoss):
         self.vocab = number_table(config)
         check_table(self.vocab, self.options, "torchtitan")
         self.weight = float(config.weight)
-        # torchtitan's own CE op computes the loss (bit for bit) only where ours adds nothing to it: NTL at
-        # weight 0 and none of the CE features (z-loss, label smoothing, soft-capping), which it lacks
+        # torchtitan's CE op (bit for bit) where ours adds nothing: weight 0 without CE features, which it lacks
         self._torchtitan_ce = self.framework or (self.weight == 0 and not self.options.ce_features)
         self._torchtitan_eval_ce = self.framework or (self.weight == 0 and not self.eval_options.ce_features)
         self._numbers: torch.Tensor | None = None
         self._metrics: torch.Tensor | None = None
 
-    # ---------------------------------------------------------------------------- the step
-
     def begin_step(self, ntl_positions: torch.Tensor | float) -> None:
-        """Starts an optimizer step: ``ntl_positions`` is the step's global count ``K`` of NTL positions.
+        """Starts an optimizer step with its global count ``K`` of NTL positions; resets the step's metrics.
 
-        :class:`NTLTrainer` calls this with the sum of ``ntl_counts(labels, ...)[1]`` over the step's
-        micro-batches, all-reduced over the batch mesh (one SUM all-reduce); a custom loop must do the
-        same before the step's first forward. Resets the step's metrics.
+        :class:`NTLTrainer` calls it with the all-reduced sum of ``ntl_counts(labels, ...)[1]`` over the step;
+        a loop of your own does the same before the step's first forward.
         """
         self._numbers = torch.as_tensor(ntl_positions, dtype=torch.float64)
         self._metrics = None
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
-        """This rank's parts of the step's metrics (:attr:`metric_names`), summed over the step's training calls.
-
-        Sum them over the loss mesh (data x context parallel) for the global values; 0 before any call.
-        Calls under no grad (evaluation) are not in them.
-        """
+        """This rank's parts of the step's training metrics; summed over the loss mesh they are the global values."""
         names = self.metric_names
         values = torch.zeros(len(names), dtype=torch.float64) if self._metrics is None else self._metrics
         return dict(zip(names, values.unbind()))
 
     def _mode(self) -> tuple[NTLOptions, bool]:
-        """The options of this call and whether torchtitan's own CE op computes its loss: the training ones,
-        or under no grad (torchtitan's validator, any evaluation) :meth:`NTLOptions.for_evaluation`'s."""
+        """This call's options (for evaluation under no grad) and whether torchtitan's CE op computes its loss."""
         if torch.is_grad_enabled():
             return self.options, self._torchtitan_ce
         return self.eval_options, self._torchtitan_eval_ce
-
-    # ---------------------------------------------------------------------------- the call
 
     def __call__(
         self,
@@ -237,14 +164,10 @@ class NTLLoss(BaseLoss):
         """The scaled loss of these logits and its metrics (torchtitan's loss protocol).
 
         Args:
-            pred: logits ``[batch, seq, V]``: full, this rank's plain vocabulary shard (under the
-                ``spmd_types`` tp mesh) or a DTensor (``Shard(-1)`` or replicated on the vocabulary; with
-                DTensor labels, any batch and sequence placements).
-            labels: ``[batch, seq]`` token ids: plain, the same on every TP rank, or (``full_dtensor``) a
-                DTensor placed like ``pred`` with the vocabulary split replaced by ``Replicate``; -100 is
-                ignored.
-            global_valid_tokens: torchtitan's count of the step's non-ignored labels; None (validation):
-                return the CE sum (under no grad, as torchtitan's validator calls it: the plain CE).
+            pred: logits ``[batch, seq, V]``: full, this rank's plain vocabulary shard or a DTensor.
+            labels: ``[batch, seq]`` token ids (a DTensor placed like ``pred``, the vocabulary replicated, under
+                ``full_dtensor``); -100 is ignored.
+            global_valid_tokens: torchtitan's count of the step's non-ignored labels; None: the CE sum.
             **kwargs: torchtitan's extra loss inputs (``positions``), unused.
         """
         del kwargs
@@ -267,9 +190,7 @@ class NTLLoss(BaseLoss):
         tp_group: dist.ProcessGroup | None,
         vocab_start: int | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """:meth:`__call__` on an explicit plain vocabulary shard: ``logits [..., V_local]`` holding the columns
-        from ``vocab_start`` of the split over ``tp_group`` (torchtitan's ``_LossParallelCrossEntropy``
-        inputs), for callers that hold the group themselves; ``tp_group`` None: the full vocabulary."""
+        """:meth:`__call__` on a plain shard, the columns from ``vocab_start`` of the split over ``tp_group``."""
         vocab_size = self.vocab.vocab_size
 
         def torchtitan_ce() -> torch.Tensor:
@@ -288,12 +209,7 @@ class NTLLoss(BaseLoss):
         vocab_start: int | None,
         torchtitan_ce: Callable[[], torch.Tensor],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss and metrics from the shard ``__call__`` or :meth:`on_shard` found.
-
-        At weight 0 without CE features the loss is torchtitan's own CE (``torchtitan_ce``: the same op, so
-        the same bits and SPMD types), and the NTL metrics come from a forward-only pass of the fused op.
-        Under no grad the CE features are those of :meth:`NTLOptions.for_evaluation` (:meth:`_mode`).
-        """
+        """The loss and metrics of a shard; ``torchtitan_ce`` where :meth:`_mode` says (metrics forward-only)."""
         options, use_torchtitan_ce = self._mode()
         is_type_checking = spmd.is_type_checking()
         ce_sum = torchtitan_ce() if use_torchtitan_ce else None
@@ -321,8 +237,7 @@ class NTLLoss(BaseLoss):
         vocab_start: int | None,
         options: NTLOptions,
     ) -> tuple[MicroBatchSums, torch.Tensor | None]:
-        """The call's sums under ``options``, and its z-loss sum ``z_loss_weight * sum lse**2`` over the CE
-        tokens (detached, for the log; None without z-loss): ``sums.ce`` includes it, as the objective does."""
+        """The call's sums (``sums.ce`` with the z-loss) and its detached z-loss sum (None without z-loss)."""
         terms = per_token_ce_ntl(
             logits,
             labels,
@@ -350,12 +265,7 @@ class NTLLoss(BaseLoss):
         global_valid_tokens: torch.Tensor | int,
         options: NTLOptions,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``CE / global_valid_tokens + weight * NTL / K`` and this call's metrics (accumulated for the step's
-        log when ``options`` are the training ones; a call under no grad adds nothing to it).
-
-        The logged ``ce_mean`` is the objective's CE term without the z-loss (``ce_sum - z_sum``); the z-loss
-        is ``z_loss_mean``."""
-        # N is torchtitan's global_valid_tokens (no rescale: torchtitan divides by nothing else); K the step's
+        """``CE / global_valid_tokens + weight * NTL / K`` and this call's metrics (training calls accumulate them)."""
         sums = sums._replace(ce=ce_sum)
         counts = (global_valid_tokens, self._step_numbers().to(device=sums.ntl.device, dtype=sums.ntl.dtype))
         loss = objective(sums, counts, self.weight)  # weight 0: torchtitan's CE / global_valid_tokens, bit for bit
@@ -373,13 +283,7 @@ class NTLLoss(BaseLoss):
     def _call_full_dtensor(
         self, pred: torch.Tensor, labels: Any, global_valid_tokens: torch.Tensor | None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """torchtitan's ``full_dtensor`` backend: DTensor logits and labels on one mesh.
-
-        As torchtitan's CE (``_cross_entropy_via_local_map``): the labels are placed like the logits with
-        the vocabulary split replaced by ``Replicate``; each rank computes its local tokens' terms (the
-        vocabulary split's group and offset from the logits' placement) and the loss is a DTensor,
-        ``Partial`` on the mesh dims that split the tokens. The metrics are this rank's parts (plain).
-        """
+        """``full_dtensor``: as torchtitan's ``_cross_entropy_via_local_map``, local terms, a ``Partial`` loss."""
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         from torch.distributed.tensor.experimental import local_map
@@ -460,7 +364,7 @@ class NTLLoss(BaseLoss):
     def _vocab_shard(
         self, pred: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, dist.ProcessGroup | None, int | None]:
-        """``(logits, tp_group, vocab_start)`` as torchtitan's CE finds them (see the module docstring)."""
+        """``(logits, tp_group, vocab_start)`` as torchtitan's CE finds them."""
         from torch.distributed.tensor import DTensor
 
         if isinstance(pred, DTensor):
@@ -492,11 +396,7 @@ class NTLLoss(BaseLoss):
 
 
 def number_table(config: NTLLoss.Config) -> NumberVocab:
-    """The number table of ``config``: its saved JSON (``number_vocab``) or its tokenizer (``tokenizer_path``).
-
-    The table's ``vocab_size`` is the model's (``config.vocab_size``); a saved table of another size is a
-    ValueError naming both sizes and the fix.
-    """
+    """The number table of ``config`` (``number_vocab`` or ``tokenizer_path``) over ``config.vocab_size``."""
     source = table_source(config.number_vocab, config.digit_level)
     if isinstance(source, str):
         table = NumberVocab.load(source)
@@ -534,7 +434,7 @@ def number_table(config: NTLLoss.Config) -> NumberVocab:
 
 @dataclasses.dataclass
 class _VocabView:
-    """``get_vocab()`` of a ``tokenizers.Tokenizer`` with its added tokens (what ``NumberVocab`` reads)."""
+    """``get_vocab()`` of a ``tokenizers.Tokenizer`` with its added tokens."""
 
     tokenizer: Any
 
