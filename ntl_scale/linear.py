@@ -1,15 +1,8 @@
-"""CE + NTL straight from hidden states, without the logits: argument checks, autocast, DTensor resolution and
-dispatch to the chunked op (:mod:`ntl_scale.ops.chunked_linear`, where the math is).
+"""CE + NTL from hidden states without the logits: checks, autocast, DTensor resolution, then the chunked op.
 
-Under tensor parallelism ``weight`` is the local vocab shard ``[V/tp, H]`` and ``hidden`` the full
-(sequence-gathered) hidden states; the gradient of ``hidden`` is this shard's part, summed over the TP group by
-the caller's layer (as Megatron's ``ColumnParallelLinear`` does on its input).
-
-A ``DTensor`` ``weight`` split on its rows (``Shard(0)``, uneven splits included) or replicated gives the group
-and offset; ``hidden`` must then be a DTensor replicated on the weight's mesh (its gradient comes back
-``Partial``). A plain ``hidden`` beside a row-split weight is refused: it cannot tell tensor parallelism (ranks
-share the tokens) from an FSDP2 ``fully_shard`` weight used outside its module's forward (ranks hold their own);
-the error names the fix for each.
+Under tensor parallelism ``weight`` is the vocab shard ``[V/tp, H]`` and ``hidden`` the full hidden states; the
+gradient of ``hidden`` is this shard's part, summed by the caller's layer (as ``ColumnParallelLinear`` does). A
+``DTensor`` weight (``Shard(0)`` or replicated) needs a replicated ``DTensor`` hidden on its mesh.
 """
 
 from __future__ import annotations
@@ -79,8 +72,7 @@ def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
 
 
 def _refuse_ambiguous_split(hidden: Any, weight: Any) -> None:
-    """Refuses a row-split DTensor ``weight`` beside a plain ``hidden``: a plain tensor cannot say whether the
-    ranks share the tokens (tensor parallelism) or hold their own (FSDP2 outside the module's forward)."""
+    """Refuses a row-split DTensor ``weight`` beside a plain ``hidden`` (TP and FSDP2 look alike there)."""
     if is_dtensor(hidden):
         return
     from torch.distributed.tensor import Shard
@@ -178,10 +170,7 @@ def linear_ce_ntl(
     options = NTLOptions() if options is None else options
     amp = _autocast_dtype(hidden, weight)
     if amp is not None:
-        # Under autocast the op runs as an autocast linear layer would: hidden and weight cast to the
-        # autocast dtype (differentiable casts: fp32 parameters get their gradient through them), then
-        # the half-precision path (fp32 softmax and weight-gradient accumulation) with autocast off
-        # inside, so that every product of a chunk has one dtype whatever the matmul call.
+        # as an autocast linear layer: differentiable casts to the autocast dtype, then the half-precision path
         with torch.autocast(hidden.device.type, enabled=False):
             return linear_ce_ntl(
                 _amp_cast(hidden, amp), _amp_cast(weight, amp), labels, vocab, options, tp_group=tp_group,

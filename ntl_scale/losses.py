@@ -18,14 +18,7 @@ from .options import NTLOptions, check_option
 from .reductions import CENTLOutput, combine_terms, reduce_loss
 from .terms import per_token_ce_ntl
 
-__all__ = [
-    "CEWithNTL",
-    "NumberTokenLoss",
-    "beside_ce",
-    "ce_with_ntl",
-    "number_token_loss",
-    "vocab_parallel_ce_ntl",
-]
+__all__ = ["CEWithNTL", "NumberTokenLoss", "beside_ce", "ce_with_ntl", "number_token_loss", "vocab_parallel_ce_ntl"]
 
 
 def vocab_parallel_ce_ntl(
@@ -71,8 +64,7 @@ def vocab_parallel_ce_ntl(
         tp_group: the tensor-parallel group the vocabulary is split over, or None.
         inplace: reuse the logits buffer for the softmax and the gradient (fp32/fp64 logits only),
             like Megatron; the logits hold garbage afterwards.
-        check_finite: raise a ValueError when the logits hold NaN/Inf (one host sync; off by default:
-            a non-finite logit then makes the loss NaN, for the training loop's own NaN check).
+        check_finite: raise a ValueError on NaN/Inf logits (one host sync; default off: NaN reaches the loss).
         chunk_tokens: tokens per chunk of temporaries (default: a 64 MiB fp32 budget).
         vocab_start: the global id of this shard's first column, for uneven splits; the shards of
             the group must then tile ``[0, vocab.vocab_size)``. None: ``rank * width``.
@@ -81,9 +73,6 @@ def vocab_parallel_ce_ntl(
         z_loss_weight: the z-loss ``z_loss_weight * logsumexp(z)**2`` added to CE (:attr:`NTLOptions.z_loss_weight`).
         label_smoothing: CE label smoothing over the whole vocabulary (:attr:`NTLOptions.label_smoothing`).
         logit_softcap: ``cap * tanh(z / cap)`` before everything (:attr:`NTLOptions.logit_softcap`).
-
-    Shape:
-        ``logits_shard``: ``[..., V/tp]``; ``labels`` and every output: ``[...]``.
 
     Returns:
         ``(ce, ntl, number_mask)``: per-token CE (0 where ignored), per-token NTL (0 where the mask
@@ -155,9 +144,6 @@ def number_token_loss(
         lse: the whole vocabulary's log-sum-exp of the (capped) logits per token ``[...]``, as a CE kernel
             returns it (or ``torch.logsumexp``): with ``reweigh``, the number columns suffice. Differentiable:
             the reweighing's gradient on the other columns flows through it (a detached one drops that part).
-
-    Shape:
-        ``logits``: ``[..., V]``; ``labels``, ``loss_weights``: ``[...]``.
 
     Returns:
         A 0-d tensor for ``mean``/``sum``, ``[...]`` for ``none`` (0 at non-number positions).

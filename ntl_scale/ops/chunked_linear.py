@@ -24,22 +24,9 @@ touches one column per token and the NTL terms the ``K`` number columns (10 for 
   recomputes ``z`` chunk by chunk for ``(u pi)^T h``: exact for any upstream gradient, two more
   matmuls.
 
-``G_W`` sums over every token while the ``1/N`` of a mean is applied only in the backward, so it
-accumulates in fp32 (fp64 for fp64 weights): each chunk's product is one half-precision matmul of
-coefficients scaled to a mean (no fp16 overflow) added to the fp32 accumulator, and the gradient is
-rounded to the weight's dtype once, at the end.
-
-Peak extra memory: ``C x V_local`` (one chunk of logits, plus a cast copy for half precision),
-``T x H`` (``P_h``) and ``V_local x H`` in fp32 (``G_W``; twice the bf16 weight gradient, plus a
-half-precision product buffer while the forward runs), instead of ``T x V`` logits and their
-gradient. See ``docs/memory_efficient.md``.
-
-Only what the requested gradients need is built (decided in :func:`linear_ce_ntl`: grad mode on and
-the tensor requiring a gradient). Without any (``torch.no_grad()``, ``inference_mode``, or neither
-``hidden`` nor ``weight`` requiring one: evaluation) a chunk is ``z = h W^T`` and its statistics:
-``2 T V H`` matmul FLOPs instead of ``3x`` that, no ``P_h``, no ``G_W`` and no product buffer, the
-same all-reduces. With a gradient for one of them only (a frozen output layer) only its dense part
-(``P_h`` or ``G_W``) is built: two matmuls per chunk.
+``G_W`` accumulates in fp32 (fp64 for fp64 weights), each chunk's product scaled to a mean, and is rounded
+to the weight's dtype once. Only what the requested gradients need is built: without any (evaluation) a
+chunk is ``z = h W^T`` and its statistics. Peak extra memory: ``docs/memory_efficient.md``.
 """
 
 from __future__ import annotations

@@ -5,10 +5,8 @@ The one place where the softmax over the vocabulary is computed. Per token (``do
 losses) and ``mass = sum_{k in N} softmax(z)_k``. Under tensor parallelism the forward needs one MAX all-reduce
 of ``[max z, max z_N]`` and one SUM all-reduce of ``[S, z_y, S_N, A]`` per token (:func:`all_reduce_max`,
 :func:`all_reduce_sums`: the only TP collectives of the loss); the backward none. ``tp_group=None`` (or size 1)
-is the same code without collectives. Per-shard steps: :mod:`ntl_scale.ops.shard_math` (PyTorch) and
-:mod:`ntl_scale.ops.triton_ce_ntl` (GPU); shard placement: :mod:`ntl_scale.ops.shards`. Here: the kernel choice
-per call (:func:`use_triton`), the autograd Functions (:class:`_FusedCENTL`; :class:`_NumberColumnsNTL`, NTL
-alone on the number columns) and :func:`fused_shard_stats`.
+is the same code without collectives. Here: the kernel choice (:func:`use_triton`) and the autograd
+Functions (:class:`_FusedCENTL`; :class:`_NumberColumnsNTL`, NTL alone on the number columns).
 """
 
 from __future__ import annotations
@@ -450,11 +448,8 @@ def fused_shard_stats(
             any ``[..., V_local]``, the tokens in row-major order: its gradient keeps that shape).
         inputs: the resolved per-shard inputs.
         need_full: compute the full softmax (for CE, and the number mass without ``lse``); if False only
-            the number columns are read (:class:`_NumberColumnsNTL`; ``inplace`` and ``chunk_tokens``
-            do not apply).
-        inplace: overwrite the logits buffer with ``exp(z - max)`` and reuse it for the gradient
-            (fp32/fp64 only), like Megatron's vocab-parallel cross entropy; the logits are garbage
-            afterwards.
+            the number columns are read (:class:`_NumberColumnsNTL`).
+        inplace: reuse the fp32/fp64 logits buffer for ``exp(z - max)`` and the gradient, as Megatron's CE does.
         check_finite: raise when logits hold NaN/Inf (one host sync); default off: NaN propagates.
         tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
         chunk_tokens: tokens per chunk of the temporaries (default: a 64 MiB budget).
