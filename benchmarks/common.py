@@ -4,12 +4,61 @@ the patches that let ``megatron.core`` run on CPU over gloo (:func:`patch_for_cp
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
+import random
 import subprocess
 import threading
 import time
+
+_WORDS = "what is the sum of and product minus plus times divided by calculate let be x y".split()
+
+
+def corpus(lines: int = 2000, seed: int = 0) -> list[str]:
+    """Generated arithmetic sentences with integers and decimals."""
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "qua", "bri", "dom"]
+    words = _WORDS + ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(300)]
+    out = []
+    for _ in range(lines):
+        a, b = rng.randint(0, 99999), rng.randint(0, 999)
+        w1, w2, w3 = rng.choice(words), rng.choice(words), rng.choice(words)
+        out.append(f"{w1} {a} {w2} {b}? {a * b}. {a + b}.{rng.randint(0, 99)} {w3} -{b}")
+    return out
+
+
+def _byte_level(pattern: str | None, vocab_size: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    splitters = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if pattern is not None:
+        splitters.insert(0, pre_tokenizers.Split(Regex(pattern), behavior="isolated"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(splitters)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+@functools.cache
+def byte_level_bpe():
+    """GPT-2 style byte-level BPE whose digits stay single tokens (``"3"`` and ``"Ġ3"`` may exist)."""
+    return _byte_level(r"\d", 400)
+
+
+@functools.cache
+def llama3_style_bpe():
+    """Byte-level BPE that splits numbers into groups of up to three digits (``"123"`` tokens)."""
+    return _byte_level(r"\d{1,3}", 1500)
 
 
 def word_level_tokenizer(vocab_size: int):

@@ -133,9 +133,9 @@ def measure(model: TinyLM, rows: torch.Tensor, vocab: Any, squash: float | None,
 
 def run(steps: int = 400, seed: int = 0) -> dict[str, Any]:
     """Every row of the table: ``{"rows": [...], "recipe_squash": s}``."""
+    from benchmarks import common as tokenizers
     from ntl_scale import NumberVocab
     from ntl_scale.number_vocab import digit_scale_squash_factor
-    from tests.helpers import tokenizers
 
     torch.set_num_threads(1)
     train_lines, heldout = tokenizers.corpus(1500, seed=2), tokenizers.corpus(200, seed=1)

@@ -17,24 +17,12 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import tempfile
 from pathlib import Path
 
-_WORDS = "what is the sum of and product minus plus times divided by calculate let be x y".split()
-
-
-def corpus(lines: int = 2000, seed: int = 0) -> list[str]:
-    """Generated arithmetic sentences with integers and decimals."""
-    rng = random.Random(seed)
-    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "qua", "bri", "dom"]
-    words = _WORDS + ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(300)]
-    out = []
-    for _ in range(lines):
-        a, b = rng.randint(0, 99999), rng.randint(0, 999)
-        w1, w2, w3 = rng.choice(words), rng.choice(words), rng.choice(words)
-        out.append(f"{w1} {a} {w2} {b}? {a * b}. {a + b}.{rng.randint(0, 99)} {w3} -{b}")
-    return out
+from benchmarks.common import byte_level_bpe as byte_level_bpe
+from benchmarks.common import corpus as corpus
+from benchmarks.common import llama3_style_bpe as llama3_style_bpe
 
 
 @functools.cache
@@ -101,38 +89,6 @@ def sentencepiece_slow():
     from transformers import BertGenerationTokenizer
 
     return BertGenerationTokenizer(vocab_file=sentencepiece_model())
-
-
-def _byte_level(pattern: str | None, vocab_size: int):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    splitters = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if pattern is not None:
-        splitters.insert(0, pre_tokenizers.Split(Regex(pattern), behavior="isolated"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(splitters)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-
-
-@functools.cache
-def byte_level_bpe():
-    """GPT-2 style byte-level BPE whose digits stay single tokens (``"3"`` and ``"Ġ3"`` may exist)."""
-    return _byte_level(r"\d", 400)
-
-
-@functools.cache
-def llama3_style_bpe():
-    """Byte-level BPE that splits numbers into groups of up to three digits (``"123"`` tokens)."""
-    return _byte_level(r"\d{1,3}", 1500)
 
 
 def _wordpiece_vocab_file() -> str:
