@@ -131,13 +131,17 @@ class NTLCausalLMLoss:
         from transformers.loss.loss_utils import ForCausalLMLoss
 
         own = self.framework_loss or ForCausalLMLoss
+        ntl: PerTokenTerms | None = None
+        through = [logits]
+        if not self._ce_only:  # NTL first: its columns join the framework CE's logits gradient in place
+            through = []
+            ntl = per_token_ce_ntl(logits, targets, self.vocab, options, need_ce=False, passthrough=through)
         one = torch.ones((), device=logits.device)  # num_items_in_batch 1: the framework's CE sum
-        ce_sum = own(logits, None, logits.shape[-1], num_items_in_batch=one, ignore_index=ignore_index,
+        ce_sum = own(through[0], None, logits.shape[-1], num_items_in_batch=one, ignore_index=ignore_index,
                      shift_labels=targets.contiguous(), **kwargs)  # fmt: skip
-        if self._ce_only:
+        if ntl is None:
             return ce_sum
-        terms = per_token_ce_ntl(logits, targets, self.vocab, options, need_ce=False)
-        return self.reduce(terms, targets, num_items_in_batch, ignore_index, ce_sum=ce_sum)
+        return self.reduce(ntl, targets, num_items_in_batch, ignore_index, ce_sum=ce_sum)
 
     @contextlib.contextmanager
     def ce_only(self) -> Iterator[None]:

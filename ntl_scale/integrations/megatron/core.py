@@ -206,10 +206,12 @@ def make_loss_func(
         evaluation = is_evaluation() if evaluation is None else evaluation
         run_options = eval_options if evaluation else options
         if framework_ce(run_options):  # NTL first: Megatron's CE overwrites fp32 logits
+            through: list[torch.Tensor] = []  # the logits Megatron's CE reads; NTL's columns join its gradient
             terms = batch_first_terms(
-                logits, labels, vocab, run_options, pieces=pieces, tp_group=tp_group, need_ce=False
+                logits, labels, vocab, run_options, pieces=pieces, tp_group=tp_group, need_ce=False, passthrough=through
             )
-            terms = beside(megatron_cross_entropy(logits, labels, tp_group, cross_entropy_fusion_impl), terms)
+            ce = megatron_cross_entropy(through[0].reshape(logits.shape), labels, tp_group, cross_entropy_fusion_impl)
+            terms = beside(ce, terms)
         else:
             terms = batch_first_terms(
                 logits, labels, vocab, run_options, pieces=pieces, tp_group=tp_group, inplace=inplace

@@ -267,7 +267,13 @@ class GPTModelNTL:
             )
         return pieces
 
-    def _terms(self, labels: torch.Tensor, logits_or_hidden: torch.Tensor, options: NTLOptions) -> PerTokenTerms:
+    def _terms(
+        self,
+        labels: torch.Tensor,
+        logits_or_hidden: torch.Tensor,
+        options: NTLOptions,
+        through: list[torch.Tensor] | None = None,
+    ) -> PerTokenTerms:
         # check_finite=False: non-finite logits reach Megatron's NaN/Inf checks as a NaN loss
         pieces = self._pieces()
         need_ce = not framework_ce(options)  # with Megatron's CE: NTL from the number columns alone
@@ -288,6 +294,7 @@ class GPTModelNTL:
                 check_finite=False,
                 pieces=pieces,
                 need_ce=need_ce,
+                passthrough=through,
             )
         # hidden states [s(/tp), b, H] and the output weight (the shared embedding when tied), no logits
         layer = self.model.output_layer
@@ -313,9 +320,10 @@ class GPTModelNTL:
             call["mtp"] += 1  # MTP heads run before the main head, in order (both supported releases)
         evaluation = is_evaluation(self.model)
         options = self.options.for_evaluation() if evaluation else self.options
-        terms = self._terms(labels, logits, options)
-        if framework_ce(options):  # after NTL: Megatron's CE overwrites fp32 logits in place
-            terms = beside(self._megatron_ce(labels, logits), terms)
+        through: list[torch.Tensor] | None = [] if framework_ce(options) and not self.chunked else None
+        terms = self._terms(labels, logits, options, through)
+        if framework_ce(options):  # after NTL (Megatron's CE overwrites fp32 logits); NTL's columns join its gradient
+            terms = beside(self._megatron_ce(labels, logits if not through else through[0]), terms)
         mask = self._mask_of_head(labels, 0 if main else call["mtp"])
         loss, sums = head_loss(
             terms,

@@ -106,6 +106,9 @@ def sequence_first_terms(
             logits.transpose(0, 1).unflatten(1, split), labels.unflatten(1, split), vocab, options,
             inplace=inplace, **kwargs,
         )  # fmt: skip
+        through = kwargs.get("passthrough")
+        if through:  # back in the output layer's [s, b, V/tp] layout, for the CE beside NTL
+            through[0] = through[0].flatten(1, 2).transpose(0, 1)
         return PerTokenTerms(*(t.reshape(b, s) for t in terms))
     terms = per_token_ce_ntl(logits, labels.t(), vocab, options, inplace=inplace, **kwargs)
     return PerTokenTerms(*(t.t().contiguous() for t in terms))  # Megatron's loss_func views them flat
