@@ -57,3 +57,17 @@ def test_the_named_gelu_is_the_one_megatron_ran(fusion: bool) -> None:
     megatron = fused.bias_gelu_impl(x, torch.zeros_like(x)) if fusion else F.gelu(x)
     hf = ACT2FN[config["activation_function"]](x)
     assert (hf - megatron).abs().max() < 1e-6, config["activation_function"]
+
+
+def test_zero_centered_layernorm_is_converted_or_refused() -> None:
+    """``--apply-layernorm-1p`` (``layernorm_zero_centered_gamma``) stores ``gamma - 1``: Megatron's LayerNorm
+    multiplies by ``1 + weight``; GPT-2's by ``weight``. Copied as it is, every gain is off by one."""
+    args, state = _run(bias_gelu_fusion=False, layernorm_zero_centered_gamma=True)
+    try:
+        _, weights = to_gpt2(args, state)
+    except ValueError:
+        return  # refused: fine
+    for ours, theirs in (("transformer.h.0.ln_1.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight"),
+                         ("transformer.ln_f.weight", "decoder.final_layernorm.weight")):  # fmt: skip
+        stored = state[theirs][0] if theirs.startswith("decoder.layers.") else state[theirs]
+        assert torch.equal(weights[ours], stored + 1), ours
