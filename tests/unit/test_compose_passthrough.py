@@ -173,3 +173,14 @@ def test_partner_gradient_in_another_layout():
     ce_r = F.cross_entropy(zr.transpose(0, 1).reshape(-1, V), labels.t().reshape(-1))
     (ce_r + WEIGHT * ntl_scale.number_token_loss(zr, labels, vocab)).backward()
     _close(z.grad, zr.grad, "transposed partner")
+
+
+@pytest.mark.parametrize("option", [dict(label_smoothing=0.1), dict(z_loss_weight=1e-4)])
+def test_ce_options_the_partner_never_sees_are_refused(option):
+    """``beside_ce`` computes NTL alone: a CE option passed to it would change nothing (the partner CE runs
+    without it), so it must be refused, not dropped."""
+    vocab = _vocab()
+    labels = _labels(vocab)
+    z = random_logits((*labels.shape, V), seed=8)
+    with pytest.raises(ValueError):
+        ntl_scale.beside_ce(z, labels, vocab, **option)
