@@ -158,3 +158,29 @@ def test_linear_backward_writes_into_the_partners_weight_gradient():
     partner = torch.autograd.grad(F.cross_entropy((h0 @ w_ref.t()).flatten(0, 1), labels.flatten()), w_ref)[0]
     ntl_scale.linear_number_token_loss(h0, w_ref, labels, vocab).backward()
     _close(w0.grad, partner + WEIGHT * w_ref.grad, "partner + NTL, weight")
+
+
+def test_partner_gradient_in_another_layout():
+    """A partner that runs on the sequence-first transpose (``[S, B, V]``, Megatron's layout) hands back a dense
+    gradient whose ``[B, S]`` dims do not merge: NTL's columns must still go in (the dense form as reference)."""
+    vocab = _vocab()
+    labels = _labels(vocab).clamp_min(0)
+    z = random_logits((*labels.shape, V), seed=7).requires_grad_()
+    for_ce, ntl = ntl_scale.beside_ce(z, labels, vocab)
+    ce = F.cross_entropy(for_ce.transpose(0, 1).reshape(-1, V), labels.t().reshape(-1))
+    (ce + WEIGHT * ntl).backward()
+    zr = z.detach().clone().requires_grad_()
+    ce_r = F.cross_entropy(zr.transpose(0, 1).reshape(-1, V), labels.t().reshape(-1))
+    (ce_r + WEIGHT * ntl_scale.number_token_loss(zr, labels, vocab)).backward()
+    _close(z.grad, zr.grad, "transposed partner")
+
+
+@pytest.mark.parametrize("option", [dict(label_smoothing=0.1), dict(z_loss_weight=1e-4)])
+def test_ce_options_the_partner_never_sees_are_refused(option):
+    """``beside_ce`` computes NTL alone: a CE option passed to it would change nothing (the partner CE runs
+    without it), so it must be refused, not dropped."""
+    vocab = _vocab()
+    labels = _labels(vocab)
+    z = random_logits((*labels.shape, V), seed=8)
+    with pytest.raises(ValueError):
+        ntl_scale.beside_ce(z, labels, vocab, **option)
