@@ -57,7 +57,8 @@ def _check(args: Any) -> None:
     """Refuses what GPT-2 cannot hold (``num_query_groups``: no grouped-query attention)."""
     gpt2 = {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False,
             "squared_relu": False, "add_bias_linear": True, "add_qkv_bias": True, "qk_layernorm": False,
-            "apply_residual_connection_post_layernorm": False,
+            "apply_residual_connection_post_layernorm": False, "apply_layernorm_1p": False,
+            "layernorm_zero_centered_gamma": False,
             "num_query_groups": args.num_attention_heads}  # fmt: skip
     for name, value in gpt2.items():
         if getattr(args, name, value) not in (value, None):
@@ -95,7 +96,9 @@ def read(checkpoint: str) -> tuple[Any, dict[str, torch.Tensor]]:
     state = {
         key: torch.empty(m.size, dtype=m.properties.dtype)
         for key, m in meta.items()
-        if hasattr(m, "size") and not key.startswith(("optimizer", "rng_state")) and "_extra_state" not in key
+        if isinstance(m, dcp.metadata.TensorStorageMetadata)
+        and not key.startswith(("optimizer", "rng_state"))
+        and "_extra_state" not in key
     }
     dcp.load(state, storage_reader=reader, no_dist=True)
     return read_args(checkpoint), state
@@ -113,7 +116,8 @@ def to_gpt2(args: Any, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], 
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": args.padded_vocab_size,
         "n_positions": args.max_position_embeddings, "n_embd": hidden, "n_layer": args.num_layers,
         "n_head": heads, "n_inner": args.ffn_hidden_size,
-        "activation_function": "gelu_new" if args.openai_gelu else "gelu",  # tanh or erf GeLU
+        # tanh GeLU for --openai-gelu and for the default --bias-gelu-fusion (bias_gelu_impl); erf GeLU without
+        "activation_function": "gelu_new" if args.openai_gelu or getattr(args, "bias_gelu_fusion", False) else "gelu",
         "layer_norm_epsilon": getattr(args, "layernorm_epsilon", getattr(args, "norm_epsilon", 1e-5)),
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
         "tie_word_embeddings": tied, "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32",

@@ -29,6 +29,7 @@ from .terms import (
     shard_inputs,
     shard_start,
     terms_from_stats,
+    variant_options,
 )
 
 __all__ = ["linear_beside_ce", "linear_ce_ntl", "linear_ce_with_ntl", "linear_number_token_loss"]
@@ -365,7 +366,7 @@ def linear_beside_ce(
     check_reduction(reduction)
     through: list[torch.Tensor] = []
     terms = linear_ce_ntl(
-        hidden, weight, labels, vocab, NTLOptions(**variant), tp_group=tp_group, check_finite=check_finite,
+        hidden, weight, labels, vocab, variant_options(variant), tp_group=tp_group, check_finite=check_finite,
         chunk_tokens=chunk_tokens, need_ce=False, vocab_start=vocab_start, passthrough=through,
     )  # fmt: skip
     weights = check_weights(loss_weights, labels, terms.ntl.dtype)

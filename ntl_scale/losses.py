@@ -16,7 +16,7 @@ from ._validation import check_reduction, check_weights
 from .number_vocab import NumberVocab
 from .options import NTLOptions, check_option
 from .reductions import CENTLOutput, combine_terms, reduce_loss
-from .terms import per_token_ce_ntl
+from .terms import per_token_ce_ntl, variant_options
 
 __all__ = ["CEWithNTL", "NumberTokenLoss", "beside_ce", "ce_with_ntl", "number_token_loss", "vocab_parallel_ce_ntl"]
 
@@ -201,7 +201,7 @@ def beside_ce(
     check_reduction(reduction)
     through: list[torch.Tensor] = []
     terms = per_token_ce_ntl(
-        logits, labels, vocab, NTLOptions(**variant), check_finite=check_finite, need_ce=False, tp_group=tp_group,
+        logits, labels, vocab, variant_options(variant), check_finite=check_finite, need_ce=False, tp_group=tp_group,
         vocab_start=vocab_start, passthrough=through,
     )  # fmt: skip
     weights = check_weights(loss_weights, labels, terms.ntl.dtype)

@@ -157,6 +157,20 @@ def check_passthrough(passthrough: bool, need_ce: bool, options: NTLOptions) -> 
         )
 
 
+NTL_VARIANT = ("loss", "squash_factor", "reweigh", "huber_delta", "float_level", "ignore_index", "logit_softcap")
+
+
+def variant_options(variant: dict[str, object]) -> NTLOptions:
+    """The :class:`NTLOptions` of an NTL-alone call's ``**variant``; CE and run options are refused."""
+    other = sorted(set(variant) - set(NTL_VARIANT))
+    if other:
+        raise ValueError(
+            f"{other} are not options of NTL alone (the partner CE computes CE and never sees them); expected only "
+            f"{list(NTL_VARIANT)}: set them on the partner CE, or use ce_with_ntl / linear_ce_with_ntl"
+        )
+    return NTLOptions(**variant)  # type: ignore[arg-type]
+
+
 def like(local: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
     """``local`` as ``original`` was: the same ``DTensor`` placement (differentiable), or as is."""
     if not is_dtensor(original):

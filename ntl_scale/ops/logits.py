@@ -399,8 +399,9 @@ class _NumberColumnsNTL(torch.autograd.Function):
         if number_grad is not None:
             if factor is not None:  # d z'/dz = 1 - (z'/cap)^2
                 number_grad = number_grad * factor
-            # through a temporary [T, V] view of the new tensor; the tensor itself goes back, no view
-            index_add(out.view(-1, ctx.shape[-1]), 1, inputs.number_cols, number_grad.to(ctx.dtype))
+            # on the last dim in the logits' own shape: a partner's gradient may arrive in another layout
+            cols = inputs.number_cols
+            index_add(out, out.dim() - 1, cols, number_grad.to(ctx.dtype).view(*ctx.shape[:-1], cols.numel()))
         return out, None, None, None, None, g_lse, None
 
 

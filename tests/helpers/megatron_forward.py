@@ -48,7 +48,7 @@ def main(checkpoint: str, tokens_path: str, out: str) -> None:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         add_bias_linear=args.add_bias_linear,
-        bias_activation_fusion=False,
+        bias_activation_fusion=bool(getattr(args, "bias_gelu_fusion", False)),  # the MLP the run ran
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         persist_layer_norm=False,
