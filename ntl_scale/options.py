@@ -245,8 +245,9 @@ class NTLOptions:
         if self.ce_kernel == "framework" and (self.ce_features or self.reweigh):
             on = (*self.ce_features, *(("reweigh",) if self.reweigh else ()))
             raise ValueError(
-                f"ce_kernel='framework' runs the stack's own cross entropy, which computes none of {on}: set "
-                "them in the framework, drop them, or use ce_kernel='ntl_scale' (ntl_scale's fused op computes them)"
+                f"ce_kernel='framework' runs the stack's own cross entropy, which takes none of {on} from ntl_scale "
+                "(reweigh needs its log-sum-exp): set the CE options in the framework, drop them, or use "
+                "ce_kernel='ntl_scale' (ntl_scale's fused op computes them)"
             )
 
     @property
