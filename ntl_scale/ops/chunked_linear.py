@@ -84,14 +84,9 @@ def default_chunk_tokens(hidden: torch.Tensor, width: int) -> int:
 
 
 class _ChunkWalk:
-    """The forward's walk over the token chunks: the per-token statistics every path needs and, where a
-    gradient is wanted, the dense products ``P_h`` and ``G_W`` built from each chunk's softmax.
-
-    ``dense``: whether ``P_h`` / ``G_W`` are built (a gradient wanted and not left to a recomputing
-    backward). ``kernels``: each chunk's statistics and softmax by the Triton kernel
-    (:meth:`triton_chunk`), else by the PyTorch code (:meth:`torch_chunk`). What the op keeps is read off
-    the attributes afterwards; the walk itself (its reused buffers) is then dropped.
-    """
+    """The forward's walk over the token chunks: the per-token statistics and, where ``dense``, the products
+    ``P_h`` and ``G_W`` from each chunk's softmax (Triton kernel or PyTorch code, ``kernels``). The op reads
+    the attributes afterwards and drops the walk."""
 
     def __init__(
         self,
@@ -494,13 +489,10 @@ def scaled_cast(
     """The weight gradient ``s acc + number rows (- the smoothing row)`` rounded once to ``dtype``, in one pass
     over ``[V, H]``: ``acc`` holds the dense and label parts in the forward's units (``s`` not applied).
 
-    On CUDA ``torch.mul``/``torch.addcmul`` write the weight's dtype straight from the fp32 accumulator (no
-    separate scale pass, no separate cast pass: each is a full memory-bound pass there); on the CPU, where
-    a mixed-dtype elementwise op is not vectorised, the scale in place and the cast. The ``K`` number rows,
-    whose NTL coefficients are not proportional to the token weights, are computed in fp32 beside it and
-    written over their rows, rounded once as well. Label smoothing's uniform part is one row
-    ``-(eps/V) s sum_t w_t h_t`` added to every row in that pass. ``fused``: the one-pass form (default: on
-    CUDA, or when ``acc`` already has ``dtype``).
+    ``fused`` (default on CUDA, or when ``acc`` has ``dtype``): ``torch.mul``/``addcmul`` write the weight's
+    dtype straight from the fp32 accumulator; else (CPU: mixed-dtype ops are not vectorised) scale, then cast.
+    The ``K`` number rows are computed in fp32 beside it and written over their rows; label smoothing's uniform
+    row ``-(eps/V) s sum_t w_t h_t`` is added to every row in that pass.
     """
     cdt = acc.dtype
     row = None

@@ -105,12 +105,8 @@ def kernel_shard_softmax(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`kernel_shard_stats`, with the same kernel writing the shard's softmax over ``logits`` in place.
 
-    The kernel knows only this shard's statistics, so it writes ``exp(z - m_local) / S_local``; the
-    all-reduces then give the global ``m`` and ``S``, and the returned ``rescale [T]``,
-    ``S_local exp(m_local - m) / S``, turns each row into the global softmax. A per-token factor: the caller
-    folds it into what already scales each token (``P_h``'s rows, the weight gradient's hidden rows) instead
-    of another pass over ``[T, V_local]``. None on one device (the local statistics are the global ones:
-    the softmax written is final).
+    The kernel writes ``exp(z - m_local) / S_local``; ``rescale [T] = S_local exp(m_local - m) / S`` (None on
+    one device) turns each row into the global softmax, folded by the caller into its per-token factors.
 
     Returns:
         ``max [T]``, number max ``[T]`` (-inf kept), ``sums [T, 4]`` (as :func:`kernel_shard_stats`) and
@@ -134,20 +130,12 @@ coefficient of the softmax); the others (label smoothing, soft-capping) run the 
 
 
 def use_triton(impl: str, tensor: torch.Tensor, features: tuple[str, ...] = ()) -> bool:
-    """Whether an op called with ``impl`` runs the Triton kernels on ``tensor``: the per-call kernel choice.
+    """Whether an op called with ``impl`` runs the Triton kernels on ``tensor``.
 
-    ``"torch"``: never. ``"auto"``: where :func:`ntl_scale.ops.triton_ce_ntl.enabled` says (nowhere
-    until the kernels have passed the GPU suite), and never with a CE feature the kernels lack
-    (``features``: :attr:`ntl_scale.options.NTLOptions.ce_features`, less :data:`KERNEL_FEATURES`; the
-    PyTorch code computes those).
-    ``"triton"``: always, except while ``torch.compile`` traces (Inductor compiles the PyTorch code into
-    its own fused kernels).
-
-    Raises:
-        ValueError: ``impl`` is not one of ``auto``, ``torch``, ``triton``; ``impl="triton"`` for a
-            tensor the kernels cannot run on (not on CUDA, outside Triton's interpreter), or with a CE
-            feature in ``features`` the kernels lack (label smoothing, soft-capping).
-        ImportError: ``impl="triton"`` without ``triton`` installed.
+    ``"torch"``: never. ``"auto"``: where :func:`ntl_scale.ops.triton_ce_ntl.enabled` says, never with a CE
+    feature the kernels lack (``features`` less :data:`KERNEL_FEATURES`). ``"triton"``: always, except while
+    ``torch.compile`` traces; a ValueError where the kernels cannot run (device, features), an ImportError
+    without ``triton``.
     """
     check_impl(impl)
     features = tuple(name for name in features if name not in KERNEL_FEATURES)
@@ -327,14 +315,9 @@ def label_number_logit(number_logits: torch.Tensor, inputs: ShardInputs) -> torc
 class _NumberColumnsNTL(torch.autograd.Function):
     """NTL alone on logits ``[..., V_local]``: the number columns are read once, the gradient written once.
 
-    The number-column statistics with the same two all-reduces; the full softmax is never formed.
-    ``cap``: soft-capping of the number columns only. ``lse`` (the whole vocabulary's log-sum-exp per token,
-    from the caller's CE kernel, or None): ``mass = exp(lse_N - lse)``, whose gradient reaches the number
-    columns here and ``lse`` through its own graph. ``hit``: the label is the arg-max among the number
-    columns. The gradient is a new tensor in the logits' shape (no view); with ``passthrough`` the logits also
-    come back as the first output, for a partner CE, and the backward adds the number columns into that CE's
-    gradient in place (:func:`writable_grad`): no ``[T, V]`` fill, no sum. Nothing logits-sized is saved,
-    non-contiguous logits are not copied.
+    The same two all-reduces, no full softmax. ``lse`` (the CE kernel's, or None): ``mass = exp(lse_N - lse)``.
+    ``hit``: the arg-max among the number columns. ``passthrough``: the logits come back first, for a partner
+    CE, and the backward adds the number columns into its gradient in place (:func:`writable_grad`).
     """
 
     @staticmethod
@@ -419,8 +402,7 @@ def writable_grad(
     if grad is None:
         return torch.zeros(shape, dtype=dtype, device=device)
     order = sorted(range(grad.dim()), key=lambda d: -grad.stride()[d])
-    # grad mode is on in a backward only under create_graph (not grad.requires_grad: Megatron's CE hands back
-    # its saved input, which does)
+    # grad mode is on in a backward only under create_graph (not requires_grad: Megatron's CE returns its input)
     dense = grad.permute(order).is_contiguous() and grad.shape == shape and grad.dtype == dtype
     if dense and not torch.is_grad_enabled():
         return grad
@@ -447,22 +429,14 @@ def fused_shard_stats(
     Args:
         logits: the local logits shard, ``[T, V_local]``, fp32/bf16/fp16/fp64 (without ``need_full``
             any ``[..., V_local]``, the tokens in row-major order: its gradient keeps that shape).
-        inputs: the resolved per-shard inputs.
         need_full: compute the full softmax (for CE, and the number mass without ``lse``); if False only
-            the number columns are read (:class:`_NumberColumnsNTL`).
+            the number columns are read (:class:`_NumberColumnsNTL`, with ``cap``, ``lse``, ``passthrough``).
         inplace: reuse the fp32/fp64 logits buffer for ``exp(z - max)`` and the gradient, as Megatron's CE does.
-        check_finite: raise when logits hold NaN/Inf (one host sync); default off: NaN propagates.
-        tp_group: the tensor-parallel group over which the vocabulary is split; None = one device.
         chunk_tokens: tokens per chunk of the temporaries (default: a 64 MiB budget).
         impl: ``"auto"``, ``"torch"`` or ``"triton"``: the code of the statistics and the gradient
             (:func:`use_triton`); the NTL-only path (``need_full=False``) is PyTorch code always.
         features: the CE features on (:attr:`ntl_scale.options.NTLOptions.ce_features`), which the
             kernels lack (:func:`use_triton`). Label smoothing itself is ``inputs.smoothing``.
-        cap: without ``need_full`` only: the soft-cap of the number columns.
-        lse: without ``need_full`` only: the whole vocabulary's log-sum-exp ``[T]`` of the (capped) logits
-            from the caller's CE, for ``mass``.
-        passthrough: without ``need_full`` only: ``logits`` comes back first, for a partner CE to consume; the
-            backward adds NTL's number columns into that CE's gradient in place (:func:`writable_grad`).
 
     Returns:
         ``ce``, ``expect``, ``mass``, each ``[T]`` in the compute dtype, the bool ``hit`` (the label is the
