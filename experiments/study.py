@@ -695,8 +695,7 @@ def run_harness(run_dir: str, tasks: tuple[str, ...] | list[str] = HARNESS_TASKS
         return _read_json(path)
     import resource
 
-    from ntl_scale.eval.tasks.compare import latest_results
-
+    from launch.eval_tasks import latest_results
     from ntl_scale.eval.tasks import prepare as prepare_tasks
 
     started, children = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
