@@ -467,6 +467,30 @@ def megatron(jit: bool, ntl: str = ""):
     return build
 
 
+def te(ntl: str = ""):
+    """Transformer Engine's ``parallel_cross_entropy`` at TP = 1, called as Megatron's ``--cross-entropy-fusion-impl
+    te`` calls it (``megatron.core.extensions.transformer_engine.te_parallel_cross_entropy``, ``[s, b]`` labels)."""
+
+    def build(x: Inputs) -> Built:
+        _needs_cuda(x, "Transformer Engine")
+        module = _import("megatron.core.extensions.transformer_engine", "megatron-core")
+        if getattr(module, "te_parallel_cross_entropy", None) is None:
+            raise Skip("transformer-engine not installed (megatron.core has no te_parallel_cross_entropy)")
+        if x.tp_group is None:
+            raise Skip("no process group (torch.distributed could not be initialised)")
+        labels = x.labels.view(-1, 1)
+
+        def loss_fn(logits):
+            def ce_fn(z):
+                return module.te_parallel_cross_entropy(z.view(-1, 1, z.shape[-1]), labels, x.tp_group).mean()
+
+            return _plus_ntl(x, ntl, ce_fn, logits)
+
+        return Built(_on_logits(x, loss_fn), note="as Megatron's --cross-entropy-fusion-impl te calls it")
+
+    return build
+
+
 def materialised_ce(compiled: bool, ntl: str = ""):
     def build(x: Inputs) -> Built:
         fn = torch.compile(lambda z, y: F.cross_entropy(z.float(), y)) if compiled else None
@@ -506,6 +530,7 @@ _COMPILED = {"slowdown": 2.0}  # each compiles its own graph: setup (its key, 60
 _LIGER = ("liger_kernel", "liger-kernel")
 _CCE = ("cut_cross_entropy", "cut-cross-entropy")
 _MEGATRON = ("megatron.core", "megatron-core")
+_TE = ("transformer_engine", "transformer-engine")
 _ADDON = (
     "the row above it plus NTL alone on the K number columns through the passthrough (NTL's columns added into the "
     "CE's gradient in place): the add-on's count is in docs/benchmarks.md"
@@ -604,6 +629,13 @@ ROWS = [
     Row("megatron_ntl_dense", "Megatron fused vocab-parallel CE (TP 1), eager, + NTL alone (number_token_loss)",
         "peer", "addon", megatron(False, ntl="dense"), NTL_WEIGHT, model="ce_logits", model_is_floor=True,
         setup=("megatron", 15.0), requires=_MEGATRON, note=_DENSE),
+    Row("te", "Transformer Engine parallel CE (TP 1), as Megatron's te fusion", "peer", "ce_peer", te(),
+        model="ce_logits", model_is_floor=True, setup=("megatron", 15.0), requires=_TE),
+    Row("te_ntl", "Transformer Engine parallel CE (TP 1) + NTL alone (beside_ce)", "peer", "addon", te("beside"),
+        NTL_WEIGHT, model="ce_logits", model_is_floor=True, setup=("megatron", 15.0), requires=_TE, note=_ADDON),
+    Row("te_ntl_dense", "Transformer Engine parallel CE (TP 1) + NTL alone (number_token_loss)", "peer", "addon",
+        te("dense"), NTL_WEIGHT, model="ce_logits", model_is_floor=True, setup=("megatron", 15.0), requires=_TE,
+        note=_DENSE),
     Row("ce", "F.cross_entropy on logits", "peer", "ce_peer", materialised_ce(False), model="ce_logits",
         model_is_floor=True),
     Row("ce_ntl", "F.cross_entropy on logits + NTL alone (beside_ce)", "peer", "addon",
