@@ -155,8 +155,11 @@ class Engine:
         ``F.cross_entropy`` of the float32 logits (the model's own loss), NTL beside it."""
         options = self.options if options is None else options
         if framework_ce(options) and kwargs.get("need_ce", True):
-            terms = per_token_ce_ntl(logits, target, self.vocab, options, **{**kwargs, "need_ce": False})
-            flat = logits.reshape(-1, logits.shape[-1]).float()
+            through: list[torch.Tensor] = []  # the logits torch's CE reads; NTL's columns join its gradient
+            terms = per_token_ce_ntl(
+                logits, target, self.vocab, options, **{**kwargs, "need_ce": False, "passthrough": through}
+            )
+            flat = through[0].reshape(-1, logits.shape[-1]).float()
             ce = torch.nn.functional.cross_entropy(flat, target.reshape(-1), ignore_index=options.ignore_index,
                                                    reduction="none")  # fmt: skip
             return beside(ce, terms, hit=flat.detach().argmax(-1) == target.reshape(-1))
