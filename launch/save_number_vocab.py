@@ -12,10 +12,12 @@ tokens (a Llama 3-style tokenizer): pass ``--multi-digit`` (the recipe), or ``--
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout, for ntl_scale
 from ntl_scale.number_vocab import NumberTableWarning, NumberVocab, number_token_census
 
 

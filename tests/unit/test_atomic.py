@@ -184,6 +184,7 @@ def test_number_table_and_checkpoint_status_keep_the_old_file_when_the_write_fai
 _FOLDER_RENAMES = {
     ("ntl_scale/integrations/deepspeed/resume_layout.py", "partial"),
     ("launch/deepmind_data.py", "partial"),
+    ("experiments/gpu_study.py", "aside"),  # the harness task folder, published whole (array tasks race for it)
 }
 
 
