@@ -1,8 +1,5 @@
-"""NTL beside a framework's own cross entropy (``ce_kernel="framework"``): one rule for every stack.
-
-NTL comes from :func:`ntl_scale.per_token_ce_ntl` with ``need_ce=False`` (the number columns only);
-:func:`beside` puts the framework's per-token CE into those terms, so normalisation and logs are the same code.
-"""
+"""NTL beside a framework's own cross entropy (``ce_kernel="framework"``): :func:`beside` puts the framework's
+per-token CE into NTL-alone terms (``need_ce=False``), so normalisation and logs are the same code."""
 
 from __future__ import annotations
 

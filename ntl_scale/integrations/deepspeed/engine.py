@@ -156,9 +156,8 @@ class Engine:
         options = self.options if options is None else options
         if framework_ce(options) and kwargs.get("need_ce", True):
             through: list[torch.Tensor] = []  # the logits torch's CE reads; NTL's columns join its gradient
-            terms = per_token_ce_ntl(
-                logits, target, self.vocab, options, **{**kwargs, "need_ce": False, "passthrough": through}
-            )
+            kwargs = {**kwargs, "need_ce": False, "passthrough": through}
+            terms = per_token_ce_ntl(logits, target, self.vocab, options, **kwargs)
             flat = through[0].reshape(-1, logits.shape[-1]).float()
             ce = torch.nn.functional.cross_entropy(flat, target.reshape(-1), ignore_index=options.ignore_index,
                                                    reduction="none")  # fmt: skip
