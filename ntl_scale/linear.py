@@ -19,7 +19,7 @@ from .ops.logits import use_triton
 from .ops.shard_math import compute_dtype
 from .ops.shards import group_rank, group_size, is_dtensor, resolve_vocab_shard
 from .options import NTLOptions, check_option
-from .reductions import CENTLOutput, combine_terms, reduce_loss
+from .reductions import CENTLOutput, combine_terms, reduce_ntl
 from .terms import (
     PerTokenTerms,
     check_lse,
@@ -338,8 +338,7 @@ def linear_number_token_loss(
         hidden, weight, labels, vocab, options, tp_group=tp_group, check_finite=check_finite,
         chunk_tokens=chunk_tokens, need_ce=False, vocab_start=vocab_start, lse=lse,
     )  # fmt: skip
-    weights = check_weights(loss_weights, labels, terms.ntl.dtype)
-    return reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
+    return reduce_ntl(terms, labels, loss_weights, reduction)
 
 
 def linear_beside_ce(
@@ -369,5 +368,4 @@ def linear_beside_ce(
         hidden, weight, labels, vocab, variant_options(variant), tp_group=tp_group, check_finite=check_finite,
         chunk_tokens=chunk_tokens, need_ce=False, vocab_start=vocab_start, passthrough=through,
     )  # fmt: skip
-    weights = check_weights(loss_weights, labels, terms.ntl.dtype)
-    return through[0], through[1], reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
+    return through[0], through[1], reduce_ntl(terms, labels, loss_weights, reduction)

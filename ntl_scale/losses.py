@@ -12,10 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._validation import check_reduction, check_weights
+from ._validation import check_reduction
 from .number_vocab import NumberVocab
 from .options import NTLOptions, check_option
-from .reductions import CENTLOutput, combine_terms, reduce_loss
+from .reductions import CENTLOutput, combine_terms, reduce_ntl
 from .terms import per_token_ce_ntl, variant_options
 
 __all__ = ["CEWithNTL", "NumberTokenLoss", "beside_ce", "ce_with_ntl", "number_token_loss", "vocab_parallel_ce_ntl"]
@@ -164,8 +164,7 @@ def number_token_loss(
         logits, labels, vocab, options, check_finite=check_finite, need_ce=False, tp_group=tp_group,
         vocab_start=vocab_start, lse=lse,
     )  # fmt: skip
-    weights = check_weights(loss_weights, labels, terms.ntl.dtype)
-    return reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
+    return reduce_ntl(terms, labels, loss_weights, reduction)
 
 
 def beside_ce(
@@ -204,8 +203,7 @@ def beside_ce(
         logits, labels, vocab, variant_options(variant), check_finite=check_finite, need_ce=False, tp_group=tp_group,
         vocab_start=vocab_start, passthrough=through,
     )  # fmt: skip
-    weights = check_weights(loss_weights, labels, terms.ntl.dtype)
-    return through[0], reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
+    return through[0], reduce_ntl(terms, labels, loss_weights, reduction)
 
 
 def ce_with_ntl(
@@ -307,8 +305,7 @@ class NumberTokenLoss(torch.nn.Module):
         terms = per_token_ce_ntl(
             logits, labels, self.vocab, self.options, check_finite=self.check_finite, need_ce=False
         )
-        weights = check_weights(loss_weights, labels, terms.ntl.dtype)
-        return reduce_loss(terms.ntl, terms.number_mask, weights, self.reduction)[0]
+        return reduce_ntl(terms, labels, loss_weights, self.reduction)
 
     def extra_repr(self) -> str:
         return f"{self.options}, reduction={self.reduction!r}, numbers={len(self.vocab)}"

@@ -71,6 +71,14 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (values * unit).sum() / unit.sum().clamp_min(1)
 
 
+def reduce_ntl(
+    terms: PerTokenTerms, labels: torch.Tensor, loss_weights: torch.Tensor | None, reduction: str
+) -> torch.Tensor:
+    """NTL alone reduced over its positions (``terms`` of ``need_ce=False``), weighted by ``loss_weights``."""
+    weights = check_weights(loss_weights, labels, terms.ntl.dtype)
+    return reduce_loss(terms.ntl, terms.number_mask, weights, reduction)[0]
+
+
 def combine_terms(
     terms: PerTokenTerms,
     labels: torch.Tensor,
