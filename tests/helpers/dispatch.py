@@ -38,3 +38,9 @@ class OpOutputs(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.records.append(Made(func, tuple(t.shape), t.dtype, t.numel() * t.element_size()))
         return out
+
+
+def allocated(records: list[Made], numel: int) -> list[str]:
+    """The ops among ``records`` that made a new tensor of ``numel`` elements (no view, no in-place op), sorted."""
+    return sorted(m.op for m in records if m.bytes == numel * m.dtype.itemsize and not m.func.is_view
+                  and not m.op.endswith("_"))  # fmt: skip

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import ntl_scale
 from ntl_scale.options import NTLOptions, NTLRunOptions
 from tests.helpers import reference
+from tests.helpers.dispatch import OpOutputs, allocated
 
 # ------------------------------------------------------------------------------------ 1. the option
 
@@ -90,22 +91,24 @@ def test_hf_hidden_state_route_refuses_a_soft_capping_model():
 # ------------------------------------------------------------------------------------ 3. Hugging Face
 
 
-def _step(chunked: bool, ids: torch.Tensor, labels: torch.Tensor, counts: torch.Tensor | None):
-    """The framework route's loss, its logits gradient (logits route) and every parameter's gradient."""
+def _step(chunked: bool, ids: torch.Tensor, labels: torch.Tensor, counts: torch.Tensor | None, ntl: bool = True):
+    """The framework route's loss, its logits gradient (logits route), every parameter's gradient, the logged
+    means, the table and what the backward's aten ops made; ``ntl=False``: the model's own loss."""
     from ntl_scale.integrations.hf import apply_ntl_to_hf_model
 
     model = _gpt2()
     vocab = ntl_scale.NumberVocab.from_id_to_token({i: str(i) for i in range(10)}, vocab_size=96)
     loss = apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3, options=NTLOptions(ce_kernel="framework"),
-                                 chunked=chunked, chunk_tokens=16 if chunked else None)  # fmt: skip
+                                 chunked=chunked, chunk_tokens=16 if chunked else None) if ntl else None  # fmt: skip
     seen: list[torch.Tensor] = []
     hook = model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out))
     value = model(input_ids=ids, labels=labels, num_items_in_batch=counts).loss
     hook.remove()
     seen[-1].retain_grad()
-    value.backward()
+    with OpOutputs() as made:
+        value.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    return value, seen[-1].grad, grads, loss.pop_means(), vocab
+    return value, seen[-1].grad, grads, loss.pop_means() if loss else None, vocab, made.records
 
 
 @pytest.mark.parametrize("counts", [None, torch.tensor([40.0, 15.0])], ids=["batch-mean", "step-counts"])
@@ -117,7 +120,7 @@ def test_hf_framework_ce_equals_the_float64_definition(counts):
     labels = ids.clone()
     labels[0, :3] = -100
     targets = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], 1)
-    got, logits_grad, grads, means, vocab = _step(False, ids, labels, counts)
+    got, logits_grad, grads, means, vocab, _ = _step(False, ids, labels, counts)
     with torch.no_grad():
         logits = _gpt2()(input_ids=ids).logits.double()
     ref = logits.requires_grad_()
@@ -134,7 +137,12 @@ def test_hf_framework_ce_equals_the_float64_definition(counts):
     numbers = torch.isin(targets, number_ids)
     picked = number_ids[logits[..., number_ids].argmax(-1)]
     assert means["number_choice_accuracy"] == pytest.approx(float((picked == targets)[numbers].double().mean()))
-    hidden_value, _, hidden_grads, _, _ = _step(True, ids, labels, counts)
+    hidden_value, _, hidden_grads, _, _, made = _step(True, ids, labels, counts)
     torch.testing.assert_close(hidden_value, got, atol=1e-6, rtol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(hidden_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    # NTL's gradients join the model's own CE's in place: its backward makes what the model's alone makes, plus
+    # NTL's [T, H] product (no [V, H] fill, no [V, H] or [T, H] sum)
+    plain = _step(False, ids, labels, None, ntl=False)[-1]
+    assert allocated(made, 96 * 16) == allocated(plain, 96 * 16), allocated(made, 96 * 16)
+    assert allocated(made, 40 * 16) == sorted([*allocated(plain, 40 * 16), "mm"]), allocated(made, 40 * 16)

@@ -246,7 +246,10 @@ def chunked_forward(original: Callable, loss: Any, multiplier: float) -> Callabl
 
 def framework_forward(original: Callable, loss: Any, multiplier: float, chunk_tokens: int | None) -> Callable:
     """``chunked=True`` with ``ce_kernel="framework"``: in training with labels ``original`` (transformers', or
-    Liger's fused linear CE) computes the CE sum, NTL comes from the hooked final hidden states."""
+    Liger's fused linear CE) computes the CE sum. A forward hook on the decoder computes NTL from the final hidden
+    states before that CE runs (Liger's overwrites its input) and hands the CE the passthrough's hidden states and,
+    as the output layer's weight for this forward, its weight (:func:`ntl_scale.linear_beside_ce`): NTL's ``[T, H]``
+    and K-row gradients are added into the CE's in place."""
 
     def forward(self: Any, *args: Any, labels: Any = None, shift_labels: Any = None, **kwargs: Any) -> Any:
         if not self.training or (labels is None and shift_labels is None):
@@ -254,20 +257,38 @@ def framework_forward(original: Callable, loss: Any, multiplier: float, chunk_to
         ignore_index = kwargs.get("ignore_index", loss.options.ignore_index)
         targets = shift_labels if shift_labels is not None else loss.targets(labels, ignore_index)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        seen: list[torch.Tensor] = []
-        hook = self.base_model.register_forward_hook(lambda _m, _i, out: seen.append(out[0]))
+        head = self.get_output_embeddings()
+        weight, terms = head.weight, []
+        targets = targets.to(weight.device)
+
+        def beside(_module: Any, _inputs: Any, out: Any) -> Any:
+            if not _materialised(head):  # ZeRO-3's partition or an FSDP2 unit of its own: gathered only in its forward
+                raise ValueError(
+                    f"{type(self).__name__}'s output layer holds a partitioned or sharded weight outside its own "
+                    "forward (ZeRO-3, or FSDP2 with the output layer as its own unit); ce_kernel='framework' with "
+                    "chunked=True reads it beside the model's CE: use the logits route (chunked=False), or "
+                    "ce_kernel='ntl_scale' with chunked=True"
+                )
+            through: list[torch.Tensor] = []
+            hidden = out[0] * multiplier if multiplier != 1.0 else out[0]
+            terms.append(linear_ce_ntl(hidden, weight, targets, loss.vocab, loss.options, chunk_tokens=chunk_tokens,
+                                       need_ce=False, passthrough=through))  # fmt: skip
+            head._parameters["weight"] = through[1]  # what the CE reads in this forward (restored below)
+            h_ce = through[0] / multiplier if multiplier != 1.0 else through[0]
+            if isinstance(out, tuple):
+                return (h_ce, *out[1:])
+            out[next(iter(out.keys()))] = h_ce  # a ModelOutput: its first field, out[0]
+            return out
+
+        hook = self.base_model.register_forward_hook(beside)
+        loss.ce_only = True  # transformers' forward calls the installed loss_function: the CE sum alone
         try:
-            with loss.ce_only():  # transformers' forward calls the installed loss_function: the CE sum alone
-                out = original(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=1, **kwargs)
+            out = original(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=1, **kwargs)
         finally:
             hook.remove()
-        hidden = seen[-1] * multiplier if multiplier != 1.0 else seen[-1]
-        weight = self.get_output_embeddings().weight
-        targets = targets.to(hidden.device)
-        terms = linear_ce_ntl(
-            hidden, weight, targets, loss.vocab, loss.options, chunk_tokens=chunk_tokens, need_ce=False
-        )
-        out.loss = loss.reduce(terms, targets, num_items_in_batch, ignore_index, ce_sum=out.loss)
+            loss.ce_only = False
+            head._parameters["weight"] = weight
+        out.loss = loss.reduce(terms[-1], targets, num_items_in_batch, ignore_index, ce_sum=out.loss)
         return out
 
     return forward

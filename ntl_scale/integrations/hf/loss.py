@@ -15,10 +15,8 @@ A call under ``torch.no_grad()`` is evaluation: the plain CE (:meth:`ntl_scale.N
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -91,7 +89,7 @@ class NTLCausalLMLoss:
         check_table(vocab, self.options, "hf")  # refused when the loss is built, not at the first step
         self.causal = causal
         self.framework_loss = framework_loss
-        self._ce_only = False
+        self.ce_only = False  # True: calls return the framework's CE sum alone (the hidden-state route adds NTL)
         # detached running sums (TOTALS) of the training and, apart, the evaluation calls
         self.totals = torch.zeros(len(TOTALS), dtype=torch.float64)
         self.eval_totals = torch.zeros(len(TOTALS), dtype=torch.float64)
@@ -133,7 +131,7 @@ class NTLCausalLMLoss:
         own = self.framework_loss or ForCausalLMLoss
         ntl: PerTokenTerms | None = None
         through = [logits]
-        if not self._ce_only:  # NTL first: its columns join the framework CE's logits gradient in place
+        if not self.ce_only:  # NTL first: its columns join the framework CE's logits gradient in place
             through = []
             ntl = per_token_ce_ntl(logits, targets, self.vocab, options, need_ce=False, passthrough=through)
         one = torch.ones((), device=logits.device)  # num_items_in_batch 1: the framework's CE sum
@@ -142,15 +140,6 @@ class NTLCausalLMLoss:
         if ntl is None:
             return ce_sum
         return self.reduce(ntl, targets, num_items_in_batch, ignore_index, ce_sum=ce_sum)
-
-    @contextlib.contextmanager
-    def ce_only(self) -> Iterator[None]:
-        """Calls inside return the framework's CE sum alone (the hidden-state route adds NTL itself)."""
-        self._ce_only = True
-        try:
-            yield
-        finally:
-            self._ce_only = False
 
     def reduce(
         self,
