@@ -4,7 +4,8 @@ A tiny Llama patched by ``apply_liger_kernel_to_llama(fused_linear_cross_entropy
 ``apply_ntl_to_hf_model(..., options=NTLOptions(ce_kernel="framework"), chunked=True)``: Liger's forward computes
 the CE from the hidden states (no logits are returned), NTL comes from the number rows of the output weight; the
 loss and every parameter's gradient equal the plain model with ntl_scale's fused op, for the step counts
-``ntl_trainer_class`` hands in.
+``ntl_trainer_class`` hands in, and NTL's gradients are added into Liger's in place (the backward allocates what
+Liger's alone does, plus NTL's ``[T, H]`` product).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ transformers = pytest.importorskip("transformers")
 
 import ntl_scale  # noqa: E402
 from ntl_scale.integrations.hf import apply_ntl_to_hf_model  # noqa: E402
+from tests.helpers.dispatch import OpOutputs, allocated  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +39,7 @@ def _in_own_process(request):
     skip_unless_own_process(request, OWN_PROCESS)
 
 
-def _step(with_liger: bool, kernel: str):
+def _step(with_liger: bool, kernel: str | None):
     sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
     config = transformers.LlamaConfig(**sizes, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
     vocab = ntl_scale.NumberVocab.from_id_to_token({i: str(i) for i in range(10)}, vocab_size=64)
@@ -51,16 +53,19 @@ def _step(with_liger: bool, kernel: str):
     if with_liger:
         liger.apply_liger_kernel_to_llama(model=model, fused_linear_cross_entropy=True, rope=False, rms_norm=False,
                                           swiglu=False)  # fmt: skip
-    loss = apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3, options=ntl_scale.NTLOptions(ce_kernel=kernel),
-                                 chunked=with_liger)  # fmt: skip
-    out = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor([20.0, 9.0]))
-    out.loss.backward()
-    return out, {name: p.grad for name, p in model.named_parameters()}, loss.pop_means()
+    loss = None if kernel is None else apply_ntl_to_hf_model(
+        model, vocab, ntl_weight=0.3, options=ntl_scale.NTLOptions(ce_kernel=kernel), chunked=with_liger
+    )
+    out = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor([20.0, 9.0]) if loss else None)
+    with OpOutputs() as made:
+        out.loss.backward()
+    means = loss.pop_means() if loss else {}
+    return out, {name: p.grad for name, p in model.named_parameters()}, means, made.records
 
 
 def test_liger_fused_linear_ce_beside_ntl_is_the_fused_op():
-    want, want_grads, want_means = _step(False, "ntl_scale")
-    got, grads, means = _step(True, "framework")
+    want, want_grads, want_means, _ = _step(False, "ntl_scale")
+    got, grads, means, made = _step(True, "framework")
     assert got.logits is None  # Liger's fused linear CE ran: the logits were never built
     torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-6)
     for name, grad in want_grads.items():
@@ -68,3 +73,8 @@ def test_liger_fused_linear_ce_beside_ntl_is_the_fused_op():
     assert means["ce"] == pytest.approx(want_means["ce"], rel=1e-6)
     assert means["ntl"] == pytest.approx(want_means["ntl"], rel=1e-6)
     assert set(means) == {"ce", "ntl", "number_choice_accuracy"}
+    # NTL's gradients are added into Liger's in place: the backward makes what Liger's alone makes, plus NTL's
+    # [T, H] product (no [V, H] fill, no [V, H] or [T, H] sum)
+    plain = _step(True, None)[-1]
+    assert allocated(made, 64 * 32) == allocated(plain, 64 * 32), allocated(made, 64 * 32)
+    assert allocated(made, 24 * 32) == sorted([*allocated(plain, 24 * 32), "mm"]), allocated(made, 24 * 32)
