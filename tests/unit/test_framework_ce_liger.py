@@ -40,6 +40,7 @@ def _in_own_process(request):
 
 
 def _step(with_liger: bool, kernel: str | None):
+    """Loss, gradients, logged means and the backward's tensors; ``kernel=None``: the model's own loss."""
     sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
     config = transformers.LlamaConfig(**sizes, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
     vocab = ntl_scale.NumberVocab.from_id_to_token({i: str(i) for i in range(10)}, vocab_size=64)
@@ -53,9 +54,8 @@ def _step(with_liger: bool, kernel: str | None):
     if with_liger:
         liger.apply_liger_kernel_to_llama(model=model, fused_linear_cross_entropy=True, rope=False, rms_norm=False,
                                           swiglu=False)  # fmt: skip
-    loss = None if kernel is None else apply_ntl_to_hf_model(
-        model, vocab, ntl_weight=0.3, options=ntl_scale.NTLOptions(ce_kernel=kernel), chunked=with_liger
-    )
+    options = ntl_scale.NTLOptions(ce_kernel=kernel or "ntl_scale")
+    loss = apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3, options=options, chunked=with_liger) if kernel else None
     out = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor([20.0, 9.0]) if loss else None)
     with OpOutputs() as made:
         out.loss.backward()

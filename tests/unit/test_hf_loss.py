@@ -142,6 +142,14 @@ def test_chunked_training_loss_equals_the_logits_path(setup, kind):
     ce_sum, _, ntl_sum, _ = _naive(own_logits, labels, vocab)
     torch.testing.assert_close(dense.loss.double(), ce_sum / 90 + 0.3 * ntl_sum / 14)
     remove_ntl(model)
+    # ce_kernel="framework": the model's own forward and CE on the hidden states and weight NTL hands through
+    apply_ntl_to_hf_model(model, vocab, chunked=True, options=ntl_scale.NTLOptions(ce_kernel="framework"))
+    framework, framework_grads = step(num_items_in_batch=counts)
+    torch.testing.assert_close(framework.loss, dense.loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(framework_grads, dense_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert isinstance(model.get_output_embeddings().weight, torch.nn.Parameter)  # the layer's own again
+    remove_ntl(model)
     installed = apply_ntl_to_hf_model(model, vocab, chunked=True, chunk_tokens=16)
     assert apply_ntl_to_hf_model(model, vocab, chunked=True, chunk_tokens=16) is installed
     with pytest.raises(ValueError, match="other settings"):

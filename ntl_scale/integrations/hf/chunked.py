@@ -15,6 +15,7 @@ Known transforms between hidden state and logits are reproduced: ``logits_scalin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 import types
 from collections.abc import Callable
@@ -246,48 +247,41 @@ def chunked_forward(original: Callable, loss: Any, multiplier: float) -> Callabl
 
 def framework_forward(original: Callable, loss: Any, multiplier: float, chunk_tokens: int | None) -> Callable:
     """``chunked=True`` with ``ce_kernel="framework"``: in training with labels ``original`` (transformers', or
-    Liger's fused linear CE) computes the CE sum. A forward hook on the decoder computes NTL from the final hidden
-    states before that CE runs (Liger's overwrites its input) and hands the CE the passthrough's hidden states and,
-    as the output layer's weight for this forward, its weight (:func:`ntl_scale.linear_beside_ce`): NTL's ``[T, H]``
-    and K-row gradients are added into the CE's in place."""
+    Liger's fused linear CE) computes the CE sum from a decoder hook's hidden states and output weight: NTL's
+    passthrough (:func:`ntl_scale.linear_beside_ce`), run before that CE, so its gradients join the CE's in place."""
 
     def forward(self: Any, *args: Any, labels: Any = None, shift_labels: Any = None, **kwargs: Any) -> Any:
         if not self.training or (labels is None and shift_labels is None):
             return original(*args, labels=labels, shift_labels=shift_labels, **kwargs)
-        ignore_index = kwargs.get("ignore_index", loss.options.ignore_index)
-        targets = shift_labels if shift_labels is not None else loss.targets(labels, ignore_index)
-        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         head = self.get_output_embeddings()
         weight, terms = head.weight, []
-        targets = targets.to(weight.device)
+        ignore_index = kwargs.get("ignore_index", loss.options.ignore_index)
+        targets = shift_labels if shift_labels is not None else loss.targets(labels, ignore_index)
+        targets, num_items_in_batch = targets.to(weight.device), kwargs.pop("num_items_in_batch", None)
 
         def beside(_module: Any, _inputs: Any, out: Any) -> Any:
-            if not _materialised(head):  # ZeRO-3's partition or an FSDP2 unit of its own: gathered only in its forward
+            if not _materialised(head):  # ZeRO-3 or an FSDP2 unit of its own gathers the weight in its forward only
                 raise ValueError(
-                    f"{type(self).__name__}'s output layer holds a partitioned or sharded weight outside its own "
-                    "forward (ZeRO-3, or FSDP2 with the output layer as its own unit); ce_kernel='framework' with "
-                    "chunked=True reads it beside the model's CE: use the logits route (chunked=False), or "
-                    "ce_kernel='ntl_scale' with chunked=True"
+                    f"{type(self).__name__}'s output weight is partitioned (ZeRO-3) or sharded (FSDP2) outside its "
+                    "layer's forward, where ce_kernel='framework' with chunked=True reads it: use chunked=False or "
+                    "ce_kernel='ntl_scale'"
                 )
             through: list[torch.Tensor] = []
             hidden = out[0] * multiplier if multiplier != 1.0 else out[0]
             terms.append(linear_ce_ntl(hidden, weight, targets, loss.vocab, loss.options, chunk_tokens=chunk_tokens,
                                        need_ce=False, passthrough=through))  # fmt: skip
-            head._parameters["weight"] = through[1]  # what the CE reads in this forward (restored below)
+            head._parameters["weight"] = through[1]  # what the CE (Liger's overwrites its input) reads, till restored
             h_ce = through[0] / multiplier if multiplier != 1.0 else through[0]
-            if isinstance(out, tuple):
-                return (h_ce, *out[1:])
-            out[next(iter(out.keys()))] = h_ce  # a ModelOutput: its first field, out[0]
-            return out
+            return (h_ce, *out[1:]) if isinstance(out, tuple) else type(out)(**{**out, next(iter(out)): h_ce})
 
         hook = self.base_model.register_forward_hook(beside)
-        loss.ce_only = True  # transformers' forward calls the installed loss_function: the CE sum alone
+        installed = self.loss_function  # transformers' forward calls it on the logits: the model's own, the CE sum
+        self.loss_function = functools.partial(loss.framework_loss, ignore_index=ignore_index)
         try:
             out = original(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=1, **kwargs)
         finally:
             hook.remove()
-            loss.ce_only = False
-            head._parameters["weight"] = weight
+            self.loss_function, head._parameters["weight"] = installed, weight
         out.loss = loss.reduce(terms[-1], targets, num_items_in_batch, ignore_index, ce_sum=out.loss)
         return out
 

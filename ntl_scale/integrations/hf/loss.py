@@ -89,7 +89,6 @@ class NTLCausalLMLoss:
         check_table(vocab, self.options, "hf")  # refused when the loss is built, not at the first step
         self.causal = causal
         self.framework_loss = framework_loss
-        self.ce_only = False  # True: calls return the framework's CE sum alone (the hidden-state route adds NTL)
         # detached running sums (TOTALS) of the training and, apart, the evaluation calls
         self.totals = torch.zeros(len(TOTALS), dtype=torch.float64)
         self.eval_totals = torch.zeros(len(TOTALS), dtype=torch.float64)
@@ -129,16 +128,11 @@ class NTLCausalLMLoss:
         from transformers.loss.loss_utils import ForCausalLMLoss
 
         own = self.framework_loss or ForCausalLMLoss
-        ntl: PerTokenTerms | None = None
-        through = [logits]
-        if not self.ce_only:  # NTL first: its columns join the framework CE's logits gradient in place
-            through = []
-            ntl = per_token_ce_ntl(logits, targets, self.vocab, options, need_ce=False, passthrough=through)
+        through: list[torch.Tensor] = []  # NTL first: its columns join the framework CE's logits gradient in place
+        ntl = per_token_ce_ntl(logits, targets, self.vocab, options, need_ce=False, passthrough=through)
         one = torch.ones((), device=logits.device)  # num_items_in_batch 1: the framework's CE sum
         ce_sum = own(through[0], None, logits.shape[-1], num_items_in_batch=one, ignore_index=ignore_index,
                      shift_labels=targets.contiguous(), **kwargs)  # fmt: skip
-        if ntl is None:
-            return ce_sum
         return self.reduce(ntl, targets, num_items_in_batch, ignore_index, ce_sum=ce_sum)
 
     def reduce(
@@ -158,8 +152,7 @@ class NTLCausalLMLoss:
         if ce_sum is not None:  # the arg-max among the number columns (the full one is the framework's)
             terms = terms._replace(hit=terms.number_choice_hit)
         sums = micro_batch_sums(terms, valid)
-        if ce_sum is not None:
-            sums = sums._replace(ce=ce_sum.to(sums.ntl.dtype))
+        sums = sums if ce_sum is None else sums._replace(ce=ce_sum.to(sums.ntl.dtype))
         evaluation = not torch.is_grad_enabled()
         z_weight = 0.0 if evaluation else self.options.z_loss_weight
         if z_weight:  # the z-loss part of the CE term: logged apart as z_loss, out of the logged ce
