@@ -9,7 +9,9 @@
    ``prepare`` and (chunked) after it. Each rank runs half of
    the batch with the whole batch's ``[tokens, numbers]`` as ``num_items_in_batch``; the sum of the
    ranks' losses and the gathered gradients (FSDP2 averages them over the 2 ranks) equal the float64
-   naive reference on the whole batch in one process. Writes ``OUT_DIR/apply_ntl.pt`` (the errors).
+   naive reference on the whole batch in one process. With ``ce_kernel="framework"`` and ``chunked=True`` the
+   forward is refused (the decoder hook would read the output weight outside its FSDP2 unit's forward). Writes
+   ``OUT_DIR/apply_ntl.pt`` (the errors, and that refusal).
 2. One ``ntl_trainer_class()`` SGD step per split under FSDP2 (``fsdp_config={"version": 2}``), with and
    without ``apply_ntl_to_hf_model(chunked=True)``: ``hf_trainer_step.step`` writes the weights beside the weights
    of one float64 SGD step on the whole batch in one process.
@@ -50,6 +52,7 @@ def main() -> None:
     for tied, chunked, after in CASES:
         hf_trainer_step._reset()
         results[tied, chunked, after] = check_apply_ntl(tied, chunked, after)
+    results["framework"] = check_apply_ntl(False, True, False, framework=True)
     if torch.distributed.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, "apply_ntl.pt"))
     for micro, accumulation, kind in TRAINER_STEPS:
@@ -59,8 +62,9 @@ def main() -> None:
     torch.distributed.destroy_process_group()
 
 
-def check_apply_ntl(tied: bool, chunked: bool, after: bool) -> dict:
-    """Loss and gradients of ``apply_ntl_to_hf_model`` under FSDP2 against the one-process float64 reference."""
+def check_apply_ntl(tied: bool, chunked: bool, after: bool, framework: bool = False) -> dict:
+    """Loss and gradients of ``apply_ntl_to_hf_model`` under FSDP2 against the one-process float64 reference;
+    ``framework``: ``ce_kernel="framework"``'s refusal (its hook reads the output weight outside its FSDP2 unit)."""
     import transformers
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -96,8 +100,10 @@ def check_apply_ntl(tied: bool, chunked: bool, after: bool) -> dict:
     reference = ce.sum() / tokens + 0.3 * ntl.sum() / numbers
     reference.backward()
 
+    options = ntl_scale.NTLOptions(ce_kernel="framework") if framework else None
     if not after:
-        apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3, chunked=chunked, chunk_tokens=16 if chunked else None)
+        apply_ntl_to_hf_model(model, vocab, ntl_weight=0.3, options=options, chunked=chunked,
+                              chunk_tokens=16 if chunked else None)  # fmt: skip
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GPT2Block"]
     )
@@ -115,12 +121,17 @@ def check_apply_ntl(tied: bool, chunked: bool, after: bool) -> dict:
     model.train()
     rows = slice(rank * 2, rank * 2 + 2)  # this rank's half of the batch, the whole batch's counts
     counts = torch.stack([tokens, numbers]).to(torch.float64)
-    out = model(
-        input_ids=whole["input_ids"][rows],
-        attention_mask=whole["attention_mask"][rows],
-        labels=labels[rows],
-        num_items_in_batch=counts,
-    )
+    try:
+        out = model(
+            input_ids=whole["input_ids"][rows],
+            attention_mask=whole["attention_mask"][rows],
+            labels=labels[rows],
+            num_items_in_batch=counts,
+        )
+    except ValueError as error:
+        if framework:
+            return {"refused": str(error)}
+        raise
     assert (out.logits is None) == chunked
     out.loss.backward()
     loss = out.loss.detach().clone()

@@ -8,7 +8,8 @@ refusal of an FSDP plugin undone by the test-only :mod:`tests.helpers.fsdp2_cpu`
    ``Accelerator.prepare`` and (chunked) after it: the ranks' losses summed and the gathered gradients equal
    the one-process float64 naive reference on the whole batch (``tests/helpers/reference.py``). accelerate
    shards the output layer as its own FSDP2 unit (its hooks gather the weight for the forward and the
-   backward; with ``reshard_after_forward``, accelerate's default, it is sharded in between).
+   backward; with ``reshard_after_forward``, accelerate's default, it is sharded in between), so
+   ``ce_kernel="framework"`` with ``chunked=True`` is refused there.
 2. ``ntl_trainer_class()`` SGD steps under FSDP2 (``fsdp_config={"version": 2}``), 2 x 1 and 1 x 2 (per-device
    batch x accumulation), with and without ``apply_ntl_to_hf_model(chunked=True)``: the weights equal one float64 SGD
    step on the whole batch in one process, the logged ``ce`` and ``ntl`` equal ``ce_with_ntl`` on the
@@ -50,6 +51,9 @@ def launch(tmp_path_factory) -> Path:
 
 def test_apply_ntl_under_fsdp2_equals_one_process(launch):
     results = torch.load(launch / "apply_ntl.pt", weights_only=False)
+    # ce_kernel="framework" with chunked=True reads the output weight beside the model's CE, outside the forward of
+    # the FSDP2 unit accelerate makes of the output layer: refused, naming the logits route
+    assert "sharded (FSDP2 unit) outside its " in results.pop("framework")["refused"]
     assert len(results) == 5
     for (tied, chunked, after), errors in results.items():
         what = f"tied={tied} chunked={chunked} apply_ntl_to_hf_model after prepare={after}: {errors}"

@@ -254,18 +254,18 @@ def framework_forward(original: Callable, loss: Any, multiplier: float, chunk_to
         if not self.training or (labels is None and shift_labels is None):
             return original(*args, labels=labels, shift_labels=shift_labels, **kwargs)
         head = self.get_output_embeddings()
+        if _fully_sharded(head) or not _materialised(head):  # ZeRO-3, FSDP2's unit: the weight whole in its forward
+            raise ValueError(
+                f"{type(self).__name__}'s output weight is partitioned (ZeRO-3) or sharded (FSDP2 unit) outside its "
+                "layer's forward, where ce_kernel='framework' with chunked=True reads it: use chunked=False or "
+                "ce_kernel='ntl_scale'"
+            )
         weight, terms = head.weight, []
         ignore_index = kwargs.get("ignore_index", loss.options.ignore_index)
         targets = shift_labels if shift_labels is not None else loss.targets(labels, ignore_index)
         targets, num_items_in_batch = targets.to(weight.device), kwargs.pop("num_items_in_batch", None)
 
         def beside(_module: Any, _inputs: Any, out: Any) -> Any:
-            if not _materialised(head):  # ZeRO-3 or an FSDP2 unit of its own gathers the weight in its forward only
-                raise ValueError(
-                    f"{type(self).__name__}'s output weight is partitioned (ZeRO-3) or sharded (FSDP2) outside its "
-                    "layer's forward, where ce_kernel='framework' with chunked=True reads it: use chunked=False or "
-                    "ce_kernel='ntl_scale'"
-                )
             through: list[torch.Tensor] = []
             hidden = out[0] * multiplier if multiplier != 1.0 else out[0]
             terms.append(linear_ce_ntl(hidden, weight, targets, loss.vocab, loss.options, chunk_tokens=chunk_tokens,
