@@ -9,6 +9,8 @@
    ``CE/N + w NTL/K`` from the definitions (torch's ``F.cross_entropy``, the reference NTL), for both
    normalisations Hugging Face hands in; the logs give the arg-max among the number columns in place of
    ``number_accuracy``.
+4. torchtitan: with NTL on, torchtitan's CE reads the logits through NTL's passthrough, so the backward allocates
+   the ``[T, V]`` tensors of torchtitan's CE alone and no other (no dense NTL gradient, no sum of two).
 """
 
 from __future__ import annotations
@@ -146,3 +148,30 @@ def test_hf_framework_ce_equals_the_float64_definition(counts):
     plain = _step(False, ids, labels, None, ntl=False)[-1]
     assert allocated(made, 96 * 16) == allocated(plain, 96 * 16), allocated(made, 96 * 16)
     assert allocated(made, 40 * 16) == sorted([*allocated(plain, 40 * 16), "mm"]), allocated(made, 40 * 16)
+
+
+# ------------------------------------------------------------------------------------ 4. torchtitan
+
+
+def test_torchtitan_adds_ntl_into_its_ce_gradient_in_place(tmp_path):
+    """torchtitan's CE with NTL beside it (weight 0.3) allocates in its backward what its CE alone (weight 0)
+    does: NTL's columns go into that CE's gradient in place; a dense ``[T, V]`` NTL gradient would add two."""
+    pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 (scripts/setup.sh --dev)")
+    from ntl_scale.integrations.torchtitan import NTLLoss
+
+    path = str(tmp_path / "numbers.json")
+    ntl_scale.NumberVocab(list(range(3, 13)), list(range(10)), 37, tokens=[str(d) for d in range(10)]).save(path)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 8, 37, generator=g)
+    labels = torch.randint(0, 37, (2, 8), generator=g)
+    labels[:, ::2] = 5
+    made = {}
+    for weight in (0.0, 0.3):
+        loss_fn = NTLLoss.Config(number_vocab=path, vocab_size=37, weight=weight, ce_kernel="framework").build()
+        loss_fn.begin_step(8)
+        loss, _ = loss_fn(logits.clone().requires_grad_(True), labels, torch.tensor(16))
+        with OpOutputs() as backward:
+            loss.backward()
+        made[weight] = allocated(backward.records, 2 * 8 * 37)
+    assert made[0.0], "the probe sees torchtitan's CE gradient"
+    assert made[0.3] == made[0.0], made

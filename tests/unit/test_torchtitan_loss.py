@@ -30,6 +30,7 @@ import torch.nn.functional as F
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 (scripts/setup.sh --dev)")
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.loss import cross_entropy_loss as torchtitan_cross_entropy
 
 import ntl_scale
 from ntl_scale import NumberVocab
@@ -39,6 +40,7 @@ from ntl_scale.integrations.torchtitan.trainer import _check_chunks
 from ntl_scale.options import option_fields
 from tests.helpers import reference
 
+FRAMEWORK_ACCURACY = "loss_metrics/number_choice_accuracy_mean"  # ce_kernel="framework": the arg-max among numbers
 V = 37  # vocabulary: ids 3..12 are the digits 0..9, 13 a decimal point
 DIGITS = list(range(3, 13))
 
@@ -60,10 +62,13 @@ def _batch(seed: int = 0, batch: int = 2, seq: int = 8) -> tuple[torch.Tensor, t
     return logits, labels
 
 
-def _reference(logits, labels, vocab, weight, **variant):  # type: ignore[no-untyped-def]
+def _reference(logits, labels, vocab, weight, kernel="ntl_scale", **variant):  # type: ignore[no-untyped-def]
+    """Loss, logit gradient and NTL count in float64; ``kernel="framework"``: the CE is torchtitan's own op
+    (float32, as it computes), called here on its own, plus the float64 reference NTL."""
     z = logits.detach().double().requires_grad_(True)
     ce, ntl, mask = reference.naive_per_token(z, labels, vocab, **variant)
-    loss = ce.sum() / (labels != -100).sum() + weight * ntl.sum() / mask.sum().clamp_min(1)
+    ce_sum = torchtitan_cross_entropy(z, labels) if kernel == "framework" else ce.sum()  # float32: torchtitan's
+    loss = ce_sum / (labels != -100).sum() + weight * ntl.sum() / mask.sum().clamp_min(1)
     loss.backward()
     return loss.detach(), z.grad, mask.sum()
 
@@ -113,16 +118,27 @@ VARIANTS = [
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "was")
 def test_every_variant_equals_the_float64_reference(table: str, variant: dict) -> None:
-    loss_fn = NTLLoss.Config(number_vocab=table, vocab_size=V, weight=0.3, **variant).build()
+    """The fused op (``ce_kernel="ntl_scale"``) equals the float64 reference; torchtitan's CE reading NTL's
+    passthrough (``framework``; reweighing is refused there) equals torchtitan's CE called alone plus the float64
+    NTL, and the fused op to torchtitan's float32 rounding: loss and logit gradient."""
     logits, labels = _batch()
-    expected, grad, numbers = _reference(logits, labels, loss_fn.vocab, 0.3, **variant)
-    loss_fn.begin_step(numbers)
-    z = logits.clone().requires_grad_(True)
-    loss, metrics = loss_fn(z, labels, (labels != -100).sum())
-    loss.backward()
-    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(z.grad, grad, rtol=1e-10, atol=1e-12)
-    assert set(metrics) == set(METRICS)
+    kernels = ["ntl_scale"] if variant.get("reweigh") else ["ntl_scale", "framework"]
+    got = {}
+    for kernel in kernels:
+        loss_fn = NTLLoss.Config(number_vocab=table, vocab_size=V, weight=0.3, ce_kernel=kernel, **variant).build()
+        expected, grad, numbers = _reference(logits, labels, loss_fn.vocab, 0.3, kernel, **variant)
+        loss_fn.begin_step(numbers)
+        z = logits.clone().requires_grad_(True)
+        loss, metrics = loss_fn(z, labels, (labels != -100).sum())
+        loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12, msg=lambda m, k=kernel: f"{k}: {m}")
+        torch.testing.assert_close(z.grad, grad, rtol=1e-10, atol=1e-12, msg=lambda m, k=kernel: f"{k}: {m}")
+        assert set(metrics) == set(loss_fn.metric_names)
+        got[kernel] = loss, z.grad
+    if len(got) == 2:  # the two routes agree to torchtitan's float32 CE
+        torch.testing.assert_close(got["framework"][0], got["ntl_scale"][0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got["framework"][1], got["ntl_scale"][1], rtol=1e-5, atol=1e-7)
+        assert loss_fn.metric_names == (*METRICS[:2], FRAMEWORK_ACCURACY)
 
 
 def test_weight_zero_is_torchtitans_cross_entropy(table: str) -> None:
@@ -140,18 +156,27 @@ def test_weight_zero_is_torchtitans_cross_entropy(table: str) -> None:
         assert torch.equal(ours_logits.grad, theirs_logits.grad)
 
 
-def test_chunked_wrapper_gradients_equal_the_reference(table: str) -> None:
+@pytest.mark.parametrize("kernel", ["ntl_scale", "framework"])
+def test_chunked_wrapper_gradients_equal_the_reference(table: str, kernel: str) -> None:
+    """Inside torchtitan's ChunkedLossWrapper, the fused op or torchtitan's CE with NTL's passthrough."""
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(2, 8, 6, generator=g, dtype=torch.float64)
     head = torch.nn.Linear(6, V, bias=False).double()
     _, labels = _batch(seed=2)
-    wrapper = ChunkedLossWrapper.Config(num_chunks=4, loss_fn=NTLLoss.Config(number_vocab=table, vocab_size=V)).build()
+    loss_fn = NTLLoss.Config(number_vocab=table, vocab_size=V, ce_kernel=kernel)
+    wrapper = ChunkedLossWrapper.Config(num_chunks=4, loss_fn=loss_fn).build()
     wrapper.set_lm_head(head)
     # reference: logits of the whole sequence in float64
     w = head.weight.detach().clone().requires_grad_(True)
     h = hidden.clone().requires_grad_(True)
-    ce, ntl, mask = reference.naive_per_token(h @ w.T, labels, wrapper.loss_fn.vocab)
-    expected = ce.sum() / (labels != -100).sum() + 0.3 * ntl.sum() / mask.sum()
+    z = h @ w.T
+    ce, ntl, mask = reference.naive_per_token(z, labels, wrapper.loss_fn.vocab)
+    tokens = (labels != -100).sum()
+    ce_mean = ce.sum() / tokens
+    if kernel == "framework":  # torchtitan's CE of each chunk (float32, as it computes)
+        chunks = [torchtitan_cross_entropy(z[:, i : i + 2], labels[:, i : i + 2]) / tokens for i in range(0, 8, 2)]
+        ce_mean = torch.stack(chunks).double().sum()
+    expected = ce_mean + 0.3 * ntl.sum() / mask.sum()
     expected.backward()
     wrapper.loss_fn.begin_step(mask.sum())
     h2 = hidden.clone().requires_grad_(True)
@@ -162,7 +187,7 @@ def test_chunked_wrapper_gradients_equal_the_reference(table: str) -> None:
     torch.testing.assert_close(h2.grad, h.grad, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(head.weight.grad, w.grad, rtol=1e-10, atol=1e-12)
     step = wrapper.loss_fn.step_metrics()  # the chunks' parts add up to the step's means
-    torch.testing.assert_close(step["loss_metrics/ce_mean"], (ce.sum() / (labels != -100).sum()).detach())
+    torch.testing.assert_close(step["loss_metrics/ce_mean"].double(), ce_mean.detach().double())
     torch.testing.assert_close(metrics["loss_metrics/ntl_mean"], (ntl.sum() / mask.sum()).detach())
 
 

@@ -176,8 +176,8 @@ class NTLLoss(BaseLoss):
         logits, tp_group, vocab_start = self._vocab_shard(pred, labels)
         vocab_size = self.vocab.vocab_size
 
-        def torchtitan_ce() -> torch.Tensor:
-            return torchtitan_cross_entropy(pred, labels, global_vocab_size=vocab_size)
+        def torchtitan_ce(logits: torch.Tensor) -> torch.Tensor:
+            return torchtitan_cross_entropy(logits, labels, global_vocab_size=vocab_size)
 
         return self._call(logits, labels, global_valid_tokens, tp_group, vocab_start, torchtitan_ce)
 
@@ -193,7 +193,7 @@ class NTLLoss(BaseLoss):
         """:meth:`__call__` on a plain shard, the columns from ``vocab_start`` of the split over ``tp_group``."""
         vocab_size = self.vocab.vocab_size
 
-        def torchtitan_ce() -> torch.Tensor:
+        def torchtitan_ce(logits: torch.Tensor) -> torch.Tensor:
             if tp_group is None or dist.get_world_size(tp_group) == 1:
                 return torchtitan_cross_entropy(logits, labels)
             return _LossParallelCrossEntropy.apply(logits, labels, tp_group, vocab_size, "sum")
@@ -207,15 +207,23 @@ class NTLLoss(BaseLoss):
         global_valid_tokens: torch.Tensor | None,
         tp_group: dist.ProcessGroup | None,
         vocab_start: int | None,
-        torchtitan_ce: Callable[[], torch.Tensor],
+        torchtitan_ce: Callable[[torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss and metrics of a shard; ``torchtitan_ce`` where :meth:`_mode` says (metrics forward-only)."""
+        """The loss and metrics of a shard; ``torchtitan_ce`` where :meth:`_mode` says (metrics forward-only).
+
+        Framework CE in training: torchtitan's CE reads the logits through NTL's passthrough, whose backward
+        adds NTL's number columns into that CE's gradient in place (``beside_ce``)."""
         options, use_torchtitan_ce = self._mode()
         is_type_checking = spmd.is_type_checking()
-        ce_sum = torchtitan_ce() if use_torchtitan_ce else None
-        ntl_grad = ce_sum is None or (self.framework and self.weight > 0)  # framework: NTL's gradient, beside it
+        through: list[torch.Tensor] | None = (
+            [] if self.framework and self.weight > 0 and torch.is_grad_enabled() else None
+        )
+        ntl_grad = through is not None or not use_torchtitan_ce
         with spmd.no_typecheck(), torch.set_grad_enabled(torch.is_grad_enabled() and ntl_grad):
-            sums, z_sum = self._sums(logits, labels, tp_group, vocab_start, options)
+            sums, z_sum = self._sums(logits, labels, tp_group, vocab_start, options, through)
+        if through is not None and is_type_checking and not is_dtensor(logits):
+            spmd.assert_type_like(through[0], logits)
+        ce_sum = torchtitan_ce(logits if through is None else through[0]) if use_torchtitan_ce else None
         if ce_sum is None:
             ce_sum = sums.ce
             if global_valid_tokens is None and is_type_checking:
@@ -236,8 +244,10 @@ class NTLLoss(BaseLoss):
         tp_group: dist.ProcessGroup | None,
         vocab_start: int | None,
         options: NTLOptions,
+        through: list[torch.Tensor] | None = None,
     ) -> tuple[MicroBatchSums, torch.Tensor | None]:
-        """The call's sums (``sums.ce`` with the z-loss) and its detached z-loss sum (None without z-loss)."""
+        """The call's sums (``sums.ce`` with the z-loss) and its detached z-loss sum (None without z-loss);
+        ``through`` receives the passthrough logits for torchtitan's CE (:func:`ntl_scale.beside_ce`)."""
         terms = per_token_ce_ntl(
             logits,
             labels,
@@ -247,6 +257,7 @@ class NTLLoss(BaseLoss):
             vocab_start=vocab_start,
             chunk_tokens=self.config.chunk_tokens,
             need_ce=not self.framework,
+            passthrough=through,
         )
         if self.framework:  # the arg-max among the number columns (the full one is torchtitan's CE's)
             terms = terms._replace(hit=terms.number_choice_hit)
