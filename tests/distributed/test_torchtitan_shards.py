@@ -18,7 +18,11 @@ split torchtitan's ``_LossParallelCrossEntropy`` uses and DTensor's):
 5. label smoothing and z-loss on, on each of the three shard forms: under no grad without
    ``global_valid_tokens`` (torchtitan's ``Validator``) the loss is the plain CE sum of the full logits
    (torch's ``F.cross_entropy`` in float64); in training the loss and gradient are the objective's, the
-   logged ``ce_mean`` the smoothed CE without the z-loss and ``z_loss_mean`` the z-loss.
+   logged ``ce_mean`` the smoothed CE without the z-loss and ``z_loss_mean`` the z-loss;
+6. ``ce_kernel="framework"`` (torchtitan's CE reading NTL's passthrough), every variant without reweighing, on the
+   plain shard and on ``Shard(-1)``: loss and the shard's gradient equal torchtitan's CE called alone on the same
+   shard plus the float64 reference NTL; inside ``ChunkedLossWrapper`` the loss and the hidden-state and
+   weight-shard gradients equal the reference of section 1 to torchtitan's float32 rounding.
 """
 
 from __future__ import annotations
@@ -149,6 +153,25 @@ def _check(ctx: WorkerContext, path: str) -> None:
     # 5. label smoothing and z-loss: the validator's plain CE; training's objective, smoothed ce and z_loss
     _features(ctx, mesh, path, logits, labels, (start, end))
 
+    # 6. ce_kernel="framework": torchtitan's CE through NTL's passthrough, every variant, plain and Shard(-1)
+    _framework(ctx, mesh, path, logits, labels, (start, end))
+    set_spmd_backend("spmd_types")
+    with set_current_spmd_mesh(mesh):  # inside ChunkedLossWrapper: the fused op's gradients, to float32 rounding
+        framework = NTLLoss.Config(number_vocab=path, vocab_size=V, weight=WEIGHT, ce_kernel="framework")
+        wrapper = ChunkedLossWrapper.Config(num_chunks=4, loss_fn=framework).build()
+        head = torch.nn.Linear(6, end - start, bias=False).double()
+        with torch.no_grad():
+            head.weight.copy_(weight[start:end])
+        wrapper.set_lm_head(head)
+        wrapper.loss_fn.begin_step(numbers)
+        h = hidden.clone().requires_grad_(True)
+        loss, _ = wrapper(h, labels, tokens)
+        loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
+        torch.distributed.all_reduce(h.grad, group=ctx.tp_group)
+        torch.testing.assert_close(h.grad, h_grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(head.weight.grad, w_grad[start:end], rtol=1e-5, atol=1e-6)
+
 
 def _features(ctx: WorkerContext, mesh, path: str, logits, labels, columns) -> None:  # type: ignore[no-untyped-def]
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -207,6 +230,55 @@ def _features(ctx: WorkerContext, mesh, path: str, logits, labels, columns) -> N
             torch.distributed.all_reduce(parts, group=ctx.tp_group)
         torch.testing.assert_close(parts[0], ce.detach(), rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
         torch.testing.assert_close(parts[1], z_loss.detach(), rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+VARIANTS = [{}, {"loss": "mse"}, {"loss": "mae"}, {"loss": "huber", "huber_delta": 0.5},
+            {"loss": "was", "squash_factor": 4.0}, {"loss": "number"}]  # fmt: skip
+
+
+def _framework(ctx: WorkerContext, mesh, path: str, logits, labels, columns) -> None:  # type: ignore[no-untyped-def]
+    """``ce_kernel="framework"`` on a plain shard and on ``Shard(-1)``: torchtitan's own CE on the same shard, called
+    alone, plus the float64 reference NTL (loss and the shard's gradient), every variant without reweighing."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    from ntl_scale.integrations.torchtitan import NTLLoss
+
+    start, end = columns
+    tokens = (labels != -100).sum()
+
+    def forms():  # type: ignore[no-untyped-def]
+        """(name, the logits as the loss gets them, the local leaf) for torchtitan's two vocabulary splits."""
+        set_spmd_backend("spmd_types")
+        with set_current_spmd_mesh(mesh):
+            local = logits[..., start:end].clone().requires_grad_(True)
+            yield "plain shard", local, local
+        set_spmd_backend("partial_dtensor")
+        local = logits[..., start:end].clone().requires_grad_(True)
+        yield "Shard(-1)", DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=logits.shape,
+                                              stride=logits.stride()), local  # fmt: skip
+
+    for variant in VARIANTS:
+        loss_fn = NTLLoss.Config(number_vocab=path, vocab_size=V, weight=WEIGHT, ce_kernel="framework", **variant)
+        loss_fn = loss_fn.build()
+        z = logits.clone().requires_grad_(True)
+        _, ntl, mask = reference.naive_per_token(z, labels, loss_fn.vocab, **variant)
+        ntl_part = WEIGHT * ntl.sum() / mask.sum()
+        ntl_part.backward()
+        loss_fn.begin_step(mask.sum())
+        titan = CrossEntropyLoss.Config(global_vocab_size=V).build()
+        for (name, pred, leaf), (_, alone, alone_leaf) in zip(forms(), forms()):
+            what = f"framework {variant} {name} rank {ctx.rank}"
+            loss, metrics = loss_fn(pred, labels, tokens)
+            loss.backward()
+            ce = titan(alone, labels, tokens)[0]  # torchtitan's CE alone: float32, as it computes
+            ce.backward()
+            torch.testing.assert_close(loss, ce + ntl_part.detach(), rtol=1e-12, atol=1e-12, msg=what)
+            want = alone_leaf.grad + z.grad[..., start:end]
+            torch.testing.assert_close(leaf.grad, want, rtol=1e-12, atol=1e-12, msg=what)
+            torch.testing.assert_close(metrics["loss_metrics/ntl_mean"], ntl_part.detach() / WEIGHT, msg=what)
 
 
 def test_plain_and_dtensor_vocabulary_shards(tmp_path) -> None:
