@@ -22,7 +22,8 @@ split torchtitan's ``_LossParallelCrossEntropy`` uses and DTensor's):
 6. ``ce_kernel="framework"`` (torchtitan's CE reading NTL's passthrough), every variant without reweighing, on the
    plain shard and on ``Shard(-1)``: loss and the shard's gradient equal torchtitan's CE called alone on the same
    shard plus the float64 reference NTL; inside ``ChunkedLossWrapper`` the loss and the hidden-state and
-   weight-shard gradients equal the reference of section 1 to torchtitan's float32 rounding.
+   weight-shard gradients equal the reference of section 1 to torchtitan's float32 rounding;
+7. under torchtitan's strict SPMD type checking both kernels run on plain shards and give that loss.
 """
 
 from __future__ import annotations
@@ -172,6 +173,9 @@ def _check(ctx: WorkerContext, path: str) -> None:
         torch.testing.assert_close(h.grad, h_grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(head.weight.grad, w_grad[start:end], rtol=1e-5, atol=1e-6)
 
+    # 7. strict SPMD type checking: both kernels on plain shards
+    _typechecked(path, logits, labels, (start, end), expected)
+
 
 def _features(ctx: WorkerContext, mesh, path: str, logits, labels, columns) -> None:  # type: ignore[no-untyped-def]
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -279,6 +283,33 @@ def _framework(ctx: WorkerContext, mesh, path: str, logits, labels, columns) -> 
             want = alone_leaf.grad + z.grad[..., start:end]
             torch.testing.assert_close(leaf.grad, want, rtol=1e-12, atol=1e-12, msg=what)
             torch.testing.assert_close(metrics["loss_metrics/ntl_mean"], ntl_part.detach() / WEIGHT, msg=what)
+
+
+def _typechecked(path: str, logits, labels, columns, expected) -> None:  # type: ignore[no-untyped-def]
+    """Plain shards under torchtitan's strict SPMD type checking (``--debug.spmd_typechecking``), both CE kernels:
+    the passthrough carries the logits' SPMD type into torchtitan's CE; the loss is the unchecked run's."""
+    import spmd_types as spmd
+    from spmd_types.checker import typecheck
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    from ntl_scale.integrations.torchtitan import NTLLoss
+
+    mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("dp", "cp", "tp"))
+    dp, cp, tp = (mesh.get_group(axis) for axis in ("dp", "cp", "tp"))
+    set_spmd_backend("spmd_types")
+    for kernel in ("ntl_scale", "framework"):
+        loss_fn = NTLLoss.Config(number_vocab=path, vocab_size=V, weight=WEIGHT, ce_kernel=kernel).build()
+        loss_fn.begin_step((labels[..., None] == torch.arange(3, 13)).sum())
+        shard, targets, tokens = logits[..., columns[0] : columns[1]].clone(), labels.clone(), (labels != -100).sum()
+        spmd.assert_type(shard.requires_grad_(True), {dp: spmd.V, cp: spmd.V, tp: spmd.S(2)})
+        spmd.assert_type(targets, {dp: spmd.V, cp: spmd.V, tp: spmd.I})
+        spmd.assert_type(tokens, {tp: spmd.I})
+        with set_current_spmd_mesh(mesh), typecheck(local=False):
+            loss, _ = loss_fn(shard, targets, tokens)
+            loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7, msg=kernel)
 
 
 def test_plain_and_dtensor_vocabulary_shards(tmp_path) -> None:
