@@ -19,9 +19,9 @@ split torchtitan's ``_LossParallelCrossEntropy`` uses and DTensor's):
    ``global_valid_tokens`` (torchtitan's ``Validator``) the loss is the plain CE sum of the full logits
    (torch's ``F.cross_entropy`` in float64); in training the loss and gradient are the objective's, the
    logged ``ce_mean`` the smoothed CE without the z-loss and ``z_loss_mean`` the z-loss;
-6. ``ce_kernel="framework"`` (torchtitan's CE reading NTL's passthrough), every variant without reweighing, on the
-   plain shard and on ``Shard(-1)``: loss and the shard's gradient equal torchtitan's CE called alone on the same
-   shard plus the float64 reference NTL; inside ``ChunkedLossWrapper`` the loss and the hidden-state and
+6. ``ce_kernel="framework"`` (torchtitan's CE reading NTL's passthrough), every variant without reweighing, on each
+   of the three shard forms: loss, logit gradient and ``ntl_mean`` equal torchtitan's CE called alone on the same
+   inputs plus the float64 reference NTL; inside ``ChunkedLossWrapper`` the loss and the hidden-state and
    weight-shard gradients equal the reference of section 1 to torchtitan's float32 rounding;
 7. under torchtitan's strict SPMD type checking both kernels run on plain shards and give that loss.
 """
@@ -154,7 +154,7 @@ def _check(ctx: WorkerContext, path: str) -> None:
     # 5. label smoothing and z-loss: the validator's plain CE; training's objective, smoothed ce and z_loss
     _features(ctx, mesh, path, logits, labels, (start, end))
 
-    # 6. ce_kernel="framework": torchtitan's CE through NTL's passthrough, every variant, plain and Shard(-1)
+    # 6. ce_kernel="framework": torchtitan's CE through NTL's passthrough, every variant, each shard form
     _framework(ctx, mesh, path, logits, labels, (start, end))
     set_spmd_backend("spmd_types")
     with set_current_spmd_mesh(mesh):  # inside ChunkedLossWrapper: the fused op's gradients, to float32 rounding
@@ -241,9 +241,9 @@ VARIANTS = [{}, {"loss": "mse"}, {"loss": "mae"}, {"loss": "huber", "huber_delta
 
 
 def _framework(ctx: WorkerContext, mesh, path: str, logits, labels, columns) -> None:  # type: ignore[no-untyped-def]
-    """``ce_kernel="framework"`` on a plain shard and on ``Shard(-1)``: torchtitan's own CE on the same shard, called
-    alone, plus the float64 reference NTL (loss and the shard's gradient), every variant without reweighing."""
-    from torch.distributed.tensor import DTensor, Shard
+    """``ce_kernel="framework"`` on each shard form: torchtitan's own CE on the same inputs, called alone, plus the
+    float64 reference NTL (loss, logit gradient, logged ``ntl_mean``), every variant without reweighing."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.distributed.spmd_types import set_current_spmd_mesh
     from torchtitan.distributed.utils import set_spmd_backend
@@ -254,15 +254,21 @@ def _framework(ctx: WorkerContext, mesh, path: str, logits, labels, columns) -> 
     tokens = (labels != -100).sum()
 
     def forms():  # type: ignore[no-untyped-def]
-        """(name, the logits as the loss gets them, the local leaf) for torchtitan's two vocabulary splits."""
+        """(name, the logits as the loss gets them, the labels, the leaf) for torchtitan's vocabulary splits."""
         set_spmd_backend("spmd_types")
         with set_current_spmd_mesh(mesh):
             local = logits[..., start:end].clone().requires_grad_(True)
-            yield "plain shard", local, local
+            yield "plain shard", local, labels, local
         set_spmd_backend("partial_dtensor")
         local = logits[..., start:end].clone().requires_grad_(True)
         yield "Shard(-1)", DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=logits.shape,
-                                              stride=logits.stride()), local  # fmt: skip
+                                              stride=logits.stride()), labels, local  # fmt: skip
+        for placements, label_placements in (([Shard(2)], [Replicate()]), ([Shard(0)], [Shard(0)])):
+            dpred = distribute_tensor(logits.clone(), mesh, placements).detach().requires_grad_(True)
+            yield f"full_dtensor {placements}", dpred, distribute_tensor(labels, mesh, label_placements), dpred
+
+    def full(t):  # type: ignore[no-untyped-def]
+        return t.full_tensor() if isinstance(t, DTensor) else t
 
     for variant in VARIANTS:
         loss_fn = NTLLoss.Config(number_vocab=path, vocab_size=V, weight=WEIGHT, ce_kernel="framework", **variant)
@@ -273,16 +279,23 @@ def _framework(ctx: WorkerContext, mesh, path: str, logits, labels, columns) -> 
         ntl_part.backward()
         loss_fn.begin_step(mask.sum())
         titan = CrossEntropyLoss.Config(global_vocab_size=V).build()
-        for (name, pred, leaf), (_, alone, alone_leaf) in zip(forms(), forms()):
+        for (name, pred, targets, leaf), (_, alone, _, alone_leaf) in zip(forms(), forms()):
             what = f"framework {variant} {name} rank {ctx.rank}"
-            loss, metrics = loss_fn(pred, labels, tokens)
+            loss, metrics = loss_fn(pred, targets, tokens)
             loss.backward()
-            ce = titan(alone, labels, tokens)[0]  # torchtitan's CE alone: float32, as it computes
+            ce = titan(alone, targets, tokens)[0]  # torchtitan's CE alone: float32, as it computes
             ce.backward()
-            torch.testing.assert_close(loss, ce + ntl_part.detach(), rtol=1e-12, atol=1e-12, msg=what)
-            want = alone_leaf.grad + z.grad[..., start:end]
-            torch.testing.assert_close(leaf.grad, want, rtol=1e-12, atol=1e-12, msg=what)
-            torch.testing.assert_close(metrics["loss_metrics/ntl_mean"], ntl_part.detach() / WEIGHT, msg=what)
+            if "Shard(dim=0)" in name:  # the ranks' float32 parts, added in float64 as the objective adds them
+                ce = ce.to_local().double()
+                torch.distributed.all_reduce(ce, group=ctx.tp_group)
+            want = full(ce) + ntl_part.detach()
+            torch.testing.assert_close(full(loss), want, rtol=1e-12, atol=1e-12, msg=what)
+            grad = full(alone_leaf.grad) + (z.grad if isinstance(leaf, DTensor) else z.grad[..., start:end])
+            torch.testing.assert_close(full(leaf.grad), grad, rtol=1e-12, atol=1e-12, msg=what)
+            ntl_mean = metrics["loss_metrics/ntl_mean"].clone()
+            if "Shard(dim=0)" in name:  # a batch split: this rank's part
+                torch.distributed.all_reduce(ntl_mean, group=ctx.tp_group)
+            torch.testing.assert_close(ntl_mean, ntl_part.detach() / WEIGHT, msg=what)
 
 
 def _typechecked(path: str, logits, labels, columns, expected) -> None:  # type: ignore[no-untyped-def]

@@ -2,8 +2,7 @@
 
 1. The option: what it refuses (the CE options of ntl_scale's op, ``reweigh``), on every front end's spelling.
 2. The routes that cannot keep the framework's CE say so before a step: Megatron's ``--ntl-chunked`` and a
-   missing Transformer Engine, torchtitan's ``full_dtensor`` labels, Hugging Face's hidden-state route on a
-   soft-capping model.
+   missing Transformer Engine, Hugging Face's hidden-state route on a soft-capping model.
 3. Hugging Face on a tiny GPT-2: transformers' ``ForCausalLMLoss`` (logits) and the model's own forward with
    NTL from the hidden states (``chunked=True``) give the loss and gradients of a float64 computation of
    ``CE/N + w NTL/K`` from the definitions (torch's ``F.cross_entropy``, the reference NTL), for both

@@ -72,14 +72,6 @@ LOSS_TYPE = {"dp": spmd.P, "cp": spmd.P, "tp": spmd.I}
 """The SPMD type torchtitan gives a scaled loss, and so the metrics: partial over the batch axes, invariant on TP."""
 
 
-def _sum_type(logits: torch.Tensor, tp_group: dist.ProcessGroup | None) -> dict[Any, Any]:
-    """The SPMD type torchtitan's ``_LossParallelCrossEntropy`` gives a CE sum: the logits', invariant on TP."""
-    types: dict[Any, Any] = dict(spmd.get_local_type(logits))
-    if tp_group is not None:
-        types[tp_group] = spmd.I
-    return types
-
-
 class NTLLoss(BaseLoss):
     """``CE + weight * NTL`` for torchtitan, built from :class:`NTLLoss.Config` (``config.build()``)."""
 
@@ -209,25 +201,24 @@ class NTLLoss(BaseLoss):
         vocab_start: int | None,
         torchtitan_ce: Callable[[torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss and metrics of a shard; ``torchtitan_ce`` where :meth:`_mode` says (metrics forward-only).
-
-        Framework CE in training: torchtitan's CE reads the logits through NTL's passthrough, whose backward
-        adds NTL's number columns into that CE's gradient in place (``beside_ce``)."""
+        """The loss and metrics of a shard; ``torchtitan_ce`` where :meth:`_mode` says (metrics forward-only), in
+        training with the framework CE on NTL's passthrough (:func:`~ntl_scale.beside_ce`: no dense NTL gradient)."""
         options, use_torchtitan_ce = self._mode()
         is_type_checking = spmd.is_type_checking()
-        through: list[torch.Tensor] | None = (
-            [] if self.framework and self.weight > 0 and torch.is_grad_enabled() else None
-        )
-        ntl_grad = through is not None or not use_torchtitan_ce
-        with spmd.no_typecheck(), torch.set_grad_enabled(torch.is_grad_enabled() and ntl_grad):
-            sums, z_sum = self._sums(logits, labels, tp_group, vocab_start, options, through)
-        if through is not None and is_type_checking and not is_dtensor(logits):
+        beside, through = self.framework and self.weight > 0 and torch.is_grad_enabled(), list[torch.Tensor]()
+        grad = beside or (torch.is_grad_enabled() and not use_torchtitan_ce)
+        with spmd.no_typecheck(), torch.set_grad_enabled(grad):
+            sums, z_sum = self._sums(logits, labels, tp_group, vocab_start, options, through if beside else None)
+        if through and is_type_checking:
             spmd.assert_type_like(through[0], logits)
-        ce_sum = torchtitan_ce(logits if through is None else through[0]) if use_torchtitan_ce else None
-        if ce_sum is None:
+        if use_torchtitan_ce:
+            ce_sum = torchtitan_ce(through[0] if through else logits)
+        else:
             ce_sum = sums.ce
-            if global_valid_tokens is None and is_type_checking:
-                spmd.assert_type(ce_sum, _sum_type(logits, tp_group))
+            if global_valid_tokens is None and is_type_checking:  # _LossParallelCrossEntropy's: invariant on TP
+                spmd.assert_type(
+                    ce_sum, {**spmd.get_local_type(logits), **({tp_group: spmd.I} if tp_group is not None else {})}
+                )
         if global_valid_tokens is None:
             return ce_sum, {}
         with spmd.no_typecheck():
@@ -246,8 +237,7 @@ class NTLLoss(BaseLoss):
         options: NTLOptions,
         through: list[torch.Tensor] | None = None,
     ) -> tuple[MicroBatchSums, torch.Tensor | None]:
-        """The call's sums (``sums.ce`` with the z-loss) and its detached z-loss sum (None without z-loss);
-        ``through`` receives the passthrough logits for torchtitan's CE (:func:`ntl_scale.beside_ce`)."""
+        """The call's sums (``sums.ce`` with the z-loss), its detached z-loss sum (None without), the passthrough."""
         terms = per_token_ce_ntl(
             logits,
             labels,
@@ -330,12 +320,7 @@ class NTLLoss(BaseLoss):
         if is_dtensor(global_valid_tokens):
             global_valid_tokens = global_valid_tokens.full_tensor()  # type: ignore[union-attr]
         options, use_torchtitan_ce = self._mode()  # under no grad (the validator): plain CE
-        if self.framework and self.weight > 0 and torch.is_grad_enabled():
-            raise ValueError(
-                "NTLLoss: loss.ce_kernel='framework' is not supported with spmd_backend='full_dtensor' (DTensor "
-                "labels): use spmd_backend 'spmd_types' or 'partial_dtensor', or loss.ce_kernel='ntl_scale'"
-            )
-        if use_torchtitan_ce:
+        if use_torchtitan_ce and not self.framework:
             loss = torchtitan_cross_entropy(pred, labels)  # torchtitan's own CE, bit for bit
             if global_valid_tokens is None:
                 return loss, {}
@@ -345,10 +330,10 @@ class NTLLoss(BaseLoss):
         found: dict[str, dict[str, torch.Tensor]] = {}
 
         def local_loss(pred_local: torch.Tensor, labels_local: torch.Tensor) -> torch.Tensor:
-            sums, z_sum = self._sums(pred_local, labels_local, tp_group, vocab_start, options)
-            if global_valid_tokens is None:
-                return sums.ce
-            loss, found["metrics"] = self._scaled(sums.ce, sums, z_sum, global_valid_tokens, options)
+            # framework: torchtitan's local CE (its local_map's) on NTL's passthrough
+            loss, found["metrics"] = self.on_shard(
+                pred_local, labels_local, global_valid_tokens, tp_group=tp_group, vocab_start=vocab_start
+            )
             return loss
 
         loss = local_map(
@@ -360,7 +345,7 @@ class NTLLoss(BaseLoss):
             in_grad_placements=(placements, expected),
             device_mesh=mesh,
         )(pred, labels)
-        return loss, found.get("metrics", {})
+        return loss, found["metrics"]
 
     def _step_numbers(self) -> torch.Tensor:
         if self._numbers is None:
