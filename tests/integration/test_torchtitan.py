@@ -6,7 +6,7 @@ the CPU patches of ``tests/helpers/torchtitan_cpu.py``) on the llama3 debug mode
 (``llama3_debugmodel`` and ``llama3_debugmodel_ntl``), a tokenizer and a corpus built offline.
 Two layouts, each launched three times (torchtitan's CE, NTL at weight 0, NTL at 0.3; module-scoped):
 FSDP2 (``dp_shard 2``) and tensor parallel 2 (vocabulary-sharded DTensor logits); tensor parallel 2 a fourth
-time with ``loss.ce_kernel=framework`` (torchtitan's CE, NTL beside it: against the same float64 reference).
+time with ``loss.ce_kernel=framework`` (torchtitan's CE reading NTL's passthrough: against the same float64 reference).
 
 Sections:
 1. NTL at weight 0: torchtitan's logged loss is its own CE run's, bit for bit, step by step.
