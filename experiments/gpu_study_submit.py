@@ -177,6 +177,17 @@ def sbatch(options: list[str], script: str, args: list[str], env: dict[str, str]
 
 
 def advance(config: str, data_path: str, runs: str, entry: str | None = None, after: str | None = None) -> str:
+    """:func:`advance_locked` holding ``RUNS/submit.lock``: two submissions at once (a second driver job, a
+    command typed while a next job runs) take turns, and the second sees the first's jobs."""
+    import fcntl
+
+    os.makedirs(runs, exist_ok=True)
+    with open(os.path.join(runs, "submit.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return advance_locked(config, data_path, runs, entry, after)
+
+
+def advance_locked(config: str, data_path: str, runs: str, entry: str | None = None, after: str | None = None) -> str:
     """Does the study's next step (module docstring); returns ``submitted``, ``waiting`` (jobs of an earlier
     submission are still queued: nothing submitted) or ``done``. A ValueError where the chain stops (tasks of
     ``after`` unfinished, a bad file, no Slurm), naming the fix."""
@@ -189,7 +200,8 @@ def advance(config: str, data_path: str, runs: str, entry: str | None = None, af
     if state.get("config_sha256", digest) != digest:
         raise ValueError(
             f"{runs} holds a study submitted from {state.get('config')} (another content than {config}): "
-            "submit the same study file, or choose another --runs"
+            f"submit the same study file, choose another --runs, or delete {os.path.join(runs, STATE)} to go on "
+            "with this one (finished runs are kept)"
         )
     tool("sbatch")
     state.update({"config": config, "config_sha256": digest, "data": data_path, "entry": entry})
@@ -242,18 +254,18 @@ def advance(config: str, data_path: str, runs: str, entry: str | None = None, af
                 ARRAY_SCRIPT, ["--config", current_path, *(["--entry", entry] if entry else [])],
                 {"NTL_STAGE": stage, "NTL_STUDY_DATA": data_path, "NTL_STUDY_RUNS": runs},
             )  # fmt: skip
-            step = sbatch([*step_options, f"--dependency=afterany:{array}"], NEXT_SCRIPT, [*args, "--after", stage], {})
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-            state["jobs"] += [
-                {"id": array, "kind": "array", "stage": stage, "tasks": array_spec(todo), "submitted": stamp,
-                 "logs": os.path.join(runs, "logs", f"{name}-{array}_<task>.out")},
-                {"id": step, "kind": "next", "after": stage, "submitted": stamp,
-                 "log": os.path.join(runs, "logs", f"{NEXT_NAME}-{step}.out")},
-            ]  # fmt: skip
+            logs = os.path.join(runs, "logs", f"{name}-{array}_<task>.out")
+            state["jobs"].append({"id": array, "kind": "array", "stage": stage, "tasks": array_spec(todo),
+                                  "submitted": stamp, "logs": logs})  # fmt: skip
+            write_state(runs, state)  # recorded before the next sbatch: a failure there leaves no unlisted array
+            step = sbatch([*step_options, f"--dependency=afterany:{array}"], NEXT_SCRIPT, [*args, "--after", stage], {})
+            state["jobs"].append({"id": step, "kind": "next", "after": stage, "submitted": stamp,
+                                  "log": os.path.join(runs, "logs", f"{NEXT_NAME}-{step}.out")})  # fmt: skip
             state["status"], state["message"] = "submitted", f"stage {stage}: array {array}, then job {step}"
             write_state(runs, state)
             log(f"stage {stage}: array job {array}, tasks {array_spec(todo)} ({len(todo)} of {every} to run); "
-                f"logs {os.path.join(runs, 'logs', f'{name}-{array}_<task>.out')}")  # fmt: skip
+                f"logs {logs}")  # fmt: skip
             log(f"then job {step}, after array {array} ends: {what_next(study, stage)}; "
                 f"log {os.path.join(runs, 'logs', f'{NEXT_NAME}-{step}.out')}")  # fmt: skip
             log(f"verdicts: {verdict_files(study, runs)}; progress: {os.path.join(runs, STATE)}")
@@ -277,11 +289,13 @@ def what_next(study: dict[str, Any], stage: str) -> str:
     """What the job after ``stage``'s array does, in words."""
     order = list(study["stages"])
     later = order[order.index(stage) + 1 :]
-    steps = [] if stage == study.get("power", {}).get("stage") else [f"{stage}'s tables and verdicts"]
+    power_stage = study.get("power", {}).get("stage")
+    steps = [] if stage == power_stage else [f"{stage}'s tables and verdicts"]
+    powered = [s for s in later if needs_power(study, s)]
+    if stage == power_stage and powered:
+        steps.append(f"the seeds of {', '.join(powered)} by power ({SEEDS})")
     if later:
-        if any(needs_power(study, s) for s in later) and stage == study.get("power", {}).get("stage"):
-            steps.append(f"the seeds of {', '.join(s for s in later if needs_power(study, s))} by power ({SEEDS})")
-        steps.append(f"submits {later[0]}'s array and a job after it")
+        steps.append(f"{later[0]}'s unfinished tasks as an array, with a job after it")
     return ", then ".join(steps) or "nothing left"
 
 

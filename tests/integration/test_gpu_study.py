@@ -1,23 +1,27 @@
-"""The GPU study end to end at CPU size: launch/slurm/gpu_study.sbatch as a Slurm array on a local cluster.
+"""The GPU study end to end at CPU size: one `gpu_study.py submit` on a local Slurm cluster.
 
 configs/gpu_study/ci.yaml (one tiny Llama-style size, CE and CE + 0.3 NTL-WAS, 2 seeds, 5 iterations)
 on data built offline (tests/helpers/gpu_study_data.py: a Llama-3-style BPE, Megatron indexed corpora
 of prose, number documents and code), trained and evaluated by the real Megatron-LM core_v0.19.0
 ``pretrain_gpt.py`` under ``launch/pretrain_gpt_ntl.py`` (CUDA-only calls redirected by
 tests/helpers/megatron_lm_cpu.py, through ``--entry``), each last checkpoint scored by
-lm-evaluation-harness's own Megatron-LM backend (the same redirections, through ``NTL_HARNESS_ENTRY``),
-then the pilot's power step, the main stage and ``gpu_study.py collect`` (experiments/size_sweep.py's
-analysis and the verdict rule).
+lm-evaluation-harness's own Megatron-LM backend (the same redirections, through ``NTL_HARNESS_ENTRY``).
+One command submits the pilot array (launch/slurm/gpu_study.sbatch) and the job after it
+(launch/slurm/gpu_study_next.sbatch): the power step, the main stage (its runs are the pilot's: nothing
+new to run in CI), ``collect`` (experiments/size_sweep.py's analysis and the verdict rule).
 
 Sections:
 1. Dry run (no cluster): the three phases' commands, the run folder of the task.
-2. The pilot array (4 tasks): each trains to the planned iteration, Megatron's own parameter count equals
-   gpu_study.parameters', each evaluation has every held-out set with the number metrics (CE's too), each
-   run has the harness's results.
-3. The power step: the main stage's seeds from the pilot's sd, written to a study file.
-4. The main stage's array is the pilot's runs: it trains, evaluates and scores nothing (files untouched).
-5. The tables: every difference in sweep.json, the harness's too, equals the one computed here from the
+2. The one command: the next job waits for the whole array (its dependency), the command again submits
+   nothing while the chain is queued; each pilot task trains to the planned iteration, Megatron's own
+   parameter count equals gpu_study.parameters', each evaluation has every held-out set with the number
+   metrics (CE's too), each run has the harness's results.
+3. The power step after the pilot: the sd it prints is the one computed here from the pilot's logs.
+4. The tables: every difference in sweep.json, the harness's too, equals the one computed here from the
    Megatron logs and the harness's results files; the verdict rule's table is there.
+5. A partial failure (a task without harness.json), the command as one driver job: that task alone,
+   from its harness phase; the tables again; nothing else rewritten.
+6. The command once more: done, nothing submitted, nothing rewritten.
 """
 
 from __future__ import annotations
@@ -72,15 +76,15 @@ def test_dry_run_prints_both_phases_for_the_task(tmp_path):
     assert failed.returncode == 2 and "NTL_STUDY_DATA='' is not a file" in failed.stderr
 
 
-def _wait_chain(env: dict, runs: Path, timeout: float) -> dict:
-    """Waits until the chain's record (RUNS/submit.json) says done or stopped; fails early once no job is left
-    on the cluster (this module's own) while it says neither."""
+def _wait_chain(env: dict, runs: Path, timeout: float, jobs: int = 0) -> dict:
+    """Waits until the chain's record (RUNS/submit.json) lists more than ``jobs`` jobs and says done or stopped,
+    and no job is left on the cluster (this module's own); fails early once none is left while it says neither."""
     deadline, idle = time.time() + timeout, 0
     while time.time() < deadline:
         state = json.loads((runs / "submit.json").read_text())
-        if state.get("status") in ("done", "stopped"):
-            return state
         queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip()
+        if state.get("status") in ("done", "stopped") and len(state["jobs"]) > jobs and not queue:
+            return state  # and the job that said so has ended
         idle = 0 if queue else idle + 1
         if idle > 10:  # 5 s without a job
             logs = "\n".join(p.read_text()[-3000:] for p in sorted((runs / "logs").glob("*next*.out")))
@@ -136,8 +140,8 @@ def test_one_command_runs_pilot_power_main_and_tables_through_slurm_dependencies
     env = {**slurm_env, **mlm._env(), "SLURM_CONF": slurm_env["SLURM_CONF"], "MEGATRON_LM_PATH": str(checkout),
            "NTL_PYTHON": sys.executable, "NTL_HARNESS_ENTRY": f"tests/helpers/megatron_lm_cpu.py {lm_eval_main}",
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    submit = [sys.executable, "experiments/gpu_study.py", "submit", "--config", CONFIG, "--data", str(data),
-              "--runs", str(runs), "--entry", ENTRY]  # fmt: skip
+    args = ["--config", CONFIG, "--data", str(data), "--runs", str(runs), "--entry", ENTRY]
+    submit = [sys.executable, "experiments/gpu_study.py", "submit", *args]
     first = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     pilot_job = re.search(r"stage pilot: array job (\d+), tasks 0-3 \(4 of 4 to run\)", first.stdout)
@@ -154,95 +158,114 @@ def test_one_command_runs_pilot_power_main_and_tables_through_slurm_dependencies
     state = _wait_chain(env, runs, timeout=3000)
     logs = runs / "logs"
     assert state["status"] == "done", state.get("message")
-    assert [(j["kind"], j.get("stage") or j["after"]) for j in state["jobs"]] == [
-        ("array", "pilot"), ("next", "pilot"), ("array", "main"), ("next", "main")]  # fmt: skip
-    pilot_id, main_id = state["jobs"][0]["id"], state["jobs"][2]["id"]
+    assert [(j["kind"], j.get("stage") or j["after"]) for j in state["jobs"]] == [("array", "pilot"), ("next", "pilot")]
 
-    # 2. every run (the pilot's seeds 0-1, the main stage's seed 2) trained to the planned iteration, was
-    # evaluated on every held-out set and scored by the harness
+    # 2. every pilot run trained to the planned iteration, was evaluated on every held-out set, was scored
     study = gpu_study.load(str(ROOT / CONFIG))
     plan = gpu_study.budget(study, "tiny")
     total = gpu_study.parameters(study["sizes"]["tiny"], gpu_study.padded_vocab(study))["total"]
-    arms, seeds = ["CE", "CE + NTL-WAS 0.3"], (0, 1, 2)
+    arm, seeds = "CE + NTL-WAS 0.3", (0, 1)
+    runs_of = {(a, s): runs / "tiny" / gpu_study.slug(a) / f"seed{s}" for a in ("CE", arm) for s in seeds}
     measured: dict[tuple[str, int], dict] = {}
     scored: dict[tuple[str, int], dict] = {}
-    for i, arm in enumerate(arms):
-        for seed in seeds:
-            run = runs / gpu_study.slug("tiny") / gpu_study.slug(arm) / f"seed{seed}"
-            log = logs / (f"ntl-gpu-study-pilot-{pilot_id}_{2 * i + seed}.out" if seed < 2 else
-                          f"ntl-gpu-study-main-{main_id}_{3 * i + seed}.out")  # fmt: skip
-            assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(
-                plan["iterations"]
-            )
-            eval_log = (run / "eval.log").read_text()
-            assert [int(n) for n in PARAMS.findall(eval_log)] == [total]  # Megatron's count of the model it built
-            assert f"iteration {plan['iterations']:>8}/" in log.read_text()
-            measured[arm, seed] = _megatron_metrics(eval_log)
-            for loss, ntl, accuracy in measured[arm, seed].values():
-                assert math.isfinite(loss) and ntl > 0 and 0 <= accuracy <= 1  # CE's number metrics exist too
-            scored[arm, seed] = _harness_metrics(run)
-            assert 0 <= scored[arm, seed]["arith_exact_match"] <= 1 and "math_number_byte_ppl" in scored[arm, seed]
-    arm = arms[1]
+    for t in gpu_study.tasks(study, "pilot"):
+        run = runs_of[t.arm, t.seed]
+        assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(
+            plan["iterations"]
+        )
+        eval_log = (run / "eval.log").read_text()
+        assert [int(n) for n in PARAMS.findall(eval_log)] == [total]  # Megatron's count of the model it built
+        text = (logs / f"ntl-gpu-study-pilot-{pilot_job.group(1)}_{t.index}.out").read_text()
+        assert f"iteration {plan['iterations']:>8}/" in text
+        measured[t.arm, t.seed] = _megatron_metrics(eval_log)
+        for loss, ntl, accuracy in measured[t.arm, t.seed].values():
+            assert math.isfinite(loss) and ntl > 0 and 0 <= accuracy <= 1  # CE's number metrics exist too
+        scored[t.arm, t.seed] = _harness_metrics(run)
+        assert 0 <= scored[t.arm, t.seed]["arith_exact_match"] <= 1 and "math_number_byte_ppl" in scored[t.arm, t.seed]
     assert measured["CE", 0] != measured[arm, 0] and measured["CE", 0] != measured["CE", 1]
-    # the main stage's array held only the tasks the pilot had not run: seed 2 of each arm (tasks 2 and 5)
-    assert state["jobs"][2]["tasks"] == "2,5"
-    assert sorted(p.name for p in logs.glob(f"ntl-gpu-study-main-{main_id}_*.out")) == [
-        f"ntl-gpu-study-main-{main_id}_{t}.out" for t in (2, 5)]  # fmt: skip
 
     # 3. the power step ran after the pilot's tasks had finished, on their files: the sd of the pilot's two
-    # seed pairs computed here from the Megatron logs; the main stage's runs started after it
-    text = (logs / f"ntl-gpu-study-next-{state['jobs'][1]['id']}.out").read_text()
-    ce_prose = [math.exp(measured["CE", s]["prose"][0]) for s in (0, 1)]
-    diffs = [100 * (math.exp(measured[arm, s]["prose"][0]) - ce_prose[s]) / statistics.fmean(ce_prose) for s in (0, 1)]
+    # seed pairs computed here from the Megatron logs; the main stage (the pilot's runs) had nothing to run
+    text = (logs / f"ntl-gpu-study-next-{next_job.group(1)}.out").read_text()
+    ce_prose = [math.exp(measured["CE", s]["prose"][0]) for s in seeds]
+    diffs = [100 * (math.exp(measured[arm, s]["prose"][0]) - ce_prose[s]) / statistics.fmean(ce_prose) for s in seeds]
     printed = re.search(r"pilot tiny prose_ppl: sd (\S+) over 2 seed pairs", text)
     assert printed and float(printed.group(1)) == pytest.approx(statistics.stdev(diffs), rel=1e-3), text[-3000:]
     written = runs / "study.seeds.yaml"
-    assert gpu_study.load(str(written))["stages"]["main"]["seeds"] == {"tiny": 3}  # max_seeds: CI's power asks more
-    pilot_files = [runs / "tiny" / a / f"seed{s}" / n for a in ("ce", "ce-ntl-was-0.3") for s in (0, 1)
-                   for n in ("eval.json", "harness.json")]  # fmt: skip
-    main_files = [runs / "tiny" / a / "seed2" / "checkpoints" / "latest_checkpointed_iteration.txt"
-                  for a in ("ce", "ce-ntl-was-0.3")]  # fmt: skip
+    assert gpu_study.load(str(written))["stages"]["main"]["seeds"] == {"tiny": 2}  # CI caps them at the pilot's 2
+    pilot_files = [run / n for run in runs_of.values() for n in ("eval.json", "harness.json")]
     assert max(p.stat().st_mtime for p in pilot_files) <= written.stat().st_mtime
-    assert written.stat().st_mtime <= min(p.stat().st_mtime for p in main_files)
+    assert "stage main: finished; tables and verdicts" in text and "Verdict rule" in text
 
-    # 4. the tables: size_sweep's differences over the 3 seeds, recomputed here from the Megatron lines and
-    # the harness's files; written by the job after the main stage
-    out = runs / "tables" / "main"
-    sweep = json.loads((out / "sweep.json").read_text())
-    cells = sweep["sizes"][0]["differences"][arm]
+    def check_tables() -> None:
+        """size_sweep's differences, recomputed here from the Megatron lines and the harness's files."""
+        sweep = json.loads((runs / "tables" / "main" / "sweep.json").read_text())
+        cells = sweep["sizes"][0]["differences"][arm]
 
-    def relative(values: dict, key) -> list[float]:
-        base = statistics.fmean(key(values["CE", s]) for s in seeds)
-        return [100 * (key(values[arm, s]) - key(values["CE", s])) / base for s in seeds]
+        def relative(values: dict, key) -> list[float]:
+            base = statistics.fmean(key(values["CE", s]) for s in seeds)
+            return [100 * (key(values[arm, s]) - key(values["CE", s])) / base for s in seeds]
 
-    expected = {
-        "prose_ppl": relative(measured, lambda m: math.exp(m["prose"][0])),
-        "code_ppl": relative(measured, lambda m: math.exp(m["code"][0])),
-        "math_number_token_was": relative(measured, lambda m: m["math"][1]),
-        "math_number_token_acc": [100 * (measured[arm, s]["math"][2] - measured["CE", s]["math"][2]) for s in seeds],
-        "prose_text_byte_ppl": relative(scored, lambda m: m["prose_text_byte_ppl"]),
-        "code_text_byte_ppl": relative(scored, lambda m: m["code_text_byte_ppl"]),
-        "math_number_byte_ppl": relative(scored, lambda m: m["math_number_byte_ppl"]),
-        "arith_exact_match": [100 * (scored[arm, s]["arith_exact_match"] - scored["CE", s]["arith_exact_match"])
-                              for s in seeds],
-    }  # fmt: skip
-    if all(math.isfinite(scored[k]["arith_rel_error"]) for k in scored):  # NaN where no answer parsed
-        expected["arith_rel_error"] = relative(scored, lambda m: m["arith_rel_error"])
-    for key, value in expected.items():
-        assert cells[key]["seeds"] == pytest.approx(value, rel=1e-9, abs=1e-9), key
-    assert sweep["sizes"][0]["parameters"] == total
-    assert [v["size"] for v in sweep["verdicts"]] == ["tiny"]
-    assert sweep["verdicts"][0]["verdict"] in ("adopt", "do not adopt", "trade-off", "not decided at this scale")
-    table = (out / "sweep.md").read_text()
-    assert (out / "size_sweep.png").stat().st_size > 0 and "prose perplexity" in table and "Verdict rule" in table
-    assert "Verdict rule" in (logs / f"ntl-gpu-study-next-{state['jobs'][3]['id']}.out").read_text()
+        expected = {
+            "prose_ppl": relative(measured, lambda m: math.exp(m["prose"][0])),
+            "code_ppl": relative(measured, lambda m: math.exp(m["code"][0])),
+            "math_number_token_was": relative(measured, lambda m: m["math"][1]),
+            "math_number_token_acc": [100 * (measured[arm, s]["math"][2] - measured["CE", s]["math"][2])
+                                      for s in seeds],
+            "prose_text_byte_ppl": relative(scored, lambda m: m["prose_text_byte_ppl"]),
+            "code_text_byte_ppl": relative(scored, lambda m: m["code_text_byte_ppl"]),
+            "math_number_byte_ppl": relative(scored, lambda m: m["math_number_byte_ppl"]),
+            "arith_exact_match": [100 * (scored[arm, s]["arith_exact_match"] - scored["CE", s]["arith_exact_match"])
+                                  for s in seeds],
+        }  # fmt: skip
+        if all(math.isfinite(scored[k]["arith_rel_error"]) for k in scored):  # NaN where no answer parsed
+            expected["arith_rel_error"] = relative(scored, lambda m: m["arith_rel_error"])
+        for key, value in expected.items():
+            assert cells[key]["seeds"] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+        assert sweep["sizes"][0]["parameters"] == total
+        assert [v["size"] for v in sweep["verdicts"]] == ["tiny"]
+        assert sweep["verdicts"][0]["verdict"] in ("adopt", "do not adopt", "trade-off", "not decided at this scale")
+        table = (runs / "tables" / "main" / "sweep.md").read_text()
+        assert "prose perplexity" in table and "Verdict rule" in table
+        assert (runs / "tables" / "main" / "size_sweep.png").stat().st_size > 0
 
-    # 5. the command once more: every stage is finished and tabulated; nothing is submitted or rewritten
-    stamps = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.parent.name != "logs"}
+    # 4. the tables, written by the job after the pilot
+    check_tables()
+
+    # 5. a partial failure: task 3's harness phase did not finish (no harness.json). The same command as one
+    # driver job (sbatch of the next job's script) submits task 3 alone; it skips training and evaluation;
+    # the job after it tabulates again. No other file is rewritten.
+    broken = runs_of[arm, 1]
+    (broken / "harness.json").unlink()
+    stamps = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.parent.name != "logs"
+              and "tables" not in p.parts and p.name != "submit.json"}  # fmt: skip
+    sweep_before = (runs / "tables" / "main" / "sweep.json").stat().st_mtime_ns
+    driver = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/driver-%j.out", "--cpus-per-task=1",
+                             str(ROOT / "launch" / "slurm" / "gpu_study_next.sbatch"), *args], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert driver.returncode == 0, driver.stderr
+    state = _wait_chain(env, runs, timeout=1500, jobs=2)
+    assert state["status"] == "done", state.get("message")
+    rerun = state["jobs"][2:]
+    assert [(j["kind"], j.get("stage") or j["after"], j.get("tasks")) for j in rerun] == [
+        ("array", "pilot", "3"), ("next", "pilot", None)]  # fmt: skip
+    assert sorted(p.name for p in logs.glob(f"ntl-gpu-study-pilot-{rerun[0]['id']}_*.out")) == [
+        f"ntl-gpu-study-pilot-{rerun[0]['id']}_3.out"]  # fmt: skip
+    text = (logs / f"ntl-gpu-study-pilot-{rerun[0]['id']}_3.out").read_text()
+    assert "not training again" in text and "evaluated" in text and "nothing to do" in text, text[-3000:]
+    assert f"task 3: harness: {broken}/harness.json" in text, text[-3000:]
+    redone = ("harness", "logs", "command.sh", Path(CONFIG).name)  # what the task's harness phase writes
+    kept = {p: t for p, t in stamps.items() if not (p.is_relative_to(broken) and p.relative_to(broken).parts[0] in
+                                                    redone)}  # fmt: skip
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept and len(kept) > 30
+    assert (runs / "tables" / "main" / "sweep.json").stat().st_mtime_ns > sweep_before
+    scored[arm, 1] = _harness_metrics(broken)
+    check_tables()
+
+    # 6. the command once more: every stage is finished and tabulated; nothing is submitted or rewritten
+    stamps = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.name != "submit.json"}
     done = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "the study is done" in done.stdout, done.stdout + done.stderr
     assert len(json.loads((runs / "submit.json").read_text())["jobs"]) == 4
     assert subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip() == ""
-    assert {p: t for p, t in stamps.items() if p.name != "submit.json"} == {
-        p: p.stat().st_mtime_ns for p in stamps if p.name != "submit.json"
-    }
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
