@@ -1,5 +1,6 @@
 """The GPU scaling study: NTL's text cost and number gain at 20 tokens per total parameter, 25 M to 1 B.
 
+    python experiments/gpu_study.py submit --data DATA.yaml [--runs RUNS]         # the whole study on Slurm
     python experiments/gpu_study.py plan  --stage pilot|main|secondary            # tasks, tokens, iterations
     python experiments/gpu_study.py cost  --stage main [--write-doc]              # the cost table (markdown)
     python experiments/gpu_study.py argv  --data DATA.yaml --task I --phase train|eval|harness --run-dir D
@@ -21,6 +22,7 @@ is not run again. ``launch/slurm/gpu_study.sbatch`` runs one task per Slurm arra
 the same ``--ntl-*`` evaluation flags for every arm so that CE's number metrics are measured too), then
 ``harness`` (lm-evaluation-harness's Megatron-LM backend on the same checkpoint: :func:`harness_argv`).
 ``seeds`` turns the pilot's measured seed-to-seed sd into the main stage's seeds (``experiments/power.py``).
+``submit`` chains the stages on Slurm, each after the one before (``experiments/gpu_study_submit.py``).
 ``collect`` reads every run's ``eval.json`` and ``harness.json``, writes a ``results.json`` per size in
 ``experiments/study.py``'s layout, tabulates them with ``experiments/size_sweep.py`` (the same per-seed
 paired differences, intervals, tests and trend over log10(total parameters) as the CPU size sweep) and
