@@ -12,15 +12,15 @@ new to run in CI), ``collect`` (experiments/size_sweep.py's analysis and the ver
 
 Sections:
 1. Dry run (no cluster): the three phases' commands, the run folder of the task.
-2. The one command: the next job waits for the whole array (its dependency), the command again submits
-   nothing while the chain is queued; each pilot task trains to the planned iteration, Megatron's own
-   parameter count equals gpu_study.parameters', each evaluation has every held-out set with the number
-   metrics (CE's too), each run has the harness's results.
-3. The power step after the pilot: the sd it prints is the one computed here from the pilot's logs.
-4. The tables: every difference in sweep.json, the harness's too, equals the one computed here from the
+2. The one command: the next job waits for the whole array (its dependency); the command again submits
+   nothing while the chain is queued; a task whose evaluation fails stops the chain, named.
+3. The same command as one driver job after the fix: that task alone, from its evaluation; each pilot
+   task trained to the planned iteration, Megatron's own parameter count equals gpu_study.parameters',
+   each evaluation has every held-out set with the number metrics (CE's too), each run has the
+   harness's results.
+4. The power step after the pilot: the sd it prints is the one computed here from the pilot's logs.
+5. The tables: every difference in sweep.json, the harness's too, equals the one computed here from the
    Megatron logs and the harness's results files; the verdict rule's table is there.
-5. A partial failure (a task without harness.json), the command as one driver job: that task alone,
-   from its harness phase; the tables again; nothing else rewritten.
 6. The command once more: done, nothing submitted, nothing rewritten.
 """
 
@@ -142,30 +142,55 @@ def test_one_command_runs_pilot_power_main_and_tables_through_slurm_dependencies
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
     args = ["--config", CONFIG, "--data", str(data), "--runs", str(runs), "--entry", ENTRY]
     submit = [sys.executable, "experiments/gpu_study.py", "submit", *args]
+    arm, seeds = "CE + NTL-WAS 0.3", (0, 1)
+    runs_of = {(a, s): runs / "tiny" / gpu_study.slug(a) / f"seed{s}" for a in ("CE", arm) for s in seeds}
+    broken = runs_of[arm, 1]  # task 3: its evaluation fails (eval.log is a folder: the script cannot clear it)
+    (broken / "eval.log").mkdir(parents=True)
     first = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     pilot_job = re.search(r"stage pilot: array job (\d+), tasks 0-3 \(4 of 4 to run\)", first.stdout)
     next_job = re.search(r"then job (\d+), after array (\d+) ends", first.stdout)
     assert pilot_job and next_job and next_job.group(2) == pilot_job.group(1), first.stdout
     assert f"{runs}/tables/main/sweep.md" in first.stdout  # where the verdicts land
-    # 1. the job after the pilot waits for every task of the array; the same command again submits nothing
+    # 2. the job after the pilot waits for every task of the array; the same command again submits nothing
     waiting = _job_state(env, next_job.group(1))
     assert waiting["Dependency"].startswith(f"afterany:{pilot_job.group(1)}_*"), waiting
     again = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "already submitted, nothing submitted" in again.stdout, again.stdout + again.stderr
     recorded = [j["id"] for j in json.loads((runs / "submit.json").read_text())["jobs"]]
     assert recorded == [pilot_job.group(1), next_job.group(1)]
+    # the job after the pilot finds task 3 unfinished: the chain stops and says which task, and why to look
     state = _wait_chain(env, runs, timeout=3000)
     logs = runs / "logs"
-    assert state["status"] == "done", state.get("message")
-    assert [(j["kind"], j.get("stage") or j["after"]) for j in state["jobs"]] == [("array", "pilot"), ("next", "pilot")]
+    assert state["status"] == "stopped", state
+    assert "stage pilot: tasks 3 did not finish (tiny/ce-ntl-was-0.3/seed1)" in state["message"], state["message"]
+    assert state["message"] in (logs / f"ntl-gpu-study-next-{next_job.group(1)}.out").read_text()
+    assert not (runs / "study.seeds.yaml").exists() and not (runs / "tables").exists()
 
-    # 2. every pilot run trained to the planned iteration, was evaluated on every held-out set, was scored
+    # 3. fixed, the same command as one driver job (sbatch of the next job's script): task 3 alone, from its
+    # evaluation (its training is kept); the job after it runs the power step, finds the main stage (the
+    # pilot's runs) with nothing new to run, and writes its tables
+    (broken / "eval.log").rmdir()
+    trained = {p: p.stat().st_mtime_ns for p in (broken / "checkpoints").rglob("*") if p.is_file()}
+    driver = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/driver-%j.out", "--cpus-per-task=1",
+                             str(ROOT / "launch" / "slurm" / "gpu_study_next.sbatch"), *args], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert driver.returncode == 0, driver.stderr
+    state = _wait_chain(env, runs, timeout=1500, jobs=2)
+    assert state["status"] == "done", state.get("message")
+    rerun = state["jobs"][2:]
+    assert [(j["kind"], j.get("stage") or j["after"], j.get("tasks")) for j in rerun] == [
+        ("array", "pilot", "3"), ("next", "pilot", None)]  # fmt: skip
+    assert sorted(p.name for p in logs.glob(f"ntl-gpu-study-pilot-{rerun[0]['id']}_*.out")) == [
+        f"ntl-gpu-study-pilot-{rerun[0]['id']}_3.out"]  # fmt: skip
+    text = (logs / f"ntl-gpu-study-pilot-{rerun[0]['id']}_3.out").read_text()
+    assert "task 3: trained" in text and "not training again" in text and "task 3: harness: " in text, text[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in trained} == trained and trained
+
+    # every pilot run trained to the planned iteration, was evaluated on every held-out set, was scored
     study = gpu_study.load(str(ROOT / CONFIG))
     plan = gpu_study.budget(study, "tiny")
     total = gpu_study.parameters(study["sizes"]["tiny"], gpu_study.padded_vocab(study))["total"]
-    arm, seeds = "CE + NTL-WAS 0.3", (0, 1)
-    runs_of = {(a, s): runs / "tiny" / gpu_study.slug(a) / f"seed{s}" for a in ("CE", arm) for s in seeds}
     measured: dict[tuple[str, int], dict] = {}
     scored: dict[tuple[str, int], dict] = {}
     for t in gpu_study.tasks(study, "pilot"):
@@ -184,9 +209,9 @@ def test_one_command_runs_pilot_power_main_and_tables_through_slurm_dependencies
         assert 0 <= scored[t.arm, t.seed]["arith_exact_match"] <= 1 and "math_number_byte_ppl" in scored[t.arm, t.seed]
     assert measured["CE", 0] != measured[arm, 0] and measured["CE", 0] != measured["CE", 1]
 
-    # 3. the power step ran after the pilot's tasks had finished, on their files: the sd of the pilot's two
+    # 4. the power step ran after every pilot task had finished, on their files: the sd of the pilot's two
     # seed pairs computed here from the Megatron logs; the main stage (the pilot's runs) had nothing to run
-    text = (logs / f"ntl-gpu-study-next-{next_job.group(1)}.out").read_text()
+    text = (logs / f"ntl-gpu-study-next-{rerun[1]['id']}.out").read_text()
     ce_prose = [math.exp(measured["CE", s]["prose"][0]) for s in seeds]
     diffs = [100 * (math.exp(measured[arm, s]["prose"][0]) - ce_prose[s]) / statistics.fmean(ce_prose) for s in seeds]
     printed = re.search(r"pilot tiny prose_ppl: sd (\S+) over 2 seed pairs", text)
@@ -197,70 +222,35 @@ def test_one_command_runs_pilot_power_main_and_tables_through_slurm_dependencies
     assert max(p.stat().st_mtime for p in pilot_files) <= written.stat().st_mtime
     assert "stage main: finished; tables and verdicts" in text and "Verdict rule" in text
 
-    def check_tables() -> None:
-        """size_sweep's differences, recomputed here from the Megatron lines and the harness's files."""
-        sweep = json.loads((runs / "tables" / "main" / "sweep.json").read_text())
-        cells = sweep["sizes"][0]["differences"][arm]
+    # 5. the tables: size_sweep's differences, recomputed here from the Megatron lines and the harness's files
+    sweep = json.loads((runs / "tables" / "main" / "sweep.json").read_text())
+    cells = sweep["sizes"][0]["differences"][arm]
 
-        def relative(values: dict, key) -> list[float]:
-            base = statistics.fmean(key(values["CE", s]) for s in seeds)
-            return [100 * (key(values[arm, s]) - key(values["CE", s])) / base for s in seeds]
+    def relative(values: dict, key) -> list[float]:
+        base = statistics.fmean(key(values["CE", s]) for s in seeds)
+        return [100 * (key(values[arm, s]) - key(values["CE", s])) / base for s in seeds]
 
-        expected = {
-            "prose_ppl": relative(measured, lambda m: math.exp(m["prose"][0])),
-            "code_ppl": relative(measured, lambda m: math.exp(m["code"][0])),
-            "math_number_token_was": relative(measured, lambda m: m["math"][1]),
-            "math_number_token_acc": [100 * (measured[arm, s]["math"][2] - measured["CE", s]["math"][2])
-                                      for s in seeds],
-            "prose_text_byte_ppl": relative(scored, lambda m: m["prose_text_byte_ppl"]),
-            "code_text_byte_ppl": relative(scored, lambda m: m["code_text_byte_ppl"]),
-            "math_number_byte_ppl": relative(scored, lambda m: m["math_number_byte_ppl"]),
-            "arith_exact_match": [100 * (scored[arm, s]["arith_exact_match"] - scored["CE", s]["arith_exact_match"])
-                                  for s in seeds],
-        }  # fmt: skip
-        if all(math.isfinite(scored[k]["arith_rel_error"]) for k in scored):  # NaN where no answer parsed
-            expected["arith_rel_error"] = relative(scored, lambda m: m["arith_rel_error"])
-        for key, value in expected.items():
-            assert cells[key]["seeds"] == pytest.approx(value, rel=1e-9, abs=1e-9), key
-        assert sweep["sizes"][0]["parameters"] == total
-        assert [v["size"] for v in sweep["verdicts"]] == ["tiny"]
-        assert sweep["verdicts"][0]["verdict"] in ("adopt", "do not adopt", "trade-off", "not decided at this scale")
-        table = (runs / "tables" / "main" / "sweep.md").read_text()
-        assert "prose perplexity" in table and "Verdict rule" in table
-        assert (runs / "tables" / "main" / "size_sweep.png").stat().st_size > 0
-
-    # 4. the tables, written by the job after the pilot
-    check_tables()
-
-    # 5. a partial failure: task 3's harness phase did not finish (no harness.json). The same command as one
-    # driver job (sbatch of the next job's script) submits task 3 alone; it skips training and evaluation;
-    # the job after it tabulates again. No other file is rewritten.
-    broken = runs_of[arm, 1]
-    (broken / "harness.json").unlink()
-    stamps = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.parent.name != "logs"
-              and "tables" not in p.parts and p.name != "submit.json"}  # fmt: skip
-    sweep_before = (runs / "tables" / "main" / "sweep.json").stat().st_mtime_ns
-    driver = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/driver-%j.out", "--cpus-per-task=1",
-                             str(ROOT / "launch" / "slurm" / "gpu_study_next.sbatch"), *args], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert driver.returncode == 0, driver.stderr
-    state = _wait_chain(env, runs, timeout=1500, jobs=2)
-    assert state["status"] == "done", state.get("message")
-    rerun = state["jobs"][2:]
-    assert [(j["kind"], j.get("stage") or j["after"], j.get("tasks")) for j in rerun] == [
-        ("array", "pilot", "3"), ("next", "pilot", None)]  # fmt: skip
-    assert sorted(p.name for p in logs.glob(f"ntl-gpu-study-pilot-{rerun[0]['id']}_*.out")) == [
-        f"ntl-gpu-study-pilot-{rerun[0]['id']}_3.out"]  # fmt: skip
-    text = (logs / f"ntl-gpu-study-pilot-{rerun[0]['id']}_3.out").read_text()
-    assert "not training again" in text and "evaluated" in text and "nothing to do" in text, text[-3000:]
-    assert f"task 3: harness: {broken}/harness.json" in text, text[-3000:]
-    redone = ("harness", "logs", "command.sh", Path(CONFIG).name)  # what the task's harness phase writes
-    kept = {p: t for p, t in stamps.items() if not (p.is_relative_to(broken) and p.relative_to(broken).parts[0] in
-                                                    redone)}  # fmt: skip
-    assert {p: p.stat().st_mtime_ns for p in kept} == kept and len(kept) > 30
-    assert (runs / "tables" / "main" / "sweep.json").stat().st_mtime_ns > sweep_before
-    scored[arm, 1] = _harness_metrics(broken)
-    check_tables()
+    expected = {
+        "prose_ppl": relative(measured, lambda m: math.exp(m["prose"][0])),
+        "code_ppl": relative(measured, lambda m: math.exp(m["code"][0])),
+        "math_number_token_was": relative(measured, lambda m: m["math"][1]),
+        "math_number_token_acc": [100 * (measured[arm, s]["math"][2] - measured["CE", s]["math"][2]) for s in seeds],
+        "prose_text_byte_ppl": relative(scored, lambda m: m["prose_text_byte_ppl"]),
+        "code_text_byte_ppl": relative(scored, lambda m: m["code_text_byte_ppl"]),
+        "math_number_byte_ppl": relative(scored, lambda m: m["math_number_byte_ppl"]),
+        "arith_exact_match": [100 * (scored[arm, s]["arith_exact_match"] - scored["CE", s]["arith_exact_match"])
+                              for s in seeds],
+    }  # fmt: skip
+    if all(math.isfinite(scored[k]["arith_rel_error"]) for k in scored):  # NaN where no answer parsed
+        expected["arith_rel_error"] = relative(scored, lambda m: m["arith_rel_error"])
+    for key, value in expected.items():
+        assert cells[key]["seeds"] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+    assert sweep["sizes"][0]["parameters"] == total
+    assert [v["size"] for v in sweep["verdicts"]] == ["tiny"]
+    assert sweep["verdicts"][0]["verdict"] in ("adopt", "do not adopt", "trade-off", "not decided at this scale")
+    table = (runs / "tables" / "main" / "sweep.md").read_text()
+    assert "prose perplexity" in table and "Verdict rule" in table
+    assert (runs / "tables" / "main" / "size_sweep.png").stat().st_size > 0
 
     # 6. the command once more: every stage is finished and tabulated; nothing is submitted or rewritten
     stamps = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.name != "submit.json"}
