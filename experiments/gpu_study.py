@@ -1,5 +1,6 @@
 """The GPU scaling study: NTL's text cost and number gain at 20 tokens per total parameter, 25 M to 1 B.
 
+    python experiments/gpu_study.py submit --data DATA.yaml [--runs RUNS]         # the whole study on Slurm
     python experiments/gpu_study.py plan  --stage pilot|main|secondary            # tasks, tokens, iterations
     python experiments/gpu_study.py cost  --stage main [--write-doc]              # the cost table (markdown)
     python experiments/gpu_study.py argv  --data DATA.yaml --task I --phase train|eval|harness --run-dir D
@@ -21,6 +22,7 @@ is not run again. ``launch/slurm/gpu_study.sbatch`` runs one task per Slurm arra
 the same ``--ntl-*`` evaluation flags for every arm so that CE's number metrics are measured too), then
 ``harness`` (lm-evaluation-harness's Megatron-LM backend on the same checkpoint: :func:`harness_argv`).
 ``seeds`` turns the pilot's measured seed-to-seed sd into the main stage's seeds (``experiments/power.py``).
+``submit`` chains the stages on Slurm, each after the one before (``experiments/gpu_study_submit.py``).
 ``collect`` reads every run's ``eval.json`` and ``harness.json``, writes a ``results.json`` per size in
 ``experiments/study.py``'s layout, tabulates them with ``experiments/size_sweep.py`` (the same per-seed
 paired differences, intervals, tests and trend over log10(total parameters) as the CPU size sweep) and
@@ -60,6 +62,8 @@ SHAPE_KEYS = ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-hea
 """The Megatron flags of a size's shape (all required)."""
 SIZE_KEYS = (*SHAPE_KEYS, "global-batch-size", "lr", "mfu")
 """The keys a size entry must have; any other key of it is a Megatron flag for that size."""
+POWER_KEYS = ("stage", "alpha", "family", "power", "max_seeds", "effects")
+"""The keys of the ``power`` section (the pilot's power step), required where a stage's seeds are 'power'."""
 DATA_KEYS = ("tokenizer", "text", "number_rich", "valid")
 """The keys of the site's data file."""
 BASES = ("total", "non_embedding")
@@ -132,6 +136,24 @@ def load(path: str) -> dict[str, Any]:
                 f"{path}: stage {name!r} seeds = {seeds!r}: expected a whole number >= 1, or per size a number "
                 "or 'power' (set by `gpu_study.py seeds` from the pilot)"
             )
+    order = list(study["stages"])
+    powered = [n for n in order if isinstance(study["stages"][n]["seeds"], dict)
+               and "power" in study["stages"][n]["seeds"].values()]  # fmt: skip
+    if powered:
+        spec = study.get("power")
+        missing = [k for k in POWER_KEYS if not isinstance(spec, dict) or k not in spec]
+        if missing:
+            raise ValueError(
+                f"{path}: stages {powered} leave seeds to 'power', but the power section lacks {missing}: "
+                f"add power: {{{', '.join(POWER_KEYS)}}} (see configs/gpu_study/study.yaml), or give the seeds"
+            )
+        if spec["stage"] not in order or order.index(spec["stage"]) >= order.index(powered[0]):
+            raise ValueError(
+                f"{path}: power.stage = {spec['stage']!r}: expected a stage before {powered[0]!r} "
+                f"(the stages are {order}): its runs measure the sd that sets the seeds"
+            )
+        if "main" not in powered:
+            raise ValueError(f"{path}: the stage whose seeds the power sets is 'main'; stages {powered} are not")
     return study
 
 
@@ -756,31 +778,61 @@ def harness_report(run_dir: str) -> str:
     return found[-1]
 
 
+def print_seeds(study: dict[str, Any], got: dict[str, Any]) -> None:
+    """The power step's reading (:func:`seeds_from_pilot`): each pilot sd and the seeds it asks for, the
+    assumptions, the main stage's seeds, and the cost of every later stage at them."""
+    for size, metrics in got["measured"].items():
+        for key, m in metrics.items():
+            print(f"pilot {size} {key}: sd {m['sd']:.4g} over {m['pairs']} seed pairs; effect {m['effect']} "
+                  f"-> {m['seeds']} seeds")  # fmt: skip
+    for size, source in got["assumed"].items():
+        print(f"{size}: not in the pilot; assumes the sd of {source}")
+    print("main stage seeds: " + ", ".join(f"{k} {v}" for k, v in got["seeds"].items()))
+    for size in got.get("underpowered", []):
+        print(f"{size}: the power asks for more than max_seeds: read by its intervals (docs/gpu_study.md)")
+    for stage in list(study["stages"])[1:]:
+        print(cost_markdown(study, stage, got["seeds"]))
+    sys.stdout.flush()
+
+
 def write_seeds(path: str, seeds: dict[str, int], out: str) -> None:
-    """A copy of the study file ``path`` whose main stage has ``seeds`` (per size): the file to submit."""
+    """A copy of the study file ``path`` whose main stage has ``seeds`` (per size): the file to submit (written
+    whole or not at all: the chain of ``gpu_study.py submit`` takes its presence for a finished power step)."""
+    from ntl_scale.atomic import atomic_write
+
     with open(path, encoding="utf-8") as f:
         study = yaml.safe_load(f)
     for stage in study["stages"].values():  # every stage whose seeds are left to power
         if isinstance(stage["seeds"], dict):
             stage["seeds"] = {k: int(seeds[k]) if v == "power" else v for k, v in stage["seeds"].items()}
-    with open(out, "w", encoding="utf-8") as f:
+    with atomic_write(out) as f:
         f.write(f"# {path} with the main stage's seeds set by `gpu_study.py seeds` from the pilot\n")
         yaml.safe_dump(study, f, sort_keys=False, width=120)
 
 
 def main(argv_: list[str] | None = None) -> None:
     commands = ["plan", "cost", "argv", "run-name", "count", "parse-eval", "parse-harness", "collect", "seeds",
-                "harness-tasks", "harness-enabled", "prepare-text"]  # fmt: skip
+                "harness-tasks", "harness-enabled", "prepare-text", "submit"]  # fmt: skip
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=commands)
     parser.add_argument("--config", default="configs/gpu_study/study.yaml", help="the study file")
     parser.add_argument("--stage", default=os.environ.get("NTL_STAGE", "pilot"), help="pilot or main (NTL_STAGE)")
-    parser.add_argument("--data", default=None, help="argv, harness-tasks, prepare-text: the site's data file")
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="argv, harness-tasks, prepare-text, submit: the site's data file (submit: default NTL_STUDY_DATA)",
+    )
     parser.add_argument("--task", type=int, default=None, help="argv, run-name: the array task index")
     parser.add_argument("--phase", default="train", help="argv: train or eval")
     parser.add_argument("--run-dir", default=None, help="argv: the task's run folder")
     parser.add_argument("--log", default=None, help="parse-eval: an evaluation log; parse-harness: a results file")
-    parser.add_argument("--runs", default=None, help="collect, seeds: the study's runs folder")
+    parser.add_argument(
+        "--runs",
+        default=None,
+        help="collect, seeds, submit: the study's runs folder (submit: default $NTL_RUNS/gpu-study)",
+    )
+    parser.add_argument("--entry", default=None, help="submit: gpu_study.sbatch's --entry (default: its own)")
+    parser.add_argument("--after", default=None, help="submit, in the chain's own jobs: the stage whose array ended")
     parser.add_argument("--out", default=None, help="collect, harness-tasks, prepare-text: the output folder")
     parser.add_argument("--write", default=None, help="seeds: write the study file with the main stage's seeds")
     parser.add_argument("--write-doc", action="store_true", help="cost: every stage into docs/gpu_study.md")
@@ -832,21 +884,15 @@ def main(argv_: list[str] | None = None) -> None:
             if not args.runs:
                 raise ValueError("seeds needs --runs (the study's runs folder, with the pilot's evaluated runs)")
             got = seeds_from_pilot(study, args.runs)
-            for size, metrics in got["measured"].items():
-                for key, m in metrics.items():
-                    print(f"pilot {size} {key}: sd {m['sd']:.4g} over {m['pairs']} seed pairs; effect {m['effect']} "
-                          f"-> {m['seeds']} seeds")  # fmt: skip
-            for size, source in got["assumed"].items():
-                print(f"{size}: not in the pilot; assumes the sd of {source}")
-            print("main stage seeds: " + ", ".join(f"{k} {v}" for k, v in got["seeds"].items()))
-            for size in got.get("underpowered", []):
-                print(f"{size}: the power asks for more than max_seeds: read by its intervals (docs/gpu_study.md)")
-            for stage in list(study["stages"])[1:]:
-                print(cost_markdown(study, stage, got["seeds"]))
+            print_seeds(study, got)
             if args.write:
                 write_seeds(args.config, got["seeds"], args.write)
                 print(f"wrote {args.write}: NTL_STAGE=main sbatch --array=0-{len(tasks(load(args.write), 'main')) - 1}"
                       f" launch/slurm/gpu_study.sbatch --config {args.write}")  # fmt: skip
+        elif args.command == "submit":
+            import gpu_study_submit
+
+            gpu_study_submit.main(args)
         elif args.command == "harness-tasks":
             if not args.out:
                 raise ValueError("harness-tasks needs --out (the study's runs folder/harness_tasks)")

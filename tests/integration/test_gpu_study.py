@@ -1,23 +1,27 @@
-"""The GPU study end to end at CPU size: launch/slurm/gpu_study.sbatch as a Slurm array on a local cluster.
+"""The GPU study end to end at CPU size: one `gpu_study.py submit` on a local Slurm cluster.
 
 configs/gpu_study/ci.yaml (one tiny Llama-style size, CE and CE + 0.3 NTL-WAS, 2 seeds, 5 iterations)
 on data built offline (tests/helpers/gpu_study_data.py: a Llama-3-style BPE, Megatron indexed corpora
 of prose, number documents and code), trained and evaluated by the real Megatron-LM core_v0.19.0
 ``pretrain_gpt.py`` under ``launch/pretrain_gpt_ntl.py`` (CUDA-only calls redirected by
 tests/helpers/megatron_lm_cpu.py, through ``--entry``), each last checkpoint scored by
-lm-evaluation-harness's own Megatron-LM backend (the same redirections, through ``NTL_HARNESS_ENTRY``),
-then the pilot's power step, the main stage and ``gpu_study.py collect`` (experiments/size_sweep.py's
-analysis and the verdict rule).
+lm-evaluation-harness's own Megatron-LM backend (the same redirections, through ``NTL_HARNESS_ENTRY``).
+One command submits the pilot array (launch/slurm/gpu_study.sbatch) and the job after it
+(launch/slurm/gpu_study_next.sbatch): the power step, the main stage (its runs are the pilot's: nothing
+new to run in CI), ``collect`` (experiments/size_sweep.py's analysis and the verdict rule).
 
 Sections:
 1. Dry run (no cluster): the three phases' commands, the run folder of the task.
-2. The pilot array (4 tasks): each trains to the planned iteration, Megatron's own parameter count equals
-   gpu_study.parameters', each evaluation has every held-out set with the number metrics (CE's too), each
-   run has the harness's results.
-3. The power step: the main stage's seeds from the pilot's sd, written to a study file.
-4. The main stage's array is the pilot's runs: it trains, evaluates and scores nothing (files untouched).
+2. The one command: the next job waits for the whole array (its dependency); the command again submits
+   nothing while the chain is queued; a task whose evaluation fails stops the chain, named.
+3. The same command as one driver job after the fix: that task alone, from its evaluation; each pilot
+   task trained to the planned iteration, Megatron's own parameter count equals gpu_study.parameters',
+   each evaluation has every held-out set with the number metrics (CE's too), each run has the
+   harness's results.
+4. The power step after the pilot: the sd it prints is the one computed here from the pilot's logs.
 5. The tables: every difference in sweep.json, the harness's too, equals the one computed here from the
    Megatron logs and the harness's results files; the verdict rule's table is there.
+6. The command once more: done, nothing submitted, nothing rewritten.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import gpu_study_data
 from tests.helpers import megatron_lm as mlm
-from tests.integration.test_slurm import FINISHED, slurm_env  # noqa: F401  (the module's local cluster)
+from tests.integration.test_slurm import _job_state, slurm_env  # noqa: F401  (the module's local cluster)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slurm]
 
@@ -71,28 +76,22 @@ def test_dry_run_prints_both_phases_for_the_task(tmp_path):
     assert failed.returncode == 2 and "NTL_STUDY_DATA='' is not a file" in failed.stderr
 
 
-def _submit(env: dict, tmp: Path, config: str = CONFIG) -> str:
-    cmd = ["sbatch", "--parsable", "--array=0-3", f"--output={tmp}/%x-%A_%a.out", "--gpus-per-node=0",
-           "--ntasks-per-node=1", "--cpus-per-task=1", str(SCRIPT), "--config", config, "--entry", ENTRY]  # fmt: skip
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip().split(";")[0]
-
-
-def _wait_array(env: dict, job: str, timeout: float = 600) -> dict[str, str]:
-    """Waits until every task of array ``job`` has finished; each task's state."""
-    deadline = time.time() + timeout
+def _wait_chain(env: dict, runs: Path, timeout: float, jobs: int = 0) -> dict:
+    """Waits until the chain's record (RUNS/submit.json) lists more than ``jobs`` jobs and says done or stopped,
+    and no job is left on the cluster (this module's own); fails early once none is left while it says neither."""
+    deadline, idle = time.time() + timeout, 0
     while time.time() < deadline:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True)
-        states = {}
-        for line in out.stdout.splitlines():
-            fields = dict(re.findall(r"(\w+)=(\S*)", line))
-            states[fields.get("ArrayTaskId", "?")] = fields.get("JobState", "?")
-        if states and "?" not in states and all(s in FINISHED for s in states.values()):
-            return states
+        state = json.loads((runs / "submit.json").read_text())
+        queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip()
+        if state.get("status") in ("done", "stopped") and len(state["jobs"]) > jobs and not queue:
+            return state  # and the job that said so has ended
+        idle = 0 if queue else idle + 1
+        if idle > 10:  # 5 s without a job
+            logs = "\n".join(p.read_text()[-3000:] for p in sorted((runs / "logs").glob("*next*.out")))
+            raise AssertionError(f"no job queued and the chain says {state.get('status')!r}:\n{logs}")
         time.sleep(0.5)
-    subprocess.run(["scancel", job], env=env, check=False)
-    raise AssertionError(f"array {job} not finished after {timeout} s")
+    subprocess.run(["scancel", *(j["id"] for j in state["jobs"])], env=env, check=False)
+    raise AssertionError(f"the chain not finished after {timeout} s: {state}")
 
 
 # Megatron's own lines, read here with patterns of this test (not gpu_study.py's)
@@ -128,92 +127,119 @@ def _harness_metrics(run: Path) -> dict[str, float]:
     return out
 
 
-def test_array_trains_evaluates_and_tabulates_through_the_size_sweep_analysis(slurm_env, tmp_path):  # noqa: F811
+def test_one_command_runs_pilot_power_main_and_tables_through_slurm_dependencies(slurm_env, tmp_path):  # noqa: F811
     checkout = mlm.checkout(mlm.RELEASES[-1])
     data = gpu_study_data.build(tmp_path / "data")
+    site = yaml.safe_load(data.read_text())  # the site's sbatch options: one CPU per task on the test cluster
+    site["slurm"] = {"array": ["--gpus-per-node=0", "--ntasks-per-node=1", "--cpus-per-task=1"],
+                     "step": ["--cpus-per-task=1"]}  # fmt: skip
+    data.write_text(yaml.safe_dump(site))
     runs = tmp_path / "runs"
     lm_eval_main = subprocess.run([sys.executable, "-c", "import lm_eval.__main__ as m; print(m.__file__)"],
                                   capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     env = {**slurm_env, **mlm._env(), "SLURM_CONF": slurm_env["SLURM_CONF"], "MEGATRON_LM_PATH": str(checkout),
-           "NTL_PYTHON": sys.executable, "NTL_RUNS": str(runs), "NTL_STUDY_DATA": str(data),
-           "NTL_HARNESS_ENTRY": f"tests/helpers/megatron_lm_cpu.py {lm_eval_main}",
+           "NTL_PYTHON": sys.executable, "NTL_HARNESS_ENTRY": f"tests/helpers/megatron_lm_cpu.py {lm_eval_main}",
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    job = _submit(env, tmp_path)
-    states = _wait_array(env, job, timeout=3000)
-    logs = {task: (tmp_path / f"ntl-gpu-study-{job}_{task}.out") for task in ("0", "1", "2", "3")}
-    for task, state in states.items():
-        assert state == "COMPLETED", logs[task].read_text()[-5000:] if logs[task].exists() else state
+    args = ["--config", CONFIG, "--data", str(data), "--runs", str(runs), "--entry", ENTRY]
+    submit = [sys.executable, "experiments/gpu_study.py", "submit", *args]
+    arm, seeds = "CE + NTL-WAS 0.3", (0, 1)
+    runs_of = {(a, s): runs / "tiny" / gpu_study.slug(a) / f"seed{s}" for a in ("CE", arm) for s in seeds}
+    broken = runs_of[arm, 1]  # task 3: its evaluation fails (eval.log is a folder: the script cannot clear it)
+    (broken / "eval.log").mkdir(parents=True)
+    first = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    pilot_job = re.search(r"stage pilot: array job (\d+), tasks 0-3 \(4 of 4 to run\)", first.stdout)
+    next_job = re.search(r"then job (\d+), after array (\d+) ends", first.stdout)
+    assert pilot_job and next_job and next_job.group(2) == pilot_job.group(1), first.stdout
+    assert f"{runs}/tables/main/sweep.md" in first.stdout  # where the verdicts land
+    # 2. the job after the pilot waits for every task of the array; the same command again submits nothing
+    waiting = _job_state(env, next_job.group(1))
+    assert waiting["Dependency"].startswith(f"afterany:{pilot_job.group(1)}_*"), waiting
+    again = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "already submitted, nothing submitted" in again.stdout, again.stdout + again.stderr
+    recorded = [j["id"] for j in json.loads((runs / "submit.json").read_text())["jobs"]]
+    assert recorded == [pilot_job.group(1), next_job.group(1)]
+    # the job after the pilot finds task 3 unfinished: the chain stops and says which task, and why to look
+    state = _wait_chain(env, runs, timeout=3000)
+    logs = runs / "logs"
+    assert state["status"] == "stopped", state
+    assert "stage pilot: tasks 3 did not finish (tiny/ce-ntl-was-0.3/seed1)" in state["message"], state["message"]
+    assert state["message"] in (logs / f"ntl-gpu-study-next-{next_job.group(1)}.out").read_text()
+    assert not (runs / "study.seeds.yaml").exists() and not (runs / "tables").exists()
 
-    # 2. every pilot task trained to the planned iteration, was evaluated on every held-out set, was scored
+    # 3. fixed, the same command as one driver job (sbatch of the next job's script): task 3 alone, from its
+    # evaluation (its training is kept); the job after it runs the power step, finds the main stage (the
+    # pilot's runs) with nothing new to run, and writes its tables
+    (broken / "eval.log").rmdir()
+    trained = {p: p.stat().st_mtime_ns for p in (broken / "checkpoints").rglob("*") if p.is_file()}
+    driver = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/driver-%j.out", "--cpus-per-task=1",
+                             str(ROOT / "launch" / "slurm" / "gpu_study_next.sbatch"), *args], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert driver.returncode == 0, driver.stderr
+    state = _wait_chain(env, runs, timeout=1500, jobs=2)
+    assert state["status"] == "done", state.get("message")
+    rerun = state["jobs"][2:]
+    assert [(j["kind"], j.get("stage") or j["after"], j.get("tasks")) for j in rerun] == [
+        ("array", "pilot", "3"), ("next", "pilot", None)]  # fmt: skip
+    assert sorted(p.name for p in logs.glob(f"ntl-gpu-study-pilot-{rerun[0]['id']}_*.out")) == [
+        f"ntl-gpu-study-pilot-{rerun[0]['id']}_3.out"]  # fmt: skip
+    text = (logs / f"ntl-gpu-study-pilot-{rerun[0]['id']}_3.out").read_text()
+    assert "task 3: trained" in text and "not training again" in text and "task 3: harness: " in text, text[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in trained} == trained and trained
+
+    # every pilot run trained to the planned iteration, was evaluated on every held-out set, was scored
     study = gpu_study.load(str(ROOT / CONFIG))
     plan = gpu_study.budget(study, "tiny")
     total = gpu_study.parameters(study["sizes"]["tiny"], gpu_study.padded_vocab(study))["total"]
     measured: dict[tuple[str, int], dict] = {}
     scored: dict[tuple[str, int], dict] = {}
     for t in gpu_study.tasks(study, "pilot"):
-        run = runs / "gpu-study" / t.run_name
+        run = runs_of[t.arm, t.seed]
         assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(
             plan["iterations"]
         )
         eval_log = (run / "eval.log").read_text()
         assert [int(n) for n in PARAMS.findall(eval_log)] == [total]  # Megatron's count of the model it built
-        assert f"iteration {plan['iterations']:>8}/" in logs[str(t.index)].read_text()
+        text = (logs / f"ntl-gpu-study-pilot-{pilot_job.group(1)}_{t.index}.out").read_text()
+        assert f"iteration {plan['iterations']:>8}/" in text
         measured[t.arm, t.seed] = _megatron_metrics(eval_log)
         for loss, ntl, accuracy in measured[t.arm, t.seed].values():
             assert math.isfinite(loss) and ntl > 0 and 0 <= accuracy <= 1  # CE's number metrics exist too
         scored[t.arm, t.seed] = _harness_metrics(run)
         assert 0 <= scored[t.arm, t.seed]["arith_exact_match"] <= 1 and "math_number_byte_ppl" in scored[t.arm, t.seed]
-    arm = "CE + NTL-WAS 0.3"
     assert measured["CE", 0] != measured[arm, 0] and measured["CE", 0] != measured["CE", 1]
 
-    # 3. the power step: seeds for the main stage from the pilot's sd (CI caps them at the pilot's 2)
-    main = tmp_path / "main.yaml"
-    command = [sys.executable, "experiments/gpu_study.py", "seeds", "--config", CONFIG, "--runs",
-               str(runs / "gpu-study"), "--write", str(main)]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ce_prose = [math.exp(measured["CE", s]["prose"][0]) for s in (0, 1)]
-    diffs = [100 * (math.exp(measured[arm, s]["prose"][0]) - ce_prose[s]) / statistics.fmean(ce_prose) for s in (0, 1)]
-    printed = re.search(r"pilot tiny prose_ppl: sd (\S+) over 2 seed pairs", done.stdout)
-    assert printed and float(printed.group(1)) == pytest.approx(statistics.stdev(diffs), rel=1e-3), done.stdout
-    assert gpu_study.load(str(main))["stages"]["main"]["seeds"] == {"tiny": 2}
-
-    # 4. the main stage's runs are the pilot's: nothing is trained, evaluated or scored again
-    stamps = {
-        p: p.stat().st_mtime_ns
-        for p in runs.rglob("*")
-        if p.name in ("eval.json", "harness.json", "latest_checkpointed_iteration.txt")
-    }
-    again = _submit({**env, "NTL_STAGE": "main"}, tmp_path, str(main))
-    assert set(_wait_array(env, again).values()) == {"COMPLETED"}
-    for task in ("0", "1", "2", "3"):
-        text = (tmp_path / f"ntl-gpu-study-{again}_{task}.out").read_text()
-        assert "not training again" in text and "nothing to do" in text and "srun" not in text, text[-3000:]
-    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps and len(stamps) == 12
+    # 4. the power step ran after every pilot task had finished, on their files: the sd of the pilot's two
+    # seed pairs computed here from the Megatron logs; the main stage (the pilot's runs) had nothing to run
+    text = (logs / f"ntl-gpu-study-next-{rerun[1]['id']}.out").read_text()
+    ce_prose = [math.exp(measured["CE", s]["prose"][0]) for s in seeds]
+    diffs = [100 * (math.exp(measured[arm, s]["prose"][0]) - ce_prose[s]) / statistics.fmean(ce_prose) for s in seeds]
+    printed = re.search(r"pilot tiny prose_ppl: sd (\S+) over 2 seed pairs", text)
+    assert printed and float(printed.group(1)) == pytest.approx(statistics.stdev(diffs), rel=1e-3), text[-3000:]
+    written = runs / "study.seeds.yaml"
+    assert gpu_study.load(str(written))["stages"]["main"]["seeds"] == {"tiny": 2}  # CI caps them at the pilot's 2
+    pilot_files = [run / n for run in runs_of.values() for n in ("eval.json", "harness.json")]
+    assert max(p.stat().st_mtime for p in pilot_files) <= written.stat().st_mtime
+    assert "stage main: finished; tables and verdicts" in text and "Verdict rule" in text
 
     # 5. the tables: size_sweep's differences, recomputed here from the Megatron lines and the harness's files
-    out = tmp_path / "tables"
-    command = [sys.executable, "experiments/gpu_study.py", "collect", "--config", str(main), "--stage", "main",
-               "--runs", str(runs / "gpu-study"), "--out", str(out)]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    sweep = json.loads((out / "sweep.json").read_text())
+    sweep = json.loads((runs / "tables" / "main" / "sweep.json").read_text())
     cells = sweep["sizes"][0]["differences"][arm]
 
     def relative(values: dict, key) -> list[float]:
-        base = statistics.fmean(key(values["CE", s]) for s in (0, 1))
-        return [100 * (key(values[arm, s]) - key(values["CE", s])) / base for s in (0, 1)]
+        base = statistics.fmean(key(values["CE", s]) for s in seeds)
+        return [100 * (key(values[arm, s]) - key(values["CE", s])) / base for s in seeds]
 
     expected = {
         "prose_ppl": relative(measured, lambda m: math.exp(m["prose"][0])),
         "code_ppl": relative(measured, lambda m: math.exp(m["code"][0])),
         "math_number_token_was": relative(measured, lambda m: m["math"][1]),
-        "math_number_token_acc": [100 * (measured[arm, s]["math"][2] - measured["CE", s]["math"][2]) for s in (0, 1)],
+        "math_number_token_acc": [100 * (measured[arm, s]["math"][2] - measured["CE", s]["math"][2]) for s in seeds],
         "prose_text_byte_ppl": relative(scored, lambda m: m["prose_text_byte_ppl"]),
         "code_text_byte_ppl": relative(scored, lambda m: m["code_text_byte_ppl"]),
         "math_number_byte_ppl": relative(scored, lambda m: m["math_number_byte_ppl"]),
         "arith_exact_match": [100 * (scored[arm, s]["arith_exact_match"] - scored["CE", s]["arith_exact_match"])
-                              for s in (0, 1)],
+                              for s in seeds],
     }  # fmt: skip
     if all(math.isfinite(scored[k]["arith_rel_error"]) for k in scored):  # NaN where no answer parsed
         expected["arith_rel_error"] = relative(scored, lambda m: m["arith_rel_error"])
@@ -222,5 +248,14 @@ def test_array_trains_evaluates_and_tabulates_through_the_size_sweep_analysis(sl
     assert sweep["sizes"][0]["parameters"] == total
     assert [v["size"] for v in sweep["verdicts"]] == ["tiny"]
     assert sweep["verdicts"][0]["verdict"] in ("adopt", "do not adopt", "trade-off", "not decided at this scale")
-    text = (out / "sweep.md").read_text()
-    assert (out / "size_sweep.png").stat().st_size > 0 and "prose perplexity" in text and "Verdict rule" in text
+    table = (runs / "tables" / "main" / "sweep.md").read_text()
+    assert "prose perplexity" in table and "Verdict rule" in table
+    assert (runs / "tables" / "main" / "size_sweep.png").stat().st_size > 0
+
+    # 6. the command once more: every stage is finished and tabulated; nothing is submitted or rewritten
+    stamps = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.name != "submit.json"}
+    done = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "the study is done" in done.stdout, done.stdout + done.stderr
+    assert len(json.loads((runs / "submit.json").read_text())["jobs"]) == 4
+    assert subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip() == ""
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps

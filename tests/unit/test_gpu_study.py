@@ -420,3 +420,63 @@ def test_the_documented_cost_tables_are_the_study_file_s(study):
     block = re.search(r"<!-- generated: gpu_study_cost [^\n]*-->\n(.*?)<!-- end: gpu_study_cost -->", page, re.S)
     assumed = study["cost"]["assumed_seeds"]
     assert block.group(1).strip() == "\n\n".join(gpu_study.cost_markdown(study, s, assumed) for s in study["stages"])
+
+
+# 7. The one command (`gpu_study.py submit`): what it would submit, and its errors -----------------------
+
+
+def test_array_spec_lists_the_unfinished_tasks_as_sbatch_ranges(tmp_path):
+    import gpu_study_submit
+
+    assert gpu_study_submit.array_spec([8, 0, 1, 2, 5, 7]) == "0-2,5,7-8"
+    assert gpu_study_submit.array_spec([3]) == "3"
+    ci = gpu_study.load(CI)  # pilot: tiny x (CE, CE + NTL-WAS 0.3) x seeds 0-1 = tasks 0-3
+    runs = tmp_path / "runs"
+    done = runs / "tiny" / "ce" / "seed0"  # evaluated and scored: done
+    done.mkdir(parents=True)
+    (done / "eval.json").write_text("{}")
+    (done / "harness.json").write_text("{}")
+    half = runs / "tiny" / "ce-ntl-was-0.3" / "seed1"  # evaluated, not scored by the harness: not done
+    half.mkdir(parents=True)
+    (half / "eval.json").write_text("{}")
+    assert gpu_study_submit.unfinished(ci, str(runs), "pilot") == [1, 2, 3]
+    no_harness = {**ci, "eval": {k: v for k, v in ci["eval"].items() if k != "harness"}}
+    assert gpu_study_submit.unfinished(no_harness, str(runs), "pilot") == [1, 2]
+
+
+def _submit_files(tmp_path, study_change=None, data_change=None):
+    import yaml
+
+    study = yaml.safe_load(open(CI))
+    study.update(study_change or {})
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(study, sort_keys=False))  # the stages' order matters
+    (tmp_path / "data.yaml").write_text(yaml.safe_dump({**DATA, **(data_change or {})}))
+    return ["submit", "--config", str(tmp_path / "study.yaml"), "--data", str(tmp_path / "data.yaml"),
+            "--runs", str(tmp_path / "runs")]  # fmt: skip
+
+
+def test_submit_errors_name_the_fix(tmp_path, monkeypatch):
+    import gpu_study_submit
+
+    args = _submit_files(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
+    with pytest.raises(SystemExit, match=r"sbatch is not on PATH: run `gpu_study.py submit` on a Slurm login node"):
+        gpu_study.main(args)
+    monkeypatch.undo()
+    power = {k: v for k, v in gpu_study.load(CI)["power"].items() if k not in ("effects", "max_seeds")}
+    with pytest.raises(SystemExit, match=r"leave seeds to 'power', but the power section lacks \['max_seeds', "
+                       r"'effects'\]: add power: \{stage, alpha"):  # fmt: skip
+        gpu_study.main(_submit_files(tmp_path, {"power": power}))
+    with pytest.raises(SystemExit, match=r"power.stage = 'main': expected a stage before 'main'"):
+        gpu_study.main(_submit_files(tmp_path, {"power": {**gpu_study.load(CI)["power"], "stage": "main"}}))
+    with pytest.raises(SystemExit, match=r"slurm.array = \['partition=gpu'\]: expected sbatch options such as"):
+        gpu_study.main(_submit_files(tmp_path, data_change={"slurm": {"array": ["partition=gpu"]}}))
+    with pytest.raises(SystemExit, match=r"data file .*none.yaml' does not exist"):
+        gpu_study.main([*args[:4], str(tmp_path / "none.yaml"), *args[5:]])
+    # a runs folder started from another study file
+    runs = tmp_path / "runs"
+    runs.mkdir(exist_ok=True)
+    (runs / "submit.json").write_text(json.dumps({"config": "/x.yaml", "config_sha256": "0" * 64, "jobs": []}))
+    with pytest.raises(SystemExit, match=r"holds a study submitted from /x.yaml .*choose another --runs"):
+        gpu_study.main(_submit_files(tmp_path))
+    assert gpu_study_submit.STATE == "submit.json"

@@ -1,0 +1,320 @@
+"""The GPU study on a Slurm cluster in one command: each stage's array, chained by dependent jobs.
+
+    python experiments/gpu_study.py submit --data DATA.yaml [--config STUDY.yaml] [--runs RUNS] [--entry E]
+
+:func:`advance` reads the study's runs folder and does what comes next, in the order of the study file's
+stages: a stage whose seeds are left to power first gets them from the power stage's runs
+(:func:`gpu_study.seeds_from_pilot`, written to ``RUNS/study.seeds.yaml``); a stage with unfinished tasks
+(no ``eval.json``, or no ``harness.json`` where the harness runs) is submitted as one Slurm array of those
+tasks only (``launch/slurm/gpu_study.sbatch``), followed by a small job that runs after the array has ended
+(``--dependency=afterany``: ``launch/slurm/gpu_study_next.sbatch``, which runs this command again with
+``--after STAGE``), and nothing else is done; a finished stage other than the power stage is tabulated with
+its verdicts (:func:`gpu_study.collect` into ``RUNS/tables/<stage>``) unless its tables are newer than its
+runs. So the command a team types submits the pilot and the job after it; that job sets the seeds and
+submits the main stage with its own next job; that one writes the main stage's verdicts and submits the
+secondary arm; and so on until every stage is tabulated.
+
+Re-running the command never redoes work: finished tasks are left out of the arrays (and a task skips the
+phases it has done), a written seeds file or up-to-date table is kept, and while a job this command
+submitted (listed in ``RUNS/submit.json``) is still queued or running it submits nothing. A job after a stage
+that finds tasks of that stage unfinished stops the chain (it fails, naming the tasks and their logs):
+fix the cause and run the command again.
+
+Sbatch options for the cluster come from the site's data file, ``slurm.array`` (every training array: a
+partition, an account, a time limit; the script's header asks for one 8-GPU node) and ``slurm.step`` (the
+small CPU jobs).
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+import gpu_study
+
+ROOT = gpu_study.ROOT
+ARRAY_SCRIPT = os.path.join(ROOT, "launch", "slurm", "gpu_study.sbatch")
+NEXT_SCRIPT = os.path.join(ROOT, "launch", "slurm", "gpu_study_next.sbatch")
+STATE = "submit.json"
+"""The chain's record in the runs folder: the study and data files, every job submitted, the status."""
+SEEDS = "study.seeds.yaml"
+"""The study file with the power-set seeds filled in (written by the power step, then used by every stage)."""
+ARRAY_NAME, NEXT_NAME = "ntl-gpu-study-{stage}", "ntl-gpu-study-next"
+LIVE = ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED",
+        "STOPPED", "SIGNALING")  # fmt: skip
+"""squeue states of a job whose work has not ended (a requeued array task is pending again; a completing one
+has ended it)."""
+
+
+def log(message: str) -> None:
+    print(f"[gpu-study] {message}", flush=True)
+
+
+def tool(name: str) -> str:
+    """The path of Slurm's ``name``; a ValueError naming the fix where it is not on PATH."""
+    found = shutil.which(name)
+    if not found:
+        raise ValueError(
+            f"{name} is not on PATH: run `gpu_study.py submit` on a Slurm login node (load Slurm's module first); "
+            "without Slurm a task runs by hand: bash launch/slurm/gpu_study.sbatch --dry-run prints its commands"
+        )
+    return found
+
+
+def site_options(data: dict[str, Any], path: str) -> dict[str, list[str]]:
+    """The data file's ``slurm.array`` and ``slurm.step``: sbatch options, a list or one string each."""
+    spec = data.get("slurm") or {}
+    if not isinstance(spec, dict) or set(spec) - {"array", "step"}:
+        raise ValueError(
+            f"{path}: slurm = {spec!r}: expected a mapping with 'array' and/or 'step' (sbatch options), e.g. "
+            "slurm: {array: [--partition=gpu, --account=ml], step: [--partition=cpu]}"
+        )
+    out = {}
+    for key in ("array", "step"):
+        value = spec.get(key) or []
+        words = shlex.split(value) if isinstance(value, str) else value
+        if not isinstance(words, list) or not all(isinstance(w, str) and w.startswith("-") for w in words):
+            raise ValueError(
+                f"{path}: slurm.{key} = {value!r}: expected sbatch options such as [--partition=gpu, --time=48:00:00]"
+            )
+        out[key] = list(words)
+    return out
+
+
+def array_spec(indices: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8``: sbatch's ``--array`` for these task indices."""
+    parts: list[str] = []
+    for i in sorted(indices):
+        if parts and i == int(parts[-1].split("-")[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{i}"
+        else:
+            parts.append(str(i))
+    return ",".join(parts)
+
+
+def task_done(study: dict[str, Any], run_dir: str) -> bool:
+    """A task is done once its evaluation (``eval.json``) and, where the study runs the harness, its
+    ``harness.json`` are written (the array script writes each last, whole)."""
+    names = ["eval.json", *(["harness.json"] if study["eval"].get("harness") else [])]
+    return all(os.path.isfile(os.path.join(run_dir, n)) for n in names)
+
+
+def unfinished(study: dict[str, Any], runs: str, stage: str) -> list[int]:
+    """The array indices of ``stage``'s tasks that are not done (a run an earlier stage finished is done)."""
+    return [t.index for t in gpu_study.tasks(study, stage) if not task_done(study, os.path.join(runs, t.run_name))]
+
+
+def needs_power(study: dict[str, Any], stage: str) -> bool:
+    seeds = study["stages"][stage]["seeds"]
+    return isinstance(seeds, dict) and "power" in seeds.values()
+
+
+def tables_current(study: dict[str, Any], runs: str, stage: str, out: str) -> bool:
+    """Whether ``OUT/sweep.json`` is newer than every evaluation and harness file of ``stage``'s runs."""
+    sweep = os.path.join(out, "sweep.json")
+    if not os.path.isfile(sweep):
+        return False
+    files = [os.path.join(runs, t.run_name, n) for t in gpu_study.tasks(study, stage) for n in ("eval.json",
+             "harness.json")]  # fmt: skip
+    newest = max((os.path.getmtime(f) for f in files if os.path.isfile(f)), default=0.0)
+    return os.path.getmtime(sweep) >= newest
+
+
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def read_state(runs: str) -> dict[str, Any]:
+    path = os.path.join(runs, STATE)
+    if not os.path.isfile(path):
+        return {"jobs": []}
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_state(runs: str, state: dict[str, Any]) -> None:
+    from ntl_scale.atomic import write_json_atomically
+
+    write_json_atomically(state, os.path.join(runs, STATE), indent=2)
+
+
+def queued(ids: list[str]) -> dict[str, str]:
+    """The jobs among ``ids`` that squeue lists in a state that has not ended: ``{id: "STATE (reason)"}``
+    (an array is listed while any task of it is)."""
+    if not ids:
+        return {}
+    done = subprocess.run([tool("squeue"), "-h", "-o", "%F|%A|%T|%r", "-u", getpass.getuser()], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    if done.returncode:
+        raise ValueError(f"squeue failed ({done.stderr.strip()}): is the Slurm controller reachable from here?")
+    out: dict[str, str] = {}
+    for line in done.stdout.splitlines():
+        array_id, job_id, state, reason = [*line.split("|"), "", "", ""][:4]
+        for found in (array_id, job_id):
+            if found in ids and state in LIVE:
+                out.setdefault(found, f"{state} ({reason})")
+    return out
+
+
+def sbatch(options: list[str], script: str, args: list[str], env: dict[str, str]) -> str:
+    """Submits ``script`` from the checkout; the job id. The submitting job's own SLURM_* variables are left
+    out of the new job's environment (sbatch exports the rest)."""
+    command = [tool("sbatch"), "--parsable", *options, script, *args]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    done = subprocess.run(command, cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise ValueError(f"sbatch failed ({done.stderr.strip()}): {shlex.join(command)}")
+    return done.stdout.strip().split(";")[0]
+
+
+def advance(config: str, data_path: str, runs: str, entry: str | None = None, after: str | None = None) -> str:
+    """:func:`advance_locked` holding ``RUNS/submit.lock``: two submissions at once (a second driver job, a
+    command typed while a next job runs) take turns, and the second sees the first's jobs."""
+    import fcntl
+
+    os.makedirs(runs, exist_ok=True)
+    with open(os.path.join(runs, "submit.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return advance_locked(config, data_path, runs, entry, after)
+
+
+def advance_locked(config: str, data_path: str, runs: str, entry: str | None = None, after: str | None = None) -> str:
+    """Does the study's next step (module docstring); returns ``submitted``, ``waiting`` (jobs of an earlier
+    submission are still queued: nothing submitted) or ``done``. A ValueError where the chain stops (tasks of
+    ``after`` unfinished, a bad file, no Slurm), naming the fix."""
+    config, data_path, runs = (os.path.abspath(p) for p in (config, data_path, runs))
+    study = gpu_study.load(config)
+    data = gpu_study.load_data(data_path)
+    options = site_options(data, data_path)
+    state = read_state(runs)
+    digest = sha256(config)
+    if state.get("config_sha256", digest) != digest:
+        raise ValueError(
+            f"{runs} holds a study submitted from {state.get('config')} (another content than {config}): "
+            f"submit the same study file, choose another --runs, or delete {os.path.join(runs, STATE)} to go on "
+            "with this one (finished runs are kept)"
+        )
+    tool("sbatch")
+    state.update({"config": config, "config_sha256": digest, "data": data_path, "entry": entry})
+    os.makedirs(os.path.join(runs, "logs"), exist_ok=True)
+    own = os.environ.get("SLURM_JOB_ID")
+    live = queued([j["id"] for j in state["jobs"] if j["id"] != own])
+    args = ["--config", config, "--data", data_path, "--runs", runs, *(["--entry", entry] if entry else [])]
+    step_options = [f"--output={os.path.join(runs, 'logs', '%x-%j.out')}", *options["step"]]
+    if live:
+        listed = ", ".join(f"job {j} {s}" for j, s in live.items())
+        if after is None:
+            log(f"already submitted, nothing submitted: {listed} (state: {os.path.join(runs, STATE)}; "
+                "scancel them to submit again)")  # fmt: skip
+            return "waiting"
+        # a job after a stage whose jobs are queued again (a requeued task): it waits for them once more
+        waits = [*step_options, f"--dependency=afterany:{':'.join(live)}"]
+        step = sbatch(waits, NEXT_SCRIPT, [*args, "--after", after], {})
+        state["jobs"].append({"id": step, "kind": "next", "after": after, "waits_for": list(live)})
+        state["status"] = "submitted"
+        write_state(runs, state)
+        log(f"{listed} not ended: job {step} runs after them")
+        return "submitted"
+
+    current, current_path = study, config
+    power_stage = study.get("power", {}).get("stage")
+    seeds_path = os.path.join(runs, SEEDS)
+    for stage in study["stages"]:
+        if needs_power(current, stage):
+            if not os.path.isfile(seeds_path):
+                log(f"stage {stage}: seeds from the {power_stage} stage's runs (experiments/power.py)")
+                got = gpu_study.seeds_from_pilot(current, runs)
+                gpu_study.print_seeds(current, got)
+                gpu_study.write_seeds(config, got["seeds"], seeds_path)
+                log(f"wrote {seeds_path}")
+            current_path = seeds_path
+            current = gpu_study.load(current_path)
+        todo = unfinished(current, runs, stage)
+        if todo:
+            every = len(gpu_study.tasks(current, stage))
+            if after == stage:
+                names = [gpu_study.task(current, i, stage).run_name for i in todo]
+                message = (f"stage {stage}: tasks {array_spec(todo)} did not finish ({', '.join(names)}): read their "
+                           f"logs in {os.path.join(runs, 'logs')}, fix the cause, then run the same "
+                           "`gpu_study.py submit` command again (it submits only the unfinished tasks)")  # fmt: skip
+                raise ValueError(message)
+            name = ARRAY_NAME.format(stage=stage)
+            array = sbatch(
+                [f"--array={array_spec(todo)}", f"--job-name={name}",
+                 f"--output={os.path.join(runs, 'logs', '%x-%A_%a.out')}", *options["array"]],
+                ARRAY_SCRIPT, ["--config", current_path, *(["--entry", entry] if entry else [])],
+                {"NTL_STAGE": stage, "NTL_STUDY_DATA": data_path, "NTL_STUDY_RUNS": runs},
+            )  # fmt: skip
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+            logs = os.path.join(runs, "logs", f"{name}-{array}_<task>.out")
+            state["jobs"].append({"id": array, "kind": "array", "stage": stage, "tasks": array_spec(todo),
+                                  "submitted": stamp, "logs": logs})  # fmt: skip
+            write_state(runs, state)  # recorded before the next sbatch: a failure there leaves no unlisted array
+            step = sbatch([*step_options, f"--dependency=afterany:{array}"], NEXT_SCRIPT, [*args, "--after", stage], {})
+            state["jobs"].append({"id": step, "kind": "next", "after": stage, "submitted": stamp,
+                                  "log": os.path.join(runs, "logs", f"{NEXT_NAME}-{step}.out")})  # fmt: skip
+            state["status"], state["message"] = "submitted", f"stage {stage}: array {array}, then job {step}"
+            write_state(runs, state)
+            log(f"stage {stage}: array job {array}, tasks {array_spec(todo)} ({len(todo)} of {every} to run); "
+                f"logs {logs}")  # fmt: skip
+            log(f"then job {step}, after array {array} ends: {what_next(study, stage)}; "
+                f"log {os.path.join(runs, 'logs', f'{NEXT_NAME}-{step}.out')}")  # fmt: skip
+            log(f"verdicts: {verdict_files(study, runs)}; progress: {os.path.join(runs, STATE)}")
+            return "submitted"
+        if stage != power_stage:
+            out = os.path.join(runs, "tables", stage)
+            if tables_current(current, runs, stage, out):
+                log(f"stage {stage}: finished, tables in {out}")
+            else:
+                log(f"stage {stage}: finished; tables and verdicts into {out}")
+                gpu_study.collect(current, runs, out, stage)
+        else:
+            log(f"stage {stage}: finished")
+    state["status"], state["message"] = "done", f"every stage finished; verdicts: {verdict_files(study, runs)}"
+    write_state(runs, state)
+    log(f"the study is done: {verdict_files(study, runs)}")
+    return "done"
+
+
+def what_next(study: dict[str, Any], stage: str) -> str:
+    """What the job after ``stage``'s array does, in words."""
+    order = list(study["stages"])
+    later = order[order.index(stage) + 1 :]
+    power_stage = study.get("power", {}).get("stage")
+    steps = [] if stage == power_stage else [f"{stage}'s tables and verdicts"]
+    powered = [s for s in later if needs_power(study, s)]
+    if stage == power_stage and powered:
+        steps.append(f"the seeds of {', '.join(powered)} by power ({SEEDS})")
+    if later:
+        steps.append(f"{later[0]}'s unfinished tasks as an array, with a job after it")
+    return ", then ".join(steps) or "nothing left"
+
+
+def verdict_files(study: dict[str, Any], runs: str) -> str:
+    power_stage = study.get("power", {}).get("stage")
+    stages = [s for s in study["stages"] if s != power_stage]
+    return ", ".join(os.path.join(runs, "tables", s, "sweep.md") + " (sweep.json)" for s in stages)
+
+
+def main(args: Any) -> None:
+    """``gpu_study.py submit``: :func:`advance` with the command line's files; exits 1 when the chain stopped."""
+    data = args.data or os.environ.get("NTL_STUDY_DATA") or ""
+    runs = args.runs or os.path.join(os.environ.get("NTL_RUNS") or os.path.join(ROOT, "runs"), "gpu-study")
+    try:
+        advance(args.config, data, runs, args.entry, args.after)
+    except ValueError as e:
+        if args.after and os.path.isfile(os.path.join(runs, STATE)):  # a job of the chain: the record says why
+            state = read_state(runs)
+            state["status"], state["message"] = "stopped", str(e)
+            write_state(runs, state)
+        raise
+    sys.stdout.flush()
