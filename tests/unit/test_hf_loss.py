@@ -149,6 +149,7 @@ def test_chunked_training_loss_equals_the_logits_path(setup, kind):
     for a, b in zip(framework_grads, dense_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert isinstance(model.get_output_embeddings().weight, torch.nn.Parameter)  # the layer's own again
+    _ignore_minus_one_as_a_tuple(model, inputs, labels, counts, dense, dense_grads)
     remove_ntl(model)
     installed = apply_ntl_to_hf_model(model, vocab, chunked=True, chunk_tokens=16)
     assert apply_ntl_to_hf_model(model, vocab, chunked=True, chunk_tokens=16) is installed
@@ -156,6 +157,7 @@ def test_chunked_training_loss_equals_the_logits_path(setup, kind):
         apply_ntl_to_hf_model(model, vocab)
     chunked, chunked_grads = step(num_items_in_batch=counts)
     assert chunked.logits is None  # no logits were built
+    _ignore_minus_one_as_a_tuple(model, inputs, labels, counts, dense, dense_grads)
     torch.testing.assert_close(chunked.loss, dense.loss, rtol=1e-5, atol=1e-6)
     assert len(chunked_grads) == len(dense_grads)
     for a, b in zip(chunked_grads, dense_grads):
@@ -178,6 +180,20 @@ def test_chunked_training_loss_equals_the_logits_path(setup, kind):
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     assert torch.equal(model(input_ids=inputs, labels=labels).loss, reference(input_ids=inputs, labels=labels).loss)
+
+
+def _ignore_minus_one_as_a_tuple(model, inputs, labels, counts, dense, dense_grads):
+    """The same step with the labels padded by -1 and the forward's ``ignore_index=-1``, as a tuple
+    (``return_dict=False``): the loss and gradients of the logits route with -100."""
+    model.zero_grad()
+    out = model(input_ids=inputs, labels=labels.masked_fill(labels == -100, -1), ignore_index=-1,
+                num_items_in_batch=counts, return_dict=False)  # fmt: skip
+    assert isinstance(out, tuple)
+    out[0].backward()
+    torch.testing.assert_close(out[0], dense.loss, rtol=1e-5, atol=1e-6)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for a, b in zip(grads, dense_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_chunked_refuses_what_it_cannot_reproduce(setup):

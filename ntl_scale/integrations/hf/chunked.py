@@ -217,32 +217,34 @@ def chunked_forward(original: Callable, loss: Any, multiplier: float) -> Callabl
         **kwargs: Any,
     ) -> Any:
         if not self.training or (labels is None and shift_labels is None):
-            if labels is not None:
-                kwargs["labels"] = labels
-            if shift_labels is not None:
-                kwargs["shift_labels"] = shift_labels
-            if num_items_in_batch is not None:
-                kwargs["num_items_in_batch"] = num_items_in_batch
+            passed = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            kwargs.update({name: value for name, value in passed.items() if value is not None})
             return original(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        ignore_index = kwargs.pop("ignore_index", loss.options.ignore_index)
+        targets = _targets(loss, labels, shift_labels, kwargs.pop("ignore_index", loss.options.ignore_index))
         kwargs.pop("logits_to_keep", None)
-        kwargs.pop("return_dict", None)
-        targets = shift_labels if shift_labels is not None else loss.targets(labels, ignore_index)
+        as_tuple = kwargs.pop("return_dict", None) is False
         if input_ids is not None:
             targets = targets.to(input_ids.device)
         terms, out = hidden_state_terms(
             self, multiplier, targets, input_ids=input_ids, attention_mask=attention_mask, **kwargs
         )
-        value = loss.reduce(terms, targets, num_items_in_batch, ignore_index)
-        return CausalLMOutputWithPast(
+        value = loss.reduce(terms, targets, num_items_in_batch, loss.options.ignore_index)
+        output = CausalLMOutputWithPast(
             loss=value,
             logits=None,
             hidden_states=getattr(out, "hidden_states", None),
             attentions=getattr(out, "attentions", None),
             **{cache: getattr(out, cache, None)},
         )
+        return output.to_tuple() if as_tuple else output
 
     return forward
+
+
+def _targets(loss: Any, labels: Any, shift_labels: Any, ignore_index: int) -> torch.Tensor:
+    """Next-token targets, the caller's ``ignore_index`` written as the options' (the one NTL and the head read)."""
+    targets = shift_labels if shift_labels is not None else loss.targets(labels, ignore_index)
+    return targets.masked_fill(targets == ignore_index, loss.options.ignore_index)
 
 
 def framework_forward(original: Callable, loss: Any, multiplier: float, chunk_tokens: int | None) -> Callable:
@@ -261,16 +263,16 @@ def framework_forward(original: Callable, loss: Any, multiplier: float, chunk_to
                 "ce_kernel='ntl_scale'"
             )
         weight, terms = head.weight, []
-        ignore_index = kwargs.get("ignore_index", loss.options.ignore_index)
-        targets = shift_labels if shift_labels is not None else loss.targets(labels, ignore_index)
-        targets, num_items_in_batch = targets.to(weight.device), kwargs.pop("num_items_in_batch", None)
+        ignore_index = kwargs.get("ignore_index", loss.options.ignore_index)  # the model's CE reads the labels
+        targets = _targets(loss, labels, shift_labels, ignore_index).to(weight.device)
+        num_items_in_batch, as_tuple = kwargs.pop("num_items_in_batch", None), kwargs.pop("return_dict", None) is False
 
         def beside(_module: Any, _inputs: Any, out: Any) -> Any:
             through: list[torch.Tensor] = []
             hidden = out[0] * multiplier if multiplier != 1.0 else out[0]
             terms.append(linear_ce_ntl(hidden, weight, targets, loss.vocab, loss.options, chunk_tokens=chunk_tokens,
                                        need_ce=False, passthrough=through))  # fmt: skip
-            head._parameters["weight"] = through[1]  # what the CE (Liger's overwrites its input) reads, till restored
+            head._parameters["weight"] = through[1]  # what the model's CE reads, till restored
             h_ce = through[0] / multiplier if multiplier != 1.0 else through[0]
             return (h_ce, *out[1:]) if isinstance(out, tuple) else type(out)(**{**out, next(iter(out)): h_ce})
 
@@ -278,12 +280,14 @@ def framework_forward(original: Callable, loss: Any, multiplier: float, chunk_to
         installed = self.loss_function  # transformers' forward calls it on the logits: the model's own, the CE sum
         self.loss_function = functools.partial(loss.framework_loss, ignore_index=ignore_index)
         try:
-            out = original(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=1, **kwargs)
+            out = original(
+                *args, labels=labels, shift_labels=shift_labels, num_items_in_batch=1, return_dict=True, **kwargs
+            )
         finally:
             hook.remove()
             self.loss_function, head._parameters["weight"] = installed, weight
-        out.loss = loss.reduce(terms[-1], targets, num_items_in_batch, ignore_index, ce_sum=out.loss)
-        return out
+        out.loss = loss.reduce(terms[-1], targets, num_items_in_batch, loss.options.ignore_index, ce_sum=out.loss)
+        return out.to_tuple() if as_tuple else out
 
     return forward
 
