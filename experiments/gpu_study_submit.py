@@ -15,14 +15,16 @@ submits the main stage with its own next job; that one writes the main stage's v
 secondary arm; and so on until every stage is tabulated.
 
 Re-running the command never redoes work: finished tasks are left out of the arrays (and a task skips the
-phases it has done), a written seeds file or up-to-date table is kept, and while a job this command
-submitted (listed in ``RUNS/submit.json``) is still queued or running it submits nothing. A job after a stage
-that finds tasks of that stage unfinished stops the chain (it fails, naming the tasks and their logs):
-fix the cause and run the command again.
+phases it has done), a written seeds file or up-to-date table is kept, and while a job listed in
+``RUNS/submit.json`` is still queued or running (``squeue -j``, whoever submitted it) it submits nothing but
+the next job of an array whose own submission failed. A failed submission, or a job after a stage that finds
+tasks of that stage unfinished, stops the chain (``stopped`` in the record, with the reason; the job fails,
+naming the tasks and their logs): fix the cause and run the command again.
 
 Sbatch options for the cluster come from the site's data file, ``slurm.array`` (every training array: a
-partition, an account, a time limit; the script's header asks for one 8-GPU node) and ``slurm.step`` (the
-small CPU jobs).
+partition, an account, a time limit; the script's header asks for one 8-GPU node), ``slurm.step`` (the
+small CPU jobs) and ``slurm.max_running`` (tasks of an array at once). The stage, data file and runs folder
+go to the array with ``--export=ALL,...``, whatever the site's default export.
 """
 
 from __future__ import annotations
