@@ -200,8 +200,9 @@ def queued(ids: list[str]) -> dict[str, str]:
 def sbatch(options: list[str], script: str, args: list[str], env: dict[str, str]) -> str:
     """Submits ``script`` from the checkout with the environment and ``env`` (``--export=ALL,...``, whatever the
     site's SBATCH_EXPORT); the job id. The submitting job's own SLURM_* variables are left out."""
-    if any("," in v for v in env.values()):
-        raise ValueError(f"{env}: sbatch --export cannot pass a value with a comma: rename the path")
+    for key, value in env.items():
+        if "," in value:
+            raise ValueError(f"{key}={value!r}: sbatch --export cannot pass a comma: use a path without one")
     export = ",".join(["--export=ALL", *(f"{k}={v}" for k, v in env.items())])
     command = [tool("sbatch"), "--parsable", export, *options, script, *args]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
@@ -242,7 +243,11 @@ def advance_held(config: str, data_path: str, runs: str, entry: str | None, afte
             fd = os.open(held, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             break
         except FileExistsError:
-            holder = open(held).read().strip() if os.path.isfile(held) else "?"
+            try:
+                with open(held) as f:
+                    holder = f.read().strip()
+            except FileNotFoundError:  # released meanwhile
+                continue
             if not told:
                 log(f"waiting for another submission of {runs}: {held} is held by {holder} (stale if that process "
                     "has ended: then delete the file)")  # fmt: skip
