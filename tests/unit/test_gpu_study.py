@@ -587,7 +587,7 @@ def test_a_failed_next_job_is_recorded_and_submitted_alone_on_a_re_run(tmp_path,
     assert _advance(tmp_path) == "submitted"
     last = fake_slurm()["calls"][-1]
     assert f"--dependency=afterany:{array}" in last and any(a.endswith("gpu_study_next.sbatch") for a in last)
-    assert [c for c in fake_slurm()["calls"] if any(a.startswith("--array") for a in c)].__len__() == 1
+    assert sum(any(a.startswith("--array") for a in c) for c in fake_slurm()["calls"]) == 1  # no second array
     assert json.loads((tmp_path / "runs" / "submit.json").read_text())["status"] == "submitted"
     assert _advance(tmp_path) == "waiting"
 
