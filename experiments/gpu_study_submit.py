@@ -15,24 +15,27 @@ submits the main stage with its own next job; that one writes the main stage's v
 secondary arm; and so on until every stage is tabulated.
 
 Re-running the command never redoes work: finished tasks are left out of the arrays (and a task skips the
-phases it has done), a written seeds file or up-to-date table is kept, and while a job this command
-submitted (listed in ``RUNS/submit.json``) is still queued or running it submits nothing. A job after a stage
-that finds tasks of that stage unfinished stops the chain (it fails, naming the tasks and their logs):
-fix the cause and run the command again.
+phases it has done), a written seeds file or up-to-date table is kept, and while a job listed in
+``RUNS/submit.json`` is still queued or running (``squeue -j``, whoever submitted it) it submits nothing but
+the next job of an array whose own submission failed. A failed submission, or a job after a stage that finds
+tasks of that stage unfinished, stops the chain (``stopped`` in the record, with the reason; the job fails,
+naming the tasks and their logs): fix the cause and run the command again.
 
 Sbatch options for the cluster come from the site's data file, ``slurm.array`` (every training array: a
-partition, an account, a time limit; the script's header asks for one 8-GPU node) and ``slurm.step`` (the
-small CPU jobs).
+partition, an account, a time limit; the script's header asks for one 8-GPU node), ``slurm.step`` (the
+small CPU jobs) and ``slurm.max_running`` (tasks of an array at once). The stage, data file and runs folder
+go to the array with ``--export=ALL,...``, whatever the site's default export.
 """
 
 from __future__ import annotations
 
-import getpass
+import errno
 import hashlib
 import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +55,14 @@ LIVE = ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEU
         "STOPPED", "SIGNALING")  # fmt: skip
 """squeue states of a job whose work has not ended (a requeued array task is pending again; a completing one
 has ended it)."""
+REFUSED = {"--array": "the unfinished tasks (throttle them with slurm: {max_running: N})",
+           "--dependency": "the chain's order", "--output": "the logs in RUNS/logs", "--error": "the logs in RUNS/logs",
+           "--job-name": "the names of the logs", "--export": "ALL plus the stage, data and runs folder",
+           "--parsable": "to read the job id"}  # fmt: skip
+"""sbatch options ``submit`` sets itself (and what it sets them to): refused in the data file's ``slurm``."""
+SHORT = {"-a": "--array", "-d": "--dependency", "-o": "--output", "-e": "--error", "-J": "--job-name"}
+RETRIES, RETRY_S, LOCK_WAIT_S = 3, 10.0, 3600.0
+"""squeue tries before its failure stops the command, seconds between them; seconds to wait for a held lock."""
 
 
 def log(message: str) -> None:
@@ -69,15 +80,16 @@ def tool(name: str) -> str:
     return found
 
 
-def site_options(data: dict[str, Any], path: str) -> dict[str, list[str]]:
-    """The data file's ``slurm.array`` and ``slurm.step``: sbatch options, a list or one string each."""
+def site_options(data: dict[str, Any], path: str) -> dict[str, Any]:
+    """The data file's ``slurm.array`` and ``slurm.step`` (sbatch options, a list or one string each) and
+    ``slurm.max_running`` (at most this many tasks of an array at once; ``None``: no limit)."""
     spec = data.get("slurm") or {}
-    if not isinstance(spec, dict) or set(spec) - {"array", "step"}:
+    if not isinstance(spec, dict) or set(spec) - {"array", "step", "max_running"}:
         raise ValueError(
-            f"{path}: slurm = {spec!r}: expected a mapping with 'array' and/or 'step' (sbatch options), e.g. "
-            "slurm: {array: [--partition=gpu, --account=ml], step: [--partition=cpu]}"
+            f"{path}: slurm = {spec!r}: expected a mapping with 'array', 'step' (sbatch options), 'max_running', "
+            "e.g. slurm: {array: [--partition=gpu, --account=ml], step: [--partition=cpu], max_running: 8}"
         )
-    out = {}
+    out: dict[str, Any] = {}
     for key in ("array", "step"):
         value = spec.get(key) or []
         words = shlex.split(value) if isinstance(value, str) else value
@@ -85,7 +97,17 @@ def site_options(data: dict[str, Any], path: str) -> dict[str, list[str]]:
             raise ValueError(
                 f"{path}: slurm.{key} = {value!r}: expected sbatch options such as [--partition=gpu, --time=48:00:00]"
             )
+        for word in words:
+            name = word.split("=")[0] if word.startswith("--") else SHORT.get(word[:2], "")
+            if name in REFUSED:
+                raise ValueError(
+                    f"{path}: slurm.{key} holds {word!r}: `submit` sets {name} itself ({REFUSED[name]}): remove it"
+                )
         out[key] = list(words)
+    limit = spec.get("max_running")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"{path}: slurm.max_running = {limit!r}: expected a whole number >= 1 (tasks at once)")
+    out["max_running"] = limit
     return out
 
 
@@ -148,14 +170,24 @@ def write_state(runs: str, state: dict[str, Any]) -> None:
 
 
 def queued(ids: list[str]) -> dict[str, str]:
-    """The jobs among ``ids`` that squeue lists in a state that has not ended: ``{id: "STATE (reason)"}``
-    (an array is listed while any task of it is)."""
+    """The jobs among ``ids`` (anyone's) that squeue lists in a state that has not ended: ``{id: "STATE
+    (reason)"}`` (an array is listed while any task of it is; a job Slurm no longer knows has ended)."""
     if not ids:
         return {}
-    done = subprocess.run([tool("squeue"), "-h", "-o", "%F|%A|%T|%r", "-u", getpass.getuser()], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
-    if done.returncode:
-        raise ValueError(f"squeue failed ({done.stderr.strip()}): is the Slurm controller reachable from here?")
+    command = [tool("squeue"), "-h", "-o", "%F|%A|%T|%r", "-j", ",".join(ids)]
+    for attempt in range(RETRIES):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if not done.returncode or "Invalid job id" in done.stderr:
+            break
+        if attempt < RETRIES - 1:
+            time.sleep(RETRY_S)
+    else:
+        raise ValueError(
+            f"squeue failed {RETRIES} times ({done.stderr.strip()}): {shlex.join(command)}; is the Slurm controller "
+            "reachable from here? Run the command again once squeue answers"
+        )
+    if done.returncode:  # one id unknown: where squeue refuses the whole list for it, ask for each alone
+        return {} if len(ids) == 1 else {k: v for i in ids for k, v in queued([i]).items()}
     out: dict[str, str] = {}
     for line in done.stdout.splitlines():
         array_id, job_id, state, reason = [*line.split("|"), "", "", ""][:4]
@@ -166,11 +198,15 @@ def queued(ids: list[str]) -> dict[str, str]:
 
 
 def sbatch(options: list[str], script: str, args: list[str], env: dict[str, str]) -> str:
-    """Submits ``script`` from the checkout; the job id. The submitting job's own SLURM_* variables are left
-    out of the new job's environment (sbatch exports the rest)."""
-    command = [tool("sbatch"), "--parsable", *options, script, *args]
+    """Submits ``script`` from the checkout with the environment and ``env`` (``--export=ALL,...``, whatever the
+    site's SBATCH_EXPORT); the job id. The submitting job's own SLURM_* variables are left out."""
+    for key, value in env.items():
+        if "," in value:
+            raise ValueError(f"{key}={value!r}: sbatch --export cannot pass a comma: use a path without one")
+    export = ",".join(["--export=ALL", *(f"{k}={v}" for k, v in env.items())])
+    command = [tool("sbatch"), "--parsable", export, *options, script, *args]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
-    done = subprocess.run(command, cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=ROOT, env=clean, capture_output=True, text=True, timeout=300)
     if done.returncode:
         raise ValueError(f"sbatch failed ({done.stderr.strip()}): {shlex.join(command)}")
     return done.stdout.strip().split(";")[0]
@@ -178,51 +214,121 @@ def sbatch(options: list[str], script: str, args: list[str], env: dict[str, str]
 
 def advance(config: str, data_path: str, runs: str, entry: str | None = None, after: str | None = None) -> str:
     """:func:`advance_locked` holding ``RUNS/submit.lock``: two submissions at once (a second driver job, a
-    command typed while a next job runs) take turns, and the second sees the first's jobs."""
+    command typed while a next job runs) take turns, and the second sees the first's jobs. Where the file
+    system has no flock (Lustre mounted ``noflock``), the lock is the file ``RUNS/submit.held``, created
+    exclusively, naming its holder."""
     import fcntl
 
     os.makedirs(runs, exist_ok=True)
     with open(os.path.join(runs, "submit.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log(f"waiting for another submission of {runs} (it holds {lock.name})")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            return advance_held(config, data_path, runs, entry, after)
         return advance_locked(config, data_path, runs, entry, after)
+
+
+def advance_held(config: str, data_path: str, runs: str, entry: str | None, after: str | None) -> str:
+    """:func:`advance_locked` holding ``RUNS/submit.held`` (created with O_EXCL, removed after)."""
+    held = os.path.join(runs, "submit.held")
+    start, told = time.monotonic(), False
+    while True:
+        try:
+            fd = os.open(held, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            try:
+                with open(held) as f:
+                    holder = f.read().strip()
+            except FileNotFoundError:  # released meanwhile
+                continue
+            if not told:
+                log(f"waiting for another submission of {runs}: {held} is held by {holder} (stale if that process "
+                    "has ended: then delete the file)")  # fmt: skip
+                told = True
+            if time.monotonic() - start >= LOCK_WAIT_S:
+                raise ValueError(
+                    f"{held} is held by {holder} (waited {LOCK_WAIT_S:.0f} s): if that process has ended "
+                    f"(killed), delete {held} and run the command again"
+                ) from None
+            time.sleep(min(5.0, LOCK_WAIT_S))
+    with os.fdopen(fd, "w") as f:
+        f.write(f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+    try:
+        return advance_locked(config, data_path, runs, entry, after)
+    finally:
+        os.remove(held)
 
 
 def advance_locked(config: str, data_path: str, runs: str, entry: str | None = None, after: str | None = None) -> str:
     """Does the study's next step (module docstring); returns ``submitted``, ``waiting`` (jobs of an earlier
     submission are still queued: nothing submitted) or ``done``. A ValueError where the chain stops (tasks of
-    ``after`` unfinished, a bad file, no Slurm), naming the fix."""
+    ``after`` unfinished, a failed submission, a bad file, no Slurm), naming the fix; once the runs folder's
+    record is checked, the record says ``stopped`` and why."""
     config, data_path, runs = (os.path.abspath(p) for p in (config, data_path, runs))
     study = gpu_study.load(config)
     data = gpu_study.load_data(data_path)
     options = site_options(data, data_path)
     state = read_state(runs)
-    digest = sha256(config)
-    if state.get("config_sha256", digest) != digest:
-        raise ValueError(
-            f"{runs} holds a study submitted from {state.get('config')} (another content than {config}): "
-            f"submit the same study file, choose another --runs, or delete {os.path.join(runs, STATE)} to go on "
-            "with this one (finished runs are kept)"
-        )
+    digests = {"config": sha256(config), "data": data_digest(data)}
+    for key, path in (("config", config), ("data", data_path)):
+        if state.get(f"{key}_sha256", digests[key]) != digests[key]:
+            what = "study file" if key == "config" else "data file"
+            raise ValueError(
+                f"{runs} holds a study submitted from {state.get(key)} (another content than the {what} {path}): "
+                f"submit the same {what} (its slurm section may change), choose another --runs, or delete "
+                f"{os.path.join(runs, STATE)} to go on with this one (finished runs are kept)"
+            )
     tool("sbatch")
-    state.update({"config": config, "config_sha256": digest, "data": data_path, "entry": entry})
+    state.update({"config": config, "config_sha256": digests["config"], "data": data_path,
+                  "data_sha256": digests["data"], "entry": entry})  # fmt: skip
     os.makedirs(os.path.join(runs, "logs"), exist_ok=True)
+    try:
+        return next_step(study, options, state, config, data_path, runs, entry, after)
+    except ValueError as e:
+        state["status"], state["message"] = "stopped", str(e)
+        write_state(runs, state)
+        raise
+
+
+def data_digest(data: dict[str, Any]) -> str:
+    """The data file's identity: its content without the ``slurm`` section (the site's options may change)."""
+    kept = {k: v for k, v in data.items() if k != "slurm"}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def next_step(study: dict[str, Any], options: dict[str, Any], state: dict[str, Any], config: str, data_path: str,
+              runs: str, entry: str | None, after: str | None) -> str:  # fmt: skip
+    """:func:`advance_locked` once the record is checked."""
     own = os.environ.get("SLURM_JOB_ID")
     live = queued([j["id"] for j in state["jobs"] if j["id"] != own])
     args = ["--config", config, "--data", data_path, "--runs", runs, *(["--entry", entry] if entry else [])]
     step_options = [f"--output={os.path.join(runs, 'logs', '%x-%j.out')}", *options["step"]]
     if live:
         listed = ", ".join(f"job {j} {s}" for j, s in live.items())
-        if after is None:
+        waited = {w for j in state["jobs"] if j["kind"] == "next" and j["id"] in live for w in j["waits_for"]}
+        alone = [j for j in state["jobs"] if j["kind"] == "array" and j["id"] in live and j["id"] not in waited]
+        if after is None and not alone:
             log(f"already submitted, nothing submitted: {listed} (state: {os.path.join(runs, STATE)}; "
                 "scancel them to submit again)")  # fmt: skip
             return "waiting"
-        # a job after a stage whose jobs are queued again (a requeued task): it waits for them once more
-        waits = [*step_options, f"--dependency=afterany:{':'.join(live)}"]
-        step = sbatch(waits, NEXT_SCRIPT, [*args, "--after", after], {})
-        state["jobs"].append({"id": step, "kind": "next", "after": after, "waits_for": list(live)})
-        state["status"] = "submitted"
+        # a job after a stage whose jobs are queued again (a requeued task) waits for them once more; a command
+        # that finds an array without its next job (that submission failed) submits the next job alone
+        waits = list(live) if after else [j["id"] for j in alone]
+        stage = after or alone[-1]["stage"]
+        step = sbatch([*step_options, f"--dependency=afterany:{':'.join(waits)}"], NEXT_SCRIPT,
+                      [*args, "--after", stage], {})  # fmt: skip
+        state["jobs"].append({"id": step, "kind": "next", "after": stage, "waits_for": waits,
+                              "log": os.path.join(runs, "logs", f"{NEXT_NAME}-{step}.out")})  # fmt: skip
+        state["status"], state["message"] = "submitted", f"job {step} after {', '.join(waits)}"
         write_state(runs, state)
-        log(f"{listed} not ended: job {step} runs after them")
+        log(f"{listed} not ended: job {step} runs after {', '.join(waits)}")
         return "submitted"
 
     current, current_path = study, config
@@ -248,8 +354,9 @@ def advance_locked(config: str, data_path: str, runs: str, entry: str | None = N
                            "`gpu_study.py submit` command again (it submits only the unfinished tasks)")  # fmt: skip
                 raise ValueError(message)
             name = ARRAY_NAME.format(stage=stage)
+            throttle = f"%{options['max_running']}" if options["max_running"] else ""
             array = sbatch(
-                [f"--array={array_spec(todo)}", f"--job-name={name}",
+                [f"--array={array_spec(todo)}{throttle}", f"--job-name={name}",
                  f"--output={os.path.join(runs, 'logs', '%x-%A_%a.out')}", *options["array"]],
                 ARRAY_SCRIPT, ["--config", current_path, *(["--entry", entry] if entry else [])],
                 {"NTL_STAGE": stage, "NTL_STUDY_DATA": data_path, "NTL_STUDY_RUNS": runs},
@@ -260,7 +367,7 @@ def advance_locked(config: str, data_path: str, runs: str, entry: str | None = N
                                   "submitted": stamp, "logs": logs})  # fmt: skip
             write_state(runs, state)  # recorded before the next sbatch: a failure there leaves no unlisted array
             step = sbatch([*step_options, f"--dependency=afterany:{array}"], NEXT_SCRIPT, [*args, "--after", stage], {})
-            state["jobs"].append({"id": step, "kind": "next", "after": stage, "submitted": stamp,
+            state["jobs"].append({"id": step, "kind": "next", "after": stage, "waits_for": [array], "submitted": stamp,
                                   "log": os.path.join(runs, "logs", f"{NEXT_NAME}-{step}.out")})  # fmt: skip
             state["status"], state["message"] = "submitted", f"stage {stage}: array {array}, then job {step}"
             write_state(runs, state)

@@ -480,3 +480,162 @@ def test_submit_errors_name_the_fix(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"holds a study submitted from /x.yaml .*choose another --runs"):
         gpu_study.main(_submit_files(tmp_path))
     assert gpu_study_submit.STATE == "submit.json"
+
+
+# 8. `submit` against stand-ins for sbatch and squeue (executables on PATH keeping a job table) ------------
+
+FAKE_SBATCH = """
+import json, os, sys
+table = json.load(open(os.environ["FAKE_SLURM"]))
+argv = sys.argv[1:]
+table["calls"].append(argv)
+for needle, message in table["fail"].items():
+    if any(needle in a for a in argv):
+        json.dump(table, open(os.environ["FAKE_SLURM"], "w"))
+        sys.exit(message)
+export = next((a.split("=", 1)[1] for a in argv if a.startswith("--export=")), os.environ.get("SBATCH_EXPORT", "ALL"))
+words = export.split(",")  # sbatch's rule: ALL (the environment) or NONE, plus NAME=VALUE pairs
+env = {**(dict(os.environ) if "ALL" in words else {}), **dict(w.split("=", 1) for w in words if "=" in w)}
+job = str(table["next_id"])
+table["next_id"] += 1
+table["jobs"][job] = {"user": os.environ.get("FAKE_USER", "me"), "state": "PENDING",
+                      "env": {k: v for k, v in env.items() if k.startswith("NTL_STUDY") or k == "NTL_STAGE"}}
+json.dump(table, open(os.environ["FAKE_SLURM"], "w"))
+print(job)
+"""
+FAKE_SQUEUE = """
+import json, os, sys
+table = json.load(open(os.environ["FAKE_SLURM"]))
+if table["squeue_fail"]:
+    table["squeue_fail"] -= 1
+    json.dump(table, open(os.environ["FAKE_SLURM"], "w"))
+    sys.exit("squeue: error: slurm_load_jobs error: Socket timed out on send/recv operation")
+argv = sys.argv[1:]
+ids = argv[argv.index("-j") + 1].split(",") if "-j" in argv else list(table["jobs"])
+user = argv[argv.index("-u") + 1] if "-u" in argv else None
+if any(i not in table["jobs"] for i in ids):  # the stricter form: an unknown id fails the whole list
+    sys.exit("slurm_load_jobs error: Invalid job id specified")
+for i in ids:
+    if user in (None, table["jobs"][i]["user"]):
+        print(f"{i}|{i}|{table['jobs'][i]['state']}|None")
+"""
+
+
+@pytest.fixture()
+def fake_slurm(tmp_path, monkeypatch):
+    """sbatch and squeue as executables on PATH sharing a job table (``table()`` reads it, ``table(t)`` writes it);
+    sbatch gives a job the environment its --export (or SBATCH_EXPORT) would."""
+    import os
+
+    import gpu_study_submit
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("sbatch", FAKE_SBATCH), ("squeue", FAKE_SQUEUE)):
+        (bin_dir / name).write_text(f"#!{sys.executable}\n{body}")
+        (bin_dir / name).chmod(0o755)
+    path = tmp_path / "slurm.json"
+    path.write_text(json.dumps({"next_id": 100, "jobs": {}, "calls": [], "fail": {}, "squeue_fail": 0}))
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM", str(path))
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setattr(gpu_study_submit, "RETRY_S", 0.0, raising=False)
+
+    def table(new=None):
+        if new is not None:
+            path.write_text(json.dumps(new))
+        return json.loads(path.read_text())
+
+    return table
+
+
+def _advance(tmp_path, **data_change):
+    import gpu_study_submit
+
+    args = _submit_files(tmp_path, data_change=data_change)
+    return gpu_study_submit.advance(args[2], args[4], args[6])
+
+
+def test_submit_sees_a_teammate_s_jobs_and_retries_squeue(tmp_path, monkeypatch, fake_slurm):
+    monkeypatch.setenv("FAKE_USER", "teammate")
+    assert _advance(tmp_path) == "submitted"  # the pilot array and its next job, a teammate's
+    monkeypatch.setenv("FAKE_USER", "me")
+    calls = len(fake_slurm()["calls"])
+    assert _advance(tmp_path) == "waiting"
+    table = fake_slurm()
+    table["squeue_fail"] = 2  # transient: the third try answers
+    fake_slurm(table)
+    assert _advance(tmp_path) == "waiting"
+    assert len(fake_slurm()["calls"]) == calls
+    fake_slurm({**fake_slurm(), "squeue_fail": 5})
+    with pytest.raises(ValueError, match=r"squeue failed 3 times \(.*Socket timed out.*\): .*squeue -h"):
+        _advance(tmp_path)
+    assert json.loads((tmp_path / "runs" / "submit.json").read_text())["status"] == "stopped"
+    fake_slurm({**fake_slurm(), "squeue_fail": 0, "jobs": {}})  # both ended and purged: Invalid job id
+    assert _advance(tmp_path) == "submitted"
+    assert len(fake_slurm()["calls"]) == calls + 2
+
+
+def test_a_failed_next_job_is_recorded_and_submitted_alone_on_a_re_run(tmp_path, fake_slurm):
+    fake_slurm({**fake_slurm(), "fail": {"gpu_study_next.sbatch": "sbatch: error: QOSMaxSubmitJobPerUserLimit"}})
+    with pytest.raises(ValueError, match=r"sbatch failed \(sbatch: error: QOSMaxSubmitJobPerUserLimit\)"):
+        _advance(tmp_path)
+    state = json.loads((tmp_path / "runs" / "submit.json").read_text())
+    assert state["status"] == "stopped" and "QOSMaxSubmitJobPerUserLimit" in state["message"]
+    [array] = [j["id"] for j in state["jobs"] if j["kind"] == "array"]
+    fake_slurm({**fake_slurm(), "fail": {}})
+    assert _advance(tmp_path) == "submitted"
+    last = fake_slurm()["calls"][-1]
+    assert f"--dependency=afterany:{array}" in last and any(a.endswith("gpu_study_next.sbatch") for a in last)
+    assert sum(any(a.startswith("--array") for a in c) for c in fake_slurm()["calls"]) == 1  # no second array
+    assert json.loads((tmp_path / "runs" / "submit.json").read_text())["status"] == "submitted"
+    assert _advance(tmp_path) == "waiting"
+
+
+def test_without_flock_an_exclusive_lock_file_names_its_holder(tmp_path, monkeypatch, capsys, fake_slurm):
+    import errno
+    import fcntl
+
+    import gpu_study_submit
+
+    def no_flock(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)  # a file system mounted without flock (Lustre noflock)
+    assert _advance(tmp_path) == "submitted"
+    held = tmp_path / "runs" / "submit.held"
+    assert not held.exists()
+    held.write_text("host login2 pid 4242 since 2026-01-01T00:00:00")
+    monkeypatch.setattr(gpu_study_submit, "LOCK_WAIT_S", 0.0, raising=False)
+    with pytest.raises(ValueError, match=r"submit.held is held by host login2 pid 4242 .*delete .*submit.held"):
+        _advance(tmp_path)
+    assert "waiting for another submission" in capsys.readouterr().out
+
+
+def test_the_array_gets_its_variables_whatever_the_site_exports(tmp_path, monkeypatch, fake_slurm):
+    monkeypatch.setenv("SBATCH_EXPORT", "NONE")
+    assert _advance(tmp_path, slurm={"array": ["--partition=gpu"], "max_running": 2}) == "submitted"
+    table = fake_slurm()
+    array_call = next(c for c in table["calls"] if any(a.startswith("--array") for a in c))
+    assert "--array=0-3%2" in array_call  # the CI pilot's 4 tasks, 2 at a time
+    array = next(j for j in table["jobs"].values() if j["env"])
+    assert array["env"] == {"NTL_STAGE": "pilot", "NTL_STUDY_DATA": str(tmp_path / "data.yaml"),
+                            "NTL_STUDY_RUNS": str(tmp_path / "runs")}  # fmt: skip
+    (tmp_path / "x").mkdir()
+    for word in ["--array=0-1", "--dependency=afterok:1", "--output=x.out", "--error=x.err", "--job-name=x",
+                 "--export=NONE", "--parsable", "-o x.out"]:  # fmt: skip
+        name = {"-o": "--output"}.get(word[:2], word.split("=")[0])
+        with pytest.raises(SystemExit, match=rf"slurm.array holds '{word}': `submit` sets {name} itself .*remove it"):
+            gpu_study.main(_submit_files(tmp_path / "x", data_change={"slurm": {"array": [word]}}))
+    with pytest.raises(SystemExit, match=r"slurm.max_running = 0: expected a whole number >= 1"):
+        gpu_study.main(_submit_files(tmp_path / "x", data_change={"slurm": {"max_running": 0}}))
+
+
+def test_a_runs_folder_refuses_another_data_file(tmp_path, fake_slurm):
+    assert _advance(tmp_path) == "submitted"
+    fake_slurm({**fake_slurm(), "jobs": {}})
+    assert _advance(tmp_path, slurm={"step": ["--partition=cpu"]}) == "submitted"  # the site's options may change
+    fake_slurm({**fake_slurm(), "jobs": {}})
+    with pytest.raises(ValueError, match=r"submitted from .*data.yaml \(another content than the data file .*"
+                       r"data.yaml\): submit the same data file.*choose another --runs"):  # fmt: skip
+        _advance(tmp_path, tokenizer="/another-tokenizer")
