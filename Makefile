@@ -12,8 +12,10 @@ setup-dev:
 run: setup
 	bash scripts/run.sh
 
+# two test files at a time (pytest-xdist); make test TEST_WORKERS=0 runs them one after another
+TEST_WORKERS ?= 2
 test: setup-dev lint
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-unit:
 	$(PYTHON) -m pytest tests/unit
