@@ -1,6 +1,6 @@
 """The GPU scaling study: NTL's text cost and number gain at 20 tokens per total parameter, 25 M to 1 B.
 
-    python experiments/gpu_study.py submit --data DATA.yaml [--runs RUNS]         # the whole study on Slurm
+    python experiments/gpu_study_submit.py --data DATA.yaml [--runs RUNS]  # the whole study on Slurm (its own file)
     python experiments/gpu_study.py plan  --stage pilot|main|secondary            # tasks, tokens, iterations
     python experiments/gpu_study.py cost  --stage main [--write-doc]              # the cost table (markdown)
     python experiments/gpu_study.py argv  --data DATA.yaml --task I --phase train|eval|harness --run-dir D
@@ -22,7 +22,7 @@ is not run again. ``launch/slurm/gpu_study.sbatch`` runs one task per Slurm arra
 the same ``--ntl-*`` evaluation flags for every arm so that CE's number metrics are measured too), then
 ``harness`` (lm-evaluation-harness's Megatron-LM backend on the same checkpoint: :func:`harness_argv`).
 ``seeds`` turns the pilot's measured seed-to-seed sd into the main stage's seeds (``experiments/power.py``).
-``submit`` chains the stages on Slurm, each after the one before (``experiments/gpu_study_submit.py``).
+``experiments/gpu_study_submit.py`` chains the stages on Slurm, each after the one before.
 ``collect`` reads every run's ``eval.json`` and ``harness.json``, writes a ``results.json`` per size in
 ``experiments/study.py``'s layout, tabulates them with ``experiments/size_sweep.py`` (the same per-seed
 paired differences, intervals, tests and trend over log10(total parameters) as the CPU size sweep) and
@@ -797,7 +797,7 @@ def print_seeds(study: dict[str, Any], got: dict[str, Any]) -> None:
 
 def write_seeds(path: str, seeds: dict[str, int], out: str) -> None:
     """A copy of the study file ``path`` whose main stage has ``seeds`` (per size): the file to submit (written
-    whole or not at all: the chain of ``gpu_study.py submit`` takes its presence for a finished power step)."""
+    whole or not at all: the chain of ``gpu_study_submit.py`` takes its presence for a finished power step)."""
     from ntl_scale.atomic import atomic_write
 
     with open(path, encoding="utf-8") as f:
@@ -812,27 +812,17 @@ def write_seeds(path: str, seeds: dict[str, int], out: str) -> None:
 
 def main(argv_: list[str] | None = None) -> None:
     commands = ["plan", "cost", "argv", "run-name", "count", "parse-eval", "parse-harness", "collect", "seeds",
-                "harness-tasks", "harness-enabled", "prepare-text", "submit"]  # fmt: skip
+                "harness-tasks", "harness-enabled", "prepare-text"]  # fmt: skip
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=commands)
     parser.add_argument("--config", default="configs/gpu_study/study.yaml", help="the study file")
     parser.add_argument("--stage", default=os.environ.get("NTL_STAGE", "pilot"), help="pilot or main (NTL_STAGE)")
-    parser.add_argument(
-        "--data",
-        default=None,
-        help="argv, harness-tasks, prepare-text, submit: the site's data file (submit: default NTL_STUDY_DATA)",
-    )
+    parser.add_argument("--data", default=None, help="argv, harness-tasks, prepare-text: the site's data file")
     parser.add_argument("--task", type=int, default=None, help="argv, run-name: the array task index")
     parser.add_argument("--phase", default="train", help="argv: train or eval")
     parser.add_argument("--run-dir", default=None, help="argv: the task's run folder")
     parser.add_argument("--log", default=None, help="parse-eval: an evaluation log; parse-harness: a results file")
-    parser.add_argument(
-        "--runs",
-        default=None,
-        help="collect, seeds, submit: the study's runs folder (submit: default $NTL_RUNS/gpu-study)",
-    )
-    parser.add_argument("--entry", default=None, help="submit: gpu_study.sbatch's --entry (default: its own)")
-    parser.add_argument("--after", default=None, help="submit, in the chain's own jobs: the stage whose array ended")
+    parser.add_argument("--runs", default=None, help="collect, seeds: the study's runs folder")
     parser.add_argument("--out", default=None, help="collect, harness-tasks, prepare-text: the output folder")
     parser.add_argument("--write", default=None, help="seeds: write the study file with the main stage's seeds")
     parser.add_argument("--write-doc", action="store_true", help="cost: every stage into docs/gpu_study.md")
@@ -889,10 +879,6 @@ def main(argv_: list[str] | None = None) -> None:
                 write_seeds(args.config, got["seeds"], args.write)
                 print(f"wrote {args.write}: NTL_STAGE=main sbatch --array=0-{len(tasks(load(args.write), 'main')) - 1}"
                       f" launch/slurm/gpu_study.sbatch --config {args.write}")  # fmt: skip
-        elif args.command == "submit":
-            import gpu_study_submit
-
-            gpu_study_submit.main(args)
         elif args.command == "harness-tasks":
             if not args.out:
                 raise ValueError("harness-tasks needs --out (the study's runs folder/harness_tasks)")

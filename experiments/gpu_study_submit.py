@@ -1,6 +1,6 @@
 """The GPU study on a Slurm cluster in one command: each stage's array, chained by dependent jobs.
 
-    python experiments/gpu_study.py submit --data DATA.yaml [--config STUDY.yaml] [--runs RUNS] [--entry E]
+    python experiments/gpu_study_submit.py --data DATA.yaml [--config STUDY.yaml] [--runs RUNS] [--entry E]
 
 :func:`advance` reads the study's runs folder and does what comes next, in the order of the study file's
 stages: a stage whose seeds are left to power first gets them from the power stage's runs
@@ -29,6 +29,7 @@ go to the array with ``--export=ALL,...``, whatever the site's default export.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import hashlib
 import json
@@ -74,7 +75,7 @@ def tool(name: str) -> str:
     found = shutil.which(name)
     if not found:
         raise ValueError(
-            f"{name} is not on PATH: run `gpu_study.py submit` on a Slurm login node (load Slurm's module first); "
+            f"{name} is not on PATH: run `gpu_study_submit.py` on a Slurm login node (load Slurm's module first); "
             "without Slurm a task runs by hand: bash launch/slurm/gpu_study.sbatch --dry-run prints its commands"
         )
     return found
@@ -351,7 +352,7 @@ def next_step(study: dict[str, Any], options: dict[str, Any], state: dict[str, A
                 names = [gpu_study.task(current, i, stage).run_name for i in todo]
                 message = (f"stage {stage}: tasks {array_spec(todo)} did not finish ({', '.join(names)}): read their "
                            f"logs in {os.path.join(runs, 'logs')}, fix the cause, then run the same "
-                           "`gpu_study.py submit` command again (it submits only the unfinished tasks)")  # fmt: skip
+                           "`gpu_study_submit.py` command again (it submits only the unfinished tasks)")  # fmt: skip
                 raise ValueError(message)
             name = ARRAY_NAME.format(stage=stage)
             throttle = f"%{options['max_running']}" if options["max_running"] else ""
@@ -412,8 +413,15 @@ def verdict_files(study: dict[str, Any], runs: str) -> str:
     return ", ".join(os.path.join(runs, "tables", s, "sweep.md") + " (sweep.json)" for s in stages)
 
 
-def main(args: Any) -> None:
-    """``gpu_study.py submit``: :func:`advance` with the command line's files; exits 1 when the chain stopped."""
+def main(argv: list[str] | None = None) -> None:
+    """:func:`advance` with the command line's files; exits 1 when the chain stopped."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/gpu_study/study.yaml", help="the study file")
+    parser.add_argument("--data", default=None, help="the site's data file (default: NTL_STUDY_DATA)")
+    parser.add_argument("--runs", default=None, help="the study's runs folder (default: $NTL_RUNS/gpu-study)")
+    parser.add_argument("--entry", default=None, help="gpu_study.sbatch's --entry (default: its own)")
+    parser.add_argument("--after", default=None, help="in the chain's own jobs: the stage whose array ended")
+    args = parser.parse_args(argv)
     data = args.data or os.environ.get("NTL_STUDY_DATA") or ""
     runs = args.runs or os.path.join(os.environ.get("NTL_RUNS") or os.path.join(ROOT, "runs"), "gpu-study")
     try:
@@ -423,5 +431,9 @@ def main(args: Any) -> None:
             state = read_state(runs)
             state["status"], state["message"] = "stopped", str(e)
             write_state(runs, state)
-        raise
+        raise SystemExit(f"gpu_study_submit.py: {e}") from None
     sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""The GPU study end to end at CPU size: one `gpu_study.py submit` on a local Slurm cluster.
+"""The GPU study end to end at CPU size: one `gpu_study_submit.py` on a local Slurm cluster.
 
 configs/gpu_study/ci.yaml (one tiny Llama-style size, CE and CE + 0.3 NTL-WAS, 2 seeds, 5 iterations)
 on data built offline (tests/helpers/gpu_study_data.py: a Llama-3-style BPE, Megatron indexed corpora
@@ -141,7 +141,7 @@ def test_one_command_runs_pilot_power_main_and_tables_through_slurm_dependencies
            "NTL_PYTHON": sys.executable, "NTL_HARNESS_ENTRY": f"tests/helpers/megatron_lm_cpu.py {lm_eval_main}",
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
     args = ["--config", CONFIG, "--data", str(data), "--runs", str(runs), "--entry", ENTRY]
-    submit = [sys.executable, "experiments/gpu_study.py", "submit", *args]
+    submit = [sys.executable, "experiments/gpu_study_submit.py", *args]
     arm, seeds = "CE + NTL-WAS 0.3", (0, 1)
     runs_of = {(a, s): runs / "tiny" / gpu_study.slug(a) / f"seed{s}" for a in ("CE", arm) for s in seeds}
     broken = runs_of[arm, 1]  # task 3: its evaluation fails (eval.log is a folder: the script cannot clear it)

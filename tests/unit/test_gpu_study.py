@@ -422,7 +422,7 @@ def test_the_documented_cost_tables_are_the_study_file_s(study):
     assert block.group(1).strip() == "\n\n".join(gpu_study.cost_markdown(study, s, assumed) for s in study["stages"])
 
 
-# 7. The one command (`gpu_study.py submit`): what it would submit, and its errors -----------------------
+# 7. The one command (`gpu_study_submit.py`): what it would submit, and its errors -----------------------
 
 
 def test_array_spec_lists_the_unfinished_tasks_as_sbatch_ranges(tmp_path):
@@ -451,7 +451,7 @@ def _submit_files(tmp_path, study_change=None, data_change=None):
     study.update(study_change or {})
     (tmp_path / "study.yaml").write_text(yaml.safe_dump(study, sort_keys=False))  # the stages' order matters
     (tmp_path / "data.yaml").write_text(yaml.safe_dump({**DATA, **(data_change or {})}))
-    return ["submit", "--config", str(tmp_path / "study.yaml"), "--data", str(tmp_path / "data.yaml"),
+    return ["--config", str(tmp_path / "study.yaml"), "--data", str(tmp_path / "data.yaml"),
             "--runs", str(tmp_path / "runs")]  # fmt: skip
 
 
@@ -460,25 +460,25 @@ def test_submit_errors_name_the_fix(tmp_path, monkeypatch):
 
     args = _submit_files(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
-    with pytest.raises(SystemExit, match=r"sbatch is not on PATH: run `gpu_study.py submit` on a Slurm login node"):
-        gpu_study.main(args)
+    with pytest.raises(SystemExit, match=r"sbatch is not on PATH: run `gpu_study_submit.py` on a Slurm login node"):
+        gpu_study_submit.main(args)
     monkeypatch.undo()
     power = {k: v for k, v in gpu_study.load(CI)["power"].items() if k not in ("effects", "max_seeds")}
     with pytest.raises(SystemExit, match=r"leave seeds to 'power', but the power section lacks \['max_seeds', "
                        r"'effects'\]: add power: \{stage, alpha"):  # fmt: skip
-        gpu_study.main(_submit_files(tmp_path, {"power": power}))
+        gpu_study_submit.main(_submit_files(tmp_path, {"power": power}))
     with pytest.raises(SystemExit, match=r"power.stage = 'main': expected a stage before 'main'"):
-        gpu_study.main(_submit_files(tmp_path, {"power": {**gpu_study.load(CI)["power"], "stage": "main"}}))
+        gpu_study_submit.main(_submit_files(tmp_path, {"power": {**gpu_study.load(CI)["power"], "stage": "main"}}))
     with pytest.raises(SystemExit, match=r"slurm.array = \['partition=gpu'\]: expected sbatch options such as"):
-        gpu_study.main(_submit_files(tmp_path, data_change={"slurm": {"array": ["partition=gpu"]}}))
+        gpu_study_submit.main(_submit_files(tmp_path, data_change={"slurm": {"array": ["partition=gpu"]}}))
     with pytest.raises(SystemExit, match=r"data file .*none.yaml' does not exist"):
-        gpu_study.main([*args[:4], str(tmp_path / "none.yaml"), *args[5:]])
+        gpu_study_submit.main([*args[:3], str(tmp_path / "none.yaml"), *args[4:]])
     # a runs folder started from another study file
     runs = tmp_path / "runs"
     runs.mkdir(exist_ok=True)
     (runs / "submit.json").write_text(json.dumps({"config": "/x.yaml", "config_sha256": "0" * 64, "jobs": []}))
     with pytest.raises(SystemExit, match=r"holds a study submitted from /x.yaml .*choose another --runs"):
-        gpu_study.main(_submit_files(tmp_path))
+        gpu_study_submit.main(_submit_files(tmp_path))
     assert gpu_study_submit.STATE == "submit.json"
 
 
@@ -553,7 +553,7 @@ def _advance(tmp_path, **data_change):
     import gpu_study_submit
 
     args = _submit_files(tmp_path, data_change=data_change)
-    return gpu_study_submit.advance(args[2], args[4], args[6])
+    return gpu_study_submit.advance(args[1], args[3], args[5])
 
 
 def test_submit_sees_a_teammate_s_jobs_and_retries_squeue(tmp_path, monkeypatch, fake_slurm):
@@ -613,6 +613,8 @@ def test_without_flock_an_exclusive_lock_file_names_its_holder(tmp_path, monkeyp
 
 
 def test_the_array_gets_its_variables_whatever_the_site_exports(tmp_path, monkeypatch, fake_slurm):
+    import gpu_study_submit
+
     monkeypatch.setenv("SBATCH_EXPORT", "NONE")
     assert _advance(tmp_path, slurm={"array": ["--partition=gpu"], "max_running": 2}) == "submitted"
     table = fake_slurm()
@@ -626,9 +628,9 @@ def test_the_array_gets_its_variables_whatever_the_site_exports(tmp_path, monkey
                  "--export=NONE", "--parsable", "-o x.out"]:  # fmt: skip
         name = {"-o": "--output"}.get(word[:2], word.split("=")[0])
         with pytest.raises(SystemExit, match=rf"slurm.array holds '{word}': `submit` sets {name} itself .*remove it"):
-            gpu_study.main(_submit_files(tmp_path / "x", data_change={"slurm": {"array": [word]}}))
+            gpu_study_submit.main(_submit_files(tmp_path / "x", data_change={"slurm": {"array": [word]}}))
     with pytest.raises(SystemExit, match=r"slurm.max_running = 0: expected a whole number >= 1"):
-        gpu_study.main(_submit_files(tmp_path / "x", data_change={"slurm": {"max_running": 0}}))
+        gpu_study_submit.main(_submit_files(tmp_path / "x", data_change={"slurm": {"max_running": 0}}))
 
 
 def test_a_runs_folder_refuses_another_data_file(tmp_path, fake_slurm):
