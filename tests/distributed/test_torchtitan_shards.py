@@ -74,7 +74,7 @@ def _reference(hidden, weight, labels, vocab):  # type: ignore[no-untyped-def]
 def _check(ctx: WorkerContext, path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.distributed.spmd_types import set_current_spmd_mesh
     from torchtitan.distributed.utils import set_spmd_backend
 
@@ -106,20 +106,10 @@ def _check(ctx: WorkerContext, path: str) -> None:
         (ours_loss + theirs_loss).backward()
         assert torch.equal(ours_loss, theirs_loss) and torch.equal(ours32.grad, theirs32.grad)  # bit for bit
 
-        wrapper = ChunkedLossWrapper.Config(num_chunks=4, loss_fn=config).build()
-        head = torch.nn.Linear(6, end - start, bias=False).double()
-        with torch.no_grad():
-            head.weight.copy_(weight[start:end])
-        wrapper.set_lm_head(head)
-        wrapper.loss_fn.begin_step(numbers)
-        h = hidden.clone().requires_grad_(True)
-        loss, _ = wrapper(h, labels, tokens)
-        loss.backward()
+        loss, h_got, w_got = _wrapped(ctx, config, weight[start:end], hidden, numbers, labels, tokens)
         torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
-        # A TP lm_head's backward sums the hidden-state gradient over the shards; this plain Linear does not.
-        torch.distributed.all_reduce(h.grad, group=ctx.tp_group)
-        torch.testing.assert_close(h.grad, h_grad, rtol=1e-6, atol=1e-7)  # accumulated in float32 by torchtitan
-        torch.testing.assert_close(head.weight.grad, w_grad[start:end], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(h_got, h_grad, rtol=1e-6, atol=1e-7)  # accumulated in float32 by torchtitan
+        torch.testing.assert_close(w_got, w_grad[start:end], rtol=1e-10, atol=1e-12)
 
         with pytest.raises(ValueError, match=r"logits have 17 vocabulary columns.*shard of 1[89]"):
             loss_fn(logits[..., :17], labels, tokens)  # neither shard's width: refused before any collective
@@ -159,22 +149,32 @@ def _check(ctx: WorkerContext, path: str) -> None:
     set_spmd_backend("spmd_types")
     with set_current_spmd_mesh(mesh):  # inside ChunkedLossWrapper: the fused op's gradients, to float32 rounding
         framework = NTLLoss.Config(number_vocab=path, vocab_size=V, weight=WEIGHT, ce_kernel="framework")
-        wrapper = ChunkedLossWrapper.Config(num_chunks=4, loss_fn=framework).build()
-        head = torch.nn.Linear(6, end - start, bias=False).double()
-        with torch.no_grad():
-            head.weight.copy_(weight[start:end])
-        wrapper.set_lm_head(head)
-        wrapper.loss_fn.begin_step(numbers)
-        h = hidden.clone().requires_grad_(True)
-        loss, _ = wrapper(h, labels, tokens)
-        loss.backward()
+        loss, h_got, w_got = _wrapped(ctx, framework, weight[start:end], hidden, numbers, labels, tokens)
         torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
-        torch.distributed.all_reduce(h.grad, group=ctx.tp_group)
-        torch.testing.assert_close(h.grad, h_grad, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(head.weight.grad, w_grad[start:end], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(h_got, h_grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w_got, w_grad[start:end], rtol=1e-5, atol=1e-6)
 
     # 7. strict SPMD type checking: both kernels on plain shards
     _typechecked(path, logits, labels, (start, end), expected)
+
+
+def _wrapped(ctx: WorkerContext, config, rows, hidden, numbers, labels, tokens):  # type: ignore[no-untyped-def]
+    """torchtitan's ``ChunkedLossWrapper`` (4 chunks) around ``config`` on a plain head of this rank's weight
+    ``rows``: the loss and the gradients of the hidden states (summed over the shards, as a TP lm_head's
+    backward does; this plain Linear does not) and of the rows."""
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    wrapper = ChunkedLossWrapper.Config(num_chunks=4, loss_fn=config).build()
+    head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False).double()
+    with torch.no_grad():
+        head.weight.copy_(rows)
+    wrapper.set_lm_head(head)
+    wrapper.loss_fn.begin_step(numbers)
+    h = hidden.clone().requires_grad_(True)
+    loss, _ = wrapper(h, labels, tokens)
+    loss.backward()
+    torch.distributed.all_reduce(h.grad, group=ctx.tp_group)
+    return loss, h.grad, head.weight.grad
 
 
 def _features(ctx: WorkerContext, mesh, path: str, logits, labels, columns) -> None:  # type: ignore[no-untyped-def]
