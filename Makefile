@@ -12,10 +12,11 @@ setup-dev:
 run: setup
 	bash scripts/run.sh
 
-# two test files at a time (pytest-xdist); make test TEST_WORKERS=0 runs them one after another
+# two test files at a time (pytest-xdist), the longest first (conftest.py); make test TEST_WORKERS=0 runs them one
+# after another
 TEST_WORKERS ?= 2
 test: setup-dev lint
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-unit:
 	$(PYTHON) -m pytest tests/unit
