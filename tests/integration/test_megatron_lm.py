@@ -21,29 +21,31 @@ Sections:
    tokenizer, data parallel 2, evaluation on: ``ntl loss`` is printed for validation without a perplexity.
 5. Errors: a tokenizer without a token table (``NullTokenizer``) and no ``--ntl-number-vocab``.
 6. Multi-token prediction with NTL and a z-loss (the reference of section 1's run).
-7. ``--ntl-chunked`` and ``--ntl-ce-kernel framework`` train like the logits route at TP=2.
+7. ``--ntl-chunked`` trains like the logits route (at TP=2 and at TP=1); ``--ntl-ce-kernel framework``
+   (the release's fused CE, NTL beside it) too, at TP=2.
 8. The README's smallest command (the header of ``configs/megatron/tiny_cpu.yaml``), run as written
    through the CPU harness (plus its CPU-only flags), from this checkout.
 
-Releases and layouts (pairwise, not a full cross product). Each release runs every path where our code
-meets code that differs between releases: the drop-in's argument hook (``parse_and_validate_args``
-since core 0.18, ``pretrain``'s ``extra_args_provider`` before), its ``pretrain``/``evaluate`` wrappers
-and the weight-0 hand-over (section 1), the tokenizer look-up (``get_tokenizer`` or the release's
-``build_tokenizer``) and number table (sections 2, 4, 5 on one release: the message is ours), the
-``GPTModel.compute_language_model_loss`` hook and the release's loss function, schedule and micro-batch
-scaling at 1 and 4 micro-batches (section 3), the ``torch_dist`` checkpoint save and load, resharded
-(section 3), the release's ``preprocess_data.py`` and evaluation loop (section 4), its MTP heads and
-their loss scaling (section 6), the chunked route's output-layer hook inside the release's
-``GPTModel.forward`` and the release's own fused CE (section 7), the YAML config (section 8). What does
-not depend on the release, our per-token math at a layout, runs once per layout: the resumes run at
-PP=2 on both releases (the release's pipeline schedule drives our step bookkeeping), at TP=1 on
-core_v0.16.1 and TP=2 on core_v0.19.0 (TP=2 training runs on both in sections 2 and 7; what the TP=2
-resume adds is the release's resharding load), and the control once. Each resume is also a split of
-the global batch (4 x 1 or 1 x 4 against the uninterrupted 2 x 2), so one launch checks both.
+Releases and layouts (pairwise, not a full cross product). Each release runs every path where our code meets
+code that differs between releases: the drop-in's argument hook (``parse_and_validate_args`` since core
+0.18, ``pretrain``'s ``extra_args_provider`` before), its ``pretrain``/``evaluate`` wrappers and the
+weight-0 hand-over (section 1); the tokenizer look-up (``get_tokenizer``, else the release's
+``build_tokenizer``) and the number table from the release's tokenizer classes (sections 2 and 4; section 5,
+our refusal, on the newer release); the ``compute_language_model_loss`` hook on the release's ``GPTModel``
+and ``loss_func`` (every NTL run); the release's schedule and micro-batch loss scaling at 1, 2 and 4
+micro-batches, and its ``torch_dist`` checkpoint saved and loaded resharded (section 3); its
+``preprocess_data.py`` and evaluation loop (section 4); its MTP heads and their loss scaling (section 6);
+the chunked route's output-layer hook inside the release's ``GPTModel.forward`` and the release's own fused
+CE (section 7); its ``training_log``, which every test parses. What does not depend on the release, our own
+math at a layout, runs once per layout: the resumes run at PP=2 on both releases (the release's pipeline
+schedule drives our step bookkeeping), at TP=1 on core_v0.16.1 and at TP=2 on core_v0.19.0 (TP=2 training
+runs on both releases in sections 2 and 7), the chunked route at TP=1 on core_v0.16.1 and at TP=2 on
+core_v0.19.0, and the control once. Each resume is also a split of the global batch (4 x 1 or 1 x 4 against
+the uninterrupted run's 2 x 2), so one launch checks both.
 
-Runs that several tests read are launched once per release (``Shared``, module-scoped): the weight-0
-MTP run (sections 1 and 6), the NTL run at TP=2 (sections 2 and 7) and the TP=1 run that saves the
-checkpoint section 3 starts from. Tests read their outputs and never write to them.
+Runs that several tests read are launched once per release (``Shared``, module-scoped): the weight-0 MTP run
+(sections 1 and 6), the NTL run at TP=2 (sections 2 and 7) and the TP=1 run that saves the checkpoint
+section 3 starts from (and section 7's TP=1 reference). Tests read their outputs and never write to them.
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def test_ntl_trains_at_tp2(tag, shared):
     """Section 2: NTL logged and falling at TP=2; the ignored fused-CE flag said once; a step without numbers is 0.
 
     That ``lm loss`` keeps the value of Megatron's cross entropy is checked against Megatron's own CE:
-    at TP=2 its fused kernel (``test_chunked_route_matches_logits_route``), at TP=1 plain Megatron
+    at TP=2 its fused kernel (``test_framework_ce_kernel_beside_ntl``), at TP=1 plain Megatron
     (``test_multi_token_prediction``).
     """
     trained = shared.ntl_tp2(tag)
@@ -326,27 +328,40 @@ def test_readme_command_runs_as_written(tag, tmp_path):
     assert run.validations and "ntl loss" in run.validations[0], run.validations  # --eval-interval 10
 
 
-@pytest.mark.parametrize("tag", mlm.RELEASES)
-def test_chunked_route_matches_logits_route(tag, tmp_path, shared):
-    """Section 7: --ntl-chunked (CE + NTL from hidden states, no logits) and --ntl-ce-kernel framework (Megatron's
-    fused CE, NTL beside it) train like the logits route at TP=2 (1e-5).
+@pytest.mark.parametrize(("tag", "layout"), [("core_v0.16.1", "tp1"), ("core_v0.19.0", "tp2")])
+def test_chunked_route_matches_logits_route(tag, layout, tmp_path, shared):
+    """Section 7: --ntl-chunked (CE + NTL from hidden states, no logits) trains like the logits route (1e-5).
 
-    The logits route is section 2's NTL run at TP=2 (8 iterations); the chunked run has its arguments. The
-    framework run's step-1 ``lm loss`` is Megatron's own CE on the same weights: the logits route's CE value
-    against Megatron's at TP=2.
+    The route's hook into the release's ``GPTModel.forward`` runs on both releases; its vocabulary-parallel
+    math is ours, so each layout runs once: at TP=2 against section 2's NTL run (NTL-WAS, micro-batch
+    normalisation, 8 iterations), at TP=1 against section 3's uninterrupted run (NTL-MSE, global
+    normalisation, 4 iterations), each with the reference's arguments.
+    """
+    if layout == "tp2":
+        args, reference, nproc = shared.ntl_tp2_args(), shared.ntl_tp2(tag), 2
+    else:
+        args, reference, nproc = shared.checkpoint_args(), shared.checkpointed(tag)[0], 1
+    chunked = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-chunked", "--ntl-chunk-tokens", "24"], nproc=nproc,
+                          workdir=tmp_path))  # fmt: skip
+    for key in ("lm loss", "ntl loss", "number accuracy"):
+        _close(chunked.losses(key), reference.losses(key), 1e-5)
+    _close(chunked.grad_norms(), reference.grad_norms(), 1e-5)
+
+
+@pytest.mark.parametrize("tag", mlm.RELEASES)
+def test_framework_ce_kernel_beside_ntl(tag, tmp_path, shared):
+    """Section 7: --ntl-ce-kernel framework (the release's own fused CE, NTL beside it) trains like the logits
+    route at TP=2.
+
+    The logits route is section 2's NTL run at TP=2 (8 iterations); this run has its arguments. Its step-1
+    ``lm loss`` is Megatron's own CE on the same weights: the logits route's CE value against Megatron's at TP=2.
     """
     args = shared.ntl_tp2_args()
     logits = shared.ntl_tp2(tag)
-    chunked = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-chunked", "--ntl-chunk-tokens", "24"], nproc=2,
-                          workdir=tmp_path))  # fmt: skip
-    for key in ("lm loss", "ntl loss", "number accuracy"):
-        _close(chunked.losses(key), logits.losses(key), 1e-5)
-    _close(chunked.grad_norms(), logits.grad_norms(), 1e-5)
-    # --ntl-ce-kernel framework: Megatron's own fused CE (--cross-entropy-loss-fusion, native) runs, NTL beside it
-    # from the logits shard. Step 1 (the same weights): the fused op's losses (1e-6); Megatron's native kernel returns
-    # its CE gradient in bfloat16, so the gradient norms and the later steps agree to that rounding (1e-3). No number
-    # accuracy (the arg-max among
-    # the number columns is logged as number choice accuracy), nothing ignored.
+    # Megatron's own fused CE (--cross-entropy-loss-fusion, native) runs, NTL beside it from the logits shard.
+    # Step 1 (the same weights): the fused op's losses (1e-6); Megatron's native kernel returns its CE gradient
+    # in bfloat16, so the gradient norms and the later steps agree to that rounding (1e-3). No number accuracy
+    # (the arg-max among the number columns is logged as number choice accuracy), nothing ignored.
     framework = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-ce-kernel", "framework"], nproc=2, workdir=tmp_path))
     for key in ("lm loss", "ntl loss"):
         _close({1: framework.losses(key)[1]}, {1: logits.losses(key)[1]}, 1e-6)
