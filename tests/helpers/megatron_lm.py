@@ -3,9 +3,10 @@
 ``checkout(tag)`` extracts ``megatron-lm-<tag>.tar.gz`` once into a cache folder and builds the dataset
 helpers with Megatron's own ``make`` (pybind11 and a C++ compiler come from ``scripts/setup.sh``), or
 uses ``MEGATRON_LM_PATH`` when set. ``run(...)`` launches a script of the checkout (or our drop-in)
-under ``torch.distributed.run`` through ``tests/helpers/megatron_lm_cpu.py`` (one process: started
-directly with the variables torchrun sets) and returns the per-iteration trace (full-precision losses
-and gradient norm) and the output.
+through ``tests/helpers/megatron_lm_cpu.py`` in ``nproc`` ranks started with the variables torchrun sets
+(one process directly, several by ``tests/helpers/spawn_ranks.py``; ``torchrun=True``: under
+``torch.distributed.run`` itself) and returns the per-iteration trace (full-precision losses and
+gradient norm) and the output.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 THIRD_PARTY = ROOT.parent / "shared" / "third_party"
 RELEASES = ("core_v0.16.1", "core_v0.19.0")
 HARNESS = ROOT / "tests" / "helpers" / "megatron_lm_cpu.py"
+SPAWN = ROOT / "tests" / "helpers" / "spawn_ranks.py"
 DROP_IN = ROOT / "launch" / "pretrain_gpt_ntl.py"
 CACHE = Path(os.environ.get("NTL_SCALE_CACHE", Path.home() / ".cache" / "ntl_scale")) / "third_party"
 
@@ -118,22 +120,25 @@ def run(
     torchrun: bool = False,
 ) -> Run:
     """Runs ``script`` (relative to ``cwd``, by default the checkout, or absolute) in ``nproc`` CPU processes
-    (under torchrun; one process without it, unless ``torchrun``)."""
+    (started with torchrun's variables; under ``torch.distributed.run`` itself with ``torchrun``)."""
     path = checkout(tag)
     workdir.mkdir(parents=True, exist_ok=True)
     trace = workdir / f"trace-{free_port()}.jsonl"
     env = _env()
     env["MEGATRON_LM_PATH"] = str(path)
     env["NTL_TEST_TRACE"] = str(trace)
-    if nproc == 1 and not torchrun:  # the rank torchrun would start, with its variables, without torchrun
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
-        command = [sys.executable, "-u", str(HARNESS), str(script), *args]
-    else:
+    if torchrun:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
             str(free_port()), str(HARNESS), str(script), *args,
         ]  # fmt: skip
+    elif nproc == 1:  # the rank torchrun would start, with its variables, without torchrun
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+        command = [sys.executable, "-u", str(HARNESS), str(script), *args]
+    else:  # the ranks torchrun would start, by a starter that does not import torch
+        command = [sys.executable, str(SPAWN), str(nproc), str(free_port()), "--", sys.executable, "-u",
+                   str(HARNESS), str(script), *args]  # fmt: skip
     done = run_launch(command, cwd=path if cwd is None else cwd, env=env, timeout=timeout)
     records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
     training = [r for r in records if "validation" not in r]

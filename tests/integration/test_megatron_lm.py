@@ -4,32 +4,55 @@ Every run is the checkout's own ``pretrain_gpt.py`` (directly, or under our drop
 processes over gloo, with CUDA-only calls redirected by ``tests/helpers/megatron_lm_cpu.py``; the
 per-iteration losses and gradient norm come from Megatron's own ``training_log`` at full precision.
 
-Sections, each for both releases:
-1. ``--ntl-weight 0`` logs exactly what plain ``pretrain_gpt.py`` logs, at TP=2 (the drop-in then hands
-   Megatron the release's own ``forward_step`` itself, whatever the layout; NTL at PP=2 is section 2's).
-2. NTL on: the step-1 ``lm loss`` equals plain Megatron's, ``ntl loss`` and ``number accuracy`` are
-   logged and the loss falls, the ignored ``--cross-entropy-loss-fusion`` is said once; a TP=1 run's
-   checkpoint (Megatron's ``--save``, ``torch_dist``) resumed at TP=1, TP=2 and PP=2 logs the
-   uninterrupted run's losses (1e-5).
-3. ``--ntl-normalization global``: the first-step gradient norm is the same for micro-batch splits
-   1 x 4, 2 x 2 and 4 x 1 (and, as a control, the micro-batch mean is not).
+Sections:
+1. ``--ntl-weight 0`` (with the other ``--ntl-*`` flags given) logs exactly what plain ``pretrain_gpt.py``
+   logs, bit for bit: training losses, MTP losses, gradient norms and evaluation (the drop-in then hands
+   Megatron the release's own ``forward_step`` itself, whatever the layout).
+2. NTL on at TP=2: ``ntl loss`` and ``number accuracy`` are logged and the loss falls, a step without
+   number tokens logs 0, the ignored ``--cross-entropy-loss-fusion`` is said once. The ``lm loss`` is
+   Megatron's cross entropy: at TP=2 against Megatron's own fused CE (``--ntl-ce-kernel framework``,
+   section 7), at TP=1 against plain Megatron (section 6).
+3. Resume and global normalisation: a TP=1 run with ``--ntl-normalization global`` (micro-batch 2,
+   ``torch_dist`` checkpoints) resumed from iteration 2 at another layout *and* another micro-batch split
+   logs the uninterrupted run's losses and gradient norms (1e-5): the gradient of CE/T + 0.3 NTL/K
+   depends on neither. As a control, the paper's per-micro-batch mean does move with the split.
 4. Real data: an indexed dataset made by the release's ``tools/preprocess_data.py`` from our
    arithmetic text with a Hugging Face tokenizer built offline, the number table read from that
-   tokenizer, evaluation on: ``ntl loss`` is printed for validation without a perplexity.
+   tokenizer, data parallel 2, evaluation on: ``ntl loss`` is printed for validation without a perplexity.
 5. Errors: a tokenizer without a token table (``NullTokenizer``) and no ``--ntl-number-vocab``.
-6. The README's smallest command (the header of ``configs/megatron/tiny_cpu.yaml``), run as written
+6. Multi-token prediction with NTL and a z-loss (the reference of section 1's run).
+7. ``--ntl-chunked`` trains like the logits route (at TP=2 and at TP=1); ``--ntl-ce-kernel framework``
+   (the release's fused CE, NTL beside it) too, at TP=2.
+8. The README's smallest command (the header of ``configs/megatron/tiny_cpu.yaml``), run as written
    through the CPU harness (plus its CPU-only flags), from this checkout.
 
-Runs that several sections read are launched once per release (``Shared``, module-scoped): plain
-Megatron at TP=2 (sections 1 and 2), the NTL run at TP=2 (section 2 and the chunked route's
-reference), and the TP=1 run that saves the checkpoint sections 2 and 3 start from. Tests read their
-outputs and never write to them.
+Releases and layouts (pairwise, not a full cross product). Each release runs every path where our code meets
+code that differs between releases: the drop-in's argument hook (``parse_and_validate_args`` since core
+0.18, ``pretrain``'s ``extra_args_provider`` before), its ``pretrain``/``evaluate`` wrappers and the
+weight-0 hand-over (section 1); the tokenizer look-up (``get_tokenizer``, else the release's
+``build_tokenizer``) and the number table from the release's tokenizer classes (sections 2 and 4; section 5,
+our refusal, on the newer release); the ``compute_language_model_loss`` hook on the release's ``GPTModel``
+and ``loss_func`` (every NTL run); the release's schedule and micro-batch loss scaling at 1, 2 and 4
+micro-batches, and its ``torch_dist`` checkpoint saved and loaded resharded (section 3); its
+``preprocess_data.py`` and evaluation loop (section 4); its MTP heads and their loss scaling (section 6);
+the chunked route's output-layer hook inside the release's ``GPTModel.forward`` and the release's own fused
+CE (section 7); its ``training_log``, which every test parses. What does not depend on the release, our own
+math at a layout, runs once per layout: the resumes run at PP=2 on both releases (the release's pipeline
+schedule drives our step bookkeeping), at TP=1 on core_v0.16.1 and at TP=2 on core_v0.19.0 (TP=2 training
+runs on both releases in sections 2 and 7), the chunked route at TP=1 on core_v0.16.1 and at TP=2 on
+core_v0.19.0, and the control once. Each resume is also a split of the global batch (4 x 1 or 1 x 4 against
+the uninterrupted run's 2 x 2), so one launch checks both.
+
+Runs that several tests read are launched once per release (``Shared``, module-scoped): the weight-0 MTP run
+(sections 1 and 6), the NTL run at TP=2 (sections 2 and 7) and the TP=1 run that saves the checkpoint
+section 3 starts from (and section 7's TP=1 reference). Tests read their outputs and never write to them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -65,7 +88,8 @@ class Shared:
     """The runs several tests compare against, launched on first use, once per release."""
 
     def __init__(self, root: Path, numbers_json: str) -> None:
-        self.root, self.ntl = root, ["--ntl-weight", "0.3", "--ntl-number-vocab", numbers_json]
+        self.root, self.numbers_json = root, numbers_json
+        self.ntl = ["--ntl-weight", "0.3", "--ntl-number-vocab", numbers_json]
         self.runs: dict[tuple[str, str], mlm.Run] = {}
 
     def _run(self, tag: str, name: str, script, args: list[str], nproc: int) -> mlm.Run:
@@ -73,9 +97,16 @@ class Shared:
             self.runs[tag, name] = _ok(mlm.run(tag, script, args, nproc=nproc, workdir=self.root / tag / name))
         return self.runs[tag, name]
 
-    def plain_tp2(self, tag: str) -> mlm.Run:
-        """Plain ``pretrain_gpt.py`` at TP=2, 3 iterations."""
-        return self._run(tag, "plain_tp2", "pretrain_gpt.py", [*mlm.tiny_args(), *MOCK, *TP2], 2)
+    @staticmethod
+    def mtp_args() -> list[str]:
+        """A GPT with one MTP head, rope, ``--lr 0`` and an evaluation at iteration 2 (2 iterations, TP=1)."""
+        return [*mlm.tiny_args(iters=2), *MOCK, "--mtp-num-layers", "1", "--position-embedding-type", "rope",
+                "--lr", "0", "--split", "80,20,0", "--eval-interval", "2", "--eval-iters", "1"]  # fmt: skip
+
+    def mtp_off(self, tag: str) -> mlm.Run:
+        """The drop-in with ``--ntl-weight 0`` (and a number table given) on :meth:`mtp_args`, one process."""
+        args = [*self.mtp_args(), "--ntl-weight", "0", "--ntl-number-vocab", self.numbers_json]
+        return self._run(tag, "mtp_off", mlm.DROP_IN, args, 1)
 
     def ntl_tp2_args(self) -> list[str]:
         # Megatron's fused CE flag, which NTL replaces: the run must say so (once) and train as without it.
@@ -85,9 +116,11 @@ class Shared:
         """The drop-in at TP=2 with NTL-WAS (0.3) through the logits, 8 iterations."""
         return self._run(tag, "ntl_tp2", mlm.DROP_IN, self.ntl_tp2_args(), 2)
 
-    def checkpoint_args(self) -> list[str]:
-        """The TP=1 run's arguments, also those of the runs resumed from its checkpoint (without --save)."""
-        return [*mlm.tiny_args(iters=4), *MOCK, *self.ntl]
+    def checkpoint_args(self, micro_batch: int = 2) -> list[str]:
+        """The TP=1 run's arguments (NTL-MSE, global normalisation, micro-batch 2 of a global batch of 4),
+        also those of the runs resumed from its checkpoint (without --save, with their own micro-batch)."""
+        return [*mlm.tiny_args(iters=4, micro_batch=micro_batch, global_batch=4), *MOCK, *self.ntl, "--ntl-loss",
+                "mse", "--ntl-normalization", "global"]  # fmt: skip
 
     def checkpointed(self, tag: str) -> tuple[mlm.Run, Path]:
         """The drop-in at TP=1 (one process), 4 iterations, a ``torch_dist`` checkpoint every 2; and its folder."""
@@ -107,30 +140,37 @@ def _close(a: dict[int, float], b: dict[int, float], rel: float) -> None:
         assert math.isclose(a[k], b[k], rel_tol=rel, abs_tol=rel), (k, a[k], b[k])
 
 
+def _mtp_losses(run: mlm.Run) -> list[float]:
+    """The ``mtp_1 loss`` values Megatron prints (its MTP loss tracker; not in ``training_log``'s loss_dict)."""
+    return [float(v) for v in re.findall(r"mtp_1 loss: ([0-9.E+-]+)", run.output)]
+
+
 @pytest.mark.parametrize("tag", mlm.RELEASES)
 def test_ntl_off_is_plain_megatron(tag, tmp_path, shared):
-    """Section 1: --ntl-weight 0 changes nothing, bit for bit (TP=2).
+    """Section 1: --ntl-weight 0 changes nothing, bit for bit: losses, MTP losses, gradient norms, evaluation.
 
     With weight 0 ``forward_step_from_args`` returns the release's ``forward_step`` itself and the
     evaluation wrapper passes Megatron's totals through: no code of ours depends on the layout there,
-    so one layout (the tensor-parallel one, whose plain run section 2 also reads) covers it.
+    so one layout (TP=1, on section 6's configuration, whose weight-0 run section 6 also reads) covers it.
     """
-    args = [*mlm.tiny_args(), *MOCK, *TP2]
-    plain = shared.plain_tp2(tag)
-    off = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-weight", "0"], nproc=2, workdir=tmp_path))
+    plain = _ok(mlm.run(tag, "pretrain_gpt.py", shared.mtp_args(), nproc=1, workdir=tmp_path))
+    off = shared.mtp_off(tag)
     assert [r["losses"] for r in off.trace] == [r["losses"] for r in plain.trace]
     assert off.grad_norms() == plain.grad_norms()
-    assert len(plain.trace) == 3
+    assert off.validations == plain.validations and plain.validations, (off.validations, plain.validations)
+    assert _mtp_losses(off) == _mtp_losses(plain) and _mtp_losses(plain), mlm.tail(plain.output)
+    assert len(plain.trace) == 2
 
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)
-def test_ntl_trains_and_resumes_across_layouts(tag, tmp_path, shared):
-    """Section 2: CE as Megatron's, NTL logged and falling; TP=1 checkpoint resumed at TP=1, TP=2, PP=2."""
-    plain = shared.plain_tp2(tag)
+def test_ntl_trains_at_tp2(tag, shared):
+    """Section 2: NTL logged and falling at TP=2; the ignored fused-CE flag said once; a step without numbers is 0.
+
+    That ``lm loss`` keeps the value of Megatron's cross entropy is checked against Megatron's own CE:
+    at TP=2 its fused kernel (``test_framework_ce_kernel_beside_ntl``), at TP=1 plain Megatron
+    (``test_multi_token_prediction``).
+    """
     trained = shared.ntl_tp2(tag)
-    # The value of lm loss stays the cross entropy; our op computes it (not Megatron's kernel): 1e-6.
-    # Step 1 only: plain Megatron trains without NTL from there on.
-    _close({1: trained.losses()[1]}, {1: plain.losses()[1]}, 1e-6)
     assert " ntl loss: " in trained.output and "number accuracy" in trained.trace[0]["losses"]
     ignored = "--cross-entropy-loss-fusion (--cross-entropy-fusion-impl native) is ignored with --ntl-weight > 0"
     assert trained.output.count(ignored) == 1, mlm.tail(trained.output)  # said once, by rank 0 of 2
@@ -141,44 +181,59 @@ def test_ntl_trains_and_resumes_across_layouts(tag, tmp_path, shared):
     lm = trained.losses()
     assert lm[8] < lm[1] - 0.05, lm
 
-    whole, ckpt = shared.checkpointed(tag)
-    args = shared.checkpoint_args()
-    assert (ckpt / "iter_0000002").is_dir()
-    for nproc, layout in ((1, []), (2, TP2), (2, ["--pipeline-model-parallel-size", "2"])):
-        resumed = _ok(mlm.run(tag, mlm.DROP_IN, [*args, *layout, "--load", str(ckpt), "--ckpt-step", "2"],
-                              nproc=nproc, workdir=tmp_path))  # fmt: skip
-        assert sorted(resumed.losses()) == [3, 4], (layout, resumed.trace)
-        for key in ("lm loss", "ntl loss"):
-            _close(resumed.losses(key), {k: v for k, v in whole.losses(key).items() if k > 2}, 1e-5)
-        _close(resumed.grad_norms(), {k: v for k, v in whole.grad_norms().items() if k > 2}, 1e-5)
+
+PP2 = ["--pipeline-model-parallel-size", "2"]
+# (release, layout name, processes, layout flags, micro-batch size): each release resumes at PP=2 and at one
+# other layout; each resume also splits the global batch of 4 differently from the checkpoint's run (2 x 2).
+RESUMES = [
+    ("core_v0.16.1", "tp1", 1, [], 4),
+    ("core_v0.16.1", "pp2", 2, PP2, 1),
+    ("core_v0.19.0", "tp2", 2, TP2, 4),
+    ("core_v0.19.0", "pp2", 2, PP2, 1),
+]
 
 
-@pytest.mark.parametrize("tag", mlm.RELEASES)
-def test_global_normalisation_is_split_invariant(tag, tmp_path, numbers_json, shared):
-    """Section 3: the gradient of CE/T + 0.3 NTL/K does not depend on the micro-batch split.
-
-    All splits start from one checkpoint (section 2's TP=1 run at iteration 2): plain Megatron itself
-    logs different first-step losses for micro-batch sizes 4 and 2 of the same samples when each run
-    initialises its own model (measured here on both releases), so only a shared starting point
-    isolates the loss. The runs go to iteration 4, as the checkpoint's run (Megatron refuses another
-    schedule length); iteration 3 is compared.
-    """
-    common = [*MOCK, "--ntl-weight", "0.3", "--ntl-number-vocab", numbers_json, "--ntl-loss", "mse"]
+def _resume(shared: Shared, tag: str, tmp_path: Path, nproc: int, layout: list[str], micro_batch: int,
+            extra: tuple[str, ...] = ()) -> mlm.Run:  # fmt: skip
+    """The checkpoint's run resumed from iteration 2 (to iteration 4: Megatron refuses another schedule length)."""
     _, ckpt = shared.checkpointed(tag)
-    # Iteration 3 of this data has number tokens in some micro-batches only (iteration 2 has none).
+    assert (ckpt / "iter_0000002").is_dir()
+    args = [*shared.checkpoint_args(micro_batch), *layout, *extra, "--load", str(ckpt), "--ckpt-step", "2"]
+    return _ok(mlm.run(tag, mlm.DROP_IN, args, nproc=nproc, workdir=tmp_path))
 
-    def third_step(micro_batch: int, normalization: str) -> float:
-        args = [*mlm.tiny_args(iters=4, micro_batch=micro_batch, global_batch=4), *common, "--load", str(ckpt),
-                "--ckpt-step", "2", "--ntl-normalization", normalization]  # fmt: skip
-        run = _ok(mlm.run(tag, mlm.DROP_IN, args, nproc=1, workdir=tmp_path))
-        assert run.losses("ntl loss")[3] > 0, run.trace
-        return run.grad_norms()[3]
 
-    norms = {mbs: third_step(mbs, "global") for mbs in (4, 2, 1)}
-    assert math.isclose(norms[4], norms[2], rel_tol=1e-5) and math.isclose(norms[4], norms[1], rel_tol=1e-5), norms
-    # Control: the paper's per-micro-batch mean weighs number tokens by their micro-batch, so it moves.
-    per_micro_batch = third_step(1, "micro-batch")
-    assert not math.isclose(per_micro_batch, norms[1], rel_tol=1e-4), (per_micro_batch, norms)
+@pytest.mark.parametrize(
+    ("tag", "name", "nproc", "layout", "micro_batch"), RESUMES, ids=[f"{r[0]}-{r[1]}-mbs{r[4]}" for r in RESUMES]
+)
+def test_resume_at_another_layout_and_split(tag, name, nproc, layout, micro_batch, tmp_path, shared):
+    """Section 3: the TP=1, 2 x 2 run's checkpoint resumed at ``layout`` with another micro-batch split logs the
+    uninterrupted run's losses and gradient norms (1e-5), with global normalisation.
+
+    Iteration 3 of this data has number tokens in some micro-batches only (iteration 2 has none), so a
+    per-micro-batch weighting would move its gradient (``test_micro_batch_mean_depends_on_the_split``).
+    All splits start from one checkpoint: plain Megatron itself logs different first-step losses for
+    micro-batch sizes 4 and 2 of the same samples when each run initialises its own model (measured here
+    on both releases), so only a shared starting point isolates the loss.
+    """
+    whole, _ = shared.checkpointed(tag)
+    resumed = _resume(shared, tag, tmp_path, nproc, layout, micro_batch)
+    assert sorted(resumed.losses()) == [3, 4], resumed.trace
+    assert resumed.losses("ntl loss")[3] > 0, resumed.trace
+    for key in ("lm loss", "ntl loss"):
+        _close(resumed.losses(key), {k: v for k, v in whole.losses(key).items() if k > 2}, 1e-5)
+    _close(resumed.grad_norms(), {k: v for k, v in whole.grad_norms().items() if k > 2}, 1e-5)
+
+
+def test_micro_batch_mean_depends_on_the_split(tmp_path, shared):
+    """Section 3's control: the paper's per-micro-batch NTL mean weighs number tokens by their micro-batch, so at
+    1 x 4 its iteration-3 gradient differs from the global one (which every split shares). Our math alone: one
+    release."""
+    tag = mlm.RELEASES[0]
+    whole, _ = shared.checkpointed(tag)
+    per_micro_batch = _resume(shared, tag, tmp_path, 1, [], 1, ("--ntl-normalization", "micro-batch"))
+    assert per_micro_batch.losses("ntl loss")[3] > 0, per_micro_batch.trace
+    norm, reference = per_micro_batch.grad_norms()[3], whole.grad_norms()[3]
+    assert not math.isclose(norm, reference, rel_tol=1e-4), (norm, reference)
 
 
 def _arithmetic_corpus(tmp_path: Path) -> tuple[Path, Path]:
@@ -201,7 +256,7 @@ def _arithmetic_corpus(tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)
 def test_real_data_tokenizer_and_evaluation(tag, tmp_path):
-    """Section 4: preprocess_data.py + a Hugging Face tokenizer + evaluation, numbers read from the tokenizer."""
+    """Section 4: preprocess_data.py + a Hugging Face tokenizer + evaluation (DP=2), numbers read from the tokenizer."""
     data, tokenizer = _arithmetic_corpus(tmp_path)
     prefix = tmp_path / "arith"
     done = mlm.run_tool(
@@ -251,7 +306,7 @@ def header_command(path: Path, script: str) -> list[str]:
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)
 def test_readme_command_runs_as_written(tag, tmp_path):
-    """Section 6: the smallest Megatron-LM command of README.md and docs/megatron.md trains from this checkout.
+    """Section 8: the smallest Megatron-LM command of README.md and docs/megatron.md trains from this checkout.
 
     Taken from the header of configs/megatron/tiny_cpu.yaml (the README's row points there and
     docs/megatron.md prints it); ``torchrun`` becomes ``torch.distributed.run`` with the CPU harness before
@@ -273,25 +328,40 @@ def test_readme_command_runs_as_written(tag, tmp_path):
     assert run.validations and "ntl loss" in run.validations[0], run.validations  # --eval-interval 10
 
 
-@pytest.mark.parametrize("tag", mlm.RELEASES)
-def test_chunked_route_matches_logits_route(tag, tmp_path, shared):
-    """--ntl-chunked (CE + NTL from hidden states, no logits) and --ntl-ce-kernel framework (Megatron's fused CE,
-    NTL beside it) train like the logits route at TP=2 (1e-5).
+@pytest.mark.parametrize(("tag", "layout"), [("core_v0.16.1", "tp1"), ("core_v0.19.0", "tp2")])
+def test_chunked_route_matches_logits_route(tag, layout, tmp_path, shared):
+    """Section 7: --ntl-chunked (CE + NTL from hidden states, no logits) trains like the logits route (1e-5).
 
-    The logits route is section 2's NTL run at TP=2 (8 iterations); the chunked run has its arguments.
+    The route's hook into the release's ``GPTModel.forward`` runs on both releases; its vocabulary-parallel
+    math is ours, so each layout runs once: at TP=2 against section 2's NTL run (NTL-WAS, micro-batch
+    normalisation, 8 iterations), at TP=1 against section 3's uninterrupted run (NTL-MSE, global
+    normalisation, 4 iterations), each with the reference's arguments.
+    """
+    if layout == "tp2":
+        args, reference, nproc = shared.ntl_tp2_args(), shared.ntl_tp2(tag), 2
+    else:
+        args, reference, nproc = shared.checkpoint_args(), shared.checkpointed(tag)[0], 1
+    chunked = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-chunked", "--ntl-chunk-tokens", "24"], nproc=nproc,
+                          workdir=tmp_path))  # fmt: skip
+    for key in ("lm loss", "ntl loss", "number accuracy"):
+        _close(chunked.losses(key), reference.losses(key), 1e-5)
+    _close(chunked.grad_norms(), reference.grad_norms(), 1e-5)
+
+
+@pytest.mark.parametrize("tag", mlm.RELEASES)
+def test_framework_ce_kernel_beside_ntl(tag, tmp_path, shared):
+    """Section 7: --ntl-ce-kernel framework (the release's own fused CE, NTL beside it) trains like the logits
+    route at TP=2.
+
+    The logits route is section 2's NTL run at TP=2 (8 iterations); this run has its arguments. Its step-1
+    ``lm loss`` is Megatron's own CE on the same weights: the logits route's CE value against Megatron's at TP=2.
     """
     args = shared.ntl_tp2_args()
     logits = shared.ntl_tp2(tag)
-    chunked = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-chunked", "--ntl-chunk-tokens", "24"], nproc=2,
-                          workdir=tmp_path))  # fmt: skip
-    for key in ("lm loss", "ntl loss", "number accuracy"):
-        _close(chunked.losses(key), logits.losses(key), 1e-5)
-    _close(chunked.grad_norms(), logits.grad_norms(), 1e-5)
-    # --ntl-ce-kernel framework: Megatron's own fused CE (--cross-entropy-loss-fusion, native) runs, NTL beside it
-    # from the logits shard. Step 1 (the same weights): the fused op's losses (1e-6); Megatron's native kernel returns
-    # its CE gradient in bfloat16, so the gradient norms and the later steps agree to that rounding (1e-3). No number
-    # accuracy (the arg-max among
-    # the number columns is logged as number choice accuracy), nothing ignored.
+    # Megatron's own fused CE (--cross-entropy-loss-fusion, native) runs, NTL beside it from the logits shard.
+    # Step 1 (the same weights): the fused op's losses (1e-6); Megatron's native kernel returns its CE gradient
+    # in bfloat16, so the gradient norms and the later steps agree to that rounding (1e-3). No number accuracy
+    # (the arg-max among the number columns is logged as number choice accuracy), nothing ignored.
     framework = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-ce-kernel", "framework"], nproc=2, workdir=tmp_path))
     for key in ("lm loss", "ntl loss"):
         _close({1: framework.losses(key)[1]}, {1: logits.losses(key)[1]}, 1e-6)
@@ -303,27 +373,19 @@ def test_chunked_route_matches_logits_route(tag, tmp_path, shared):
 
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)
-def test_multi_token_prediction(tag, tmp_path, numbers_json):
-    """MTP heads train with NTL on their own labels: the logged main and MTP losses stay Megatron's CE.
+def test_multi_token_prediction(tag, tmp_path, shared):
+    """Section 6: MTP heads train with NTL on their own labels: the logged main and MTP losses stay Megatron's CE.
 
-    The NTL run has a z-loss too (issue 51): the training ``lm loss`` and ``mtp_1 loss`` are the cross entropy
-    without it (plain Megatron's, the reference), the z-loss is logged as ``z loss`` of its own, and Megatron's
-    own evaluation (no gradient, ``model.eval()``) reports the plain cross entropy: with ``--lr 0`` both runs keep
-    their initial weights, so the validation ``lm loss`` (and its perplexity) equals plain Megatron's.
+    The NTL run has a z-loss too: the training ``lm loss`` and ``mtp_1 loss`` are the cross entropy without it
+    (plain Megatron's, the reference: the weight-0 run, which section 1 shows is plain ``pretrain_gpt.py``),
+    the z-loss is logged as ``z loss`` of its own, and Megatron's own evaluation (no gradient,
+    ``model.eval()``) reports the plain cross entropy: with ``--lr 0`` both runs keep their initial weights,
+    so the validation ``lm loss`` (and its perplexity) equals plain Megatron's.
     """
-    import re
-
-    args = [*mlm.tiny_args(iters=2), *MOCK, "--mtp-num-layers", "1", "--position-embedding-type", "rope",
-            "--ntl-number-vocab", numbers_json, "--lr", "0", "--split", "80,20,0", "--eval-interval", "2",
-            "--eval-iters", "1"]  # fmt: skip
-    off = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-weight", "0"], nproc=1, workdir=tmp_path))
+    off = shared.mtp_off(tag)
     z_loss = ["--ntl-z-loss-weight", "0.01"]
-    on = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-weight", "0.3", *z_loss], nproc=1, workdir=tmp_path))
-
-    def mtp_losses(run):
-        return [float(v) for v in re.findall(r"mtp_1 loss: ([0-9.E+-]+)", run.output)]
-
-    assert mtp_losses(off) and mtp_losses(on)[0] == mtp_losses(off)[0], (mtp_losses(on), mtp_losses(off))
+    on = _ok(mlm.run(tag, mlm.DROP_IN, [*shared.mtp_args(), *shared.ntl, *z_loss], nproc=1, workdir=tmp_path))
+    assert _mtp_losses(off) and _mtp_losses(on)[0] == _mtp_losses(off)[0], (_mtp_losses(on), _mtp_losses(off))
     _close({1: on.losses()[1]}, {1: off.losses()[1]}, 1e-6)
     assert on.losses("ntl loss")[1] > 0
     assert not math.isclose(on.grad_norms()[1], off.grad_norms()[1], rel_tol=1e-3)  # NTL reaches the gradient
