@@ -1,7 +1,8 @@
 """The Triton CE + NTL kernels compiled ahead of time for A100, H100 and B200, with no GPU present.
 
     python benchmarks/triton_aot.py --markdown          # the table of docs/kernels.md
-    python benchmarks/triton_aot.py --json out.json     # every compile as a record (the test reads it)
+    python benchmarks/triton_aot.py --json out.json     # every compile as a record
+    python benchmarks/triton_aot.py --pairwise --json out.json   # CI's subset (the test reads it)
 
 Each kernel of ``ntl_scale/ops/triton_ce_ntl.py`` (and of ``lab/on_chip/triton_linear_ce_ntl.py``) is
 compiled for ``sm_80``, ``sm_90`` (Triton emits ``sm_90a``) and ``sm_100`` (``sm_100a``) through
@@ -22,7 +23,9 @@ its ``num_warps``) at the largest ``BLOCK_K``, every ``BLOCK_K`` at the largest 
 gradient kernel also without number columns (``HAS_NUMBERS=False``) at every ``BLOCK_V``, and the
 largest blocks once more with a vocabulary that is not a multiple of 16 (50257: no divisibility
 hint, so no vectorised row loads). The two loops of each kernel run one after the other, so these
-pairs bound the register use of every other pair.
+pairs bound the register use of every other pair. ``--pairwise`` (CI) compiles each of these blocks in
+one dtype only (the dtypes in turn), the largest blocks in every dtype, and the fused linear kernels'
+half-precision tiles (the same for bf16 and fp16) aligned in bf16 and unaligned in fp16.
 
 Per compile: registers, spill stores and loads and the stack frame from ``ptxas -v``; registers and
 local memory again from ``cuobjdump --dump-resource-usage`` on the cubin (both bundled); dynamic
@@ -149,18 +152,33 @@ class Config:
 LINEAR_HIDDEN = 64
 
 
-def configs() -> list[Config]:
-    """The launch configurations to compile (see the module docstring for the choice)."""
+def configs(pairwise: bool = False) -> list[Config]:
+    """The launch configurations to compile (see the module docstring for the choice).
+
+    ``pairwise`` (``--pairwise``, what CI compiles): every block of each logits kernel in one dtype (the
+    dtypes in turn), the largest blocks in every dtype; the fused linear kernels' tiles per dtype, each
+    half-precision dtype at one vocabulary alignment (bf16 and fp16 share their tiles). Every block and
+    tile the launchers pick is still compiled for every architecture, every dtype at the largest blocks.
+    """
     block_vs, block_ks = block_choices()
     top_v, top_k = block_vs[-1], block_ks[-1]
     pairs = [(v, top_k) for v in block_vs] + [(top_v, k) for k in block_ks if k != top_k]
+    names = [str(dtype).removeprefix("torch.") for dtype in DTYPES]
+
+    def turn(i: int, name: str, largest: bool) -> bool:  # whether dtype ``name`` compiles the i-th choice
+        return not pairwise or largest or names[i % len(names)] == name
+
     out: list[Config] = []
     for kernel in ("stats", "grad"):
-        for dtype in DTYPES:
-            name = str(dtype).removeprefix("torch.")
-            out += [Config(kernel, name, v, k, v, k) for v, k in pairs]
+        for name in names:
+            out += [
+                Config(kernel, name, v, k, v, k)
+                for i, (v, k) in enumerate(pairs)
+                if turn(i, name, (v, k) == (top_v, top_k))
+            ]
             if kernel == "grad":
-                out += [Config(kernel, name, v, tk._block_k(0), v, 0) for v in block_vs]
+                k0 = tk._block_k(0)
+                out += [Config(kernel, name, v, k0, v, 0) for i, v in enumerate(block_vs) if turn(i, name, v == top_v)]
             out.append(Config(kernel, name, top_v, top_k, UNALIGNED_WIDTH, top_k))
         out.append(Config(kernel, "float64", top_v, top_k, top_v, top_k))
     # the statistics kernel that also writes the softmax (one device): the chunked op's half-precision and
@@ -179,7 +197,10 @@ def configs() -> list[Config]:
         name = str(dtype).removeprefix("torch.")
         forward, backward = lk.launch_blocks("forward", dtype), lk.launch_blocks("backward", dtype)
         fwd_v, fwd_k, bwd_v = forward["BLOCK_V"], forward["BLOCK_K"], backward["BLOCK_V"]
-        for width in (4096, UNALIGNED_WIDTH):
+        widths = (4096, UNALIGNED_WIDTH)
+        if pairwise and dtype != torch.float32:  # bf16 aligned, fp16 not: the half-precision tiles both ways
+            widths = (4096,) if dtype == torch.bfloat16 else (UNALIGNED_WIDTH,)
+        for width in widths:
             out.append(Config("linear_fwd", name, fwd_v, fwd_k, width, 10))
             out.append(Config("linear_bwd", name, bwd_v, 0, width, 0))  # number columns: the host's
         if dtype == torch.bfloat16:  # one gradient only (a frozen weight or input): the training dtype
@@ -357,8 +378,9 @@ def _fresh_compiler() -> Iterator[None]:
             knobs.cache.dir, knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
 
 
-def compile_all(archs: tuple[Arch, ...] = ARCHS) -> list[dict[str, Any]]:
-    """Every configuration of :func:`configs` compiled for every architecture, in this process, cache-free.
+def compile_all(archs: tuple[Arch, ...] = ARCHS, pairwise: bool = False) -> list[dict[str, Any]]:
+    """Every configuration of :func:`configs` (``pairwise``: CI's) compiled for every architecture, in this
+    process, cache-free.
 
     Raises:
         RuntimeError: Triton runs in its interpreter here (``TRITON_INTERPRET=1`` when it was imported):
@@ -367,7 +389,7 @@ def compile_all(archs: tuple[Arch, ...] = ARCHS) -> list[dict[str, Any]]:
     if tk.interpreting():
         raise RuntimeError("Triton was imported with TRITON_INTERPRET=1: compile in a process without it")
     with _fresh_compiler():
-        return [compile_one(config, arch) for arch in archs for config in configs()]
+        return [compile_one(config, arch) for arch in archs for config in configs(pairwise)]
 
 
 def problems(records: list[dict[str, Any]]) -> list[str]:
@@ -467,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print the tables of docs/kernels.md")
     parser.add_argument("--json", metavar="PATH", help="write every compile's record to PATH")
     parser.add_argument(
+        "--pairwise",
+        action="store_true",
+        help="compile what CI compiles: every block in one dtype, the largest blocks in every dtype (configs())",
+    )
+    parser.add_argument(
         "--plant-spill",
         action="store_true",
         help="compile only the largest fp64 statistics configuration for sm_90 under a 24-register cap: it "
@@ -481,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         with _fresh_compiler():
             records = [compile_one(largest, ARCHS[1], maxnreg=24)]
     else:
-        records = compile_all()
+        records = compile_all(pairwise=args.pairwise)
     elapsed = time.perf_counter() - start
     if args.json:
         with open(args.json, "w") as f:

@@ -157,11 +157,11 @@ def test_without_cuda_it_dry_runs_and_reads_the_ceilings(tmp_path):
     ce = next(r for r in report["rows"] if r["key"] == "ce")
     # at 3.0 TB/s and 700 TFLOP/s instead of 3.35 and 989 the same kernels take longer
     assert ce["model"]["ms_at_ceilings"] > ce["model"]["ms_h100_datasheet"]
+    # an unreadable file: the function the run above read the ceilings with (no process of its own)
     bad = tmp_path / "bad.json"
     bad.write_text('{"copy_tbps": 3.0}')
-    done = _run(["--json", str(out), "--ceilings", str(bad), "--tokens", "8192", "--rows", "ce"])
-    report = json.loads(out.read_text())
-    assert report["ceilings"] is None and "unreadable" in report["ceilings_source"], report["ceilings_source"]
+    ceilings_read, source = bg.read_ceilings(str(bad))
+    assert ceilings_read is None and "unreadable" in source, source
 
 
 # ------------------------------------------------------------------ 2. verdicts on synthetic timings

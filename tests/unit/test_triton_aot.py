@@ -1,14 +1,15 @@
 """The Triton kernels compiled ahead of time for sm_80, sm_90 and sm_100 with no GPU (``benchmarks/triton_aot.py``).
 
-One process of its own (``TRITON_INTERPRET`` unset, a fresh cache directory) compiles every kernel,
-dtype and block configuration the launchers can pick for the three architectures, through the
-``ptxas`` bundled in the triton wheel; this file checks the records it writes:
+One process of its own (``TRITON_INTERPRET`` unset, a fresh cache directory) compiles, through the
+``ptxas`` bundled in the triton wheel, CI's pairwise set (``--pairwise``): every kernel and every block
+configuration the launchers can pick, for the three architectures, each block in one dtype (the dtypes
+in turn) and the largest blocks in every dtype; this file checks the records it writes:
 
 1. Coverage: every ``BLOCK_V`` and ``BLOCK_K`` the launchers pick for widths met in practice
-   (vocabulary shards 1 to 10**6 columns, 0 to 5000 number columns) was compiled, for every kernel,
-   dtype and architecture; the fused linear CE + NTL's two kernels (``lab/on_chip/triton_linear_ce_ntl.py``) at the
-   tiles their launchers pick per dtype, aligned and unaligned vocabularies, the backward building both
-   gradients and (bf16) each alone.
+   (vocabulary shards 1 to 10**6 columns, 0 to 5000 number columns) was compiled, for every kernel and
+   architecture, the largest in every dtype; the fused linear CE + NTL's two kernels
+   (``lab/on_chip/triton_linear_ce_ntl.py``) at the tiles their launchers pick per dtype, each launch's tiles
+   on aligned and unaligned vocabularies, the backward building both gradients and (bf16) each alone.
 2. Every compile succeeded, with zero spill stores and loads and no stack frame (ptxas -v), registers
    equal in ptxas's report and ``cuobjdump --dump-resource-usage`` (two tools), a PTX ``.target`` of
    the architecture and a cubin; at least one block fits an SM.
@@ -16,7 +17,8 @@ dtype and block configuration the launchers can pick for the three architectures
    (registers per warp rounded up to 256, 1 KiB reserved shared memory per block).
 4. A kernel that spills fails: the largest fp64 configuration under a 24-register cap
    (``--plant-spill``) is reported and the script exits 1.
-5. docs/kernels.md holds this run's table (registers, shared memory, occupancy) and the limits.
+5. docs/kernels.md holds the full run's table (``--markdown``) and the limits: every documented row is
+   compiled here, in documented dtypes, with registers in the documented range.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _run(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("aot")
-    out = _run("--json", str(tmp / "aot.json"), tmp=tmp)
+    out = _run("--pairwise", "--json", str(tmp / "aot.json"), tmp=tmp)
     assert (tmp / "aot.json").exists(), out.stdout[-3000:] + out.stderr[-5000:]
     return json.loads((tmp / "aot.json").read_text())["records"]
 
@@ -73,15 +75,22 @@ def test_every_block_the_launchers_pick_is_compiled(records):
     numbers = [0, 1, 10, 11, 50, 100, 129, 1000, 5000]
     picked_v = {tk._block_v(w) for w in widths}
     picked_k = {tk._block_k(k) for k in numbers}
+    half = ("float32", "bfloat16", "float16")
     for arch in ("sm_80", "sm_90", "sm_100"):
         for kernel in ("stats", "grad"):
-            for dtype in ("float32", "bfloat16", "float16"):
+            # every block in some dtype (CI's pairwise set: the dtypes in turn), the largest in every dtype
+            mine = [r for r in records if (r["arch"], r["kernel"]) == (arch, kernel) and r["dtype"] in half]
+            assert picked_v <= {r["block_v"] for r in mine}, (arch, kernel)
+            assert picked_k <= {r["block_k"] for r in mine}, (arch, kernel)
+            assert {r["warps"] for r in mine} == {tk._warps(v) for v in picked_v}
+            largest = (max(picked_v), max(picked_k))
+            for dtype in half:
                 mine = [r for r in records if (r["arch"], r["kernel"], r["dtype"]) == (arch, kernel, dtype)]
-                assert picked_v <= {r["block_v"] for r in mine}, (arch, kernel, dtype)
-                assert picked_k <= {r["block_k"] for r in mine}, (arch, kernel, dtype)
-                assert {r["warps"] for r in mine} == {tk._warps(v) for v in picked_v}
+                assert largest in {(r["block_v"], r["block_k"]) for r in mine}, (arch, kernel, dtype)
+                assert len({r["block_v"] for r in mine}) > 1, (arch, kernel, dtype)  # and smaller blocks
                 assert any(r["width"] % 16 for r in mine)  # a vocabulary without the divisibility hint
             grad = [r for r in records if (r["arch"], r["kernel"]) == (arch, "grad")]
+            assert picked_v <= {r["block_v"] for r in grad if r["numbers"] == 0}  # HAS_NUMBERS False, every block
             assert {r["numbers"] > 0 for r in grad} == {True, False}  # HAS_NUMBERS both ways
             assert any(r["dtype"] == "float64" for r in records if (r["arch"], r["kernel"]) == (arch, kernel))
             # the statistics kernel writing the softmax (the chunked op on one device), as its launcher builds it
@@ -116,7 +125,14 @@ def test_the_fused_linear_kernels_are_compiled_as_launched(records):
                 mine = [r for r in records if (r["arch"], r["kernel"], r["dtype"]) == (arch, kernel, dtype)]
                 assert {r["block_v"] for r in mine} == {blocks["BLOCK_V"]}, (arch, kernel, dtype)
                 assert {r["warps"] for r in mine} == {blocks["num_warps"]}, (arch, kernel, dtype)
-                assert {r["width"] % 16 == 0 for r in mine} == {True, False}, (arch, kernel, dtype)
+                # each launch's tiles (fp32's; bf16's and fp16's, the same) on aligned and unaligned vocabularies
+                same_tiles = [
+                    r
+                    for r in records
+                    if (r["arch"], r["kernel"]) == (arch, kernel)
+                    and lk.launch_blocks(kind, getattr(torch, r["dtype"])) == blocks
+                ]
+                assert {r["width"] % 16 == 0 for r in same_tiles} == {True, False}, (arch, kernel, dtype)
                 if kernel == "linear_bwd":
                     needs = {"hw", "h", "w"} if dtype == "bfloat16" else {"hw"}
                     assert {r["needs"] for r in mine} == needs, (arch, dtype)
@@ -136,7 +152,7 @@ def test_the_fused_linear_kernels_are_compiled_as_launched(records):
 
 
 def test_compiles_without_spills_for_every_architecture(records):
-    assert len(records) == 3 * len(aot.configs())
+    assert len(records) == 3 * len(aot.configs(pairwise=True))
     for r in records:
         where = {k: r[k] for k in ("kernel", "dtype", "block_v", "block_k", "width", "numbers", "arch")}
         assert "error" not in r, (where, r.get("error"))
@@ -186,7 +202,32 @@ def test_a_spilling_kernel_fails(tmp_path):
 # ------------------------------------------------------------------ 5. the docs hold this output
 
 
+def _rows(markdown: str) -> dict[tuple[str, ...], tuple[set[str], list[tuple[int, int]]]]:
+    """The compile table's rows: (kernel, BLOCK_V, warps, BLOCK_K, numbers, width, fp64) -> (the dtypes, the
+    register range per architecture)."""
+    rows = {}
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 10 or not cells[1].isdigit():
+            continue
+        dtypes = set(cells[6].split(", "))
+        regs = [tuple(int(n) for n in (c.split(" / ")[0].split("-") * 2)[:2]) for c in cells[7:]]
+        rows[(*cells[:6], str(dtypes == {"fp64"}))] = (dtypes, regs)
+    return rows
+
+
 def test_docs_hold_the_compile_table(records):
+    """docs/kernels.md holds the full run's table (``--markdown``); CI's pairwise run compiles a subset of
+    its configurations: every documented row is compiled here, in documented dtypes, with registers in the
+    documented range (registers are deterministic for a given triton)."""
     docs = (ROOT / "docs" / "kernels.md").read_text()
-    for line in (aot.markdown(records) + "\n" + aot.limits_markdown()).splitlines():
+    for line in aot.limits_markdown().splitlines():
         assert line in docs, f"docs/kernels.md lacks (run benchmarks/triton_aot.py --markdown): {line}"
+    documented, here = _rows(docs), _rows(aot.markdown(records))
+    differ = here.keys() ^ documented.keys()
+    assert not differ, f"docs/kernels.md: rows {differ} (run benchmarks/triton_aot.py --markdown)"
+    for key, (dtypes, regs) in here.items():
+        doc_dtypes, doc_regs = documented[key]
+        assert dtypes <= doc_dtypes, (key, dtypes, doc_dtypes)
+        for (lo, hi), (doc_lo, doc_hi) in zip(regs, doc_regs, strict=True):
+            assert doc_lo <= lo <= hi <= doc_hi, f"docs/kernels.md: {key} {regs} against {doc_regs} (--markdown)"

@@ -12,7 +12,7 @@ float64 computations written out here with plain torch ops:
    ``expect`` and ``mass`` against float64 autograd, per shard; uneven token chunks; a shard that
    owns no label; no number targets.
 4. The ops with the kernels (``impl="triton"``, which the interpreter runs on CPU tensors): ``ce_with_ntl``
-   (fp32 in and out of place, bf16; NTL-WAS, and MSE with reweighing) and ``linear_ce_with_ntl`` (uneven chunks)
+   (fp32 in and out of place, NTL-WAS and MSE with reweighing; bf16, NTL-WAS) and ``linear_ce_with_ntl`` (uneven chunks)
    against the float64 reference of ``tests/helpers/reference.py``, loss and gradients; bf16 and
    fp16 logits gradients rounded once (in half-ulps of the float64 gradient), the kernel and the
    PyTorch path alike; the chunked op without gradients launches the statistics kernel only.
@@ -111,8 +111,12 @@ def _reference_stats(z64, labels, ids, a, start, width):
 # ------------------------------------------------------------------------- 1. one-pass statistics
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("start,width", [(0, 203), (64, 70), (140, 63), (5, 50)])  # (5, 50): no numbers
+# every shard in fp32 ((5, 50): no numbers), the whole vocabulary in bf16 (the dtype changes the loads only)
+@pytest.mark.parametrize(
+    "dtype,start,width",
+    [(torch.float32, 0, 203), (torch.float32, 64, 70), (torch.float32, 140, 63), (torch.float32, 5, 50),
+     (torch.bfloat16, 0, 203)],
+)  # fmt: skip
 def test_stats_match_float64(dtype, start, width):
     logits, labels, ids, a = _problem(dtype=dtype)
     inputs = _inputs(labels, ids, a, start, width)
@@ -344,8 +348,9 @@ def _op_reference(logits64, labels, vocab, **options):
     return (ce * valid).sum() / valid.sum() + 0.3 * (ntl * is_number).sum() / is_number.double().sum()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("options", [{}, {"loss": "mse", "reweigh": True}])
+@pytest.mark.parametrize(  # each loss in fp32; bf16 with NTL-WAS (the options change host-side coefficients only)
+    "dtype,options", [(torch.float32, {}), (torch.float32, {"loss": "mse", "reweigh": True}), (torch.bfloat16, {})]
+)
 def test_ce_with_ntl_uses_the_kernels_and_matches_float64(kernels_on_cpu, dtype, options):
     import ntl_scale
 
@@ -387,8 +392,9 @@ def test_linear_ce_with_ntl_uses_the_kernels_and_matches_float64(kernels_on_cpu,
     assert kernels_on_cpu["stats"] == 3 and kernels_on_cpu["grad"] == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize(  # fp32 in place and not, bf16 in place, fp16 not (the dtype changes loads and stores)
+    "dtype,inplace", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True), (torch.float16, False)]
+)
 def test_statistics_kernel_writes_the_softmax_of_the_two_kernel_path(dtype, inplace):
     """Issue 43, item 1: the statistics kernel also writes the softmax (``softmax_into``), the chunked op's
     two walks over a chunk in one kernel. Its statistics are the statistics-only launch's, bit
@@ -414,12 +420,14 @@ def test_statistics_kernel_writes_the_softmax_of_the_two_kernel_path(dtype, inpl
         tk.shard_stats(z, *args, softmax_into=z[:, :5])
 
 
-@pytest.mark.parametrize("programs", [1, 2, 4, 8])
-@pytest.mark.parametrize("block_v", [16, 256])
+@pytest.mark.parametrize(  # each grid once; each block (13 blocks a row, one block a row) on two of them
+    "programs,block_v", [(1, 16), (2, 256), (4, 16), (8, 256)]
+)
 def test_a_persistent_grid_gives_the_launch_per_row_bit_for_bit(programs, block_v):
     """The statistics kernel's rows ``pid, pid + programs, ...`` (the persistent grid a GPU launch sizes to
     its L2 for the softmax's second walk): statistics and softmax bit for bit those of one program per row,
-    in place and not, whatever the grid (9 rows: programs that take one row, two, three or all nine)."""
+    in place and not, whatever the grid (9 rows: programs that take one row, two, three or all nine), with
+    several blocks per row and with one."""
     logits, labels, ids, a = _problem(dtype=torch.bfloat16)
     inputs = _inputs(labels, ids, a, 0, 203)
     z = logits.to(DEVICE)
