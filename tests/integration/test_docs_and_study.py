@@ -3,7 +3,7 @@
 1. ``mkdocs build --strict`` (warnings are errors; internal links and anchors are checked by mkdocs'
    own validation, the API pages are generated from the docstrings).
 2. Every command in the docs' shell blocks names files that exist, and every Python script it runs
-   answers ``--help``; the commands themselves are run elsewhere in the suite (the README's two, the
+   answers ``--help`` (all in one process, tests/helpers/script_help.py); the commands themselves are run elsewhere in the suite (the README's two, the
    DeepSpeed, Megatron and Slurm jobs, the benchmarks' code paths, the study below).
 3. The CI-sized study preset end to end: 2 seeds x 3 arms through launch/train.py, the results
    table (one row per arm, both splits, mean +- std) and the three plots; then its DEL preset
@@ -78,25 +78,25 @@ def _shell_commands() -> list[tuple[str, str]]:
 
 
 def test_docs_commands_name_real_files_and_scripts_answer_help():
+    """The scripts' ``--help`` run in one process (tests/helpers/script_help.py: each as ``__main__`` with its
+    own folder on ``sys.path``, its sibling modules dropped after it), not one interpreter each."""
     commands = _shell_commands()
     assert len(commands) > 10
-    checked = set()
+    checked: dict[str, str] = {}  # script -> the doc that first names it
     for doc, command in commands:
         words = shlex.split(command.split("&&")[0].split("|")[0].replace("$(", " ").replace(")", " "))
         for word in words:
             if re.match(r"^(launch|configs|scripts|benchmarks|experiments|tests)/[\w./-]+$", word):
                 assert (ROOT / word).exists(), f"{doc}: `{command}` names {word}, which does not exist"
-                if (
-                    word.endswith(".py")
-                    and word not in checked
-                    and word.split("/")[0] in ("launch", "benchmarks", "experiments")
-                ):
-                    checked.add(word)
-                    if word == "launch/pretrain_gpt_ntl.py":  # needs a Megatron-LM checkout
-                        continue
-                    out = subprocess.run([sys.executable, word, "--help"], cwd=ROOT, capture_output=True, text=True)
-                    assert out.returncode == 0, f"{doc}: {word} --help failed:\n{out.stderr[-2000:]}"
+                if word.endswith(".py") and word.split("/")[0] in ("launch", "benchmarks", "experiments"):
+                    checked.setdefault(word, doc)
     assert "experiments/study.py" in checked and "benchmarks/bench_linear.py" in checked
+    scripts = [word for word in checked if word != "launch/pretrain_gpt_ntl.py"]  # needs a Megatron-LM checkout
+    out = subprocess.run([sys.executable, "tests/helpers/script_help.py", *scripts], cwd=ROOT, capture_output=True,
+                         text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    failed = json.loads(out.stdout.splitlines()[-1])
+    assert not failed, "\n".join(f"{checked[word]}: {word} --help failed:\n{why}" for word, why in failed.items())
 
 
 def _study(out: Path, preset: str = "configs/study/ci.yaml") -> subprocess.CompletedProcess:
