@@ -252,7 +252,7 @@ def test_dry_run_with_zero_nodes_fails_with_a_clear_message():
 
 # 2-5. Jobs on the clusters ---------------------------------------------------------------------------
 
-STEPS = 40
+STEPS = 20  # the preemption test signals once 3 steps are logged: 17 steps left to checkpoint at
 
 
 @pytest.fixture(scope="module")
