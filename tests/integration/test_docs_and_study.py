@@ -6,7 +6,7 @@
    answers ``--help`` (all in one process, tests/helpers/script_help.py); the commands themselves are run
    elsewhere in the suite (the README's two, the DeepSpeed, Megatron and Slurm jobs, the benchmarks' code
    paths, the study below).
-3. The CI-sized study preset end to end: 2 seeds x 3 arms through launch/train.py, the results
+3. The CI-sized study preset end to end: 2 seeds x 2 arms through launch/train.py, the results
    table (one row per arm, both splits, mean +- std) and the three plots; then its DEL preset
    (configs/study/del_ci.yaml) on the same folder: two more arms through experiments/train_baselines.py
    and the paired tests against CE + NTL-WAS; and ``--harness``'s scoring of one run against the study's
@@ -116,44 +116,40 @@ def test_ci_study_preset_end_to_end(tmp_path):
     result = _study(out)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())["results"]
-    assert set(results) == {"CE", "CE + NTL-WAS", "CE + NTL-MSE"}
+    assert set(results) == {"CE", "CE + NTL-WAS"}
     for arm in results.values():
         assert set(arm) == {"interpolate", "extrapolate"}
         for split in arm.values():
             assert set(split) == {"accuracy", "mae", "log_mae", "r2"}
             assert len(split["accuracy"]["seeds"]) == 2 and 0 <= split["accuracy"]["mean"] <= 1
-    # each arm really trained with its own loss: CE's NTL weight is 0, the others' configs differ
-    for arm, loss, weight in (("ce", "was", 0.0), ("ce_ntl_mse", "mse", 0.3)):
+    # each arm really trained with its own loss: CE's NTL weight is 0, NTL-WAS's 0.3
+    for arm, loss, weight in (("ce", "was", 0.0), ("ce_ntl_was", "was", 0.3)):
         config = json.loads((out / arm / "seed0" / "config.json").read_text())
         assert config["ntl"]["weight"] == weight and (weight == 0 or config["ntl"]["loss"] == loss)
     table = (out / "results.md").read_text()
     lines = table.splitlines()
     # 2 splits x (the results row + the paired differences of its 4 metrics), and the seed-level table that
-    # leads: 2 splits x 4 metrics against CE, Holm-adjusted over the study's family (2 arms x 8)
+    # leads: 2 splits x 4 metrics against CE, Holm-adjusted over the study's family (1 arm x 8; the DEL preset's
+    # family of several arms and a second baseline: _check_del_preset)
     assert sum(line.startswith("| CE + NTL-WAS | ") for line in lines) == 2 * (1 + 4) and "+-" in table
     assert sum(line.startswith("| CE | CE + NTL-WAS | ") for line in lines) == 2 * 4
     summary = json.loads((out / "results.json").read_text())
-    finite = 0  # the family: every arm x split x metric whose per-seed differences vary (a t-test exists)
-    for arm in ("CE + NTL-WAS", "CE + NTL-MSE"):
-        for split, metrics in summary["results"][arm].items():
-            for metric, cell in metrics.items():
-                diffs = [x - y for x, y in zip(cell["seeds"], summary["results"]["CE"][split][metric]["seeds"])]
-                finite += len(set(diffs)) > 1 and all(math.isfinite(d) for d in diffs)
+    finite = _family(summary["results"], [("CE", "CE + NTL-WAS")])
     assert lines[0].startswith("Seed-level tests") and f"family of {finite} t-tests" in lines[0]
     # every run records where it came from, and results.json gathers those records in seed order
     records = json.loads((out / "results.json").read_text())["runs"]
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
-    for arm, folder in (("CE", "ce"), ("CE + NTL-WAS", "ce_ntl_was"), ("CE + NTL-MSE", "ce_ntl_mse")):
+    for arm, folder in (("CE", "ce"), ("CE + NTL-WAS", "ce_ntl_was")):
         assert len(records[arm]) == 2
         for seed, record in enumerate(records[arm]):
             assert record == json.loads((out / folder / f"seed{seed}" / "run.json").read_text())
             assert record["commit"] == (git.stdout.strip() if git.returncode == 0 else None)
             assert record["seconds"] > 0 and record["runs_at_a_time"] == 2
-    assert "Provenance (6 of 6 runs have a `run.json`)" in table
+    assert "Provenance (4 of 4 runs have a `run.json`)" in table
     # the paired tests count the questions only one arm got right, from the predictions themselves
     tests = json.loads((out / "results.json").read_text())["paired_tests"]
-    assert set(tests) == {"CE + NTL-WAS", "CE + NTL-MSE"}
-    for arm, folder in (("CE + NTL-WAS", "ce_ntl_was"), ("CE + NTL-MSE", "ce_ntl_mse")):
+    assert set(tests) == {"CE + NTL-WAS"}
+    for arm, folder in (("CE + NTL-WAS", "ce_ntl_was"),):
         only_arm = only_ce = 0
         for seed in (0, 1):
             mine = (out / folder / f"seed{seed}" / "predictions_interpolate.jsonl").read_text().splitlines()
@@ -168,6 +164,17 @@ def test_ci_study_preset_end_to_end(tmp_path):
     # a finished run is not trained again: the DEL preset's call below reuses this study's CE and NTL-WAS runs
     _check_harness(out)
     _check_del_preset(out)
+
+
+def _family(results: dict, pairs: list[tuple[str, str]]) -> int:
+    """The study's family: every (baseline, arm) x split x metric whose per-seed differences vary (a t-test exists)."""
+    finite = 0
+    for base, arm in pairs:
+        for split, metrics in results[arm].items():
+            for metric, cell in metrics.items():
+                diffs = [x - y for x, y in zip(cell["seeds"], results[base][split][metric]["seeds"])]
+                finite += len(set(diffs)) > 1 and all(math.isfinite(d) for d in diffs)
+    return finite
 
 
 def _check_harness(out: Path) -> None:
@@ -222,7 +229,13 @@ def _check_del_preset(out: Path) -> None:
                 only_arm, only_was = only_arm + (right_a and not right_b), only_was + (right_b and not right_a)
         counted = against[arm]["interpolate"]["accuracy"]["questions"]
         assert counted == {"only_arm_right": only_arm, "only_baseline_right": only_was}
-    assert "**Paired against CE + NTL-WAS**" in (out / "results.md").read_text()
+    text = (out / "results.md").read_text()
+    assert "**Paired against CE + NTL-WAS**" in text
+    # the seed-level tests' family: three arms against CE and two against CE + NTL-WAS, Holm-adjusted together
+    pairs = [("CE", arm) for arm in ("CE + NTL-WAS", "CE + DEL", "CE + NTL-WAS (digits only)")]
+    pairs += [("CE + NTL-WAS", arm) for arm in ("CE + DEL", "CE + NTL-WAS (digits only)")]
+    finite = _family(summary["results"], pairs)
+    assert summary["seed_tests"]["family_size"] == finite and f"family of {finite} t-tests" in text.splitlines()[0]
 
 
 def test_pretrain_study_preset_end_to_end(tmp_path):
