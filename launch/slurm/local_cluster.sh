@@ -52,7 +52,7 @@ node_names() {
 
 write_conf() {
   local cpus mem nodes_line ctld
-  cpus=$(nproc)
+  cpus=$(OMP_NUM_THREADS='' OMP_THREAD_LIMIT='' nproc)  # plain nproc counts OMP_NUM_THREADS (1 in CPU jobs), not CPUs
   mem=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9 / '"$NODES"')}' /proc/meminfo)
   if [[ $NODES == 1 ]]; then
     ctld="$HOST(127.0.0.1)"

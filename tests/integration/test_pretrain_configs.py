@@ -1,6 +1,6 @@
 """The shipped 2B-3B pretraining configs start and train, at reduced width and depth, from the same files.
 
-Each config is launched as users launch it (``deepspeed launch/train.py --config FILE``) on 2 CPU
+A config is launched as users launch it (``deepspeed launch/train.py --config FILE``) on 2 CPU
 processes with ``key=value`` overrides that shrink only sizes: hidden size, intermediate size, layers,
 heads, the vocabulary (a tiny tokenizer of the same family trained offline), the sequence length, the
 corpus (a JSON-lines file written here), 2 steps, fp32.
@@ -11,7 +11,11 @@ chunked loss, activation checkpointing, the attention implementation, the NTL ta
 Sections:
 1. The files hold the published shapes (checked against the models' published ``config.json``
    values, written out here) and resolve for their GPU counts; no launch.
-2. Each family's two configs (ZeRO-3; AutoTP 2 x ZeRO-1) take two steps on 2 processes.
+2. Each family once and each layout once take two steps on 2 processes: Granite's AutoTP 2 x ZeRO-1
+   file (its odd vocabulary split unevenly over the tensor-parallel ranks, digit-level NTL) and Llama's
+   ZeRO-3 file (rope scaling, multi-digit NTL with its squash factor). The two files of a family differ
+   only in the layout (``tensor_parallel_size`` and the DeepSpeed JSON), which section 1 resolves for
+   all four; Llama under AutoTP with tied embeddings trains in tests/integration/test_train_deepspeed.py.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ FAMILIES = {  # config files, sequence length, GPUs named in the header
     "llama-3.2-3b": {"pretrain_zero3": 32, "pretrain_tp2_zero1": 32},
 }
 SEQ_LENGTH = {"granite-3.2-2b": 4096, "llama-3.2-3b": 8192}
+LAUNCHED = {"granite-3.2-2b": "pretrain_tp2_zero1", "llama-3.2-3b": "pretrain_zero3"}  # each layout once
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -132,28 +137,28 @@ def test_configs_take_two_steps_at_reduced_size(tmp_path, family):
     pytest.importorskip("deepspeed")
     overrides = _tiny(family, tmp_path)
     vocab = int(next(o for o in overrides if ".vocab_size=" in o).split("=")[1])
-    for variant in FAMILIES[family]:
-        run = tmp_path / variant
-        out = _launch(CONFIGS / f"{family}_{variant}.yaml", run, overrides)
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == [1, 2]
-        assert all(math.isfinite(r["ce"]) and math.isfinite(r["ntl"]) and r["grad_norm"] > 0 for r in rows)
-        saved = json.loads((run / "config.json").read_text())
-        assert saved["model"]["gradient_checkpointing"] is True and saved["train"]["chunked_loss"] is True
-        assert "packed training corpus" in out.stdout and math.isfinite(rows[-1]["eval/ppl"])  # held out at the end
-        exported = json.loads((run / "hf_model" / "config.json").read_text())
-        rope = dict(exported.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling here
-        exported.setdefault("rope_theta", None)
-        exported["rope_theta"] = exported["rope_theta"] or rope.pop("rope_theta", None)
-        exported["rope_scaling"] = exported.get("rope_scaling") or rope
-        for key, value in PUBLISHED[family].items():  # the published settings reach the model
-            if key not in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                           "num_key_value_heads", "vocab_size"):  # fmt: skip
-                assert exported[key] == value, (variant, key, exported[key])
-        assert exported["vocab_size"] == vocab and exported["num_hidden_layers"] == 2
-        layouts = [json.loads((run / f"zero_rank{r}.json").read_text()) for r in (0, 1)]
-        if "tp2" in variant:  # the vocabulary split over the two ranks (unevenly for Granite's odd size)
-            half = (vocab + 1) // 2
-            assert [x["vocab_shard"] for x in layouts] == [[0, half], [half, vocab]]
-        else:  # ZeRO-3: each rank holds about half of every weight
-            assert all(0.4 < x["held"] / x["total"] < 0.6 for x in layouts)
+    variant = LAUNCHED[family]
+    run = tmp_path / variant
+    out = _launch(CONFIGS / f"{family}_{variant}.yaml", run, overrides)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["ce"]) and math.isfinite(r["ntl"]) and r["grad_norm"] > 0 for r in rows)
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["model"]["gradient_checkpointing"] is True and saved["train"]["chunked_loss"] is True
+    assert "packed training corpus" in out.stdout and math.isfinite(rows[-1]["eval/ppl"])  # held out at the end
+    exported = json.loads((run / "hf_model" / "config.json").read_text())
+    rope = dict(exported.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling here
+    exported.setdefault("rope_theta", None)
+    exported["rope_theta"] = exported["rope_theta"] or rope.pop("rope_theta", None)
+    exported["rope_scaling"] = exported.get("rope_scaling") or rope
+    for key, value in PUBLISHED[family].items():  # the published settings reach the model
+        if key not in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "vocab_size"):  # fmt: skip
+            assert exported[key] == value, (variant, key, exported[key])
+    assert exported["vocab_size"] == vocab and exported["num_hidden_layers"] == 2
+    layouts = [json.loads((run / f"zero_rank{r}.json").read_text()) for r in (0, 1)]
+    if "tp2" in variant:  # the vocabulary split over the two ranks (unevenly for Granite's odd size)
+        half = (vocab + 1) // 2
+        assert [x["vocab_shard"] for x in layouts] == [[0, half], [half, vocab]]
+    else:  # ZeRO-3: each rank holds about half of every weight
+        assert all(0.4 < x["held"] / x["total"] < 0.6 for x in layouts)
