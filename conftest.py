@@ -14,16 +14,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent
 
-# the files over about two minutes on two workers (pytest --durations), longest first
+# the files over about 80 s on two workers (pytest --durations, 2026-11-29), longest first
 LONGEST = (
     "tests/integration/test_train_deepspeed.py",
     "tests/integration/test_megatron_lm.py",
-    "tests/integration/test_docs_and_study.py",
     "tests/integration/test_gpu_study.py",
-    "tests/integration/test_slurm.py",
-    "tests/integration/test_torchtitan.py",
-    "tests/unit/test_triton_aot.py",
     "tests/integration/test_torchtitan_upstream.py",
+    "tests/integration/test_slurm.py",
+    "tests/integration/test_docs_and_study.py",
+    "tests/integration/test_torchtitan.py",
+    "tests/integration/test_host_tensors.py",
+    "tests/integration/test_train_pretrain.py",
+    "tests/unit/test_triton_aot.py",
 )
 KINDS = ("tests/integration/", "tests/distributed/", "lab/", "tests/gpu/", "tests/unit/")
 
