@@ -40,5 +40,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     missing = [name for name in LONGEST if not (ROOT / name).is_file()]
     if missing:
         raise pytest.UsageError(f"conftest.py LONGEST names files that do not exist: {missing}; update the list")
-    # sorted() is stable: the tests of one file keep their order
-    items[:] = sorted(items, key=lambda item: _rank(Path(item.path).relative_to(ROOT).as_posix()))
+    # by the node id's file (relative to the rootdir, what --dist loadfile groups by); sorted() is stable: the
+    # tests of one file keep their order
+    items[:] = sorted(items, key=lambda item: _rank(item.nodeid.split("::")[0]))

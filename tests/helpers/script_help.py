@@ -2,10 +2,11 @@
 
 Each script runs as ``python SCRIPT --help`` would run it: as ``__main__`` (runpy), with ``sys.argv``
 ``[SCRIPT, "--help"]`` and the script's folder first on ``sys.path``; the working directory, the
-environment, ``sys.path`` and the modules imported from the script's folder are restored after it, so
-one script's imports do not stand in for another's. The interpreter and the libraries start once instead
-of once a script. Prints one JSON object: the scripts that did not exit with status 0, each with what it
-wrote to stderr (or its traceback); empty when every one answered.
+environment and ``sys.path`` are restored after it, and every module it imported from outside the standard
+library and the installed packages is dropped, so one script's imports do not stand in for another's. The
+interpreter and the libraries start once instead of once a script. Prints one JSON object: the scripts that
+did not exit with status 0, each with what it wrote to stderr (or its traceback); empty when every one
+answered.
 """
 
 from __future__ import annotations
@@ -16,7 +17,17 @@ import json
 import os
 import runpy
 import sys
+import sysconfig
 import traceback
+
+INSTALLED = tuple(
+    os.path.abspath(sysconfig.get_path(key)) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
+)
+
+
+def _installed(file: str | None) -> bool:
+    """A built-in module, or one of the standard library or the installed packages (kept between scripts)."""
+    return file is None or os.path.abspath(file).startswith(INSTALLED)
 
 
 def answer_help(script: str) -> str | None:
@@ -40,9 +51,8 @@ def answer_help(script: str) -> str | None:
         os.chdir(saved[2])
         os.environ.clear()
         os.environ.update(saved[3])
-        folder = os.path.dirname(path) + os.sep
-        for name in set(sys.modules) - saved[4]:  # the script's sibling modules: the next script imports its own
-            if (getattr(sys.modules[name], "__file__", None) or "").startswith(folder):
+        for name in set(sys.modules) - saved[4]:  # the script's own modules: the next script imports its own
+            if not _installed(getattr(sys.modules[name], "__file__", None)):
                 del sys.modules[name]
     return failure
 

@@ -97,7 +97,7 @@ def test_docs_commands_name_real_files_and_scripts_answer_help():
     assert "experiments/study.py" in checked and "benchmarks/bench_linear.py" in checked
     scripts = [word for word in checked if word != "launch/pretrain_gpt_ntl.py"]  # needs a Megatron-LM checkout
     out = subprocess.run([sys.executable, "tests/helpers/script_help.py", *scripts], cwd=ROOT, capture_output=True,
-                         text=True)  # fmt: skip
+                         text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     failed = json.loads(out.stdout.splitlines()[-1])
     assert not failed, "\n".join(f"{checked[word]}: {word} --help failed:\n{why}" for word, why in failed.items())

@@ -6,8 +6,10 @@ per-iteration losses and gradient norm come from Megatron's own ``training_log``
 
 Sections:
 1. ``--ntl-weight 0`` (with the other ``--ntl-*`` flags given) logs exactly what plain ``pretrain_gpt.py``
-   logs, bit for bit: training losses, MTP losses, gradient norms and evaluation (the drop-in then hands
-   Megatron the release's own ``forward_step`` itself, whatever the layout).
+   logs, bit for bit: training losses, gradient norms and evaluation, and the MTP losses to the 7 digits
+   Megatron prints; TP=1, section 6's configuration with a learning rate, so iteration 2 and the evaluation
+   see updated weights (the drop-in then hands Megatron the release's own ``forward_step`` itself,
+   whatever the layout).
 2. NTL on at TP=2: ``ntl loss`` and ``number accuracy`` are logged and the loss falls, a step without
    number tokens logs 0, the ignored ``--cross-entropy-loss-fusion`` is said once. The ``lm loss`` is
    Megatron's cross entropy: at TP=2 against Megatron's own fused CE (``--ntl-ce-kernel framework``,
@@ -20,7 +22,7 @@ Sections:
    arithmetic text with a Hugging Face tokenizer built offline, the number table read from that
    tokenizer, data parallel 2, evaluation on: ``ntl loss`` is printed for validation without a perplexity.
 5. Errors: a tokenizer without a token table (``NullTokenizer``) and no ``--ntl-number-vocab``.
-6. Multi-token prediction with NTL and a z-loss (the reference of section 1's run).
+6. Multi-token prediction with NTL and a z-loss (``--lr 0``: its evaluation compares initial weights).
 7. ``--ntl-chunked`` trains like the logits route (at TP=2 and at TP=1); ``--ntl-ce-kernel framework``
    (the release's fused CE, NTL beside it) too, at TP=2.
 8. The README's smallest command (the header of ``configs/megatron/tiny_cpu.yaml``), run as written
@@ -43,9 +45,9 @@ runs on both releases in sections 2 and 7), the chunked route at TP=1 on core_v0
 core_v0.19.0, and the control once. Each resume is also a split of the global batch (4 x 1 or 1 x 4 against
 the uninterrupted run's 2 x 2), so one launch checks both.
 
-Runs that several tests read are launched once per release (``Shared``, module-scoped): the weight-0 MTP run
-(sections 1 and 6), the NTL run at TP=2 (sections 2 and 7) and the TP=1 run that saves the checkpoint
-section 3 starts from (and section 7's TP=1 reference). Tests read their outputs and never write to them.
+Runs that several tests read are launched once per release (``Shared``, module-scoped): the NTL run at TP=2
+(sections 2 and 7) and the TP=1 run that saves the checkpoint section 3 starts from (and section 7's TP=1
+reference). Tests read their outputs and never write to them.
 """
 
 from __future__ import annotations
@@ -147,14 +149,19 @@ def _mtp_losses(run: mlm.Run) -> list[float]:
 
 @pytest.mark.parametrize("tag", mlm.RELEASES)
 def test_ntl_off_is_plain_megatron(tag, tmp_path, shared):
-    """Section 1: --ntl-weight 0 changes nothing, bit for bit: losses, MTP losses, gradient norms, evaluation.
+    """Section 1: --ntl-weight 0 changes nothing, bit for bit: losses, gradient norms, evaluation; the MTP losses
+    to the 7 digits Megatron prints.
 
     With weight 0 ``forward_step_from_args`` returns the release's ``forward_step`` itself and the
     evaluation wrapper passes Megatron's totals through: no code of ours depends on the layout there,
-    so one layout (TP=1, on section 6's configuration, whose weight-0 run section 6 also reads) covers it.
+    so one layout covers it: TP=1 on section 6's configuration, with a learning rate (``--lr 1e-3``, not
+    section 6's 0), so that iteration 2 and the evaluation see the weights after an update (a changed
+    optimizer setting, such as a weight-decay default, shows there).
     """
-    plain = _ok(mlm.run(tag, "pretrain_gpt.py", shared.mtp_args(), nproc=1, workdir=tmp_path))
-    off = shared.mtp_off(tag)
+    args = [*shared.mtp_args(), "--lr", "1e-3"]
+    plain = _ok(mlm.run(tag, "pretrain_gpt.py", args, nproc=1, workdir=tmp_path / "plain"))
+    off = _ok(mlm.run(tag, mlm.DROP_IN, [*args, "--ntl-weight", "0", "--ntl-number-vocab", shared.numbers_json],
+                      nproc=1, workdir=tmp_path / "off"))  # fmt: skip
     assert [r["losses"] for r in off.trace] == [r["losses"] for r in plain.trace]
     assert off.grad_norms() == plain.grad_norms()
     assert off.validations == plain.validations and plain.validations, (off.validations, plain.validations)
@@ -185,11 +192,12 @@ def test_ntl_trains_at_tp2(tag, shared):
 PP2 = ["--pipeline-model-parallel-size", "2"]
 # (release, layout name, processes, layout flags, micro-batch size): each release resumes at PP=2 and at one
 # other layout; each resume also splits the global batch of 4 differently from the checkpoint's run (2 x 2).
+OLDER, NEWER = mlm.RELEASES
 RESUMES = [
-    ("core_v0.16.1", "tp1", 1, [], 4),
-    ("core_v0.16.1", "pp2", 2, PP2, 1),
-    ("core_v0.19.0", "tp2", 2, TP2, 4),
-    ("core_v0.19.0", "pp2", 2, PP2, 1),
+    (OLDER, "tp1", 1, [], 4),
+    (OLDER, "pp2", 2, PP2, 1),
+    (NEWER, "tp2", 2, TP2, 4),
+    (NEWER, "pp2", 2, PP2, 1),
 ]
 
 
@@ -328,7 +336,7 @@ def test_readme_command_runs_as_written(tag, tmp_path):
     assert run.validations and "ntl loss" in run.validations[0], run.validations  # --eval-interval 10
 
 
-@pytest.mark.parametrize(("tag", "layout"), [("core_v0.16.1", "tp1"), ("core_v0.19.0", "tp2")])
+@pytest.mark.parametrize(("tag", "layout"), [(OLDER, "tp1"), (NEWER, "tp2")])
 def test_chunked_route_matches_logits_route(tag, layout, tmp_path, shared):
     """Section 7: --ntl-chunked (CE + NTL from hidden states, no logits) trains like the logits route (1e-5).
 

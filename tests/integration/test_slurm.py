@@ -4,9 +4,9 @@ Sections:
 1. Static: shellcheck, --help, dry runs for 1 and 4 nodes (no cluster needed).
 2. ``sbatch launch/slurm/deepspeed.sbatch``: tiny ZeRO-3 run, 2 processes; checkpoints, logs,
    resolved config, command and environment end up in the run directory.
-3. ``sbatch launch/slurm/megatron.sbatch``: the megatron.core example at TP=2 with NTL (the script's
-   config flags, checkpoints and 2-task launch; its default entry, launch/pretrain_gpt_ntl.py on
-   Megatron-LM, runs through the same launch in tests/integration/test_gpu_study.py).
+3. ``sbatch launch/slurm/megatron.sbatch``: the megatron.core example at TP=2 with NTL (checkpoints of
+   both tensor-parallel ranks), and its default entry, launch/pretrain_gpt_ntl.py, on Megatron-LM
+   core_v0.19.0 at TP=2 (2 iterations).
 4. Two nodes: a second local cluster whose two slurmd run in their own network and UTS namespaces;
    the DeepSpeed job runs the tensor-parallel config with 2 ranks on each (TP 2 inside a node, DP 2
    across nodes) and they rendezvous over that network.
@@ -36,6 +36,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -291,6 +292,33 @@ def test_megatron_job_runs_and_leaves_checkpoints_and_logs(slurm_env, tmp_path):
         for tp in (0, 1):
             assert (ckpt / f"iter_{it:07d}" / f"mp_rank_{tp:02d}" / "model_optim_rng.pt").exists()
     assert "step   4/4" in text and "ntl loss" in text
+
+
+def test_megatron_job_runs_the_drop_in_on_real_megatron_lm(slurm_env, tmp_path):
+    """megatron.sbatch with its default entry, launch/pretrain_gpt_ntl.py, on Megatron-LM core_v0.19.0 at TP=2:
+    the script's entry arguments (``--save``/``--load``/``--exit-signal-handler``) and its end-of-run check."""
+    from ntl_scale import NumberVocab
+    from tests.helpers import megatron_lm as mlm
+
+    checkout = mlm.checkout(mlm.RELEASES[-1])
+    table = tmp_path / "numbers.json"
+    NumberVocab.from_id_to_token({i: (str(i - 48) if 48 <= i < 58 else f"w{i}") for i in range(127)},
+                                vocab_size=128).save(table)  # fmt: skip
+    env = {**slurm_env, **mlm._env(), "SLURM_CONF": slurm_env["SLURM_CONF"], "MEGATRON_LM_PATH": str(checkout),
+           "NTL_PYTHON": sys.executable}  # fmt: skip
+    rc, job, log, out = _sbatch(
+        env, tmp_path, "megatron.sbatch", "--config", "",
+        "--entry", "tests/helpers/megatron_lm_cpu.py launch/pretrain_gpt_ntl.py",  # test-only CUDA redirections
+        "--", *mlm.tiny_args(iters=2), "--mock-data", "--tokenizer-type", "NullTokenizer", "--split", "100,0,0",
+        "--eval-iters", "0", "--eval-interval", "1000", "--tensor-model-parallel-size", "2", "--save-interval", "2",
+        "--ntl-weight", "0.3", "--ntl-number-vocab", str(table),
+    )  # fmt: skip
+    text = log.read_text() if log.exists() else out.stderr
+    assert rc == 0, text[-5000:]
+    ckpt = tmp_path / "runs" / f"ntl-megatron-{job}" / "checkpoints"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (ckpt / "iter_0000002").is_dir()
+    assert "iteration        2/       2" in text and " ntl loss: " in text
 
 
 def test_time_limit_warning_checkpoints_requeues_and_resumes_to_the_same_loss(slurm_env, tmp_path, uninterrupted):

@@ -410,14 +410,13 @@ def _agree(name: str, reference: list[dict], rows: list[dict]) -> None:
 def test_tensor_parallel_equals_one_process(tmp_path):
     """AutoTP with a vocabulary-parallel head: TP=2 x DP=2 trains as one process does.
 
-    Same global batch of 4 sequences per step, a Llama-style model built from a config, ZeRO-1, the chunked
-    loss (the output weight whole on each rank; gathered by ZeRO-3 and the logits path at TP=2:
-    test_tensor_parallel_with_zero3_equals_one_process): per-step CE, NTL, number accuracy and gradient
-    norm equal the one-process logits run (1e-5) for 3 steps, and for 2 more when the TP 2 x DP 2 run resumes
-    as TP 1 x DP 2; the loss sees the local vocabulary shard (80 ids split 40/40); the exported Hugging Face
-    model is whole. With label smoothing and a z-loss on, the logged ``z_loss`` agrees too, and the held-out
-    ``eval/ce`` / ``eval/ppl`` / ``eval/ntl`` of step 3 (the plain CE: the chunked head on the vocabulary shard
-    computes it without the smoothing, issue 51) equal the one-process logits path's
+    Same global batch of 4 sequences per step, a Llama-style model built from a config, ZeRO-1, the logits
+    path (the one layout where the tensor-parallel group is not the world: the vocabulary reductions must use
+    it; the chunked loss at TP=2: test_tensor_parallel_with_zero3_equals_one_process): per-step CE, NTL,
+    number accuracy and gradient norm equal the one-process run (1e-5) for 3 steps, and for 2 more when the
+    TP 2 x DP 2 run resumes as TP 1 x DP 2; the loss sees the local vocabulary shard (80 ids split 40/40); the
+    exported Hugging Face model is whole. With label smoothing and a z-loss on, the logged ``z_loss`` agrees
+    too, and the held-out ``eval/ce`` / ``eval/ppl`` / ``eval/ntl`` of step 3 equal the one-process run's
     (``tests/unit/test_deepspeed_heldout.py`` checks that one against float64 torch).
     """
     _train(tmp_path / "tp1", *TP_COMMON, *TP_CONFIG, "train.tensor_parallel_size=1", "train.micro_batch_size=4",
@@ -426,7 +425,7 @@ def test_tensor_parallel_equals_one_process(tmp_path):
     assert len(reference) == 5 and all(row["ntl"] > 0 for row in reference)
     assert "eval/ce" in reference[2] and "z_loss" in reference[0]
     run = tmp_path / "tp2_dp2"
-    _train(run, *TP_COMMON, *TP_CONFIG, "train.micro_batch_size=2", "train.chunked_loss=true", nproc=4)
+    _train(run, *TP_COMMON, *TP_CONFIG, "train.micro_batch_size=2", nproc=4)
     layouts = [_layout(run, r) for r in range(4)]
     assert sorted((x["dp_rank"], tuple(x["vocab_shard"])) for x in layouts) == [
         (0, (0, 40)), (0, (40, 80)), (1, (0, 40)), (1, (40, 80))
@@ -438,7 +437,7 @@ def test_tensor_parallel_equals_one_process(tmp_path):
     assert exported.lm_head.weight.shape[0] == 80
     # TP 2 x DP 2 stopped at step 3, resumed as TP 1 x DP 2: a universal checkpoint joins the shards
     resumed = _train(run, *TP_CONFIG, *TP_COMMON, "train.steps=5", "train.tensor_parallel_size=1",
-                     "train.micro_batch_size=2", "train.chunked_loss=true", nproc=2)  # fmt: skip
+                     "train.micro_batch_size=2", nproc=2)  # fmt: skip
     assert (
         "(written with 2 data-parallel x 2 tensor-parallel ranks, global batch 4) on 2 data-parallel x 1 "
         "tensor-parallel ranks, global batch 4"
