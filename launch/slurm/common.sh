@@ -40,7 +40,7 @@ see launch/slurm/site.env.example):
   NTL_VENV     a virtual environment to activate (its bin/activate must exist)
   NTL_PYTHON   the interpreter (default: python3)
   NTL_RUNS     where run directories go (default: \$NTL_HOME/runs)
-  NTL_MASTER_PORT  rendezvous port (default: 20000 + job id mod 20000; must be free)
+  NTL_MASTER_PORT  rendezvous port (default: 20000 + job id mod 12000; must be free)
 
 Preemption: the #SBATCH --signal line asks Slurm for a warning signal before the time limit. On it,
 the job tells the training processes to checkpoint and stop ($NTL_STOP_SIGNAL), then requeues
@@ -143,7 +143,9 @@ ntl_rendezvous() {
   else
     MASTER_ADDR=${MASTER_ADDR:-localhost}
   fi
-  MASTER_PORT=${NTL_MASTER_PORT:-$((20000 + job % 20000))}
+  # 20000-31999: below Linux's ephemeral range (32768-60999), where another process's outgoing connection
+  # can hold the port between the check below and the rendezvous
+  MASTER_PORT=${NTL_MASTER_PORT:-$((20000 + job % 12000))}
   [[ $MASTER_PORT =~ ^[0-9]+$ && $MASTER_PORT -ge 1024 && $MASTER_PORT -le 65535 ]] ||
     ntl_fail "NTL_MASTER_PORT='$MASTER_PORT': expected a port number in 1024-65535"
   if [[ $NTL_DRY_RUN == 0 ]] && ! "$NTL_PYTHON" - "$MASTER_PORT" <<'PY'; then

@@ -86,8 +86,8 @@ def _cluster_settings(nodes: int) -> dict[str, str]:
         "NTL_SLURM_STATE": state,
         "NTL_SLURMCTLD_PORT": str(port),
         "NTL_SLURMD_PORT": str(port + 1),
-        # The batch scripts' rendezvous port is 20000 + job id mod 20000: ranges of 50 job ids per cluster.
-        "NTL_SLURM_FIRST_JOB_ID": str(1 + 50 * (port % 400)),
+        # The batch scripts' rendezvous port is 20000 + job id mod 12000: ranges of 50 job ids per cluster.
+        "NTL_SLURM_FIRST_JOB_ID": str(1 + 50 * (port % 240)),
     }
 
 
