@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import free_port, run_launch
+from tests.helpers.spawn_ranks import torchrun_env
 
 ROOT = Path(__file__).resolve().parents[2]
 THIRD_PARTY = ROOT.parent / "shared" / "third_party"
@@ -133,8 +134,7 @@ def run(
             str(free_port()), str(HARNESS), str(script), *args,
         ]  # fmt: skip
     elif nproc == 1:  # the rank torchrun would start, with its variables, without torchrun
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+        env.update(torchrun_env(0, 1, str(free_port())))
         command = [sys.executable, "-u", str(HARNESS), str(script), *args]
     else:  # the ranks torchrun would start, by a starter that does not import torch
         command = [sys.executable, str(SPAWN), str(nproc), str(free_port()), "--", sys.executable, "-u",

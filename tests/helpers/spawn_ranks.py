@@ -18,15 +18,19 @@ import sys
 import time
 
 
+def torchrun_env(rank: int, world: int, port: str) -> dict[str, str]:
+    """The variables ``torchrun`` gives rank ``rank`` of ``world`` on one host, rendezvous on ``port``."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[2] != "--":
         raise SystemExit("usage: spawn_ranks.py N PORT -- COMMAND ...")
     world, port, command = int(argv[0]), argv[1], argv[3:]
     ranks = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
-        ranks.append(subprocess.Popen(command, env=env))
+        ranks.append(subprocess.Popen(command, env={**os.environ, **torchrun_env(rank, world, port)}))
     status = 0
     running = list(ranks)
     while running:
