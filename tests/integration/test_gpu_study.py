@@ -13,7 +13,9 @@ new to run in CI), ``collect`` (experiments/size_sweep.py's analysis and the ver
 Sections:
 1. Dry run (no cluster): the three phases' commands, the run folder of the task.
 2. The one command: the next job waits for the whole array (its dependency); the command again submits
-   nothing while the chain is queued; a task whose evaluation fails stops the chain, named.
+   nothing while the chain is queued; a task whose evaluation fails stops the chain, named. It fails before
+   its launch (the script cannot clear its eval.log), so every phase of every task launches once: 12
+   Megatron-LM starts (4 trainings, 4 evaluations, 4 harness runs), the least the tables need.
 3. The same command as one driver job after the fix: that task alone, from its evaluation; each pilot
    task trained to the planned iteration, Megatron's own parameter count equals gpu_study.parameters',
    each evaluation has every held-out set with the number metrics (CE's too), each run has the
