@@ -6,7 +6,10 @@ environment, built by ``scripts/setup.sh --dev``), and ``launch/train.py`` train
    the same seed gives the same bytes, another seed other questions; a rerun is a no-op and other
    settings for the same folder are refused.
 2. ``launch/train.py`` trains on the folder and evaluates on its interpolate/extrapolate files; read as
-   a stream, a run stopped at a checkpoint and resumed continues the uninterrupted run's curve.
+   a stream, a run stopped at a checkpoint and resumed in a new process continues the uninterrupted run's
+   curve. Its ``main()`` once per run (test_train_deepspeed.py's ``_mains``): the map-style run, the whole and
+   the stopped stream in one process, the resumed run in a second. (That no library notice reaches the
+   screen: tests/integration/test_main_job.py.)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ pytest.importorskip("deepspeed")
 
 from launch.deepmind_data import ARITHMETIC_MODULES, default_venv, generate_deepmind
 from ntl_scale.training.sources import SPLIT_FILES
+from tests.integration.test_train_deepspeed import _mains
 
 ROOT = Path(__file__).resolve().parents[2]
 PER_MODULE, PER_TEST = 4, 3
@@ -83,17 +87,14 @@ def test_generator_writes_the_released_layout_deterministically(generated, tmp_p
     assert not (tmp_path / "bad").exists()
 
 
-def _train(run_dir: Path, data: Path, *overrides: str) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", "data.source=deepmind",
-        f"data.train_path={data}", "data.max_length=200", "train.micro_batch_size=4", "tracking.wandb=disabled",
-        "tracking.plot=false", "model.architecture={model_type: gpt2, n_embd: 32, n_layer: 1, n_head: 2, "
-        "n_positions: 256, resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0}", *overrides,
+def _run(run_dir: Path, data: Path, *overrides: str) -> list[str]:
+    """``launch/train.py``'s overrides for a run of the tiny GPT-2 on the folder ``data``."""
+    return [
+        f"run_dir={run_dir}", "data.source=deepmind", f"data.train_path={data}", f"data.cache_dir={run_dir / 'hf'}",
+        "data.max_length=200", "train.micro_batch_size=4", "tracking.wandb=disabled", "tracking.plot=false",
+        "model.architecture={model_type: gpt2, n_embd: 32, n_layer: 1, n_head: 2, n_positions: 256, resid_pdrop: 0, "
+        "embd_pdrop: 0, attn_pdrop: 0}", *overrides,
     ]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(run_dir / "hf")}
-    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -101,20 +102,23 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_train_reads_the_layout_and_a_stream_resumes_exactly(generated, tmp_path):
-    run = tmp_path / "map"
-    out = _train(run, generated, "train.steps=2", "data.eval_examples=3", "eval.max_new_tokens=4")
+    run, parted = tmp_path / "map", tmp_path / "parted"
+    # streaming: 6 steps straight vs 3 steps, a checkpoint, and 3 more in a new process
+    stream = ("data.streaming=true", "data.shuffle_buffer=8", "eval.at_end=false")
+    ran = _mains(tmp_path, {
+        "map": _run(run, generated, "train.steps=2", "data.eval_examples=3", "eval.max_new_tokens=4"),
+        "whole": _run(tmp_path / "whole", generated, *stream, "train.steps=6"),
+        "parted": _run(parted, generated, *stream, "train.steps=3"),
+    })  # fmt: skip
+    assert all(case["error"] is None for case in ran.values()), ran
     evals = json.loads((run / "eval.json").read_text())
     assert set(evals) == {"interpolate", "extrapolate"}
     asked = [json.loads(line)["question"] for line in (run / "predictions_interpolate.jsonl").read_text().splitlines()]
     assert asked == (generated / SPLIT_FILES["interpolate"]).read_text().splitlines()[0:6:2]
-    assert "held-out questions" in out.stdout and "FutureWarning" not in out.stderr
-    # streaming: 6 steps straight vs 3 steps, a checkpoint, and 3 more in a new process
-    stream = ("data.streaming=true", "data.shuffle_buffer=8", "eval.at_end=false")
-    _train(tmp_path / "whole", generated, *stream, "train.steps=6")
-    parted = tmp_path / "parted"
-    _train(parted, generated, *stream, "train.steps=3")
-    resumed = _train(parted, generated, *stream, "train.steps=6")
-    assert "resumed from step 3" in resumed.stdout
+    assert "held-out questions" in ran["map"]["stdout"]
+    resumed = _mains(tmp_path, {"resumed": _run(parted, generated, *stream, "train.steps=6")})["resumed"]
+    assert resumed["error"] is None, resumed
+    assert "resumed from step 3" in resumed["stdout"]
     whole, parts = _metrics(tmp_path / "whole"), _metrics(parted)
     assert [r["step"] for r in parts] == [1, 2, 3, 4, 5, 6]
     for x, y in zip(whole, parts):

@@ -1,16 +1,17 @@
 """``deepspeed launch/train.py --config configs/train/tiny_pretrain_cpu.yaml``: pretraining on a packed,
 number-rich text corpus that the test writes, on CPU processes over gloo (ZeRO-2).
 
-Sections (sections 1-3: four launches in all, several checks each):
-1. Two processes, 12 steps with document isolation: the packing counts are printed, the loss falls,
-   held-out perplexity is in the log and in metrics.jsonl every 4 steps (exp of the held-out CE), the
-   progress line shows MFU.
-2. Resume mid-epoch: stopped after 5 steps on 2 processes and resumed on 1 process (the same global
-   batch, DeepSpeed's universal checkpoint; a constant learning rate, as the schedule depends on
-   train.steps), the curve and the held-out perplexity are the uninterrupted run's.
+Sections (sections 1-3: two launches in all, several checks each):
+1. Two processes, 12 steps with document isolation and a checkpoint at step 5: the packing counts are
+   printed, the loss falls, held-out perplexity is in the log and in metrics.jsonl every 4 steps (exp of
+   the held-out CE), the progress line shows MFU.
+2. Resume mid-epoch: section 1's checkpoint at step 5 (written on 2 processes) resumed on 1 process in a
+   run folder of its own (the same global batch, DeepSpeed's universal checkpoint), the curve and the
+   held-out perplexity are the uninterrupted run's.
 3. The same corpus as a Megatron indexed dataset (written by megatron-core's own builder) trains the
    same sequences: with the chunked loss, which must honour ``position_ids``, the first 4 steps equal
-   section 1's logits-path run.
+   section 1's logits-path run. Sections 2 and 3 are one process, ``main()`` once each
+   (test_train_deepspeed.py's ``_mains``).
 4. Megatron-LM's own ``tools/preprocess_data.py`` (the real release, ``--append-eod``) writes the same
    documents as our ``datasets`` path, so both give the same packed sequences.
 """
@@ -20,11 +21,12 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_train_deepspeed import _metrics, _train
+from tests.integration.test_train_deepspeed import _mains, _metrics, _train
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("datasets")
@@ -77,7 +79,7 @@ def _same_curve(a: list[dict], b: list[dict], rel: float) -> None:
 def test_pretrain_packed_text_resume_and_megatron(tmp_path, corpus):
     text = (*COMMON, f"data.train_path={corpus}", f"data.cache_dir={tmp_path / 'cache'}")
     whole = tmp_path / "whole"
-    out = _train(whole, *text, "train.steps=12")
+    out = _train(whole, *text, "train.steps=12", "train.save_every=5")
     # 1. counts, falling loss, held-out perplexity, MFU
     texts = corpus_texts()
     empty = sum(1 for t in texts if not t)
@@ -95,14 +97,13 @@ def test_pretrain_packed_text_resume_and_megatron(tmp_path, corpus):
     progress = [line for line in out.stdout.splitlines() if line.startswith("step 12/12")]
     assert progress and "eval ppl" in progress[0] and "MFU" in progress[0] and "MFU n/a" not in progress[0]
 
-    # 2. resume mid-epoch (8 steps an epoch here) on another number of processes
+    # 2. resume mid-epoch (8 steps an epoch here) on another number of processes: the checkpoint at step 5 and
+    # the rows before it, in a folder of their own (the resumed run cuts the log back to its step)
     parted = tmp_path / "parted"
-    _train(parted, *text, "train.steps=5")
-    out = _train(parted, *text, "train.steps=12", nproc=1)
-    assert "resumed from step 5" in out.stdout
-    # 1e-5: one process adds the 4 micro-batch gradients in another order than 2 processes and their
-    # all-reduce (fp32 rounding; measured 3.5e-6 relative on the gradient norm after 8 steps)
-    _same_curve(rows, _metrics(parted), 1e-5)
+    shutil.copytree(whole / "checkpoints" / "step5", parted / "checkpoints" / "step5")
+    shutil.copy(whole / "checkpoints" / "layout.json", parted / "checkpoints" / "layout.json")
+    (parted / "checkpoints" / "latest").write_text("step5")
+    shutil.copy(whole / "metrics.jsonl", parted / "metrics.jsonl")
 
     # 3. the same corpus as a Megatron indexed dataset, the chunked loss with position_ids
     pytest.importorskip("megatron.core")
@@ -121,9 +122,17 @@ def test_pretrain_packed_text_resume_and_megatron(tmp_path, corpus):
         builder.end_document()
     builder.finalize(f"{prefix}.idx")
     megatron = tmp_path / "megatron"
-    out = _train(megatron, *COMMON, "data.source=megatron", f"data.train_path={prefix}", "train.steps=4",
-                 "train.chunked_loss=true", "train.loss_chunk_tokens=50", nproc=1)  # fmt: skip
-    assert "packed training corpus: " in out.stdout
+    ran = _mains(tmp_path, {
+        "resumed": [f"run_dir={parted}", *text, "train.steps=12"],
+        "megatron": [f"run_dir={megatron}", *COMMON, "data.source=megatron", f"data.train_path={prefix}",
+                     "train.steps=4", "train.chunked_loss=true", "train.loss_chunk_tokens=50"],
+    })  # fmt: skip
+    assert ran["resumed"]["error"] is None and ran["megatron"]["error"] is None, ran
+    assert "resumed from step 5" in ran["resumed"]["stdout"]
+    # 1e-5: one process adds the 4 micro-batch gradients in another order than 2 processes and their
+    # all-reduce (fp32 rounding; measured 3.5e-6 relative on the gradient norm after 8 steps)
+    _same_curve(rows, _metrics(parted), 1e-5)
+    assert "packed training corpus: " in ran["megatron"]["stdout"]
     _same_curve(rows[:4], _metrics(megatron), 1e-4)
 
 
