@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.distributed import free_port, run_launch
+from tests.helpers.spawn_ranks import deepspeed_command
 
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
@@ -31,13 +31,13 @@ MICRO_BATCH, MAX_LENGTH = 16, 48  # configs/train/tiny_cpu_tp2.yaml, set here ex
 
 def test_tensor_parallel_flops_count_the_whole_model(tmp_path):
     run = tmp_path / "tp2"
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
     overrides = [f"run_dir={run}", "train.tensor_parallel_size=2", "train.steps=1",
                  "train.gradient_accumulation_steps=1", f"train.micro_batch_size={MICRO_BATCH}",
                  f"data.max_length={MAX_LENGTH}", "eval.at_end=false", "tracking.wandb=disabled",
                  "train.log_every=1"]  # fmt: skip
-    cmd = [*launcher, str(SHIM), str(ROOT / "launch" / "train.py"), "--config",
-           str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"), *overrides]  # fmt: skip
+    # the ranks `deepspeed --num_gpus 2` starts, with its variables, without its launcher's interpreters
+    cmd = deepspeed_command(2, str(free_port()), str(SHIM), str(ROOT / "launch" / "train.py"), "--config",
+                            str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"), *overrides)  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     out = run_launch(cmd, cwd=ROOT, env=env, timeout=600)
     assert out.returncode == 0, f"train.py failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"

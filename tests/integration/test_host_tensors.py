@@ -20,7 +20,6 @@ import json
 import math
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ import torch
 
 from tests.helpers.distributed import free_port, run_launch
 from tests.helpers.host_guard import HostOnly, HostTensorError, _check_collective, host_only
+from tests.helpers.spawn_ranks import deepspeed_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,10 +58,9 @@ def test_guard_raises_on_use_and_allows_a_device_move():
 
 def _guarded_train(run_dir: Path, *overrides: str, nproc: int = 2, script: Path = ROOT / "launch" / "train.py",
                    env: dict | None = None):  # fmt: skip
-    port = str(free_port())
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", port]
     shims = [str(ROOT / "tests" / "helpers" / "host_guard.py"), str(ROOT / "tests" / "helpers" / "ds_launch.py")]
-    cmd = [*launcher, *shims, str(script), f"run_dir={run_dir}", *overrides]
+    # the ranks `deepspeed --num_gpus nproc` starts, with its variables, without its launcher's interpreters
+    cmd = deepspeed_command(nproc, str(free_port()), *shims, str(script), f"run_dir={run_dir}", *overrides)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
            "NTL_HOST_GUARD_REPORT": str(run_dir.parent / f"{run_dir.name}_guard"), **(env or {})}  # fmt: skip
     return run_launch(cmd, cwd=ROOT, env=env, timeout=600)

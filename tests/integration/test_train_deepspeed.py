@@ -18,6 +18,10 @@ uninterrupted no-dropout run, which is section 1's short run, section 2's refere
 whole batch, and the run started from another directory, which is also the logits-path reference of the
 chunked loss. Several starts of main() that need no process each (refusals, restarts of one run) run in one
 process (``_mains``).
+
+The uninterrupted run is started by ``deepspeed`` itself (DeepSpeed's runner and per-node launcher, the documented
+command); every other run of more than one process starts its ranks with the same variables and ``--local_rank``
+argument, without the launcher's two interpreters (``tests/helpers/spawn_ranks.py --deepspeed``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import free_port, run_launch
+from tests.helpers.spawn_ranks import deepspeed_command
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.distributed
@@ -39,16 +44,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "tests" / "helpers" / "ds_launch.py"
 
 
-def _train(
-    run_dir: Path, *overrides: str, nproc: int = 2, check: bool = True, cwd: Path = ROOT, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    # one process: `python launch/train.py`, a one-rank world without a rendezvous (the launcher's own start-up,
-    # two more interpreters importing DeepSpeed, would add nothing the run sees; every 2- and 4-process run
-    # here goes through it)
+def _train(run_dir: Path, *overrides: str, nproc: int = 2, check: bool = True, cwd: Path = ROOT,
+           env: dict | None = None, launcher: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
+    # one process: `python launch/train.py`, a one-rank world without a rendezvous; more: the ranks `deepspeed`
+    # starts, with its variables and --local_rank (tests/helpers/spawn_ranks.py), or (`launcher`) by `deepspeed`
+    # itself, whose runner and per-node launcher (two more interpreters importing DeepSpeed) the runs do not see
+    script = [str(SHIM), str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", *overrides]
     port = str(free_port())
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", port]
-    cmd = [*(launcher if nproc > 1 else [sys.executable]), str(SHIM), str(ROOT / "launch" / "train.py"),
-           f"run_dir={run_dir}", *overrides]  # fmt: skip
+    cmd = [sys.executable, *script] if nproc == 1 else deepspeed_command(nproc, port, *script, launcher=launcher)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", **(env or {})}
     out = run_launch(cmd, cwd=cwd, env=env, timeout=600)
     if check and out.returncode != 0:
@@ -78,9 +81,10 @@ SHORT = ("train.steps=12", "train.log_every=5", "data.eval_examples=8", "eval.ma
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """12 steps of the no-dropout GPT-2 on 2 processes, micro-batch 4, global batch 8: its folder and its output."""
+    """12 steps of the no-dropout GPT-2 on 2 processes, micro-batch 4, global batch 8, started by ``deepspeed``
+    itself (the module's one run under DeepSpeed's launcher): its folder and its output."""
     run = tmp_path_factory.mktemp("uninterrupted") / "run"
-    return run, _train(run, *SHORT)
+    return run, _train(run, *SHORT, launcher=True)
 
 
 def test_short_zero3_run(uninterrupted):
@@ -292,7 +296,7 @@ def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
 # starts): each case's exception with its traceback (None when it returned), what it printed, and the modification
 # times of the files in its run_dir after it, written to a JSON file. Refusals that stop before any step, and
 # several starts of one run (each a new world and DeepSpeed engine), need no process each (the exit status of a
-# refusal: test_tensor_parallel_refusals through the launcher)
+# refusal on 2 ranks: test_tensor_parallel_refusals)
 _MAINS = """
 import io, json, os, sys, traceback
 
@@ -446,8 +450,8 @@ def test_tensor_parallel_equals_one_process(tmp_path):
 
 
 def test_tensor_parallel_refusals(tmp_path):
-    """A model AutoTP cannot split, on 2 ranks through the launcher (a size that does not divide the ranks:
-    test_bad_input_stops_before_training)."""
+    """A model AutoTP cannot split, on 2 ranks: the message, and a failed exit status (a size that does not
+    divide the ranks: test_bad_input_stops_before_training)."""
     zero1 = "train.deepspeed_config=configs/deepspeed/zero1.json"
     out = _train(tmp_path / "gpt2", "train.tensor_parallel_size=2", zero1, "train.steps=1", check=False)
     assert out.returncode != 0 and "AutoTP cannot split GPT2LMHeadModel" in out.stdout + out.stderr
