@@ -33,7 +33,7 @@ def test_tensor_parallel_flops_count_the_whole_model(tmp_path):
     run = tmp_path / "tp2"
     overrides = [f"run_dir={run}", "train.tensor_parallel_size=2", "train.steps=1",
                  "train.gradient_accumulation_steps=1", f"train.micro_batch_size={MICRO_BATCH}",
-                 f"data.max_length={MAX_LENGTH}", "eval.at_end=false", "tracking.wandb=disabled",
+                 f"data.max_length={MAX_LENGTH}", "eval.at_end=false", "tracking.wandb=disabled", "tracking.plot=false",
                  "train.log_every=1"]  # fmt: skip
     # the ranks `deepspeed --num_gpus 2` starts, with its variables, without its launcher's interpreters
     cmd = deepspeed_command(2, str(free_port()), str(SHIM), str(ROOT / "launch" / "train.py"), "--config",

@@ -69,11 +69,14 @@ ARCHITECTURES = {
     "resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0}",
     "seq2seq": "{model_type: t5, d_model: 64, d_ff: 128, num_layers: 2, num_heads: 4, d_kv: 16, dropout_rate: 0}",
 }
+# wandb's offline log and the plot, written after the last step: read by test_short_zero3_run, off where not read
+UNREAD = ("tracking.wandb=disabled", "tracking.plot=false")
 # 2 processes x micro-batch 4 x accumulation 1
-RESUME_COMMON = ("train.log_every=5", "eval.at_end=false", "tracking.wandb=disabled",
+RESUME_COMMON = ("train.log_every=5", "eval.at_end=false", *UNREAD,
                  f"model.architecture={ARCHITECTURES['causal']}", "train.micro_batch_size=4",
                  "train.global_batch_size=8")  # fmt: skip
-# the same, 12 steps, evaluated at the end, wandb offline (both after the last step: the curve is RESUME_COMMON's)
+# the same, 12 steps, evaluated, logged to wandb offline and plotted at the end (after the last step: the curve is
+# RESUME_COMMON's)
 SHORT = ("train.steps=12", "train.log_every=5", "data.eval_examples=8", "eval.max_new_tokens=8",
          f"model.architecture={ARCHITECTURES['causal']}", "train.micro_batch_size=4",
          "train.global_batch_size=8")  # fmt: skip
@@ -164,7 +167,7 @@ def test_resume_continues_the_same_curve(tmp_path, uninterrupted):
 
 # the built-in GPT-2 with its dropout (0.1 on attention, residuals and embeddings), ZeRO-2, 2 processes x
 # micro-batch 4
-DROPOUT_COMMON = ("train.log_every=5", "eval.at_end=false", "tracking.wandb=disabled", "train.micro_batch_size=4",
+DROPOUT_COMMON = ("train.log_every=5", "eval.at_end=false", *UNREAD, "train.micro_batch_size=4",
                   "train.global_batch_size=8", "train.deepspeed_config=configs/deepspeed/zero2.json")  # fmt: skip
 
 
@@ -244,7 +247,7 @@ def test_gradient_accumulation_split_does_not_change_the_gradient(tmp_path, kind
     Whole: for causal the first step of the uninterrupted run (2 processes x micro-batch 4; its first step's
     gradient does not depend on train.steps), for seq2seq one process with one micro-batch of 8. (A 2 x 2
     split adds nothing: padding within a micro-batch and accumulation over micro-batches each run here.)"""
-    common = ("train.steps=1", "eval.at_end=false", "tracking.wandb=disabled", f"model.kind={kind}",
+    common = ("train.steps=1", "eval.at_end=false", *UNREAD, f"model.kind={kind}",
               f"model.architecture={ARCHITECTURES[kind]}")  # fmt: skip
     if kind == "causal":
         whole = _metrics(uninterrupted[0])[0]["grad_norm"]
@@ -275,8 +278,8 @@ def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
     ntl.ce_kernel=framework (torch's CE, NTL beside it) trains as the fused op.
 
     The logits path is the run of ``test_runs_from_another_directory_without_the_optional_packages``;
-    the chunked run trains with its settings (no evaluation, no wandb: they come after the steps)."""
-    _train(tmp_path / "chunked", *ELSEWHERE, "eval.at_end=false", "tracking.wandb=disabled",
+    the chunked run trains with its settings (no evaluation, wandb or plot: they come after the steps)."""
+    _train(tmp_path / "chunked", *ELSEWHERE, "eval.at_end=false", *UNREAD,
            "train.chunked_loss=true", "train.loss_chunk_tokens=7")  # fmt: skip
     a, b = _metrics(elsewhere[0]), _metrics(tmp_path / "chunked")
     assert len(a) == len(b) == 3
@@ -285,7 +288,7 @@ def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
             assert abs(x[key] - y[key]) <= 1e-4 * abs(x[key]), (key, x, y)
     assert (tmp_path / "chunked" / "hf_model" / "config.json").exists()  # the plain HF model is exported
     # ntl.ce_kernel=framework: torch's CE on the logits (what the model's own loss runs), NTL beside it
-    _train(tmp_path / "framework", *ELSEWHERE, "eval.at_end=false", "tracking.wandb=disabled",
+    _train(tmp_path / "framework", *ELSEWHERE, "eval.at_end=false", *UNREAD,
            "ntl.ce_kernel=framework")  # fmt: skip
     for x, y in zip(a, _metrics(tmp_path / "framework"), strict=True):
         for key in ("ce", "ntl", "grad_norm", "number_acc"):
@@ -393,7 +396,7 @@ def test_runs_from_another_directory_without_the_optional_packages(elsewhere):
 
 
 TP_CONFIG = ("--config", str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"))
-TP_COMMON = ("train.steps=3", "eval.at_end=false", "tracking.wandb=disabled", "train.log_every=1",
+TP_COMMON = ("train.steps=3", "eval.at_end=false", *UNREAD, "train.log_every=1",
              "train.eval_every=3", "ntl.label_smoothing=0.1", "ntl.z_loss_weight=1e-3")  # fmt: skip
 
 
@@ -471,7 +474,7 @@ def test_tensor_parallel_with_zero3_equals_one_process(tmp_path):
     """
     zero3 = "train.deepspeed_config=configs/deepspeed/zero3.json"
     tied = "model.architecture.tie_word_embeddings=true"
-    common = (*TP_CONFIG, zero3, tied, "tracking.wandb=disabled", "train.log_every=1", "train.micro_batch_size=4",
+    common = (*TP_CONFIG, zero3, tied, *UNREAD, "train.log_every=1", "train.micro_batch_size=4",
               "train.eval_every=3", "data.eval_examples=4", "ntl.label_smoothing=0.1",
               "ntl.z_loss_weight=1e-3")  # fmt: skip
     evaluate = ("eval.max_new_tokens=4",)
