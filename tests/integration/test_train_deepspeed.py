@@ -16,8 +16,8 @@ Sections:
 Two runs are shared by the tests that read them (module-scoped, never written to by a test): the
 uninterrupted no-dropout run, which is section 1's short run, section 2's reference and section 3's causal
 whole batch, and the run started from another directory, which is also the logits-path reference of the
-chunked loss. Several starts of main() that need no process each (refusals, restarts of one run) run in one
-process (``_mains``).
+chunked loss. Several starts of main() that need no process each (refusals, restarts of one run, the one-process
+reference they are compared with) run in one process (``_mains``).
 
 The uninterrupted run is started by ``deepspeed`` itself (DeepSpeed's runner and per-node launcher, the documented
 command); every other run of more than one process starts its ranks with the same variables and ``--local_rank``
@@ -196,7 +196,6 @@ def test_a_signal_at_the_last_step_is_finished_on_restart(tmp_path):
               "tracking.wandb=disabled", "tracking.plot=false",
               f"model.architecture={ARCHITECTURES['causal']}")  # fmt: skip
     whole, parted = tmp_path / "whole", tmp_path / "parted"
-    _train(whole, *common, nproc=1)
     out = _train(parted, *common, nproc=1, env={"NTL_TEST_SIGNAL_AT_STEP": "3"})
     assert "checkpointed at step 3, stopping" in out.stdout
     assert json.loads((parted / "status.json").read_text()) == {"state": "stopped", "step": 3}
@@ -204,12 +203,13 @@ def test_a_signal_at_the_last_step_is_finished_on_restart(tmp_path):
     curve = (parted / "metrics.jsonl").read_text()
     record = ("config.json", "resolved.json", "eval.json", "metrics.jsonl", "status.json")
     ran = _mains(tmp_path, {
+        "whole": [f"run_dir={whole}", *common],  # the same run uninterrupted: the answers to get
         "again": [f"run_dir={parted}", *common],
         "finished": [f"run_dir={parted}", *common],  # and now it is finished: nothing to do, nothing written
         # a changed config into the finished run: refused with the fix, its record kept (2000 -> 50 steps)
         "changed": [f"run_dir={parted}", *common[1:], "train.steps=2"],
     })  # fmt: skip
-    assert ran["again"]["error"] is None and ran["finished"]["error"] is None, ran
+    assert ran["whole"]["error"] is None and ran["again"]["error"] is None and ran["finished"]["error"] is None, ran
     assert "every step is done (checkpoint at step 3); exporting and evaluating" in ran["again"]["stdout"]
     assert "already finished: its checkpoint is at step 3 of train.steps=3" in ran["finished"]["stdout"]
     told = ran["changed"]["error"]
@@ -298,8 +298,8 @@ def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
 # launch/train.py's main() once per case, in order, in one process (a one-rank world, as `python launch/train.py`
 # starts): each case's exception with its traceback (None when it returned), what it printed, and the modification
 # times of the files in its run_dir after it, written to a JSON file. Refusals that stop before any step, and
-# several starts of one run (each a new world and DeepSpeed engine), need no process each (the exit status of a
-# refusal on 2 ranks: test_tensor_parallel_refusals)
+# several starts of one run and its reference (each a new world and DeepSpeed engine), need no process each (the
+# exit status of a refusal on 2 ranks: test_tensor_parallel_refusals)
 _MAINS = """
 import io, json, os, sys, traceback
 
