@@ -4,6 +4,7 @@ DeepSpeed's CPU accelerator compiles a shared-memory collective at start-up (60-
 time). Tests replace the builder with a no-op; gloo collectives are used instead.
 
     deepspeed --num_gpus 2 tests/helpers/ds_launch.py launch/train.py key=value ...
+    python tests/helpers/spawn_ranks.py --deepspeed 2 PORT -- tests/helpers/ds_launch.py launch/train.py key=value ...
 """
 
 import importlib

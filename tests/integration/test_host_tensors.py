@@ -12,6 +12,8 @@ Sections:
    text pretraining (``collate_packed`` batches with ``position_ids``, held-out text batches).
 3. The megatron.core example (TP = 2 x PP = 2) under the guard: run by
    ``tests/integration/test_megatron_example.py``, whose 30-step run is guarded (one launch for both).
+4. Model FLOPs under AutoTP count the whole model, not a rank's slice, read off section 2's TP=2 run (one
+   launch for both; the guard changes no count).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import json
 import math
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ import torch
 
 from tests.helpers.distributed import free_port, run_launch
 from tests.helpers.host_guard import HostOnly, HostTensorError, _check_collective, host_only
+from tests.helpers.spawn_ranks import deepspeed_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,15 +60,15 @@ def test_guard_raises_on_use_and_allows_a_device_move():
 
 def _guarded_train(run_dir: Path, *overrides: str, nproc: int = 2, script: Path = ROOT / "launch" / "train.py",
                    env: dict | None = None):  # fmt: skip
-    port = str(free_port())
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", port]
     shims = [str(ROOT / "tests" / "helpers" / "host_guard.py"), str(ROOT / "tests" / "helpers" / "ds_launch.py")]
-    cmd = [*launcher, *shims, str(script), f"run_dir={run_dir}", *overrides]
+    # the ranks `deepspeed --num_gpus nproc` starts, with its variables, without its launcher's interpreters
+    cmd = deepspeed_command(nproc, str(free_port()), *shims, str(script), f"run_dir={run_dir}", *overrides)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
            "NTL_HOST_GUARD_REPORT": str(run_dir.parent / f"{run_dir.name}_guard"), **(env or {})}  # fmt: skip
     return run_launch(cmd, cwd=ROOT, env=env, timeout=600)
 
 
+TP_MICRO_BATCH, TP_MAX_LENGTH = 4, 48  # the TP=2 run's, read by section 4
 COMMON = ("train.steps=2", "train.log_every=1", "tracking.wandb=disabled", "tracking.plot=false",
           "data.eval_examples=8", "eval.max_new_tokens=2", "train.eval_every=1")  # fmt: skip
 PATHS = {
@@ -75,7 +77,8 @@ PATHS = {
     "chunked": ("train.micro_batch_size=4", "train.chunked_loss=true", "train.loss_chunk_tokens=16",
                 "data.kinds=[add]", "data.negative_share=0", "data.reverse_answers=true", "data.position_coupling=true",
                 "data.position_offset=3"),
-    "tp": ("--config", str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"), "train.micro_batch_size=4"),
+    "tp": ("--config", str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"), "train.gradient_accumulation_steps=1",
+           f"train.micro_batch_size={TP_MICRO_BATCH}", f"data.max_length={TP_MAX_LENGTH}"),
     # packed text (collate_packed, position_ids for document isolation, held-out text batches)
     "packed": ("--config", str(ROOT / "configs" / "train" / "tiny_pretrain_cpu.yaml"), "train.seq_length=32",
                "train.micro_batch_size=2", "train.global_batch_size=8", "data.eval_sequences=4",
@@ -83,11 +86,8 @@ PATHS = {
 }  # fmt: skip
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("path", list(PATHS))
-def test_no_host_tensor_reaches_the_model_or_a_collective(tmp_path, path):
-    pytest.importorskip("deepspeed")
-    run = tmp_path / path
+def _guarded_path(tmp_path: Path, path: str):
+    """The run of ``PATHS[path]`` under the guard, in ``tmp_path / path``."""
     overrides = PATHS[path]
     if path == "packed":
         from tests.integration.test_train_pretrain import corpus_texts
@@ -96,7 +96,26 @@ def test_no_host_tensor_reaches_the_model_or_a_collective(tmp_path, path):
         corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts(60)))
         overrides = (*overrides, f"data.train_path={corpus}")
     env = {"NTL_TEST_RECORD_POSITIONS": str(tmp_path / "positions.jsonl")} if path == "chunked" else {}
-    out = _guarded_train(run, *COMMON, *overrides, env=env)
+    return _guarded_train(tmp_path / path, *COMMON, *overrides, env=env)
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    """The TP=2 run under the guard (section 2), also read by section 4: its folder's parent and its output."""
+    pytest.importorskip("deepspeed")
+    tmp = tmp_path_factory.mktemp("tp")
+    return tmp, _guarded_path(tmp, "tp")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("path", list(PATHS))
+def test_no_host_tensor_reaches_the_model_or_a_collective(tmp_path, path, request):
+    pytest.importorskip("deepspeed")
+    if path == "tp":  # shared with section 4
+        tmp_path, out = request.getfixturevalue("tp_run")
+    else:
+        out = _guarded_path(tmp_path, path)
+    run = tmp_path / path
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
     assert "HostTensorError" not in text
@@ -193,3 +212,33 @@ def _heldout_ce(model_dir: Path, coupled: bool = False) -> float:
             total += float(torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
             count += int((target != -100).sum())
     return total / count
+
+
+# ---- 4. FLOPs under AutoTP ---------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_flops_count_the_whole_model(tp_run):
+    """The TP=2 run's first step (2 CPU processes over gloo, the tiny Llama-style config): its model FLOPs in
+    ``metrics.jsonl`` (``tflops`` x time x ranks) over its tokens must be ``6 N + 12 n_layer width S`` with ``N``
+    the exported (whole) model's own parameter count less its untied input table, and ``S``, the micro-batch's
+    padded length, a whole number between the mean and the longest allowed sequence length. Counting after
+    AutoTP split the layers gave N = 39,744 of 79,168 (S would come out at about -110)."""
+    transformers = pytest.importorskip("transformers")
+    tmp, out = tp_run
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    run = tmp / "tp"
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["step"] == 1 and json.loads((run / "zero_rank0.json").read_text())["tp"] == 2
+
+    # the reference: the whole model, as exported, counts its own parameters
+    model = transformers.AutoModelForCausalLM.from_pretrained(run / "hf_model")
+    table, output = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    whole = sum(p.numel() for p in model.parameters()) - (0 if table is output else table.numel())
+    config = model.config
+    layers, width = config.num_hidden_layers, config.num_attention_heads * config.head_dim
+
+    step_flops = row["tflops"] * 1e12 * row["time_s"] * 2  # per device x 2 ranks
+    padded = (step_flops / row["tokens"] - 6 * whole) / (12 * layers * width)
+    assert math.ceil(row["tokens"] / TP_MICRO_BATCH) <= round(padded) <= TP_MAX_LENGTH, (whole, padded, row)
+    assert padded == pytest.approx(round(padded), abs=1e-6), (whole, padded, row)

@@ -24,12 +24,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.distributed import free_port, run_launch
+from tests.helpers.spawn_ranks import deepspeed_command
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "tests" / "helpers" / "ds_launch.py"
@@ -121,9 +121,8 @@ def _tiny(family: str, tmp_path: Path) -> tuple[str, ...]:
 
 
 def _launch(config: Path, run_dir: Path, overrides: tuple[str, ...]) -> subprocess.CompletedProcess:
-    port = str(free_port())
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port, str(SHIM),
-           str(ROOT / "launch" / "train.py"), "--config", str(config), f"run_dir={run_dir}", *overrides]  # fmt: skip
+    script = [str(SHIM), str(ROOT / "launch" / "train.py"), "--config", str(config), f"run_dir={run_dir}"]
+    cmd = deepspeed_command(2, str(free_port()), *script, *overrides)  # the ranks `deepspeed` starts
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     out = run_launch(cmd, cwd=ROOT, env=env, timeout=600)
     if out.returncode != 0:

@@ -16,8 +16,12 @@ Sections:
 Two runs are shared by the tests that read them (module-scoped, never written to by a test): the
 uninterrupted no-dropout run, which is section 1's short run, section 2's reference and section 3's causal
 whole batch, and the run started from another directory, which is also the logits-path reference of the
-chunked loss. Several starts of main() that need no process each (refusals, restarts of one run) run in one
-process (``_mains``).
+chunked loss. Several starts of main() that need no process each (refusals, restarts of one run, the one-process
+reference they are compared with) run in one process (``_mains``).
+
+The uninterrupted run is started by ``deepspeed`` itself (DeepSpeed's runner and per-node launcher, the documented
+command); every other run of more than one process starts its ranks with the same variables and ``--local_rank``
+argument, without the launcher's two interpreters (``tests/helpers/spawn_ranks.py --deepspeed``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import free_port, run_launch
+from tests.helpers.spawn_ranks import deepspeed_command
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.distributed
@@ -39,16 +44,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "tests" / "helpers" / "ds_launch.py"
 
 
-def _train(
-    run_dir: Path, *overrides: str, nproc: int = 2, check: bool = True, cwd: Path = ROOT, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    # one process: `python launch/train.py`, a one-rank world without a rendezvous (the launcher's own start-up,
-    # two more interpreters importing DeepSpeed, would add nothing the run sees; every 2- and 4-process run
-    # here goes through it)
+def _train(run_dir: Path, *overrides: str, nproc: int = 2, check: bool = True, cwd: Path = ROOT,
+           env: dict | None = None, launcher: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
+    # one process: `python launch/train.py`, a one-rank world without a rendezvous; more: the ranks `deepspeed`
+    # starts, with its variables and --local_rank (tests/helpers/spawn_ranks.py), or (`launcher`) by `deepspeed`
+    # itself, whose runner and per-node launcher (two more interpreters importing DeepSpeed) the runs do not see
+    script = [str(SHIM), str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", *overrides]
     port = str(free_port())
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", port]
-    cmd = [*(launcher if nproc > 1 else [sys.executable]), str(SHIM), str(ROOT / "launch" / "train.py"),
-           f"run_dir={run_dir}", *overrides]  # fmt: skip
+    cmd = [sys.executable, *script] if nproc == 1 else deepspeed_command(nproc, port, *script, launcher=launcher)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", **(env or {})}
     out = run_launch(cmd, cwd=cwd, env=env, timeout=600)
     if check and out.returncode != 0:
@@ -66,11 +69,14 @@ ARCHITECTURES = {
     "resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0}",
     "seq2seq": "{model_type: t5, d_model: 64, d_ff: 128, num_layers: 2, num_heads: 4, d_kv: 16, dropout_rate: 0}",
 }
+# wandb's offline log and the plot, written after the last step: read by test_short_zero3_run, off where not read
+UNREAD = ("tracking.wandb=disabled", "tracking.plot=false")
 # 2 processes x micro-batch 4 x accumulation 1
-RESUME_COMMON = ("train.log_every=5", "eval.at_end=false", "tracking.wandb=disabled",
+RESUME_COMMON = ("train.log_every=5", "eval.at_end=false", *UNREAD,
                  f"model.architecture={ARCHITECTURES['causal']}", "train.micro_batch_size=4",
                  "train.global_batch_size=8")  # fmt: skip
-# the same, 12 steps, evaluated at the end, wandb offline (both after the last step: the curve is RESUME_COMMON's)
+# the same, 12 steps, evaluated, logged to wandb offline and plotted at the end (after the last step: the curve is
+# RESUME_COMMON's)
 SHORT = ("train.steps=12", "train.log_every=5", "data.eval_examples=8", "eval.max_new_tokens=8",
          f"model.architecture={ARCHITECTURES['causal']}", "train.micro_batch_size=4",
          "train.global_batch_size=8")  # fmt: skip
@@ -78,9 +84,10 @@ SHORT = ("train.steps=12", "train.log_every=5", "data.eval_examples=8", "eval.ma
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """12 steps of the no-dropout GPT-2 on 2 processes, micro-batch 4, global batch 8: its folder and its output."""
+    """12 steps of the no-dropout GPT-2 on 2 processes, micro-batch 4, global batch 8, started by ``deepspeed``
+    itself (the module's one run under DeepSpeed's launcher): its folder and its output."""
     run = tmp_path_factory.mktemp("uninterrupted") / "run"
-    return run, _train(run, *SHORT)
+    return run, _train(run, *SHORT, launcher=True)
 
 
 def test_short_zero3_run(uninterrupted):
@@ -160,7 +167,7 @@ def test_resume_continues_the_same_curve(tmp_path, uninterrupted):
 
 # the built-in GPT-2 with its dropout (0.1 on attention, residuals and embeddings), ZeRO-2, 2 processes x
 # micro-batch 4
-DROPOUT_COMMON = ("train.log_every=5", "eval.at_end=false", "tracking.wandb=disabled", "train.micro_batch_size=4",
+DROPOUT_COMMON = ("train.log_every=5", "eval.at_end=false", *UNREAD, "train.micro_batch_size=4",
                   "train.global_batch_size=8", "train.deepspeed_config=configs/deepspeed/zero2.json")  # fmt: skip
 
 
@@ -189,7 +196,6 @@ def test_a_signal_at_the_last_step_is_finished_on_restart(tmp_path):
               "tracking.wandb=disabled", "tracking.plot=false",
               f"model.architecture={ARCHITECTURES['causal']}")  # fmt: skip
     whole, parted = tmp_path / "whole", tmp_path / "parted"
-    _train(whole, *common, nproc=1)
     out = _train(parted, *common, nproc=1, env={"NTL_TEST_SIGNAL_AT_STEP": "3"})
     assert "checkpointed at step 3, stopping" in out.stdout
     assert json.loads((parted / "status.json").read_text()) == {"state": "stopped", "step": 3}
@@ -197,12 +203,13 @@ def test_a_signal_at_the_last_step_is_finished_on_restart(tmp_path):
     curve = (parted / "metrics.jsonl").read_text()
     record = ("config.json", "resolved.json", "eval.json", "metrics.jsonl", "status.json")
     ran = _mains(tmp_path, {
+        "whole": [f"run_dir={whole}", *common],  # the same run uninterrupted: the answers to get
         "again": [f"run_dir={parted}", *common],
         "finished": [f"run_dir={parted}", *common],  # and now it is finished: nothing to do, nothing written
         # a changed config into the finished run: refused with the fix, its record kept (2000 -> 50 steps)
         "changed": [f"run_dir={parted}", *common[1:], "train.steps=2"],
     })  # fmt: skip
-    assert ran["again"]["error"] is None and ran["finished"]["error"] is None, ran
+    assert ran["whole"]["error"] is None and ran["again"]["error"] is None and ran["finished"]["error"] is None, ran
     assert "every step is done (checkpoint at step 3); exporting and evaluating" in ran["again"]["stdout"]
     assert "already finished: its checkpoint is at step 3 of train.steps=3" in ran["finished"]["stdout"]
     told = ran["changed"]["error"]
@@ -240,7 +247,7 @@ def test_gradient_accumulation_split_does_not_change_the_gradient(tmp_path, kind
     Whole: for causal the first step of the uninterrupted run (2 processes x micro-batch 4; its first step's
     gradient does not depend on train.steps), for seq2seq one process with one micro-batch of 8. (A 2 x 2
     split adds nothing: padding within a micro-batch and accumulation over micro-batches each run here.)"""
-    common = ("train.steps=1", "eval.at_end=false", "tracking.wandb=disabled", f"model.kind={kind}",
+    common = ("train.steps=1", "eval.at_end=false", *UNREAD, f"model.kind={kind}",
               f"model.architecture={ARCHITECTURES[kind]}")  # fmt: skip
     if kind == "causal":
         whole = _metrics(uninterrupted[0])[0]["grad_norm"]
@@ -271,8 +278,8 @@ def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
     ntl.ce_kernel=framework (torch's CE, NTL beside it) trains as the fused op.
 
     The logits path is the run of ``test_runs_from_another_directory_without_the_optional_packages``;
-    the chunked run trains with its settings (no evaluation, no wandb: they come after the steps)."""
-    _train(tmp_path / "chunked", *ELSEWHERE, "eval.at_end=false", "tracking.wandb=disabled",
+    the chunked run trains with its settings (no evaluation, wandb or plot: they come after the steps)."""
+    _train(tmp_path / "chunked", *ELSEWHERE, "eval.at_end=false", *UNREAD,
            "train.chunked_loss=true", "train.loss_chunk_tokens=7")  # fmt: skip
     a, b = _metrics(elsewhere[0]), _metrics(tmp_path / "chunked")
     assert len(a) == len(b) == 3
@@ -281,7 +288,7 @@ def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
             assert abs(x[key] - y[key]) <= 1e-4 * abs(x[key]), (key, x, y)
     assert (tmp_path / "chunked" / "hf_model" / "config.json").exists()  # the plain HF model is exported
     # ntl.ce_kernel=framework: torch's CE on the logits (what the model's own loss runs), NTL beside it
-    _train(tmp_path / "framework", *ELSEWHERE, "eval.at_end=false", "tracking.wandb=disabled",
+    _train(tmp_path / "framework", *ELSEWHERE, "eval.at_end=false", *UNREAD,
            "ntl.ce_kernel=framework")  # fmt: skip
     for x, y in zip(a, _metrics(tmp_path / "framework"), strict=True):
         for key in ("ce", "ntl", "grad_norm", "number_acc"):
@@ -291,8 +298,8 @@ def test_chunked_loss_matches_the_logits_path_under_zero3(tmp_path, elsewhere):
 # launch/train.py's main() once per case, in order, in one process (a one-rank world, as `python launch/train.py`
 # starts): each case's exception with its traceback (None when it returned), what it printed, and the modification
 # times of the files in its run_dir after it, written to a JSON file. Refusals that stop before any step, and
-# several starts of one run (each a new world and DeepSpeed engine), need no process each (the exit status of a
-# refusal: test_tensor_parallel_refusals through the launcher)
+# several starts of one run and its reference (each a new world and DeepSpeed engine), need no process each (the
+# exit status of a refusal on 2 ranks: test_tensor_parallel_refusals)
 _MAINS = """
 import io, json, os, sys, traceback
 
@@ -389,7 +396,7 @@ def test_runs_from_another_directory_without_the_optional_packages(elsewhere):
 
 
 TP_CONFIG = ("--config", str(ROOT / "configs" / "train" / "tiny_cpu_tp2.yaml"))
-TP_COMMON = ("train.steps=3", "eval.at_end=false", "tracking.wandb=disabled", "train.log_every=1",
+TP_COMMON = ("train.steps=3", "eval.at_end=false", *UNREAD, "train.log_every=1",
              "train.eval_every=3", "ntl.label_smoothing=0.1", "ntl.z_loss_weight=1e-3")  # fmt: skip
 
 
@@ -446,8 +453,8 @@ def test_tensor_parallel_equals_one_process(tmp_path):
 
 
 def test_tensor_parallel_refusals(tmp_path):
-    """A model AutoTP cannot split, on 2 ranks through the launcher (a size that does not divide the ranks:
-    test_bad_input_stops_before_training)."""
+    """A model AutoTP cannot split, on 2 ranks: the message, and a failed exit status (a size that does not
+    divide the ranks: test_bad_input_stops_before_training)."""
     zero1 = "train.deepspeed_config=configs/deepspeed/zero1.json"
     out = _train(tmp_path / "gpt2", "train.tensor_parallel_size=2", zero1, "train.steps=1", check=False)
     assert out.returncode != 0 and "AutoTP cannot split GPT2LMHeadModel" in out.stdout + out.stderr
@@ -467,7 +474,7 @@ def test_tensor_parallel_with_zero3_equals_one_process(tmp_path):
     """
     zero3 = "train.deepspeed_config=configs/deepspeed/zero3.json"
     tied = "model.architecture.tie_word_embeddings=true"
-    common = (*TP_CONFIG, zero3, tied, "tracking.wandb=disabled", "train.log_every=1", "train.micro_batch_size=4",
+    common = (*TP_CONFIG, zero3, tied, *UNREAD, "train.log_every=1", "train.micro_batch_size=4",
               "train.eval_every=3", "data.eval_examples=4", "ntl.label_smoothing=0.1",
               "ntl.z_loss_weight=1e-3")  # fmt: skip
     evaluate = ("eval.max_new_tokens=4",)
