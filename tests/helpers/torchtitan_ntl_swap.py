@@ -267,8 +267,12 @@ def _spawn_with_swap(original: Any) -> Any:
 
 
 def _child_main(weight: float, calls: str | None, target: Any, *args: Any, **kwargs: Any) -> Any:
-    """A spawned rank: the swap in this process and in the re-imported test module, then torch's own entry."""
-    install(weight, calls)
+    """A rank: the swap in this process and in the test module, then torch's own entry.
+
+    A forked rank has the test process's swap already: installing again would first undo it, deleting the
+    test process's number tables (``uninstall``) under the tests still to run there."""
+    if not _STATE:
+        install(weight, calls)
     module = target.__self__.__module__
     _STATE["test"] = f"{module}::{target.__self__.__name__}::{args[1]}"  # MultiProcessTestCase._run(rank, test, ...)
     swap_module(sys.modules[module])
