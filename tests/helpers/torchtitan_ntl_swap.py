@@ -4,13 +4,15 @@
 
 The upstream files run unmodified (``tests/integration/test_torchtitan_upstream.py`` extracts them from
 ``../shared/third_party``). What is swapped, in the test process and in every process torch's
-``MultiProcessTestCase`` spawns for the multi-rank cases (those re-import the test module, so the swap
-travels with the spawned target):
+``MultiProcessTestCase`` starts for the multi-rank cases (the swap travels with each rank's target):
 
 * in each collected test module, the names ``cross_entropy_loss`` and ``_LossParallelCrossEntropy``
   (torchtitan's own modules keep theirs: ``NTLLoss`` at weight 0 calls them);
 * in torchtitan, ``CrossEntropyLoss.Config`` builds :class:`NTLAsCrossEntropy` (so do
   ``ChunkedLossWrapper``'s default ``loss_fn`` and every explicit ``CrossEntropyLoss.Config(...)``).
+
+The multi-rank cases' ranks are forked from the test process rather than spawned (:func:`_spawn_with_swap`):
+the same tests at the same sizes, without an interpreter start and torchtitan's import in every rank.
 
 The number table makes the tokens ``0 .. min(V - 1, 1000) - 1`` numbers (token id ``i`` has the value
 ``i % 10``; a table needs one token that is not a number, and NTL-WAS keeps a numbers x numbers distance
@@ -242,12 +244,22 @@ def _any_free_port(original: Any) -> Any:
 
 
 def _spawn_with_swap(original: Any) -> Any:
-    """``MultiProcessTestCase._start_processes`` starting its ranks through :func:`_child_main`."""
+    """``MultiProcessTestCase._start_processes`` starting its ranks through :func:`_child_main`, forked.
+
+    torch's ``DTensorTestBase`` spawns each rank (a new interpreter importing torch, torchtitan and the test
+    module: about 4 CPU-s a rank, 34 ranks in the two runs); a forked rank starts from the test process,
+    where all of that is imported already. Each rank then runs torch's own ``MultiProcessTestCase._run``
+    (the entry of its ``_fork_processes`` too), with its own process group over the file store the test set up.
+    """
 
     def start_processes(self: Any, proc: Any) -> None:
+        import torch.multiprocessing as mp
+
+        del proc  # the spawn context's Process
+
         def with_swap(*args: Any, target: Any, **kwargs: Any) -> Any:
             run = functools.partial(_child_main, _STATE["weight"], _STATE["calls"], target)
-            return proc(*args, target=run, **kwargs)
+            return mp.get_context("fork").Process(*args, target=run, **kwargs)
 
         original(self, with_swap)
 
@@ -255,8 +267,12 @@ def _spawn_with_swap(original: Any) -> Any:
 
 
 def _child_main(weight: float, calls: str | None, target: Any, *args: Any, **kwargs: Any) -> Any:
-    """A spawned rank: the swap in this process and in the re-imported test module, then torch's own entry."""
-    install(weight, calls)
+    """A rank: the swap in this process and in the test module, then torch's own entry.
+
+    A forked rank has the test process's swap already: installing again would first undo it, deleting the
+    test process's number tables (``uninstall``) under the tests still to run there."""
+    if not _STATE:
+        install(weight, calls)
     module = target.__self__.__module__
     _STATE["test"] = f"{module}::{target.__self__.__name__}::{args[1]}"  # MultiProcessTestCase._run(rank, test, ...)
     swap_module(sys.modules[module])

@@ -3,6 +3,7 @@
 Sections: the harness's exact match, absolute error and parsed share on a run's held-out questions
 equal the project's own scorer (``evaluate_generation``) on the same questions; the whole
 ``ntl_numeracy`` group end to end (a few examples per task) prints its table with every task's metrics.
+Both read one task folder and one ``TaskManager`` (indexing lm-eval's task registry costs about 10 CPU-s).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from ntl_scale.eval.tasks import prepare
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A run directory as launch/train.py leaves it: an HF export (a tiny GPT-2, character tokenizer,
-    150 Adam steps on 2-digit sums so that it answers with numbers), config.json, and the project's
-    scorer's predictions and eval.json on 24 held-out questions."""
+    40 Adam steps on 2-digit sums: it answers with numbers, 11 of the 12 interpolation questions parsed; the
+    comparison needs parsed answers, not right ones), config.json, and the project's scorer's predictions and
+    eval.json on 24 held-out questions."""
     import torch
     import transformers
 
@@ -39,7 +41,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     model = transformers.GPT2LMHeadModel(config)
     train = generate(2000, "train", seed=3, config=ArithmeticConfig(kinds=("add",), train_digits=2))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for step in range(150):
+    for step in range(40):
         batch = train[(step * 32) % 1984 : (step * 32) % 1984 + 32]
         enc = tok([f"{e.question} {e.answer}<eos>" for e in batch], return_tensors="pt", padding=True,
                   add_special_tokens=False)  # fmt: skip
@@ -68,19 +70,26 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return run
 
 
-def _evaluate(run: str, tasks: list[str], monkeypatch: pytest.MonkeyPatch, **kwargs):  # type: ignore[no-untyped-def]
-    from lm_eval import simple_evaluate
+@pytest.fixture(scope="module")
+def task_manager(run_dir: str):  # type: ignore[no-untyped-def]
+    """The task folder (the ``ntl_numeracy`` group and the run's ``ntl_run`` tasks) and its ``TaskManager``."""
     from lm_eval.tasks import TaskManager
+
+    prepare(os.path.join(run_dir, "tasks"), examples=4, texts=2, run_dir=run_dir)
+    return TaskManager(include_path=os.path.join(run_dir, "tasks"))
+
+
+def _evaluate(run: str, tasks: list[str], task_manager, monkeypatch: pytest.MonkeyPatch, **kwargs):  # type: ignore[no-untyped-def]
+    from lm_eval import simple_evaluate
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return simple_evaluate(model="hf", model_args=f"pretrained={run}/hf_model", device="cpu", tasks=tasks,
-                           task_manager=TaskManager(include_path=os.path.join(run, "tasks")), **kwargs)  # fmt: skip
+                           task_manager=task_manager, **kwargs)  # fmt: skip
 
 
-def test_harness_equals_the_projects_scorer(run_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    prepare(os.path.join(run_dir, "tasks"), examples=4, texts=2, run_dir=run_dir)
-    out = _evaluate(run_dir, ["ntl_run"], monkeypatch, batch_size=8)
+def test_harness_equals_the_projects_scorer(run_dir: str, task_manager, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = _evaluate(run_dir, ["ntl_run"], task_manager, monkeypatch, batch_size=8)
     rows = compare_run(run_dir, out)
     assert {r["split"] for r in rows} == {"interpolate", "extrapolate"}
     for row in rows:
@@ -88,11 +97,12 @@ def test_harness_equals_the_projects_scorer(run_dir: str, monkeypatch: pytest.Mo
     assert any(r["parsed"] > 0 for r in rows)  # the comparison saw numbers, not only empty answers
 
 
-def test_group_end_to_end(run_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_group_end_to_end(
+    run_dir: str, task_manager, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     from lm_eval.utils import make_table
 
-    prepare(os.path.join(run_dir, "tasks"), examples=4, texts=2)
-    out = _evaluate(run_dir, ["ntl_numeracy"], monkeypatch, limit=2, batch_size=4,
+    out = _evaluate(run_dir, ["ntl_numeracy"], task_manager, monkeypatch, limit=2, batch_size=4,
                     gen_kwargs="max_gen_toks=8")  # fmt: skip
     table = make_table(out)
     print(table)

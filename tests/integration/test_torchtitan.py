@@ -5,8 +5,11 @@ the CPU patches of ``tests/helpers/torchtitan_cpu.py``) on the llama3 debug mode
 2 x 32 tokens per rank, ``ChunkedLossWrapper`` with 4 chunks, the configs users run
 (``llama3_debugmodel`` and ``llama3_debugmodel_ntl``), a tokenizer and a corpus built offline.
 Two layouts (module-scoped): FSDP2 (``dp_shard 2``) launched three times (torchtitan's CE, NTL at weight 0,
-NTL at 0.3), tensor parallel 2 (vocabulary-sharded DTensor logits) twice (NTL at 0.3, and
-``loss.ce_kernel=framework``: torchtitan's CE reading NTL's passthrough, against the same float64 reference).
+NTL at 0.3), tensor parallel 2 (vocabulary-sharded DTensor logits) once (NTL at 0.3). ``loss.ce_kernel=framework``
+(torchtitan's CE reading NTL's passthrough) is not launched here: ``tests/distributed/test_torchtitan_shards.py``
+checks it at TP 2 on DTensor ``Shard(-1)`` logits and inside ``ChunkedLossWrapper`` (loss, gradients,
+``ntl_mean``), ``tests/unit/test_torchtitan_loss.py`` its every variant and logged metric names; the trainer
+around it is this module's TP 2 run's.
 
 Sections:
 1. NTL at weight 0: torchtitan's logged loss is its own CE run's, bit for bit, step by step, on FSDP2's
@@ -143,16 +146,6 @@ def runs(request: pytest.FixtureRequest, assets: dict[str, str]) -> dict[str, ob
             save_hf=True,
         ),
         "tokenizer": assets["tokenizer"],
-        # torchtitan's own CE inside ChunkedLossWrapper, NTL beside it (vocabulary-sharded DTensor logits)
-        "framework": _launch(
-            assets,
-            f"{layout}_framework",
-            ntl,
-            "llama3_debugmodel_ntl",
-            [*extra, "--loss.loss-fn.weight", str(WEIGHT), "--loss.loss-fn.ce_kernel", "framework"],
-        )
-        if layout == "tp2"
-        else None,
     }
 
 
@@ -172,9 +165,7 @@ def test_weight_zero_logs_torchtitans_own_ce_loss(runs: dict) -> None:
 # ------------------------------------------------------------------------ 2. NTL = float64 reference
 
 
-def _reference(
-    runs: dict, key: str = "ntl", smoothing: float = SMOOTHING, z_loss: float = Z_LOSS
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _reference(runs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step-1 loss, lm_head gradient, smoothed CE, z-loss and NTL in float64 from the gathered inputs of the loss.
 
     CE: torch's ``F.cross_entropy(..., label_smoothing)``; z-loss: ``Z_LOSS * logsumexp**2``; NTL: the
@@ -183,7 +174,7 @@ def _reference(
 
     from ntl_scale import NumberVocab
 
-    ranks = runs[key]
+    ranks = runs["ntl"]
     if runs["layout"] == "fsdp2":  # each rank its own micro-batch
         hidden = torch.cat([r["hidden"] for r in ranks]).double()
         labels = torch.cat([r["labels"] for r in ranks])
@@ -198,8 +189,8 @@ def _reference(
     tokens, numbers = valid.sum(), mask.sum()
     assert numbers > 0
     flat, targets = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-    ce_mean = F.cross_entropy(flat, targets, label_smoothing=smoothing, reduction="sum") / tokens
-    z_mean = z_loss * torch.logsumexp(flat, -1)[valid.reshape(-1)].square().sum() / tokens
+    ce_mean = F.cross_entropy(flat, targets, label_smoothing=SMOOTHING, reduction="sum") / tokens
+    z_mean = Z_LOSS * torch.logsumexp(flat, -1)[valid.reshape(-1)].square().sum() / tokens
     ntl_mean = ntl.sum() / numbers
     loss = ce_mean + z_mean + WEIGHT * ntl_mean
     loss.backward()
@@ -222,22 +213,6 @@ def test_ntl_loss_and_gradient_equal_float64_reference(runs: dict) -> None:
     _close(logged["loss_metrics/ntl_mean"], ntl)
     assert 0 <= logged["loss_metrics/number_accuracy_mean"] <= 1
     assert runs["ntl"][1]["grad"].equal(rank0["grad"])  # gathered: the same full gradient on both ranks
-
-
-def test_framework_ce_kernel_equals_float64_reference(runs: dict) -> None:
-    """``loss.ce_kernel=framework`` (torchtitan's CE in its ChunkedLossWrapper, NTL beside it, TP 2): the step-1
-    loss, the ``lm_head`` gradient and the logged ``ce`` / ``ntl`` are the float64 CE + 0.3 NTL; no accuracy."""
-    if runs["framework"] is None:
-        pytest.skip("launched in the tp2 layout only")
-    loss, grad, ce, _, ntl = _reference(runs, "framework", 0.0, 0.0)
-    rank0 = runs["framework"][0]
-    _close(rank0["losses"][0], loss)
-    torch.testing.assert_close(rank0["grad"].double(), grad, rtol=1e-4, atol=1e-6)
-    logged = next(m for m in rank0["logged"] if "loss_metrics/ce_mean" in m)
-    _close(logged["loss_metrics/ce_mean"], ce)
-    _close(logged["loss_metrics/ntl_mean"], ntl)
-    assert "loss_metrics/number_accuracy_mean" not in logged  # the arg-max among the number columns instead:
-    assert 0 <= logged["loss_metrics/number_choice_accuracy_mean"] <= 1
 
 
 def test_validator_logs_the_plain_cross_entropy(runs: dict) -> None:

@@ -5,8 +5,8 @@ The files come from ``../shared/third_party/torchtitan-release-0.3-loss-tests.ta
 ``test_loss_dtensor.py``, ``test_invalid_loss.py``, ``test_trainer.py`` and graph_trainer's
 ``test_chunked_loss.py``, extracted once into the cache. Each run is one pytest process over them with
 the plugin :mod:`tests.helpers.torchtitan_ntl_swap`, which swaps the loss in, also in the ranks torch's
-``MultiProcessTestCase`` spawns (the 4-rank ``test_loss_parallel_cross_entropy_parity`` and the 8-rank
-``test_loss_dtensor.py`` run at their own sizes over gloo: their meshes are written for them). A JUnit
+``MultiProcessTestCase`` starts (forked by the plugin; the 4-rank ``test_loss_parallel_cross_entropy_parity``
+and the 8-rank ``test_loss_dtensor.py`` run at their own sizes over gloo: their meshes are written for them). A JUnit
 report says what passed; each process's record of its ``NTLLoss`` calls, that the loss was ours.
 
 1. weight 0: every test of the five files passes: ``NTLLoss`` is torchtitan's CE there, bit for bit
@@ -75,7 +75,7 @@ RANKS_DTENSOR = {
     "test_legacy_tp_loss_parallel": 8,
     "test_full_dtensor_replicated_logits": 8,
 }
-"""Multi-rank tests: the number of spawned processes that must each have called ``NTLLoss``."""
+"""Multi-rank tests: the number of rank processes that must each have called ``NTLLoss``."""
 
 
 def upstream_tests() -> Path:

@@ -6,7 +6,7 @@
 2. The verdicts on synthetic timings, against the rules worked by hand: a 1.06x fused row fails, 1.05x
    passes, a missing peer gives "not measured", memory counts, a wrong value fails.
 3. The time budget: a row whose estimate exceeds what is left is not started and says why (the dry run's
-   schedule and a real run with no budget).
+   schedule and a real run with no budget). Sections 1 and 3 read the same dry run (60 s budget, both sizes).
 4. Writing: atomic (a failed write leaves the old file and no temporary one; a reader polling a running
    benchmark only ever reads valid JSON), and a run killed mid-way keeps its finished rows.
 5. ``--smoke``: every row's code runs on the CPU at tiny size (Triton rows under the interpreter),
@@ -56,11 +56,19 @@ def _table(markdown: str) -> list[list[str]]:
 # ------------------------------------------------------------------ 1. the dry run
 
 
-def test_dry_run_layout_and_order(tmp_path):
-    out_json, out_md = tmp_path / "out" / "bench.json", tmp_path / "out" / "bench.md"
-    done = _run(["--dry-run", "--time-budget", "420", "--json", str(out_json), "--markdown", str(out_md),
-                 "--ceilings", str(tmp_path / "absent.json"), "--tokens", "8192,16384"])  # fmt: skip
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One dry run at both sizes and a 60 s budget (read, never written, by sections 1 and 3): its folder."""
+    out = tmp_path_factory.mktemp("dry_run") / "out"
+    done = _run(["--dry-run", "--time-budget", "60", "--json", str(out / "bench.json"), "--markdown",
+                 str(out / "bench.md"), "--ceilings", str(out.parent / "absent.json"),
+                 "--tokens", "8192,16384"])  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr  # (its speed is no test's business: a loaded machine)
+    return out
+
+
+def test_dry_run_layout_and_order(dry_run):
+    out_json, out_md = dry_run / "bench.json", dry_run / "bench.md"
     report = json.loads(out_json.read_text())
     assert report["schema"] == "ntl_scale.bench_gpu/1" and report["mode"] == "dry run"
     assert report["ceilings"] is None and "absent" in report["ceilings_source"]
@@ -312,11 +320,8 @@ def test_budget_reason():
     assert reason == "time budget: 12 s of 100 s left, this row needs about 25 s (estimate)"
 
 
-def test_a_small_budget_skips_rows_with_the_reason(tmp_path):
-    out = tmp_path / "bench.json"
-    done = _run(["--dry-run", "--time-budget", "60", "--json", str(out), "--tokens", "8192,16384"])
-    assert done.returncode == 0, done.stderr
-    rows = json.loads(out.read_text())["rows"]
+def test_a_small_budget_skips_rows_with_the_reason(dry_run, tmp_path):
+    rows = json.loads((dry_run / "bench.json").read_text())["rows"]
     started = [r for r in rows if r["planned_start_s"] is not None]
     assert started and started[0]["key"] == "ours_logits_triton" and started[0]["planned_start_s"] == 0
     assert all(r["planned_start_s"] + r["estimate_s"] <= 60 for r in started)
@@ -325,6 +330,7 @@ def test_a_small_budget_skips_rows_with_the_reason(tmp_path):
     compiled = {r["key"] for r in rows if r["group"] == "compiled" and "not installed" not in r["reason"]}
     assert compiled and compiled <= {r["key"] for r in skipped}  # 60 s and each compile
     # a real run (the smoke run) with nothing left: no row starts, each says why, the verdicts say not measured
+    out = tmp_path / "bench.json"
     done = _run(["--smoke", "--time-budget", "0", "--json", str(out), "--tokens", "8192", "--warmup", "1",
                  "--iters", "1"])  # fmt: skip
     assert done.returncode == 0, done.stderr
