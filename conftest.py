@@ -19,13 +19,13 @@ LONGEST = (
     "tests/integration/test_train_deepspeed.py",
     "tests/integration/test_megatron_lm.py",
     "tests/integration/test_gpu_study.py",
-    "tests/integration/test_torchtitan_upstream.py",
-    "tests/integration/test_slurm.py",
     "tests/integration/test_docs_and_study.py",
+    "tests/integration/test_slurm.py",
     "tests/integration/test_torchtitan.py",
     "tests/integration/test_host_tensors.py",
-    "tests/integration/test_train_pretrain.py",
     "tests/unit/test_triton_aot.py",
+    "tests/integration/test_train_pretrain.py",
+    "tests/integration/test_torchtitan_upstream.py",
 )
 KINDS = ("tests/integration/", "tests/distributed/", "lab/", "tests/gpu/", "tests/unit/")
 

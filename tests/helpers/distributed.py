@@ -120,6 +120,19 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
                 os.kill(pid, sig)
 
 
+def skip_if_missing(module: str) -> None:
+    """``pytest.importorskip(module)``'s skip, without importing ``module`` when it is installed: collection
+    stays light in the workers that never run the file (megatron.core alone costs ~6 CPU-s to import)."""
+    import importlib.util
+
+    try:
+        missing = importlib.util.find_spec(module) is None
+    except ImportError:  # its parent package is missing
+        missing = True
+    if missing:
+        pytest.importorskip(module)
+
+
 def free_port() -> int:
     """A free TCP port on loopback."""
     with socket.socket() as s:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.distributed import WorkerContext, run_workers
+from tests.helpers.distributed import WorkerContext, run_workers, skip_if_missing
 from tests.helpers.scripts import load_script
 
-pytest.importorskip("megatron.core")
+skip_if_missing("megatron.core")
 pytestmark = pytest.mark.distributed
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "launch" / "megatron_example.py"

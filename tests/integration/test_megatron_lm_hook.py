@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.distributed import WorkerContext, run_workers
+from tests.helpers.distributed import WorkerContext, run_workers, skip_if_missing
 
-pytest.importorskip("megatron.core")
+skip_if_missing("megatron.core")
 pytestmark = pytest.mark.distributed
 
 VOCAB, SEQ = 64, 8

@@ -21,24 +21,14 @@ megatron.core is imported by the spawned workers only, never by the collecting p
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
-from tests.helpers.distributed import WorkerContext, run_workers
+from tests.helpers.distributed import WorkerContext, run_workers, skip_if_missing
 
-
-def _missing(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is None
-    except ImportError:  # its parent package is missing
-        return True
-
-
-if _missing("megatron.core"):
-    pytest.importorskip("megatron.core")  # the skip and its reason, as where it is imported here
+skip_if_missing("megatron.core")
 pytestmark = pytest.mark.distributed
 
 VOCAB, SEQ, SEQUENCES = 64, 8, 8

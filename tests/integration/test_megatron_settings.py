@@ -32,9 +32,9 @@ import functools
 import pytest
 import torch
 
-from tests.helpers.distributed import WorkerContext, run_workers
+from tests.helpers.distributed import WorkerContext, run_workers, skip_if_missing
 
-pytest.importorskip("megatron.core")
+skip_if_missing("megatron.core")
 pytestmark = pytest.mark.distributed
 
 VOCAB, SEQ, WEIGHT = 64, 8, 0.5
