@@ -4,10 +4,10 @@ Sections:
 1. Reference run, TP = 1, PP = 1 (one process): ``--ntl-weight 0`` through ``make_forward_step``
    equals the plain Megatron loss path exactly; the global normalisation gives the same gradients
    for micro-batch splits 1 x 8, 2 x 4 and 4 x 2 sequences.
-2. TP = 2 and PP = 2 runs load the reference weights (sliced by each parameter's partition dimension) and
-   must reproduce the reference losses and gradients within 1e-5. Each of TP and PP once: the loss runs on the
-   last stage over the tensor-parallel group whatever the pipeline size, so TP = 2 x PP = 2 took no path of
-   ntl_scale that these two do not (Megatron-LM's own TP x PP layouts: ``test_megatron_lm.py``).
+2. TP = 2 and TP = 2 x PP = 2 runs load the reference weights (sliced by each parameter's partition dimension)
+   and must reproduce the reference losses and gradients within 1e-5. TP = 2 x PP = 2 takes the pipeline
+   schedule and a last stage whose tensor-parallel group is global ranks 2 and 3 (group ranks and the global
+   count's guard differ from the world's there); PP = 2 alone takes no path it does not.
 3. The mixin's chunked loss (no logits) equals the same model computing logits at TP = 2 (in the TP = 2
    processes of section 2, after its check), for NTL off, micro-batch and global normalisation (the step's
    ``MicroBatchScale`` set on both models).
@@ -202,9 +202,9 @@ def reference_path(tmp_path_factory):
     return path
 
 
-def test_pipeline_parallel_matches_the_reference(reference_path):
-    """Section 2 at PP = 2 (TP = 2: the next test; the module docstring says why not TP = 2 x PP = 2)."""
-    run_workers(2, 2, _parallel_worker, 1, 2, reference_path)
+def test_tensor_x_pipeline_parallel_matches_the_reference(reference_path):
+    """Section 2 at TP = 2 x PP = 2 (TP = 2 alone: the next test)."""
+    run_workers(4, 4, _parallel_worker, 2, 2, reference_path)
 
 
 def _chunked_worker(ctx: WorkerContext) -> None:
