@@ -175,10 +175,15 @@ def test_resume_with_dropout_continues_the_same_curve(tmp_path):
     """Dropout on: each rank writes its generators next to its shards (``rng_rank{r}.pt``) and reads its
     own back, so 2 processes stopped at step 3 and resumed on 2 log the uninterrupted run's losses.
     ZeRO-2: DeepSpeed keeps the client state of data-parallel rank 0 only, whose CPU generator rank 1
-    took before (its masks, hence the curve, changed); under ZeRO-3 each rank writes its own."""
+    took before (its masks, hence the curve, changed); under ZeRO-3 each rank writes its own. The stop is a
+    stop signal to rank 0 alone during step 3 of 6 (as Slurm's time-limit warning): both ranks checkpoint
+    and stop there."""
     whole, parted = tmp_path / "whole", tmp_path / "parted"
     _train(whole, "train.steps=6", *DROPOUT_COMMON)
-    _train(parted, "train.steps=3", *DROPOUT_COMMON)
+    out = _train(parted, "train.steps=6", *DROPOUT_COMMON, env={"NTL_TEST_SIGNAL_AT_STEP": "3"})
+    assert "checkpointed at step 3, stopping" in out.stdout
+    assert json.loads((parted / "status.json").read_text()) == {"state": "stopped", "step": 3}
+    assert [r["step"] for r in _metrics(parted)] == [1, 2, 3]
     saved = sorted(p.name for p in (parted / "checkpoints" / "step3").glob("rng_rank*"))
     assert saved == ["rng_rank0.pt", "rng_rank1.pt"]  # no temporary file left
     out = _train(parted, "train.steps=6", *DROPOUT_COMMON)
