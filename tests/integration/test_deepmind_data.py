@@ -8,8 +8,7 @@ environment, built by ``scripts/setup.sh --dev``), and ``launch/train.py`` train
 2. ``launch/train.py`` trains on the folder and evaluates on its interpolate/extrapolate files; read as
    a stream, a run stopped at a checkpoint and resumed in a new process continues the uninterrupted run's
    curve. Its ``main()`` once per run (test_train_deepspeed.py's ``_mains``): the map-style run, the whole and
-   the stopped stream in one process, the resumed run in a second. (That no library notice reaches the
-   screen: tests/integration/test_main_job.py.)
+   the stopped stream in one process, the resumed run in a second; no ``FutureWarning`` on stderr.
 """
 
 from __future__ import annotations
@@ -115,7 +114,7 @@ def test_train_reads_the_layout_and_a_stream_resumes_exactly(generated, tmp_path
     assert set(evals) == {"interpolate", "extrapolate"}
     asked = [json.loads(line)["question"] for line in (run / "predictions_interpolate.jsonl").read_text().splitlines()]
     assert asked == (generated / SPLIT_FILES["interpolate"]).read_text().splitlines()[0:6:2]
-    assert "held-out questions" in ran["map"]["stdout"]
+    assert "held-out questions" in ran["map"]["stdout"] and "FutureWarning" not in ran["map"]["stderr"]
     resumed = _mains(tmp_path, {"resumed": _run(parted, generated, *stream, "train.steps=6")})["resumed"]
     assert resumed["error"] is None, resumed
     assert "resumed from step 3" in resumed["stdout"]

@@ -204,8 +204,8 @@ def _check_del_preset(out: Path) -> None:
     """configs/study/del_ci.yaml on ci.yaml's folder: its CE and CE + NTL-WAS runs are reused, CE + DEL
     trains through experiments/train_baselines.py (each logged objective is CE plus the weighted term), and is
     also paired against CE + NTL-WAS (counted from the predictions). (The digit-only NTL-WAS term takes the
-    same training step with another term function: both terms against float64 loops and the entry in
-    tests/unit/test_del_baseline.py.)"""
+    same training step with another term function: both terms against float64 loops, the entry's name-to-term
+    table and the entry with ``del`` in tests/unit/test_del_baseline.py.)"""
     result = _study(out, "configs/study/del_ci.yaml")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("already done") == 4

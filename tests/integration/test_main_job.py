@@ -5,11 +5,6 @@ final table with held-out accuracy and example answers; the libraries' repeated 
 launcher INFO lines and "op built successfully", torch's deprecation warnings for the collectives
 DeepSpeed calls, progress bars) do not reach the screen. The full-length run's accuracy is measured,
 not tested (docs/deepspeed.md: 93.5 % in about 3 minutes of training on 2 cores).
-
-The script's last part, lm-evaluation-harness on the exported model, is skipped here (``NTL_SKIP_HARNESS=1``):
-the same ``python -m lm_eval --tasks ntl_run`` on a launch/train.py export runs in
-tests/integration/test_docs_and_study.py (``study.py --harness``, against the study's own scorer), and
-``compare_run`` in tests/integration/test_lm_eval_harness.py.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_main_job_output_is_readable(tmp_path):
     run = tmp_path / "tiny"
-    env = {**os.environ, "PYTHON": os.environ.get("PYTHON", "python"), "PYTHONUNBUFFERED": "1", "NTL_SKIP_HARNESS": "1"}
+    env = {**os.environ, "PYTHON": os.environ.get("PYTHON", "python"), "PYTHONUNBUFFERED": "1"}
     args = ["train.steps=4", "train.log_every=2", "data.train_examples=400", "data.eval_examples=8", f"run_dir={run}",
             "tracking.wandb=disabled"]  # fmt: skip
     out = run_launch(["bash", "scripts/run.sh", *args], cwd=ROOT, env=env, timeout=900)  # 2 DeepSpeed ranks

@@ -346,7 +346,8 @@ def _files(run_dir: Path) -> dict[str, int]:
 
 
 def _mains(tmp_path: Path, cases: dict[str, list[str]]) -> dict[str, dict]:
-    """``main(overrides)`` per case in one process: each case's ``error``, ``stdout`` and ``files`` (``_MAINS``)."""
+    """``main(overrides)`` per case in one process: each case's ``error``, ``stdout`` and ``files`` (``_MAINS``), and
+    ``stderr``, the whole process's (shared by its cases)."""
     script, spec = tmp_path / "mains.py", tmp_path / f"cases_{next(iter(cases))}.json"
     script.write_text(_MAINS)
     spec.write_text(json.dumps(cases))
@@ -355,7 +356,7 @@ def _mains(tmp_path: Path, cases: dict[str, list[str]]) -> dict[str, dict]:
     done = run_launch([sys.executable, str(SHIM), str(script), str(spec)], cwd=ROOT, env=env, timeout=600)
     result = Path(f"{spec}.out")
     assert result.is_file(), done.stdout[-4000:] + done.stderr[-4000:]
-    return json.loads(result.read_text())
+    return {name: {**case, "stderr": done.stderr} for name, case in json.loads(result.read_text()).items()}
 
 
 def _refused(tmp_path: Path, cases: dict[str, list[str]]) -> dict[str, str]:

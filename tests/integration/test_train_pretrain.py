@@ -97,13 +97,15 @@ def test_pretrain_packed_text_resume_and_megatron(tmp_path, corpus):
     progress = [line for line in out.stdout.splitlines() if line.startswith("step 12/12")]
     assert progress and "eval ppl" in progress[0] and "MFU" in progress[0] and "MFU n/a" not in progress[0]
 
-    # 2. resume mid-epoch (8 steps an epoch here) on another number of processes: the checkpoint at step 5 and
-    # the rows before it, in a folder of their own (the resumed run cuts the log back to its step)
+    # 2. resume mid-epoch (8 steps an epoch here) on another number of processes: the checkpoint at step 5, in a
+    # folder of their own, with the log a run that died after step 5 leaves; its rows after step 5 are made wrong
+    # here, so only a resume that cuts the log back to its step and logs the rest again gives the whole curve
     parted = tmp_path / "parted"
     shutil.copytree(whole / "checkpoints" / "step5", parted / "checkpoints" / "step5")
     shutil.copy(whole / "checkpoints" / "layout.json", parted / "checkpoints" / "layout.json")
     (parted / "checkpoints" / "latest").write_text("step5")
-    shutil.copy(whole / "metrics.jsonl", parted / "metrics.jsonl")
+    died = [{**r, "ce": -1.0} if r["step"] > 5 else r for r in _metrics(whole)]
+    (parted / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in died))
 
     # 3. the same corpus as a Megatron indexed dataset, the chunked loss with position_ids
     pytest.importorskip("megatron.core")

@@ -219,3 +219,9 @@ def test_entry_runs_launch_train_with_the_term(tmp_path):
     assert json.loads((tmp_path / "plain" / "eval.json").read_text()) == json.loads(
         (tmp_path / "del0" / "eval.json").read_text()
     )
+
+
+def test_each_name_of_the_entry_is_its_term():
+    """``baseline.loss=NAME`` trains with ``BASELINES[NAME]``; the entry runs above with ``del`` only, the CI study
+    (configs/study/del_ci.yaml) with ``del`` only: ``digit_was`` is the same step with this term."""
+    assert bl.BASELINES == {"del": bl.del_term, "digit_was": bl.digit_was_term}
