@@ -13,12 +13,13 @@ accelerator's visible devices (``CUDA_VISIBLE_DEVICES=0,...,N-1``, also for Deep
 the first rank to fail stops the others (SIGTERM, SIGKILL 10 s later), and the exit status is that rank's (0
 when every rank succeeds).
 
-The tests' launches of more than one process use it in place of ``torch.distributed.run`` and of
-``deepspeed``, whose start-up (torchrun's agent; DeepSpeed's runner and per-node launcher) imports torch once
-or twice more per launch; what the ranks run and see is the same. Each launcher still starts one run itself:
-``torch.distributed.run`` in ``tests/integration/test_megatron_lm.py`` (``torchrun=True``) and ``deepspeed`` in
+The Megatron-LM and DeepSpeed tests' launches of more than one process use it in place of
+``torch.distributed.run`` and of ``deepspeed``, whose start-up (torchrun's agent; DeepSpeed's runner and
+per-node launcher) imports torch once or twice more per launch; what the ranks run and see is the same. Each
+launcher still starts runs itself: ``torch.distributed.run`` in ``tests/integration/test_megatron_lm.py``
+(``torchrun=True``), the Hugging Face and megatron.core example tests; ``deepspeed`` in
 ``tests/integration/test_train_deepspeed.py`` (the uninterrupted ZeRO-3 run; ``deepspeed_command(...,
-launcher=True)``).
+launcher=True)``) and in ``scripts/run.sh`` (``tests/integration/test_main_job.py``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ The upstream files run unmodified (``tests/integration/test_torchtitan_upstream.
 * in torchtitan, ``CrossEntropyLoss.Config`` builds :class:`NTLAsCrossEntropy` (so do
   ``ChunkedLossWrapper``'s default ``loss_fn`` and every explicit ``CrossEntropyLoss.Config(...)``).
 
-The multi-rank cases' ranks are forked from the test process rather than spawned (:func:`_spawn_with_swap`):
+The multi-rank cases' ranks are forked from the test process rather than spawned (:func:`_fork_with_swap`):
 the same tests at the same sizes, without an interpreter start and torchtitan's import in every rank.
 
 The number table makes the tokens ``0 .. min(V - 1, 1000) - 1`` numbers (token id ``i`` has the value
@@ -181,7 +181,7 @@ def install(weight: float, calls: str | None = None) -> None:
     )
     tt_loss.CrossEntropyLoss.Config._owner = NTLAsCrossEntropy
     _STATE["start"] = MultiProcessTestCase._start_processes
-    MultiProcessTestCase._start_processes = _spawn_with_swap(_STATE["start"])  # type: ignore[method-assign]
+    MultiProcessTestCase._start_processes = _fork_with_swap(_STATE["start"])  # type: ignore[method-assign]
     _STATE["init_process_group"] = torch.distributed.init_process_group
     torch.distributed.init_process_group = _any_free_port(_STATE["init_process_group"])
 
@@ -243,13 +243,13 @@ def _any_free_port(original: Any) -> Any:
     return init_process_group
 
 
-def _spawn_with_swap(original: Any) -> Any:
+def _fork_with_swap(original: Any) -> Any:
     """``MultiProcessTestCase._start_processes`` starting its ranks through :func:`_child_main`, forked.
 
     torch's ``DTensorTestBase`` spawns each rank (a new interpreter importing torch, torchtitan and the test
-    module: about 4 CPU-s a rank, 34 ranks in the two runs); a forked rank starts from the test process,
+    module: about 4 CPU-s a rank, 32 ranks in the two runs); a forked rank starts from the test process,
     where all of that is imported already. Each rank then runs torch's own ``MultiProcessTestCase._run``
-    (the entry of its ``_fork_processes`` too), with its own process group over the file store the test set up.
+    (the target torch gives every rank it starts), with its own process group over the file store the test set up.
     """
 
     def start_processes(self: Any, proc: Any) -> None:
