@@ -22,13 +22,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import free_port, run_launch
-from tests.helpers.spawn_ranks import torchrun_env
+from tests.helpers.spawn_ranks import torchrun_command, torchrun_env
 
 ROOT = Path(__file__).resolve().parents[2]
 THIRD_PARTY = ROOT.parent / "shared" / "third_party"
 RELEASES = ("core_v0.16.1", "core_v0.19.0")
 HARNESS = ROOT / "tests" / "helpers" / "megatron_lm_cpu.py"
-SPAWN = ROOT / "tests" / "helpers" / "spawn_ranks.py"
 DROP_IN = ROOT / "launch" / "pretrain_gpt_ntl.py"
 CACHE = Path(os.environ.get("NTL_SCALE_CACHE", Path.home() / ".cache" / "ntl_scale")) / "third_party"
 
@@ -128,17 +127,11 @@ def run(
     env = _env()
     env["MEGATRON_LM_PATH"] = str(path)
     env["NTL_TEST_TRACE"] = str(trace)
-    if torchrun:
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-            str(free_port()), str(HARNESS), str(script), *args,
-        ]  # fmt: skip
-    elif nproc == 1:  # the rank torchrun would start, with its variables, without torchrun
+    if nproc == 1 and not torchrun:  # the rank torchrun would start, with its variables, without torchrun
         env.update(torchrun_env(0, 1, str(free_port())))
         command = [sys.executable, "-u", str(HARNESS), str(script), *args]
-    else:  # the ranks torchrun would start, by a starter that does not import torch
-        command = [sys.executable, str(SPAWN), str(nproc), str(free_port()), "--", sys.executable, "-u",
-                   str(HARNESS), str(script), *args]  # fmt: skip
+    else:  # the ranks torchrun would start, by a starter that does not import torch (or by torchrun itself)
+        command = torchrun_command(nproc, str(free_port()), str(HARNESS), str(script), *args, launcher=torchrun)
     done = run_launch(command, cwd=path if cwd is None else cwd, env=env, timeout=timeout)
     records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
     training = [r for r in records if "validation" not in r]

@@ -49,6 +49,15 @@ def deepspeed_env(rank: int, world: int, port: str) -> dict[str, str]:
             "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(world)))}  # fmt: skip
 
 
+def torchrun_command(nproc: int, port: str, script: str, *args: str, launcher: bool = False) -> list[str]:
+    """The command that runs ``script args`` on ``nproc`` ranks of this host as ``torchrun --nproc_per_node nproc
+    --master_port port script args`` does: by this file, or (``launcher``) by ``torch.distributed.run`` itself."""
+    if launcher:
+        runner = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port]
+        return [*runner, script, *args]
+    return [sys.executable, os.path.abspath(__file__), str(nproc), port, "--", sys.executable, "-u", script, *args]
+
+
 def deepspeed_command(nproc: int, port: str, script: str, *args: str, launcher: bool = False) -> list[str]:
     """The command that runs ``script args`` on ``nproc`` ranks of this host as ``deepspeed --num_gpus nproc
     --master_port port script args`` does: by this file, or (``launcher``) by DeepSpeed's own launcher."""
